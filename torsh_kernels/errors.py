@@ -1,0 +1,57 @@
+"""The error hierarchy.
+
+Every error the library raises on purpose derives from :class:`TorshKernelsError`, and also from the
+built-in exception a caller would naturally catch (``ValueError``, ``TypeError`` or ``RuntimeError``), so
+both ``except TorshKernelsError`` and ``except ValueError`` work. Messages say what was given, what was
+expected and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArgumentTypeError",
+    "DTypeError",
+    "DeviceMismatchError",
+    "InvalidArgumentError",
+    "LayoutMismatchError",
+    "ProviderError",
+    "ProviderUnavailableError",
+    "ShapeError",
+    "TorshKernelsError",
+]
+
+
+class TorshKernelsError(Exception):
+    """Base class of every error raised by torsh_kernels."""
+
+
+class InvalidArgumentError(TorshKernelsError, ValueError):
+    """An argument has a value outside what the function accepts."""
+
+
+class ArgumentTypeError(TorshKernelsError, TypeError):
+    """An argument is of the wrong Python type (e.g. a tensor where a list of tensors is expected)."""
+
+
+class DTypeError(TorshKernelsError, TypeError):
+    """A tensor has a dtype the operation does not accept (e.g. an integer tensor where floats are needed)."""
+
+
+class DeviceMismatchError(TorshKernelsError, ValueError):
+    """Tensors that must live on one device do not."""
+
+
+class ShapeError(TorshKernelsError, ValueError):
+    """A tensor's shape, size or memory layout does not fit the operation."""
+
+
+class LayoutMismatchError(ShapeError):
+    """Tensors do not match the bucket layout they are used with."""
+
+
+class ProviderError(TorshKernelsError, ValueError):
+    """An unknown provider name was requested (argument or ``TORSH_KERNELS_PROVIDER``)."""
+
+
+class ProviderUnavailableError(TorshKernelsError, RuntimeError):
+    """An explicitly requested provider cannot run here (missing package, no GPU, wrong device)."""

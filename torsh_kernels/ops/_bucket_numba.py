@@ -1,0 +1,117 @@
+"""Numba CUDA kernels of the bucket op family (see bucket.py).
+
+Imported on first use of the numba provider, so that importing torsh_kernels does not import Numba.
+Kernels are built per dtype combination: Numba specialises them on the load/store helpers they close
+over. ``cuda`` must be a module global: the simulator swaps it for its fake module while a kernel runs.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import torch
+from numba import cuda
+
+from . import _numba as nb
+
+
+@cache
+def flatten_kernel(src: torch.dtype, dst: torch.dtype):
+
+    compute = nb.compute_kind(src, dst)
+    load, store, ctype = nb.loader(src, compute), nb.storer(dst), nb.compute_type(compute)
+
+    @cuda.jit
+    def kernel(table, tile_map, base, out, scale, tile_elems):
+        blk = cuda.blockIdx.x
+        r = tile_map[blk]
+        addr = table[r, 0]
+        numel = table[r, 1]
+        flat_off = table[r, 2]
+        start = (blk - table[r, 3]) * tile_elems
+        end = min(start + tile_elems, numel)
+        s = ctype(scale)
+        i = start + cuda.threadIdx.x
+        while i < end:
+            if table[r, 4] != 0:
+                off = i
+            else:
+                i3 = i % table[r, 7]
+                q = i // table[r, 7]
+                i2 = q % table[r, 6]
+                q = q // table[r, 6]
+                i1 = q % table[r, 5]
+                i0 = q // table[r, 5]
+                off = i0 * table[r, 8] + i1 * table[r, 9] + i2 * table[r, 10] + i3 * table[r, 11]
+            store(out, flat_off + i, load(base, addr + off) * s)
+            i += cuda.blockDim.x
+
+    return kernel
+
+
+@cache
+def unflatten_kernel(flat: torch.dtype, dst: torch.dtype):
+
+    compute = nb.compute_kind(flat, dst)
+    load_flat, load_dst = nb.loader(flat, compute), nb.loader(dst, compute)
+    store, ctype = nb.storer(dst), nb.compute_type(compute)
+
+    @cuda.jit
+    def kernel(table, tile_map, base, flat_arr, scale, accumulate, tile_elems):
+        blk = cuda.blockIdx.x
+        r = tile_map[blk]
+        addr = table[r, 0]
+        numel = table[r, 1]
+        flat_off = table[r, 2]
+        start = (blk - table[r, 3]) * tile_elems
+        end = min(start + tile_elems, numel)
+        s = ctype(scale)
+        i = start + cuda.threadIdx.x
+        while i < end:
+            if table[r, 4] != 0:
+                off = i
+            else:
+                i3 = i % table[r, 7]
+                q = i // table[r, 7]
+                i2 = q % table[r, 6]
+                q = q // table[r, 6]
+                i1 = q % table[r, 5]
+                i0 = q // table[r, 5]
+                off = i0 * table[r, 8] + i1 * table[r, 9] + i2 * table[r, 10] + i3 * table[r, 11]
+            v = load_flat(flat_arr, flat_off + i) * s
+            if accumulate:
+                v = load_dst(base, addr + off) + v
+            store(base, addr + off, v)
+            i += cuda.blockDim.x
+
+    return kernel
+
+
+@cache
+def reduce_kernel(src: torch.dtype, dst: torch.dtype, op: int):
+
+    compute = nb.compute_kind(src, dst)
+    load, store, ctype = nb.loader(src, compute), nb.storer(dst), nb.compute_type(compute)
+
+    @cuda.jit
+    def kernel(offsets, base, out, numel, tile_elems):
+        start = cuda.blockIdx.x * tile_elems
+        end = min(start + tile_elems, numel)
+        k_count = offsets.shape[0]
+        i = start + cuda.threadIdx.x
+        while i < end:
+            acc = load(base, offsets[0] + i)
+            for k in range(1, k_count):
+                x = load(base, offsets[k] + i)
+                if op == 2:
+                    if math.isnan(x) or x > acc:
+                        acc = x
+                else:
+                    acc = acc + x
+            if op == 1:
+                acc = acc / ctype(k_count)
+            store(out, i, acc)
+            i += cuda.blockDim.x
+
+    return kernel

@@ -1,0 +1,952 @@
+"""Gradient-bucket ops: flatten, unflatten, bucket_reduce.
+
+- ``flatten(tensors)`` copies N tensors (any shapes, contiguous or not) into one flat buffer, optionally
+  scaling and casting in the same pass, and returns the buffer with its :class:`BucketLayout`.
+- ``unflatten(flat, layout, tensors)`` writes (or adds) the slices back into the tensors, casting to each
+  tensor's dtype.
+- ``bucket_reduce(buffers)`` reduces K same-size buffers elementwise (sum, avg, max) in fp32 (fp64 if
+  any operand is fp64).
+
+The Triton kernels take all tensors of one dtype in one launch: a table in device memory holds, per
+tensor, its address, size, offset in the flat buffer, first tile and (for non-contiguous tensors) up to
+four coalesced sizes and strides; a second table maps each tile (program) to its tensor, in the manner
+of Triton's grouped-GEMM tutorial. Launches therefore grow with the number of distinct dtypes, never
+with the number of tensors. The Numba kernels use the same tables, with addresses replaced by element
+offsets from the lowest address (see ``_numba.py``). Tables are cached per (device, stream, geometry,
+addresses), so steady-state training steps do not rebuild or re-upload them.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import (
+    ArgumentTypeError,
+    DeviceMismatchError,
+    DTypeError,
+    InvalidArgumentError,
+    LayoutMismatchError,
+    ShapeError,
+)
+from .registry import Op, _triton_state
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = _triton_state()[2] is None
+except Exception:  # the registry reports why triton is unavailable
+    _HAVE_TRITON = False
+
+__all__ = [
+    "BucketLayout",
+    "bucket_reduce",
+    "bucket_reduce_ref",
+    "flatten",
+    "flatten_ref",
+    "unflatten",
+    "unflatten_ref",
+]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+REDUCE_OPS = ("sum", "avg", "max")
+_REDUCE_CODE = {"sum": 0, "avg": 1, "max": 2}
+
+# Kernel geometry. The autotuner (a later issue) searches these; the defaults suit memory-bound copies.
+TRITON_BLOCK = 2048
+TRITON_WARPS = 4
+NUMBA_TILE = 2048
+MAX_DIMS = 4
+NCOLS = 12  # table columns: addr, numel, flat_off, first_tile, contig, size1..3, stride0..3
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Where each tensor lives in a flat bucket. Small, picklable, reusable across steps."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    """Shape of each tensor, in order."""
+    dtypes: tuple[torch.dtype, ...]
+    """dtype of each tensor when the layout was made."""
+    offsets: tuple[int, ...]
+    """Element offset of each tensor in the flat buffer (dense, in order)."""
+    total: int
+    """Number of elements of the flat buffer."""
+    dtype: torch.dtype
+    """dtype of the flat buffer."""
+
+    def __post_init__(self) -> None:
+        n = len(self.shapes)
+        if len(self.dtypes) != n or len(self.offsets) != n:
+            raise InvalidArgumentError(
+                f"BucketLayout needs one dtype and one offset per shape; got {n} shapes, "
+                f"{len(self.dtypes)} dtypes, {len(self.offsets)} offsets"
+            )
+        expected = 0
+        for i, (shape, off) in enumerate(zip(self.shapes, self.offsets)):
+            if off != expected:
+                raise InvalidArgumentError(
+                    f"BucketLayout offsets must be the running sum of the sizes; offset {i} is {off}, "
+                    f"expected {expected}"
+                )
+            expected += math.prod(shape)
+        if self.total != expected:
+            raise InvalidArgumentError(f"BucketLayout total is {self.total}, the shapes add up to {expected}")
+
+    @classmethod
+    def for_tensors(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> BucketLayout:
+        """The dense layout of ``tensors``; the flat dtype defaults to their promoted dtype."""
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        numels = [t.numel() for t in tensors]
+        offsets = tuple(int(x) for x in np.cumsum([0, *numels[:-1]])) if numels else ()
+        if dtype is None:
+            dtype = tensors[0].dtype
+            for t in tensors[1:]:
+                dtype = torch.promote_types(dtype, t.dtype)
+        return cls(shapes, tuple(t.dtype for t in tensors), offsets, int(sum(numels)), dtype)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the flat buffer."""
+        return self.total * _itemsize(self.dtype)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped like each tensor (no copy)."""
+        _check_flat(flat, self, "BucketLayout.views")
+        flat = flat.reshape(-1)
+        return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _check_tensor_list(tensors: object, what: str, arg: str) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise ArgumentTypeError(f"{what}: {arg} must be a list or tuple of tensors, got {type(tensors).__name__}")
+    if not tensors:
+        raise InvalidArgumentError(f"{what}: {arg} is empty; pass at least one tensor")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(f"{what}: {arg}[{i}] is a {type(t).__name__}, expected a torch.Tensor")
+    return list(tensors)
+
+
+def _check_float(t: torch.Tensor, what: str, name: str) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise DTypeError(
+            f"{what}: {name} has dtype {t.dtype}; expected one of float32, float16, bfloat16, float64. "
+            f"Convert it (e.g. .float()) or keep it out of the bucket."
+        )
+
+
+def _check_same_device(tensors: Sequence[torch.Tensor], what: str, names: Sequence[str]) -> torch.device:
+    dev = tensors[0].device
+    for t, name in zip(tensors, names):
+        if t.device != dev:
+            raise DeviceMismatchError(
+                f"{what}: all tensors must be on one device; {names[0]} is on {dev} but {name} is on "
+                f"{t.device}. Move them with .to({str(dev)!r}) first."
+            )
+    return dev
+
+
+def _check_scale(scale: object, what: str) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ArgumentTypeError(f"{what}: scale must be a real number, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise InvalidArgumentError(f"{what}: scale must be finite, got {scale}")
+    return scale
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements spanned in memory from the first element to the last (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    lo = t.data_ptr()
+    return lo, lo + _extent(t) * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
+    return a0 < b1 and b0 < a1
+
+
+def _has_internal_overlap(t: torch.Tensor) -> bool:
+    """A stride-0 (expanded) dimension of size > 1 makes several elements share memory."""
+    return any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride()))
+
+
+def _check_flat(flat: object, layout: BucketLayout, what: str) -> torch.Tensor:
+    if not isinstance(flat, torch.Tensor):
+        raise ArgumentTypeError(f"{what}: flat must be a torch.Tensor, got {type(flat).__name__}")
+    _check_float(flat, what, "flat")
+    if flat.numel() != layout.total:
+        raise LayoutMismatchError(
+            f"{what}: flat has {flat.numel()} elements but the layout describes {layout.total}; "
+            "use the layout returned by the flatten call that produced this buffer"
+        )
+    return flat
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch references: the plain oracles the tests compare every provider with.
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def flatten_ref(tensors: Sequence[torch.Tensor], dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Reference flatten: per tensor, upcast, scale, cast to ``dtype``; concatenate."""
+    parts = []
+    for t in tensors:
+        c = _compute_dtype(t.dtype, dtype)
+        parts.append((t.reshape(-1).to(c) * scale).to(dtype))
+    return torch.cat(parts)
+
+
+def unflatten_ref(
+    flat: torch.Tensor,
+    layout: BucketLayout,
+    tensors: Sequence[torch.Tensor],
+    scale: float = 1.0,
+    accumulate: bool = False,
+) -> None:
+    """Reference unflatten: per tensor, ``t = cast(flat_slice * scale [+ t])``, computed in fp32/fp64."""
+    flat = flat.reshape(-1)
+    for t, off, n in zip(tensors, layout.offsets, layout.numels):
+        c = _compute_dtype(t.dtype, flat.dtype)
+        v = flat[off : off + n].to(c).view(t.shape) * scale
+        if accumulate:
+            v = t.to(c) + v
+        t.copy_(v.to(t.dtype))
+
+
+def bucket_reduce_ref(buffers: Sequence[torch.Tensor], op: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """Reference reduction: accumulate buffer by buffer, in order, in fp32 (fp64 if any is fp64)."""
+    c = _compute_dtype(buffers[0].dtype, out_dtype)
+    acc = buffers[0].to(c).clone()
+    for b in buffers[1:]:
+        acc = torch.maximum(acc, b.to(c)) if op == "max" else acc + b.to(c)
+    if op == "avg":
+        acc = acc / len(buffers)
+    return acc.to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Table building shared by the Triton and Numba kernels
+
+
+def _geometry(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
+    """(contiguous flag, 4 sizes, 4 strides) after dropping size-1 dims and merging adjacent dims;
+    None if more than MAX_DIMS dims remain."""
+    dims: list[list[int]] = []
+    for s, st in zip(t.shape, t.stride()):
+        if s == 1:
+            continue
+        if dims and dims[-1][1] == s * st:
+            dims[-1][0] *= s
+            dims[-1][1] = st
+        else:
+            dims.append([s, st])
+    if not dims:
+        dims = [[1, 1]]
+    if len(dims) > MAX_DIMS:
+        return None
+    contig = int(len(dims) == 1 and dims[0][1] == 1)
+    pad = [[1, 0]] * (MAX_DIMS - len(dims))
+    dims = pad + dims
+    return contig, tuple(d[0] for d in dims), tuple(d[1] for d in dims)
+
+
+def _rows(
+    tensors: Sequence[torch.Tensor], offsets: Sequence[int], addrs: Sequence[int], tile: int
+) -> tuple[list[tuple[int, ...]], list[int]]:
+    rows, tiles = [], []
+    first = 0
+    for t, off, addr in zip(tensors, offsets, addrs):
+        n = t.numel()
+        g = _geometry(t)
+        assert g is not None  # callers replace tensors of more than MAX_DIMS dims first
+        contig, sizes, strides = g
+        rows.append((addr, n, off, first, contig, sizes[1], sizes[2], sizes[3], *strides))
+        k = -(-n // tile)
+        tiles.append(k)
+        first += k
+    return rows, tiles
+
+
+_TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_TABLES_MAX = 64
+
+
+def _stream_key(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _tables(rows: list[tuple[int, ...]], tiles: list[int], device: torch.device, tag: str):
+    """Device copies of the tensor table [R, NCOLS] int64 and the tile -> row map [n_tiles] int32.
+
+    Cached: the key holds everything the tables contain, so a hit is always correct; the stream is in
+    the key so a table is only used on the stream that uploaded it.
+    """
+    key = (tag, device, _stream_key(device), tuple(rows))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1)
+    tile_map = torch.from_numpy(np.repeat(np.arange(len(rows), dtype=np.int32), tiles))
+    if device.type == "cuda":
+        table, tile_map = table.to(device), tile_map.to(device)
+    _TABLES[key] = (table, tile_map)
+    if len(_TABLES) > _TABLES_MAX:
+        _TABLES.popitem(last=False)
+    return table, tile_map
+
+
+def _ptr_table(ptrs: list[int], device: torch.device, tag: str) -> torch.Tensor:
+    key = (tag, device, _stream_key(device), tuple(ptrs))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit[0]
+    table = torch.tensor(ptrs, dtype=torch.int64)
+    if device.type == "cuda":
+        table = table.to(device)
+    _TABLES[key] = (table, table)
+    if len(_TABLES) > _TABLES_MAX:
+        _TABLES.popitem(last=False)
+    return table
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
+    """Non-empty tensors grouped by dtype, with their flat offsets: one launch per group."""
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
+    for t, off in zip(tensors, offsets):
+        if t.numel():
+            g = groups.setdefault(t.dtype, ([], []))
+            g[0].append(t)
+            g[1].append(off)
+    return groups.items()
+
+
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """A tensor the kernels can read: itself, or a contiguous copy if its strides need > MAX_DIMS dims."""
+    return t if _geometry(t) is not None else t.contiguous()
+
+
+class _Writable:
+    """Destinations the kernels can write: each tensor, or a contiguous stand-in copied back after."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], accumulate: bool) -> None:
+        self.pairs = []
+        self.targets = []
+        for t in tensors:
+            if t.numel() and _geometry(t) is None:
+                tmp = t.contiguous() if accumulate else torch.empty_like(t, memory_format=torch.contiguous_format)
+                self.pairs.append((t, tmp))
+                self.targets.append(tmp)
+            else:
+                self.targets.append(t)
+
+    def finish(self) -> None:
+        for t, tmp in self.pairs:
+            t.copy_(tmp)
+
+
+def _scale_bits(scale: float) -> int:
+    """The fp64 bit pattern of ``scale`` as a signed int64; kernels bitcast it back, so fp64 compute
+    gets the exact scale and fp32 compute rounds it once, as PyTorch does for a Python scalar."""
+    return struct.unpack("<q", struct.pack("<d", scale))[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _cast(x, DST: tl.constexpr):
+        """Cast a computed value to DST. fp32 -> bf16 rounds to nearest even in integer ops (what the
+        GPU's cvt.rn does), because Triton's interpreter truncates instead; the same code then runs,
+        and is tested, in both. fp64 -> bf16 goes through fp32, as PyTorch's conversion does."""
+        if tl.bfloat16 == DST:
+            b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+            return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(DST)
+
+    @triton.jit
+    def _element_offsets(row, idx):
+        """Element offsets (from the tensor's address) of linear indices ``idx`` of one table row."""
+        contig = tl.load(row + 4)
+        if contig != 0:
+            off = idx
+        else:
+            s1 = tl.load(row + 5)
+            s2 = tl.load(row + 6)
+            s3 = tl.load(row + 7)
+            i3 = idx % s3
+            r = idx // s3
+            i2 = r % s2
+            r = r // s2
+            i1 = r % s1
+            i0 = r // s1
+            off = i0 * tl.load(row + 8) + i1 * tl.load(row + 9) + i2 * tl.load(row + 10) + i3 * tl.load(row + 11)
+        return off
+
+    @triton.jit(do_not_specialize=["scale_bits"])
+    def _flatten_kernel(
+        table_ptr,
+        tile_ptr,
+        out_ptr,
+        ref_ptr,
+        scale_bits,
+        BLOCK: tl.constexpr,
+        NCOL: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        COMPUTE_F64: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        row = table_ptr + tl.load(tile_ptr + pid).to(tl.int64) * NCOL
+        src = tl.load(row).to(ref_ptr.dtype)
+        numel = tl.load(row + 1)
+        flat_off = tl.load(row + 2)
+        idx = (pid - tl.load(row + 3)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        mask = idx < numel
+        x = tl.load(src + _element_offsets(row, idx), mask=mask)
+        if COMPUTE_F64:
+            x = x.to(tl.float64)
+        else:
+            x = x.to(tl.float32)
+        if HAS_SCALE:
+            s = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
+            if not COMPUTE_F64:
+                s = s.to(tl.float32)
+            x = x * s
+        tl.store(out_ptr + flat_off + idx, _cast(x, out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["scale_bits"])
+    def _unflatten_kernel(
+        table_ptr,
+        tile_ptr,
+        flat_ptr,
+        ref_ptr,
+        scale_bits,
+        BLOCK: tl.constexpr,
+        NCOL: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
+        COMPUTE_F64: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        row = table_ptr + tl.load(tile_ptr + pid).to(tl.int64) * NCOL
+        dst = tl.load(row).to(ref_ptr.dtype)
+        numel = tl.load(row + 1)
+        flat_off = tl.load(row + 2)
+        idx = (pid - tl.load(row + 3)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        mask = idx < numel
+        dst_off = _element_offsets(row, idx)
+        x = tl.load(flat_ptr + flat_off + idx, mask=mask)
+        if COMPUTE_F64:
+            x = x.to(tl.float64)
+        else:
+            x = x.to(tl.float32)
+        if HAS_SCALE:
+            s = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
+            if not COMPUTE_F64:
+                s = s.to(tl.float32)
+            x = x * s
+        if ACCUMULATE:
+            x = tl.load(dst + dst_off, mask=mask).to(x.dtype) + x
+        tl.store(dst + dst_off, _cast(x, ref_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _bucket_reduce_kernel(
+        ptrs_ptr,
+        out_ptr,
+        ref_ptr,
+        numel,
+        K,
+        BLOCK: tl.constexpr,
+        OP: tl.constexpr,
+        COMPUTE_F64: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        idx = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        mask = idx < numel
+        acc = tl.load(tl.load(ptrs_ptr).to(ref_ptr.dtype) + idx, mask=mask)
+        if COMPUTE_F64:
+            acc = acc.to(tl.float64)
+        else:
+            acc = acc.to(tl.float32)
+        for k in range(1, K):
+            x = tl.load(tl.load(ptrs_ptr + k).to(ref_ptr.dtype) + idx, mask=mask).to(acc.dtype)
+            if OP == 2:
+                acc = tl.maximum(acc, x, propagate_nan=tl.PropagateNan.ALL)
+            else:
+                acc = acc + x
+        if OP == 1:
+            acc = acc / K
+        tl.store(out_ptr + idx, _cast(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _numba_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int, list[int]]:
+    """(lowest address, elements spanned, each tensor's element offset from it) for one dtype group."""
+    isz = tensors[0].element_size()
+    base = min(t.data_ptr() for t in tensors)
+    offs = [(t.data_ptr() - base) // isz for t in tensors]
+    span = max(o + _extent(t) for o, t in zip(offs, tensors))
+    return base, span, offs
+
+
+def _numba_groups(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
+    """Like _by_dtype, but also split by address modulo the element size, so every tensor of a group
+    sits a whole number of elements from the group's lowest address."""
+    out: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
+    for dtype, (ts, offs) in _by_dtype(tensors, offsets):
+        for t, off in zip(ts, offs):
+            g = out.setdefault((dtype, t.data_ptr() % t.element_size()), ([], []))
+            g[0].append(t)
+            g[1].append(off)
+    return out.values()
+
+
+# --------------------------------------------------------------------------------------------------
+# Provider implementations. Inputs are validated; outputs are allocated.
+
+_flatten = Op("flatten")
+_unflatten = Op("unflatten")
+_reduce = Op("bucket_reduce")
+
+
+def _offsets(tensors: Sequence[torch.Tensor]) -> list[int]:
+    offs, o = [], 0
+    for t in tensors:
+        offs.append(o)
+        o += t.numel()
+    return offs
+
+
+@_flatten.register("torch")
+def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> None:
+    parts = [t.reshape(-1) for t in tensors]
+    if scale == 1.0 and all(t.dtype == out.dtype for t in tensors):
+        torch.cat(parts, out=out)
+        return
+    for dtype, (ts, offs) in _by_dtype(tensors, _offsets(tensors)):
+        c = _compute_dtype(dtype, out.dtype)
+        cat = torch.cat([t.reshape(-1) for t in ts])
+        cat = cat.to(c) if cat.dtype != c else cat
+        if scale != 1.0:
+            cat = cat * scale
+        # Scatter each tensor's slice back to its offset (adjacent tensors form one run).
+        pos = 0
+        for t, off in zip(ts, offs):
+            n = t.numel()
+            out[off : off + n].copy_(cat[pos : pos + n])
+            pos += n
+
+
+@_flatten.register("triton")
+def _flatten_triton(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> None:
+    tensors = [_readable(t) for t in tensors]
+    for dtype, (ts, offs) in _by_dtype(tensors, _offsets(tensors)):
+        rows, tiles = _rows(ts, offs, [t.data_ptr() for t in ts], TRITON_BLOCK)
+        table, tile_map = _tables(rows, tiles, out.device, "triton")
+        _flatten_kernel[(int(sum(tiles)),)](
+            table, tile_map, out, ts[0], _scale_bits(scale),
+            BLOCK=TRITON_BLOCK, NCOL=NCOLS, HAS_SCALE=scale != 1.0,
+            COMPUTE_F64=_compute_dtype(dtype, out.dtype) == torch.float64,
+            num_warps=TRITON_WARPS, enable_fp_fusion=False,
+        )  # fmt: skip
+
+
+@_flatten.register("numba")
+def _flatten_numba(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> None:
+    from . import _bucket_numba
+    from . import _numba as nb
+
+    tensors = [_readable(t) for t in tensors]
+    out_arr = nb.as_array(out)
+    for ts, offs in _numba_groups(tensors, _offsets(tensors)):
+        base, span, addrs = _numba_span(ts)
+        rows, tiles = _rows(ts, offs, addrs, NUMBA_TILE)
+        table, tile_map = _tables(rows, tiles, out.device, "numba")
+        kernel = _bucket_numba.flatten_kernel(ts[0].dtype, out.dtype)
+        nb.launch(
+            kernel, int(sum(tiles)), nb.THREADS, out.device,
+            nb.as_array(table), nb.as_array(tile_map), nb.span_array(base, span, ts[0].dtype),
+            out_arr, scale, NUMBA_TILE,
+        )  # fmt: skip
+
+
+@_unflatten.register("torch")
+def _unflatten_torch(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool) -> None:
+    offs = _offsets(tensors)
+    for dtype, (ts, toffs) in _by_dtype(tensors, offs):
+        c = _compute_dtype(dtype, flat.dtype)
+        views = [flat[o : o + t.numel()].view(t.shape) for t, o in zip(ts, toffs)]
+        if not accumulate and scale == 1.0:
+            torch._foreach_copy_(ts, views)
+            continue
+        vals = [v.to(c) for v in views] if flat.dtype != c else views
+        if scale != 1.0:
+            vals = torch._foreach_mul(vals, scale)
+        if accumulate:
+            vals = torch._foreach_add([t.to(c) for t in ts] if dtype != c else ts, vals)
+        torch._foreach_copy_(ts, vals)
+
+
+@_unflatten.register("triton")
+def _unflatten_triton(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool) -> None:
+    w = _Writable(tensors, accumulate)
+    for dtype, (ts, offs) in _by_dtype(w.targets, _offsets(w.targets)):
+        rows, tiles = _rows(ts, offs, [t.data_ptr() for t in ts], TRITON_BLOCK)
+        table, tile_map = _tables(rows, tiles, flat.device, "triton")
+        _unflatten_kernel[(int(sum(tiles)),)](
+            table, tile_map, flat, ts[0], _scale_bits(scale),
+            BLOCK=TRITON_BLOCK, NCOL=NCOLS, HAS_SCALE=scale != 1.0, ACCUMULATE=accumulate,
+            COMPUTE_F64=_compute_dtype(dtype, flat.dtype) == torch.float64,
+            num_warps=TRITON_WARPS, enable_fp_fusion=False,
+        )  # fmt: skip
+    w.finish()
+
+
+@_unflatten.register("numba")
+def _unflatten_numba(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool) -> None:
+    from . import _bucket_numba
+    from . import _numba as nb
+
+    w = _Writable(tensors, accumulate)
+    flat_arr = nb.as_array(flat)
+    for ts, offs in _numba_groups(w.targets, _offsets(w.targets)):
+        base, span, addrs = _numba_span(ts)
+        rows, tiles = _rows(ts, offs, addrs, NUMBA_TILE)
+        table, tile_map = _tables(rows, tiles, flat.device, "numba")
+        kernel = _bucket_numba.unflatten_kernel(flat.dtype, ts[0].dtype)
+        nb.launch(
+            kernel, int(sum(tiles)), nb.THREADS, flat.device,
+            nb.as_array(table), nb.as_array(tile_map), nb.span_array(base, span, ts[0].dtype),
+            flat_arr, scale, accumulate, NUMBA_TILE,
+        )  # fmt: skip
+    w.finish()
+
+
+@_reduce.register("torch")
+def _reduce_torch(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> None:
+    c = _compute_dtype(buffers[0].dtype, out.dtype)
+    if out.dtype == c and not any(b.data_ptr() == out.data_ptr() for b in buffers[1:]):
+        acc = out  # accumulate in place: no temporary
+        acc.copy_(buffers[0])
+    else:
+        acc = buffers[0].to(c, copy=True)
+    for b in buffers[1:]:
+        b = b.to(c) if b.dtype != c else b
+        if op == "max":
+            torch.maximum(acc, b, out=acc)
+        else:
+            acc.add_(b)
+    if op == "avg":
+        acc.div_(len(buffers))
+    if acc is not out:
+        out.copy_(acc)
+
+
+@_reduce.register("triton")
+def _reduce_triton(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> None:
+    numel = out.numel()
+    if numel == 0:
+        return
+    ptrs = _ptr_table([b.data_ptr() for b in buffers], out.device, "triton-reduce")
+    _bucket_reduce_kernel[(triton.cdiv(numel, TRITON_BLOCK),)](
+        ptrs, out, buffers[0], numel, len(buffers),
+        BLOCK=TRITON_BLOCK, OP=_REDUCE_CODE[op],
+        COMPUTE_F64=_compute_dtype(buffers[0].dtype, out.dtype) == torch.float64,
+        num_warps=TRITON_WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+@_reduce.register("numba")
+def _reduce_numba(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> None:
+    from . import _bucket_numba
+    from . import _numba as nb
+
+    numel = out.numel()
+    if numel == 0:
+        return
+    isz = buffers[0].element_size()
+    if len({b.data_ptr() % isz for b in buffers}) > 1:  # not a whole number of elements apart
+        buffers = [buffers[0]] + [b.clone() if (b.data_ptr() - buffers[0].data_ptr()) % isz else b for b in buffers[1:]]
+    base, span, offs = _numba_span(buffers)
+    kernel = _bucket_numba.reduce_kernel(buffers[0].dtype, out.dtype, _REDUCE_CODE[op])
+    table = _ptr_table(offs, out.device, "numba-reduce")
+    blocks = -(-numel // NUMBA_TILE)
+    nb.launch(
+        kernel, blocks, nb.THREADS, out.device,
+        nb.as_array(table), nb.span_array(base, span, buffers[0].dtype), nb.as_array(out), numel, NUMBA_TILE,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops (torch.library): opaque to torch.compile, with fake implementations for tracing.
+
+
+@torch.library.custom_op("torsh::flatten", mutates_args=())
+def _flatten_op(tensors: list[torch.Tensor], dtype: torch.dtype, scale: float, provider: str) -> torch.Tensor:
+    out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+    _flatten_into(tensors, out, scale, provider)
+    return out
+
+
+@_flatten_op.register_fake
+def _(tensors, dtype, scale, provider):
+    return tensors[0].new_empty(sum(t.numel() for t in tensors), dtype=dtype)
+
+
+@torch.library.custom_op("torsh::flatten_out", mutates_args=("out",))
+def _flatten_out_op(tensors: list[torch.Tensor], out: torch.Tensor, scale: float, provider: str) -> None:
+    _flatten_into(tensors, out, scale, provider)
+
+
+@_flatten_out_op.register_fake
+def _(tensors, out, scale, provider):
+    return None
+
+
+def _flatten_into(tensors: list[torch.Tensor], out: torch.Tensor, scale: float, provider: str) -> None:
+    if out.numel() == 0:
+        return
+    name = _flatten.select(out.device, out.dtype, out.numel(), provider or None)
+    _flatten(name, tensors, out.view(-1), scale)
+
+
+@torch.library.custom_op("torsh::unflatten", mutates_args=("tensors",))
+def _unflatten_op(
+    flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool, provider: str
+) -> None:
+    if flat.numel() == 0:
+        return
+    name = _unflatten.select(flat.device, flat.dtype, flat.numel(), provider or None)
+    _unflatten(name, flat.reshape(-1).contiguous(), tensors, scale, accumulate)
+
+
+@_unflatten_op.register_fake
+def _(flat, tensors, scale, accumulate, provider):
+    return None
+
+
+@torch.library.custom_op("torsh::bucket_reduce", mutates_args=())
+def _reduce_op(buffers: list[torch.Tensor], op: str, provider: str) -> torch.Tensor:
+    out = torch.empty_like(buffers[0], memory_format=torch.contiguous_format)
+    _reduce_into(buffers, out, op, provider)
+    return out
+
+
+@_reduce_op.register_fake
+def _(buffers, op, provider):
+    return torch.empty_like(buffers[0], memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("torsh::bucket_reduce_out", mutates_args=("out",))
+def _reduce_out_op(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provider: str) -> None:
+    _reduce_into(buffers, out, op, provider)
+
+
+@_reduce_out_op.register_fake
+def _(buffers, out, op, provider):
+    return None
+
+
+def _reduce_into(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provider: str) -> None:
+    if out.numel() == 0:
+        return
+    name = _reduce.select(out.device, buffers[0].dtype, out.numel(), provider or None)
+    _reduce(name, [b.contiguous() for b in buffers], out, op)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+
+
+def flatten(
+    tensors: Sequence[torch.Tensor],
+    *,
+    out: torch.Tensor | None = None,
+    scale: float = 1.0,
+    dtype: torch.dtype | None = None,
+    provider: str | None = None,
+) -> tuple[torch.Tensor, BucketLayout]:
+    """Copy ``tensors`` into one flat buffer, times ``scale``, cast to ``dtype``, in one pass.
+
+    Args:
+        tensors: floating-point tensors on one device, any shapes, contiguous or not.
+        out: a contiguous buffer of exactly the total element count to write into; its dtype is the
+            flat dtype. Must not overlap any input.
+        scale: multiplier applied in fp32 (fp64 if an operand is fp64) before the cast.
+        dtype: dtype of the flat buffer (e.g. torch.bfloat16 for the wire); defaults to ``out``'s
+            dtype, else the promoted dtype of the inputs.
+        provider: "triton", "numba" or "torch"; None selects automatically (see ``providers()``).
+
+    Returns:
+        ``(flat, layout)``: the 1-D buffer and the :class:`BucketLayout` that ``unflatten`` takes.
+    """
+    what = "torsh_kernels.flatten"
+    tensors = _check_tensor_list(tensors, what, "tensors")
+    names = [f"tensors[{i}]" for i in range(len(tensors))]
+    for t, n in zip(tensors, names):
+        _check_float(t, what, n)
+    device = _check_same_device(tensors, what, names)
+    scale = _check_scale(scale, what)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise DTypeError(f"{what}: dtype={dtype} is not a floating-point dtype the kernels write")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise ArgumentTypeError(f"{what}: out must be a torch.Tensor, got {type(out).__name__}")
+        _check_float(out, what, "out")
+        if dtype is not None and dtype != out.dtype:
+            raise InvalidArgumentError(
+                f"{what}: dtype={dtype} disagrees with out.dtype={out.dtype}; pass one or make them equal"
+            )
+        dtype = out.dtype
+    layout = BucketLayout.for_tensors(tensors, dtype)
+    if out is None:
+        flat = _flatten_op(tensors, layout.dtype, scale, provider or "")
+        return flat, layout
+    if out.device != device:
+        raise DeviceMismatchError(f"{what}: out is on {out.device}, the tensors on {device}")
+    if out.numel() != layout.total:
+        raise ShapeError(
+            f"{what}: out has {out.numel()} elements but the tensors hold {layout.total}; allocate "
+            f"torch.empty({layout.total}, dtype={layout.dtype}) or slice your buffer to that size"
+        )
+    if not out.is_contiguous():
+        raise ShapeError(f"{what}: out must be contiguous (it is written as one flat range)")
+    for t, n in zip(tensors, names):
+        if _overlaps(t, out):
+            raise ShapeError(f"{what}: out overlaps {n}; flatten cannot write over its own input")
+    _flatten_out_op(tensors, out, scale, provider or "")
+    return out.view(-1) if out.dim() != 1 else out, layout
+
+
+def unflatten(
+    flat: torch.Tensor,
+    layout: BucketLayout,
+    tensors: Sequence[torch.Tensor],
+    *,
+    scale: float = 1.0,
+    accumulate: bool = False,
+    provider: str | None = None,
+) -> None:
+    """Write ``flat * scale`` back into ``tensors`` in place (or add it to them), in one launch per dtype.
+
+    Each value is computed in fp32 (fp64 if an operand is fp64) and cast to its tensor's dtype.
+    ``tensors`` must have the layout's shapes; they may be non-contiguous, but not expanded (stride 0)
+    and not overlapping ``flat`` unless they are exactly its slices (as with DDP's bucket views).
+    """
+    what = "torsh_kernels.unflatten"
+    if not isinstance(layout, BucketLayout):
+        raise ArgumentTypeError(f"{what}: layout must be a BucketLayout (from flatten), got {type(layout).__name__}")
+    flat = _check_flat(flat, layout, what)
+    tensors = _check_tensor_list(tensors, what, "tensors")
+    if len(tensors) != len(layout):
+        raise LayoutMismatchError(f"{what}: the layout describes {len(layout)} tensors, got {len(tensors)}")
+    names = [f"tensors[{i}]" for i in range(len(tensors))]
+    for i, (t, shape) in enumerate(zip(tensors, layout.shapes)):
+        if tuple(t.shape) != shape:
+            raise LayoutMismatchError(f"{what}: tensors[{i}] has shape {tuple(t.shape)}, the layout says {shape}")
+        _check_float(t, what, names[i])
+        if _has_internal_overlap(t):
+            raise ShapeError(f"{what}: tensors[{i}] is expanded (a stride-0 dimension); it cannot be written")
+    _check_same_device([flat, *tensors], what, ["flat", *names])
+    scale = _check_scale(scale, what)
+    fptr, fsz = flat.data_ptr(), flat.element_size()
+    for t, n, off in zip(tensors, names, layout.offsets):
+        exact_view = t.dtype == flat.dtype and t.is_contiguous() and t.data_ptr() == fptr + off * fsz
+        if not exact_view and _overlaps(t, flat):
+            raise ShapeError(f"{what}: {n} overlaps flat other than as its own slice; the result would be undefined")
+    _unflatten_op(flat, tensors, scale, bool(accumulate), provider or "")
+
+
+def bucket_reduce(
+    buffers: Sequence[torch.Tensor] | torch.Tensor,
+    *,
+    op: str = "sum",
+    out: torch.Tensor | None = None,
+    provider: str | None = None,
+) -> torch.Tensor:
+    """Reduce K same-shape buffers elementwise (``op`` = "sum", "avg" or "max") in one launch.
+
+    ``buffers`` is a list of tensors or one tensor stacked along dim 0. Accumulation is in fp32 (fp64 if
+    an operand is fp64); "max" propagates NaN. ``out`` (any floating dtype, the buffers' shape,
+    contiguous) may be one of the buffers itself, for an in-place reduction.
+    """
+    what = "torsh_kernels.bucket_reduce"
+    if isinstance(buffers, torch.Tensor):
+        if buffers.dim() == 0:
+            raise ShapeError(f"{what}: a stacked buffers tensor needs a leading K dimension, got a scalar")
+        buffers = list(buffers.unbind(0))
+        if not buffers:
+            raise InvalidArgumentError(f"{what}: the stacked buffers tensor has K=0 rows")
+    buffers = _check_tensor_list(buffers, what, "buffers")
+    names = [f"buffers[{i}]" for i in range(len(buffers))]
+    if op not in REDUCE_OPS:
+        raise InvalidArgumentError(f"{what}: op={op!r}; expected one of {', '.join(map(repr, REDUCE_OPS))}")
+    b0 = buffers[0]
+    for b, n in zip(buffers, names):
+        _check_float(b, what, n)
+        if b.shape != b0.shape:
+            raise ShapeError(f"{what}: {n} has shape {tuple(b.shape)}, buffers[0] has {tuple(b0.shape)}")
+        if b.dtype != b0.dtype:
+            raise DTypeError(f"{what}: {n} is {b.dtype}, buffers[0] is {b0.dtype}; reduce buffers of one dtype")
+    device = _check_same_device(buffers, what, names)
+    if out is None:
+        return _reduce_op(buffers, op, provider or "")
+    if not isinstance(out, torch.Tensor):
+        raise ArgumentTypeError(f"{what}: out must be a torch.Tensor, got {type(out).__name__}")
+    _check_float(out, what, "out")
+    if out.device != device:
+        raise DeviceMismatchError(f"{what}: out is on {out.device}, the buffers on {device}")
+    if out.shape != b0.shape:
+        raise ShapeError(f"{what}: out has shape {tuple(out.shape)}, the buffers {tuple(b0.shape)}")
+    if not out.is_contiguous():
+        raise ShapeError(f"{what}: out must be contiguous")
+    for b, n in zip(buffers, names):
+        same = b.data_ptr() == out.data_ptr() and b.dtype == out.dtype and b.is_contiguous()
+        if not same and _overlaps(b, out):
+            raise ShapeError(f"{what}: out overlaps {n} without being the same tensor; the result would be undefined")
+    _reduce_out_op(buffers, out, op, provider or "")
+    return out

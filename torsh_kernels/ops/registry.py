@@ -1,0 +1,298 @@
+"""Provider registry: which implementation of an op runs, and why.
+
+Every op registers up to three implementations, one per provider:
+
+- ``triton``: Triton kernels. Compiled on CUDA tensors; under ``TRITON_INTERPRET=1`` (set before
+  torsh_kernels is imported) they run in Triton's interpreter, on CPU tensors too.
+- ``numba``: Numba CUDA kernels. On CUDA tensors through ``__cuda_array_interface__``; under
+  ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) in Numba's simulator, on CPU tensors.
+- ``torch``: plain PyTorch, any device.
+
+Selection, strongest first (DESIGN.md): the explicit ``provider=`` argument; the environment variable
+``TORSH_KERNELS_PROVIDER``; the autotuner's cached winner for (op, device, dtype, size); the device
+default (CUDA: triton, otherwise torch). An explicitly requested provider that cannot run raises
+:class:`ProviderUnavailableError`. An automatically chosen one that cannot run is skipped for the next
+candidate, with one debug log line per (op, provider, reason); ``torch`` runs everywhere and ends the chain.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ProviderError, ProviderUnavailableError
+
+__all__ = [
+    "ENV_VAR",
+    "PROVIDERS",
+    "Op",
+    "ProviderInfo",
+    "ProviderReport",
+    "can_run",
+    "providers",
+    "set_tuned_lookup",
+]
+
+log = logging.getLogger("torsh_kernels")
+
+PROVIDERS: tuple[str, ...] = ("triton", "numba", "torch")
+ENV_VAR = "TORSH_KERNELS_PROVIDER"
+
+_TRUE = ("1", "true", "on", "yes")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in _TRUE
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def _triton_state() -> tuple[str | None, bool, str | None]:
+    """(version, interpreted, import error). Read once: Triton fixes the mode when kernels are defined."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything at import
+        return None, False, f"triton cannot be imported ({type(exc).__name__}: {exc})"
+    return _version("triton"), _env_flag("TRITON_INTERPRET"), None
+
+
+@functools.cache
+def _numba_state() -> tuple[str | None, bool, str | None]:
+    """(version, simulator, import error)."""
+    try:
+        from numba import (
+            config,
+            cuda,  # noqa: F401
+        )
+    except Exception as exc:
+        return None, False, f"numba.cuda cannot be imported ({type(exc).__name__}: {exc})"
+    return _version("numba"), bool(config.ENABLE_CUDASIM), None
+
+
+@functools.cache
+def _numba_cuda_error() -> str | None:
+    """Why Numba cannot launch real CUDA kernels here, or None if it can (initialises the driver once)."""
+    from numba import cuda
+
+    try:
+        if cuda.is_available():
+            return None
+        return "Numba finds no usable CUDA driver or GPU"
+    except Exception as exc:
+        return f"Numba's CUDA driver failed to initialise ({type(exc).__name__}: {exc})"
+
+
+def can_run(provider: str, device: torch.device) -> str | None:
+    """None if ``provider`` can run an op on tensors of ``device`` here, else the reason it cannot."""
+    if provider == "torch":
+        return None
+    if provider == "triton":
+        _, interpreted, err = _triton_state()
+        if err:
+            return err
+        if interpreted:
+            return None  # the interpreter runs on host memory and copies CUDA tensors through it
+        if device.type != "cuda":
+            return (
+                f"Triton compiles for GPUs and got {device.type} tensors; set TRITON_INTERPRET=1 before "
+                "importing torsh_kernels to run the kernels in Triton's interpreter (slow)"
+            )
+        if not torch.cuda.is_available():
+            return "torch reports no usable CUDA device"
+        return None
+    if provider == "numba":
+        _, simulator, err = _numba_state()
+        if err:
+            return err
+        if simulator:
+            if device.type != "cpu":
+                return "Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs on host arrays: pass CPU tensors"
+            return None
+        if device.type != "cuda":
+            return (
+                f"Numba CUDA kernels need CUDA tensors and got {device.type} tensors; set "
+                "NUMBA_ENABLE_CUDASIM=1 before importing numba to run them in the simulator (slow)"
+            )
+        return _numba_cuda_error()
+    raise ProviderError(f"unknown provider {provider!r}; expected one of {', '.join(PROVIDERS)}")
+
+
+def _check_name(name: str, source: str) -> str:
+    if name not in PROVIDERS:
+        raise ProviderError(
+            f"unknown provider {name!r} from {source}; expected one of {', '.join(PROVIDERS)} "
+            f"(or leave {'it' if source != ENV_VAR else ENV_VAR} unset for automatic selection)"
+        )
+    return name
+
+
+def default_provider(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+# The autotuner installs a lookup here: (op, device, dtype, size) -> provider name or None.
+TunedLookup = Callable[[str, torch.device, torch.dtype, int], "str | None"]
+_tuned_lookup: TunedLookup | None = None
+
+
+def set_tuned_lookup(fn: TunedLookup | None) -> None:
+    """Install (or remove, with None) the source of tuned winners consulted by automatic selection."""
+    global _tuned_lookup
+    _tuned_lookup = fn
+
+
+_logged: set[tuple[str, str, str]] = set()
+
+
+def _log_skip(op: str, name: str, source: str, reason: str) -> None:
+    key = (op, name, reason)
+    if key not in _logged:
+        _logged.add(key)
+        log.debug("torsh.%s: %s provider %r skipped: %s", op, source, name, reason)
+
+
+class Op:
+    """One op's implementations per provider, and the selection between them."""
+
+    __slots__ = ("impls", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.impls: dict[str, Callable[..., object]] = {}
+
+    def register(self, provider: str) -> Callable[[Callable[..., object]], Callable[..., object]]:
+        _check_name(provider, "a registration")
+
+        def deco(fn: Callable[..., object]) -> Callable[..., object]:
+            self.impls[provider] = fn
+            return fn
+
+        return deco
+
+    def _reason(self, name: str, device: torch.device) -> str | None:
+        if name not in self.impls:
+            return f"torsh.{self.name} has no {name} implementation"
+        return can_run(name, device)
+
+    def select(self, device: torch.device, dtype: torch.dtype, size: int, requested: str | None) -> str:
+        """The provider that runs this call (see the module docstring for the order)."""
+        if requested:
+            _check_name(requested, "the provider argument")
+            reason = self._reason(requested, device)
+            if reason is not None:
+                raise ProviderUnavailableError(
+                    f"torsh.{self.name}: provider {requested!r} was requested but cannot run on "
+                    f"{device.type} tensors here: {reason}. Pass provider=None for automatic selection."
+                )
+            return requested
+        candidates: list[tuple[str, str]] = []
+        env = os.environ.get(ENV_VAR, "").strip()
+        if env:
+            candidates.append((_check_name(env, ENV_VAR), ENV_VAR))
+        if _tuned_lookup is not None:
+            tuned = _tuned_lookup(self.name, device, dtype, size)
+            if tuned:
+                candidates.append((_check_name(tuned, "the tuning cache"), "tuned"))
+        candidates.append((default_provider(device), "default"))
+        for name, source in candidates:
+            reason = self._reason(name, device)
+            if reason is None:
+                return name
+            _log_skip(self.name, name, source, reason)
+        return "torch"
+
+    def __call__(self, provider: str, *args: object, **kwargs: object) -> object:
+        return self.impls[provider](*args, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderInfo:
+    """What one provider can do on this machine."""
+
+    name: str
+    """The provider's name: triton, numba or torch."""
+    version: str | None
+    """Version of the package behind it, None when it is not installed."""
+    mode: str
+    """How it runs here (compiled, interpreter, simulator, eager), or why it does not."""
+    cuda: str | None
+    """None if it can run on CUDA tensors here, else the reason it cannot."""
+    cpu: str | None
+    """None if it can run on CPU tensors here, else the reason it cannot."""
+
+    @property
+    def available(self) -> bool:
+        """True if it can run on at least one device here."""
+        return self.cuda is None or self.cpu is None
+
+
+class ProviderReport(Mapping[str, ProviderInfo]):
+    """Provider name -> :class:`ProviderInfo`; prints as a readable table."""
+
+    def __init__(self, infos: list[ProviderInfo]) -> None:
+        self._infos = {i.name: i for i in infos}
+
+    def __getitem__(self, key: str) -> ProviderInfo:
+        return self._infos[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __str__(self) -> str:
+        lines = []
+        for i in self._infos.values():
+            lines.append(f"{i.name:<7} {i.version or 'not installed':<14} {i.mode}")
+            for dev, why in (("cuda", i.cuda), ("cpu", i.cpu)):
+                lines.append(f"{'':<7}   {dev + ' tensors:':<14} {'yes' if why is None else 'no: ' + why}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def providers() -> ProviderReport:
+    """What each provider can run here, and why not where it cannot."""
+    cuda_dev, cpu_dev = torch.device("cuda"), torch.device("cpu")
+    have_cuda = torch.cuda.is_available()
+    infos = [ProviderInfo("torch", _version("torch"), "eager PyTorch ops (the reference path)", None, None)]
+
+    tv, interpreted, terr = _triton_state()
+    if terr:
+        tmode = terr
+    elif interpreted:
+        tmode = "interpreter (TRITON_INTERPRET=1): kernels run in Python on host memory, slowly"
+    else:
+        tmode = "compiled kernels on CUDA devices"
+    infos.insert(0, ProviderInfo("triton", tv, tmode, can_run("triton", cuda_dev), can_run("triton", cpu_dev)))
+
+    nv, simulator, nerr = _numba_state()
+    if nerr:
+        nmode = nerr
+    elif simulator:
+        nmode = "CUDA simulator (NUMBA_ENABLE_CUDASIM=1): kernels run in Python on host arrays, slowly"
+    else:
+        nmode = "CUDA kernels through __cuda_array_interface__"
+    ncuda = can_run("numba", cuda_dev)
+    if not have_cuda and ncuda is None:  # Numba sees a GPU that this torch build cannot use
+        ncuda = "this torch build has no CUDA support"
+    infos.insert(1, ProviderInfo("numba", nv, nmode, ncuda, can_run("numba", cpu_dev)))
+    if not have_cuda:
+        infos = [
+            ProviderInfo(i.name, i.version, i.mode, i.cuda or "torch reports no usable CUDA device", i.cpu)
+            for i in infos
+        ]
+    return ProviderReport(infos)

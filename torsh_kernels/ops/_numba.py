@@ -171,4 +171,4 @@ def launch(kernel, blocks: int, threads: int, device: torch.device, *args) -> No
 
 
 # Threads per block. The simulator runs every thread as a Python thread, so it gets fewer.
-THREADS = 32 if SIM else 256
+THREADS = 8 if SIM else 256

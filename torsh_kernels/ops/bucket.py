@@ -795,7 +795,7 @@ def _reduce_into(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provid
     if out.numel() == 0:
         return
     name = _reduce.select(out.device, buffers[0].dtype, out.numel(), provider or None)
-    _reduce(name, [b.contiguous() for b in buffers], out, op)
+    _reduce(name, [b.contiguous().view(-1) for b in buffers], out.view(-1), op)
 
 
 # --------------------------------------------------------------------------------------------------

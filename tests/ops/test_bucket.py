@@ -1,0 +1,440 @@
+"""flatten / unflatten / bucket_reduce: every provider against the torch reference."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+from conftest import DTYPE_TOLS, poison, rand
+
+import torsh_kernels as tk
+from torsh_kernels.ops import bucket
+from torsh_kernels.ops.bucket import BucketLayout, bucket_reduce_ref, flatten_ref, unflatten_ref
+
+COUNTS = (1, 3, 130, 600)
+
+
+def make_tensors(count: int, dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
+    """``count`` tensors of mixed shapes: 4097 elements, empty, one element, 0-d, and views that are not
+    contiguous (transposed, strided, permuted, and one whose strides need five dimensions)."""
+    r = lambda *shape: rand(shape, dtype, gen)
+    special = [
+        lambda: r(4097),
+        lambda: r(0),
+        lambda: r(17, 241).t(),  # 4097 elements, transposed
+        lambda: r(1),
+        lambda: r(6, 9)[:, 1::2],
+        lambda: r(3, 4, 5).permute(2, 0, 1),
+        lambda: r(2, 3, 4, 5, 6)[:, ::2, :, 1:, ::3].transpose(0, 4),
+        lambda: r(),
+        lambda: r(3, 0, 2),
+    ]
+    out = [special[i]() for i in range(min(count, len(special)))]
+    sizes = torch.randint(1, 40, (max(0, count - len(out)),), generator=gen).tolist()
+    for i, n in enumerate(sizes):
+        if i % 5 == 0:  # every fifth one a strided view
+            out.append(r(n, 2)[:, 1])
+        else:
+            out.append(r(n))
+    return out
+
+
+def like(t: torch.Tensor, gen: torch.Generator, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """New storage, same shape and strides as ``t`` (so non-contiguous stays non-contiguous), fresh data."""
+    dtype = dtype or t.dtype
+    out = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+    return out.copy_(rand(t.shape, dtype, gen))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> None:
+    assert actual.dtype == expected.dtype
+    assert actual.shape == expected.shape
+    assert not torch.isnan(actual).any(), "an output element was not written (still NaN)"
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------------------------- flatten
+
+
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
+def test_flatten_matches_reference(provider, dtype, atol, rtol, count, gen):
+    tensors = make_tensors(count, dtype, gen)
+    total = sum(t.numel() for t in tensors)
+    out = poison((total,), dtype)
+    flat, layout = tk.flatten(tensors, out=out, provider=provider)
+    assert flat.data_ptr() == out.data_ptr()
+    assert_close(flat, flatten_ref(tensors, dtype), atol, rtol)
+    assert layout.total == total and len(layout) == count
+    assert layout.shapes == tuple(tuple(t.shape) for t in tensors)
+
+
+@pytest.mark.parametrize("count", (3, 130))
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
+def test_flatten_scales_and_casts_in_one_pass(provider, dtype, atol, rtol, count, gen):
+    tensors = make_tensors(count, torch.float32, gen)  # fp32 gradients to a wire dtype
+    scale = 1.0 / 3.0
+    flat, layout = tk.flatten(tensors, scale=scale, dtype=dtype, provider=provider)
+    assert layout.dtype == dtype and layout.dtypes == (torch.float32,) * count
+    assert_close(flat, flatten_ref(tensors, dtype, scale), atol, rtol)
+
+
+def test_flatten_mixed_input_dtypes_promote(provider, gen):
+    tensors = [rand((33,), torch.bfloat16, gen), rand((4, 5), torch.float32, gen), rand((7,), torch.float16, gen)]
+    flat, layout = tk.flatten(tensors, scale=2.0, provider=provider)
+    assert layout.dtype == torch.float32
+    assert_close(flat, flatten_ref(tensors, torch.float32, 2.0), 1e-6, 1e-6)
+
+
+def test_flatten_float64(provider, gen):
+    tensors = [rand((4097,), torch.float64, gen), rand((9, 5), torch.float64, gen).t()]
+    scale = 1.0 / 3.0
+    flat, _ = tk.flatten(tensors, scale=scale, provider=provider)
+    # fp64 compute with the exact (not fp32-rounded) scale
+    assert_close(flat, flatten_ref(tensors, torch.float64, scale), 1e-15, 1e-15)
+
+
+# -------------------------------------------------------------------------------------------- unflatten
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
+def test_unflatten_matches_reference(provider, dtype, atol, rtol, count, accumulate, gen):
+    shapes_from = make_tensors(count, dtype, gen)
+    layout = BucketLayout.for_tensors(shapes_from, torch.float32)
+    flat = rand((layout.total,), torch.float32, gen)  # e.g. an fp32 all-reduced bucket
+    # Destinations keep the non-contiguous strides of make_tensors; poisoned unless accumulating.
+    dests = [like(t, gen) for t in shapes_from]
+    if not accumulate:
+        for d in dests:
+            d.fill_(float("nan"))
+    expected = [d.clone() for d in dests]
+    scale = 0.25 if accumulate else 1.0 / 3.0
+    unflatten_ref(flat, layout, expected, scale=scale, accumulate=accumulate)
+    tk.unflatten(flat, layout, dests, scale=scale, accumulate=accumulate, provider=provider)
+    for d, e in zip(dests, expected):
+        assert_close(d, e, atol, rtol)
+
+
+@pytest.mark.parametrize("count", (3, 130))
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
+def test_flatten_unflatten_roundtrip_is_exact(provider, dtype, atol, rtol, count, gen):
+    tensors = make_tensors(count, dtype, gen)
+    flat, layout = tk.flatten(tensors, provider=provider)
+    dests = [torch.full_like(t, float("nan")) for t in tensors]
+    tk.unflatten(flat, layout, dests, provider=provider)
+    for d, t in zip(dests, tensors):
+        assert torch.equal(d, t)
+
+
+def test_unflatten_into_mixed_dtypes(provider, gen):
+    dests = [poison((5, 3), torch.bfloat16), poison((4097,), torch.float32), poison((2, 2), torch.float16)]
+    layout = BucketLayout.for_tensors(dests, torch.float32)
+    flat = rand((layout.total,), torch.float32, gen)
+    expected = [d.clone() for d in dests]
+    unflatten_ref(flat, layout, expected, scale=0.5)
+    tk.unflatten(flat, layout, dests, scale=0.5, provider=provider)
+    for d, e, (_, atol, rtol) in zip(dests, expected, [(0, 8e-3, 8e-3), (0, 1e-6, 1e-6), (0, 1e-3, 1e-3)]):
+        assert_close(d, e, atol, rtol)
+
+
+def test_unflatten_into_bucket_views_in_place(provider, gen):
+    """DDP's gradient_as_bucket_view: the tensors are the flat buffer's own slices."""
+    flat = rand((4097 + 30,), torch.float32, gen)
+    layout = BucketLayout.for_tensors([torch.empty(4097), torch.empty(5, 6)])
+    views = layout.views(flat)
+    before = flat.clone()
+    tk.unflatten(flat, layout, views, scale=0.5, provider=provider)
+    torch.testing.assert_close(flat, before * 0.5, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------- bucket_reduce
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
+def test_bucket_reduce_matches_reference(provider, dtype, atol, rtol, op, k, gen):
+    buffers = [rand((4097,), dtype, gen) for _ in range(k)]
+    out = poison((4097,), dtype)
+    res = tk.bucket_reduce(buffers, op=op, out=out, provider=provider)
+    assert res is out
+    assert_close(out, bucket_reduce_ref(buffers, op, dtype), atol, rtol)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_bucket_reduce_stacked_non_contiguous_rows(provider, op, gen):
+    # K=5 rows of a [5, 41, 3] tensor, each row a non-contiguous [41, 3] view (a transposed storage)
+    stacked = rand((5, 3, 41), torch.float32, gen).transpose(1, 2)
+    res = tk.bucket_reduce(stacked, op=op, provider=provider)
+    assert res.shape == (41, 3)
+    assert_close(res, bucket_reduce_ref(list(stacked.unbind(0)), op, torch.float32), 1e-6, 1e-6)
+
+
+def test_bucket_reduce_bf16_buffers_into_fp32_out(provider, gen):
+    buffers = [rand((999,), torch.bfloat16, gen) for _ in range(4)]
+    out = poison((999,), torch.float32)
+    tk.bucket_reduce(buffers, op="sum", out=out, provider=provider)
+    assert_close(out, bucket_reduce_ref(buffers, "sum", torch.float32), 1e-6, 1e-6)
+
+
+def test_bucket_reduce_in_place_into_first_buffer(provider, gen):
+    buffers = [rand((4097,), torch.float32, gen) for _ in range(3)]
+    expected = bucket_reduce_ref(buffers, "avg", torch.float32)
+    tk.bucket_reduce(buffers, op="avg", out=buffers[0], provider=provider)
+    assert_close(buffers[0], expected, 1e-6, 1e-6)
+
+
+def test_bucket_reduce_max_propagates_nan(provider, gen):
+    a, b = rand((37,), torch.float32, gen), rand((37,), torch.float32, gen)
+    a[3] = float("nan")
+    b[10] = float("nan")
+    res = tk.bucket_reduce([a, b], op="max", provider=provider)
+    assert torch.isnan(res[3]) and torch.isnan(res[10])
+    mask = torch.ones(37, dtype=torch.bool)
+    mask[[3, 10]] = False
+    torch.testing.assert_close(res[mask], torch.maximum(a, b)[mask], atol=0, rtol=0)
+
+
+def test_bucket_reduce_float64(provider, gen):
+    buffers = [rand((1001,), torch.float64, gen) for _ in range(3)]
+    res = tk.bucket_reduce(buffers, op="avg", provider=provider)
+    assert_close(res, bucket_reduce_ref(buffers, "avg", torch.float64), 1e-15, 1e-15)
+
+
+# ---------------------------------------------------------------------------- one launch, many tensors
+
+
+class _LaunchCounter:
+    """Counts kernel launches through a Triton kernel's ``kernel[grid](...)``."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("count", [1, 3, 130, 600])
+def test_triton_launch_count_does_not_grow_with_tensor_count(count, gen, monkeypatch):
+    tensors = make_tensors(count, torch.float32, gen)
+    flat_counter = _LaunchCounter(bucket._flatten_kernel)
+    unflat_counter = _LaunchCounter(bucket._unflatten_kernel)
+    monkeypatch.setattr(bucket, "_flatten_kernel", flat_counter)
+    monkeypatch.setattr(bucket, "_unflatten_kernel", unflat_counter)
+    flat, layout = tk.flatten(tensors, provider="triton")
+    tk.unflatten(flat, layout, tensors, accumulate=True, provider="triton")
+    assert flat_counter.launches == 1
+    assert unflat_counter.launches == 1
+
+
+def test_triton_one_launch_per_dtype(gen, monkeypatch):
+    tensors = [rand((n,), torch.float32 if i % 2 else torch.bfloat16, gen) for i, n in enumerate(range(1, 520))]
+    counter = _LaunchCounter(bucket._flatten_kernel)
+    monkeypatch.setattr(bucket, "_flatten_kernel", counter)
+    flat, _ = tk.flatten(tensors, provider="triton")
+    assert counter.launches == 2
+    assert_close(flat, flatten_ref(tensors, torch.float32), 1e-6, 1e-6)
+
+
+def test_numba_launch_count_does_not_grow_with_tensor_count(gen, monkeypatch):
+    from torsh_kernels.ops import _numba
+
+    launches = []
+    real = _numba.launch
+    monkeypatch.setattr(_numba, "launch", lambda *a: (launches.append(a[0]), real(*a)))
+    tensors = make_tensors(600, torch.float32, gen)
+    flat, layout = tk.flatten(tensors, provider="numba")
+    tk.unflatten(flat, layout, tensors, provider="numba")
+    tk.bucket_reduce([flat, flat, flat], provider="numba")
+    assert len(launches) == 3
+
+
+def test_triton_bucket_reduce_single_launch(gen, monkeypatch):
+    counter = _LaunchCounter(bucket._bucket_reduce_kernel)
+    monkeypatch.setattr(bucket, "_bucket_reduce_kernel", counter)
+    tk.bucket_reduce([rand((5000,), torch.float32, gen) for _ in range(7)], provider="triton")
+    assert counter.launches == 1
+
+
+# ------------------------------------------------------------------------------ reuse across steps
+
+
+def test_tables_are_rebuilt_for_new_tensors_and_reread_for_new_data(provider, gen):
+    """Cached launch tables must never serve stale addresses: new tensors of the same shapes, and
+    old tensors with new contents, both give correct results."""
+    a = make_tensors(130, torch.float32, gen)
+    flat_a, layout = tk.flatten(a, provider=provider)
+    b = [like(t, gen) for t in a]  # same shapes and strides, new storage and data
+    flat_b, layout_b = tk.flatten(b, provider=provider)
+    assert layout_b == layout
+    assert_close(flat_b, flatten_ref(b, torch.float32), 0, 0)
+    for t in a:
+        t.mul_(-2.0)
+    flat_a2, _ = tk.flatten(a, out=torch.empty_like(flat_a), provider=provider)
+    assert_close(flat_a2, flatten_ref(a, torch.float32), 0, 0)
+    assert_close(flat_a2, flat_a * -2.0, 0, 0)
+
+
+def test_layout_is_small_picklable_and_reusable(gen):
+    tensors = make_tensors(130, torch.bfloat16, gen)
+    flat, layout = tk.flatten(tensors)
+    restored = pickle.loads(pickle.dumps(layout))
+    assert restored == layout
+    assert len(pickle.dumps(layout)) < 8192
+    views = restored.views(flat)
+    for v, t in zip(views, tensors):
+        assert v.shape == t.shape and torch.equal(v, t)
+    assert layout.nbytes == layout.total * 2
+    assert layout.offsets[1] == tensors[0].numel()
+
+
+def test_layout_rejects_inconsistent_fields():
+    with pytest.raises(tk.InvalidArgumentError, match="running sum"):
+        BucketLayout(((2,), (3,)), (torch.float32,) * 2, (0, 1), 5, torch.float32)
+    with pytest.raises(tk.InvalidArgumentError, match="add up to 5"):
+        BucketLayout(((2,), (3,)), (torch.float32,) * 2, (0, 2), 6, torch.float32)
+    with pytest.raises(tk.InvalidArgumentError, match="one dtype and one offset"):
+        BucketLayout(((2,),), (), (0,), 2, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_rejects_integer_tensors(provider):
+    with pytest.raises(tk.DTypeError, match=r"tensors\[1\] has dtype torch.int64"):
+        tk.flatten([torch.ones(3), torch.ones(3, dtype=torch.int64)], provider=provider)
+    with pytest.raises(TypeError):  # also a TypeError for callers who catch the built-in
+        tk.bucket_reduce([torch.ones(3, dtype=torch.int32)] * 2, provider=provider)
+    layout = BucketLayout.for_tensors([torch.ones(3)])
+    with pytest.raises(tk.DTypeError, match=r"flat has dtype torch\.int32"):
+        tk.unflatten(torch.ones(3, dtype=torch.int32), layout, [torch.ones(3)])
+    with pytest.raises(tk.DTypeError, match="not a floating-point dtype"):
+        tk.flatten([torch.ones(3)], dtype=torch.int8)
+
+
+def test_rejects_mixed_devices():
+    cpu, meta = torch.ones(3), torch.ones(3, device="meta")
+    with pytest.raises(tk.DeviceMismatchError, match=r"tensors\[1\] is on meta"):
+        tk.flatten([cpu, meta])
+    with pytest.raises(tk.DeviceMismatchError):
+        tk.bucket_reduce([cpu, meta])
+    layout = BucketLayout.for_tensors([cpu])
+    with pytest.raises(tk.DeviceMismatchError, match="flat is on cpu"):
+        tk.unflatten(cpu, layout, [meta])
+    with pytest.raises(tk.DeviceMismatchError, match="out is on meta"):
+        tk.flatten([cpu], out=torch.empty(3, device="meta"))
+
+
+def test_rejects_mismatched_layout():
+    tensors = [torch.ones(3, 4), torch.ones(5)]
+    flat, layout = tk.flatten(tensors)
+    with pytest.raises(tk.LayoutMismatchError, match="describes 2 tensors, got 1"):
+        tk.unflatten(flat, layout, [torch.ones(3, 4)])
+    with pytest.raises(tk.LayoutMismatchError, match=r"tensors\[0\] has shape \(4, 3\), the layout says \(3, 4\)"):
+        tk.unflatten(flat, layout, [torch.ones(4, 3), torch.ones(5)])
+    with pytest.raises(tk.LayoutMismatchError, match="flat has 16 elements but the layout describes 17"):
+        tk.unflatten(torch.ones(16), layout, tensors)
+    with pytest.raises(tk.ArgumentTypeError, match="layout must be a BucketLayout"):
+        tk.unflatten(flat, [(3, 4), (5,)], tensors)
+    assert isinstance(tk.LayoutMismatchError("x"), ValueError)
+
+
+def test_rejects_wrong_out():
+    tensors = [torch.ones(3, 4), torch.ones(5)]
+    with pytest.raises(tk.ShapeError, match="out has 16 elements but the tensors hold 17"):
+        tk.flatten(tensors, out=torch.empty(16))
+    with pytest.raises(tk.ShapeError, match="contiguous"):
+        tk.flatten(tensors, out=torch.empty(34)[::2])
+    with pytest.raises(tk.InvalidArgumentError, match=r"disagrees with out\.dtype"):
+        tk.flatten(tensors, out=torch.empty(17), dtype=torch.float16)
+    with pytest.raises(tk.ShapeError, match="overlaps"):
+        big = torch.ones(40)
+        tk.flatten([big[:10], big[10:17]], out=big[5:22])
+    with pytest.raises(tk.ShapeError, match=r"out has shape \(4\,\), the buffers \(5\,\)"):
+        tk.bucket_reduce([torch.ones(5)] * 2, out=torch.empty(4))
+    with pytest.raises(tk.ShapeError, match="overlaps"):
+        buf = torch.ones(10)
+        tk.bucket_reduce([buf[:5], torch.ones(5)], out=buf[2:7])
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(tk.ArgumentTypeError, match="list or tuple of tensors, got Tensor"):
+        tk.flatten(torch.ones(3))
+    with pytest.raises(tk.InvalidArgumentError, match="empty"):
+        tk.flatten([])
+    with pytest.raises(tk.ArgumentTypeError, match=r"tensors\[1\] is a list"):
+        tk.flatten([torch.ones(2), [1.0]])
+    with pytest.raises(tk.InvalidArgumentError, match="scale must be finite"):
+        tk.flatten([torch.ones(2)], scale=math.inf)
+    with pytest.raises(tk.ArgumentTypeError, match="scale must be a real number"):
+        tk.flatten([torch.ones(2)], scale=torch.tensor(2.0))
+    with pytest.raises(tk.InvalidArgumentError, match="op='mean'"):
+        tk.bucket_reduce([torch.ones(2)], op="mean")
+    with pytest.raises(tk.ShapeError, match=r"buffers\[1\] has shape \(3,\)"):
+        tk.bucket_reduce([torch.ones(2), torch.ones(3)])
+    with pytest.raises(tk.DTypeError, match="reduce buffers of one dtype"):
+        tk.bucket_reduce([torch.ones(2), torch.ones(2, dtype=torch.float16)])
+    with pytest.raises(tk.ShapeError, match="expanded"):
+        layout = BucketLayout.for_tensors([torch.ones(4, 3)])
+        tk.unflatten(torch.ones(12), layout, [torch.ones(3).expand(4, 3)])
+    with pytest.raises(tk.ShapeError, match="overlaps flat"):
+        flat = torch.ones(12)
+        layout = BucketLayout.for_tensors([torch.ones(6), torch.ones(6)])
+        tk.unflatten(flat, layout, [flat[1:7], torch.ones(6)])
+
+
+def test_rejects_unknown_provider():
+    with pytest.raises(tk.ProviderError, match="unknown provider 'cutlass'"):
+        tk.flatten([torch.ones(3)], provider="cutlass")
+    with pytest.raises(ValueError):
+        tk.bucket_reduce([torch.ones(3)], provider="cuda")
+
+
+def test_inputs_are_not_modified(provider, gen):
+    tensors = make_tensors(130, torch.bfloat16, gen)
+    before = [t.clone() for t in tensors]
+    flat, _ = tk.flatten(tensors, scale=3.0, dtype=torch.float32, provider=provider)
+    tk.bucket_reduce([flat, flat], provider=provider)
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b)
+
+
+# ------------------------------------------------------------------------------------------- opcheck
+
+
+@pytest.mark.parametrize("prov", ["torch", "triton", "numba"])
+def test_opcheck(prov, gen):
+    tensors = [rand((5, 3), torch.float32, gen), rand((7,), torch.bfloat16, gen), rand((2, 2), torch.float32, gen)]
+    flat = rand((15 + 7 + 4,), torch.float32, gen)
+    dests = [poison(t.shape, t.dtype) for t in tensors]
+    buffers = [rand((11,), torch.float32, gen) for _ in range(3)]
+    ops = torch.ops.torsh
+    cases = [
+        (ops.flatten.default, (tensors, torch.bfloat16, 0.5, prov)),
+        (ops.flatten_out.default, (tensors, poison((26,), torch.float32), 2.0, prov)),
+        (ops.unflatten.default, (flat, dests, 0.5, False, prov)),
+        (ops.unflatten.default, (flat, [rand(t.shape, t.dtype, gen) for t in tensors], 1.0, True, prov)),
+        (ops.bucket_reduce.default, (buffers, "avg", prov)),
+        (ops.bucket_reduce_out.default, (buffers, poison((11,), torch.float32), "max", prov)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+def test_custom_ops_compose_with_torch_compile(gen):
+    tensors = [rand((5, 3), torch.float32, gen), rand((7,), torch.float32, gen)]
+
+    def step(a, b):
+        flat = torch.ops.torsh.flatten(a_list := [a * 2, b], torch.float32, 0.5, "")
+        out = torch.ops.torsh.bucket_reduce([flat, flat], "sum", "")
+        return out, a_list
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    out, _ = compiled(*tensors)
+    expected = flatten_ref([tensors[0] * 2, tensors[1]], torch.float32, 0.5) * 2
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)

@@ -1,0 +1,127 @@
+"""Provider selection: explicit > TORSH_KERNELS_PROVIDER > tuned winner > device default, with fallback."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import torsh_kernels as tk
+from torsh_kernels.ops import bucket, registry
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Record which provider implementation of flatten runs (the real implementations still run)."""
+    seen: list[str] = []
+    for name, fn in list(bucket._flatten.impls.items()):
+        monkeypatch.setitem(bucket._flatten.impls, name, lambda *a, _n=name, _f=fn: (seen.append(_n), _f(*a)))
+    return seen
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    registry.set_tuned_lookup(None)
+    registry._logged.clear()
+    yield
+    registry.set_tuned_lookup(None)
+
+
+def run(provider=None):
+    return tk.flatten([torch.randn(5, device=DEVICE), torch.randn(3, 2, device=DEVICE)], provider=provider)
+
+
+@pytest.mark.parametrize("name", registry.PROVIDERS)
+def test_explicit_provider_is_the_one_that_runs(calls, name):
+    run(name)
+    assert calls == [name]
+
+
+def test_device_default(calls):
+    run()
+    assert calls == [registry.default_provider(DEVICE)]
+
+
+def test_env_var_beats_tuned_and_default(calls, monkeypatch):
+    registry.set_tuned_lookup(lambda op, dev, dtype, size: "triton")
+    monkeypatch.setenv(registry.ENV_VAR, "numba")
+    run()
+    assert calls == ["numba"]
+
+
+def test_explicit_beats_env_var(calls, monkeypatch):
+    monkeypatch.setenv(registry.ENV_VAR, "numba")
+    run("torch")
+    assert calls == ["torch"]
+
+
+def test_tuned_winner_beats_default_and_sees_the_call(calls):
+    seen = []
+    registry.set_tuned_lookup(lambda op, dev, dtype, size: seen.append((op, dev.type, dtype, size)) or "numba")
+    run()
+    assert calls == ["numba"]
+    assert seen == [("flatten", DEVICE.type, torch.float32, 11)]
+
+
+def test_unknown_env_provider_is_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(registry.ENV_VAR, "cuda")
+    with pytest.raises(tk.ProviderError, match="'cuda' from TORSH_KERNELS_PROVIDER"):
+        run()
+
+
+def test_automatic_choice_that_cannot_run_falls_back_with_one_debug_line(calls, monkeypatch, caplog):
+    monkeypatch.setattr(registry, "_numba_state", lambda: (None, False, "numba.cuda cannot be imported (test)"))
+    monkeypatch.setenv(registry.ENV_VAR, "numba")
+    with caplog.at_level(logging.DEBUG, logger="torsh_kernels"):
+        run()
+        run()
+    assert calls == [registry.default_provider(DEVICE)] * 2
+    lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(lines) == 1 and "numba" in lines[0] and "cannot be imported" in lines[0]
+
+
+def test_explicit_provider_that_cannot_run_raises(monkeypatch):
+    monkeypatch.setattr(registry, "_numba_state", lambda: (None, False, "numba.cuda cannot be imported (test)"))
+    with pytest.raises(tk.ProviderUnavailableError, match=r"'numba' was requested but cannot run.*cannot be imported"):
+        run("numba")
+    assert issubclass(tk.ProviderUnavailableError, RuntimeError)
+
+
+def test_can_run_explains_device_limits():
+    # In the test harness both slow modes are on (no GPU) or both compiled kernels are (GPU).
+    if DEVICE.type == "cpu":
+        assert registry.can_run("triton", torch.device("cpu")) is None
+        assert registry.can_run("numba", torch.device("cpu")) is None
+        assert "host arrays" in registry.can_run("numba", torch.device("cuda"))
+    assert registry.can_run("torch", torch.device("meta")) is None
+    with pytest.raises(tk.ProviderError):
+        registry.can_run("opencl", torch.device("cpu"))
+
+
+def test_providers_report_lists_every_provider_with_reasons():
+    report = tk.providers()
+    assert list(report) == ["triton", "numba", "torch"]
+    text = str(report)
+    for name in ("triton", "numba", "torch"):
+        assert name in text and report[name].version
+    if DEVICE.type == "cpu":
+        assert "interpreter" in report["triton"].mode and report["triton"].cpu is None
+        assert "simulator" in report["numba"].mode and report["numba"].cpu is None
+        assert report["torch"].cuda == "torch reports no usable CUDA device"
+    assert all(info.available for info in report.values())
+
+
+def test_providers_without_interpreter_or_simulator_explain_how_to_enable_them():
+    """A fresh process with neither switch set, as a user without a GPU would see it."""
+    code = "import torsh_kernels as tk; r = tk.providers(); print(r); print(r['triton'].cpu); print(r['numba'].cpu)"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    if not torch.cuda.is_available():
+        assert "set TRITON_INTERPRET=1 before importing torsh_kernels" in out
+        assert "set NUMBA_ENABLE_CUDASIM=1 before importing numba" in out
+    assert "torch" in out and "cpu tensors:   yes" in out

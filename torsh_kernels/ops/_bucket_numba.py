@@ -30,7 +30,9 @@ def flatten_kernel(src: torch.dtype, dst: torch.dtype):
         numel = table[r, 1]
         flat_off = table[r, 2]
         start = (blk - table[r, 3]) * tile_elems
-        end = min(start + tile_elems, numel)
+        end = start + tile_elems
+        if end > numel:
+            end = numel
         s = ctype(scale)
         i = start + cuda.threadIdx.x
         while i < end:
@@ -65,7 +67,9 @@ def unflatten_kernel(flat: torch.dtype, dst: torch.dtype):
         numel = table[r, 1]
         flat_off = table[r, 2]
         start = (blk - table[r, 3]) * tile_elems
-        end = min(start + tile_elems, numel)
+        end = start + tile_elems
+        if end > numel:
+            end = numel
         s = ctype(scale)
         i = start + cuda.threadIdx.x
         while i < end:
@@ -97,7 +101,9 @@ def reduce_kernel(src: torch.dtype, dst: torch.dtype, op: int):
     @cuda.jit
     def kernel(offsets, base, out, numel, tile_elems):
         start = cuda.blockIdx.x * tile_elems
-        end = min(start + tile_elems, numel)
+        end = start + tile_elems
+        if end > numel:
+            end = numel
         k_count = offsets.shape[0]
         i = start + cuda.threadIdx.x
         while i < end:

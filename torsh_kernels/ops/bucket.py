@@ -18,6 +18,7 @@ addresses), so steady-state training steps do not rebuild or re-upload them.
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from collections import OrderedDict
@@ -57,6 +58,7 @@ __all__ = [
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 REDUCE_OPS = ("sum", "avg", "max")
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
 _REDUCE_CODE = {"sum": 0, "avg": 1, "max": 2}
 
 # Kernel geometry. The autotuner (a later issue) searches these; the defaults suit memory-bound copies.
@@ -107,14 +109,23 @@ class BucketLayout:
     @classmethod
     def for_tensors(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> BucketLayout:
         """The dense layout of ``tensors``; the flat dtype defaults to their promoted dtype."""
-        shapes = tuple(tuple(t.shape) for t in tensors)
         numels = [t.numel() for t in tensors]
-        offsets = tuple(int(x) for x in np.cumsum([0, *numels[:-1]])) if numels else ()
+        dtypes = tuple(t.dtype for t in tensors)
         if dtype is None:
-            dtype = tensors[0].dtype
-            for t in tensors[1:]:
-                dtype = torch.promote_types(dtype, t.dtype)
-        return cls(shapes, tuple(t.dtype for t in tensors), offsets, int(sum(numels)), dtype)
+            dtype = dtypes[0]
+            for d in set(dtypes[1:]):
+                dtype = torch.promote_types(dtype, d)
+        # Consistent by construction, so skip __post_init__'s checks (they are per tensor, in Python).
+        layout = object.__new__(cls)
+        for name, value in (
+            ("shapes", tuple(tuple(t.shape) for t in tensors)),
+            ("dtypes", dtypes),
+            ("offsets", tuple(itertools.accumulate(numels[:-1], initial=0))),
+            ("total", sum(numels)),
+            ("dtype", dtype),
+        ):
+            object.__setattr__(layout, name, value)
+        return layout
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -148,9 +159,9 @@ def _check_tensor_list(tensors: object, what: str, arg: str) -> list[torch.Tenso
         raise ArgumentTypeError(f"{what}: {arg} must be a list or tuple of tensors, got {type(tensors).__name__}")
     if not tensors:
         raise InvalidArgumentError(f"{what}: {arg} is empty; pass at least one tensor")
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise ArgumentTypeError(f"{what}: {arg}[{i}] is a {type(t).__name__}, expected a torch.Tensor")
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        i = next(i for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
+        raise ArgumentTypeError(f"{what}: {arg}[{i}] is a {type(tensors[i]).__name__}, expected a torch.Tensor")
     return list(tensors)
 
 
@@ -162,14 +173,21 @@ def _check_float(t: torch.Tensor, what: str, name: str) -> None:
         )
 
 
-def _check_same_device(tensors: Sequence[torch.Tensor], what: str, names: Sequence[str]) -> torch.device:
+def _check_floats(tensors: Sequence[torch.Tensor], what: str, arg: str) -> None:
+    """All of ``tensors`` floating point (one set pass; the per-tensor walk only to name an offender)."""
+    if not {t.dtype for t in tensors} <= _FLOAT_SET:
+        for i, t in enumerate(tensors):
+            _check_float(t, what, f"{arg}[{i}]")
+
+
+def _check_same_device(tensors: Sequence[torch.Tensor], what: str, arg: str) -> torch.device:
     dev = tensors[0].device
-    for t, name in zip(tensors, names):
-        if t.device != dev:
-            raise DeviceMismatchError(
-                f"{what}: all tensors must be on one device; {names[0]} is on {dev} but {name} is on "
-                f"{t.device}. Move them with .to({str(dev)!r}) first."
-            )
+    if len({t.device for t in tensors}) > 1:
+        i = next(i for i, t in enumerate(tensors) if t.device != dev)
+        raise DeviceMismatchError(
+            f"{what}: all tensors must be on one device; {arg}[0] is on {dev} but {arg}[{i}] is on "
+            f"{tensors[i].device}. Move them with .to({str(dev)!r}) first."
+        )
     return dev
 
 
@@ -184,26 +202,32 @@ def _check_scale(scale: object, what: str) -> float:
 
 def _extent(t: torch.Tensor) -> int:
     """Elements spanned in memory from the first element to the last (0 for an empty tensor)."""
+    if t.is_contiguous():
+        return t.numel()
     if t.numel() == 0:
         return 0
     return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
 
 
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
-    lo = t.data_ptr()
-    return lo, lo + _extent(t) * t.element_size()
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
-    return a0 < b1 and b0 < a1
+def _overlapping(tensors: Sequence[torch.Tensor], other: torch.Tensor) -> np.ndarray:
+    """Boolean mask: which of ``tensors`` share at least one byte of memory with ``other``."""
+    if other.numel() == 0:
+        return np.zeros(len(tensors), dtype=bool)
+    n = len(tensors)
+    lo = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=n)
+    nbytes = np.fromiter((t.numel() if t.is_contiguous() else _extent(t) for t in tensors), dtype=np.int64, count=n)
+    if len({t.dtype for t in tensors}) == 1:
+        nbytes *= tensors[0].element_size()
+    else:
+        nbytes *= np.fromiter((t.element_size() for t in tensors), dtype=np.int64, count=n)
+    o_lo = other.data_ptr()
+    o_hi = o_lo + _extent(other) * other.element_size()
+    return (nbytes > 0) & (lo < o_hi) & (lo + nbytes > o_lo)
 
 
 def _has_internal_overlap(t: torch.Tensor) -> bool:
     """A stride-0 (expanded) dimension of size > 1 makes several elements share memory."""
-    return any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride()))
+    return not t.is_contiguous() and any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride()))
 
 
 def _check_flat(flat: object, layout: BucketLayout, what: str) -> torch.Tensor:
@@ -306,7 +330,7 @@ def _rows(
     return rows, tiles
 
 
-_TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
 _TABLES_MAX = 64
 
 
@@ -314,56 +338,72 @@ def _stream_key(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def _tables(rows: list[tuple[int, ...]], tiles: list[int], device: torch.device, tag: str):
-    """Device copies of the tensor table [R, NCOLS] int64 and the tile -> row map [n_tiles] int32.
-
-    Cached: the key holds everything the tables contain, so a hit is always correct; the stream is in
-    the key so a table is only used on the stream that uploaded it.
-    """
-    key = (tag, device, _stream_key(device), tuple(rows))
+def _cached(key: tuple, build):
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
         return hit
-    table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1)
-    tile_map = torch.from_numpy(np.repeat(np.arange(len(rows), dtype=np.int32), tiles))
-    if device.type == "cuda":
-        table, tile_map = table.to(device), tile_map.to(device)
-    _TABLES[key] = (table, tile_map)
+    _TABLES[key] = hit = build()
     if len(_TABLES) > _TABLES_MAX:
         _TABLES.popitem(last=False)
-    return table, tile_map
+    return hit
+
+
+def _tables(
+    tensors: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    addrs: Sequence[int],
+    tile: int,
+    device: torch.device,
+    tag: str,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(tensor table [R, NCOLS] int64, tile -> row map [n_tiles] int32, n_tiles) on ``device``.
+
+    Cached under a key of addresses, shapes, strides and offsets, which determine the tables' contents
+    entirely, so a hit is always correct and steady-state steps skip the per-tensor geometry work and
+    the upload. The stream is in the key, so a table is only used on the stream that uploaded it.
+    """  # fmt: skip
+    key = (
+        tag, device, _stream_key(device), tile, tuple(addrs), tuple(t.shape for t in tensors),
+        tuple(t.stride() for t in tensors), tuple(offsets),
+    )  # fmt: skip
+
+    def build() -> tuple[torch.Tensor, torch.Tensor, int]:
+        rows, tiles = _rows(tensors, offsets, addrs, tile)
+        table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), NCOLS)
+        tile_map = torch.from_numpy(np.repeat(np.arange(len(rows), dtype=np.int32), tiles))
+        if device.type == "cuda":
+            table, tile_map = table.to(device), tile_map.to(device)
+        return table, tile_map, int(sum(tiles))
+
+    return _cached(key, build)
 
 
 def _ptr_table(ptrs: list[int], device: torch.device, tag: str) -> torch.Tensor:
-    key = (tag, device, _stream_key(device), tuple(ptrs))
-    hit = _TABLES.get(key)
-    if hit is not None:
-        _TABLES.move_to_end(key)
-        return hit[0]
-    table = torch.tensor(ptrs, dtype=torch.int64)
-    if device.type == "cuda":
-        table = table.to(device)
-    _TABLES[key] = (table, table)
-    if len(_TABLES) > _TABLES_MAX:
-        _TABLES.popitem(last=False)
-    return table
+    def build() -> tuple[torch.Tensor, torch.Tensor, int]:
+        table = torch.tensor(ptrs, dtype=torch.int64)
+        table = table.to(device) if device.type == "cuda" else table
+        return table, table, len(ptrs)
+
+    return _cached((tag, device, _stream_key(device), tuple(ptrs)), build)[0]
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
     """Non-empty tensors grouped by dtype, with their flat offsets: one launch per group."""
+    if len({t.dtype for t in tensors}) == 1 and all(t.numel() for t in tensors):
+        return [(tensors[0].dtype, (tensors, offsets))]
     groups: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
     for t, off in zip(tensors, offsets):
         if t.numel():
             g = groups.setdefault(t.dtype, ([], []))
             g[0].append(t)
             g[1].append(off)
-    return groups.items()
+    return list(groups.items())
 
 
 def _readable(t: torch.Tensor) -> torch.Tensor:
     """A tensor the kernels can read: itself, or a contiguous copy if its strides need > MAX_DIMS dims."""
-    return t if _geometry(t) is not None else t.contiguous()
+    return t if t.is_contiguous() or _geometry(t) is not None else t.contiguous()
 
 
 class _Writable:
@@ -373,7 +413,7 @@ class _Writable:
         self.pairs = []
         self.targets = []
         for t in tensors:
-            if t.numel() and _geometry(t) is None:
+            if not t.is_contiguous() and t.numel() and _geometry(t) is None:
                 tmp = t.contiguous() if accumulate else torch.empty_like(t, memory_format=torch.contiguous_format)
                 self.pairs.append((t, tmp))
                 self.targets.append(tmp)
@@ -554,22 +594,28 @@ _reduce = Op("bucket_reduce")
 
 
 def _offsets(tensors: Sequence[torch.Tensor]) -> list[int]:
-    offs, o = [], 0
-    for t in tensors:
-        offs.append(o)
-        o += t.numel()
-    return offs
+    return list(itertools.accumulate((t.numel() for t in tensors[:-1]), initial=0))
+
+
+def _as_1d(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t if t.dim() == 1 else t.reshape(-1) for t in tensors]
+
+
+def _split_like(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``tensors`` (one split, then a view only where a shape needs it)."""
+    parts = flat.split([t.numel() for t in tensors])
+    return [p if t.dim() == 1 else p.view(t.shape) for p, t in zip(parts, tensors)]
 
 
 @_flatten.register("torch")
 def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> None:
-    parts = [t.reshape(-1) for t in tensors]
-    if scale == 1.0 and all(t.dtype == out.dtype for t in tensors):
+    parts = _as_1d(tensors)
+    if scale == 1.0 and {t.dtype for t in tensors} == {out.dtype}:
         torch.cat(parts, out=out)
         return
     for dtype, (ts, offs) in _by_dtype(tensors, _offsets(tensors)):
         c = _compute_dtype(dtype, out.dtype)
-        cat = torch.cat([t.reshape(-1) for t in ts])
+        cat = torch.cat(_as_1d(ts))
         cat = cat.to(c) if cat.dtype != c else cat
         if scale != 1.0:
             cat = cat * scale
@@ -585,9 +631,8 @@ def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float)
 def _flatten_triton(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> None:
     tensors = [_readable(t) for t in tensors]
     for dtype, (ts, offs) in _by_dtype(tensors, _offsets(tensors)):
-        rows, tiles = _rows(ts, offs, [t.data_ptr() for t in ts], TRITON_BLOCK)
-        table, tile_map = _tables(rows, tiles, out.device, "triton")
-        _flatten_kernel[(int(sum(tiles)),)](
+        table, tile_map, n_tiles = _tables(ts, offs, [t.data_ptr() for t in ts], TRITON_BLOCK, out.device, "triton")
+        _flatten_kernel[(n_tiles,)](
             table, tile_map, out, ts[0], _scale_bits(scale),
             BLOCK=TRITON_BLOCK, NCOL=NCOLS, HAS_SCALE=scale != 1.0,
             COMPUTE_F64=_compute_dtype(dtype, out.dtype) == torch.float64,
@@ -604,11 +649,10 @@ def _flatten_numba(tensors: list[torch.Tensor], out: torch.Tensor, scale: float)
     out_arr = nb.as_array(out)
     for ts, offs in _numba_groups(tensors, _offsets(tensors)):
         base, span, addrs = _numba_span(ts)
-        rows, tiles = _rows(ts, offs, addrs, NUMBA_TILE)
-        table, tile_map = _tables(rows, tiles, out.device, "numba")
+        table, tile_map, n_tiles = _tables(ts, offs, addrs, NUMBA_TILE, out.device, "numba")
         kernel = _bucket_numba.flatten_kernel(ts[0].dtype, out.dtype)
         nb.launch(
-            kernel, int(sum(tiles)), nb.THREADS, out.device,
+            kernel, n_tiles, nb.THREADS, out.device,
             nb.as_array(table), nb.as_array(tile_map), nb.span_array(base, span, ts[0].dtype),
             out_arr, scale, NUMBA_TILE,
         )  # fmt: skip
@@ -616,10 +660,15 @@ def _flatten_numba(tensors: list[torch.Tensor], out: torch.Tensor, scale: float)
 
 @_unflatten.register("torch")
 def _unflatten_torch(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool) -> None:
-    offs = _offsets(tensors)
-    for dtype, (ts, toffs) in _by_dtype(tensors, offs):
+    groups = _by_dtype(tensors, _offsets(tensors))
+    if len(groups) == 1 and len(groups[0][1][0]) == len(tensors):
+        all_views = _split_like(flat, tensors)  # the common case: every tensor, in order, one dtype
+    for dtype, (ts, toffs) in groups:
         c = _compute_dtype(dtype, flat.dtype)
-        views = [flat[o : o + t.numel()].view(t.shape) for t, o in zip(ts, toffs)]
+        if len(groups) == 1 and len(ts) == len(tensors):
+            views = all_views
+        else:
+            views = [flat[o : o + t.numel()].view(t.shape) for t, o in zip(ts, toffs)]
         if not accumulate and scale == 1.0:
             torch._foreach_copy_(ts, views)
             continue
@@ -635,9 +684,8 @@ def _unflatten_torch(flat: torch.Tensor, tensors: list[torch.Tensor], scale: flo
 def _unflatten_triton(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool) -> None:
     w = _Writable(tensors, accumulate)
     for dtype, (ts, offs) in _by_dtype(w.targets, _offsets(w.targets)):
-        rows, tiles = _rows(ts, offs, [t.data_ptr() for t in ts], TRITON_BLOCK)
-        table, tile_map = _tables(rows, tiles, flat.device, "triton")
-        _unflatten_kernel[(int(sum(tiles)),)](
+        table, tile_map, n_tiles = _tables(ts, offs, [t.data_ptr() for t in ts], TRITON_BLOCK, flat.device, "triton")
+        _unflatten_kernel[(n_tiles,)](
             table, tile_map, flat, ts[0], _scale_bits(scale),
             BLOCK=TRITON_BLOCK, NCOL=NCOLS, HAS_SCALE=scale != 1.0, ACCUMULATE=accumulate,
             COMPUTE_F64=_compute_dtype(dtype, flat.dtype) == torch.float64,
@@ -655,11 +703,10 @@ def _unflatten_numba(flat: torch.Tensor, tensors: list[torch.Tensor], scale: flo
     flat_arr = nb.as_array(flat)
     for ts, offs in _numba_groups(w.targets, _offsets(w.targets)):
         base, span, addrs = _numba_span(ts)
-        rows, tiles = _rows(ts, offs, addrs, NUMBA_TILE)
-        table, tile_map = _tables(rows, tiles, flat.device, "numba")
+        table, tile_map, n_tiles = _tables(ts, offs, addrs, NUMBA_TILE, flat.device, "numba")
         kernel = _bucket_numba.unflatten_kernel(flat.dtype, ts[0].dtype)
         nb.launch(
-            kernel, int(sum(tiles)), nb.THREADS, flat.device,
+            kernel, n_tiles, nb.THREADS, flat.device,
             nb.as_array(table), nb.as_array(tile_map), nb.span_array(base, span, ts[0].dtype),
             flat_arr, scale, accumulate, NUMBA_TILE,
         )  # fmt: skip
@@ -826,10 +873,8 @@ def flatten(
     """
     what = "torsh_kernels.flatten"
     tensors = _check_tensor_list(tensors, what, "tensors")
-    names = [f"tensors[{i}]" for i in range(len(tensors))]
-    for t, n in zip(tensors, names):
-        _check_float(t, what, n)
-    device = _check_same_device(tensors, what, names)
+    _check_floats(tensors, what, "tensors")
+    device = _check_same_device(tensors, what, "tensors")
     scale = _check_scale(scale, what)
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise DTypeError(f"{what}: dtype={dtype} is not a floating-point dtype the kernels write")
@@ -855,9 +900,9 @@ def flatten(
         )
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous (it is written as one flat range)")
-    for t, n in zip(tensors, names):
-        if _overlaps(t, out):
-            raise ShapeError(f"{what}: out overlaps {n}; flatten cannot write over its own input")
+    hits = np.flatnonzero(_overlapping(tensors, out))
+    if hits.size:
+        raise ShapeError(f"{what}: out overlaps tensors[{hits[0]}]; flatten cannot write over its own input")
     _flatten_out_op(tensors, out, scale, provider or "")
     return out.view(-1) if out.dim() != 1 else out, layout
 
@@ -884,20 +929,29 @@ def unflatten(
     tensors = _check_tensor_list(tensors, what, "tensors")
     if len(tensors) != len(layout):
         raise LayoutMismatchError(f"{what}: the layout describes {len(layout)} tensors, got {len(tensors)}")
-    names = [f"tensors[{i}]" for i in range(len(tensors))]
-    for i, (t, shape) in enumerate(zip(tensors, layout.shapes)):
-        if tuple(t.shape) != shape:
-            raise LayoutMismatchError(f"{what}: tensors[{i}] has shape {tuple(t.shape)}, the layout says {shape}")
-        _check_float(t, what, names[i])
+    if tuple(t.shape for t in tensors) != layout.shapes:
+        i = next(i for i, (t, s) in enumerate(zip(tensors, layout.shapes)) if tuple(t.shape) != s)
+        raise LayoutMismatchError(
+            f"{what}: tensors[{i}] has shape {tuple(tensors[i].shape)}, the layout says {layout.shapes[i]}"
+        )
+    _check_floats(tensors, what, "tensors")
+    for i, t in enumerate(tensors):
         if _has_internal_overlap(t):
             raise ShapeError(f"{what}: tensors[{i}] is expanded (a stride-0 dimension); it cannot be written")
-    _check_same_device([flat, *tensors], what, ["flat", *names])
+    if tensors[0].device != flat.device:
+        raise DeviceMismatchError(f"{what}: flat is on {flat.device} but tensors[0] is on {tensors[0].device}")
+    _check_same_device(tensors, what, "tensors")
     scale = _check_scale(scale, what)
-    fptr, fsz = flat.data_ptr(), flat.element_size()
-    for t, n, off in zip(tensors, names, layout.offsets):
-        exact_view = t.dtype == flat.dtype and t.is_contiguous() and t.data_ptr() == fptr + off * fsz
-        if not exact_view and _overlaps(t, flat):
-            raise ShapeError(f"{what}: {n} overlaps flat other than as its own slice; the result would be undefined")
+    hits = np.flatnonzero(_overlapping(tensors, flat))
+    if hits.size:
+        fptr, fsz = flat.data_ptr(), flat.element_size()
+        for i in hits.tolist():
+            t = tensors[i]
+            exact = t.dtype == flat.dtype and t.is_contiguous() and t.data_ptr() == fptr + layout.offsets[i] * fsz
+            if not exact:
+                raise ShapeError(
+                    f"{what}: tensors[{i}] overlaps flat other than as its own slice; the result would be undefined"
+                )
     _unflatten_op(flat, tensors, scale, bool(accumulate), provider or "")
 
 
@@ -922,7 +976,7 @@ def bucket_reduce(
         if not buffers:
             raise InvalidArgumentError(f"{what}: the stacked buffers tensor has K=0 rows")
     buffers = _check_tensor_list(buffers, what, "buffers")
-    names = [f"buffers[{i}]" for i in range(len(buffers))]
+    names = [f"buffers[{i}]" for i in range(len(buffers))]  # K is small (a world size, a few buffers)
     if op not in REDUCE_OPS:
         raise InvalidArgumentError(f"{what}: op={op!r}; expected one of {', '.join(map(repr, REDUCE_OPS))}")
     b0 = buffers[0]
@@ -932,7 +986,7 @@ def bucket_reduce(
             raise ShapeError(f"{what}: {n} has shape {tuple(b.shape)}, buffers[0] has {tuple(b0.shape)}")
         if b.dtype != b0.dtype:
             raise DTypeError(f"{what}: {n} is {b.dtype}, buffers[0] is {b0.dtype}; reduce buffers of one dtype")
-    device = _check_same_device(buffers, what, names)
+    device = _check_same_device(buffers, what, "buffers")
     if out is None:
         return _reduce_op(buffers, op, provider or "")
     if not isinstance(out, torch.Tensor):
@@ -944,9 +998,9 @@ def bucket_reduce(
         raise ShapeError(f"{what}: out has shape {tuple(out.shape)}, the buffers {tuple(b0.shape)}")
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous")
-    for b, n in zip(buffers, names):
+    for b, n, hit in zip(buffers, names, _overlapping(buffers, out)):
         same = b.data_ptr() == out.data_ptr() and b.dtype == out.dtype and b.is_contiguous()
-        if not same and _overlaps(b, out):
+        if hit and not same:
             raise ShapeError(f"{what}: out overlaps {n} without being the same tensor; the result would be undefined")
     _reduce_out_op(buffers, out, op, provider or "")
     return out

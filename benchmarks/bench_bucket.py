@@ -1,0 +1,13 @@
+"""flatten / unflatten / bucket_reduce against the torch peers; same as `torsh bench bucket`.
+
+python benchmarks/bench_bucket.py [--device cuda] [--json benchmarks/results/bucket-<gpu>.json]
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torsh_kernels.bench.bucket import main
+
+if __name__ == "__main__":
+    sys.exit(main())

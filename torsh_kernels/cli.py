@@ -1,0 +1,37 @@
+"""The ``torsh`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="torsh", description="torsh-kernels: fused kernels for distributed training")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("providers", help="which kernel providers can run here, and why not")
+
+    bench = sub.add_parser("bench", help="run a benchmark suite")
+    suites = bench.add_subparsers(dest="suite", required=True)
+    from .bench import bucket
+
+    bucket.add_arguments(
+        suites.add_parser("bucket", help="flatten / unflatten / bucket_reduce against the torch peers",
+                          description=bucket.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )  # fmt: skip
+
+    args = parser.parse_args(argv)
+    if args.command == "providers":
+        from . import providers
+
+        print(providers())
+        return 0
+    if args.command == "bench" and args.suite == "bucket":
+        return bucket.run(args)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

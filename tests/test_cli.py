@@ -1,0 +1,53 @@
+"""The torsh command line and the benchmark plumbing (tiny sizes; no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from torsh_kernels.bench.bucket import case_sizes
+from torsh_kernels.cli import main
+
+
+def test_bench_bucket_prints_tables_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "bucket.json"
+    rc = main(["bench", "bucket", "--device", "cpu", "--providers", "torch", "--cases", "a", "--scale", "0.002",
+               "--reps", "2", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    for needle in ("flatten", "unflatten", "bucket_reduce", "_flatten_dense_tensors", "torch.cat(out=)",
+                   "torch._foreach_copy_", "dst.copy_(src)", "GB/s", "of copy", "vs best peer"):  # fmt: skip
+        assert needle in text, needle
+    data = json.loads(out.read_text())
+    assert data["suite"] == "bucket" and data["device_type"] == "cpu"
+    assert {"torch", "triton", "numba", "torsh_kernels", "python"} <= set(data["versions"])
+    assert data["date"] and data["config"]["providers"] == ["torch"]
+    kinds = {(r["op"], r["kind"]) for r in data["results"]}
+    for op in ("flatten", "unflatten", "bucket_reduce"):
+        assert (op, "ours") in kinds and (op, "peer") in kinds
+    copy = next(r for r in data["results"] if r["kind"] == "copy")
+    assert copy["ratio_to_copy"] == 1.0
+    for r in data["results"]:
+        assert r["timing"]["median_ms"] > 0 and r["gbps"] > 0
+        assert r["timing"]["p20_ms"] <= r["timing"]["median_ms"] <= r["timing"]["p80_ms"]
+        if r["kind"] == "ours":
+            assert r["speedup_vs_best_peer"] > 0
+
+
+def test_bench_rejects_a_provider_that_cannot_run(capsys):
+    assert main(["bench", "bucket", "--device", "meta", "--providers", "numba", "--reps", "1"]) == 2
+    assert "cannot run" in capsys.readouterr().err
+
+
+def test_case_sizes_match_the_issue():
+    a = case_sizes("a")
+    assert len(a) == 200 and sum(a) * 4 == 100 * 2**20 and min(a) >= 1 and max(a) > 10 * min(a)
+    b = case_sizes("b")
+    assert len(b) == 2000 and set(b) == {1024}
+
+
+def test_console_script_providers():
+    out = subprocess.run([sys.executable, "-m", "torsh_kernels.cli", "providers"], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert "triton" in out and "numba" in out and "torch" in out

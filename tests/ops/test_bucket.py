@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import DTYPE_TOLS, poison, rand
+from conftest import DEVICE, DTYPE_TOLS, poison, rand
 
 import torsh_kernels as tk
 from torsh_kernels.ops import bucket
@@ -25,6 +25,8 @@ def make_tensors(count: int, dtype: torch.dtype, gen: torch.Generator) -> list[t
         lambda: r(0),
         lambda: r(17, 241).t(),  # 4097 elements, transposed
         lambda: r(1),
+        lambda: r(4, 5, 6)[:, ::2, 1:],  # three dimensions after coalescing
+        lambda: r(3, 4, 5, 6)[:, ::2, :, ::2].permute(3, 1, 0, 2),  # four dimensions after coalescing
         lambda: r(6, 9)[:, 1::2],
         lambda: r(3, 4, 5).permute(2, 0, 1),
         lambda: r(2, 3, 4, 5, 6)[:, ::2, :, 1:, ::3].transpose(0, 4),
@@ -39,6 +41,16 @@ def make_tensors(count: int, dtype: torch.dtype, gen: torch.Generator) -> list[t
         else:
             out.append(r(n))
     return out
+
+
+def test_test_tensors_cover_every_kernel_path(gen):
+    """The tensors of make_tensors reach the contiguous path, the strided path with 2, 3 and 4 coalesced
+    dimensions, and the contiguous-copy fallback (5 dimensions)."""
+    dims = set()
+    for t in make_tensors(13, torch.float32, gen):
+        g = bucket._geometry(t)
+        dims.add("fallback" if g is None else ("contiguous" if g[0] else sum(1 for s in g[1] if s > 1)))
+    assert {"contiguous", 2, 3, 4, "fallback"} <= dims, dims
 
 
 def like(t: torch.Tensor, gen: torch.Generator, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -203,6 +215,42 @@ def test_bucket_reduce_float64(provider, gen):
     buffers = [rand((1001,), torch.float64, gen) for _ in range(3)]
     res = tk.bucket_reduce(buffers, op="avg", provider=provider)
     assert_close(res, bucket_reduce_ref(buffers, "avg", torch.float64), 1e-15, 1e-15)
+
+
+def rounding_probe() -> torch.Tensor:
+    """fp32 values whose conversion to bf16 / fp16 depends on the rounding mode: exact ties (to even,
+    up and down), just above and below half an ulp, overflow, subnormals, signed zeros, inf and NaN."""
+    vals = []
+    for e in (-20, -3, 0, 5, 14):
+        base = 2.0**e
+        for frac in (2**-8, 2**-8 + 2**-9, 2**-8 + 2**-20, 2**-9 + 2**-20, 3 * 2**-8, 2**-11, 2**-11 + 2**-20,
+                     3 * 2**-11, 2**-12):  # fmt: skip
+            vals += [base * (1 + frac), -base * (1 + frac)]
+    vals += [3.4e38, 65519.0, 65520.0, 1e-40, -1e-40, 6e-8, 1e-45, 0.0, -0.0, math.inf, -math.inf, math.nan]
+    return torch.tensor(vals, dtype=torch.float32, device=DEVICE)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 3.4e38 -> fp16 inf, on purpose
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_casts_round_to_nearest_even(provider, dtype):
+    """Bit for bit: every provider converts as PyTorch does (round to nearest, ties to even)."""
+    x = rounding_probe()
+    expected = x.to(dtype)
+    nan = torch.isnan(x)
+
+    def same_bits(actual: torch.Tensor) -> None:
+        # NaN payloads differ between PyTorch's own CPU and CUDA conversions; a NaN must stay a NaN.
+        assert torch.isnan(actual[nan]).all()
+        assert torch.equal(actual[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+    flat, _ = tk.flatten([x[:40], x[40:]], dtype=dtype, provider=provider)
+    same_bits(flat)
+    dests = [poison((x.numel(),), dtype)]
+    tk.unflatten(x, BucketLayout.for_tensors(dests), dests, provider=provider)
+    same_bits(dests[0])
+    out = poison((x.numel(),), dtype)
+    tk.bucket_reduce([x], op="sum", out=out, provider=provider)
+    same_bits(out)
 
 
 # ---------------------------------------------------------------------------- one launch, many tensors

@@ -8,6 +8,8 @@ import pickle
 import pytest
 import torch
 from conftest import DEVICE, DTYPE_TOLS, poison, rand
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import torsh_kernels as tk
 from torsh_kernels.ops import bucket
@@ -430,6 +432,17 @@ def test_rejects_bad_arguments():
     with pytest.raises(tk.ShapeError, match="expanded"):
         layout = BucketLayout.for_tensors([torch.ones(4, 3)])
         tk.unflatten(torch.ones(12), layout, [torch.ones(3).expand(4, 3)])
+    with pytest.raises(tk.ShapeError, match=r"tensors\[0\] and tensors\[2\] share memory"):
+        base = torch.ones(20)
+        layout = BucketLayout.for_tensors([torch.ones(6), torch.ones(3), torch.ones(6)])
+        tk.unflatten(torch.ones(15), layout, [base[:6], torch.ones(3), base[4:10]])
+    with pytest.raises(tk.ShapeError, match=r"tensors\[0\] and tensors\[1\] share memory"):
+        t = torch.ones(4)
+        tk.unflatten(torch.ones(8), BucketLayout.for_tensors([t, t]), [t, t])
+    # interleaved strided views of one storage share a byte range, not elements: allowed
+    m = torch.zeros(5, 2)
+    tk.unflatten(torch.arange(10.0), BucketLayout.for_tensors([m[:, 0], m[:, 1]]), [m[:, 0], m[:, 1]])
+    assert torch.equal(m.t().reshape(-1), torch.arange(10.0))
     with pytest.raises(tk.ShapeError, match="overlaps flat"):
         flat = torch.ones(12)
         layout = BucketLayout.for_tensors([torch.ones(6), torch.ones(6)])
@@ -486,3 +499,22 @@ def test_custom_ops_compose_with_torch_compile(gen):
     out, _ = compiled(*tensors)
     expected = flatten_ref([tensors[0] * 2, tensors[1]], torch.float32, 0.5) * 2
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)), min_size=0, max_size=12))
+@settings(max_examples=300, deadline=None)
+def test_contiguous_clash_agrees_with_pairwise_check(spans):
+    """Views (start, length) of one storage: the sort-based check finds a clash exactly when some pair
+    of non-empty views overlaps, and any pair it names does overlap."""
+    storage = torch.zeros(80)
+    views = [storage[a : a + n] for a, n in spans]
+    clash = bucket._Ranges.of(views).contiguous_clash() if views else None
+
+    def overlap(i: int, j: int) -> bool:
+        (a, n), (b, m) = spans[i], spans[j]
+        return n > 0 and m > 0 and a < b + m and b < a + n
+
+    pairs = [(i, j) for i in range(len(spans)) for j in range(i + 1, len(spans)) if overlap(i, j)]
+    assert (clash is None) == (not pairs)
+    if clash is not None:
+        assert clash[0] < clash[1] and overlap(*clash)

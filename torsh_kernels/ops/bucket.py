@@ -21,8 +21,10 @@ from __future__ import annotations
 import itertools
 import math
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,20 +211,48 @@ def _extent(t: torch.Tensor) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
 
 
-def _overlapping(tensors: Sequence[torch.Tensor], other: torch.Tensor) -> np.ndarray:
-    """Boolean mask: which of ``tensors`` share at least one byte of memory with ``other``."""
-    if other.numel() == 0:
-        return np.zeros(len(tensors), dtype=bool)
-    n = len(tensors)
-    lo = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=n)
-    nbytes = np.fromiter((t.numel() if t.is_contiguous() else _extent(t) for t in tensors), dtype=np.int64, count=n)
-    if len({t.dtype for t in tensors}) == 1:
-        nbytes *= tensors[0].element_size()
-    else:
-        nbytes *= np.fromiter((t.element_size() for t in tensors), dtype=np.int64, count=n)
-    o_lo = other.data_ptr()
-    o_hi = o_lo + _extent(other) * other.element_size()
-    return (nbytes > 0) & (lo < o_hi) & (lo + nbytes > o_lo)
+@dataclass(frozen=True, slots=True)
+class _Ranges:
+    """Byte ranges of a list of tensors: [lo, lo + nbytes), and which tensors are contiguous."""
+
+    lo: np.ndarray
+    nbytes: np.ndarray
+    contig: np.ndarray
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> _Ranges:
+        n = len(tensors)
+        contig = np.fromiter((t.is_contiguous() for t in tensors), dtype=bool, count=n)
+        lo = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=n)
+        nbytes = np.fromiter((t.numel() if c else _extent(t) for t, c in zip(tensors, contig)), np.int64, n)
+        if len({t.dtype for t in tensors}) == 1:
+            nbytes *= tensors[0].element_size()
+        else:
+            nbytes *= np.fromiter((t.element_size() for t in tensors), dtype=np.int64, count=n)
+        return cls(lo, nbytes, contig)
+
+    def overlapping(self, other: torch.Tensor) -> np.ndarray:
+        """Boolean mask: which tensors share at least one byte of memory range with ``other``."""
+        if other.numel() == 0:
+            return np.zeros(len(self.lo), dtype=bool)
+        o_lo = other.data_ptr()
+        o_hi = o_lo + _extent(other) * other.element_size()
+        return (self.nbytes > 0) & (self.lo < o_hi) & (self.lo + self.nbytes > o_lo)
+
+    def contiguous_clash(self) -> tuple[int, int] | None:
+        """Indices of two contiguous, non-empty tensors sharing memory, or None. (Strided views are left
+        out: interleaved views of one storage share a byte range without sharing elements.)"""
+        idx = np.flatnonzero(self.contig & (self.nbytes > 0))
+        if idx.size < 2:
+            return None
+        order = idx[np.argsort(self.lo[idx], kind="stable")]
+        lo, hi = self.lo[order], self.lo[order] + self.nbytes[order]
+        clash = np.flatnonzero(lo[1:] < np.maximum.accumulate(hi)[:-1])
+        if not clash.size:
+            return None
+        k = int(clash[0]) + 1
+        earlier = next(int(j) for j in range(k) if hi[j] > lo[k])
+        return tuple(sorted((int(order[earlier]), int(order[k]))))
 
 
 def _has_internal_overlap(t: torch.Tensor) -> bool:
@@ -338,15 +368,21 @@ def _stream_key(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
+_TABLES_LOCK = threading.Lock()  # DDP comm hooks and autograd hooks may call from several threads
+
+
 def _cached(key: tuple, build):
-    hit = _TABLES.get(key)
-    if hit is not None:
-        _TABLES.move_to_end(key)
-        return hit
-    _TABLES[key] = hit = build()
-    if len(_TABLES) > _TABLES_MAX:
-        _TABLES.popitem(last=False)
-    return hit
+    with _TABLES_LOCK:
+        hit = _TABLES.get(key)
+        if hit is not None:
+            _TABLES.move_to_end(key)
+            return hit
+    value = build()
+    with _TABLES_LOCK:
+        _TABLES[key] = value
+        if len(_TABLES) > _TABLES_MAX:
+            _TABLES.popitem(last=False)
+    return value
 
 
 def _tables(
@@ -794,11 +830,17 @@ def _(tensors, out, scale, provider):
     return None
 
 
+def _on(device: torch.device):
+    """Launch on the tensors' GPU (Triton launches on the current device), not on whatever is current."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
 def _flatten_into(tensors: list[torch.Tensor], out: torch.Tensor, scale: float, provider: str) -> None:
     if out.numel() == 0:
         return
     name = _flatten.select(out.device, out.dtype, out.numel(), provider or None)
-    _flatten(name, tensors, out.view(-1), scale)
+    with _on(out.device):
+        _flatten(name, tensors, out.view(-1), scale)
 
 
 @torch.library.custom_op("torsh::unflatten", mutates_args=("tensors",))
@@ -808,7 +850,8 @@ def _unflatten_op(
     if flat.numel() == 0:
         return
     name = _unflatten.select(flat.device, flat.dtype, flat.numel(), provider or None)
-    _unflatten(name, flat.reshape(-1).contiguous(), tensors, scale, accumulate)
+    with _on(flat.device):
+        _unflatten(name, flat.reshape(-1).contiguous(), tensors, scale, accumulate)
 
 
 @_unflatten_op.register_fake
@@ -842,7 +885,8 @@ def _reduce_into(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provid
     if out.numel() == 0:
         return
     name = _reduce.select(out.device, buffers[0].dtype, out.numel(), provider or None)
-    _reduce(name, [b.contiguous().view(-1) for b in buffers], out.view(-1), op)
+    with _on(out.device):
+        _reduce(name, [b.contiguous().view(-1) for b in buffers], out.view(-1), op)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -900,7 +944,7 @@ def flatten(
         )
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous (it is written as one flat range)")
-    hits = np.flatnonzero(_overlapping(tensors, out))
+    hits = np.flatnonzero(_Ranges.of(tensors).overlapping(out))
     if hits.size:
         raise ShapeError(f"{what}: out overlaps tensors[{hits[0]}]; flatten cannot write over its own input")
     _flatten_out_op(tensors, out, scale, provider or "")
@@ -919,8 +963,9 @@ def unflatten(
     """Write ``flat * scale`` back into ``tensors`` in place (or add it to them), in one launch per dtype.
 
     Each value is computed in fp32 (fp64 if an operand is fp64) and cast to its tensor's dtype.
-    ``tensors`` must have the layout's shapes; they may be non-contiguous, but not expanded (stride 0)
-    and not overlapping ``flat`` unless they are exactly its slices (as with DDP's bucket views).
+    ``tensors`` must have the layout's shapes; they may be non-contiguous, but not expanded (stride 0),
+    not sharing memory with each other, and not overlapping ``flat`` unless they are exactly its slices
+    (as with DDP's bucket views).
     """
     what = "torsh_kernels.unflatten"
     if not isinstance(layout, BucketLayout):
@@ -942,7 +987,14 @@ def unflatten(
         raise DeviceMismatchError(f"{what}: flat is on {flat.device} but tensors[0] is on {tensors[0].device}")
     _check_same_device(tensors, what, "tensors")
     scale = _check_scale(scale, what)
-    hits = np.flatnonzero(_overlapping(tensors, flat))
+    ranges = _Ranges.of(tensors)
+    clash = ranges.contiguous_clash()
+    if clash is not None:
+        raise ShapeError(
+            f"{what}: tensors[{clash[0]}] and tensors[{clash[1]}] share memory; writing both would race. "
+            "Pass each destination once."
+        )
+    hits = np.flatnonzero(ranges.overlapping(flat))
     if hits.size:
         fptr, fsz = flat.data_ptr(), flat.element_size()
         for i in hits.tolist():
@@ -998,7 +1050,7 @@ def bucket_reduce(
         raise ShapeError(f"{what}: out has shape {tuple(out.shape)}, the buffers {tuple(b0.shape)}")
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous")
-    for b, n, hit in zip(buffers, names, _overlapping(buffers, out)):
+    for b, n, hit in zip(buffers, names, _Ranges.of(buffers).overlapping(out)):
         same = b.data_ptr() == out.data_ptr() and b.dtype == out.dtype and b.is_contiguous()
         if hit and not same:
             raise ShapeError(f"{what}: out overlaps {n} without being the same tensor; the result would be undefined")

@@ -16,6 +16,32 @@ from numba import cuda
 from . import _numba as nb
 
 
+@cuda.jit(device=True, inline=True)
+def tile_span(table, tile_map, tile_elems):
+    """(row, tensor address, flat offset, this thread's first index, end index) for this block."""
+    blk = cuda.blockIdx.x
+    r = tile_map[blk]
+    start = (blk - table[r, 3]) * tile_elems
+    end = start + tile_elems
+    if end > table[r, 1]:
+        end = table[r, 1]
+    return r, table[r, 0], table[r, 2], start + cuda.threadIdx.x, end
+
+
+@cuda.jit(device=True, inline=True)
+def element_offset(table, r, i):
+    """Element offset (from the tensor's address) of linear index i of table row r."""
+    if table[r, 4] != 0:
+        return i
+    i3 = i % table[r, 7]
+    q = i // table[r, 7]
+    i2 = q % table[r, 6]
+    q = q // table[r, 6]
+    i1 = q % table[r, 5]
+    i0 = q // table[r, 5]
+    return i0 * table[r, 8] + i1 * table[r, 9] + i2 * table[r, 10] + i3 * table[r, 11]
+
+
 @cache
 def flatten_kernel(src: torch.dtype, dst: torch.dtype):
 
@@ -24,28 +50,10 @@ def flatten_kernel(src: torch.dtype, dst: torch.dtype):
 
     @cuda.jit
     def kernel(table, tile_map, base, out, scale, tile_elems):
-        blk = cuda.blockIdx.x
-        r = tile_map[blk]
-        addr = table[r, 0]
-        numel = table[r, 1]
-        flat_off = table[r, 2]
-        start = (blk - table[r, 3]) * tile_elems
-        end = start + tile_elems
-        if end > numel:
-            end = numel
+        r, addr, flat_off, i, end = tile_span(table, tile_map, tile_elems)
         s = ctype(scale)
-        i = start + cuda.threadIdx.x
         while i < end:
-            if table[r, 4] != 0:
-                off = i
-            else:
-                i3 = i % table[r, 7]
-                q = i // table[r, 7]
-                i2 = q % table[r, 6]
-                q = q // table[r, 6]
-                i1 = q % table[r, 5]
-                i0 = q // table[r, 5]
-                off = i0 * table[r, 8] + i1 * table[r, 9] + i2 * table[r, 10] + i3 * table[r, 11]
+            off = element_offset(table, r, i)
             store(out, flat_off + i, load(base, addr + off) * s)
             i += cuda.blockDim.x
 
@@ -61,28 +69,10 @@ def unflatten_kernel(flat: torch.dtype, dst: torch.dtype):
 
     @cuda.jit
     def kernel(table, tile_map, base, flat_arr, scale, accumulate, tile_elems):
-        blk = cuda.blockIdx.x
-        r = tile_map[blk]
-        addr = table[r, 0]
-        numel = table[r, 1]
-        flat_off = table[r, 2]
-        start = (blk - table[r, 3]) * tile_elems
-        end = start + tile_elems
-        if end > numel:
-            end = numel
+        r, addr, flat_off, i, end = tile_span(table, tile_map, tile_elems)
         s = ctype(scale)
-        i = start + cuda.threadIdx.x
         while i < end:
-            if table[r, 4] != 0:
-                off = i
-            else:
-                i3 = i % table[r, 7]
-                q = i // table[r, 7]
-                i2 = q % table[r, 6]
-                q = q // table[r, 6]
-                i1 = q % table[r, 5]
-                i0 = q // table[r, 5]
-                off = i0 * table[r, 8] + i1 * table[r, 9] + i2 * table[r, 10] + i3 * table[r, 11]
+            off = element_offset(table, r, i)
             v = load_flat(flat_arr, flat_off + i) * s
             if accumulate:
                 v = load_dst(base, addr + off) + v

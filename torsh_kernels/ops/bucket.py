@@ -504,6 +504,28 @@ if _HAVE_TRITON:
             off = i0 * tl.load(row + 8) + i1 * tl.load(row + 9) + i2 * tl.load(row + 10) + i3 * tl.load(row + 11)
         return off
 
+    @triton.jit
+    def _tile(table_ptr, tile_ptr, BLOCK: tl.constexpr, NCOL: tl.constexpr):
+        """This program's table row, its tensor's offset in the flat buffer, its indices and mask."""
+        pid = tl.program_id(0).to(tl.int64)
+        row = table_ptr + tl.load(tile_ptr + pid).to(tl.int64) * NCOL
+        idx = (pid - tl.load(row + 3)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        return row, tl.load(row + 2), idx, idx < tl.load(row + 1)
+
+    @triton.jit
+    def _scaled(x, scale_bits, HAS_SCALE: tl.constexpr, COMPUTE_F64: tl.constexpr):
+        """x in the compute dtype, times the scale (passed as its fp64 bits; rounded once for fp32)."""
+        if COMPUTE_F64:
+            x = x.to(tl.float64)
+        else:
+            x = x.to(tl.float32)
+        if HAS_SCALE:
+            s = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
+            if not COMPUTE_F64:
+                s = s.to(tl.float32)
+            x = x * s
+        return x
+
     @triton.jit(do_not_specialize=["scale_bits"])
     def _flatten_kernel(
         table_ptr,
@@ -516,23 +538,9 @@ if _HAVE_TRITON:
         HAS_SCALE: tl.constexpr,
         COMPUTE_F64: tl.constexpr,
     ):
-        pid = tl.program_id(0).to(tl.int64)
-        row = table_ptr + tl.load(tile_ptr + pid).to(tl.int64) * NCOL
+        row, flat_off, idx, mask = _tile(table_ptr, tile_ptr, BLOCK, NCOL)
         src = tl.load(row).to(ref_ptr.dtype)
-        numel = tl.load(row + 1)
-        flat_off = tl.load(row + 2)
-        idx = (pid - tl.load(row + 3)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        mask = idx < numel
-        x = tl.load(src + _element_offsets(row, idx), mask=mask)
-        if COMPUTE_F64:
-            x = x.to(tl.float64)
-        else:
-            x = x.to(tl.float32)
-        if HAS_SCALE:
-            s = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-            if not COMPUTE_F64:
-                s = s.to(tl.float32)
-            x = x * s
+        x = _scaled(tl.load(src + _element_offsets(row, idx), mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
         tl.store(out_ptr + flat_off + idx, _cast(x, out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["scale_bits"])
@@ -548,27 +556,12 @@ if _HAVE_TRITON:
         ACCUMULATE: tl.constexpr,
         COMPUTE_F64: tl.constexpr,
     ):
-        pid = tl.program_id(0).to(tl.int64)
-        row = table_ptr + tl.load(tile_ptr + pid).to(tl.int64) * NCOL
-        dst = tl.load(row).to(ref_ptr.dtype)
-        numel = tl.load(row + 1)
-        flat_off = tl.load(row + 2)
-        idx = (pid - tl.load(row + 3)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        mask = idx < numel
-        dst_off = _element_offsets(row, idx)
-        x = tl.load(flat_ptr + flat_off + idx, mask=mask)
-        if COMPUTE_F64:
-            x = x.to(tl.float64)
-        else:
-            x = x.to(tl.float32)
-        if HAS_SCALE:
-            s = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-            if not COMPUTE_F64:
-                s = s.to(tl.float32)
-            x = x * s
+        row, flat_off, idx, mask = _tile(table_ptr, tile_ptr, BLOCK, NCOL)
+        dst = tl.load(row).to(ref_ptr.dtype) + _element_offsets(row, idx)
+        x = _scaled(tl.load(flat_ptr + flat_off + idx, mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
         if ACCUMULATE:
-            x = tl.load(dst + dst_off, mask=mask).to(x.dtype) + x
-        tl.store(dst + dst_off, _cast(x, ref_ptr.dtype.element_ty), mask=mask)
+            x = tl.load(dst, mask=mask).to(x.dtype) + x
+        tl.store(dst, _cast(x, ref_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _bucket_reduce_kernel(

@@ -360,7 +360,7 @@ def _rows(
     return rows, tiles
 
 
-_TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
+_TABLES: OrderedDict[tuple, object] = OrderedDict()  # launch tables, see _tables and _ptr_table
 _TABLES_MAX = 64
 
 
@@ -398,7 +398,7 @@ def _tables(
     Cached under a key of addresses, shapes, strides and offsets, which determine the tables' contents
     entirely, so a hit is always correct and steady-state steps skip the per-tensor geometry work and
     the upload. The stream is in the key, so a table is only used on the stream that uploaded it.
-    """  # fmt: skip
+    """
     key = (
         tag, device, _stream_key(device), tile, tuple(addrs), tuple(t.shape for t in tensors),
         tuple(t.stride() for t in tensors), tuple(offsets),
@@ -416,12 +416,13 @@ def _tables(
 
 
 def _ptr_table(ptrs: list[int], device: torch.device, tag: str) -> torch.Tensor:
-    def build() -> tuple[torch.Tensor, torch.Tensor, int]:
-        table = torch.tensor(ptrs, dtype=torch.int64)
-        table = table.to(device) if device.type == "cuda" else table
-        return table, table, len(ptrs)
+    """A cached int64 tensor of addresses (or offsets) on ``device``."""
 
-    return _cached((tag, device, _stream_key(device), tuple(ptrs)), build)[0]
+    def build() -> torch.Tensor:
+        table = torch.tensor(ptrs, dtype=torch.int64)
+        return table.to(device) if device.type == "cuda" else table
+
+    return _cached((tag, device, _stream_key(device), tuple(ptrs)), build)
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
@@ -638,9 +639,18 @@ def _split_like(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[tor
 
 @_flatten.register("torch")
 def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> None:
-    parts = _as_1d(tensors)
-    if scale == 1.0 and {t.dtype for t in tensors} == {out.dtype}:
-        torch.cat(parts, out=out)
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) == 1:  # one group covering the whole bucket, in order: whole-buffer ops
+        (dtype,) = dtypes
+        c = _compute_dtype(dtype, out.dtype)
+        if dtype == out.dtype == c or (dtype == out.dtype and scale == 1.0):
+            torch.cat(_as_1d(tensors), out=out)  # exact copy, then scale in place in the compute dtype
+            if scale != 1.0:
+                out.mul_(scale)
+        else:
+            cat = torch.cat(_as_1d(tensors))
+            cat = cat.to(c) if cat.dtype != c else cat
+            out.copy_(cat * scale if scale != 1.0 else cat)
         return
     for dtype, (ts, offs) in _by_dtype(tensors, _offsets(tensors)):
         c = _compute_dtype(dtype, out.dtype)

@@ -267,8 +267,7 @@ class ProviderReport(Mapping[str, ProviderInfo]):
 def providers() -> ProviderReport:
     """What each provider can run here, and why not where it cannot."""
     cuda_dev, cpu_dev = torch.device("cuda"), torch.device("cpu")
-    have_cuda = torch.cuda.is_available()
-    infos = [ProviderInfo("torch", _version("torch"), "eager PyTorch ops (the reference path)", None, None)]
+    no_cuda = None if torch.cuda.is_available() else "torch reports no usable CUDA device"
 
     tv, interpreted, terr = _triton_state()
     if terr:
@@ -277,7 +276,6 @@ def providers() -> ProviderReport:
         tmode = "interpreter (TRITON_INTERPRET=1): kernels run in Python on host memory, slowly"
     else:
         tmode = "compiled kernels on CUDA devices"
-    infos.insert(0, ProviderInfo("triton", tv, tmode, can_run("triton", cuda_dev), can_run("triton", cpu_dev)))
 
     nv, simulator, nerr = _numba_state()
     if nerr:
@@ -286,13 +284,11 @@ def providers() -> ProviderReport:
         nmode = "CUDA simulator (NUMBA_ENABLE_CUDASIM=1): kernels run in Python on host arrays, slowly"
     else:
         nmode = "CUDA kernels through __cuda_array_interface__"
-    ncuda = can_run("numba", cuda_dev)
-    if not have_cuda and ncuda is None:  # Numba sees a GPU that this torch build cannot use
-        ncuda = "this torch build has no CUDA support"
-    infos.insert(1, ProviderInfo("numba", nv, nmode, ncuda, can_run("numba", cpu_dev)))
-    if not have_cuda:
-        infos = [
-            ProviderInfo(i.name, i.version, i.mode, i.cuda or "torch reports no usable CUDA device", i.cpu)
-            for i in infos
+
+    return ProviderReport(
+        [
+            ProviderInfo("triton", tv, tmode, no_cuda or can_run("triton", cuda_dev), can_run("triton", cpu_dev)),
+            ProviderInfo("numba", nv, nmode, no_cuda or can_run("numba", cuda_dev), can_run("numba", cpu_dev)),
+            ProviderInfo("torch", _version("torch"), "eager PyTorch ops (the reference path)", no_cuda, None),
         ]
-    return ProviderReport(infos)
+    )

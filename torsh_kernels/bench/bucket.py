@@ -90,7 +90,7 @@ def run_case(case: str, device: torch.device, providers: list[str], reps: int, s
         add("flatten", f"torsh[{p}]", "ours", lambda p=p: tk.flatten(tensors, out=flat, provider=p), 2 * nbytes)
     add("flatten", "_flatten_dense_tensors", "peer", lambda: _flatten_dense_tensors(tensors), 2 * nbytes)
     add("flatten", "torch.cat(out=)", "peer", lambda: torch.cat(tensors, out=flat), 2 * nbytes)
-    slices = [flat[o : o + n] for o, n in zip(_offsets(sizes), sizes)]
+    slices = flat.split(sizes)
 
     def copy_loop_in() -> None:
         for s, t in zip(slices, tensors):
@@ -112,7 +112,7 @@ def run_case(case: str, device: torch.device, providers: list[str], reps: int, s
         for o, v in zip(outs, _unflatten_dense_tensors(bucket, outs)):
             o.copy_(v)
 
-    views = [bucket[o : o + n] for o, n in zip(_offsets(sizes), sizes)]
+    views = list(bucket.split(sizes))
     add("unflatten", "_unflatten_dense_tensors + copy_", "peer", unflatten_dense_copy, 2 * nbytes)
     add("unflatten", "torch._foreach_copy_", "peer", lambda: torch._foreach_copy_(outs, views), 2 * nbytes)
 
@@ -145,14 +145,6 @@ def run_case(case: str, device: torch.device, providers: list[str], reps: int, s
     for r in results:
         r.extra = {"tensors": len(sizes), "bucket_bytes": nbytes}
     return results
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    out, o = [], 0
-    for n in sizes:
-        out.append(o)
-        o += n
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -643,7 +643,7 @@ def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float)
     if len(dtypes) == 1:  # one group covering the whole bucket, in order: whole-buffer ops
         (dtype,) = dtypes
         c = _compute_dtype(dtype, out.dtype)
-        if dtype == out.dtype == c or (dtype == out.dtype and scale == 1.0):
+        if dtype == out.dtype and (dtype == c or scale == 1.0):
             torch.cat(_as_1d(tensors), out=out)  # exact copy, then scale in place in the compute dtype
             if scale != 1.0:
                 out.mul_(scale)
@@ -700,12 +700,11 @@ def _flatten_numba(tensors: list[torch.Tensor], out: torch.Tensor, scale: float)
 @_unflatten.register("torch")
 def _unflatten_torch(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool) -> None:
     groups = _by_dtype(tensors, _offsets(tensors))
-    if len(groups) == 1 and len(groups[0][1][0]) == len(tensors):
-        all_views = _split_like(flat, tensors)  # the common case: every tensor, in order, one dtype
+    whole = len(groups) == 1 and len(groups[0][1][0]) == len(tensors)  # every tensor, in order, one dtype
     for dtype, (ts, toffs) in groups:
         c = _compute_dtype(dtype, flat.dtype)
-        if len(groups) == 1 and len(ts) == len(tensors):
-            views = all_views
+        if whole:
+            views = _split_like(flat, ts)
         else:
             views = [flat[o : o + t.numel()].view(t.shape) for t, o in zip(ts, toffs)]
         if not accumulate and scale == 1.0:
@@ -983,14 +982,14 @@ def unflatten(
             f"{what}: tensors[{i}] has shape {tuple(tensors[i].shape)}, the layout says {layout.shapes[i]}"
         )
     _check_floats(tensors, what, "tensors")
-    for i, t in enumerate(tensors):
-        if _has_internal_overlap(t):
+    ranges = _Ranges.of(tensors)
+    for i in np.flatnonzero(~ranges.contig).tolist():  # a contiguous tensor cannot be expanded
+        if _has_internal_overlap(tensors[i]):
             raise ShapeError(f"{what}: tensors[{i}] is expanded (a stride-0 dimension); it cannot be written")
     if tensors[0].device != flat.device:
         raise DeviceMismatchError(f"{what}: flat is on {flat.device} but tensors[0] is on {tensors[0].device}")
     _check_same_device(tensors, what, "tensors")
     scale = _check_scale(scale, what)
-    ranges = _Ranges.of(tensors)
     clash = ranges.contiguous_clash()
     if clash is not None:
         raise ShapeError(

@@ -14,6 +14,7 @@ __all__ = [
     "DeviceMismatchError",
     "InvalidArgumentError",
     "LayoutMismatchError",
+    "NonFiniteError",
     "ProviderError",
     "ProviderUnavailableError",
     "ShapeError",
@@ -55,3 +56,7 @@ class ProviderError(TorshKernelsError, ValueError):
 
 class ProviderUnavailableError(TorshKernelsError, RuntimeError):
     """An explicitly requested provider cannot run here (missing package, no GPU, wrong device)."""
+
+
+class NonFiniteError(TorshKernelsError, FloatingPointError):
+    """An input holds NaN or Inf where the operation would otherwise spread it silently (compression)."""

@@ -512,8 +512,10 @@ if _HAVE_TRITON:
             m1 = (e0 + 1) < n
             v0 = tl.load(x_ptr + e0, mask=m0, other=0.0).to(tl.float32)
             v1 = tl.load(x_ptr + e0 + 1, mask=m1, other=0.0).to(tl.float32)
-            nbad = tl.sum((_nonfinite(v0) & m0).to(tl.int32), axis=1) + tl.sum((_nonfinite(v1) & m1).to(tl.int32), axis=1)
-            amax = tl.maximum(tl.max(tl.where(m0, tl.abs(v0), 0.0), axis=1), tl.max(tl.where(m1, tl.abs(v1), 0.0), axis=1))
+            nbad = tl.sum((_nonfinite(v0) & m0).to(tl.int32), axis=1)
+            nbad += tl.sum((_nonfinite(v1) & m1).to(tl.int32), axis=1)
+            amax = tl.max(tl.where(m0, tl.abs(v0), 0.0), axis=1)
+            amax = tl.maximum(amax, tl.max(tl.where(m1, tl.abs(v1), 0.0), axis=1))
             s = tl.where(nbad > 0, float("nan"), tl.math.div_rn(amax, QMAXV))
             q0 = _codes(v0, s[:, None], e0, key, QMAXV, STOCHASTIC).to(tl.int32)
             q1 = _codes(v1, s[:, None], e0 + 1, key, QMAXV, STOCHASTIC).to(tl.int32)
@@ -565,9 +567,7 @@ if _HAVE_TRITON:
         tl.atomic_add(bad_ptr, tl.sum((_nonfinite(v) & m).to(tl.int64)))
 
     @triton.jit
-    def _sign_pack_kernel(
-        x_ptr, r_ptr, bits_ptr, scale_ptr, n, nbytes, BYTES: tl.constexpr, HAS_R: tl.constexpr
-    ):
+    def _sign_pack_kernel(x_ptr, r_ptr, bits_ptr, scale_ptr, n, nbytes, BYTES: tl.constexpr, HAS_R: tl.constexpr):
         b = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
         j = tl.arange(0, 8)
         e = b[:, None] * 8 + j[None, :]  # [BYTES, 8]
@@ -616,9 +616,7 @@ if _HAVE_TRITON:
         return T
 
     @triton.jit
-    def _orthogonalize_kernel(
-        table_ptr, ref_ptr, r, rtol2, ROWS: tl.constexpr, RP: tl.constexpr, ITERS: tl.constexpr
-    ):
+    def _orthogonalize_kernel(table_ptr, ref_ptr, r, rtol2, ROWS: tl.constexpr, RP: tl.constexpr, ITERS: tl.constexpr):
         """One program per matrix: CholeskyQR, ITERS times, with an fp64 Gram matrix."""
         pid = tl.program_id(0).to(tl.int64)
         base = tl.load(table_ptr + 2 * pid).to(ref_ptr.dtype)
@@ -840,7 +838,7 @@ def _dequantize_torch(q, scales, out, bits, block, alpha, accumulate):
         codes = torch.where(codes >= 8, codes - 16, codes)
     else:
         codes = q
-    v = (codes.float().view(-1, block) if n % block == 0 else None)
+    v = codes.float().view(-1, block) if n % block == 0 else None
     if v is not None:
         v = (v * scales[:, None]).view(-1)
     else:
@@ -1523,7 +1521,9 @@ def _matrix_list(matrices: object, what: str) -> list[torch.Tensor]:
             return list(matrices.unbind(0))
         raise ShapeError(f"{what}: expected a [m, r] or [B, m, r] tensor, got shape {tuple(matrices.shape)}")
     if not isinstance(matrices, (list, tuple)):
-        raise ArgumentTypeError(f"{what}: matrices must be a tensor or a list of 2-D tensors, got {type(matrices).__name__}")
+        raise ArgumentTypeError(
+            f"{what}: matrices must be a tensor or a list of 2-D tensors, got {type(matrices).__name__}"
+        )
     for i, m in enumerate(matrices):
         _check_tensor(m, what, f"matrices[{i}]")
         if m.dim() != 2:
@@ -1576,10 +1576,12 @@ def orthogonalize(
     if not mats or m0.shape[1] == 0:
         return matrices
     if check_finite:
-        bad = sum(int((~torch.isfinite(m)).sum()) for m in mats) if len(mats) < 8 else int(
-            (~torch.isfinite(torch.cat([m.view(-1) for m in mats]))).sum())
+        bad = (
+            sum(int((~torch.isfinite(m)).sum()) for m in mats)
+            if len(mats) < 8
+            else int((~torch.isfinite(torch.cat([m.view(-1) for m in mats]))).sum())
+        )
         if bad:
             raise NonFiniteError(f"{what}: the matrices hold {bad} non-finite element(s); nothing was written")
     _ortho_op([m.detach() for m in mats], float(tol), iters, provider or "")
     return matrices
-

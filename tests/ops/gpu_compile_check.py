@@ -1,4 +1,4 @@
-"""Compile every GPU kernel variant of the bucket ops for a real GPU target, with no GPU present.
+"""Compile every GPU kernel variant of the bucket and compression ops for a real GPU target, with no GPU present.
 
 Run in a fresh process without TRITON_INTERPRET / NUMBA_ENABLE_CUDASIM (test_gpu_compile.py does), so
 the module defines real Triton JITFunctions and Numba CUDA dispatchers:
@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from torsh_kernels.ops import bucket
+from torsh_kernels.ops import bucket, compress
 
 TL = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 DTYPES = list(TL)
@@ -55,12 +55,65 @@ def triton_variants():
             )
 
 
+def compress_triton_variants():
+    C = compress
+    F = ("fp32", "fp16", "bf16")
+    for x in F:
+        for out in ("fp32", "bf16"):
+            for bad in (False, True):
+                yield (f"residual_add {x}+fp32->{out} count_bad={bad}", C._axpby_kernel,
+                       {"x_ptr": f"*{x}", "y_ptr": "*fp32", "out_ptr": f"*{out}", "bad_ptr": "*i64", "n": "i64",
+                        "beta": "fp32"}, {"BLOCK": C.BLOCK, "COUNT_BAD": bad})  # fmt: skip
+        for r in (False, True):
+            for idx in ("i32", "i64"):
+                yield (f"topk_candidates {x} residual={r} idx={idx}", C._topk_candidates_kernel,
+                       {"x_ptr": f"*{x}", "r_ptr": "*fp32", "cval_ptr": "*fp32", "cidx_ptr": f"*{idx}",
+                        "cnt_ptr": "*i64", "n": "i64", "thr": "fp32", "cap": "i64"},
+                       {"BLOCK": C.BLOCK, "HAS_R": r})  # fmt: skip
+            yield (f"abs_sum {x} residual={r}", C._abs_sum_kernel,
+                   {"x_ptr": f"*{x}", "r_ptr": "*fp32", "part_ptr": "*fp32", "bad_ptr": "*i64", "n": "i64"},
+                   {"BLOCK": C.BLOCK, "HAS_R": r})  # fmt: skip
+            yield (f"sign_pack {x} residual={r}", C._sign_pack_kernel,
+                   {"x_ptr": f"*{x}", "r_ptr": "*fp32", "bits_ptr": "*u8", "scale_ptr": "*fp32", "n": "i64",
+                    "nbytes": "i64"}, {"BYTES": C.SIGN_BYTES, "HAS_R": r})  # fmt: skip
+        for bits in (8, 4):
+            for st in (False, True):
+                yield (f"quantize {x} int{bits} stochastic={st}", C._quantize_kernel,
+                       {"x_ptr": f"*{x}", "q_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp32",
+                        "bad_ptr": "*i64", "n": "i64", "nblocks": "i64", "key": "i64"},
+                       {"QBLOCK": 256, "GROUP": C.QTILE // 256, "BITS": bits, "QMAXV": C.QMAX[bits],
+                        "STOCHASTIC": st})  # fmt: skip
+            for acc in (False, True):
+                yield (f"dequantize int{bits}->{x} accumulate={acc}", C._dequantize_kernel,
+                       {"q_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp32", "out_ptr": f"*{x}", "n": "i64",
+                        "nblocks": "i64", "alpha": "fp32"},
+                       {"QBLOCK": 256, "GROUP": C.QTILE // 256, "BITS": bits, "ACCUMULATE": acc})  # fmt: skip
+        for acc in (False, True):
+            yield (f"sign_unpack ->{x} accumulate={acc}", C._sign_unpack_kernel,
+                   {"bits_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": f"*{x}", "n": "i64", "nbytes": "i64",
+                    "alpha": "fp32"}, {"BYTES": C.SIGN_BYTES, "ACCUMULATE": acc})  # fmt: skip
+            for atomic in (False, True) if acc else (False,):
+                out = "fp32" if atomic else x
+                yield (f"scatter {x}->{out} accumulate={acc} atomic={atomic}", C._scatter_kernel,
+                       {"val_ptr": f"*{x}", "idx_ptr": "*i32", "out_ptr": f"*{out}", "k": "i64", "numel": "i64",
+                        "alpha": "fp32"}, {"BLOCK": C.BLOCK, "ACCUMULATE": acc, "ATOMIC": atomic})  # fmt: skip
+        for has_out in (False, True):
+            yield (f"error_update fp32->{x} out={has_out}", C._error_update_kernel,
+                   {"acc_ptr": "*fp32", "approx_ptr": "*fp32", "res_ptr": "*fp32", "out_ptr": f"*{x}", "n": "i64"},
+                   {"BLOCK": C.BLOCK, "HAS_OUT": has_out})  # fmt: skip
+    for dt in ("fp32", "fp64", "bf16"):
+        for rp, rows in ((2, 256), (8, 64), (32, 4)):
+            yield (f"orthogonalize {dt} RP={rp}", C._orthogonalize_kernel,
+                   {"table_ptr": "*i64", "ref_ptr": f"*{dt}", "r": "i32", "rtol2": "fp64"},
+                   {"ROWS": rows, "RP": rp, "ITERS": 2})  # fmt: skip
+
+
 def compile_triton(cap: int) -> list[dict]:
     import triton
     from triton.backends.compiler import GPUTarget
 
     results = []
-    for name, fn, sig, consts in triton_variants():
+    for name, fn, sig, consts in [*triton_variants(), *compress_triton_variants()]:
         try:
             src = triton.compiler.ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                                             constexprs=consts)  # fmt: skip
@@ -109,7 +162,56 @@ def compile_numba(cc: tuple[int, int]) -> list[dict]:
                 except Exception as exc:
                     results.append({"kernel": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
                 print(("ok   " if results[-1]["ok"] else "FAIL ") + "numba " + name, flush=True)
+    for name, kernel, sig in compress_numba_variants(nt):
+        try:
+            ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc)
+            results.append({"kernel": name, "ok": ".entry" in ptx, "ptx_lines": ptx.count("\n")})
+        except Exception as exc:
+            results.append({"kernel": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+        print(("ok   " if results[-1]["ok"] else "FAIL ") + "numba " + name, flush=True)
     return results
+
+
+def compress_numba_variants(nt):
+    from numba import float32, float64, int8, int32, int64, uint8
+
+    from torsh_kernels.ops import _compress_numba as K
+
+    a = {d: nt[d][::1] for d in nt}
+    f32, i64 = a[torch.float32], int64[::1]
+    for x in (torch.float32, torch.float16, torch.bfloat16):
+        n = TL[x]
+        for bad in (False, True):
+            yield (f"residual_add {n} count_bad={bad}", K._axpby_kernel(x, torch.float32, torch.float32, bad),
+                   (a[x], f32, f32, i64, int64, float64))  # fmt: skip
+        yield (f"error_update ->{n}", K._error_update_kernel(torch.float32, torch.float32, torch.float32, x, True),
+               (f32, f32, f32, a[x], int64))  # fmt: skip
+        for r in (False, True):
+            yield (f"topk_candidates {n} residual={r}", K._candidates_kernel(x, torch.float32, r),
+                   (a[x], f32, f32, int32[::1], i64, int64, float64, int64))  # fmt: skip
+            yield (f"abs_sum {n} residual={r}", K._abs_sum_kernel(x, torch.float32, r), (a[x], f32, f32, i64, int64))
+            yield (f"sign_pack {n} residual={r}", K._sign_pack_kernel(x, torch.float32, r),
+                   (a[x], f32, uint8[::1], f32, int64, int64))  # fmt: skip
+        for acc, atomic in ((False, False), (True, False), (True, True)):
+            out = torch.float32 if atomic else x
+            yield (f"scatter {n}->{TL[out]} accumulate={acc} atomic={atomic}", K._scatter_kernel(x, out, acc, atomic),
+                   (a[x], int32[::1], a[out], int64, int64, float64))  # fmt: skip
+        for bits in (8, 4):
+            q = int8[::1] if bits == 8 else uint8[::1]
+            for st in (False, True):
+                yield (f"quantize {n} int{bits} stochastic={st}", K._quantize_kernel(x, bits, st),
+                       (a[x], q, f32, i64, int64, int64, int64, float64))  # fmt: skip
+            for acc in (False, True):
+                yield (f"dequantize int{bits}->{n} accumulate={acc}", K._dequantize_kernel(x, bits, acc),
+                       (q, f32, a[x], int64, int64, float64))  # fmt: skip
+        for acc in (False, True):
+            yield (f"sign_unpack ->{n} accumulate={acc}", K._sign_unpack_kernel(x, acc),
+                   (uint8[::1], f32, a[x], int64, int64, float64))  # fmt: skip
+    for d in (torch.float32, torch.float64, torch.bfloat16):
+        for rp in (2, 8, 32):
+            yield (f"orthogonalize {TL[d]} RP={rp}", K._ortho_kernel(d, rp),
+                   (int64[:, ::1], a[d], int64, float64, int64))  # fmt: skip
+    _ = float32
 
 
 def main() -> int:

@@ -184,8 +184,9 @@ class Compressor:
             self.decompress(p, state, out, alpha=alpha, accumulate=i > 0)
         return out
 
-    def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes one rank sends for a tensor of ``numel`` elements (the cost model's input)."""
+    def payload_nbytes(self, shape: int | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+        """Bytes one rank sends, all rounds together, for a tensor of this shape (or element count) and
+        dtype: the cost model's input."""
         raise NotImplementedError
 
 
@@ -215,7 +216,8 @@ class _Cast(Compressor):
                   provider=self.provider)  # fmt: skip
         return out
 
-    def payload_nbytes(self, numel, dtype=torch.float32):
+    def payload_nbytes(self, shape, dtype=torch.float32):
+        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
 
@@ -232,7 +234,8 @@ class NoCompression(_Cast):
         state.step += 1
         return Payload({"data": x}, x.numel())
 
-    def payload_nbytes(self, numel, dtype=torch.float32):
+    def payload_nbytes(self, shape, dtype=torch.float32):
+        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
         return numel * torch.empty((), dtype=dtype).element_size()
 
 
@@ -299,7 +302,8 @@ class TopK(Compressor):
                         provider=self.provider)  # fmt: skip
         return out
 
-    def payload_nbytes(self, numel, dtype=torch.float32):
+    def payload_nbytes(self, shape, dtype=torch.float32):
+        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
         k = topk_count(numel, self.ratio)
         return k * (torch.empty((), dtype=dtype).element_size() + (4 if numel < 2**31 else 8))
 
@@ -356,7 +360,8 @@ class Quantize(Compressor):
                    alpha=alpha, provider=self.provider)  # fmt: skip
         return out
 
-    def payload_nbytes(self, numel, dtype=torch.float32):
+    def payload_nbytes(self, shape, dtype=torch.float32):
+        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
         codes = numel if self.bits == 8 else -(-numel // 2)
         return codes + 4 * -(-numel // self.block)
 
@@ -389,7 +394,8 @@ class Sign(Compressor):
                         provider=self.provider)  # fmt: skip
         return out
 
-    def payload_nbytes(self, numel, dtype=torch.float32):
+    def payload_nbytes(self, shape, dtype=torch.float32):
+        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
         return -(-numel // 8) + 4
 
 
@@ -434,7 +440,9 @@ class PowerSGD(Compressor):
         if not isinstance(self.start_iter, int) or self.start_iter < 0:
             raise InvalidArgumentError(f"PowerSGD: start_iter must be an int >= 0, got {self.start_iter!r}")
         if not isinstance(self.min_compression_rate, (int, float)) or self.min_compression_rate < 0:
-            raise InvalidArgumentError(f"PowerSGD: min_compression_rate must be >= 0, got {self.min_compression_rate!r}")
+            raise InvalidArgumentError(
+                f"PowerSGD: min_compression_rate must be >= 0, got {self.min_compression_rate!r}"
+            )
 
     def _plan(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:
         rows, cols = matrix_shape(tensor)
@@ -499,21 +507,24 @@ class PowerSGD(Compressor):
     def decompress_sum(self, payloads, state, out, *, alpha=1.0):
         raise InvalidArgumentError("PowerSGD is linear: all-reduce its payloads instead of gathering them")
 
-    def payload_nbytes(self, numel, dtype=torch.float32):
-        plan = self._plan(torch.empty(numel, device="meta"))
+    def payload_nbytes(self, shape, dtype=torch.float32):
+        """Steady state (after start_iter): P and Q in fp32, or the fp32 tensor when not worth compressing."""
+        t = torch.empty(shape, device="meta")
+        plan = self._plan(t)
         if plan is None:
-            return 4 * numel
+            return 4 * t.numel()
         rows, cols, r = plan
         return 4 * r * (rows + cols)
 
 
-def roundtrip(compressor: Compressor, tensor: torch.Tensor, state: CompressionState, out: torch.Tensor | None = None):
-    """Compress and decompress on one process (world size 1: every reduction is the identity)."""
-    payload = compressor.compress(tensor, state)
-    while not payload.final:
-        payload = compressor.advance(payload, state)
+def roundtrip(
+    compressor: Compressor, tensor: torch.Tensor, state: CompressionState, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[Payload]]:
+    """Compress and decompress on one process (world size 1: every reduction is the identity).
+    Returns the decompressed tensor and the payload of each round."""
+    payloads = [compressor.compress(tensor, state)]
+    while not payloads[-1].final:
+        payloads.append(compressor.advance(payloads[-1], state))
     if out is None:
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-    return compressor.decompress(payload, state, out), payload
-
-
+    return compressor.decompress(payloads[-1], state, out), payloads

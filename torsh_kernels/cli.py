@@ -14,11 +14,15 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="run a benchmark suite")
     suites = bench.add_subparsers(dest="suite", required=True)
-    from .bench import bucket
+    from .bench import bucket, compression
 
     bucket.add_arguments(
         suites.add_parser("bucket", help="flatten / unflatten / bucket_reduce against the torch peers",
                           description=bucket.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )  # fmt: skip
+    compression.add_arguments(
+        suites.add_parser("compression", help="compression ops and compressors against the torch peers",
+                          description=compression.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     )  # fmt: skip
 
     args = parser.parse_args(argv)
@@ -29,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "bench" and args.suite == "bucket":
         return bucket.run(args)
+    if args.command == "bench" and args.suite == "compression":
+        return compression.run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -187,9 +187,12 @@ def print_tables(results: list[Result], title: str, env: dict) -> None:
     console.print(f"[bold]{title}[/bold] on {env['device']}  (torch {env['versions']['torch']})")
     for case in dict.fromkeys(r.case for r in results):
         table = Table(title=case, title_justify="left")
+        notes = any(r.extra.get("note") for r in results if r.case == case)
         for col, just in [("op", "left"), ("implementation", "left"), ("median", "right"), ("p20-p80", "right"),
                           ("GB/s", "right"), ("of copy", "right"), ("vs best peer", "right")]:  # fmt: skip
             table.add_column(col, justify=just)
+        if notes:
+            table.add_column("notes", justify="left")
         last_op = None
         for r in (r for r in results if r.case == case):
             if last_op is not None and r.op != last_op:
@@ -198,10 +201,11 @@ def print_tables(results: list[Result], title: str, env: dict) -> None:
             t = r.timing
             speed = f"{r.speedup_vs_best_peer:.2f}x" if r.speedup_vs_best_peer is not None else ""
             style = "bold" if r.kind == "ours" else ("dim" if r.kind == "copy" else None)
-            table.add_row(
-                r.op, r.impl, f"{t.median_ms:.3f} ms", f"{t.p20_ms:.3f}-{t.p80_ms:.3f}", f"{r.gbps:.1f}",
-                f"{100 * r.ratio_to_copy:.0f}%", speed, style=style,
-            )  # fmt: skip
+            cells = [r.op, r.impl, f"{t.median_ms:.3f} ms", f"{t.p20_ms:.3f}-{t.p80_ms:.3f}", f"{r.gbps:.1f}",
+                     f"{100 * r.ratio_to_copy:.0f}%", speed]  # fmt: skip
+            if notes:
+                cells.append(r.extra.get("note", ""))
+            table.add_row(*cells, style=style)
         console.print(table)
 
 

@@ -1,0 +1,363 @@
+"""Benchmark of the compression ops and compressors against the PyTorch code they replace.
+
+Cases: one fp32 gradient buffer of 25 MiB and one of 100 MiB (``--sizes``), plus a batch of PowerSGD
+P matrices (64 x [2048, r], r = 1, 2, 4, 8) for the orthogonalisation. Peers, measured in the same run:
+
+  fp16 / bf16:     x.to(dtype) (PyTorch's fp16_compress_hook) and out.copy_(payload);
+  top-k 1%:        torch.topk(|x + r|) + gather + residual update, as DGC/GRACE implement it in torch
+                   (and plain torch.topk(|x|) without error feedback); decompress: zero_ + index_put_;
+  int8 / int4:     a torch-ops blockwise absmax quantizer (amax, divide, round, clamp, cast; nibble
+                   packing for int4; torch.rand_like noise for stochastic rounding) and its dequantizer;
+  sign (1-bit):    torch ops: x + r, mean |.|, sign bits packed 8 per byte, residual update;
+  PowerSGD:        PyTorch's powerSGD_hook arithmetic on the buffer as a near-square matrix (residual
+                   add, P = M Q, its Python Gram-Schmidt loop, Q = M^T P, P Q^T, error update);
+  orthogonalize:   torch.linalg.qr (batched) and PyTorch's Gram-Schmidt loop.
+
+Each row reports the median time, GB/s of the bytes the operation must move at least (read + write)
+and that as a fraction of the same device's measured copy bandwidth; notes give the compression ratio
+and the relative error ||decompress(compress(x)) - x|| / ||x|| of one step without error feedback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from .. import compression as cz
+from ..ops import compress as C
+from ..ops.registry import can_run
+from . import Result, Timing, environment, finish, print_tables, time_interleaved, write_json
+from .bucket import native_providers
+
+MIB = 1 << 20
+BLOCK = 256
+RATIO = 0.01
+
+
+def _rel_err(approx: torch.Tensor, x: torch.Tensor) -> float:
+    return ((approx.float() - x.float()).norm() / x.float().norm()).item()
+
+
+class _Case:
+    def __init__(self, title: str, device: torch.device) -> None:
+        self.title, self.device = title, device
+        self.results: list[Result] = []
+        self.fns: list = []
+
+    def add(self, op: str, impl: str, kind: str, fn, moved: int, **extra) -> None:
+        self.fns.append(fn)
+        t0 = Timing(median_ms=0.0, p20_ms=0.0, p80_ms=0.0, reps=0)
+        self.results.append(Result(case=self.title, op=op, impl=impl, kind=kind, bytes_moved=moved, timing=t0,
+                                   extra=extra))  # fmt: skip
+
+    def time(self, reps: int) -> list[Result]:
+        for op in dict.fromkeys(r.op for r in self.results if r.kind != "copy"):
+            idx = [0] + [i for i, r in enumerate(self.results) if r.op == op]
+            for i, t in zip(idx, time_interleaved([self.fns[i] for i in idx], self.device, reps=reps)):
+                if i == 0 and self.results[0].timing.reps:
+                    t = min(t, self.results[0].timing, key=lambda x: x.median_ms)
+                self.results[i].timing = t
+        finish(self.results)
+        return self.results
+
+
+# ------------------------------------------------------------------------------------- torch peers
+
+
+def peer_topk_ef(x, r, k):
+    acc = x + r
+    idx = torch.topk(acc.abs(), k, sorted=False).indices
+    vals = acc[idx]
+    r.copy_(acc)
+    r[idx] = 0
+    return vals, idx
+
+
+def peer_quantize(x, bits, stochastic=False):
+    qmax = 127.0 if bits == 8 else 7.0
+    blocks = x.view(-1, BLOCK)
+    s = blocks.abs().amax(dim=1) / qmax
+    y = blocks / s.clamp_min(1e-30)[:, None]
+    y = torch.floor(y + torch.rand_like(y)) if stochastic else torch.round(y)
+    q = y.clamp_(-qmax, qmax).to(torch.int8)
+    if bits == 4:
+        q = q.view(-1, 2).to(torch.uint8) & 15
+        q = q[:, 0] | (q[:, 1] << 4)
+    return q.view(-1), s
+
+
+def peer_dequantize(q, s, bits):
+    if bits == 4:
+        b = q.to(torch.int8)
+        lo = (b << 4) >> 4  # sign-extend the low nibble
+        hi = b >> 4
+        q = torch.stack([lo, hi], dim=1)
+    return (q.view(-1, BLOCK).float() * s[:, None]).view(-1)
+
+
+_WEIGHTS = {}
+
+
+def peer_sign(x, r):
+    acc = x + r
+    scale = acc.abs().mean()
+    pos = acc >= 0
+    w = _WEIGHTS.get(x.device)
+    if w is None:
+        w = _WEIGHTS[x.device] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=x.device)
+    bits = (pos.view(-1, 8).to(torch.uint8) * w).sum(dim=1, dtype=torch.uint8)
+    r.copy_(acc - torch.where(pos, scale, -scale))
+    return bits, scale
+
+
+def peer_sign_decompress(bits, scale, n):
+    pos = ((bits[:, None] >> torch.arange(8, device=bits.device, dtype=torch.uint8)) & 1).view(-1)[:n]
+    return (pos.float() * 2 - 1) * scale
+
+
+def _torch_orthogonalize(p: torch.Tensor) -> None:
+    """PyTorch's powerSGD_hook._orthogonalize on a [B, m, r] batch: its Python Gram-Schmidt loop over
+    columns for rank <= 2, torch.linalg.qr above."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+
+    _orthogonalize(p, 0)
+
+
+def _torch_gram_schmidt(p: torch.Tensor) -> None:
+    """PyTorch's powerSGD_hook._orthogonalize_gram_schmidt on a [B, m, r] batch."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize_gram_schmidt
+
+    _orthogonalize_gram_schmidt(p, 0)
+
+
+class PeerPowerSGD:
+    """The arithmetic of PyTorch's powerSGD_hook for one bucket viewed as a matrix (world size 1)."""
+
+    def __init__(self, x: torch.Tensor, rank: int) -> None:
+        self.rows, self.cols = cz.matrix_shape(x)
+        n = x.numel()
+        self.m = torch.zeros(self.rows * self.cols, device=x.device)
+        self.r = torch.zeros(n, device=x.device)
+        g = torch.Generator().manual_seed(0)
+        self.q = torch.randn(self.cols, rank, generator=g).to(x.device)
+        self.n = n
+
+    def step(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        n = self.n
+        self.m[:n] = x + self.r  # input_tensor.add_(error)
+        mat = self.m.view(self.rows, self.cols)
+        p = mat @ self.q
+        _torch_orthogonalize(p[None])
+        self.q = mat.t() @ p
+        approx = (p @ self.q.t()).view(-1)[:n]
+        self.r.copy_(self.m[:n] - approx)
+        out.copy_(approx)
+
+
+# ------------------------------------------------------------------------------------------- cases
+
+
+def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int, psgd_rank: int) -> list[Result]:
+    n = int(mib * MIB) // 4 // BLOCK * BLOCK
+    nbytes = 4 * n
+    case = _Case(f"{nbytes / MIB:.0f} MiB fp32 buffer ({n:,} elements)", device)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, generator=g).to(device)
+    src, dst = torch.randn(n, generator=g).to(device), torch.empty(n, device=device)
+    case.add("copy", "dst.copy_(src)", "copy", lambda: dst.copy_(src), 2 * nbytes)
+    out = torch.empty(n, device=device)
+
+    # fp16 / bf16 casts ----------------------------------------------------------------------------
+    for name, comp, dt in (("fp16", cz.FP16, torch.float16), ("bf16", cz.BF16, torch.bfloat16)):
+        moved = nbytes + n * 2
+        for p in providers:
+            c = comp(provider=p, check_finite=False)
+            st = c.new_state()
+            got, pl = cz.roundtrip(c, x, st, out)
+            note = f"ratio 2.0x, rel err {_rel_err(got, x):.1e}"
+            case.add(f"{name} compress", f"torsh[{p}]", "ours", lambda c=c, st=st: c.compress(x, st), moved, note=note)
+        case.add(f"{name} compress", "x.to(dtype)", "peer", lambda dt=dt: x.to(dt), moved)
+        payload = x.to(dt)
+        for p in providers:
+            c = comp(provider=p)
+            pl = cz.Payload({"data": payload}, n)
+            case.add(f"{name} decompress", f"torsh[{p}]", "ours", lambda c=c, pl=pl: c.decompress(pl, None, out), moved)
+        case.add(f"{name} decompress", "out.copy_(payload)", "peer", lambda pl=payload: out.copy_(pl), moved)
+
+    # top-k -----------------------------------------------------------------------------------------
+    k = C.topk_count(n, RATIO)
+    idx_bytes = 4
+    ef_moved = 3 * nbytes + k * (4 + idx_bytes)  # read x and r, write r, write the payload
+    plain_moved = nbytes + k * (4 + idx_bytes)
+    ratio_note = f"ratio {nbytes / (k * 8):.0f}x"
+    for p in providers:
+        for exact in (False, True):
+            r = torch.zeros(n, device=device)
+            v, i = C.topk_compress(x, ratio=RATIO, residual=r, exact=exact, provider=p)
+            note = f"{ratio_note}, rel err {_rel_err(C.topk_decompress(v, i, n), x):.2f}"
+            case.add("top-k 1% + error feedback", f"torsh[{p}]{' exact' if exact else ' approx'}", "ours",
+                     lambda r=r, p=p, exact=exact: C.topk_compress(x, ratio=RATIO, residual=r, exact=exact, provider=p),
+                     ef_moved, note=note)  # fmt: skip
+    r_peer = torch.zeros(n, device=device)
+    case.add("top-k 1% + error feedback", "torch.topk + gather + residual", "peer",
+             lambda: peer_topk_ef(x, r_peer, k), ef_moved)  # fmt: skip
+    for p in providers:
+        case.add("top-k 1%", f"torsh[{p}] approx", "ours", lambda p=p: C.topk_compress(x, ratio=RATIO, provider=p),
+                 plain_moved, note=ratio_note)  # fmt: skip
+    case.add("top-k 1%", "torch.topk(|x|) + gather", "peer",
+             lambda: x[torch.topk(x.abs(), k, sorted=False).indices], plain_moved)  # fmt: skip
+    v, i = C.topk_compress(x, ratio=RATIO)
+    dec_moved = nbytes + k * 8
+    for p in providers:
+        case.add("top-k decompress", f"torsh[{p}]", "ours",
+                 lambda p=p: C.topk_decompress(v, i, n, out=out, provider=p), dec_moved)  # fmt: skip
+    il = i.long()
+
+    def peer_topk_dec():
+        out.zero_()
+        out.index_put_((il,), v)
+
+    case.add("top-k decompress", "zero_ + index_put_", "peer", peer_topk_dec, dec_moved)
+
+    # quantization ---------------------------------------------------------------------------------
+    for bits, stochastic in ((8, False), (8, True), (4, False)):
+        qbytes = n if bits == 8 else n // 2
+        moved = nbytes + qbytes + 4 * (n // BLOCK)
+        label = f"int{bits}{' stochastic' if stochastic else ''} quantize"
+        for p in providers:
+            q, s = C.quantize(x, bits=bits, block=BLOCK, stochastic=stochastic, seed=3, provider=p)
+            err = _rel_err(C.dequantize(q, s, block=BLOCK, numel=n), x)
+            note = f"ratio {nbytes / (moved - nbytes):.1f}x, rel err {err:.1e}"
+            case.add(label, f"torsh[{p}]", "ours",
+                     lambda p=p, bits=bits, st=stochastic: C.quantize(x, bits=bits, block=BLOCK, stochastic=st,
+                                                                      seed=3, provider=p),
+                     moved, note=note)  # fmt: skip
+        case.add(label, "torch ops (amax, div, round, clamp, cast)", "peer",
+                 lambda bits=bits, st=stochastic: peer_quantize(x, bits, st), moved)  # fmt: skip
+        if stochastic:
+            continue
+        q, s = C.quantize(x, bits=bits, block=BLOCK)
+        qp, sp = peer_quantize(x, bits)
+        if not (torch.equal(peer_dequantize(qp, sp, bits), C.dequantize(q, s, block=BLOCK, numel=n))):
+            raise AssertionError(f"int{bits}: the torch peer and torsh disagree; not timing them")
+        for p in providers:
+            case.add(f"int{bits} dequantize", f"torsh[{p}]", "ours",
+                     lambda p=p, q=q, s=s: C.dequantize(q, s, block=BLOCK, numel=n, out=out, provider=p),
+                     moved)  # fmt: skip
+        case.add(f"int{bits} dequantize", "torch ops (mul by block scale)", "peer",
+                 lambda qp=qp, sp=sp, bits=bits: peer_dequantize(qp, sp, bits), moved)  # fmt: skip
+
+    # signs -----------------------------------------------------------------------------------------
+    moved = 3 * nbytes + n // 8
+    for p in providers:
+        r = torch.zeros(n, device=device)
+        b, s = C.sign_compress(x, provider=p)
+        note = f"ratio {nbytes / (n // 8 + 4):.0f}x, rel err {_rel_err(C.sign_decompress(b, s, n), x):.2f}"
+        case.add("sign + error feedback", f"torsh[{p}]", "ours",
+                 lambda r=r, p=p: C.sign_compress(x, r, provider=p), moved, note=note)  # fmt: skip
+    r_peer2 = torch.zeros(n, device=device)
+    case.add("sign + error feedback", "torch ops (mean |.|, packbits)", "peer", lambda: peer_sign(x, r_peer2), moved)
+    b, s = C.sign_compress(x)
+    for p in providers:
+        case.add("sign decompress", f"torsh[{p}]", "ours",
+                 lambda p=p: C.sign_decompress(b, s, n, out=out, provider=p), nbytes + n // 8)  # fmt: skip
+    case.add("sign decompress", "torch ops (unpack bits)", "peer", lambda: peer_sign_decompress(b, s, n),
+             nbytes + n // 8)  # fmt: skip
+
+    # PowerSGD (one compress + decompress step, world size 1) ---------------------------------------
+    rows, cols = cz.matrix_shape(x)
+    moved = 6 * nbytes  # residual add (3), error update (3); the matmuls read M twice more
+    for p in providers:
+        c = cz.PowerSGD(psgd_rank, provider=p, check_finite=False)
+        st = c.new_state()
+        got, pls = cz.roundtrip(c, x, st, out)
+        note = f"rank {psgd_rank}, {rows}x{cols}, ratio {nbytes / sum(pl.nbytes for pl in pls):.0f}x, " \
+               f"rel err {_rel_err(got, x):.2f}"  # fmt: skip
+        case.add(f"PowerSGD rank {psgd_rank} step", f"torsh[{p}]", "ours",
+                 lambda c=c, st=st: cz.roundtrip(c, x, st, out), moved, note=note)  # fmt: skip
+    peer = PeerPowerSGD(x, psgd_rank)
+    case.add(f"PowerSGD rank {psgd_rank} step", "powerSGD_hook arithmetic (its _orthogonalize)", "peer",
+             lambda: peer.step(x, out), moved)  # fmt: skip
+    res = case.time(reps)
+    for r in res:
+        r.extra.setdefault("elements", n)
+    return res
+
+
+def run_orthogonalize(device: torch.device, providers: list[str], reps: int, batch: int, rows: int) -> list[Result]:
+    results: list[Result] = []
+    for r in (1, 2, 4, 8):
+        case = _Case(f"orthogonalize {batch} x [{rows}, {r}] fp32 (PowerSGD P matrices)", device)
+        nbytes = batch * rows * r * 4
+        src = torch.randn(batch * rows * r * 64, device=device)
+        dst = torch.empty_like(src)
+        case.add("copy", "dst.copy_(src)", "copy", lambda src=src, dst=dst: dst.copy_(src), 2 * src.numel() * 4)
+        g = torch.Generator().manual_seed(r)
+        base = torch.randn(batch, rows, r, generator=g).to(device)
+        work = base.clone()
+        for p in providers:
+            chk = base.clone()
+            C.orthogonalize(chk, provider=p)
+            err = (chk.transpose(1, 2) @ chk - torch.eye(r, device=device)).abs().max().item()
+            case.add("orthogonalize", f"torsh[{p}]", "ours",
+                     lambda p=p, work=work: C.orthogonalize(work, provider=p), 2 * nbytes,
+                     note=f"max |Q^T Q - I| {err:.1e}")  # fmt: skip
+        case.add("orthogonalize", "torch.linalg.qr (batched)", "peer", lambda w=work: torch.linalg.qr(w), 2 * nbytes)
+        case.add("orthogonalize", "PowerSGD hook Gram-Schmidt loop (batched)", "peer",
+                 lambda w=work: _torch_gram_schmidt(w), 2 * nbytes)  # fmt: skip
+        results += case.time(reps)
+    return results
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--providers", default=None,
+                   help="comma-separated providers to time (default: those running compiled code here)")  # fmt: skip
+    p.add_argument("--sizes", default="25,100", help="buffer sizes in MiB (default: 25,100)")
+    p.add_argument("--rank", type=int, default=4, help="PowerSGD rank of the buffer case (default 4)")
+    p.add_argument("--ortho-batch", type=int, default=64, help="matrices in the orthogonalize case (default 64)")
+    p.add_argument("--ortho-rows", type=int, default=2048, help="rows of each matrix (default 2048)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
+    p.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    providers = args.providers.split(",") if args.providers else native_providers(device)
+    for p in providers:
+        why = can_run(p, device)
+        if why is not None:
+            print(f"torsh bench compression: provider {p!r} cannot run on {device.type} here: {why}", file=sys.stderr)
+            return 2
+    try:
+        sizes = [float(s) for s in args.sizes.split(",")]
+    except ValueError:
+        print(f"torsh bench compression: --sizes takes MiB numbers, got {args.sizes!r}", file=sys.stderr)
+        return 2
+    if not sizes or any(not (0 < s <= 4096) or math.isnan(s) for s in sizes):
+        print(f"torsh bench compression: sizes must be in (0, 4096] MiB, got {args.sizes!r}", file=sys.stderr)
+        return 2
+    reps = args.reps or (20 if device.type == "cuda" else 5)
+    env = environment(device)
+    results: list[Result] = []
+    for mib in sizes:
+        results += run_buffer(mib, device, providers, reps, args.rank)
+    results += run_orthogonalize(device, providers, reps, args.ortho_batch, args.ortho_rows)
+    print_tables(results, "torsh bench compression", env)
+    if args.json_path:
+        config = {"providers": providers, "reps": reps, "sizes_mib": sizes, "ratio": RATIO, "block": BLOCK,
+                  "powersgd_rank": args.rank, "ortho_batch": args.ortho_batch,
+                  "ortho_rows": args.ortho_rows}  # fmt: skip
+        write_json(args.json_path, "compression", env, results, config)
+        print(f"wrote {args.json_path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_compression", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

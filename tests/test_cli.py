@@ -51,3 +51,24 @@ def test_console_script_providers():
     out = subprocess.run([sys.executable, "-m", "torsh_kernels.cli", "providers"], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
     assert "triton" in out and "numba" in out and "torch" in out
+
+
+def test_bench_compression_prints_tables_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "compression.json"
+    rc = main(["bench", "compression", "--device", "cpu", "--providers", "torch", "--sizes", "0.25",
+               "--ortho-batch", "2", "--ortho-rows", "64", "--reps", "2", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    for needle in ("0.25 MiB", "fp16 compress", "torch.topk", "quantize", "dequantize", "PowerSGD", "torch.linalg.qr",
+                   "rel err", "ratio", "GB/s", "vs best peer"):  # fmt: skip
+        assert needle in text, needle
+    data = json.loads(out.read_text())
+    assert data["suite"] == "compression" and data["config"]["sizes_mib"] == [0.25]
+    ops = {r["op"] for r in data["results"]}
+    for op in ("fp16 compress", "bf16 decompress", "top-k 1% + error feedback", "top-k 1%", "top-k decompress",
+               "int8 quantize", "int8 stochastic quantize", "int4 quantize", "int4 dequantize",
+               "sign + error feedback", "sign decompress", "PowerSGD rank 4 step", "orthogonalize"):  # fmt: skip
+        assert op in ops, op
+    for r in data["results"]:
+        assert r["timing"]["median_ms"] > 0 and r["gbps"] > 0
+    assert main(["bench", "compression", "--device", "cpu", "--sizes", "0"]) == 2

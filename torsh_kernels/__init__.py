@@ -8,12 +8,30 @@ from .errors import (
     DTypeError,
     InvalidArgumentError,
     LayoutMismatchError,
+    NonFiniteError,
     ProviderError,
     ProviderUnavailableError,
     ShapeError,
     TorshKernelsError,
 )
-from .ops import BucketLayout, ProviderInfo, ProviderReport, bucket_reduce, flatten, providers, unflatten
+from .ops import (
+    BucketLayout,
+    ProviderInfo,
+    ProviderReport,
+    bucket_reduce,
+    dequantize,
+    error_update,
+    flatten,
+    orthogonalize,
+    providers,
+    quantize,
+    residual_add,
+    sign_compress,
+    sign_decompress,
+    topk_compress,
+    topk_decompress,
+    unflatten,
+)
 
 __version__ = "0.1.0"
 
@@ -24,6 +42,7 @@ __all__ = [
     "DeviceMismatchError",
     "InvalidArgumentError",
     "LayoutMismatchError",
+    "NonFiniteError",
     "ProviderError",
     "ProviderInfo",
     "ProviderReport",
@@ -32,7 +51,16 @@ __all__ = [
     "TorshKernelsError",
     "__version__",
     "bucket_reduce",
+    "dequantize",
+    "error_update",
     "flatten",
+    "orthogonalize",
     "providers",
+    "quantize",
+    "residual_add",
+    "sign_compress",
+    "sign_decompress",
+    "topk_compress",
+    "topk_decompress",
     "unflatten",
 ]

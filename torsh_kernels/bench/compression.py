@@ -163,7 +163,7 @@ class PeerPowerSGD:
 def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int, psgd_rank: int) -> list[Result]:
     n = int(mib * MIB) // 4 // BLOCK * BLOCK
     nbytes = 4 * n
-    case = _Case(f"{nbytes / MIB:.0f} MiB fp32 buffer ({n:,} elements)", device)
+    case = _Case(f"{nbytes / MIB:g} MiB fp32 buffer ({n:,} elements)", device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, generator=g).to(device)
     src, dst = torch.randn(n, generator=g).to(device), torch.empty(n, device=device)

@@ -966,16 +966,30 @@ def _gram_factor_torch(G: torch.Tensor, rtol2: float) -> torch.Tensor:
 
 @_ortho.register("torch")
 def _ortho_torch(mats, rtol, iters):
+    """Householder QR (torch.linalg.qr, batched per shape) with the signs fixed to a positive diagonal of
+    R: the same Q as Gram-Schmidt. A matrix with a dependent or zero column (|R_jj| below rtol of the
+    column's norm) takes the CholeskyQR path instead, because Householder fills such a column with an
+    arbitrary direction that the later columns are then made orthogonal to."""
     groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
     for m in mats:
         groups.setdefault(tuple(m.shape), []).append(m)
-    for ms in groups.values():
-        a = torch.stack([m.double() for m in ms])  # [B, m, r]
-        for _ in range(iters):
-            G = a.transpose(1, 2) @ a
-            a = a @ _gram_factor_torch(G, rtol * rtol)
-        for m, q in zip(ms, a.unbind(0)):
-            m.copy_(q)
+    for (rows, cols), ms in groups.items():
+        cdt = torch.float64 if ms[0].dtype == torch.float64 else torch.float32
+        a = torch.stack([m.to(cdt) for m in ms])  # [B, m, r]
+        ok = torch.zeros(len(ms), dtype=torch.bool, device=a.device)
+        if rows >= cols:
+            q, r = torch.linalg.qr(a)
+            d = torch.diagonal(r, dim1=-2, dim2=-1)  # [B, r]
+            norms = torch.linalg.vector_norm(a, dim=1)
+            ok = ((d.abs() > rtol * norms) & (norms > 0)).all(dim=1)
+            q = q * torch.where(d < 0, -1.0, 1.0).to(cdt)[:, None, :]
+        slow = (~ok).nonzero().view(-1).tolist()
+        if slow:  # rank-deficient (or wider than tall): Gram-Schmidt in the Gram-matrix metric, in fp64
+            b = a[slow].double()
+            for _ in range(iters):
+                b = b @ _gram_factor_torch(b.transpose(1, 2) @ b, rtol * rtol)
+        for i, m in enumerate(ms):
+            m.copy_(b[slow.index(i)] if i in slow else q[i])
 
 
 @_ortho.register("triton")

@@ -8,7 +8,8 @@ P matrices (64 x [2048, r], r = 1, 2, 4, 8) for the orthogonalisation. Peers, me
                    (and plain torch.topk(|x|) without error feedback); decompress: zero_ + index_put_;
   int8 / int4:     a torch-ops blockwise absmax quantizer (amax, divide, round, clamp, cast; nibble
                    packing for int4; torch.rand_like noise for stochastic rounding) and its dequantizer;
-  sign (1-bit):    torch ops: x + r, mean |.|, sign bits packed 8 per byte, residual update;
+  sign (1-bit):    torch ops: x + r, mean |.|, sign bits packed 8 per byte, residual update; on CUDA with
+                   CuPy also DeepSpeed's way (cupy.packbits through DLPack);
   PowerSGD:        PyTorch's powerSGD_hook arithmetic on the buffer as a near-square matrix (residual
                    add, P = M Q, its Python Gram-Schmidt loop, Q = M^T P, P Q^T, error update);
   orthogonalize:   torch.linalg.qr (batched) and PyTorch's Gram-Schmidt loop.
@@ -111,6 +112,26 @@ def peer_sign(x, r):
     bits = (pos.view(-1, 8).to(torch.uint8) * w).sum(dim=1, dtype=torch.uint8)
     r.copy_(acc - torch.where(pos, scale, -scale))
     return bits, scale
+
+
+def _cupy_sign_peer(device: torch.device):
+    """DeepSpeed's 1-bit compression step: signs packed with cupy.packbits (CUDA with CuPy only)."""
+    if device.type != "cuda":
+        return None
+    try:
+        import cupy
+    except Exception:
+        return None
+
+    def step(x, r):
+        acc = x + r
+        scale = acc.norm() / math.sqrt(acc.numel())  # DeepSpeed's compensated scale
+        pos = acc >= 0
+        bits = torch.from_dlpack(cupy.packbits(cupy.from_dlpack(pos), bitorder="little"))
+        r.copy_(acc - torch.where(pos, scale, -scale))
+        return bits, scale
+
+    return step
 
 
 def peer_sign_decompress(bits, scale, n):
@@ -260,6 +281,11 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
                  lambda r=r, p=p: C.sign_compress(x, r, provider=p), moved, note=note)  # fmt: skip
     r_peer2 = torch.zeros(n, device=device)
     case.add("sign + error feedback", "torch ops (mean |.|, packbits)", "peer", lambda: peer_sign(x, r_peer2), moved)
+    cupy_sign = _cupy_sign_peer(device)
+    if cupy_sign is not None:
+        r_peer3 = torch.zeros(n, device=device)
+        case.add("sign + error feedback", "torch ops + cupy.packbits (DeepSpeed 1-bit)", "peer",
+                 lambda: cupy_sign(x, r_peer3), moved)  # fmt: skip
     b, s = C.sign_compress(x)
     for p in providers:
         case.add("sign decompress", f"torsh[{p}]", "ours",

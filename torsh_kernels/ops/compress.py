@@ -213,23 +213,29 @@ def seed_key(seed: int) -> int:
     return _lowbias32_int((s & _M32) ^ _lowbias32_int((s >> 32) + 0x9E3779B9))
 
 
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """(h * c) mod 2**32 for int64 tensors h < 2**32, without int64 overflow."""
-    return ((h * (c & 0xFFFF)) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+def _i32(c: int) -> int:
+    """A 32-bit pattern as the signed int32 value with the same bits."""
+    return c - (1 << 32) if c & 0x80000000 else c
 
 
 def _lowbias32_t(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x7FEB352D)
-    h = h ^ (h >> 15)
-    h = _mul32(h, 0x846CA68B)
-    return h ^ (h >> 16)
+    """lowbias32 on int32 tensors: two's-complement multiplication wraps modulo 2**32 (as on every
+    platform PyTorch runs on), and the masks turn the arithmetic shifts into logical ones. The Triton
+    and Numba kernels compute the same bits in uint32 / masked int64 (tested bit for bit)."""
+    h = h ^ (h >> 16).bitwise_and_(0xFFFF)
+    h.mul_(0x7FEB352D)
+    h.bitwise_xor_((h >> 15).bitwise_and_(0x1FFFF))
+    h.mul_(_i32(0x846CA68B))
+    return h.bitwise_xor_((h >> 16).bitwise_and_(0xFFFF))
 
 
 def uniform_noise(idx: torch.Tensor, key: int) -> torch.Tensor:
-    """u in [0, 1) (fp32, 24 random bits) for int64 element indices ``idx`` and a seed key."""
-    h = _lowbias32_t(_lowbias32_t(idx & _M32) ^ key)
-    return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    """u in [0, 1) (fp32, 24 random bits) for integer element indices ``idx`` (used modulo 2**32) and a
+    seed key."""
+    if idx.dtype != torch.int32:
+        idx = ((idx & _M32) ^ 0x80000000).to(torch.int32) ^ _i32(0x80000000)  # low 32 bits, no overflow
+    h = _lowbias32_t(_lowbias32_t(idx).bitwise_xor_(_i32(key)))
+    return h.__irshift__(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(1.0 / 16777216.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -786,28 +792,31 @@ def _scatter_numba(values, indices, out, alpha, accumulate, unique):
 
 @_quantize.register("torch")
 def _quantize_torch(x, q, scales, bits, block, stochastic, key):
-    v = x.float()
-    n = v.numel()
+    n = x.numel()
     nb = scales.numel()
     qmax = QMAX[bits]
-    pad = nb * block - n
-    blocks = torch.nn.functional.pad(v, (0, pad)).view(nb, block)
-    bad = (~torch.isfinite(blocks)).sum(dim=1)
-    s = blocks.abs().amax(dim=1) / qmax
-    s = torch.where(bad > 0, torch.full_like(s, float("nan")), s)
+    v = x.float()
+    blocks = (torch.nn.functional.pad(v, (0, nb * block - n)) if n % block else v).view(nb, block)
+    amax = blocks.abs().amax(dim=1)  # NaN/Inf propagate into the block's maximum
+    bad_blocks = ~torch.isfinite(amax)
+    s = torch.where(bad_blocks, float("nan"), amax / qmax)
     scales.copy_(s)
-    y = torch.where(s[:, None] > 0, blocks / torch.where(s > 0, s, 1.0)[:, None], 0.0).view(-1)[:n]
+    y = blocks / torch.where(s > 0, s, 1.0)[:, None]  # an all-zero block has s == 0 and y == 0
     if stochastic:
-        c = torch.floor(y + uniform_noise(torch.arange(n, device=v.device), key))
+        idx = torch.arange(nb * block, device=v.device, dtype=torch.int32 if nb * block < 2**31 else torch.int64)
+        c = torch.floor_(y.view(-1).add_(uniform_noise(idx, key))).view(nb, block)
     else:
         c = torch.round(y)
-    c = torch.nan_to_num(c, nan=0.0).clamp_(-qmax, qmax).to(torch.int8)
+    c = c.nan_to_num_(nan=0.0).clamp_(-qmax, qmax).to(torch.int8).view(-1)[:n]
     if bits == 8:
         q.copy_(c)
     else:
-        c = torch.nn.functional.pad(c, (0, n % 2)).view(-1, 2).to(torch.int32) & 15
-        q.copy_((c[:, 0] | (c[:, 1] << 4)).to(torch.uint8))
-    return bad.sum().view(1)
+        c = torch.nn.functional.pad(c, (0, n % 2)).view(-1, 2) & 15
+        q.copy_(c[:, 0] | (c[:, 1] << 4))
+    bad = torch.zeros(1, dtype=torch.int64, device=v.device)
+    if bool(bad_blocks.any()):  # rare: count the elements for the message
+        bad += (~torch.isfinite(blocks[bad_blocks])).sum()
+    return bad
 
 
 @_quantize.register("triton")
@@ -833,9 +842,8 @@ def _quantize_numba(x, q, scales, bits, block, stochastic, key):
 def _dequantize_torch(q, scales, out, bits, block, alpha, accumulate):
     n = out.numel()
     if bits == 4:
-        b = q.to(torch.int32)
-        codes = torch.stack([b & 15, (b >> 4) & 15], dim=1).view(-1)[:n]
-        codes = torch.where(codes >= 8, codes - 16, codes)
+        b = q.view(torch.int8)
+        codes = torch.stack([(b << 4) >> 4, b >> 4], dim=1).view(-1)[:n]  # arithmetic shifts sign-extend
     else:
         codes = q
     v = codes.float().view(-1, block) if n % block == 0 else None
@@ -871,7 +879,11 @@ def _dequantize_numba(q, scales, out, bits, block, alpha, accumulate):
 @_abs_sum.register("torch")
 def _abs_sum_torch(x, r):
     v = x.float() + r.float() if r is not None else x.float()
-    return v.abs().sum(dtype=torch.float64), (~torch.isfinite(v)).sum().view(1)
+    total = v.abs().sum(dtype=torch.float64)  # finite unless an element is NaN/Inf (no fp64 overflow)
+    bad = torch.zeros(1, dtype=torch.int64, device=v.device)
+    if not bool(torch.isfinite(total)):
+        bad += (~torch.isfinite(v)).sum()
+    return total, bad
 
 
 @_abs_sum.register("triton")
@@ -896,9 +908,11 @@ def _sign_pack_torch(x, r, bits, scale):
     v = x.float() + r.float() if r is not None else x.float()
     pos = v >= 0
     n = v.numel()
-    padded = torch.nn.functional.pad(pos.to(torch.int32), (0, bits.numel() * 8 - n))
-    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.int32, device=v.device)
-    bits.copy_((padded.view(-1, 8) * weights).sum(dim=1).to(torch.uint8))
+    p8 = pos.view(torch.uint8)
+    if n % 8:
+        p8 = torch.nn.functional.pad(p8, (0, bits.numel() * 8 - n))
+    shifts = torch.arange(8, dtype=torch.uint8, device=v.device)
+    torch.sum(p8.view(-1, 8) << shifts, dim=1, dtype=torch.uint8, out=bits)
     if r is not None:
         r.copy_(v - torch.where(pos, scale, -scale))
 
@@ -921,8 +935,8 @@ def _sign_pack_numba(x, r, bits, scale):
 @_sign_unpack.register("torch")
 def _sign_unpack_torch(bits, scale, out, alpha, accumulate):
     n = out.numel()
-    b = bits.to(torch.int32)
-    pos = ((b[:, None] >> torch.arange(8, device=bits.device)) & 1).view(-1)[:n] != 0
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    pos = ((bits[:, None] >> shifts) & 1).view(-1)[:n].view(torch.bool)
     s = scale * alpha if alpha != 1.0 else scale
     v = torch.where(pos, s, -s)
     if accumulate:
@@ -971,11 +985,15 @@ def _ortho_torch(mats, rtol, iters):
     column's norm) takes the CholeskyQR path instead, because Householder fills such a column with an
     arbitrary direction that the later columns are then made orthogonal to."""
     groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    batches = [m for m in mats if m.dim() == 3]
     for m in mats:
-        groups.setdefault(tuple(m.shape), []).append(m)
-    for (rows, cols), ms in groups.items():
+        if m.dim() == 2:
+            groups.setdefault(tuple(m.shape), []).append(m)
+    work = [(b.shape[1], b.shape[2], list(b.unbind(0)), b) for b in batches]
+    work += [(rows, cols, ms, _as_batch(ms)) for (rows, cols), ms in groups.items()]
+    for rows, cols, ms, view in work:  # view: the [B, m, r] tensor holding ms, when there is one
         cdt = torch.float64 if ms[0].dtype == torch.float64 else torch.float32
-        a = torch.stack([m.to(cdt) for m in ms])  # [B, m, r]
+        a = view.to(cdt) if view is not None else torch.stack([m.to(cdt) for m in ms])  # [B, m, r]
         ok = torch.zeros(len(ms), dtype=torch.bool, device=a.device)
         if rows >= cols:
             q, r = torch.linalg.qr(a)
@@ -988,8 +1006,22 @@ def _ortho_torch(mats, rtol, iters):
             b = a[slow].double()
             for _ in range(iters):
                 b = b @ _gram_factor_torch(b.transpose(1, 2) @ b, rtol * rtol)
+        if rows >= cols and view is not None:
+            if slow:
+                q[slow] = b.to(cdt)
+            view.copy_(q)
+            continue
         for i, m in enumerate(ms):
             m.copy_(b[slow.index(i)] if i in slow else q[i])
+
+
+def _as_batch(ms: list[torch.Tensor]) -> torch.Tensor | None:
+    """One [B, m, r] view over matrices that lie back to back in memory, else None."""
+    m0 = ms[0]
+    step = m0.numel() * m0.element_size()
+    if all(m.data_ptr() == m0.data_ptr() + i * step for i, m in enumerate(ms)):
+        return m0.as_strided((len(ms), *m0.shape), (m0.numel(), m0.shape[1], 1))
+    return None
 
 
 @_ortho.register("triton")
@@ -1213,19 +1245,23 @@ def _(bits, scale, out, alpha, accumulate, provider):
 
 @torch.library.custom_op("torsh::orthogonalize", mutates_args=("matrices",))
 def _ortho_op(matrices: list[torch.Tensor], rtol: float, iters: int, provider: str) -> None:
+    """``matrices``: [m, r] matrices and/or [B, m, r] batches, one r."""
     m0 = matrices[0]
     requested = provider or None
-    if m0.shape[1] > MAX_KERNEL_RANK and requested is None:
+    if m0.shape[-1] > MAX_KERNEL_RANK and requested is None:
         name = "torch"  # the kernels keep r x r in registers; wider matrices take the batched torch path
     else:
         name = _ortho.select(m0.device, m0.dtype, m0.numel(), requested)
-        if name != "torch" and m0.shape[1] > MAX_KERNEL_RANK:
+        if name != "torch" and m0.shape[-1] > MAX_KERNEL_RANK:
             raise ShapeError(
                 f"torsh_kernels.orthogonalize: the {name} kernel handles up to {MAX_KERNEL_RANK} columns, got "
-                f"{m0.shape[1]}; use provider='torch' (or None) for wider matrices"
+                f"{m0.shape[-1]}; use provider='torch' (or None) for wider matrices"
             )
     with _on(m0.device):
-        _ortho(name, matrices, rtol, iters)
+        if name == "torch":
+            _ortho(name, matrices, rtol, iters)
+        else:  # the kernels take one table row per matrix
+            _ortho(name, [v for m in matrices for v in (m.unbind(0) if m.dim() == 3 else (m,))], rtol, iters)
 
 
 @_ortho_op.register_fake
@@ -1564,7 +1600,13 @@ def orthogonalize(
     :class:`NonFiniteError` before anything is written (``check_finite``).
     """
     what = "torsh_kernels.orthogonalize"
-    mats = _matrix_list(matrices, what)
+    if isinstance(matrices, torch.Tensor) and matrices.dim() == 3:  # one batch: validated and passed whole
+        _check_dtype(matrices, what, "matrices", ORTHO_DTYPES)
+        if not matrices.is_contiguous():
+            raise ShapeError(f"{what}: matrices must be contiguous (they are orthogonalised in place)")
+        mats = [matrices]
+    else:
+        mats = _matrix_list(matrices, what)
     if not mats:
         return matrices
     m0 = mats[0]
@@ -1574,8 +1616,8 @@ def orthogonalize(
             raise DTypeError(f"{what}: matrices[{i}] is {m.dtype}, matrices[0] is {m0.dtype}")
         if m.device != m0.device:
             raise DeviceMismatchError(f"{what}: matrices[{i}] is on {m.device}, matrices[0] on {m0.device}")
-        if m.shape[1] != m0.shape[1]:
-            raise ShapeError(f"{what}: matrices[{i}] has {m.shape[1]} columns, matrices[0] has {m0.shape[1]}")
+        if m.shape[-1] != m0.shape[-1]:
+            raise ShapeError(f"{what}: matrices[{i}] has {m.shape[-1]} columns, matrices[0] has {m0.shape[-1]}")
         if not m.is_contiguous():
             raise ShapeError(f"{what}: matrices[{i}] must be contiguous (it is orthogonalised in place)")
     if len(mats) > 1:
@@ -1587,14 +1629,14 @@ def orthogonalize(
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (0.0 <= tol < 1.0):
         raise InvalidArgumentError(f"{what}: rtol must be a number in [0, 1), got {rtol!r}")
     mats = [m for m in mats if m.numel()]
-    if not mats or m0.shape[1] == 0:
+    if not mats or m0.shape[-1] == 0:
         return matrices
     if check_finite:
-        bad = (
-            sum(int((~torch.isfinite(m)).sum()) for m in mats)
-            if len(mats) < 8
-            else int((~torch.isfinite(torch.cat([m.view(-1) for m in mats]))).sum())
-        )
+        whole = matrices if isinstance(matrices, torch.Tensor) else None
+        total = sum(m.sum(dtype=torch.float64) for m in mats) if whole is None else whole.sum(dtype=torch.float64)
+        bad = 0
+        if not bool(torch.isfinite(total)):  # a NaN/Inf element (finite inputs cannot overflow fp64)
+            bad = sum(int((~torch.isfinite(m)).sum()) for m in mats)
         if bad:
             raise NonFiniteError(f"{what}: the matrices hold {bad} non-finite element(s); nothing was written")
     _ortho_op([m.detach() for m in mats], float(tol), iters, provider or "")

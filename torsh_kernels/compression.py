@@ -494,8 +494,7 @@ class PowerSGD(Compressor):
         if accumulate:
             raise InvalidArgumentError("PowerSGD.decompress: accumulate is not supported (PowerSGD is all-reduced)")
         q = payload.tensors["q"]
-        if alpha != 1.0:
-            q = q * alpha
+        q = q * alpha if alpha != 1.0 else q.clone()  # owned by the state, not the caller's payload
         state.tensors["q"] = q  # the averaged Q: next step's warm start
         p, m = state.work["p"], state.work["m"]
         approx = state.buffer("approx", m.numel(), m.device)

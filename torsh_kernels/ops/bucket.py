@@ -647,6 +647,10 @@ def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float)
             torch.cat(_as_1d(tensors), out=out)  # exact copy, then scale in place in the compute dtype
             if scale != 1.0:
                 out.mul_(scale)
+        elif scale == 1.0:  # one cast per element, no temporary (torch.cat with a casting out= is slow)
+            torch._foreach_copy_(_split_like(out, tensors), tensors)
+        elif len(tensors) == 1 and c == torch.promote_types(dtype, torch.float32):
+            torch.mul(tensors[0].reshape(-1), scale, out=out)  # computed in c, rounded once into out
         else:
             cat = torch.cat(_as_1d(tensors))
             cat = cat.to(c) if cat.dtype != c else cat

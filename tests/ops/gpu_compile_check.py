@@ -156,20 +156,20 @@ def compile_numba(cc: tuple[int, int]) -> list[dict]:
                          (int64[::1], nt[src][::1], nt[dst][::1], int64, int64))
                     )  # fmt: skip
             for name, kernel, sig in variants:
-                try:
-                    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc)
-                    results.append({"kernel": name, "ok": ".entry" in ptx, "ptx_lines": ptx.count("\n")})
-                except Exception as exc:
-                    results.append({"kernel": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
-                print(("ok   " if results[-1]["ok"] else "FAIL ") + "numba " + name, flush=True)
+                results.append(_compile_ptx(cuda, name, kernel, sig, cc))
     for name, kernel, sig in compress_numba_variants(nt):
-        try:
-            ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc)
-            results.append({"kernel": name, "ok": ".entry" in ptx, "ptx_lines": ptx.count("\n")})
-        except Exception as exc:
-            results.append({"kernel": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
-        print(("ok   " if results[-1]["ok"] else "FAIL ") + "numba " + name, flush=True)
+        results.append(_compile_ptx(cuda, name, kernel, sig, cc))
     return results
+
+
+def _compile_ptx(cuda, name, kernel, sig, cc) -> dict:
+    try:
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc)
+        res = {"kernel": name, "ok": ".entry" in ptx, "ptx_lines": ptx.count("\n")}
+    except Exception as exc:
+        res = {"kernel": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    print(("ok   " if res["ok"] else "FAIL ") + "numba " + name, flush=True)
+    return res
 
 
 def compress_numba_variants(nt):

@@ -11,6 +11,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..ops.registry import _version
+from ..ops.registry import _version, can_run
 
 
 @dataclass(kw_only=True, slots=True)
@@ -207,6 +208,20 @@ def print_tables(results: list[Result], title: str, env: dict) -> None:
                 cells.append(r.extra.get("note", ""))
             table.add_row(*cells, style=style)
         console.print(table)
+
+
+def check_providers(suite: str, requested: str | None, device: torch.device) -> list[str] | None:
+    """The providers a suite times (default: those running compiled code on ``device``), or None after
+    printing why a requested one cannot run."""
+    from .bucket import native_providers  # bucket imports this module
+
+    providers = requested.split(",") if requested else native_providers(device)
+    for p in providers:
+        why = can_run(p, device)
+        if why is not None:
+            print(f"torsh bench {suite}: provider {p!r} cannot run on {device.type} here: {why}", file=sys.stderr)
+            return None
+    return providers
 
 
 def write_json(path: str | Path, suite: str, env: dict, results: list[Result], config: dict) -> None:

@@ -24,7 +24,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 import torsh_kernels as tk
 
 from ..ops.registry import PROVIDERS, _numba_state, _triton_state, can_run
-from . import Result, Timing, environment, finish, print_tables, time_interleaved, write_json
+from . import Result, Timing, check_providers, environment, finish, print_tables, time_interleaved, write_json
 
 MIB = 1 << 20
 K_BUFFERS = 4
@@ -159,12 +159,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    providers = args.providers.split(",") if args.providers else native_providers(device)
-    for p in providers:
-        why = can_run(p, device)
-        if why is not None:
-            print(f"torsh bench bucket: provider {p!r} cannot run on {device.type} here: {why}", file=sys.stderr)
-            return 2
+    providers = check_providers("bucket", args.providers, device)
+    if providers is None:
+        return 2
     if not 0 < args.scale <= 1:
         print(f"torsh bench bucket: --scale must be in (0, 1], got {args.scale}", file=sys.stderr)
         return 2

@@ -29,9 +29,7 @@ import torch
 
 from .. import compression as cz
 from ..ops import compress as C
-from ..ops.registry import can_run
-from . import Result, Timing, environment, finish, print_tables, time_interleaved, write_json
-from .bucket import native_providers
+from . import Result, Timing, check_providers, environment, finish, print_tables, time_interleaved, write_json
 
 MIB = 1 << 20
 BLOCK = 256
@@ -352,12 +350,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    providers = args.providers.split(",") if args.providers else native_providers(device)
-    for p in providers:
-        why = can_run(p, device)
-        if why is not None:
-            print(f"torsh bench compression: provider {p!r} cannot run on {device.type} here: {why}", file=sys.stderr)
-            return 2
+    providers = check_providers("compression", args.providers, device)
+    if providers is None:
+        return 2
     try:
         sizes = [float(s) for s in args.sizes.split(",")]
     except ValueError:

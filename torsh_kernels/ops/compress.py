@@ -315,9 +315,13 @@ def dequantize_ref(
     else:
         codes = q[:numel].to(torch.int32)
     s = scales.repeat_interleave(block)[:numel]
-    v = codes.float() * s * alpha
+    return _store_ref(codes.float() * s * alpha, out, dtype, accumulate)
+
+
+def _store_ref(v: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype, accumulate: bool) -> torch.Tensor:
+    """Write decoded fp32 values ``v`` into ``out`` (a new ``dtype`` tensor if None), or add them to it."""
     if out is None:
-        out = torch.empty(numel, dtype=dtype, device=q.device)
+        out = torch.empty(v.numel(), dtype=dtype, device=v.device)
     if accumulate:
         v = out.reshape(-1).float() + v
     out.view(-1).copy_(v)
@@ -343,13 +347,7 @@ def sign_decompress_ref(bits, scale, numel, *, dtype=torch.float32, out=None, ac
     b = bits.to(torch.int32)
     pos = ((b[:, None] >> torch.arange(8, device=bits.device)) & 1).view(-1)[:numel] != 0
     s = scale.float() * alpha
-    v = torch.where(pos, s, -s)
-    if out is None:
-        out = torch.empty(numel, dtype=dtype, device=bits.device)
-    if accumulate:
-        v = out.reshape(-1).float() + v
-    out.view(-1).copy_(v)
-    return out
+    return _store_ref(torch.where(pos, s, -s), out, dtype, accumulate)
 
 
 def residual_add_ref(x: torch.Tensor, residual: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -210,7 +210,7 @@ def compress_numba_variants(nt):
     for d in (torch.float32, torch.float64, torch.bfloat16):
         for rp in (2, 8, 32):
             yield (f"orthogonalize {TL[d]} RP={rp}", K._ortho_kernel(d, rp),
-                   (int64[:, ::1], a[d], int64, float64, int64))  # fmt: skip
+                   (int64[::1], a[d], int64, float64, int64))  # fmt: skip
     _ = float32
 
 

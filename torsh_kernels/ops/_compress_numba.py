@@ -16,6 +16,7 @@ import torch
 from numba import cuda, float32, float64, int64
 
 from . import _numba as nb
+from .bucket import _numba_span, _ptr_table
 
 TILE = 2048  # elements per CUDA block in the elementwise passes
 _M32 = 0xFFFFFFFF
@@ -498,8 +499,8 @@ def _ortho_kernel(md, rp):
         tm = cuda.shared.array(RR, float64)
         tid = cuda.threadIdx.x
         mat = cuda.blockIdx.x
-        off = table[mat, 0]
-        rows = table[mat, 1]
+        off = table[2 * mat]
+        rows = table[2 * mat + 1]
         row = cuda.local.array(rp, float64)
         part = cuda.local.array(RR, float64)
         for _ in range(iters):
@@ -550,11 +551,7 @@ def orthogonalize(mats, rtol, iters):
     if len({m.data_ptr() % isz for m in mats}) > 1:  # not a whole number of elements apart: one launch each
         groups = [[m] for m in mats]
     for ms in groups:
-        base = min(m.data_ptr() for m in ms)
-        offs = [(m.data_ptr() - base) // isz for m in ms]
-        span = max(o + m.numel() for o, m in zip(offs, ms))
-        table = torch.tensor([[o, m.shape[0]] for o, m in zip(offs, ms)], dtype=torch.int64)
-        if ms[0].device.type == "cuda":
-            table = table.to(ms[0].device)
+        base, span, offs = _numba_span(ms)
+        table = _ptr_table([v for o, m in zip(offs, ms) for v in (o, m.shape[0])], ms[0].device, "numba-ortho")
         nb.launch(k, len(ms), nb.THREADS, ms[0].device, nb.as_array(table),
                   nb.span_array(base, span, ms[0].dtype), r, rtol * rtol, iters)  # fmt: skip

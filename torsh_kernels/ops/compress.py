@@ -58,7 +58,7 @@ from ..errors import (
     NonFiniteError,
     ShapeError,
 )
-from .bucket import _cached, _on, _Ranges
+from .bucket import _on, _ptr_table, _Ranges
 from .registry import Op, _triton_state
 
 try:
@@ -109,9 +109,6 @@ WARPS = 8
 QTILE = 4096  # elements per Triton quantize program (several quantization blocks)
 SIGN_BYTES = 512  # packed bytes per Triton sign program
 ORTHO_ELEMS = 4096  # elements of the [ROWS, RP, RP] product tile in the orthogonalize kernel
-
-_MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds fp32 |y| < 2**22 to nearest even
-
 
 # --------------------------------------------------------------------------------------------------
 # Validation
@@ -272,10 +269,6 @@ def topk_decompress_ref(values, indices, numel, *, out=None, accumulate=False, a
     return out
 
 
-def _round_even(y: torch.Tensor) -> torch.Tensor:
-    return torch.round(y)
-
-
 def quantize_ref(
     x: torch.Tensor, *, bits: int = 8, block: int = 256, stochastic: bool = False, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,7 +287,7 @@ def quantize_ref(
         u = uniform_noise(torch.arange(n, device=v.device), seed_key(seed))
         q = torch.floor(y + u)
     else:
-        q = _round_even(y)
+        q = torch.round(y)  # half to even
     q = torch.nan_to_num(q, nan=0.0).clamp(-qmax, qmax).to(torch.int8)
     if bits == 4:
         if n % 2:
@@ -488,7 +481,7 @@ if _HAVE_TRITON:
         if STOCHASTIC:
             q = tl.floor(y + _uniform(e, key))
         else:
-            q = (y + 12582912.0) - 12582912.0  # round to nearest even
+            q = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds fp32 |y| < 2**22 to nearest even
         q = tl.where(q == q, q, 0.0)
         return tl.minimum(tl.maximum(q, -QMAXV), QMAXV)
 
@@ -664,6 +657,11 @@ _sign_unpack = Op("sign_decompress")
 _ortho = Op("orthogonalize")
 
 
+def _acc_torch(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    """x + r in fp32 (x alone without a residual): the torch providers' error-feedback input."""
+    return x.float() + r.float() if r is not None else x.float()
+
+
 def _counter(device: torch.device, n: int = 1) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=device)
 
@@ -717,7 +715,7 @@ def _err_update_numba(acc, approx, res, out):
 # candidates: (cval fp32 [cap], cidx [cap], cnt int64 [2] = (count, non-finite))
 @_candidates.register("torch")
 def _cand_torch(x, r, thr, cap, idx_dtype):
-    v = x.float() + r.float() if r is not None else x.float()
+    v = _acc_torch(x, r)
     fin = torch.isfinite(v)
     sel = (v.abs() >= thr) & fin
     idx = sel.nonzero().view(-1)
@@ -876,7 +874,7 @@ def _dequantize_numba(q, scales, out, bits, block, alpha, accumulate):
 # sign: pass 1 -> (sum |v| as fp64 0-dim, non-finite count); pass 2 packs (and updates the residual)
 @_abs_sum.register("torch")
 def _abs_sum_torch(x, r):
-    v = x.float() + r.float() if r is not None else x.float()
+    v = _acc_torch(x, r)
     total = v.abs().sum(dtype=torch.float64)  # finite unless an element is NaN/Inf (no fp64 overflow)
     bad = torch.zeros(1, dtype=torch.int64, device=v.device)
     if not bool(torch.isfinite(total)):
@@ -903,7 +901,7 @@ def _abs_sum_numba(x, r):
 
 @_sign_pack.register("torch")
 def _sign_pack_torch(x, r, bits, scale):
-    v = x.float() + r.float() if r is not None else x.float()
+    v = _acc_torch(x, r)
     pos = v >= 0
     n = v.numel()
     p8 = pos.view(torch.uint8)
@@ -1027,7 +1025,7 @@ def _ortho_triton(mats, rtol, iters):
     r = mats[0].shape[1]
     rp = max(2, triton.next_power_of_2(r))
     rows = max(1, min(256, triton.next_power_of_2(max(1, ORTHO_ELEMS // (rp * rp)))))
-    table = _matrix_table(mats, mats[0].device)
+    table = _ptr_table([v for m in mats for v in (m.data_ptr(), m.shape[0])], mats[0].device, "ortho")
     _orthogonalize_kernel[(len(mats),)](table, mats[0], r, rtol * rtol, ROWS=rows, RP=rp, ITERS=iters,
                                         num_warps=4)  # fmt: skip
 
@@ -1037,17 +1035,6 @@ def _ortho_numba(mats, rtol, iters):
     from . import _compress_numba as K
 
     K.orthogonalize(mats, rtol, iters)
-
-
-def _matrix_table(mats: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """int64 [B, 2]: (address, rows) per matrix, cached across steps (PowerSGD reuses its buffers)."""
-    key = tuple((m.data_ptr(), m.shape[0]) for m in mats)
-
-    def build() -> torch.Tensor:
-        t = torch.tensor(key, dtype=torch.int64)
-        return t.to(device) if device.type == "cuda" else t
-
-    return _cached(("ortho", device, key), build)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -147,6 +147,15 @@ def _check_out(out: object, numel: int, what: str) -> torch.Tensor:
     return out.view(-1)
 
 
+def _numel(shape: int | tuple[int, ...]) -> int:
+    return math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
+
+
+def _decode_plain(data: torch.Tensor, out: torch.Tensor, alpha: float, accumulate: bool, provider) -> None:
+    """out (+)= alpha * data, cast to out's dtype: the fused unflatten of a one-tensor bucket."""
+    unflatten(data, BucketLayout.for_tensors([data]), [out], scale=alpha, accumulate=accumulate, provider=provider)
+
+
 def _check_finite_tensor(t: torch.Tensor, what: str) -> None:
     bad = int((~torch.isfinite(t)).sum())
     if bad:
@@ -211,21 +220,17 @@ class _Cast(Compressor):
 
     def decompress(self, payload, state, out, *, alpha=1.0, accumulate=False):
         o = _check_out(out, payload.numel, f"{type(self).__name__}.decompress")
-        data = payload.tensors["data"]
-        unflatten(data, BucketLayout.for_tensors([data]), [o], scale=alpha, accumulate=accumulate,
-                  provider=self.provider)  # fmt: skip
+        _decode_plain(payload.tensors["data"], o, alpha, accumulate, self.provider)
         return out
 
     def payload_nbytes(self, shape, dtype=torch.float32):
-        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
+        numel = _numel(shape)
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass(slots=True)
 class NoCompression(_Cast):
     """Send the tensor as it is (its own dtype); the payload is a view of the input."""
-
-    is_linear = True
 
     def compress(self, tensor, state):
         x = _check_input(tensor, "NoCompression.compress")
@@ -235,7 +240,7 @@ class NoCompression(_Cast):
         return Payload({"data": x}, x.numel())
 
     def payload_nbytes(self, shape, dtype=torch.float32):
-        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
+        numel = _numel(shape)
         return numel * torch.empty((), dtype=dtype).element_size()
 
 
@@ -303,7 +308,7 @@ class TopK(Compressor):
         return out
 
     def payload_nbytes(self, shape, dtype=torch.float32):
-        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
+        numel = _numel(shape)
         k = topk_count(numel, self.ratio)
         return k * (torch.empty((), dtype=dtype).element_size() + (4 if numel < 2**31 else 8))
 
@@ -361,7 +366,7 @@ class Quantize(Compressor):
         return out
 
     def payload_nbytes(self, shape, dtype=torch.float32):
-        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
+        numel = _numel(shape)
         codes = numel if self.bits == 8 else -(-numel // 2)
         return codes + 4 * -(-numel // self.block)
 
@@ -395,7 +400,7 @@ class Sign(Compressor):
         return out
 
     def payload_nbytes(self, shape, dtype=torch.float32):
-        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
+        numel = _numel(shape)
         return -(-numel // 8) + 4
 
 
@@ -487,9 +492,7 @@ class PowerSGD(Compressor):
     def decompress(self, payload, state, out, *, alpha=1.0, accumulate=False):
         o = _check_out(out, payload.numel, "PowerSGD.decompress")
         if "data" in payload.tensors:  # uncompressed round
-            data = payload.tensors["data"]
-            unflatten(data, BucketLayout.for_tensors([data]), [o], scale=alpha, accumulate=accumulate,
-                      provider=self.provider)  # fmt: skip
+            _decode_plain(payload.tensors["data"], o, alpha, accumulate, self.provider)
             return out
         if accumulate:
             raise InvalidArgumentError("PowerSGD.decompress: accumulate is not supported (PowerSGD is all-reduced)")

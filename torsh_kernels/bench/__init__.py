@@ -178,6 +178,32 @@ def finish(results: list[Result]) -> None:
                 r.speedup_vs_best_peer = min(peers) / r.timing.median_ms
 
 
+class Case:
+    """One benchmark case: implementations added with what they move, then timed per op, each op's
+    implementations interleaved with each other and with the case's copy baseline (added first)."""
+
+    def __init__(self, title: str, device: torch.device) -> None:
+        self.title, self.device = title, device
+        self.results: list[Result] = []
+        self.fns: list[Callable[[], object]] = []
+
+    def add(self, op: str, impl: str, kind: str, fn: Callable[[], object], moved: int, **extra) -> None:
+        self.fns.append(fn)
+        t0 = Timing(median_ms=0.0, p20_ms=0.0, p80_ms=0.0, reps=0)
+        self.results.append(Result(case=self.title, op=op, impl=impl, kind=kind, bytes_moved=moved, timing=t0,
+                                   extra=extra))  # fmt: skip
+
+    def time(self, reps: int) -> list[Result]:
+        for op in dict.fromkeys(r.op for r in self.results if r.kind != "copy"):
+            idx = [0] + [i for i, r in enumerate(self.results) if r.op == op]
+            for i, t in zip(idx, time_interleaved([self.fns[i] for i in idx], self.device, reps=reps)):
+                if i == 0 and self.results[0].timing.reps:  # keep every copy measurement: the best median
+                    t = min(t, self.results[0].timing, key=lambda x: x.median_ms)
+                self.results[i].timing = t
+        finish(self.results)
+        return self.results
+
+
 def print_tables(results: list[Result], title: str, env: dict) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -24,7 +24,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 import torsh_kernels as tk
 
 from ..ops.registry import PROVIDERS, _numba_state, _triton_state, can_run
-from . import Result, Timing, check_providers, environment, finish, print_tables, time_interleaved, write_json
+from . import Case, Result, check_providers, environment, print_tables, write_json
 
 MIB = 1 << 20
 K_BUFFERS = 4
@@ -69,14 +69,8 @@ def run_case(case: str, device: torch.device, providers: list[str], reps: int, s
     total = sum(sizes)
     nbytes = total * 4
     flat = torch.empty(total, device=device)
-    results: list[Result] = []
-    fns = []
-
-    def add(op: str, impl: str, kind: str, fn, moved: int) -> None:
-        fns.append(fn)
-        results.append(Result(case=title, op=op, impl=impl, kind=kind, bytes_moved=moved,
-                              timing=Timing(median_ms=0.0, p20_ms=0.0, p80_ms=0.0, reps=0)))  # fmt: skip
-
+    case = Case(title, device)
+    add = case.add
     src = torch.randn(total, generator=g).to(device)
     dst = torch.empty_like(src)
     add("copy", "dst.copy_(src)", "copy", lambda: dst.copy_(src), 2 * nbytes)
@@ -134,14 +128,7 @@ def run_case(case: str, device: torch.device, providers: list[str], reps: int, s
             red.add_(b)
 
     add("bucket_reduce", "copy_ + add_ loop", "peer", add_loop, moved)
-    # Each op's implementations are timed interleaved with each other and with the copy baseline.
-    for op in dict.fromkeys(r.op for r in results if r.kind != "copy"):
-        idx = [0] + [i for i, r in enumerate(results) if r.op == op]
-        for i, t in zip(idx, time_interleaved([fns[i] for i in idx], device, reps=reps)):
-            if i == 0 and results[0].timing.reps:  # keep every copy measurement: take the best median
-                t = min(t, results[0].timing, key=lambda x: x.median_ms)
-            results[i].timing = t
-    finish(results)
+    results = case.time(reps)
     for r in results:
         r.extra = {"tensors": len(sizes), "bucket_bytes": nbytes}
     return results

@@ -29,7 +29,7 @@ import torch
 
 from .. import compression as cz
 from ..ops import compress as C
-from . import Result, Timing, check_providers, environment, finish, print_tables, time_interleaved, write_json
+from . import Case, Result, check_providers, environment, print_tables, write_json
 
 MIB = 1 << 20
 BLOCK = 256
@@ -38,29 +38,6 @@ RATIO = 0.01
 
 def _rel_err(approx: torch.Tensor, x: torch.Tensor) -> float:
     return ((approx.float() - x.float()).norm() / x.float().norm()).item()
-
-
-class _Case:
-    def __init__(self, title: str, device: torch.device) -> None:
-        self.title, self.device = title, device
-        self.results: list[Result] = []
-        self.fns: list = []
-
-    def add(self, op: str, impl: str, kind: str, fn, moved: int, **extra) -> None:
-        self.fns.append(fn)
-        t0 = Timing(median_ms=0.0, p20_ms=0.0, p80_ms=0.0, reps=0)
-        self.results.append(Result(case=self.title, op=op, impl=impl, kind=kind, bytes_moved=moved, timing=t0,
-                                   extra=extra))  # fmt: skip
-
-    def time(self, reps: int) -> list[Result]:
-        for op in dict.fromkeys(r.op for r in self.results if r.kind != "copy"):
-            idx = [0] + [i for i, r in enumerate(self.results) if r.op == op]
-            for i, t in zip(idx, time_interleaved([self.fns[i] for i in idx], self.device, reps=reps)):
-                if i == 0 and self.results[0].timing.reps:
-                    t = min(t, self.results[0].timing, key=lambda x: x.median_ms)
-                self.results[i].timing = t
-        finish(self.results)
-        return self.results
 
 
 # ------------------------------------------------------------------------------------- torch peers
@@ -182,7 +159,7 @@ class PeerPowerSGD:
 def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int, psgd_rank: int) -> list[Result]:
     n = int(mib * MIB) // 4 // BLOCK * BLOCK
     nbytes = 4 * n
-    case = _Case(f"{nbytes / MIB:g} MiB fp32 buffer ({n:,} elements)", device)
+    case = Case(f"{nbytes / MIB:g} MiB fp32 buffer ({n:,} elements)", device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, generator=g).to(device)
     src, dst = torch.randn(n, generator=g).to(device), torch.empty(n, device=device)
@@ -314,7 +291,7 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
 def run_orthogonalize(device: torch.device, providers: list[str], reps: int, batch: int, rows: int) -> list[Result]:
     results: list[Result] = []
     for r in (1, 2, 4, 8):
-        case = _Case(f"orthogonalize {batch} x [{rows}, {r}] fp32 (PowerSGD P matrices)", device)
+        case = Case(f"orthogonalize {batch} x [{rows}, {r}] fp32 (PowerSGD P matrices)", device)
         nbytes = batch * rows * r * 4
         src = torch.randn(batch * rows * r * 64, device=device)
         dst = torch.empty_like(src)

@@ -67,6 +67,20 @@ def test_topk_matches_reference(provider, gen, n, dtype, with_residual, exact):
         _close(sent + r, full, 1e-6, 1e-6)
 
 
+@pytest.mark.parametrize("rdtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_topk_16bit_residual_rounds_once(provider, gen, rdtype):
+    """A 16-bit residual ends bit-equal to the reference's: x + residual - sent in fp32, rounded once
+    (rounding x + residual first and subtracting after would leave up to an ulp of |x + residual|)."""
+    n = 2001
+    x = rand(n, torch.float32, gen)
+    r = (rand(n, torch.float32, gen) * 0.3).to(rdtype)
+    r_ref = r.clone()
+    _, idx = C.topk_compress(x, ratio=0.05, residual=r, provider=provider)
+    _, i_ref = C.topk_compress_ref(x, ratio=0.05, residual=r_ref)
+    assert torch.equal(idx, i_ref)
+    assert torch.equal(r, r_ref)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 def test_topk_no_ties_gives_the_reference_indices(provider, gen, dtype):
     n = 3001

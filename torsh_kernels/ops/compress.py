@@ -1132,10 +1132,11 @@ def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
         sel = torch.topk(acc.abs(), k, sorted=False).indices
         chosen = sel.to(idt), acc[sel]
     idx, order = torch.sort(chosen[0])
-    values = chosen[1][order].to(x.dtype)
-    if r is not None:  # error feedback: residual = x + residual - sent
+    acc = chosen[1][order]  # fp32 x + residual at the chosen indices
+    values = acc.to(x.dtype)
+    if r is not None:  # error feedback: residual = x + residual, then what the sent values leave of it
         _axpby(name, x, r, r, 1.0, False)
-        _scatter(name, values, idx, r, -1.0, True, True)
+        _scatter(name, acc - values.float(), idx, r, 1.0, False, True)  # rounded once into r's dtype
     return values, idx
 
 
@@ -1341,7 +1342,8 @@ def topk_compress(
     Returns ``(values, indices)``: values in x's dtype, indices ascending, int32 when x has fewer than
     2**31 elements (else int64), both of length k. With ``residual`` (fp32/fp16/bf16, x's element count,
     contiguous), it is updated in place to ``x + residual - decompress(values, indices)``: exactly what
-    was not sent. See the module docstring for the approximate mode and ``exact``.
+    was not sent (for each element, computed in fp32 and rounded once into the residual's dtype). See the
+    module docstring for the approximate mode and ``exact``.
     """
     what = "torsh_kernels.topk_compress"
     xf = _flat_input(x, what, "x")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 __all__ = [
     "ArgumentTypeError",
+    "CollectiveError",
+    "CollectiveMismatchError",
     "DTypeError",
     "DeviceMismatchError",
     "InvalidArgumentError",
@@ -17,6 +19,7 @@ __all__ = [
     "NonFiniteError",
     "ProviderError",
     "ProviderUnavailableError",
+    "RankFailedError",
     "ShapeError",
     "TorshKernelsError",
 ]
@@ -60,3 +63,22 @@ class ProviderUnavailableError(TorshKernelsError, RuntimeError):
 
 class NonFiniteError(TorshKernelsError, FloatingPointError):
     """An input holds NaN or Inf where the operation would otherwise spread it silently (compression)."""
+
+
+class CollectiveError(TorshKernelsError, RuntimeError):
+    """A collective failed on the network: a peer exited or raised, or the operation timed out."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks issued different collectives (operation, size or dtype) at the same point of the sequence."""
+
+
+class RankFailedError(CollectiveError):
+    """A rank of a locally launched job raised or exited; the message carries its error and traceback."""
+
+    def __init__(self, message: str, *, values: list | None = None, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.values = values or []
+        """Return value of each rank that finished (None for the others), by rank."""
+        self.failures = failures or {}
+        """Error line of each rank that raised, exited or was terminated."""

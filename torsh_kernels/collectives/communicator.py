@@ -1,0 +1,518 @@
+"""The ``Communicator`` protocol and its implementation over a ``torch.distributed`` process group.
+
+Every collective of the library goes through a :class:`Communicator`. The protocol is small and
+tensor-in, tensor-out (torch tensors, dim-0 splits), so other transports (CuPy's NCCL communicator,
+RDMA through pyverbs) implement it without callers changing:
+
+- ``rank``, ``world_size``, ``device`` (where this rank's tensors live), ``backend``;
+- ``all_reduce(tensor, op)``, in place; ``op`` one of ``"sum" "avg" "max" "min" "product"``;
+- ``all_gather(output, input)``: ``output`` is [world * n, ...] (rank r's rows at r * n) or a list of
+  ``world_size`` tensors shaped like ``input``;
+- ``reduce_scatter(output, input, op)``: ``input`` is [world * n, ...], this rank gets the reduction of
+  rows [rank * n, (rank + 1) * n);
+- ``broadcast(tensor, src)``;
+- ``all_to_all(output, input, output_splits=None, input_splits=None)``: rows of ``input`` go to the
+  ranks in ``input_splits`` order; uneven splits allowed;
+- ``send(tensor, dst)`` / ``recv(tensor, src)``; ``barrier()``;
+- ``split(groups)``: the communicator of the group (a list of ranks of *this* communicator) that holds
+  this rank, every member calling with the same partition.
+
+Each call accepts ``async_op=True`` and then returns a :class:`Handle` whose ``wait()`` completes it
+(and raises :class:`~torsh_kernels.errors.CollectiveError` if the network part failed); otherwise it
+returns ``None`` once done. Every call checks its arguments (types, device, dtype, contiguity, sizes,
+ranks) and raises a typed error *before* anything goes on the network: a rank that raises locally then
+simply does not join, and its peers fail with ``CollectiveError`` at the group's timeout (or at once if
+the process exits) instead of hanging forever.
+
+What one rank cannot check alone is whether its peers issue the same collective with the same sizes.
+``TorchCommunicator(..., check_consistency=True)`` (or ``TORSH_KERNELS_CHECK_COLLECTIVES=1``) adds a
+small all-gather of each call's signature (sequence number, operation, element count, dtype) before it
+and raises :class:`~torsh_kernels.errors.CollectiveMismatchError` naming the ranks that disagree: a
+debugging aid, off by default because it doubles the number of messages.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import (
+    ArgumentTypeError,
+    CollectiveError,
+    CollectiveMismatchError,
+    DeviceMismatchError,
+    DTypeError,
+    InvalidArgumentError,
+    ShapeError,
+)
+
+__all__ = ["REDUCE_OPS", "Communicator", "Handle", "TorchCommunicator"]
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """An operation in flight: ``wait()`` completes it (raising ``CollectiveError`` on failure)."""
+
+    def wait(self) -> None: ...
+
+    def is_completed(self) -> bool: ...
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """What the collectives above need from a transport (see the module docstring)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False) -> Handle | None: ...
+
+    def all_gather(
+        self, output: torch.Tensor | list[torch.Tensor], input: torch.Tensor, *, async_op: bool = False
+    ) -> Handle | None: ...
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, async_op: bool = False
+    ) -> Handle | None: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None: ...
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int] | None = None,
+        input_splits: Sequence[int] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> Handle | None: ...
+
+    def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = False) -> Handle | None: ...
+
+    def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0, async_op: bool = False) -> Handle | None: ...
+
+    def barrier(self) -> None: ...
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Communicator: ...
+
+
+class CompletedHandle:
+    """A handle for work that is already done."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _TorchHandle:
+    """A torch ``Work`` plus what to do once it completes (a copy back, a division for ``avg``)."""
+
+    __slots__ = ("_comm", "_done", "_then", "_what", "_works")
+
+    def __init__(self, comm: TorchCommunicator, works: list, what: str, then: Callable[[], None] | None = None):
+        self._comm = comm
+        self._works = works
+        self._what = what
+        self._then = then
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        c = self._comm
+        try:
+            for w in self._works:
+                if w is None:
+                    continue
+                if c._wait_timeout is not None:
+                    w.wait(c._wait_timeout)
+                else:
+                    w.wait()
+        except CollectiveError:
+            raise
+        except Exception as e:  # gloo / NCCL report peer loss and timeouts as RuntimeError (or subclasses)
+            raise c._failure(self._what, e) from e
+        self._done = True
+        if self._then is not None:
+            self._then()
+
+    def is_completed(self) -> bool:
+        return self._done or all(w is None or w.is_completed() for w in self._works)
+
+
+def _tensor(t: object, what: str, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+# dtypes each backend can reduce (gloo has no int16; NCCL has no int16 and no bool)
+_GLOO_REDUCE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                torch.int32, torch.int64}  # fmt: skip
+_NCCL_REDUCE = _GLOO_REDUCE
+
+_OP_IDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "all_to_all": 5, "barrier": 6}
+
+
+class TorchCommunicator:
+    """A :class:`Communicator` over a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
+
+    ``group`` is any process group (``None``: the default one; subgroups from ``dist.new_group`` work,
+    ranks are then group ranks). ``timeout`` (seconds) bounds each wait on gloo, where ``Work.wait``
+    honours it; the group's own timeout (``init_process_group(timeout=...)``) applies as well, and for
+    NCCL it is the only one (the watchdog aborts the communicator).
+    """
+
+    __slots__ = ("_backend", "_check", "_device", "_group", "_rank", "_ranks", "_seq", "_wait_timeout", "_world")
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float | None = None,
+        check_consistency: bool | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise InvalidArgumentError(
+                "TorchCommunicator: torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group(...) first (torchrun sets the environment it needs), "
+                "or launch local ranks with torsh_kernels.collectives.run_local"
+            )
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ArgumentTypeError(
+                f"TorchCommunicator: group must be a ProcessGroup or None, got {type(group).__name__}"
+            )
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise InvalidArgumentError(
+                f"TorchCommunicator: timeout must be a positive number of seconds, got {timeout!r}"
+            )
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise InvalidArgumentError("TorchCommunicator: this process is not a member of the given group")
+        self._group = group
+        self._rank = rank
+        self._world = dist.get_world_size(group)
+        self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self._world))
+        self._backend = str(dist.get_backend(group)).lower()
+        if "nccl" in self._backend:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device("cpu")
+        gloo = "gloo" in self._backend
+        self._wait_timeout = datetime.timedelta(seconds=timeout) if timeout is not None and gloo else None
+        if check_consistency is None:
+            check_consistency = os.environ.get("TORSH_KERNELS_CHECK_COLLECTIVES", "0") not in ("", "0")
+        self._check = bool(check_consistency)
+        self._seq = 0
+
+    # -- properties --------------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The wrapped process group (``None``: the default group)."""
+        return self._group
+
+    @property
+    def global_ranks(self) -> list[int]:
+        """Global (default-group) rank of each rank of this communicator."""
+        return list(self._ranks)
+
+    def __repr__(self) -> str:
+        return f"TorchCommunicator(rank={self._rank}, world_size={self._world}, backend={self._backend!r})"
+
+    # -- validation ----------------------------------------------------------------------------------------
+
+    def _check_tensor(self, t: object, what: str, name: str, *, reduce: bool = False, op: str = "sum") -> torch.Tensor:
+        t = _tensor(t, what, name)
+        dev = self._device
+        if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
+            raise DeviceMismatchError(
+                f"{what}: {name} is on {t.device}, this {self._backend} communicator moves tensors on {dev}; "
+                f"move it with .to('{dev}')"
+            )
+        if not t.is_contiguous():
+            raise ShapeError(f"{what}: {name} (shape {tuple(t.shape)}) is not contiguous; pass .contiguous()")
+        if reduce:
+            allowed = _NCCL_REDUCE if "nccl" in self._backend else _GLOO_REDUCE
+            if t.dtype not in allowed:
+                raise DTypeError(
+                    f"{what}: {self._backend} cannot reduce {t.dtype}; use one of "
+                    f"{sorted(str(d).replace('torch.', '') for d in allowed)}"
+                )
+            if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+                raise DTypeError(f"{what}: op='avg' needs a floating-point tensor, {name} is {t.dtype}")
+        return t
+
+    def _check_op(self, op: object, what: str) -> str:
+        if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
+            raise InvalidArgumentError(f"{what}: op must be one of {REDUCE_OPS}, got {op!r}")
+        return op.lower()
+
+    def _check_peer(self, peer: object, what: str, name: str) -> int:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self._world:
+            raise InvalidArgumentError(f"{what}: {name} must be a rank in [0, {self._world}), got {peer!r}")
+        if peer == self._rank and name != "src":
+            raise InvalidArgumentError(f"{what}: {name}={peer} is this rank; a rank cannot send to itself")
+        return peer
+
+    def _failure(self, what: str, e: BaseException) -> CollectiveError:
+        return CollectiveError(
+            f"{what} failed on rank {self._rank} of {self._world} ({self._backend}, global ranks "
+            f"{self._ranks}): {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
+            "A peer most likely exited, raised before joining this collective, or issued a different one; "
+            "look at the other ranks' errors"
+        )
+
+    def _torch_op(self, op: str):
+        R = dist.ReduceOp
+        return {"sum": R.SUM, "max": R.MAX, "min": R.MIN, "product": R.PRODUCT, "avg": R.SUM}[op]
+
+    def _consistent(self, what: str, numel: int, dtype: torch.dtype, extra: int = 0) -> None:
+        """With check_consistency: all ranks compare (sequence, op, numel, dtype, extra) before the call."""
+        self._seq += 1
+        if not self._check:
+            return
+        fields = [self._seq, _OP_IDS[what], numel, zlib.crc32(str(dtype).encode()), extra]
+        sig = torch.tensor(fields, dtype=torch.int64, device=self._device)
+        allsig = torch.empty(self._world * sig.numel(), dtype=torch.int64, device=self._device)
+        self._run(what + " (consistency check)", lambda: _all_gather_single(allsig, sig, self._group))
+        rows = allsig.view(self._world, -1).tolist()
+        if any(r != rows[0] for r in rows):
+            names = {v: k for k, v in _OP_IDS.items()}
+            desc = "; ".join(
+                f"rank {i}: call #{r[0]} {names.get(r[1], r[1])} of {r[2]} elements (extra {r[4]})"
+                for i, r in enumerate(rows)
+            )
+            raise CollectiveMismatchError(f"{what}: ranks issued different collectives at the same point: {desc}")
+
+    def _run(self, what: str, launch: Callable[[], object], then: Callable[[], None] | None = None,
+             async_op: bool = False) -> _TorchHandle | None:  # fmt: skip
+        try:
+            work = launch()
+        except CollectiveError:
+            raise
+        except Exception as e:
+            raise self._failure(what, e) from e
+        works = work if isinstance(work, list) else [work]
+        h = _TorchHandle(self, works, what, then)
+        if async_op:
+            return h
+        h.wait()
+        return None
+
+    # -- collectives -------------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False) -> Handle | None:
+        what = "all_reduce"
+        op = self._check_op(op, what)
+        t = self._check_tensor(tensor, what, "tensor", reduce=True, op=op)
+        self._consistent(what, t.numel(), t.dtype)
+        then = (lambda: t.div_(self._world)) if op == "avg" else None
+        return self._run(what, lambda: dist.all_reduce(t, self._torch_op(op), group=self._group, async_op=True),
+                         then, async_op)  # fmt: skip
+
+    def all_gather(
+        self, output: torch.Tensor | list[torch.Tensor], input: torch.Tensor, *, async_op: bool = False
+    ) -> Handle | None:
+        what = "all_gather"
+        x = self._check_tensor(input, what, "input")
+        if isinstance(output, (list, tuple)):
+            if len(output) != self._world:
+                raise ShapeError(f"{what}: output list has {len(output)} tensors, expected world_size={self._world}")
+            for i, o in enumerate(output):
+                o = self._check_tensor(o, what, f"output[{i}]")
+                if o.shape != x.shape or o.dtype != x.dtype:
+                    raise ShapeError(
+                        f"{what}: output[{i}] is {tuple(o.shape)} {o.dtype}, input is {tuple(x.shape)} {x.dtype}"
+                    )
+            self._consistent(what, x.numel(), x.dtype)
+            outs = list(output)
+            return self._run(what, lambda: dist.all_gather(outs, x, group=self._group, async_op=True), None, async_op)
+        out = self._check_tensor(output, what, "output")
+        if out.dtype != x.dtype:
+            raise DTypeError(f"{what}: output is {out.dtype}, input is {x.dtype}; they must match")
+        if out.numel() != self._world * x.numel():
+            raise ShapeError(
+                f"{what}: output has {out.numel()} elements, expected world_size * input = {self._world} * "
+                f"{x.numel()} = {self._world * x.numel()}"
+            )
+        _no_overlap(out, x, what, "output", "input")
+        self._consistent(what, x.numel(), x.dtype)
+        return self._run(what, lambda: _all_gather_single(out, x, self._group), None, async_op)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, async_op: bool = False
+    ) -> Handle | None:
+        what = "reduce_scatter"
+        op = self._check_op(op, what)
+        x = self._check_tensor(input, what, "input", reduce=True, op=op)
+        out = self._check_tensor(output, what, "output", reduce=True, op=op)
+        if out.dtype != x.dtype:
+            raise DTypeError(f"{what}: output is {out.dtype}, input is {x.dtype}; they must match")
+        if x.numel() != self._world * out.numel():
+            raise ShapeError(
+                f"{what}: input has {x.numel()} elements, expected world_size * output = {self._world} * "
+                f"{out.numel()} = {self._world * out.numel()}; pad the input to a multiple of the world size"
+            )
+        _no_overlap(out, x, what, "output", "input")
+        self._consistent(what, out.numel(), out.dtype)
+        then = (lambda: out.div_(self._world)) if op == "avg" else None
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return self._run(
+            what, lambda: rs(out.view(-1), x.view(-1), self._torch_op(op), group=self._group, async_op=True), then,
+            async_op,
+        )  # fmt: skip
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
+        what = "broadcast"
+        t = self._check_tensor(tensor, what, "tensor")
+        src = self._check_peer(src, what, "src")
+        self._consistent(what, t.numel(), t.dtype, src)
+        g = self._ranks[src]
+        return self._run(what, lambda: dist.broadcast(t, g, group=self._group, async_op=True), None, async_op)
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int] | None = None,
+        input_splits: Sequence[int] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> Handle | None:
+        what = "all_to_all"
+        x = self._check_tensor(input, what, "input")
+        out = self._check_tensor(output, what, "output")
+        if out.dtype != x.dtype:
+            raise DTypeError(f"{what}: output is {out.dtype}, input is {x.dtype}; they must match")
+        if out.dim() == 0 or x.dim() == 0 or out.shape[1:] != x.shape[1:]:
+            raise ShapeError(
+                f"{what}: input {tuple(x.shape)} and output {tuple(out.shape)} must be at least 1-D with the "
+                "same shape after dim 0 (rows are exchanged)"
+            )
+        ins = self._splits(input_splits, x.shape[0], what, "input")
+        outs = self._splits(output_splits, out.shape[0], what, "output")
+        _no_overlap(out, x, what, "output", "input")
+        self._consistent(what, x.numel() // max(1, x.shape[0]), x.dtype)
+        return self._run(
+            what,
+            lambda: dist.all_to_all_single(out, x, outs, ins, group=self._group, async_op=True),
+            None,
+            async_op,
+        )
+
+    def _splits(self, splits: Sequence[int] | None, rows: int, what: str, name: str) -> list[int] | None:
+        if splits is None:
+            if rows % self._world:
+                raise ShapeError(
+                    f"{what}: {name} has {rows} rows, not divisible by world_size={self._world}; pass "
+                    f"{name}_splits for uneven splits"
+                )
+            return None
+        s = list(splits)
+        if len(s) != self._world or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in s):
+            raise InvalidArgumentError(f"{what}: {name}_splits must be {self._world} ints >= 0, got {splits!r}")
+        if sum(s) != rows:
+            raise ShapeError(f"{what}: {name}_splits sum to {sum(s)}, {name} has {rows} rows")
+        return s
+
+    def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = False) -> Handle | None:
+        what = "send"
+        t = self._check_tensor(tensor, what, "tensor")
+        dst = self._check_peer(dst, what, "dst")
+        g = self._ranks[dst]
+        return self._run(what, lambda: dist.isend(t, g, group=self._group, tag=tag), None, async_op)
+
+    def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0, async_op: bool = False) -> Handle | None:
+        what = "recv"
+        t = self._check_tensor(tensor, what, "tensor")
+        src = self._check_peer(src, what, "source")
+        g = self._ranks[src]
+        return self._run(what, lambda: dist.irecv(t, g, group=self._group, tag=tag), None, async_op)
+
+    def barrier(self) -> None:
+        self._consistent("barrier", 0, torch.int64)
+        # a tiny all-reduce: same semantics as dist.barrier, and it honours the wait timeout on gloo
+        t = torch.zeros(1, dtype=torch.int32, device=self._device)
+        self._run("barrier", lambda: dist.all_reduce(t, group=self._group, async_op=True))
+
+    def split(self, groups: Sequence[Sequence[int]]) -> TorchCommunicator:
+        """The communicator of the group holding this rank. ``groups`` partitions (or covers part of) this
+        communicator's ranks; every member of the returned group must call with the same groups."""
+        what = "split"
+        if not isinstance(groups, (list, tuple)) or not groups:
+            raise ArgumentTypeError(f"{what}: groups must be a non-empty list of rank lists, got {groups!r}")
+        seen: set[int] = set()
+        mine = None
+        for g in groups:
+            if not isinstance(g, (list, tuple, range)) or not g:
+                raise ArgumentTypeError(f"{what}: each group must be a non-empty list of ranks, got {g!r}")
+            for r in g:
+                if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self._world:
+                    raise InvalidArgumentError(f"{what}: rank {r!r} is not in [0, {self._world})")
+                if r in seen:
+                    raise InvalidArgumentError(f"{what}: rank {r} appears in two groups; groups must be disjoint")
+                seen.add(r)
+            if self._rank in g:
+                mine = list(g)
+        if mine is None:
+            raise InvalidArgumentError(f"{what}: rank {self._rank} is in none of the groups {groups!r}")
+        global_ranks = sorted(self._ranks[r] for r in mine)
+        timeout = None if self._wait_timeout is None else self._wait_timeout.total_seconds()
+        try:
+            pg = dist.new_group(global_ranks, use_local_synchronization=True)
+        except Exception as e:
+            raise self._failure(what, e) from e
+        return TorchCommunicator(pg, timeout=timeout, check_consistency=self._check)
+
+
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group):
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return ag(out.view(-1), x.view(-1), group=group, async_op=True)
+
+
+def _no_overlap(a: torch.Tensor, b: torch.Tensor, what: str, na: str, nb: str) -> None:
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + a.numel() * a.element_size()
+    b1 = b0 + b.numel() * b.element_size()
+    if a0 < b1 and b0 < a1:
+        raise InvalidArgumentError(f"{what}: {na} and {nb} overlap in memory; use separate buffers")

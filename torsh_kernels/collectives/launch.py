@@ -1,0 +1,175 @@
+"""Starting ranks: ``init_from_env`` for jobs launched by torchrun, ``run_local`` for N local processes.
+
+``run_local(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a process group in each
+(gloo by default, over a file store in a private temporary directory), calls ``fn(comm, *args)`` with a
+:class:`TorchCommunicator`, and returns the ranks' return values in rank order. If a rank raises or
+exits, the others are given ``op_timeout`` seconds (their collectives fail with ``CollectiveError`` in
+that time) and are then terminated; :class:`~torsh_kernels.errors.RankFailedError` names each failed
+rank with its error and traceback, and carries the values of the ranks that finished. Nothing hangs
+past ``timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import queue as queue_mod
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidArgumentError, RankFailedError
+from .communicator import TorchCommunicator
+
+__all__ = ["init_from_env", "run_local"]
+
+
+def init_from_env(backend: str | None = None, *, timeout: float = 300.0, **kwargs) -> TorchCommunicator:
+    """Initialise the default process group from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``; ``LOCAL_RANK`` picks the GPU) unless it already is, and return a
+    communicator over it. ``backend`` defaults to nccl where CUDA is available, else gloo."""
+    if not dist.is_initialized():
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise InvalidArgumentError(
+                f"init_from_env: environment variables {missing} are not set; launch with torchrun "
+                "(or set them), or use run_local for ranks on this machine"
+            )
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return TorchCommunicator(**kwargs)
+
+
+def _child(rank, world, fn, args, init, backend, op_timeout, threads, results) -> None:
+    status: tuple
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend, init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=op_timeout)
+        )
+        comm = TorchCommunicator(timeout=op_timeout)
+        value = fn(comm, *args)
+        status = ("ok", pickle.dumps(value))
+    except BaseException as e:
+        status = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
+    results.put((rank, *status))
+    if status[0] == "ok":
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    results.close()
+    results.join_thread()
+    os._exit(0 if status[0] == "ok" else 1)  # skip interpreter teardown (threads of a failed backend)
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    op_timeout: float = 30.0,
+    threads: int | None = None,
+) -> list[Any]:
+    """Run ``fn(comm, *args)`` on ``world_size`` fresh local processes; return their results by rank.
+
+    ``fn`` must be importable by name (a module-level function), ``args`` and results picklable.
+    ``op_timeout`` bounds each collective (the process group's timeout); ``timeout`` bounds the whole
+    run. ``threads``: torch intra-op threads per rank (default: the CPU count divided among the ranks).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InvalidArgumentError(f"run_local: world_size must be an int >= 1, got {world_size!r}")
+    if not callable(fn):
+        raise InvalidArgumentError(f"run_local: fn must be callable, got {fn!r}")
+    if backend not in ("gloo", "nccl"):
+        raise InvalidArgumentError(f"run_local: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise InvalidArgumentError("run_local: backend='nccl' needs CUDA; use backend='gloo' on this machine")
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    ctx = torch.multiprocessing.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="torsh-run-")
+    init = "file://" + os.path.join(tmp, "store")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(r, world_size, fn, args, init, backend, op_timeout, threads, results),
+            name=f"torsh-rank{r}",
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    done: dict[int, tuple] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        grace_end = None
+        while len(done) < world_size:
+            now = time.monotonic()
+            if now > deadline or (grace_end is not None and now > grace_end):
+                break
+            try:
+                rank, *status = results.get(timeout=0.05)
+                done[rank] = tuple(status)
+            except queue_mod.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in done and p.exitcode is not None:
+                    # give a just-exited process's queued report a moment to arrive
+                    try:
+                        rank, *status = results.get(timeout=0.5)
+                        done[rank] = tuple(status)
+                        continue
+                    except queue_mod.Empty:
+                        pass
+                    if r not in done:
+                        done[r] = ("exit", f"exited with code {p.exitcode} without reporting a result", "")
+            if grace_end is None and any(s[0] != "ok" for s in done.values()):
+                grace_end = time.monotonic() + op_timeout + 10.0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    values: list[Any] = [None] * world_size
+    failures: dict[int, str] = {}
+    tracebacks: dict[int, str] = {}
+    for r in range(world_size):
+        s = done.get(r)
+        if s is None:
+            failures[r] = "did not finish (terminated)"
+        elif s[0] == "ok":
+            values[r] = pickle.loads(s[1])
+        else:
+            failures[r] = s[1]
+            if s[2]:
+                tracebacks[r] = s[2]
+    if failures:
+        lines = [f"rank {r}: {m}" for r, m in sorted(failures.items())]
+        first = min(tracebacks) if tracebacks else None
+        tb = f"\n--- traceback of rank {first} ---\n{tracebacks[first]}" if first is not None else ""
+        msg = f"run_local: {len(failures)} of {world_size} ranks failed:\n" + "\n".join(lines) + tb
+        raise RankFailedError(msg, values=values, failures=failures)
+    return values

@@ -1,0 +1,228 @@
+"""compressed_all_reduce on real processes (gloo), world sizes 2, 3 and 4, every compressor.
+
+Each rank rebuilds every rank's input (seeded by step and rank) and simulates every rank's compressor
+state on its own, so it can compute the exact expected average (the mean of the ranks' decompressed
+contributions, or the scheme's own result for sign and PowerSGD) without communication. The
+communicator runs with the cross-rank consistency check, so any difference in the collectives the ranks
+issue (order, sizes) fails loudly. Several tensors ("buckets") of different shapes go through on every
+step, as in DDP.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from torsh_kernels.collectives import TorchCommunicator, compressed_all_reduce, run_local
+from torsh_kernels.collectives.cost_model import sign_chunk
+from torsh_kernels.compression import BF16, FP16, PowerSGD, Quantize, Sign, TopK, roundtrip
+from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError
+from torsh_kernels.ops.compress import orthogonalize_ref, sign_compress_ref, sign_decompress_ref
+
+SHAPES = [(7, 143), (5,), (64, 33)]  # odd sizes; (5,) leaves sign chunks empty and PowerSGD uncompressed
+STEPS = 3
+
+
+def inputs(step: int, rank: int, shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100_003 * step + 1009 * rank + sum(shape))
+    return torch.randn(shape, generator=g)
+
+
+def make(name: str, provider: str | None = None):
+    return {
+        "none": None,
+        "fp16": FP16(provider=provider),
+        "bf16": BF16(provider=provider),
+        "topk": TopK(0.1, provider=provider),
+        "topk-exact": TopK(0.05, exact=True, provider=provider),
+        "int8-gather": Quantize(8, block=64, provider=provider),
+        "int8-shared": Quantize(8, block=64, provider=provider),
+        "int4-gather": Quantize(4, block=32, stochastic=True, provider=provider),
+        "int4-shared": Quantize(4, block=32, stochastic=True, provider=provider),
+        "sign": Sign(provider=provider),
+        "powersgd": PowerSGD(2, start_iter=1, provider=provider),
+    }[name]
+
+
+def _gather_ref(c, xs, sims):
+    """Mean of each rank's decompressed contribution, each rank's state simulated by a roundtrip."""
+    outs = [roundtrip(c, x, st)[0] for x, st in zip(xs, sims)]
+    return torch.stack(outs).mean(0)
+
+
+def _shared_ref(c: Quantize, xs, sims, step):
+    from torsh_kernels.ops.compress import seed_key, uniform_noise
+
+    qmax = 127 if c.bits == 8 else 7
+    accs = [x.reshape(-1) + st.residual(x.reshape(-1)) for x, st in zip(xs, sims)]
+    n, nb = accs[0].numel(), -(-accs[0].numel() // c.block)
+    pad = [torch.nn.functional.pad(a, (0, nb * c.block - n)).view(nb, c.block) for a in accs]
+    s = torch.stack([p.abs().amax(1) for p in pad]).amax(0) / qmax
+    contribs = []
+    for r, (p, st) in enumerate(zip(pad, sims)):
+        y = p / torch.where(s > 0, s, 1.0)[:, None]
+        if c.stochastic:
+            seed = (st.seed * 0x9E3779B97F4A7C15 + st.step) & 0xFFFFFFFFFFFFFFFF
+            u = uniform_noise(torch.arange(nb * c.block, dtype=torch.int32), seed_key(seed)).view(nb, c.block)
+            codes = torch.floor(y + u)
+        else:
+            codes = torch.round(y)
+        v = (codes.clamp(-qmax, qmax) * s[:, None]).view(-1)[:n]
+        st.tensors["residual"] = accs[r] - v
+        st.step += 1
+        contribs.append(v)
+    return torch.stack(contribs).mean(0)
+
+
+def _sign_ref(xs, sims):
+    ws, n = len(xs), xs[0].numel()
+    chunk = sign_chunk(n, ws)
+    out = torch.empty(n)
+    for d in range(ws):
+        lo, hi = min(n, d * chunk), min(n, (d + 1) * chunk)
+        if hi == lo:
+            continue
+        avg = torch.zeros(hi - lo)
+        for x, st in zip(xs, sims):
+            res = st.residual(x.reshape(-1))
+            bits, scale = sign_compress_ref(x.reshape(-1)[lo:hi], res[lo:hi])
+            avg += sign_decompress_ref(bits, scale, hi - lo) / ws
+        server = sims[d]
+        sr = server.tensors.setdefault("server_residual", torch.zeros(hi - lo))
+        bits, scale = sign_compress_ref(avg, sr)
+        out[lo:hi] = sign_decompress_ref(bits, scale, hi - lo)
+    for st in sims:
+        st.step += 1
+    return out
+
+
+def _powersgd_ref(c: PowerSGD, xs, sims, shape):
+    ws = len(xs)
+    n = xs[0].numel()
+    plan = c._plan(xs[0])
+    if sims[0].step < c.start_iter or plan is None:
+        for st in sims:
+            st.step += 1
+        return torch.stack([x.reshape(-1) for x in xs]).mean(0)
+    rows, cols, r = plan
+    ms = []
+    for x, st in zip(xs, sims):
+        m = torch.zeros(rows * cols)
+        m[:n] = x.reshape(-1) + st.residual(x.reshape(-1))
+        ms.append(m.view(rows, cols))
+    q = sims[0].tensors.get("q")
+    if q is None:  # the initial Q, from rank 0's seed (all ranks adopt it)
+        g = torch.Generator().manual_seed(sims[0].seed * 1_000_003)
+        q = torch.randn(cols, r, generator=g)
+    p = orthogonalize_ref(sum(m @ q for m in ms))
+    q = sum(m.t() @ p for m in ms) / ws
+    approx = (p @ q.t()).reshape(-1)
+    for m, st in zip(ms, sims):
+        st.tensors["residual"] = m.reshape(-1)[:n] - approx[:n]
+        st.tensors["q"] = q
+        st.step += 1
+    return approx[:n]
+
+
+TOLS = {"none": 1e-5, "fp16": 3e-3, "bf16": 3e-2, "powersgd": 1e-4}
+
+
+def _compressed_worker(comm: TorchCommunicator, names: list[str], provider: str | None) -> int:
+    comm = TorchCommunicator(comm.group, timeout=30, check_consistency=True)
+    ws, me = comm.world_size, comm.rank
+    checks = 0
+    for name in names:
+        c = make(name, provider)
+        mode = "shared_scale" if name.endswith("shared") else "all_gather"
+        states = [c.new_state(seed=me) if c is not None else None for _ in SHAPES]
+        # every rank's state, simulated here (stochastic rounding uses each rank's own seed)
+        sims = [[c.new_state(seed=r) if c is not None else None for r in range(ws)] for _ in SHAPES]
+        if isinstance(c, PowerSGD):
+            for per_shape in sims:
+                for st in per_shape:
+                    st.seed = 0  # rank 0's seed, broadcast on the first call
+        for step in range(STEPS):
+            for b, shape in enumerate(SHAPES):  # several buckets per step
+                xs = [inputs(step, r, shape) for r in range(ws)]
+                t = xs[me].clone()
+                compressed_all_reduce(t, comm, c, states[b], quantize_mode=mode)
+                if c is None or isinstance(c, (FP16, BF16)):
+                    want = torch.stack([x if c is None else x.to(c.dtype).float() for x in xs]).mean(0)
+                elif isinstance(c, Sign):
+                    want = _sign_ref(xs, sims[b]).view(shape)
+                elif isinstance(c, PowerSGD):
+                    want = _powersgd_ref(c, xs, sims[b], shape).view(shape)
+                elif mode == "shared_scale":
+                    want = _shared_ref(c, xs, sims[b], step).view(shape)
+                else:
+                    want = _gather_ref(c, xs, sims[b]).view(shape)
+                tol = TOLS.get(name, 1e-5)
+                where = f"{name} step {step} {shape}"
+                torch.testing.assert_close(t, want, rtol=tol, atol=tol, msg=lambda m, w=where: f"{w}: {m}")
+                if c is not None and "residual" in states[b].tensors:  # error feedback stays per rank
+                    mine = states[b].tensors["residual"]
+                    torch.testing.assert_close(mine, sims[b][me].tensors["residual"], rtol=tol, atol=tol)
+                    other = sims[b][(me + 1) % ws].tensors["residual"]
+                    assert not torch.equal(mine, other), "a rank's residual equals another rank's"
+                if isinstance(c, Sign) and "server_residual" in states[b].tensors:
+                    torch.testing.assert_close(
+                        states[b].tensors["server_residual"], sims[b][me].tensors["server_residual"]
+                    )
+                checks += 1
+    return checks
+
+
+ALL = ["none", "fp16", "bf16", "topk", "topk-exact", "int8-gather", "int8-shared", "int4-gather", "int4-shared",
+       "sign", "powersgd"]  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_compressor_averages_the_ranks_contributions(world_size):
+    counts = run_local(_compressed_worker, world_size, ALL, None, op_timeout=60)
+    assert counts == [len(ALL) * STEPS * len(SHAPES)] * world_size
+
+
+@pytest.mark.parametrize("provider", ["triton", "numba"])
+def test_kernel_providers_in_compressed_all_reduce(provider):
+    names = ["topk", "int8-gather", "int4-shared", "sign", "powersgd"]
+    counts = run_local(_compressed_worker, 2, names, provider, op_timeout=120)
+    assert counts == [len(names) * STEPS * len(SHAPES)] * 2
+
+
+def _errors_worker(comm) -> list[str]:
+    out = []
+    st = Sign().new_state()
+    x = torch.randn(100)
+    compressed_all_reduce(x.clone(), comm, Sign(), st)
+    before = copy.deepcopy(st.state_dict())
+    bad = x.clone()
+    bad[3] = float("nan")
+    try:
+        compressed_all_reduce(bad, comm, Sign(), st)  # every rank raises, before the network
+    except NonFiniteError as e:
+        out.append(type(e).__name__)
+    after = st.state_dict()
+    assert after["step"] == before["step"] and torch.equal(after["tensors"]["residual"], before["tensors"]["residual"])
+    for err, call in (
+        (InvalidArgumentError, lambda: compressed_all_reduce(torch.ones(4), comm, TopK(0.5))),  # no state
+        (InvalidArgumentError, lambda: compressed_all_reduce(torch.ones(4, dtype=torch.int32), comm)),
+        (ShapeError, lambda: compressed_all_reduce(torch.ones(4, 4).t(), comm)),
+        (ArgumentTypeError, lambda: compressed_all_reduce(torch.ones(4), comm, "topk")),
+        (InvalidArgumentError,
+         lambda: compressed_all_reduce(torch.ones(4), comm, Quantize(), Quantize().new_state(), quantize_mode="x")),
+    ):  # fmt: skip
+        with pytest.raises(err):
+            call()
+        out.append(err.__name__)
+    t = torch.full((3,), float(comm.rank))
+    compressed_all_reduce(t, comm)
+    assert t.tolist() == [0.5] * 3
+    return out
+
+
+def test_bad_input_raises_before_state_or_network_change():
+    out = run_local(_errors_worker, 2, op_timeout=20)
+    assert out == [["NonFiniteError", "InvalidArgumentError", "InvalidArgumentError", "ShapeError",
+                    "ArgumentTypeError", "InvalidArgumentError"]] * 2  # fmt: skip

@@ -487,7 +487,8 @@ class PowerSGD(Compressor):
         m = state.work["m"]
         rows, cols = p.shape[0], m.numel() // p.shape[0]
         state.work["p"] = p
-        return Payload({"q": m.view(rows, cols).t() @ p}, payload.numel)
+        # Q = M^T P, computed as (P^T M)^T: row-major M is read along its rows (several times faster on CPU)
+        return Payload({"q": (p.t() @ m.view(rows, cols)).t().contiguous()}, payload.numel)
 
     def decompress(self, payload, state, out, *, alpha=1.0, accumulate=False):
         o = _check_out(out, payload.numel, "PowerSGD.decompress")

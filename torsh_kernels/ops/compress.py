@@ -46,6 +46,7 @@ and its host synchronisation; a quantization block holding NaN/Inf then gets a N
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -666,13 +667,41 @@ def _counter(device: torch.device, n: int = 1) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=device)
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(device: torch.device, n: int) -> torch.Tensor:
+    """A float32 work buffer of n elements, reused by later calls on this thread and device (its content
+    is garbage; never returned to callers). Saves the allocation and first-touch page faults that a
+    fresh tensor costs on the CPU for every call."""
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    b = bufs.get(device)
+    if b is None or b.numel() < n:
+        b = bufs[device] = torch.empty(n, dtype=torch.float32, device=device)
+    return b[:n]
+
+
+def _count_nonfinite(v: torch.Tensor) -> torch.Tensor:
+    """Number of NaN/Inf elements of v, as an int64 [1] tensor. A plain sum (one vectorised pass, no
+    temporary) is finite whenever every element is, so the exact count (a bool pass and a sum over it,
+    several times slower) only runs when the sum is not: NaN/Inf present, or a sum that overflowed."""
+    if v.numel() == 0 or bool(torch.isfinite(v.sum())):
+        return _counter(v.device)
+    return (~torch.isfinite(v)).sum().view(1)
+
+
 # out = x + beta * y; returns the non-finite count tensor (or None)
 @_axpby.register("torch")
 def _axpby_torch(x, y, out, beta, count_bad):
-    v = x.float() + y.float() * beta if beta != 1.0 else x.float() + y.float()
-    bad = (~torch.isfinite(v)).sum().view(1) if count_bad else None
-    out.copy_(v)
-    return bad
+    if beta == 1.0 and out.dtype == x.dtype == y.dtype == torch.float32:
+        torch.add(x, y, alpha=beta, out=out)  # one pass, no temporary
+        v = out
+    else:
+        v = x.float() + y.float() * beta if beta != 1.0 else x.float() + y.float()
+        out.copy_(v)
+    return _count_nonfinite(v) if count_bad else None
 
 
 @_axpby.register("triton")
@@ -693,7 +722,10 @@ def _axpby_numba(x, y, out, beta, count_bad):
 @_err_update.register("torch")
 def _err_update_torch(acc, approx, res, out):
     a = approx.float()
-    res.copy_(acc.float() - a)
+    if res.dtype == acc.dtype == torch.float32:
+        torch.sub(acc, a, out=res)  # one pass, no temporary
+    else:
+        res.copy_(acc.float() - a)
     if out is not None:
         out.copy_(a)
 
@@ -715,13 +747,24 @@ def _err_update_numba(acc, approx, res, out):
 # candidates: (cval fp32 [cap], cidx [cap], cnt int64 [2] = (count, non-finite))
 @_candidates.register("torch")
 def _cand_torch(x, r, thr, cap, idx_dtype):
-    v = _acc_torch(x, r)
-    fin = torch.isfinite(v)
-    sel = (v.abs() >= thr) & fin
+    # |x + r| in a per-thread scratch buffer (no 4-byte-per-element allocation and first touch per call);
+    # the candidates' signed values are re-read from x and r, k elements instead of n
+    a = _scratch(x.device, x.numel())
+    if r is None:
+        a.copy_(x)
+    elif x.dtype == r.dtype == torch.float32:
+        torch.add(x, r, out=a)
+    else:
+        a.copy_(_acc_torch(x, r))
+    bad = _count_nonfinite(a)
+    a.abs_()
+    sel = a >= thr  # NaN compares false
+    if bool(bad):
+        sel &= torch.isfinite(a)
     idx = sel.nonzero().view(-1)
-    cnt = torch.stack([idx.new_tensor(idx.numel()), (~fin).sum()])
+    cnt = torch.cat([idx.new_tensor([idx.numel()]), bad.to(idx.dtype)])
     idx = idx[:cap]
-    return v[idx], idx.to(idx_dtype), cnt
+    return _acc_torch(x[idx], r[idx] if r is not None else None), idx.to(idx_dtype), cnt
 
 
 @_candidates.register("triton")

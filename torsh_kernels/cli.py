@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="run a benchmark suite")
     suites = bench.add_subparsers(dest="suite", required=True)
-    from .bench import bucket, compression
+    from .bench import bucket, collectives, compression
 
     bucket.add_arguments(
         suites.add_parser("bucket", help="flatten / unflatten / bucket_reduce against the torch peers",
@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     compression.add_arguments(
         suites.add_parser("compression", help="compression ops and compressors against the torch peers",
                           description=compression.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )  # fmt: skip
+    collectives.add_arguments(
+        suites.add_parser("collectives", help="collectives and compressed all-reduce over real processes",
+                          description=collectives.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     )  # fmt: skip
 
     args = parser.parse_args(argv)
@@ -35,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         return bucket.run(args)
     if args.command == "bench" and args.suite == "compression":
         return compression.run(args)
+    if args.command == "bench" and args.suite == "collectives":
+        return collectives.run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -1,0 +1,262 @@
+"""Collectives and compressed all-reduce over real processes, with the cost model's predictions.
+
+Per collective and size: nccl-tests columns (size in bytes, element count, time, algbw = size / time,
+busbw = algbw * the collective's bus factor: 2(n-1)/n for all-reduce, (n-1)/n for all-gather,
+reduce-scatter and all-to-all, 1 for broadcast), and the alpha-beta model's prediction from a
+ping-pong probe of the link made at the start of the same run. Per compressor and size:
+``compressed_all_reduce`` end to end (compression, traffic, decompression), its speedup over the
+uncompressed all-reduce of the same buffer, and the bytes each rank sends.
+
+Launch: on its own it spawns ``--world-size`` local ranks (gloo; NCCL where there are enough GPUs).
+Under torchrun, or the two-host helper ``benchmarks/emulated_hosts.sh`` (``RANK``/``WORLD_SIZE`` set),
+each process is one rank. Times are the slowest rank's median over ``--reps`` repetitions, each started
+together after a barrier.
+
+python benchmarks/bench_collectives.py [--world-size 2] [--sizes 1K,...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import compression as cz
+from ..collectives import Link, TorchCommunicator, compressed_all_reduce, init_from_env, probe, run_local
+from ..collectives.cost_model import all_gather_time, all_reduce_time, all_to_all_time, compressed_time
+from . import environment
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+COMPRESSORS = {
+    "none": lambda: None,
+    "fp16": lambda: cz.FP16(),
+    "topk": lambda: cz.TopK(0.01),
+    "int8": lambda: cz.Quantize(8),
+    "int4": lambda: cz.Quantize(4),
+    "sign": lambda: cz.Sign(),
+    "powersgd": lambda: cz.PowerSGD(4),
+}
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    v = float(s[:-1] if s[-1:] in "KMG" else s) * mult
+    if not v >= 4 or v > (8 << 30):
+        raise ValueError(f"size {s!r} out of range [4 B, 8 GiB]")
+    return int(v) // 4 * 4
+
+
+def _bus_factor(op: str, n: int) -> float:
+    return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(op, (n - 1) / n)
+
+
+def _timed(comm, fn, reps: int, warmup: int) -> float:
+    """The slowest rank's median seconds per call."""
+    times = []
+    for i in range(warmup + reps):
+        comm.barrier()
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=comm.device)
+    comm.all_reduce(t, "max")
+    return float(t.item())
+
+
+def _predict(op: str, nbytes: int, p: int, link: Link) -> float:
+    if op == "all_reduce":
+        return all_reduce_time(nbytes, p, link, "ring")
+    if op == "all_gather":  # size = the gathered output; each rank contributes size / p
+        return all_gather_time(nbytes / p, p, link)
+    if op == "reduce_scatter":  # size = the input; ring reduce-scatter: (p-1) steps of size / p
+        return all_gather_time(nbytes / p, p, link)
+    if op == "all_to_all":
+        return all_to_all_time(nbytes, p, link)
+    # broadcast: gloo sends the whole buffer from the root to each of the p - 1 others
+    return (p - 1) * link.time(nbytes)
+
+
+def _worker(comm: TorchCommunicator, cfg: dict) -> dict:
+    p, dev = comm.world_size, comm.device
+    reps, warmup = cfg["reps"], cfg["warmup"]
+    link = probe(comm, large_bytes=cfg["probe_bytes"], repeats=5)
+    rows, crow = [], []
+    for op in cfg["ops"]:
+        for size in cfg["sizes"]:
+            count = size // 4
+            if op in ("all_gather", "reduce_scatter", "all_to_all"):
+                count = count // p * p
+            if count == 0:
+                continue
+            nbytes = 4 * count
+            x = torch.randn(count, device=dev)
+            if op == "all_reduce":
+                fn = lambda x=x: comm.all_reduce(x)
+            elif op == "all_gather":
+                src = x[: count // p].clone()
+                fn = lambda src=src, x=x: comm.all_gather(x, src)
+            elif op == "reduce_scatter":
+                out = torch.empty(count // p, device=dev)
+                fn = lambda out=out, x=x: comm.reduce_scatter(out, x)
+            elif op == "broadcast":
+                fn = lambda x=x: comm.broadcast(x, 0)
+            else:
+                out = torch.empty_like(x)
+                fn = lambda out=out, x=x: comm.all_to_all(out, x)
+            t = _timed(comm, fn, reps, warmup)
+            algbw = nbytes / t
+            pred = _predict(op, nbytes, p, link)
+            rows.append({"op": op, "size": nbytes, "count": count, "type": "float32", "time_us": t * 1e6,
+                         "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * _bus_factor(op, p) / 1e9,
+                         "predicted_us": pred * 1e6, "measured_over_predicted": t / pred})  # fmt: skip
+    for size in cfg["compress_sizes"]:
+        count = size // 4
+        base = None
+        shape = _matrix(count)
+        g = torch.Generator().manual_seed(comm.rank)
+        src = torch.randn(shape, generator=g).to(dev)
+        for name in cfg["compressors"]:
+            c = COMPRESSORS[name]()
+            state = c.new_state(seed=comm.rank) if c is not None else None
+            x = src.clone()
+
+            def fn(x=x, c=c, state=state, src=src):
+                x.copy_(src)
+                compressed_all_reduce(x, comm, c, state)
+
+            t = _timed(comm, fn, reps, warmup)
+            if name == "none":
+                base = t
+            wire = (c or cz.NoCompression()).payload_nbytes(shape)
+            algo, pred = compressed_time(c, shape, p, link)
+            crow.append({"compressor": name, "size": 4 * count, "shape": list(shape), "time_us": t * 1e6,
+                         "speedup_vs_none": (base / t) if base else None, "wire_bytes_per_rank": wire,
+                         "algorithm": algo, "predicted_comm_us": pred * 1e6})  # fmt: skip
+    return {"link": {"latency_us": link.latency * 1e6, "bandwidth_GBps": link.bandwidth / 1e9}, "collectives": rows,
+            "compressed": crow, "world_size": p, "backend": comm.backend}  # fmt: skip
+
+
+def _matrix(count: int) -> tuple[int, ...]:
+    """A 2-D gradient-like shape with ``count`` elements (rows a power of two), as PowerSGD sees layers."""
+    rows = 1 << max(0, (int(count**0.5)).bit_length() - 1)
+    while count % rows:
+        rows //= 2
+    return (rows, count // rows)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_report(res: dict, env: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=None if sys.stdout.isatty() else 160)
+    link = res["link"]
+    con.print(
+        f"[bold]collectives[/] on {env['device']}, {res['world_size']} ranks, {res['backend']}; probed link: "
+        f"latency {link['latency_us']:.1f} us, bandwidth {link['bandwidth_GBps'] * 8:.3g} Gbit/s "
+        f"({link['bandwidth_GBps'] * 1e3:.4g} MB/s)"
+    )
+    if res["collectives"]:
+        t = Table(title="collectives (nccl-tests columns; predicted: alpha-beta model from the probed link)")
+        for col in ("op", "size", "count", "type", "time", "algbw GB/s", "busbw GB/s", "predicted", "meas/pred"):
+            t.add_column(col, justify="left" if col in ("op", "type") else "right")
+        for r in res["collectives"]:
+            t.add_row(r["op"], _fmt_bytes(r["size"]), f"{r['count']:,}", r["type"], _fmt_us(r["time_us"]),
+                      f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}", _fmt_us(r["predicted_us"]),
+                      f"{r['measured_over_predicted']:.2f}")  # fmt: skip
+        con.print(t)
+    if res["compressed"]:
+        t = Table(title="compressed_all_reduce (end to end: compress + traffic + decompress)")
+        for col in ("compressor", "size", "time", "vs none", "wire/rank", "scheme", "predicted comm"):
+            t.add_column(col, justify="left" if col in ("compressor", "scheme") else "right")
+        for r in res["compressed"]:
+            sp = r["speedup_vs_none"]
+            t.add_row(r["compressor"], _fmt_bytes(r["size"]), _fmt_us(r["time_us"]),
+                      f"{sp:.2f}x" if sp else "-", _fmt_bytes(r["wire_bytes_per_rank"]), r["algorithm"],
+                      _fmt_us(r["predicted_comm_us"]))  # fmt: skip
+        con.print(t)
+
+
+def _fmt_us(us: float) -> str:
+    return f"{us:.1f} us" if us < 1000 else (f"{us / 1e3:.2f} ms" if us < 1e6 else f"{us / 1e6:.3f} s")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
+    p.add_argument("--sizes", default="4K,64K,1M,8M,32M", help="collective sizes (bytes; K/M/G suffixes)")
+    p.add_argument("--ops", default=",".join(OPS), help=f"collectives to time (default: {','.join(OPS)})")
+    p.add_argument("--compress-sizes", default="1M,32M", help="buffer sizes of the compressed all-reduce cases")
+    p.add_argument("--compressors", default=",".join(COMPRESSORS), help="compressors ('none' is the baseline)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
+    p.add_argument("--probe-bytes", default="8M", help="message size of the bandwidth probe (default 8M)")
+    p.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    prog = "torsh bench collectives"
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+        csizes = [parse_size(s) for s in args.compress_sizes.split(",") if s.strip()]
+        probe_bytes = parse_size(args.probe_bytes)
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    comps = [c.strip() for c in args.compressors.split(",") if c.strip()]
+    bad = [o for o in ops if o not in OPS] + [c for c in comps if c not in COMPRESSORS]
+    if bad:
+        print(f"{prog}: unknown op/compressor {bad}; ops: {OPS}, compressors: {tuple(COMPRESSORS)}", file=sys.stderr)
+        return 2
+    if csizes and comps and comps[0] != "none":
+        comps = ["none", *[c for c in comps if c != "none"]]  # the baseline first
+    if args.reps < 1 or args.warmup < 0 or args.world_size < 2:
+        print(f"{prog}: need --reps >= 1, --warmup >= 0, --world-size >= 2", file=sys.stderr)
+        return 2
+    cfg = {"sizes": sizes, "ops": ops, "compress_sizes": csizes, "compressors": comps, "reps": args.reps,
+           "warmup": args.warmup, "probe_bytes": probe_bytes}  # fmt: skip
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / emulated hosts: this process is one rank
+        torch.set_num_threads(max(1, int(os.environ.get("TORSH_BENCH_THREADS", "1"))))
+        comm = init_from_env(timeout=600)
+        res = _worker(comm, cfg)
+        if comm.rank != 0:
+            return 0
+    else:
+        backend = "nccl" if torch.cuda.device_count() >= args.world_size else "gloo"
+        res = run_local(_worker, args.world_size, cfg, backend=backend, op_timeout=600, timeout=3600)[0]
+    dev = torch.device("cuda" if res["backend"] == "nccl" else "cpu")
+    env = environment(dev)
+    env["network"] = os.environ.get("TORSH_BENCH_NETWORK", "local processes (loopback)")
+    print_report(res, env)
+    if args.json_path:
+        data = {"suite": "collectives", **env, "config": cfg, **res}
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {args.json_path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_collectives", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

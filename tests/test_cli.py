@@ -72,3 +72,32 @@ def test_bench_compression_prints_tables_and_writes_json(tmp_path, capsys):
     for r in data["results"]:
         assert r["timing"]["median_ms"] > 0 and r["gbps"] > 0
     assert main(["bench", "compression", "--device", "cpu", "--sizes", "0"]) == 2
+
+
+def test_bench_collectives_runs_real_ranks_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "coll.json"
+    rc = main(["bench", "collectives", "--world-size", "2", "--sizes", "4K,64K", "--compress-sizes", "64K",
+               "--compressors", "topk,powersgd", "--reps", "1", "--warmup", "0", "--probe-bytes", "256K",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    for needle in ("probed link", "algbw", "busbw", "meas/pred", "compressed_all_reduce", "vs none"):
+        assert needle in text, needle
+    data = json.loads(out.read_text())
+    assert data["suite"] == "collectives" and data["world_size"] == 2 and data["backend"] == "gloo"
+    ops = {(r["op"], r["size"]) for r in data["collectives"]}
+    assert ops == {(op, s) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+                   for s in (4096, 65536)}  # fmt: skip
+    for r in data["collectives"]:
+        assert r["time_us"] > 0 and r["predicted_us"] > 0
+        factor = 1.0 if r["op"] in ("all_reduce", "broadcast") else 0.5  # 2(n-1)/n and (n-1)/n at n = 2
+        assert abs(r["busbw_GBps"] - r["algbw_GBps"] * factor) < 1e-9
+    names = [r["compressor"] for r in data["compressed"]]
+    assert names == ["none", "topk", "powersgd"]  # the uncompressed baseline is always measured first
+    assert data["link"]["bandwidth_GBps"] > 0
+
+
+def test_bench_collectives_rejects_bad_arguments(capsys):
+    assert main(["bench", "collectives", "--ops", "all_reduce,scan"]) == 2
+    assert "unknown op" in capsys.readouterr().err
+    assert main(["bench", "collectives", "--sizes", "1T"]) == 2

@@ -157,6 +157,8 @@ def _decode_plain(data: torch.Tensor, out: torch.Tensor, alpha: float, accumulat
 
 
 def _check_finite_tensor(t: torch.Tensor, what: str) -> None:
+    if t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float32))):  # one pass; exact count only if not
+        return
     bad = int((~torch.isfinite(t)).sum())
     if bad:
         raise NonFiniteError(f"{what}: {bad} non-finite element(s) (NaN/Inf) in the tensor or its payload")

@@ -366,14 +366,7 @@ class TorchCommunicator:
             outs = list(output)
             return self._run(what, lambda: dist.all_gather(outs, x, group=self._group, async_op=True), None, async_op)
         out = self._check_tensor(output, what, "output")
-        if out.dtype != x.dtype:
-            raise DTypeError(f"{what}: output is {out.dtype}, input is {x.dtype}; they must match")
-        if out.numel() != self._world * x.numel():
-            raise ShapeError(
-                f"{what}: output has {out.numel()} elements, expected world_size * input = {self._world} * "
-                f"{x.numel()} = {self._world * x.numel()}"
-            )
-        _no_overlap(out, x, what, "output", "input")
+        self._check_world_multiple(out, "output", x, "input", what, "")
         self._consistent(what, x.numel(), x.dtype)
         return self._run(what, lambda: _all_gather_single(out, x, self._group), None, async_op)
 
@@ -384,14 +377,7 @@ class TorchCommunicator:
         op = self._check_op(op, what)
         x = self._check_tensor(input, what, "input", reduce=True, op=op)
         out = self._check_tensor(output, what, "output", reduce=True, op=op)
-        if out.dtype != x.dtype:
-            raise DTypeError(f"{what}: output is {out.dtype}, input is {x.dtype}; they must match")
-        if x.numel() != self._world * out.numel():
-            raise ShapeError(
-                f"{what}: input has {x.numel()} elements, expected world_size * output = {self._world} * "
-                f"{out.numel()} = {self._world * out.numel()}; pad the input to a multiple of the world size"
-            )
-        _no_overlap(out, x, what, "output", "input")
+        self._check_world_multiple(x, "input", out, "output", what, "; pad the input to a multiple of the world size")
         self._consistent(what, out.numel(), out.dtype)
         then = (lambda: out.div_(self._world)) if op == "avg" else None
         rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -437,6 +423,18 @@ class TorchCommunicator:
             None,
             async_op,
         )
+
+    def _check_world_multiple(self, big: torch.Tensor, nbig: str, small: torch.Tensor, nsmall: str, what: str,
+                              hint: str) -> None:  # fmt: skip
+        """``big`` holds world_size times ``small``'s elements, same dtype, no shared memory."""
+        if big.dtype != small.dtype:
+            raise DTypeError(f"{what}: {nbig} is {big.dtype}, {nsmall} is {small.dtype}; they must match")
+        if big.numel() != self._world * small.numel():
+            raise ShapeError(
+                f"{what}: {nbig} has {big.numel()} elements, expected world_size * {nsmall} = {self._world} * "
+                f"{small.numel()} = {self._world * small.numel()}{hint}"
+            )
+        _no_overlap(big, small, what, nbig, nsmall)
 
     def _splits(self, splits: Sequence[int] | None, rows: int, what: str, name: str) -> list[int] | None:
         if splits is None:

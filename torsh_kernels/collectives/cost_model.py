@@ -42,7 +42,6 @@ own passes over the data are added, ``passes * 4 n_elements / compute_bandwidth`
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -346,8 +345,10 @@ def _probe_pairs(comm: Communicator, pairs: list[tuple[int, int]], small: int, l
     res = torch.zeros(2, dtype=torch.float64, device=comm.device)
     for a, b in mine:  # a rank sits in at most one pair per call
         peer, first = (b, True) if comm.rank == a else (a, False)
-        t_small = statistics.median(_pingpong(comm, peer, first, small, 4 * repeats))
-        t_large = statistics.median(_pingpong(comm, peer, first, large, repeats))
+        # the fastest exchange of each size: scheduling noise only ever adds time, and a noisy small-message
+        # time above the large one's would make the bandwidth estimate meaningless
+        t_small = min(_pingpong(comm, peer, first, small, 4 * repeats))
+        t_large = min(_pingpong(comm, peer, first, large, repeats))
         beta = max(t_large - t_small, 1e-12) / (large - small)
         res[0], res[1] = t_small - small * beta, beta
     comm.all_reduce(res, "max")  # the slowest pair's latency and inverse bandwidth
@@ -367,7 +368,7 @@ def probe(comm: Communicator, *, small_bytes: int = 8, large_bytes: int = 8 << 2
     """Measure latency and bandwidth by ping-pong between rank pairs (0, 1), (2, 3), ... at the same time,
     and return the slowest pair's :class:`Link` on every rank. Latency is the fitted one-way time of an
     empty message; bandwidth comes from the difference between a ``large_bytes`` and a ``small_bytes``
-    message (medians of ``repeats`` resp. ``4 * repeats`` round trips)."""
+    message (the fastest of ``repeats`` resp. ``4 * repeats`` round trips)."""
     _check_probe(comm, small_bytes, large_bytes, repeats)
     p = comm.world_size
     pairs = [(i, i + 1) for i in range(0, p - 1, 2)]

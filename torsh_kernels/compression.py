@@ -32,6 +32,7 @@ from .errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, Sha
 from .ops.bucket import BucketLayout, flatten, unflatten
 from .ops.compress import (
     COMPRESS_DTYPES,
+    _count_nonfinite,
     dequantize,
     error_update,
     orthogonalize,
@@ -157,9 +158,7 @@ def _decode_plain(data: torch.Tensor, out: torch.Tensor, alpha: float, accumulat
 
 
 def _check_finite_tensor(t: torch.Tensor, what: str) -> None:
-    if t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float32))):  # one pass; exact count only if not
-        return
-    bad = int((~torch.isfinite(t)).sum())
+    bad = int(_count_nonfinite(t))
     if bad:
         raise NonFiniteError(f"{what}: {bad} non-finite element(s) (NaN/Inf) in the tensor or its payload")
 
@@ -341,9 +340,13 @@ class Quantize(Compressor):
         if not isinstance(self.block, int) or self.block < 2 or self.block & (self.block - 1):
             raise InvalidArgumentError(f"Quantize: block must be a power of two >= 2, got {self.block!r}")
 
+    def step_seed(self, state: CompressionState) -> int:
+        """The stochastic-rounding seed of this step: from the state's seed and step count."""
+        return (state.seed * 0x9E3779B97F4A7C15 + state.step) & 0xFFFFFFFFFFFFFFFF
+
     def compress(self, tensor, state):
         x = _check_input(tensor, "Quantize.compress")
-        seed = (state.seed * 0x9E3779B97F4A7C15 + state.step) & 0xFFFFFFFFFFFFFFFF if self.stochastic else None
+        seed = self.step_seed(state) if self.stochastic else None
         if not self.error_feedback:
             q, s = quantize(x, bits=self.bits, block=self.block, stochastic=self.stochastic, seed=seed,
                             check_finite=self.check_finite, provider=self.provider)  # fmt: skip

@@ -204,13 +204,18 @@ class Case:
         return self.results
 
 
-def print_tables(results: list[Result], title: str, env: dict) -> None:
+def wide_console(width: int):
+    """A rich console; on logs and pipes at least ``width`` columns, so that no table cell wraps."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
-    if not console.is_terminal:  # logs and pipes: wide enough that no cell wraps
-        console = Console(width=max(console.width, 132))
+    return console if console.is_terminal else Console(width=max(console.width, width))
+
+
+def print_tables(results: list[Result], title: str, env: dict) -> None:
+    from rich.table import Table
+
+    console = wide_console(132)
     console.print(f"[bold]{title}[/bold] on {env['device']}  (torch {env['versions']['torch']})")
     for case in dict.fromkeys(r.case for r in results):
         table = Table(title=case, title_justify="left")

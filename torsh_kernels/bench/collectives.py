@@ -30,7 +30,7 @@ import torch
 from .. import compression as cz
 from ..collectives import Link, TorchCommunicator, compressed_all_reduce, init_from_env, probe, run_local
 from ..collectives.cost_model import all_gather_time, all_reduce_time, all_to_all_time, compressed_time
-from . import environment
+from . import environment, wide_console
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 COMPRESSORS = {
@@ -165,10 +165,9 @@ def _fmt_bytes(n: float) -> str:
 
 
 def print_report(res: dict, env: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=None if sys.stdout.isatty() else 160)
+    con = wide_console(160)
     link = res["link"]
     con.print(
         f"[bold]collectives[/] on {env['device']}, {res['world_size']} ranks, {res['backend']}; probed link: "

@@ -41,7 +41,16 @@ import torch
 
 from ..compression import FP16, CompressionState, Compressor, NoCompression, Payload, PowerSGD, Quantize, Sign
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, NonFiniteError, ShapeError
-from ..ops.compress import COMPRESS_DTYPES, residual_add, seed_key, sign_compress, sign_decompress, uniform_noise
+from ..ops.compress import (
+    COMPRESS_DTYPES,
+    QMAX,
+    _count_nonfinite,
+    block_codes,
+    residual_add,
+    seed_key,
+    sign_compress,
+    sign_decompress,
+)
 from .communicator import Communicator
 from .cost_model import Link, quantize_codes_dtype, quantize_shared_scale_cheaper, sign_chunk
 
@@ -180,27 +189,23 @@ def _quantize_shared(x: torch.Tensor, comm: Communicator, q: Quantize, state: Co
     n = flat.numel()
     block = q.block
     nb = -(-n // block)
-    qmax = 127 if q.bits == 8 else 7
+    qmax = QMAX[q.bits]
     if q.error_feedback:
         r = state.residual(flat)
         acc = state.buffer("acc", n, flat.device)
         residual_add(flat, r, out=acc, check_finite=q.check_finite, provider=q.provider)
     else:
         acc = flat.float()
-        if q.check_finite and not bool(torch.isfinite(acc).all()):
-            raise NonFiniteError("compressed_all_reduce (Quantize): the tensor holds NaN/Inf")
+        if q.check_finite and (bad := int(_count_nonfinite(acc))):
+            raise NonFiniteError(
+                f"compressed_all_reduce (Quantize): {bad} non-finite element(s) (NaN/Inf) in the tensor"
+            )
     padded = torch.nn.functional.pad(acc, (0, nb * block - n)) if n % block else acc
     blocks = padded.view(nb, block)
     scales = blocks.abs().amax(dim=1).div_(qmax)
     comm.all_reduce(scales, "max")
-    y = blocks / torch.where(scales > 0, scales, 1.0)[:, None]
-    if q.stochastic:
-        seed = (state.seed * 0x9E3779B97F4A7C15 + state.step) & 0xFFFFFFFFFFFFFFFF
-        idx = torch.arange(nb * block, device=y.device, dtype=torch.int32 if nb * block < 2**31 else torch.int64)
-        codes = torch.floor_(y.view(-1).add_(uniform_noise(idx, seed_key(seed)))).view(nb, block)
-    else:
-        codes = torch.round(y)
-    codes = codes.nan_to_num_(nan=0.0).clamp_(-qmax, qmax)
+    key = seed_key(q.step_seed(state)) if q.stochastic else 0
+    codes = block_codes(blocks, scales, qmax, q.stochastic, key)
     mine = codes * scales[:, None]  # this rank's dequantized contribution
     if q.error_feedback:
         acc.sub_(mine.view(-1)[:n])  # the new residual, written over acc; the buffers swap roles
@@ -223,10 +228,9 @@ def _sign_two_phase(x: torch.Tensor, comm: Communicator, c: Sign, state: Compres
     chunk = sign_chunk(n, ws)
     cb = chunk // 8  # sign bytes of a full chunk (a multiple of 4, so the scale after it is aligned)
     seg_bytes = cb + 4
-    if c.check_finite:  # check once up front: the per-chunk calls below must not change state half-way
-        bad = int((~torch.isfinite(flat)).sum())
-        if bad:
-            raise NonFiniteError(f"compressed_all_reduce (Sign): {bad} non-finite element(s) (NaN/Inf) in the tensor")
+    # check once up front: the per-chunk calls below must not change state half-way
+    if c.check_finite and (bad := int(_count_nonfinite(flat))):
+        raise NonFiniteError(f"compressed_all_reduce (Sign): {bad} non-finite element(s) (NaN/Inf) in the tensor")
     wr = state.residual(flat) if c.error_feedback else None
 
     def span(d: int) -> tuple[int, int]:

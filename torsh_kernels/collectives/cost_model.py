@@ -49,6 +49,7 @@ import torch
 
 from ..compression import BF16, FP16, Compressor, NoCompression, PowerSGD, Quantize, Sign, TopK
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..ops.compress import QMAX
 from .communicator import Communicator
 
 __all__ = [
@@ -169,7 +170,7 @@ def all_to_all_time(nbytes_sent: float, world_size: int, link: Link) -> float:
 
 def quantize_codes_dtype(bits: int, world_size: int) -> torch.dtype:
     """Narrowest integer dtype both gloo and NCCL reduce that holds the sum of ``world_size`` codes."""
-    qmax = 127 if bits == 8 else 7
+    qmax = QMAX[bits]
     return torch.int8 if qmax * world_size <= 127 else torch.int32
 
 

@@ -687,7 +687,7 @@ def _count_nonfinite(v: torch.Tensor) -> torch.Tensor:
     """Number of NaN/Inf elements of v, as an int64 [1] tensor. A plain sum (one vectorised pass, no
     temporary) is finite whenever every element is, so the exact count (a bool pass and a sum over it,
     several times slower) only runs when the sum is not: NaN/Inf present, or a sum that overflowed."""
-    if v.numel() == 0 or bool(torch.isfinite(v.sum())):
+    if v.numel() == 0 or bool(torch.isfinite(v.sum(dtype=torch.float32))):
         return _counter(v.device)
     return (~torch.isfinite(v)).sum().view(1)
 
@@ -829,6 +829,20 @@ def _scatter_numba(values, indices, out, alpha, accumulate, unique):
     _scatter_with(K.scatter, values, indices, out, alpha, accumulate, unique)
 
 
+def block_codes(blocks: torch.Tensor, scales: torch.Tensor, qmax: float, stochastic: bool, key: int) -> torch.Tensor:
+    """fp32 integer codes of ``blocks`` [nb, block] on the grid of ``scales`` [nb], clamped to +-qmax:
+    round half to even, or ``floor(y + u)`` with the (key, element index) noise; NaN codes become 0.
+    The torch provider's quantization, and the shared-scale all-reduce's."""
+    nb, block = blocks.shape
+    y = blocks / torch.where(scales > 0, scales, 1.0)[:, None]  # an all-zero block has s == 0 and y == 0
+    if stochastic:
+        idx = torch.arange(nb * block, device=y.device, dtype=torch.int32 if nb * block < 2**31 else torch.int64)
+        c = torch.floor_(y.view(-1).add_(uniform_noise(idx, key))).view(nb, block)
+    else:
+        c = torch.round(y)
+    return c.nan_to_num_(nan=0.0).clamp_(-qmax, qmax)
+
+
 @_quantize.register("torch")
 def _quantize_torch(x, q, scales, bits, block, stochastic, key):
     n = x.numel()
@@ -840,13 +854,7 @@ def _quantize_torch(x, q, scales, bits, block, stochastic, key):
     bad_blocks = ~torch.isfinite(amax)
     s = torch.where(bad_blocks, float("nan"), amax / qmax)
     scales.copy_(s)
-    y = blocks / torch.where(s > 0, s, 1.0)[:, None]  # an all-zero block has s == 0 and y == 0
-    if stochastic:
-        idx = torch.arange(nb * block, device=v.device, dtype=torch.int32 if nb * block < 2**31 else torch.int64)
-        c = torch.floor_(y.view(-1).add_(uniform_noise(idx, key))).view(nb, block)
-    else:
-        c = torch.round(y)
-    c = c.nan_to_num_(nan=0.0).clamp_(-qmax, qmax).to(torch.int8).view(-1)[:n]
+    c = block_codes(blocks, s, qmax, stochastic, key).to(torch.int8).view(-1)[:n]
     if bits == 8:
         q.copy_(c)
     else:

@@ -4,7 +4,7 @@ same protocol), compressed and hierarchical all-reduce, and the alpha-beta cost 
 from __future__ import annotations
 
 from .communicator import REDUCE_OPS, Communicator, Handle, TorchCommunicator
-from .compressed import compressed_all_reduce
+from .compressed import CompressedReduction, compressed_all_reduce, start_compressed_all_reduce
 from .cost_model import (
     Link,
     Plan,
@@ -23,6 +23,7 @@ from .launch import init_from_env, run_local
 __all__ = [
     "REDUCE_OPS",
     "Communicator",
+    "CompressedReduction",
     "Handle",
     "Link",
     "Plan",
@@ -40,4 +41,5 @@ __all__ = [
     "probe",
     "probe_topology",
     "run_local",
+    "start_compressed_all_reduce",
 ]

@@ -36,11 +36,14 @@ state's first call, rank 0's seed is broadcast and adopted by all.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Sequence
 
 import torch
 
 from ..compression import FP16, CompressionState, Compressor, NoCompression, Payload, PowerSGD, Quantize, Sign
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, NonFiniteError, ShapeError
+from ..ops.bucket import flatten, unflatten
 from ..ops.compress import (
     COMPRESS_DTYPES,
     QMAX,
@@ -54,101 +57,280 @@ from ..ops.compress import (
 from .communicator import Communicator
 from .cost_model import Link, quantize_codes_dtype, quantize_shared_scale_cheaper, sign_chunk
 
-__all__ = ["compressed_all_reduce"]
+__all__ = ["CompressedReduction", "compressed_all_reduce", "start_compressed_all_reduce"]
 
 QUANTIZE_MODES = ("auto", "all_gather", "shared_scale")
 
 
+class CompressedReduction:
+    """A compressed all-reduce in flight. Each round's collectives are issued asynchronously; ``step()``
+    waits for the current round and issues the next (or finishes), ``wait()`` runs to the end.
+
+    Several reductions may be in flight at once (one per bucket): as long as every rank starts them and
+    steps them in the same order, every rank issues the same collectives in the same order. The DDP
+    hook and the gradient synchronizer pipeline them that way (PowerSGD's P round of one bucket travels
+    while the Q round of the one before is computed)."""
+
+    __slots__ = ("_gen", "_pending", "_sent", "compute_s", "done", "rounds", "tensors", "wait_s")
+
+    def __init__(self, tensors: list[torch.Tensor], gen, sent: _Sent) -> None:
+        self.tensors = tensors
+        """The tensors being averaged in place (the result lands in them)."""
+        self._sent = sent
+        self.rounds = 0
+        """Rounds of collectives issued so far."""
+        self.compute_s = 0.0
+        """Seconds spent compressing and decompressing (this rank, wall clock)."""
+        self.wait_s = 0.0
+        """Seconds spent waiting for collectives to complete."""
+        self.done = False
+        self._gen = gen
+        self._pending: list = []
+        self._resume()
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank has put on the wire so far (each collective's input, summed)."""
+        return self._sent.n
+
+    def _resume(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._pending = next(self._gen)
+            self.rounds += 1
+        except StopIteration:
+            self._pending, self.done, self._gen = [], True, None
+        finally:
+            self.compute_s += time.perf_counter() - t0
+
+    def step(self) -> bool:
+        """Wait for the current round, then issue the next one or finish. Returns ``done``."""
+        if self.done:
+            return True
+        t0 = time.perf_counter()
+        for h in self._pending:
+            h.wait()
+        self.wait_s += time.perf_counter() - t0
+        self._resume()
+        return self.done
+
+    def wait(self) -> list[torch.Tensor]:
+        """Run to the end; returns the averaged tensors."""
+        while not self.step():
+            pass
+        return self.tensors
+
+
+class _Sent:
+    """Counts the bytes a generator puts on the wire (the reduction reads it back)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
 def compressed_all_reduce(
-    tensor: torch.Tensor,
+    tensor: torch.Tensor | Sequence[torch.Tensor],
     comm: Communicator,
     compressor: Compressor | None = None,
-    state: CompressionState | None = None,
+    state: CompressionState | Sequence[CompressionState] | None = None,
     *,
     quantize_mode: str = "auto",
     link: Link | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | list[torch.Tensor]:
     """Average ``tensor`` over the ranks of ``comm`` through ``compressor`` (None: uncompressed), in
     place; returns ``tensor``. ``state`` is this rank's state for this tensor (bucket), from
     ``compressor.new_state()``; it may be None only for stateless compressors (none, FP16, BF16).
-    ``link`` (e.g. from ``probe``) informs ``quantize_mode="auto"``."""
+    ``link`` (e.g. from ``probe``) informs ``quantize_mode="auto"``.
+
+    ``tensor`` may also be a list of tensors with a list of states (one per tensor): each tensor is
+    compressed on its own, and the payloads of a round share one collective where the compressor
+    allows it (linear compressors: one flat all-reduce per round; top-k and gathered int8/int4: one
+    all-gather)."""
+    r = start_compressed_all_reduce(tensor, comm, compressor, state, quantize_mode=quantize_mode, link=link)
+    r.wait()
+    return tensor
+
+
+def start_compressed_all_reduce(
+    tensor: torch.Tensor | Sequence[torch.Tensor],
+    comm: Communicator,
+    compressor: Compressor | None = None,
+    state: CompressionState | Sequence[CompressionState] | None = None,
+    *,
+    quantize_mode: str = "auto",
+    link: Link | None = None,
+) -> CompressedReduction:
+    """Validate, compress and issue the first round of :func:`compressed_all_reduce`; returns the
+    :class:`CompressedReduction` to ``step()`` or ``wait()`` on. Arguments as for
+    ``compressed_all_reduce``."""
     what = "compressed_all_reduce"
-    if not isinstance(tensor, torch.Tensor):
-        raise ArgumentTypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in COMPRESS_DTYPES:
-        raise InvalidArgumentError(f"{what}: tensor dtype {tensor.dtype}; expected float32, float16 or bfloat16")
-    if not tensor.is_contiguous():
-        raise ShapeError(f"{what}: the tensor must be contiguous (the average is written into it)")
+    single = isinstance(tensor, torch.Tensor)
+    if single:
+        tensors = [tensor]
+    elif isinstance(tensor, (list, tuple)):
+        tensors = list(tensor)
+    else:
+        raise ArgumentTypeError(f"{what}: expected a torch.Tensor or a list of them, got {type(tensor).__name__}")
     dev = comm.device
-    if tensor.device.type != dev.type or (dev.type == "cuda" and tensor.device.index != dev.index):
-        raise DeviceMismatchError(f"{what}: tensor is on {tensor.device}, the communicator moves tensors on {dev}")
+    for i, t in enumerate(tensors):
+        name = "tensor" if single else f"tensor[{i}]"
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(f"{what}: {name} is a {type(t).__name__}, expected a torch.Tensor")
+        if t.dtype not in COMPRESS_DTYPES:
+            raise InvalidArgumentError(f"{what}: {name} dtype {t.dtype}; expected float32, float16 or bfloat16")
+        if not t.is_contiguous():
+            raise ShapeError(f"{what}: {name} must be contiguous (the average is written into it)")
+        if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
+            raise DeviceMismatchError(f"{what}: {name} is on {t.device}, the communicator moves tensors on {dev}")
     if compressor is None:
         compressor = NoCompression()
     if not isinstance(compressor, Compressor):
         raise ArgumentTypeError(f"{what}: compressor must be a Compressor or None, got {type(compressor).__name__}")
-    if state is None:
-        if not compressor.is_linear or isinstance(compressor, PowerSGD):
-            raise InvalidArgumentError(
-                f"{what}: {type(compressor).__name__} keeps state (error feedback); pass "
-                "state=compressor.new_state() and reuse it for this tensor on every step"
-            )
-        state = compressor.new_state()
-    if not isinstance(state, CompressionState):
-        raise ArgumentTypeError(f"{what}: state must be a CompressionState, got {type(state).__name__}")
+    stateful = not compressor.is_linear or isinstance(compressor, PowerSGD)
+    if single:
+        states = [state]
+    elif state is None:
+        states = [None] * len(tensors)
+    elif isinstance(state, (list, tuple)) and len(state) == len(tensors):
+        states = list(state)
+    else:
+        got = f"{len(state)} states" if isinstance(state, (list, tuple)) else type(state).__name__
+        raise InvalidArgumentError(f"{what}: {len(tensors)} tensors need a list of {len(tensors)} states, got {got}")
+    for i, s in enumerate(states):
+        if s is None:
+            if stateful:
+                raise InvalidArgumentError(
+                    f"{what}: {type(compressor).__name__} keeps state (error feedback); pass "
+                    "state=compressor.new_state() (one per tensor) and reuse it for that tensor on every step"
+                )
+            states[i] = compressor.new_state()
+        elif not isinstance(s, CompressionState):
+            raise ArgumentTypeError(f"{what}: state must be a CompressionState, got {type(s).__name__}")
+    if stateful and len({id(s) for s in states}) != len(states):
+        raise InvalidArgumentError(f"{what}: each tensor needs its own state; the same state was given twice")
     if quantize_mode not in QUANTIZE_MODES:
         raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
-    if tensor.numel() == 0:
-        return tensor
+    live = [(t, s) for t, s in zip(tensors, states) if t.numel()]
+    sent = _Sent()
+    if not live:
+        gen = iter(())
+    elif isinstance(compressor, Sign):
+        gen = _lockstep([_sign_two_phase(t, comm, compressor, s, sent) for t, s in live])
+    elif isinstance(compressor, Quantize) and _shared_scale(quantize_mode, live, compressor, comm, link):
+        gen = _lockstep([_quantize_shared(t, comm, compressor, s, sent) for t, s in live])
+    elif compressor.is_linear:
+        gen = _linear([t for t, _ in live], [s for _, s in live], comm, compressor, sent)
+    else:
+        gen = _gathered([t for t, _ in live], [s for _, s in live], comm, compressor, sent)
+    return CompressedReduction(tensors, gen, sent)
+
+
+def _shared_scale(mode: str, live, q: Quantize, comm: Communicator, link: Link | None) -> bool:
+    if mode == "auto":
+        n = max(t.numel() for t, _ in live)
+        return quantize_shared_scale_cheaper(n, q, comm.world_size, link)
+    return mode == "shared_scale"
+
+
+def _lockstep(gens):
+    """Run several per-tensor generators round by round: round k of tensor 0, then of tensor 1, ..."""
+    live = list(gens)
+    while live:
+        handles, nxt = [], []
+        for g in live:
+            try:
+                handles += next(g)
+                nxt.append(g)
+            except StopIteration:
+                pass
+        live = nxt
+        if live:
+            yield handles
+
+
+def _linear(tensors, states, comm: Communicator, compressor: Compressor, sent: _Sent):
+    """Linear compressors: per round, every tensor's payload in one flat all-reduce per dtype."""
     ws = comm.world_size
+    dev = tensors[0].device
+    fresh = [s for s in states if isinstance(compressor, PowerSGD) and s.step == 0 and "q" not in s.tensors]
+    if fresh:
+        # P = sum_r M_r Q needs one Q on every rank: agree on rank 0's seeds once per fresh state
+        seeds = torch.tensor([s.seed for s in fresh], dtype=torch.int64, device=dev)
+        yield [comm.broadcast(seeds, 0, async_op=True)]
+        for s, v in zip(fresh, seeds.tolist()):
+            s.seed = int(v)
+    if isinstance(compressor, NoCompression):
+        # the payload is the tensor itself: one fused flatten, all-reduce, unflatten with the 1/ws scale
+        for t, s in zip(tensors, states):
+            compressor.compress(t, s)  # the finite check and the step count
+        if len(tensors) == 1:
+            flat = tensors[0].view(-1)
+            sent.n += flat.numel() * flat.element_size()
+            yield [comm.all_reduce(flat, "sum", async_op=True)]
+            flat.div_(ws)
+        else:
+            flat, layout = flatten(tensors)
+            sent.n += flat.numel() * flat.element_size()
+            yield [comm.all_reduce(flat, "sum", async_op=True)]
+            unflatten(flat, layout, tensors, scale=1.0 / ws)
+        return
+    prescaled = isinstance(compressor, FP16)  # divided by ws before the sum so fp16 cannot overflow
+    payloads = [compressor.compress(t, s) for t, s in zip(tensors, states)]
+    active = list(range(len(tensors)))
+    while active:
+        groups: dict[torch.dtype, list[tuple[int, str, torch.Tensor]]] = {}
+        for i in active:
+            for name, t in payloads[i].tensors.items():
+                groups.setdefault(t.dtype, []).append((i, name, t))
+        handles, bufs = [], []
+        for items in groups.values():
+            ts = [t for _, _, t in items]
+            if len(ts) == 1 and ts[0].is_contiguous():
+                flat, layout = ts[0], None
+                if prescaled:
+                    flat.div_(ws)
+            else:
+                flat, layout = flatten(ts, scale=1.0 / ws if prescaled else 1.0)
+            sent.n += flat.numel() * flat.element_size()
+            handles.append(comm.all_reduce(flat, "sum", async_op=True))
+            bufs.append((items, flat, layout))
+        yield handles
+        for items, flat, layout in bufs:
+            if layout is not None:
+                for (i, name, _), v in zip(items, layout.views(flat)):
+                    payloads[i].tensors[name] = v
+        nxt = []
+        for i in active:
+            if payloads[i].final:
+                compressor.decompress(payloads[i], states[i], tensors[i], alpha=1.0 if prescaled else 1.0 / ws)
+            else:
+                payloads[i] = compressor.advance(payloads[i], states[i])
+                nxt.append(i)
+        active = nxt
 
-    if isinstance(compressor, Sign):
-        _sign_two_phase(tensor, comm, compressor, state)
-        return tensor
-    if isinstance(compressor, Quantize):
-        mode = quantize_mode
-        if mode == "auto":
-            shared = quantize_shared_scale_cheaper(tensor.numel(), compressor, ws, link)
-            mode = "shared_scale" if shared else "all_gather"
-        if mode == "shared_scale":
-            _quantize_shared(tensor, comm, compressor, state)
-            return tensor
 
-    if isinstance(compressor, PowerSGD) and state.step == 0 and "q" not in state.tensors:
-        # P = sum_r M_r Q needs one Q on every rank: agree on rank 0's seed once per fresh state
-        seed = torch.tensor([state.seed], dtype=torch.int64, device=dev)
-        comm.broadcast(seed, 0)
-        state.seed = int(seed.item())
-
-    payload = compressor.compress(tensor, state)
-    if compressor.is_linear:
-        while True:
-            prescaled = isinstance(compressor, FP16)
-            data = list(payload.tensors.values())
-            if prescaled:
-                for t in data:
-                    t.div_(ws)
-            handles = [comm.all_reduce(t, "sum", async_op=True) for t in data]
-            for h in handles:
-                h.wait()
-            if payload.final:
-                break
-            payload = compressor.advance(payload, state)
-        if isinstance(compressor, NoCompression):  # the payload is the tensor itself
-            if not prescaled:
-                payload.tensors["data"].div_(ws)
-            return tensor
-        compressor.decompress(payload, state, tensor, alpha=1.0 if prescaled else 1.0 / ws)
-        return tensor
-
-    if not payload.final:
-        raise InvalidArgumentError(f"{what}: a non-linear compressor with several rounds is not supported")
-    packed, spec = _pack(payload)
-    gathered = torch.empty(ws * packed.numel(), dtype=torch.uint8, device=packed.device)
-    comm.all_gather(gathered, packed)
-    seg = packed.numel()
-    payloads = [_unpack(gathered[r * seg : (r + 1) * seg], spec, payload.numel) for r in range(ws)]
-    compressor.decompress_sum(payloads, state, tensor, alpha=1.0 / ws)
-    return tensor
+def _gathered(tensors, states, comm: Communicator, compressor: Compressor, sent: _Sent):
+    """Non-linear compressors (top-k, gathered int8/int4): every tensor's payload packed into one byte
+    buffer, one all-gather, then each tensor decoded from every rank's segment."""
+    ws = comm.world_size
+    payloads = [compressor.compress(t, s) for t, s in zip(tensors, states)]
+    if not all(p.final for p in payloads):
+        raise InvalidArgumentError(
+            "compressed_all_reduce: a non-linear compressor with several rounds is not supported"
+        )
+    packs = [_pack(p) for p in payloads]
+    buf = packs[0][0] if len(packs) == 1 else torch.cat([b for b, _ in packs])
+    gathered = torch.empty(ws * buf.numel(), dtype=torch.uint8, device=buf.device)
+    sent.n += buf.numel()
+    yield [comm.all_gather(gathered, buf, async_op=True)]
+    seg = buf.numel()
+    off = 0
+    for t, s, p, (b, spec) in zip(tensors, states, payloads, packs):
+        parts = [_unpack(gathered[r * seg + off : r * seg + off + b.numel()], spec, p.numel) for r in range(ws)]
+        compressor.decompress_sum(parts, s, t, alpha=1.0 / ws)
+        off += b.numel()
 
 
 # -- gathered payloads: one byte buffer per rank ----------------------------------------------------------
@@ -182,7 +364,7 @@ def _unpack(seg: torch.Tensor, spec, numel: int) -> Payload:
 # -- quantized, shared scale -------------------------------------------------------------------------------
 
 
-def _quantize_shared(x: torch.Tensor, comm: Communicator, q: Quantize, state: CompressionState) -> None:
+def _quantize_shared(x: torch.Tensor, comm: Communicator, q: Quantize, state: CompressionState, sent: _Sent):
     """All-reduce(max) of the block scales, quantize on the shared grid, exact integer sum of the codes."""
     ws = comm.world_size
     flat = x.view(-1)
@@ -203,7 +385,8 @@ def _quantize_shared(x: torch.Tensor, comm: Communicator, q: Quantize, state: Co
     padded = torch.nn.functional.pad(acc, (0, nb * block - n)) if n % block else acc
     blocks = padded.view(nb, block)
     scales = blocks.abs().amax(dim=1).div_(qmax)
-    comm.all_reduce(scales, "max")
+    sent.n += scales.numel() * scales.element_size()
+    yield [comm.all_reduce(scales, "max", async_op=True)]
     key = seed_key(q.step_seed(state)) if q.stochastic else 0
     codes = block_codes(blocks, scales, qmax, q.stochastic, key)
     mine = codes * scales[:, None]  # this rank's dequantized contribution
@@ -211,7 +394,8 @@ def _quantize_shared(x: torch.Tensor, comm: Communicator, q: Quantize, state: Co
         acc.sub_(mine.view(-1)[:n])  # the new residual, written over acc; the buffers swap roles
         state.tensors["residual"], state.work["acc"] = acc, r
     wire = codes.view(-1)[:n].to(quantize_codes_dtype(q.bits, ws))
-    comm.all_reduce(wire, "sum")
+    sent.n += wire.numel() * wire.element_size()
+    yield [comm.all_reduce(wire, "sum", async_op=True)]
     total = wire.view(-1).float()
     total = (torch.nn.functional.pad(total, (0, nb * block - n)) if n % block else total).view(nb, block)
     flat.copy_((total * (scales / ws)[:, None]).view(-1)[:n])
@@ -221,7 +405,7 @@ def _quantize_shared(x: torch.Tensor, comm: Communicator, q: Quantize, state: Co
 # -- sign, two phases --------------------------------------------------------------------------------------
 
 
-def _sign_two_phase(x: torch.Tensor, comm: Communicator, c: Sign, state: CompressionState) -> None:
+def _sign_two_phase(x: torch.Tensor, comm: Communicator, c: Sign, state: CompressionState, sent: _Sent):
     ws, me = comm.world_size, comm.rank
     flat = x.view(-1)
     n = flat.numel()
@@ -247,7 +431,8 @@ def _sign_two_phase(x: torch.Tensor, comm: Communicator, c: Sign, state: Compres
         send[base : base + bits.numel()].copy_(bits)
         send[base + cb : base + seg_bytes].copy_(scale.reshape(1).float().view(torch.uint8))
     recv = torch.empty_like(send)
-    comm.all_to_all(recv, send)
+    sent.n += send.numel()
+    yield [comm.all_to_all(recv, send, async_op=True)]
 
     lo, hi = span(me)
     mlen = hi - lo
@@ -269,7 +454,8 @@ def _sign_two_phase(x: torch.Tensor, comm: Communicator, c: Sign, state: Compres
         mine[: bits.numel()].copy_(bits)
         mine[cb:].copy_(scale.reshape(1).float().view(torch.uint8))
     gathered = torch.empty(ws * seg_bytes, dtype=torch.uint8, device=flat.device)
-    comm.all_gather(gathered, mine)
+    sent.n += mine.numel()
+    yield [comm.all_gather(gathered, mine, async_op=True)]
     for d in range(ws):
         lo, hi = span(d)
         if hi == lo:

@@ -1,0 +1,324 @@
+"""What the DDP hook and the gradient synchronizer share: which tensors of a bucket are compressed, the
+per-tensor (or per-bucket) compressor states, and the pipeline that keeps several buckets' reductions
+in flight while issuing their collectives in the same order on every rank.
+
+Ordering. Every rank sees the buckets in the same order (DDP reduces buckets in index order; the
+synchronizer launches them in index order too). When bucket ``i`` starts, its first round is issued,
+then every older reduction still in flight advances by exactly one round, oldest first: a wait for
+the round it has in flight, then the next round is issued. The sequence of collectives is therefore a
+function of the bucket sequence and the compressors' round structure alone, never of timing. With
+PowerSGD this puts bucket ``i``'s P all-reduce on the wire while bucket ``i - 1``'s Q is computed
+and sent, instead of serialising P and Q for every bucket; the last bucket drains the pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..collectives.communicator import Communicator
+from ..collectives.compressed import QUANTIZE_MODES, CompressedReduction, start_compressed_all_reduce
+from ..compression import CompressionState, Compressor, NoCompression, PowerSGD
+from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError
+from ..ops.bucket import flatten, unflatten
+
+POLICIES = ("layerwise", "bucket")
+
+
+class ReductionPipeline:
+    """Buckets' reductions in flight, advanced in a rank-independent order (see the module docstring)."""
+
+    __slots__ = ("_inflight",)
+
+    def __init__(self) -> None:
+        self._inflight: deque[tuple[list[CompressedReduction], Callable[[], None] | None]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    def submit(self, reductions: list[CompressedReduction], on_done: Callable[[], None] | None = None) -> None:
+        """Add a started bucket; every older bucket in flight then advances by one round."""
+        older = list(self._inflight)
+        self._inflight.append((reductions, on_done))
+        for rs, _ in older:
+            for r in rs:
+                r.step()
+        self._reap()
+
+    def drain(self) -> None:
+        """Advance every bucket, oldest first, round by round, until all are done."""
+        while self._inflight:
+            for rs, _ in list(self._inflight):
+                for r in rs:
+                    r.step()
+            self._reap()
+
+    def _reap(self) -> None:
+        while self._inflight and all(r.done for r in self._inflight[0][0]):
+            _, on_done = self._inflight.popleft()
+            if on_done is not None:
+                on_done()
+
+
+def _contiguous_span(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the tensors lie back to back in memory, in order (views of one flat buffer)."""
+    for a, b in itertools.pairwise(tensors):
+        if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size() or a.dtype != b.dtype:
+            return False
+    return all(t.is_contiguous() for t in tensors)
+
+
+def _as_one(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A flat view covering ``tensors`` when they lie back to back, else None."""
+    if not _contiguous_span(tensors):
+        return None
+    first = tensors[0]
+    total = sum(t.numel() for t in tensors)
+    return torch.as_strided(first, (total,), (1,), first.storage_offset())
+
+
+@dataclasses.dataclass(slots=True)
+class _BucketPlan:
+    compressed: list[list[int]]
+    """Groups of tensor positions compressed together (one group per tensor: layerwise)."""
+    plain: list[int]
+    """Positions sent uncompressed, in one batched all-reduce."""
+
+
+class BucketCompressor:
+    """Compresses buckets of gradients through one compressor: which tensors are compressed, the state
+    of each compressed tensor (``policy="layerwise"``) or group (``"bucket"``), warm-up, statistics.
+
+    Tensors are identified by integer keys the caller assigns (parameter ordinals), so states survive
+    a change of bucket layout (DDP rebuilds its buckets after the first iteration)."""
+
+    __slots__ = (
+        "_plans",
+        "_used",
+        "compressor",
+        "iteration",
+        "min_compression_rate",
+        "min_numel",
+        "policy",
+        "quantize_mode",
+        "shapes",
+        "start_iter",
+        "states",
+    )
+
+    def __init__(
+        self,
+        compressor: Compressor | None,
+        *,
+        start_iter: int | None = None,
+        min_compression_rate: float | None = None,
+        min_numel: int = 1024,
+        policy: str = "layerwise",
+        quantize_mode: str = "auto",
+        what: str = "BucketCompressor",
+    ) -> None:
+        if compressor is None:
+            compressor = NoCompression()
+        if not isinstance(compressor, Compressor):
+            raise ArgumentTypeError(f"{what}: compressor must be a Compressor or None, got {type(compressor).__name__}")
+        if start_iter is None:
+            start_iter = compressor.start_iter if isinstance(compressor, PowerSGD) else 0
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise InvalidArgumentError(f"{what}: start_iter must be an int >= 0, got {start_iter!r}")
+        if min_compression_rate is None:
+            min_compression_rate = compressor.min_compression_rate if isinstance(compressor, PowerSGD) else 2.0
+        if not isinstance(min_compression_rate, (int, float)) or min_compression_rate < 0:
+            raise InvalidArgumentError(f"{what}: min_compression_rate must be >= 0, got {min_compression_rate!r}")
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise InvalidArgumentError(f"{what}: min_numel must be an int >= 0, got {min_numel!r}")
+        if policy not in POLICIES:
+            raise InvalidArgumentError(f"{what}: policy must be one of {POLICIES}, got {policy!r}")
+        if quantize_mode not in QUANTIZE_MODES:
+            raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
+        if isinstance(compressor, PowerSGD):
+            # the warm-up and the size rule are decided here, per tensor; the compressor must not repeat them
+            compressor = dataclasses.replace(compressor, start_iter=0, min_compression_rate=min_compression_rate)
+        self.compressor = compressor
+        self.start_iter = start_iter
+        self.min_compression_rate = float(min_compression_rate)
+        self.min_numel = min_numel
+        self.policy = policy
+        self.quantize_mode = quantize_mode
+        self.iteration = 0
+        self.states: dict[tuple[int, ...], CompressionState] = {}
+        self.shapes: dict[int, tuple[int, ...]] = {}
+        self._plans: dict[tuple, _BucketPlan] = {}
+        self._used: set[tuple[int, ...]] = set()
+
+    # -- which tensors ------------------------------------------------------------------------------
+
+    def eligible(self, t: torch.Tensor) -> bool:
+        """Whether the compressor touches this tensor: 2+ dims, at least ``min_numel`` elements, and a
+        compression rate (bytes in / bytes on the wire) of at least ``min_compression_rate``."""
+        c = self.compressor
+        if isinstance(c, NoCompression) or t.dim() < 2 or t.numel() < max(1, self.min_numel):
+            return False
+        wire = c.payload_nbytes(tuple(t.shape), t.dtype)
+        return wire > 0 and t.numel() * t.element_size() / wire >= self.min_compression_rate
+
+    def _plan(self, grads: Sequence[torch.Tensor], keys: Sequence[int]) -> _BucketPlan:
+        sig = tuple((k, tuple(g.shape), g.dtype) for k, g in zip(keys, grads))
+        plan = self._plans.get(sig)
+        if plan is None:
+            comp = [i for i, g in enumerate(grads) if self.eligible(g)]
+            plain = [i for i in range(len(grads)) if i not in set(comp)]
+            groups = [[i] for i in comp] if self.policy == "layerwise" else ([comp] if comp else [])
+            plan = self._plans[sig] = _BucketPlan(groups, plain)
+        return plan
+
+    def check_shapes(self, grads: Sequence[torch.Tensor], keys: Sequence[int]) -> None:
+        for k, g in zip(keys, grads):
+            shape = tuple(g.shape)
+            known = self.shapes.setdefault(k, shape)
+            if known != shape:
+                raise LayoutMismatchError(
+                    f"tensor {k} has shape {shape}, the compression state was built for {known}; "
+                    "load a state saved from the same model"
+                )
+
+    # -- states ---------------------------------------------------------------------------------------
+
+    def _state(self, key: tuple[int, ...], rank: int) -> CompressionState:
+        st = self.states.get(key)
+        if st is None:
+            st = self.compressor.new_state(seed=(rank * 1_000_003 + key[0]) & 0x7FFFFFFF)
+            if len(key) > 1 or any(len(k) > 1 for k in self.states):
+                self._carry_residuals(key, st)
+            self.states[key] = st
+        self._used.add(key)
+        return st
+
+    def _numel(self, k: int) -> int:
+        n = 1
+        for d in self.shapes[k]:
+            n *= d
+        return n
+
+    def _carry_residuals(self, key: tuple[int, ...], st: CompressionState) -> None:
+        """A new group (the bucket layout changed): carry each member's error-feedback residual over from
+        the group that held it, element for element. Other state (PowerSGD's Q, the sign server
+        residual) starts afresh."""
+        pieces = []
+        for old_key, old in self.states.items():
+            r = old.tensors.get("residual")
+            if r is None or not set(old_key) & set(key):
+                continue
+            off = 0
+            for k in old_key:
+                n = self._numel(k)
+                if k in key:
+                    pieces.append((k, r[off : off + n]))
+                off += n
+        if not pieces:
+            return
+        found = dict(pieces)
+        dev = pieces[0][1].device
+        parts = []
+        for k in key:
+            p = found.get(k)
+            parts.append(p if p is not None else torch.zeros(self._numel(k), dtype=torch.float32, device=dev))
+        st.tensors["residual"] = torch.cat(parts)
+
+    # -- one bucket -----------------------------------------------------------------------------------
+
+    def start(
+        self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator
+    ) -> tuple[list[CompressedReduction], Callable[[], None] | None]:
+        """Start averaging one bucket's gradients (in place). Returns the reductions to pipeline and a
+        function to call when they are done (copies back from temporary flat buffers), or None."""
+        grads = list(grads)
+        self.check_shapes(grads, keys)
+        plain_c = NoCompression(check_finite=False)
+        if self.iteration < self.start_iter or isinstance(self.compressor, NoCompression):
+            return self._plain(grads, comm, plain_c)
+        plan = self._plan(grads, keys)
+        reductions: list[CompressedReduction] = []
+        finish: list[Callable[[], None]] = []
+        if plan.plain:
+            rs, fin = self._plain([grads[i] for i in plan.plain], comm, plain_c)
+            reductions += rs
+            if fin is not None:
+                finish.append(fin)
+        if self.policy == "layerwise":
+            tensors = [grads[g[0]] for g in plan.compressed]
+            states = [self._state((keys[g[0]],), comm.rank) for g in plan.compressed]
+            if tensors:
+                reductions.append(
+                    start_compressed_all_reduce(
+                        tensors, comm, self.compressor, states, quantize_mode=self.quantize_mode
+                    )
+                )
+        elif plan.compressed:
+            members = [grads[i] for i in plan.compressed[0]]
+            st = self._state(tuple(keys[i] for i in plan.compressed[0]), comm.rank)
+            flat = _as_one(members)
+            if flat is None:
+                flat, layout = flatten(members)
+                finish.append(lambda: unflatten(flat, layout, members))
+            reductions.append(
+                start_compressed_all_reduce(flat, comm, self.compressor, st, quantize_mode=self.quantize_mode)
+            )
+
+        def done() -> None:
+            for f in finish:
+                f()
+
+        return reductions, (done if finish else None)
+
+    def _plain(self, grads: list[torch.Tensor], comm: Communicator, c: NoCompression):
+        flat = _as_one(grads)
+        if flat is not None:
+            return [start_compressed_all_reduce(flat, comm, c)], None
+        return [start_compressed_all_reduce(grads, comm, c)], None
+
+    def end_iteration(self) -> None:
+        """Count a finished iteration; forget groups the current bucket layout no longer uses."""
+        if self._used:
+            for k in [k for k in self.states if k not in self._used]:
+                del self.states[k]
+        self._used = set()
+        self.iteration += 1
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "iteration": self.iteration,
+            "policy": self.policy,
+            "compressor": repr(self.compressor),
+            "shapes": dict(self.shapes),
+            "states": {k: s.state_dict() for k, s in self.states.items()},
+        }
+
+    def load_state_dict(self, sd: dict, what: str) -> None:
+        need = {"iteration", "policy", "shapes", "states"}
+        if not isinstance(sd, dict) or not need <= sd.keys():
+            raise InvalidArgumentError(f"{what}.load_state_dict: expected a dict from state_dict() with keys {need}")
+        if sd["policy"] != self.policy:
+            raise InvalidArgumentError(
+                f"{what}.load_state_dict: the checkpoint was saved with policy={sd['policy']!r}, this state "
+                f"uses {self.policy!r}; construct the state with the same policy"
+            )
+        if sd.get("compressor", repr(self.compressor)) != repr(self.compressor):
+            raise InvalidArgumentError(
+                f"{what}.load_state_dict: the checkpoint was saved with {sd['compressor']}, this state uses "
+                f"{self.compressor!r}"
+            )
+        states = {}
+        for k, v in sd["states"].items():
+            st = self.compressor.new_state()
+            st.load_state_dict(v)
+            states[tuple(k)] = st
+        self.iteration = int(sd["iteration"])
+        self.shapes = {int(k): tuple(v) for k, v in sd["shapes"].items()}
+        self.states = states
+        self._used = set()

@@ -5,5 +5,6 @@
 from __future__ import annotations
 
 from .hooks import CompressionHookState, HookStats, compression_hook
+from .synchronizer import GradientConsistency, GradientSynchronizer
 
-__all__ = ["CompressionHookState", "HookStats", "compression_hook"]
+__all__ = ["CompressionHookState", "GradientConsistency", "GradientSynchronizer", "HookStats", "compression_hook"]

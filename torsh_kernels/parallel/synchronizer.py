@@ -1,0 +1,477 @@
+"""Gradient synchronisation without DDP: the same bucketing, compression and pipelining as the DDP hook,
+for training loops that drive their own backward and optimizer.
+
+::
+
+    sync = GradientSynchronizer(model, comm, bucket_mb=25, compressor=PowerSGD(rank=4))
+    for x, y in data:
+        loss_fn(model(x), y).backward()   # buckets start reducing as their gradients are ready
+        sync.sync_gradients()             # the rest start; every gradient now holds the average
+        opt.step()
+        sync.zero_grad()
+
+Buckets. Parameters are taken in the order their gradients are usually ready (the reverse of
+``model.parameters()``, as DDP does; ``order="size"`` takes the largest first instead) and packed into
+buckets of at most ``bucket_mb`` MiB (one dtype per bucket; a larger parameter gets a bucket of its
+own). The first bucket is capped at ``first_bucket_mb`` (1 MiB, DDP's rule) so communication starts
+early in the backward pass. ``set_bucketing(False)`` gives every parameter its own bucket.
+
+Overlap. With ``overlap=True`` a post-accumulate-grad hook on each parameter marks it ready; a bucket
+starts when all its parameters are ready and every bucket before it has started (every rank starts the
+buckets in the same order, so their collectives match), and its rounds run while backward goes on.
+``sync_gradients()`` starts what has not started (all of it with ``overlap=False``) and waits.
+Accumulate over several backward passes inside ``with sync.no_sync():``.
+
+Unused parameters. A parameter without a gradient at ``sync_gradients()`` contributes zeros (no rank
+waits for it, nothing hangs) and is reported in ``get_sync_stats()["unused_parameters"]``. With
+``find_unused_parameters=True`` the ranks also agree (one small all-reduce per step) on which
+parameters no rank used; those keep ``grad=None`` like DDP, the others receive the average.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..collectives.communicator import Communicator
+from ..compression import Compressor
+from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
+from ._engine import BucketCompressor, ReductionPipeline
+
+__all__ = ["GradientConsistency", "GradientSynchronizer"]
+
+ORDERS = ("ready", "size")
+
+
+@dataclass(slots=True)
+class GradientConsistency:
+    """Result of :meth:`GradientSynchronizer.check_gradient_consistency`."""
+
+    consistent: bool
+    """Whether every rank holds bit-identical gradients (and the same set of gradients)."""
+    mismatched: list[str]
+    """Names of the parameters whose gradients differ between ranks."""
+    checksums: list[list[int]]
+    """Per rank, per parameter: a checksum of the gradient's bits (-1: no gradient)."""
+
+
+@dataclass(slots=True)
+class _Bucket:
+    index: int
+    params: list[int]
+    """Positions in the synchronizer's parameter list."""
+    numel: int
+    dtype: torch.dtype
+
+
+class _GradHookHandle:
+    __slots__ = ("_fn", "_fns")
+
+    def __init__(self, fns: list, fn) -> None:
+        self._fns, self._fn = fns, fn
+
+    def remove(self) -> None:
+        if self._fn in self._fns:
+            self._fns.remove(self._fn)
+
+
+class GradientSynchronizer:
+    """Average a model's gradients over the ranks of ``comm``, bucketed, compressed and overlapped with
+    backward.
+
+    Args:
+        model: the module whose parameters (those with ``requires_grad``) are synchronised.
+        comm: the communicator (e.g. from ``init_from_env()``); parameters must be on its device type.
+        bucket_mb: bucket size cap in MiB.
+        compressor: a :class:`~torsh_kernels.compression.Compressor` (None: uncompressed).
+        overlap: start buckets from gradient hooks during backward.
+        first_bucket_mb: cap of the first bucket (DDP's rule: small, so communication starts early).
+        order: ``"ready"`` (reverse registration order, as gradients become ready) or ``"size"``
+            (largest first).
+        broadcast_parameters: copy rank 0's parameters and buffers to every rank at construction.
+        find_unused_parameters: agree across ranks on parameters no rank used (they keep ``grad=None``).
+        start_iter, min_compression_rate, min_numel, policy, quantize_mode: as for
+            :class:`~torsh_kernels.parallel.CompressionHookState`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        comm: Communicator,
+        *,
+        bucket_mb: float = 25.0,
+        compressor: Compressor | None = None,
+        overlap: bool = True,
+        first_bucket_mb: float = 1.0,
+        order: str = "ready",
+        broadcast_parameters: bool = True,
+        find_unused_parameters: bool = False,
+        start_iter: int | None = None,
+        min_compression_rate: float | None = None,
+        min_numel: int = 1024,
+        policy: str = "layerwise",
+        quantize_mode: str = "auto",
+    ) -> None:
+        what = "GradientSynchronizer"
+        if not isinstance(model, torch.nn.Module):
+            raise ArgumentTypeError(f"{what}: model must be a torch.nn.Module, got {type(model).__name__}")
+        for name in ("rank", "world_size", "all_reduce", "all_gather", "broadcast"):
+            if not hasattr(comm, name):
+                raise ArgumentTypeError(f"{what}: comm must be a Communicator, got {type(comm).__name__}")
+        for name, v in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise InvalidArgumentError(f"{what}: {name} must be a number > 0, got {v!r}")
+        if order not in ORDERS:
+            raise InvalidArgumentError(f"{what}: order must be one of {ORDERS}, got {order!r}")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise InvalidArgumentError(f"{what}: the model has no parameters that require gradients")
+        dev = comm.device
+        for n, p in named:
+            if p.device.type != dev.type:
+                raise DeviceMismatchError(
+                    f"{what}: parameter {n!r} is on {p.device}, the communicator moves tensors on {dev}; "
+                    "move the model first"
+                )
+            if not p.is_floating_point():
+                raise InvalidArgumentError(f"{what}: parameter {n!r} has dtype {p.dtype}; gradients must be floating")
+        self.model = model
+        self.comm = comm
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.bucket_mb = float(bucket_mb)
+        self.first_bucket_mb = float(first_bucket_mb)
+        self.order = order
+        self.overlap = bool(overlap)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self._engine = BucketCompressor(
+            compressor,
+            start_iter=start_iter,
+            min_compression_rate=min_compression_rate,
+            min_numel=min_numel,
+            policy=policy,
+            quantize_mode=quantize_mode,
+            what=what,
+        )
+        self._pipeline = ReductionPipeline()
+        self._bucketing = True
+        self._grad_fns: list[Callable] = []
+        self._hooks: list = []
+        self._no_sync = False
+        self._syncs = 0
+        self._last: dict = {}
+        self._check_same_model()
+        if broadcast_parameters:
+            self._broadcast_state()
+        self._build_buckets()
+        if self.overlap:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        self._reset_step()
+
+    # -- construction -------------------------------------------------------------------------------
+
+    def _check_same_model(self) -> None:
+        sig = torch.tensor([len(self.params), sum(p.numel() for p in self.params)], dtype=torch.int64)
+        sig = sig.to(self.comm.device)
+        out = torch.empty(self.comm.world_size * 2, dtype=torch.int64, device=self.comm.device)
+        self.comm.all_gather(out, sig)
+        rows = out.view(-1, 2).tolist()
+        if any(r != rows[0] for r in rows):
+            raise InvalidArgumentError(
+                "GradientSynchronizer: the ranks' models differ (parameters, elements per rank: "
+                f"{rows}); every rank must build the same model"
+            )
+
+    @torch.no_grad()
+    def _broadcast_state(self) -> None:
+        tensors = [p.data for p in self.params] + [b for b in self.model.buffers() if b.numel()]
+        for t in tensors:
+            if t.is_contiguous():
+                self.comm.broadcast(t, 0)
+            else:
+                c = t.contiguous()
+                self.comm.broadcast(c, 0)
+                t.copy_(c)
+
+    def _build_buckets(self) -> None:
+        idx = list(range(len(self.params)))[::-1]
+        if self.order == "size":
+            idx.sort(key=lambda i: -self.params[i].numel())
+        buckets: list[_Bucket] = []
+        cur: list[int] = []
+        cur_bytes = 0
+        cur_dtype = None
+        for i in idx:
+            p = self.params[i]
+            nb = p.numel() * p.element_size()
+            cap = (self.first_bucket_mb if not buckets else self.bucket_mb) * 2**20
+            if cur and (not self._bucketing or p.dtype != cur_dtype or cur_bytes + nb > cap):
+                buckets.append(self._bucket(len(buckets), cur))
+                cur, cur_bytes = [], 0
+            cur.append(i)
+            cur_bytes += nb
+            cur_dtype = p.dtype
+        if cur:
+            buckets.append(self._bucket(len(buckets), cur))
+        self.buckets = buckets
+        self._bucket_of = {i: b.index for b in buckets for i in b.params}
+
+    def _bucket(self, index: int, params: list[int]) -> _Bucket:
+        return _Bucket(index, params, sum(self.params[i].numel() for i in params), self.params[params[0]].dtype)
+
+    # -- per step -----------------------------------------------------------------------------------
+
+    def _reset_step(self) -> None:
+        self._ready = [0] * len(self.buckets)
+        self._seen: set[int] = set()
+        self._launched = 0
+        self._t_launch: dict[int, float] = {}
+        self._bucket_stats: list[dict] = []
+        self._zero_filled: list[int] = []
+
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if self._no_sync:
+                return
+            if i in self._seen:
+                raise InvalidArgumentError(
+                    f"GradientSynchronizer: parameter {self.names[i]!r} received a second gradient before "
+                    "sync_gradients(); call sync_gradients() after each backward, or accumulate inside "
+                    "`with sync.no_sync():`"
+                )
+            self._seen.add(i)
+            self._apply_grad_fns(i)
+            b = self._bucket_of[i]
+            self._ready[b] += 1
+            while self._launched < len(self.buckets) and self._ready[self._launched] == len(
+                self.buckets[self._launched].params
+            ):
+                self._launch(self._launched)
+
+        return hook
+
+    def _apply_grad_fns(self, i: int) -> None:
+        p = self.params[i]
+        for fn in self._grad_fns:
+            if p.grad is None:
+                break
+            g = fn(self.names[i], p.grad)
+            if g is not None:
+                if not isinstance(g, torch.Tensor) or g.shape != p.shape:
+                    raise InvalidArgumentError(
+                        f"GradientSynchronizer: a gradient hook returned {type(g).__name__} "
+                        f"{getattr(g, 'shape', '')} for {self.names[i]!r}; expected None or a tensor of shape "
+                        f"{tuple(p.shape)}"
+                    )
+                p.grad = g
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        grads = []
+        for i in bucket.params:
+            p = self.params[i]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                self._zero_filled.append(i)
+            elif not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+            grads.append(p.grad)
+        self._launched = b + 1
+        t0 = time.perf_counter()
+        reductions, finish = self._engine.start(grads, bucket.params, self.comm)
+
+        def done() -> None:
+            if finish is not None:
+                finish()
+            self._bucket_stats.append(
+                {
+                    "bucket": b,
+                    "params": len(bucket.params),
+                    "mb": bucket.numel * grads[0].element_size() / 2**20,
+                    "seconds": time.perf_counter() - t0,
+                    "compress_s": sum(r.compute_s for r in reductions),
+                    "wait_s": sum(r.wait_s for r in reductions),
+                    "bytes_sent": sum(r.bytes_sent for r in reductions),
+                }
+            )
+
+        self._pipeline.submit(reductions, done)
+
+    def wait(self) -> None:
+        """Complete every bucket already started (their gradients then hold the average)."""
+        self._pipeline.drain()
+
+    def sync_gradients(self) -> dict:
+        """Start every bucket not yet started, wait for all, and leave the averaged gradients in
+        ``p.grad``. Returns this step's statistics (as in :meth:`get_sync_stats`)."""
+        if self._no_sync:
+            raise InvalidArgumentError("GradientSynchronizer.sync_gradients: called inside no_sync()")
+        t0 = time.perf_counter()
+        try:
+            if not self.overlap:
+                for i in range(len(self.params)):
+                    self._apply_grad_fns(i)
+            while self._launched < len(self.buckets):
+                self._launch(self._launched)
+            self._pipeline.drain()
+            globally_unused: list[int] = []
+            if self.find_unused_parameters:
+                used = torch.ones(len(self.params), dtype=torch.int32, device=self.comm.device)
+                if self._zero_filled:
+                    used[torch.tensor(self._zero_filled, device=self.comm.device)] = 0
+                self.comm.all_reduce(used, "sum")
+                globally_unused = [i for i in self._zero_filled if int(used[i]) == 0]
+                for i in globally_unused:
+                    self.params[i].grad = None
+        except BaseException:
+            self._pipeline = ReductionPipeline()
+            self._reset_step()
+            raise
+        self._engine.end_iteration()
+        self._syncs += 1
+        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+        unused = [self.names[i] for i in self._zero_filled]
+        if unused and self._syncs == 1:
+            warnings.warn(
+                f"GradientSynchronizer: {len(unused)} parameter(s) had no gradient on rank {self.comm.rank} "
+                f"(first: {unused[0]!r}); they were synchronised as zeros. See get_sync_stats()['unused_parameters']",
+                stacklevel=2,
+            )
+        self._last = {
+            "parameters_with_gradients": len(with_grad),
+            "parameters": len(self.params),
+            "total_mb": sum(self.params[i].numel() * self.params[i].element_size() for i in with_grad) / 2**20,
+            "buckets": sorted(self._bucket_stats, key=lambda d: d["bucket"]),
+            "bytes_on_wire": sum(d["bytes_sent"] for d in self._bucket_stats),
+            "bytes_before": sum(b.numel * self.params[b.params[0]].element_size() for b in self.buckets),
+            "seconds_after_backward": time.perf_counter() - t0,
+            "unused_parameters": unused,
+            "globally_unused_parameters": [self.names[i] for i in globally_unused],
+            "iteration": self._engine.iteration,
+        }
+        wire = self._last["bytes_on_wire"]
+        self._last["compression_ratio"] = self._last["bytes_before"] / wire if wire else 1.0
+        self._reset_step()
+        return dict(self._last)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over several backward passes without starting any bucket."""
+        prev = self._no_sync
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = prev
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (after the optimizer step) and the per-step bookkeeping."""
+        if len(self._pipeline):
+            self._pipeline.drain()
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        self._reset_step()
+
+    def has_gradients(self) -> bool:
+        """Whether any parameter holds a gradient."""
+        return any(p.grad is not None for p in self.params)
+
+    # -- information --------------------------------------------------------------------------------
+
+    def get_sync_stats(self) -> dict:
+        """Statistics of the last ``sync_gradients()``: parameters with gradients, total MB, per-bucket
+        times and bytes, bytes on the wire and compression ratio, unused parameters; plus totals."""
+        return {**self._last, "syncs": self._syncs, "compressor": repr(self._engine.compressor)}
+
+    def get_bucket_info(self) -> list[dict]:
+        """One entry per bucket: index, parameter names, elements, MB, dtype, which parameters the
+        compressor touches and which go in the plain all-reduce."""
+        info = []
+        for b in self.buckets:
+            names = [self.names[i] for i in b.params]
+            comp = [self.names[i] for i in b.params if self._engine.eligible(self.params[i])]
+            info.append(
+                {
+                    "index": b.index,
+                    "parameters": names,
+                    "numel": b.numel,
+                    "mb": b.numel * self.params[b.params[0]].element_size() / 2**20,
+                    "dtype": str(b.dtype).replace("torch.", ""),
+                    "compressed": comp,
+                    "uncompressed": [n for n in names if n not in set(comp)],
+                }
+            )
+        return info
+
+    def set_bucketing(self, enabled: bool) -> None:
+        """Bucket parameters together (True, default) or give each its own bucket (False). Only between
+        steps, on every rank alike."""
+        if self._launched or len(self._pipeline):
+            raise InvalidArgumentError(
+                "GradientSynchronizer.set_bucketing: a step is in progress; call it between steps"
+            )
+        self._bucketing = bool(enabled)
+        self._build_buckets()
+        self._reset_step()
+
+    def register_gradient_hook(self, fn: Callable[[str, torch.Tensor], torch.Tensor | None]):
+        """Call ``fn(name, grad)`` on each gradient before it is synchronised (when it is ready with
+        ``overlap=True``, else at ``sync_gradients()``); a returned tensor replaces the gradient.
+        Returns a handle with ``remove()``."""
+        if not callable(fn):
+            raise ArgumentTypeError(f"register_gradient_hook: expected a callable, got {type(fn).__name__}")
+        self._grad_fns.append(fn)
+        return _GradHookHandle(self._grad_fns, fn)
+
+    @torch.no_grad()
+    def check_gradient_consistency(self, *, raise_on_mismatch: bool = False) -> GradientConsistency:
+        """Compare a checksum of every rank's (synchronised) gradients: after ``sync_gradients()`` they
+        must be bit-identical on every rank. A collective: call it on every rank."""
+        sums = torch.full((len(self.params),), -1, dtype=torch.int64)
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                g = p.grad.detach().contiguous().view(-1)
+                bits = g.view(torch.int32 if g.element_size() == 4 else torch.int16 if g.element_size() == 2 else
+                              torch.int64)  # fmt: skip
+                w = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
+                sums[i] = int(((bits.to(torch.int64) * w) % 2_147_483_647).sum()) & 0x7FFFFFFFFFFFFFFF
+        ws = self.comm.world_size
+        mine = sums.to(self.comm.device)
+        out = torch.empty(ws * len(self.params), dtype=torch.int64, device=self.comm.device)
+        self.comm.all_gather(out, mine)
+        table = out.view(ws, -1).cpu().tolist()
+        bad = [self.names[i] for i in range(len(self.params)) if len({row[i] for row in table}) > 1]
+        result = GradientConsistency(not bad, bad, table)
+        if bad and raise_on_mismatch:
+            raise InvalidArgumentError(
+                f"GradientSynchronizer: gradients differ between ranks for {len(bad)} parameter(s): {bad[:5]}"
+            )
+        return result
+
+    def state_dict(self) -> dict:
+        """The compressor states (residuals, PowerSGD's Q) and the iteration count, for checkpoints."""
+        return self._engine.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._engine.load_state_dict(sd, "GradientSynchronizer")
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks from the model's parameters."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __repr__(self) -> str:
+        return (
+            f"GradientSynchronizer(params={len(self.params)}, buckets={len(self.buckets)}, "
+            f"compressor={self._engine.compressor!r}, overlap={self.overlap})"
+        )

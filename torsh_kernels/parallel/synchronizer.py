@@ -334,7 +334,8 @@ class GradientSynchronizer:
             raise
         self._engine.end_iteration()
         self._syncs += 1
-        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+        filled = set(self._zero_filled)
+        with_grad = [i for i in range(len(self.params)) if i not in filled]  # this rank's own gradients
         unused = [self.names[i] for i in self._zero_filled]
         if unused and self._syncs == 1:
             warnings.warn(

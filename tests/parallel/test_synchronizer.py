@@ -1,0 +1,188 @@
+"""GradientSynchronizer on real gloo processes: equal to DDP's averaged gradients (uncompressed) and to
+DDP with compression_hook (compressed), overlap, unused parameters, consistency check, hooks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from torsh_kernels.collectives import run_local
+from torsh_kernels.compression import TopK
+from torsh_kernels.errors import InvalidArgumentError
+from torsh_kernels.parallel import CompressionHookState, GradientSynchronizer, compression_hook
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(99)
+        self.a = nn.Linear(29, 53)
+        self.b = nn.Linear(53, 41)
+        self.c = nn.Linear(41, 7)
+        self.side = nn.Linear(29, 7)  # used only where a rank asks for it
+
+    def forward(self, x, side=False):
+        y = self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+        return y + self.side(x) if side else y
+
+
+def batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 29, generator=g), torch.randint(0, 7, (16,), generator=g)
+
+
+def grads(m: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()}
+
+
+def _equals_ddp_worker(comm, overlap, compressed):
+    ddp_net, net = Net(), Net()
+    ddp = DDP(ddp_net, bucket_cap_mb=0.004, find_unused_parameters=True)
+    comp = TopK(0.05) if compressed else None
+    if compressed:
+        ddp.register_comm_hook(CompressionHookState(compressor=comp, min_numel=64), compression_hook)
+    sync = GradientSynchronizer(net, comm, bucket_mb=0.004, first_bucket_mb=0.002, compressor=comp,
+                                overlap=overlap, min_numel=64)  # fmt: skip
+    out = []
+    for step in range(3):
+        x, y = batch(step, comm.rank)
+        ddp_net.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        sync.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        stats = sync.sync_gradients()
+        want, got = grads(ddp_net), grads(net)
+        out.append(max((want[n] - got[n]).abs().max().item() for n in want if want[n] is not None))
+        assert sync.check_gradient_consistency().consistent
+    info = sync.get_bucket_info()
+    return out, stats, [len(b["parameters"]) for b in info], info[0]["mb"]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "overlap", "compressed"),
+    [(2, True, False), (2, False, False), (3, True, False), (2, True, True), (3, False, True)],
+)
+def test_synchronizer_equals_ddp(world_size, overlap, compressed):
+    out = run_local(_equals_ddp_worker, world_size, overlap, compressed, op_timeout=60)
+    diffs, stats, sizes, first_mb = out[0]
+    # 2 ranks: (a + b) / 2 is exact either way; 3: DDP divides before the sum, we after
+    tol = 0.0 if world_size == 2 else 1e-6
+    assert max(diffs) <= tol, diffs
+    assert len(sizes) > 2 and sum(sizes) == 8
+    assert first_mb <= 0.002  # DDP's first-bucket rule, here at 2 KiB
+    assert stats["parameters_with_gradients"] == 6  # the side branch was never used
+    assert stats["globally_unused_parameters"] == []  # find_unused_parameters is off: reported, zero-filled
+    assert sorted(stats["unused_parameters"]) == ["side.bias", "side.weight"]
+    assert len(stats["buckets"]) == len(sizes) and all(b["seconds"] >= 0 for b in stats["buckets"])
+    if compressed:
+        assert stats["bytes_on_wire"] < stats["bytes_before"]
+    else:
+        assert stats["bytes_on_wire"] == stats["bytes_before"]
+
+
+def _unused_worker(comm):
+    net = Net()
+    sync = GradientSynchronizer(net, comm, bucket_mb=0.004, find_unused_parameters=True)
+    x, y = batch(0, comm.rank)
+    # rank 0 uses the side branch, rank 1 does not: nothing hangs, rank 1 receives rank 0's half
+    nn.functional.cross_entropy(net(x, side=comm.rank == 0), y).backward()
+    side_local = None if net.side.weight.grad is None else net.side.weight.grad.clone()
+    stats = sync.sync_gradients()
+    side_avg = net.side.weight.grad.clone()
+    sync.zero_grad()
+    # nobody uses it: it keeps grad=None, as with DDP's find_unused_parameters
+    nn.functional.cross_entropy(net(x), y).backward()
+    stats2 = sync.sync_gradients()
+    return side_local, side_avg, stats["unused_parameters"], stats2["globally_unused_parameters"], net.side.weight.grad
+
+
+def test_unused_parameters_are_reported_not_hung_on():
+    out = run_local(_unused_worker, 2, op_timeout=30)
+    (loc0, avg0, unused0, glob0, g0), (loc1, avg1, unused1, glob1, g1) = out
+    assert loc1 is None and sorted(unused1) == ["side.bias", "side.weight"] and unused0 == []
+    torch.testing.assert_close(avg0, loc0 / 2, rtol=0, atol=0)
+    assert torch.equal(avg0, avg1)
+    assert sorted(glob0) == sorted(glob1) == ["side.bias", "side.weight"] and g0 is None and g1 is None
+
+
+def _features_worker(comm):
+    net = Net()
+    sync = GradientSynchronizer(net, comm, bucket_mb=0.004)
+    res = {}
+    # a gradient hook sees every gradient before it is synchronised
+    seen = []
+    h = sync.register_gradient_hook(lambda name, g: (seen.append(name), g * 2)[1])
+    x, y = batch(0, comm.rank)
+    nn.functional.cross_entropy(net(x), y).backward()
+    sync.sync_gradients()
+    doubled = net.a.weight.grad.clone()
+    h.remove()
+    sync.zero_grad()
+    assert not sync.has_gradients()
+    nn.functional.cross_entropy(net(x), y).backward()
+    assert sync.has_gradients()
+    sync.sync_gradients()
+    res["hook"] = (sorted(seen), torch.equal(doubled, 2 * net.a.weight.grad))
+    # accumulation: two backward passes inside no_sync, then one synchronisation
+    sync.zero_grad()
+    with sync.no_sync():
+        nn.functional.cross_entropy(net(x), y).backward()
+    nn.functional.cross_entropy(net(x), y).backward()
+    sync.sync_gradients()
+    res["accumulated"] = torch.allclose(net.a.weight.grad, 2 * doubled / 2)
+    # a second backward without sync_gradients is an error, not a silent double count
+    sync.zero_grad()
+    nn.functional.cross_entropy(net(x), y).backward()
+    try:
+        nn.functional.cross_entropy(net(x), y).backward()
+        res["second"] = "no error"
+    except InvalidArgumentError as e:
+        res["second"] = "sync_gradients" in str(e)
+    sync.zero_grad()
+    # one bucket per parameter without bucketing
+    sync.set_bucketing(False)
+    res["unbucketed"] = len(sync.get_bucket_info())
+    nn.functional.cross_entropy(net(x), y).backward()
+    sync.sync_gradients()
+    # a corrupted gradient on one rank is caught by the consistency check
+    if comm.rank == 1:
+        net.b.bias.grad[0] += 1
+    res["consistency"] = sync.check_gradient_consistency().mismatched
+    return res
+
+
+def test_hooks_accumulation_bucketing_and_consistency():
+    out = run_local(_features_worker, 2, op_timeout=30)
+    for r in out:
+        names = sorted(["a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"])
+        assert r["hook"] == (names, True)
+        assert r["accumulated"] and r["second"] is True
+        assert r["unbucketed"] == 8
+        assert r["consistency"] == ["b.bias"]
+
+
+def _broadcast_worker(comm):
+    torch.manual_seed(comm.rank)  # different initial weights on each rank
+    net = nn.Linear(5, 3)
+    GradientSynchronizer(net, comm)
+    return net.weight.detach().clone()
+
+
+def test_parameters_start_equal_and_bad_arguments_raise():
+    w0, w1 = run_local(_broadcast_worker, 2, op_timeout=30)
+    assert torch.equal(w0, w1)
+    assert run_local(_bad_worker, 1, op_timeout=30) == [["bucket_mb", "order", "Module"]]
+
+
+def _bad_worker(comm):
+    out = []
+    for kw, word in (({"bucket_mb": 0}, "bucket_mb"), ({"order": "random"}, "order")):
+        with pytest.raises(InvalidArgumentError, match=word):
+            GradientSynchronizer(nn.Linear(2, 2), comm, **kw)
+        out.append(word)
+    with pytest.raises(TypeError, match="Module"):
+        GradientSynchronizer("model", comm)
+    out.append("Module")
+    return out

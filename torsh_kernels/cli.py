@@ -11,6 +11,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("providers", help="which kernel providers can run here, and why not")
+    from . import demo
+
+    demo.add_arguments(
+        sub.add_parser("demo", help="DDP with every gradient compressor on local ranks: time, bytes, accuracy",
+                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )  # fmt: skip
 
     bench = sub.add_parser("bench", help="run a benchmark suite")
     suites = bench.add_subparsers(dest="suite", required=True)
@@ -35,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(providers())
         return 0
+    if args.command == "demo":
+        return demo.run(args)
     if args.command == "bench" and args.suite == "bucket":
         return bucket.run(args)
     if args.command == "bench" and args.suite == "compression":

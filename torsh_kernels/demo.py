@@ -1,0 +1,296 @@
+"""``torsh demo``: compressed data parallelism end to end, in one command.
+
+N local ranks (default 2; gloo on CPU, NCCL with the Triton kernels where CUDA is present) train the same
+small MLP on scikit-learn's bundled digits data set under PyTorch's DistributedDataParallel, once per
+compressor (none, fp16, topk, quantize, sign, powersgd) through :func:`~torsh_kernels.parallel.compression_hook`,
+for a fixed number of steps from the same initial weights and the same batches. Then one table: step
+time, bytes each rank sends per step, compression ratio, final test accuracy, and speedup over
+uncompressed.
+
+``--link 1gbit`` runs two ranks on two emulated hosts joined by a link of that rate (network
+namespaces; needs root), where the bytes saved show up in the step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
+
+__all__ = ["COMPRESSORS", "DemoConfig", "load_digits_split", "main", "run_rank"]
+
+
+def _compressors() -> dict[str, Compressor | None]:
+    return {
+        "none": None,
+        "fp16": FP16(),
+        "topk": TopK(0.01),
+        "quantize": Quantize(8),
+        "sign": Sign(),
+        "powersgd": PowerSGD(4),
+    }
+
+
+COMPRESSORS = tuple(_compressors())
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    """What the demo trains and how."""
+
+    compressors: list[str] = field(default_factory=lambda: list(COMPRESSORS))
+    """Compressors to run, in order (the first one should be ``none``: the baseline)."""
+    steps: int = 600
+    """Optimizer steps per compressor."""
+    hidden: int = 512
+    """Width of the MLP's two hidden layers."""
+    batch: int = 32
+    """Samples per rank per step."""
+    lr: float = 0.05
+    """SGD learning rate (momentum 0.9)."""
+    warmup: int = 10
+    """Steps left out of the timing, and run uncompressed by the hook (its start_iter)."""
+    seed: int = 0
+    """Seed of the weights, the split and the batches."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        bad = [c for c in self.compressors if c not in COMPRESSORS]
+        if bad or not self.compressors:
+            raise ValueError(f"demo: unknown compressor(s) {bad}; choose from {list(COMPRESSORS)}")
+        for name in ("steps", "hidden", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"demo: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(f"demo: warmup must be in [0, steps), got {self.warmup} with steps={self.steps}")
+
+
+def load_digits_split(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits (1797 8x8 images, 10 classes) scaled to [0, 1]; a fixed 80/20 split."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    n_test = len(y) // 5
+    te, tr = perm[:n_test], perm[n_test:]
+    return x[tr], y[tr], x[te], y[te]
+
+
+def _mlp(hidden: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
+
+
+def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
+    """One rank's part: train once per compressor. Rank 0 returns a row per compressor."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .parallel import CompressionHookState, compression_hook
+
+    dev = comm.device
+    xtr, ytr, xte, yte = load_digits_split(cfg.seed)
+    xtr, ytr, xte, yte = (t.to(dev) for t in (xtr, ytr, xte, yte))
+    me, ws = comm.rank, comm.world_size
+    progress = None
+    if me == 0 and cfg.progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(
+            TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=None, transient=False,
+        )  # fmt: skip
+        progress.start()
+    rows = []
+    try:
+        for name in cfg.compressors:
+            compressor = _compressors()[name]
+            net = _mlp(cfg.hidden, cfg.seed).to(dev)
+            ddp = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None)
+            state = CompressionHookState(compressor=compressor, start_iter=cfg.warmup)
+            ddp.register_comm_hook(state, compression_hook)
+            opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=0.9)
+            g = torch.Generator().manual_seed(cfg.seed + 1)  # the same global batches for every compressor
+            task = progress.add_task(f"{name} ({ws} ranks)", total=cfg.steps) if progress else None
+            times = []
+            for _ in range(cfg.steps):
+                idx = torch.randint(0, len(ytr), (ws * cfg.batch,), generator=g)[me * cfg.batch : (me + 1) * cfg.batch]
+                idx = idx.to(dev)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx])
+                loss.backward()
+                opt.step()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                times.append(time.perf_counter() - t0)
+                if progress:
+                    progress.update(task, advance=1)
+            with torch.no_grad():
+                acc = (net(xte).argmax(1) == yte).float().mean().item()
+            steady = state.stats.per_iteration[-1]
+            rows.append(
+                {
+                    "compressor": name,
+                    "spec": repr(compressor) if compressor is not None else "uncompressed",
+                    "step_ms": 1e3 * statistics.median(times[cfg.warmup :]),
+                    "step_ms_p20": 1e3 * _quantile(times[cfg.warmup :], 0.2),
+                    "step_ms_p80": 1e3 * _quantile(times[cfg.warmup :], 0.8),
+                    "bytes_per_step": steady["bytes_after"],
+                    "gradient_bytes": steady["bytes_before"],
+                    "ratio": steady["bytes_before"] / max(1, steady["bytes_after"]),
+                    "accuracy": acc,
+                    "final_loss": float(loss),
+                }
+            )
+    finally:
+        if progress:
+            progress.stop()
+    if me != 0:
+        return None
+    base = next((r["step_ms"] for r in rows if r["compressor"] == "none"), None)
+    for r in rows:
+        r["speedup"] = base / r["step_ms"] if base else None
+    return rows
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def print_table(rows: list[dict], *, title: str, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=max(100, Console().width))
+    t = Table(title=title, title_justify="left")
+    for col, just in (("compressor", "left"), ("step time (ms)", "right"), ("p20-p80 (ms)", "right"),
+                      ("bytes sent / step", "right"), ("compression", "right"), ("test accuracy", "right"),
+                      ("speedup vs none", "right")):  # fmt: skip
+        t.add_column(col, justify=just)
+    for r in rows:
+        sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        t.add_row(
+            r["compressor"], f"{r['step_ms']:.2f}", f"{r['step_ms_p20']:.2f}-{r['step_ms_p80']:.2f}",
+            _bytes(r["bytes_per_step"]), f"{r['ratio']:.1f}x", f"{100 * r['accuracy']:.1f}%", sp,
+        )  # fmt: skip
+    console.print(t)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _title(cfg: DemoConfig, ranks: int, backend: str, network: str, params: int) -> str:
+    return (
+        f"torsh demo: {ranks} ranks ({backend}, {network}), MLP 64-{cfg.hidden}-{cfg.hidden}-10 "
+        f"({params:,} parameters, "
+        f"{4 * params / 2**20:.2f} MiB of gradients) on sklearn digits, {cfg.steps} steps of {cfg.batch}/rank, "
+        f"DDP + torsh compression_hook"
+    )
+
+
+def _finish(rows: list[dict], cfg: DemoConfig, ranks: int, backend: str, network: str, json_path: str | None) -> None:
+    params = sum(p.numel() for p in _mlp(cfg.hidden, cfg.seed).parameters())
+    print_table(rows, title=_title(cfg, ranks, backend, network, params))
+    if json_path:
+        from .bench import environment
+
+        dev = torch.device("cuda" if backend == "nccl" else "cpu")
+        with open(json_path, "w") as f:
+            json.dump({"environment": environment(dev), "network": network, "ranks": ranks, "backend": backend,
+                       "config": asdict(cfg), "parameters": params, "rows": rows}, f, indent=2)  # fmt: skip
+        print(f"wrote {json_path}")
+
+
+def _env_rank_main(cfg: DemoConfig, json_path: str | None) -> int:
+    """Entry point of one rank under torchrun's environment (the --link mode's two namespaces)."""
+    from .collectives import init_from_env
+
+    comm = init_from_env(timeout=120)
+    rows = run_rank(comm, cfg)
+    if rows is not None:
+        net = os.environ.get("TORSH_BENCH_NETWORK", "torchrun environment")
+        _finish(rows, cfg, comm.world_size, comm.backend, net, json_path)
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--ranks", type=int, default=2, help="local ranks (default 2; --link always uses 2)")
+    d = DemoConfig()
+    ap.add_argument("--steps", type=int, default=d.steps, help="steps per compressor")
+    ap.add_argument("--hidden", type=int, default=d.hidden, help="hidden width of the MLP")
+    ap.add_argument("--batch", type=int, default=d.batch, help="samples per rank per step")
+    ap.add_argument(
+        "--compressors", default=",".join(COMPRESSORS), help="comma-separated, from: " + ", ".join(COMPRESSORS)
+    )
+    ap.add_argument("--link", default=None, metavar="RATE",
+                    help="2 ranks on two emulated hosts with this link rate (1gbit, 100mbit); needs root")  # fmt: skip
+    ap.add_argument("--delay", default=None, help="with --link: one-way delay per direction (e.g. 1ms)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        cfg = DemoConfig(compressors=[c.strip() for c in a.compressors.split(",") if c.strip()], steps=a.steps,
+                         hidden=a.hidden, batch=a.batch, progress=not a.no_progress)  # fmt: skip
+    except ValueError as e:
+        print(f"torsh demo: {e}", file=sys.stderr)
+        return 2
+    if os.environ.get("TORSH_DEMO_RANK_MODE") == "env":  # a rank started by --link below
+        torch.set_num_threads(a.threads)
+        return _env_rank_main(cfg, a.json)
+    if a.link:
+        from .bench.emulated import run_on_emulated_hosts, unavailable_reason
+
+        why = unavailable_reason()
+        if why is None:
+            cmd = [sys.executable, "-m", "torsh_kernels.cli", "demo", *sys.argv[2:]]
+            os.environ["TORSH_DEMO_RANK_MODE"] = "env"
+            try:
+                return run_on_emulated_hosts(cmd, rate=a.link, delay=a.delay)
+            finally:
+                os.environ.pop("TORSH_DEMO_RANK_MODE", None)
+        print(f"torsh demo: --link {a.link} needs two emulated hosts, but {why}; running {a.ranks} ranks over "
+              "loopback instead (the step times then show compute, not a slow link)", file=sys.stderr)  # fmt: skip
+    from .collectives import run_local
+
+    if a.ranks < 1:
+        print(f"torsh demo: --ranks must be >= 1, got {a.ranks}", file=sys.stderr)
+        return 2
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= a.ranks else "gloo"
+    rows = run_local(run_rank, a.ranks, cfg, backend=backend, threads=a.threads, timeout=1800, op_timeout=120)[0]
+    _finish(rows, cfg, a.ranks, backend, "loopback" if backend == "gloo" else "NVLink/PCIe", a.json)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="torsh demo", description=__doc__.split("\n\n")[1])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))

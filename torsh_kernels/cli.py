@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="run a benchmark suite")
     suites = bench.add_subparsers(dest="suite", required=True)
-    from .bench import bucket, collectives, compression
+    from .bench import bucket, collectives, compression, ddp
 
     bucket.add_arguments(
         suites.add_parser("bucket", help="flatten / unflatten / bucket_reduce against the torch peers",
@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     collectives.add_arguments(
         suites.add_parser("collectives", help="collectives and compressed all-reduce over real processes",
                           description=collectives.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )  # fmt: skip
+
+    ddp.add_arguments(
+        suites.add_parser("ddp", help="DDP step time: PyTorch's hooks against torsh's compression_hook",
+                          description=ddp.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     )  # fmt: skip
 
     args = parser.parse_args(argv)
@@ -49,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return compression.run(args)
     if args.command == "bench" and args.suite == "collectives":
         return collectives.run(args)
+    if args.command == "bench" and args.suite == "ddp":
+        return ddp.run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

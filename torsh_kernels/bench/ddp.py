@@ -1,0 +1,254 @@
+"""DDP step time with gradient compression: PyTorch's own hooks against torsh's ``compression_hook``.
+
+One model (an MLP: ``--in-dim`` -> ``--layers`` hidden layers of ``--width`` -> 10; by default
+64-2048-2048-2048-10, 8.5 M parameters, 34 MB of fp32 gradients), the same batches, one run, every case
+in turn on the same ranks:
+
+- ``no hook``: DDP's own bucketed all-reduce (25 MB buckets);
+- ``torch fp16_compress_hook``;
+- ``torch powerSGD_hook`` at ``--rank`` with one bucket (``bucket_cap_mb`` above the model size): on gloo
+  it fails with several buckets, which the last case shows;
+- ``torsh <compressor>`` for every compressor, through ``compression_hook`` with DDP's default 25 MB
+  buckets (PowerSGD at the same rank and start iteration as PyTorch's);
+- ``torch powerSGD_hook`` with the default 25 MB buckets, last (its error is reported, not raised).
+
+Per case: median step time (forward, backward with the hook, optimizer step) of the slowest rank over
+``--steps`` steps after warm-up, p20-p80, bytes each rank sends per step where known, and the speedup over
+no hook. Launch like ``bench collectives``: local ranks on its own, one rank per process under torchrun
+or ``benchmarks/emulated_hosts.sh``.
+
+python benchmarks/bench_ddp.py [--width 2048] [--layers 3] [--rank 4] [--steps 10] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from .. import compression as cz
+from ..collectives import TorchCommunicator, init_from_env, run_local
+from ..errors import RankFailedError
+from . import environment, wide_console
+
+OURS = {
+    "none": lambda r: None,
+    "fp16": lambda r: cz.FP16(),
+    "bf16": lambda r: cz.BF16(),
+    "topk": lambda r: cz.TopK(0.01),
+    "int8": lambda r: cz.Quantize(8),
+    "int4": lambda r: cz.Quantize(4),
+    "sign": lambda r: cz.Sign(),
+    "powersgd": lambda r: cz.PowerSGD(r),
+}
+
+
+def _mlp(cfg: dict) -> torch.nn.Module:
+    torch.manual_seed(0)
+    dims = [cfg["in_dim"]] + [cfg["width"]] * cfg["layers"]
+    mods: list[torch.nn.Module] = []
+    for a, b in itertools.pairwise(dims):
+        mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    mods.append(torch.nn.Linear(dims[-1], 10))
+    return torch.nn.Sequential(*mods)
+
+
+def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from ..parallel import CompressionHookState, compression_hook
+
+    dev = comm.device
+    net = _mlp(cfg).to(dev)
+    grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    one_bucket = kind == "torch" and name == "powersgd-1bucket"
+    cap = 2 * grad_bytes / 2**20 + 1 if one_bucket else 25.0
+    ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=cap,
+                                                    device_ids=[dev.index] if dev.type == "cuda" else None)  # fmt: skip
+    state = None
+    start = cfg["start_iter"]
+    if kind == "torch" and name == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif kind == "torch" and name.startswith("powersgd"):
+        ps = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg["rank"],
+                                         start_powerSGD_iter=start, min_compression_rate=2)  # fmt: skip
+        ddp.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
+    elif kind == "torsh":
+        state = CompressionHookState(compressor=OURS[name](cfg["rank"]), start_iter=start)
+        ddp.register_comm_hook(state, compression_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(cfg["batch"], cfg["in_dim"], generator=g).to(dev)
+    y = torch.randint(0, 10, (cfg["batch"],), generator=g).to(dev)
+    times = []
+    error = None
+    try:
+        for step in range(start + 2 + cfg["steps"]):
+            comm.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if step >= start + 2:
+                times.append(time.perf_counter() - t0)
+    except Exception as e:  # PyTorch's PowerSGD hook on gloo with several buckets
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    # the slowest rank's time per step
+    t = torch.tensor(times or [float("nan")], dtype=torch.float64)
+    if error is None:
+        comm.all_reduce(t, "max")
+    wire = None
+    if state is not None:
+        wire = state.stats.per_iteration[-1]["bytes_after"]
+    elif kind == "none" or (kind == "torch" and name == "fp16"):
+        wire = grad_bytes if kind == "none" else grad_bytes // 2
+    ts = sorted(t.tolist())
+    return {
+        "case": "no hook" if kind == "none" else f"{kind} {name}",
+        "buckets": "1" if one_bucket else "25 MB",
+        "step_ms": 1e3 * statistics.median(ts) if error is None else None,
+        "p20_ms": 1e3 * ts[int(0.2 * len(ts))] if error is None else None,
+        "p80_ms": 1e3 * ts[min(len(ts) - 1, int(0.8 * len(ts)))] if error is None else None,
+        "bytes_per_step": wire,
+        "gradient_bytes": grad_bytes,
+        "error": error,
+    }
+
+
+def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
+    import threading
+
+    torch.set_num_threads(cfg["threads"])
+    cases = [("none", ""), ("torch", "fp16"), ("torch", "powersgd-1bucket")]
+    cases += [("torsh", c) for c in cfg["compressors"]]
+    rows: list[dict] = []
+    for kind, name in cases:
+        rows.append(_case(comm, cfg, kind, name))
+        if comm.rank == 0 and cfg["progress"]:
+            r = rows[-1]
+            print(f"  {r['case']:<28} {r['step_ms'] or float('nan'):9.1f} ms/step", file=sys.stderr, flush=True)
+    res = {"rows": rows, "world_size": comm.world_size, "backend": comm.backend}
+    if not cfg["torch_powersgd_buckets"]:
+        return _report(res, cfg) if comm.rank == 0 else None
+    # last: PyTorch's PowerSGD hook with DDP's default buckets. On gloo it either raises or hangs (its
+    # P and Q all-reduces of different buckets are issued from callbacks in a timing-dependent order),
+    # so a watchdog reports a hang and ends the process (a hung collective cannot be interrupted).
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(cfg["hang_s"]):
+            if comm.rank == 0:
+                rows.append({"case": "torch powersgd", "buckets": "25 MB", "step_ms": None, "p20_ms": None,
+                             "p80_ms": None, "bytes_per_step": None, "gradient_bytes": rows[0]["gradient_bytes"],
+                             "error": f"hung: no progress in {cfg['hang_s']:.0f} s"})  # fmt: skip
+                _report(res, cfg)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    rows.append(_case(comm, cfg, "torch", "powersgd"))
+    done.set()
+    return _report(res, cfg) if comm.rank == 0 else None
+
+
+def _report(res: dict, cfg: dict) -> dict:
+    env = environment(torch.device("cuda" if res["backend"] == "nccl" else "cpu"))
+    env["network"] = os.environ.get("TORSH_BENCH_NETWORK", "loopback" if res["backend"] == "gloo" else "local GPUs")
+    print_report(res, env, cfg)
+    if cfg["json"]:
+        with open(cfg["json"], "w") as f:
+            json.dump({"suite": "ddp", "environment": env, "config": cfg, **res}, f, indent=2)
+        print(f"wrote {cfg['json']}")
+    sys.stdout.flush()
+    return res
+
+
+def print_report(res: dict, env: dict, cfg: dict) -> None:
+    from rich.table import Table
+
+    rows = res["rows"]
+    base = next(r["step_ms"] for r in rows if r["case"] == "no hook")
+    peer = next((r["step_ms"] for r in rows if r["case"] == "torch powersgd-1bucket"), None)
+    t = Table(title=(f"DDP step time, {res['world_size']} ranks ({res['backend']}, {env.get('network', 'local')}), "
+                     f"MLP {cfg['in_dim']}-{'-'.join([str(cfg['width'])] * cfg['layers'])}-10, "
+                     f"{rows[0]['gradient_bytes'] / 1e6:.1f} MB of gradients, batch {cfg['batch']}/rank"),
+              title_justify="left")  # fmt: skip
+    for col in ("case", "buckets", "step (ms)", "p20-p80 (ms)", "bytes sent/step", "speedup vs no hook",
+                "vs torch PowerSGD"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("case", "buckets") else "right")
+    for r in rows:
+        if r["error"]:
+            t.add_row(r["case"], r["buckets"], "failed", r["error"][:60], "", "", "")
+            continue
+        wire = "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step'] / 1e6:.2f} MB"
+        vs = f"{peer / r['step_ms']:.2f}x" if peer and "powersgd" in r["case"] else ""
+        t.add_row(r["case"], r["buckets"], f"{r['step_ms']:.1f}", f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}", wire,
+                  f"{base / r['step_ms']:.2f}x", vs)  # fmt: skip
+    wide_console(150).print(t)
+    for r in rows:
+        if r["error"]:
+            print(f"{r['case']} ({r['buckets']} buckets): {r['error']}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, default=2, help="local ranks when not under torchrun")
+    p.add_argument("--width", type=int, default=2048, help="hidden width")
+    p.add_argument("--layers", type=int, default=3, help="hidden layers")
+    p.add_argument("--in-dim", type=int, default=64, help="input features")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    p.add_argument("--rank", type=int, default=4, help="PowerSGD rank (ours and PyTorch's)")
+    p.add_argument("--start-iter", type=int, default=2, help="uncompressed warm-up steps (PyTorch needs >= 2)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per case")
+    p.add_argument("--compressors", default=",".join(OURS), help="ours to run: " + ",".join(OURS))
+    p.add_argument("--no-torch-powersgd-buckets", action="store_true",
+                   help="skip PyTorch's PowerSGD with 25 MB buckets (fails on gloo)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--hang-timeout", type=float, default=60.0,
+                   help="seconds after which PyTorch's multi-bucket PowerSGD case counts as hung")  # fmt: skip
+    p.add_argument("--json", default=None, help="write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    comps = [c.strip() for c in args.compressors.split(",") if c.strip()]
+    bad = [c for c in comps if c not in OURS]
+    if bad:
+        print(f"bench ddp: unknown compressor(s) {bad}; choose from {list(OURS)}", file=sys.stderr)
+        return 2
+    if args.start_iter < 2:
+        print("bench ddp: --start-iter must be >= 2 (PyTorch's PowerSGD hook requires it)", file=sys.stderr)
+        return 2
+    cfg = {"width": args.width, "layers": args.layers, "in_dim": args.in_dim, "batch": args.batch,
+           "rank": args.rank, "start_iter": args.start_iter, "steps": args.steps, "compressors": comps,
+           "torch_powersgd_buckets": not args.no_torch_powersgd_buckets, "threads": args.threads,
+           "progress": True, "json": args.json, "hang_s": args.hang_timeout}  # fmt: skip
+    if "RANK" in os.environ:
+        comm = init_from_env(timeout=args.hang_timeout + 60)
+        _worker(comm, cfg)  # rank 0 prints the report
+        sys.stdout.flush()
+        os._exit(0)  # a failed PowerSGD case may leave gloo's process group broken: skip its teardown
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "gloo"
+    try:
+        run_local(_worker, args.world_size, cfg, backend=backend, threads=args.threads, timeout=3600,
+                  op_timeout=args.hang_timeout + 60)  # fmt: skip
+    except RankFailedError as e:
+        if "exit" not in str(e):
+            raise
+        # the watchdog ended the ranks after PyTorch's PowerSGD hook hung; rank 0 printed the report
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="bench_ddp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -101,3 +101,44 @@ def test_bench_collectives_rejects_bad_arguments(capsys):
     assert main(["bench", "collectives", "--ops", "all_reduce,scan"]) == 2
     assert "unknown op" in capsys.readouterr().err
     assert main(["bench", "collectives", "--sizes", "1T"]) == 2
+
+
+def test_torsh_demo_trains_every_compressor_and_prints_one_table(tmp_path):
+    """The README's first command, shortened: real ranks, real DDP, the table and the JSON."""
+    out = tmp_path / "demo.json"
+    r = subprocess.run([sys.executable, "-m", "torsh_kernels.cli", "demo", "--steps", "15", "--hidden", "48",
+                        "--no-progress", "--json", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for word in ("compressor", "bytes", "accuracy", "speedup", "none", "fp16", "topk", "quantize", "sign",
+                 "powersgd"):  # fmt: skip
+        assert word in r.stdout, word
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["compressor"] for row in rows] == ["none", "fp16", "topk", "quantize", "sign", "powersgd"]
+    assert rows[0]["speedup"] == 1.0 and all(0 <= row["accuracy"] <= 1 for row in rows)
+    assert all(row["bytes_per_step"] < rows[0]["bytes_per_step"] for row in rows[1:])
+
+
+def test_torsh_demo_link_without_root_falls_back_with_a_message(monkeypatch, capsys):
+    from torsh_kernels.bench import emulated
+
+    monkeypatch.setattr(emulated, "unavailable_reason", lambda: "creating network namespaces needs root")
+    assert main(["demo", "--link", "1gbit", "--steps", "12", "--hidden", "8", "--compressors", "none",
+                 "--no-progress"]) == 0  # fmt: skip
+    cap = capsys.readouterr()
+    assert "needs two emulated hosts, but creating network namespaces needs root" in cap.err
+    assert "running 2 ranks over loopback" in cap.err
+    assert "loopback" in cap.out and "none" in cap.out
+
+
+def test_bench_ddp_runs_every_case_and_writes_json(tmp_path):
+    out = tmp_path / "ddp.json"
+    r = subprocess.run([sys.executable, "-m", "torsh_kernels.cli", "bench", "ddp", "--width", "64", "--layers", "2",
+                        "--steps", "2", "--compressors", "none,topk,powersgd", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    cases = [row["case"] for row in data["rows"]]
+    assert cases == ["no hook", "torch fp16", "torch powersgd-1bucket", "torsh none", "torsh topk", "torsh powersgd",
+                     "torch powersgd"]  # fmt: skip
+    assert all(row["step_ms"] > 0 for row in data["rows"])
+    assert "speedup vs no hook" in r.stdout

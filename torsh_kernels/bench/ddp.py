@@ -100,7 +100,10 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str) -> dict:
             if step >= start + 2:
                 times.append(time.perf_counter() - t0)
     except Exception as e:  # PyTorch's PowerSGD hook on gloo with several buckets
-        error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        msg = str(e)
+        while "when running the callback: " in msg:  # futures wrap the cause once per callback
+            msg = msg.split("when running the callback: ", 1)[1]
+        error = f"{type(e).__name__}: {msg.splitlines()[0][:160]}"
     # the slowest rank's time per step
     t = torch.tensor(times or [float("nan")], dtype=torch.float64)
     if error is None:

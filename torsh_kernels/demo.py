@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .bench import fmt_bytes, quantile
 from .compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
 
 __all__ = ["COMPRESSORS", "DemoConfig", "load_digits_split", "main", "run_rank"]
@@ -152,8 +153,8 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
                     "compressor": name,
                     "spec": repr(compressor) if compressor is not None else "uncompressed",
                     "step_ms": 1e3 * statistics.median(times[cfg.warmup :]),
-                    "step_ms_p20": 1e3 * _quantile(times[cfg.warmup :], 0.2),
-                    "step_ms_p80": 1e3 * _quantile(times[cfg.warmup :], 0.8),
+                    "step_ms_p20": 1e3 * quantile(times[cfg.warmup :], 0.2),
+                    "step_ms_p80": 1e3 * quantile(times[cfg.warmup :], 0.8),
                     "bytes_per_step": steady["bytes_after"],
                     "gradient_bytes": steady["bytes_before"],
                     "ratio": steady["bytes_before"] / max(1, steady["bytes_after"]),
@@ -172,11 +173,6 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
     return rows
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def print_table(rows: list[dict], *, title: str, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -191,17 +187,9 @@ def print_table(rows: list[dict], *, title: str, console=None) -> None:
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         t.add_row(
             r["compressor"], f"{r['step_ms']:.2f}", f"{r['step_ms_p20']:.2f}-{r['step_ms_p80']:.2f}",
-            _bytes(r["bytes_per_step"]), f"{r['ratio']:.1f}x", f"{100 * r['accuracy']:.1f}%", sp,
+            fmt_bytes(r["bytes_per_step"]), f"{r['ratio']:.1f}x", f"{100 * r['accuracy']:.1f}%", sp,
         )  # fmt: skip
     console.print(t)
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def _title(cfg: DemoConfig, ranks: int, backend: str, network: str, params: int) -> str:

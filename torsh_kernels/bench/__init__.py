@@ -36,11 +36,21 @@ class Timing:
     """Number of timed repetitions."""
 
 
-def _quantile(xs: list[float], q: float) -> float:
+def quantile(xs: list[float], q: float) -> float:
+    """The q-quantile of xs, interpolated between neighbours."""
     xs = sorted(xs)
     pos = q * (len(xs) - 1)
     lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count in B, KiB, MiB or GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    return str(n)
 
 
 class _Flusher:
@@ -89,7 +99,7 @@ def time_interleaved(
         for i, s, e in pending:
             times[i].append(s.elapsed_time(e))
     return [
-        Timing(median_ms=statistics.median(t), p20_ms=_quantile(t, 0.2), p80_ms=_quantile(t, 0.8), reps=reps)
+        Timing(median_ms=statistics.median(t), p20_ms=quantile(t, 0.2), p80_ms=quantile(t, 0.8), reps=reps)
         for t in times
     ]
 

@@ -30,7 +30,7 @@ import torch
 from .. import compression as cz
 from ..collectives import Link, TorchCommunicator, compressed_all_reduce, init_from_env, probe, run_local
 from ..collectives.cost_model import all_gather_time, all_reduce_time, all_to_all_time, compressed_time
-from . import environment, wide_console
+from . import environment, fmt_bytes, wide_console
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 COMPRESSORS = {
@@ -156,14 +156,6 @@ def _matrix(count: int) -> tuple[int, ...]:
     return (rows, count // rows)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.4g} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def print_report(res: dict, env: dict) -> None:
     from rich.table import Table
 
@@ -179,7 +171,7 @@ def print_report(res: dict, env: dict) -> None:
         for col in ("op", "size", "count", "type", "time", "algbw GB/s", "busbw GB/s", "predicted", "meas/pred"):
             t.add_column(col, justify="left" if col in ("op", "type") else "right")
         for r in res["collectives"]:
-            t.add_row(r["op"], _fmt_bytes(r["size"]), f"{r['count']:,}", r["type"], _fmt_us(r["time_us"]),
+            t.add_row(r["op"], fmt_bytes(r["size"]), f"{r['count']:,}", r["type"], _fmt_us(r["time_us"]),
                       f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}", _fmt_us(r["predicted_us"]),
                       f"{r['measured_over_predicted']:.2f}")  # fmt: skip
         con.print(t)
@@ -189,8 +181,8 @@ def print_report(res: dict, env: dict) -> None:
             t.add_column(col, justify="left" if col in ("compressor", "scheme") else "right")
         for r in res["compressed"]:
             sp = r["speedup_vs_none"]
-            t.add_row(r["compressor"], _fmt_bytes(r["size"]), _fmt_us(r["time_us"]),
-                      f"{sp:.2f}x" if sp else "-", _fmt_bytes(r["wire_bytes_per_rank"]), r["algorithm"],
+            t.add_row(r["compressor"], fmt_bytes(r["size"]), _fmt_us(r["time_us"]),
+                      f"{sp:.2f}x" if sp else "-", fmt_bytes(r["wire_bytes_per_rank"]), r["algorithm"],
                       _fmt_us(r["predicted_comm_us"]))  # fmt: skip
         con.print(t)
 

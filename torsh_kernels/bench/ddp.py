@@ -35,7 +35,7 @@ import torch
 from .. import compression as cz
 from ..collectives import TorchCommunicator, init_from_env, run_local
 from ..errors import RankFailedError
-from . import environment, wide_console
+from . import environment, quantile, wide_console
 
 OURS = {
     "none": lambda r: None,
@@ -113,13 +113,13 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str) -> dict:
         wire = state.stats.per_iteration[-1]["bytes_after"]
     elif kind == "none" or (kind == "torch" and name == "fp16"):
         wire = grad_bytes if kind == "none" else grad_bytes // 2
-    ts = sorted(t.tolist())
+    ts = t.tolist()
     return {
         "case": "no hook" if kind == "none" else f"{kind} {name}",
         "buckets": "1" if one_bucket else "25 MB",
         "step_ms": 1e3 * statistics.median(ts) if error is None else None,
-        "p20_ms": 1e3 * ts[int(0.2 * len(ts))] if error is None else None,
-        "p80_ms": 1e3 * ts[min(len(ts) - 1, int(0.8 * len(ts)))] if error is None else None,
+        "p20_ms": 1e3 * quantile(ts, 0.2) if error is None else None,
+        "p80_ms": 1e3 * quantile(ts, 0.8) if error is None else None,
         "bytes_per_step": wire,
         "gradient_bytes": grad_bytes,
         "error": error,

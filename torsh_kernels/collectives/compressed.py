@@ -71,12 +71,13 @@ class CompressedReduction:
     hook and the gradient synchronizer pipeline them that way (PowerSGD's P round of one bucket travels
     while the Q round of the one before is computed)."""
 
-    __slots__ = ("_gen", "_pending", "_sent", "compute_s", "done", "rounds", "tensors", "wait_s")
+    __slots__ = ("_gen", "_pending", "bytes_sent", "compute_s", "done", "rounds", "tensors", "wait_s")
 
-    def __init__(self, tensors: list[torch.Tensor], gen, sent: _Sent) -> None:
+    def __init__(self, tensors: list[torch.Tensor], gen) -> None:
         self.tensors = tensors
         """The tensors being averaged in place (the result lands in them)."""
-        self._sent = sent
+        self.bytes_sent = 0
+        """Payload bytes this rank has put on the wire so far (each collective's input, summed)."""
         self.rounds = 0
         """Rounds of collectives issued so far."""
         self.compute_s = 0.0
@@ -88,15 +89,11 @@ class CompressedReduction:
         self._pending: list = []
         self._resume()
 
-    @property
-    def bytes_sent(self) -> int:
-        """Payload bytes this rank has put on the wire so far (each collective's input, summed)."""
-        return self._sent.n
-
     def _resume(self) -> None:
         t0 = time.perf_counter()
         try:
-            self._pending = next(self._gen)
+            self._pending, nbytes = next(self._gen)  # each round: its handles and the bytes it sends
+            self.bytes_sent += nbytes
             self.rounds += 1
         except StopIteration:
             self._pending, self.done, self._gen = [], True, None
@@ -119,15 +116,6 @@ class CompressedReduction:
         while not self.step():
             pass
         return self.tensors
-
-
-class _Sent:
-    """Counts the bytes a generator puts on the wire (the reduction reads it back)."""
-
-    __slots__ = ("n",)
-
-    def __init__(self) -> None:
-        self.n = 0
 
 
 def compressed_all_reduce(
@@ -213,18 +201,17 @@ def start_compressed_all_reduce(
     if quantize_mode not in QUANTIZE_MODES:
         raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
     live = [(t, s) for t, s in zip(tensors, states) if t.numel()]
-    sent = _Sent()
     if not live:
         gen = iter(())
     elif isinstance(compressor, Sign):
-        gen = _lockstep([_sign_two_phase(t, comm, compressor, s, sent) for t, s in live])
+        gen = _lockstep([_sign_two_phase(t, comm, compressor, s) for t, s in live])
     elif isinstance(compressor, Quantize) and _shared_scale(quantize_mode, live, compressor, comm, link):
-        gen = _lockstep([_quantize_shared(t, comm, compressor, s, sent) for t, s in live])
+        gen = _lockstep([_quantize_shared(t, comm, compressor, s) for t, s in live])
     elif compressor.is_linear:
-        gen = _linear([t for t, _ in live], [s for _, s in live], comm, compressor, sent)
+        gen = _linear([t for t, _ in live], [s for _, s in live], comm, compressor)
     else:
-        gen = _gathered([t for t, _ in live], [s for _, s in live], comm, compressor, sent)
-    return CompressedReduction(tensors, gen, sent)
+        gen = _gathered([t for t, _ in live], [s for _, s in live], comm, compressor)
+    return CompressedReduction(tensors, gen)
 
 
 def _shared_scale(mode: str, live, q: Quantize, comm: Communicator, link: Link | None) -> bool:
@@ -238,19 +225,21 @@ def _lockstep(gens):
     """Run several per-tensor generators round by round: round k of tensor 0, then of tensor 1, ..."""
     live = list(gens)
     while live:
-        handles, nxt = [], []
+        handles, nbytes, nxt = [], 0, []
         for g in live:
             try:
-                handles += next(g)
-                nxt.append(g)
+                hs, nb = next(g)
             except StopIteration:
-                pass
+                continue
+            handles += hs
+            nbytes += nb
+            nxt.append(g)
         live = nxt
         if live:
-            yield handles
+            yield handles, nbytes
 
 
-def _linear(tensors, states, comm: Communicator, compressor: Compressor, sent: _Sent):
+def _linear(tensors, states, comm: Communicator, compressor: Compressor):
     """Linear compressors: per round, every tensor's payload in one flat all-reduce per dtype."""
     ws = comm.world_size
     dev = tensors[0].device
@@ -258,22 +247,18 @@ def _linear(tensors, states, comm: Communicator, compressor: Compressor, sent: _
     if fresh:
         # P = sum_r M_r Q needs one Q on every rank: agree on rank 0's seeds once per fresh state
         seeds = torch.tensor([s.seed for s in fresh], dtype=torch.int64, device=dev)
-        yield [comm.broadcast(seeds, 0, async_op=True)]
+        yield [comm.broadcast(seeds, 0, async_op=True)], 0  # bookkeeping, not payload
         for s, v in zip(fresh, seeds.tolist()):
             s.seed = int(v)
     if isinstance(compressor, NoCompression):
         # the payload is the tensor itself: one fused flatten, all-reduce, unflatten with the 1/ws scale
         for t, s in zip(tensors, states):
             compressor.compress(t, s)  # the finite check and the step count
-        if len(tensors) == 1:
-            flat = tensors[0].view(-1)
-            sent.n += flat.numel() * flat.element_size()
-            yield [comm.all_reduce(flat, "sum", async_op=True)]
+        flat, layout = (tensors[0].view(-1), None) if len(tensors) == 1 else flatten(tensors)
+        yield [comm.all_reduce(flat, "sum", async_op=True)], flat.numel() * flat.element_size()
+        if layout is None:
             flat.div_(ws)
         else:
-            flat, layout = flatten(tensors)
-            sent.n += flat.numel() * flat.element_size()
-            yield [comm.all_reduce(flat, "sum", async_op=True)]
             unflatten(flat, layout, tensors, scale=1.0 / ws)
         return
     prescaled = isinstance(compressor, FP16)  # divided by ws before the sum so fp16 cannot overflow
@@ -284,7 +269,7 @@ def _linear(tensors, states, comm: Communicator, compressor: Compressor, sent: _
         for i in active:
             for name, t in payloads[i].tensors.items():
                 groups.setdefault(t.dtype, []).append((i, name, t))
-        handles, bufs = [], []
+        handles, bufs, nbytes = [], [], 0
         for items in groups.values():
             ts = [t for _, _, t in items]
             if len(ts) == 1 and ts[0].is_contiguous():
@@ -293,10 +278,10 @@ def _linear(tensors, states, comm: Communicator, compressor: Compressor, sent: _
                     flat.div_(ws)
             else:
                 flat, layout = flatten(ts, scale=1.0 / ws if prescaled else 1.0)
-            sent.n += flat.numel() * flat.element_size()
+            nbytes += flat.numel() * flat.element_size()
             handles.append(comm.all_reduce(flat, "sum", async_op=True))
             bufs.append((items, flat, layout))
-        yield handles
+        yield handles, nbytes
         for items, flat, layout in bufs:
             if layout is not None:
                 for (i, name, _), v in zip(items, layout.views(flat)):
@@ -311,7 +296,7 @@ def _linear(tensors, states, comm: Communicator, compressor: Compressor, sent: _
         active = nxt
 
 
-def _gathered(tensors, states, comm: Communicator, compressor: Compressor, sent: _Sent):
+def _gathered(tensors, states, comm: Communicator, compressor: Compressor):
     """Non-linear compressors (top-k, gathered int8/int4): every tensor's payload packed into one byte
     buffer, one all-gather, then each tensor decoded from every rank's segment."""
     ws = comm.world_size
@@ -323,8 +308,7 @@ def _gathered(tensors, states, comm: Communicator, compressor: Compressor, sent:
     packs = [_pack(p) for p in payloads]
     buf = packs[0][0] if len(packs) == 1 else torch.cat([b for b, _ in packs])
     gathered = torch.empty(ws * buf.numel(), dtype=torch.uint8, device=buf.device)
-    sent.n += buf.numel()
-    yield [comm.all_gather(gathered, buf, async_op=True)]
+    yield [comm.all_gather(gathered, buf, async_op=True)], buf.numel()
     seg = buf.numel()
     off = 0
     for t, s, p, (b, spec) in zip(tensors, states, payloads, packs):
@@ -364,7 +348,7 @@ def _unpack(seg: torch.Tensor, spec, numel: int) -> Payload:
 # -- quantized, shared scale -------------------------------------------------------------------------------
 
 
-def _quantize_shared(x: torch.Tensor, comm: Communicator, q: Quantize, state: CompressionState, sent: _Sent):
+def _quantize_shared(x: torch.Tensor, comm: Communicator, q: Quantize, state: CompressionState):
     """All-reduce(max) of the block scales, quantize on the shared grid, exact integer sum of the codes."""
     ws = comm.world_size
     flat = x.view(-1)
@@ -385,8 +369,7 @@ def _quantize_shared(x: torch.Tensor, comm: Communicator, q: Quantize, state: Co
     padded = torch.nn.functional.pad(acc, (0, nb * block - n)) if n % block else acc
     blocks = padded.view(nb, block)
     scales = blocks.abs().amax(dim=1).div_(qmax)
-    sent.n += scales.numel() * scales.element_size()
-    yield [comm.all_reduce(scales, "max", async_op=True)]
+    yield [comm.all_reduce(scales, "max", async_op=True)], scales.numel() * scales.element_size()
     key = seed_key(q.step_seed(state)) if q.stochastic else 0
     codes = block_codes(blocks, scales, qmax, q.stochastic, key)
     mine = codes * scales[:, None]  # this rank's dequantized contribution
@@ -394,8 +377,7 @@ def _quantize_shared(x: torch.Tensor, comm: Communicator, q: Quantize, state: Co
         acc.sub_(mine.view(-1)[:n])  # the new residual, written over acc; the buffers swap roles
         state.tensors["residual"], state.work["acc"] = acc, r
     wire = codes.view(-1)[:n].to(quantize_codes_dtype(q.bits, ws))
-    sent.n += wire.numel() * wire.element_size()
-    yield [comm.all_reduce(wire, "sum", async_op=True)]
+    yield [comm.all_reduce(wire, "sum", async_op=True)], wire.numel() * wire.element_size()
     total = wire.view(-1).float()
     total = (torch.nn.functional.pad(total, (0, nb * block - n)) if n % block else total).view(nb, block)
     flat.copy_((total * (scales / ws)[:, None]).view(-1)[:n])
@@ -405,7 +387,7 @@ def _quantize_shared(x: torch.Tensor, comm: Communicator, q: Quantize, state: Co
 # -- sign, two phases --------------------------------------------------------------------------------------
 
 
-def _sign_two_phase(x: torch.Tensor, comm: Communicator, c: Sign, state: CompressionState, sent: _Sent):
+def _sign_two_phase(x: torch.Tensor, comm: Communicator, c: Sign, state: CompressionState):
     ws, me = comm.world_size, comm.rank
     flat = x.view(-1)
     n = flat.numel()
@@ -431,8 +413,7 @@ def _sign_two_phase(x: torch.Tensor, comm: Communicator, c: Sign, state: Compres
         send[base : base + bits.numel()].copy_(bits)
         send[base + cb : base + seg_bytes].copy_(scale.reshape(1).float().view(torch.uint8))
     recv = torch.empty_like(send)
-    sent.n += send.numel()
-    yield [comm.all_to_all(recv, send, async_op=True)]
+    yield [comm.all_to_all(recv, send, async_op=True)], send.numel()
 
     lo, hi = span(me)
     mlen = hi - lo
@@ -454,8 +435,7 @@ def _sign_two_phase(x: torch.Tensor, comm: Communicator, c: Sign, state: Compres
         mine[: bits.numel()].copy_(bits)
         mine[cb:].copy_(scale.reshape(1).float().view(torch.uint8))
     gathered = torch.empty(ws * seg_bytes, dtype=torch.uint8, device=flat.device)
-    sent.n += mine.numel()
-    yield [comm.all_gather(gathered, mine, async_op=True)]
+    yield [comm.all_gather(gathered, mine, async_op=True)], mine.numel()
     for d in range(ws):
         lo, hi = span(d)
         if hi == lo:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -62,6 +63,15 @@ class ReductionPipeline:
             _, on_done = self._inflight.popleft()
             if on_done is not None:
                 on_done()
+
+
+def totals(reductions: Sequence[CompressedReduction]) -> dict[str, float]:
+    """What a bucket's reductions cost: bytes this rank sent, compute and wait seconds."""
+    return {
+        "bytes_sent": sum(r.bytes_sent for r in reductions),
+        "compress_s": sum(r.compute_s for r in reductions),
+        "wait_s": sum(r.wait_s for r in reductions),
+    }
 
 
 def _contiguous_span(tensors: Sequence[torch.Tensor]) -> bool:
@@ -170,7 +180,7 @@ class BucketCompressor:
         plan = self._plans.get(sig)
         if plan is None:
             comp = [i for i, g in enumerate(grads) if self.eligible(g)]
-            plain = [i for i in range(len(grads)) if i not in set(comp)]
+            plain = sorted(set(range(len(grads))) - set(comp))
             groups = [[i] for i in comp] if self.policy == "layerwise" else ([comp] if comp else [])
             plan = self._plans[sig] = _BucketPlan(groups, plain)
         return plan
@@ -198,10 +208,7 @@ class BucketCompressor:
         return st
 
     def _numel(self, k: int) -> int:
-        n = 1
-        for d in self.shapes[k]:
-            n *= d
-        return n
+        return math.prod(self.shapes[k])
 
     def _carry_residuals(self, key: tuple[int, ...], st: CompressionState) -> None:
         """A new group (the bucket layout changed): carry each member's error-feedback residual over from
@@ -275,10 +282,10 @@ class BucketCompressor:
         return reductions, (done if finish else None)
 
     def _plain(self, grads: list[torch.Tensor], comm: Communicator, c: NoCompression):
+        """One uncompressed all-reduce: of the span the tensors cover when they lie back to back, else
+        of the list (one fused flatten and unflatten)."""
         flat = _as_one(grads)
-        if flat is not None:
-            return [start_compressed_all_reduce(flat, comm, c)], None
-        return [start_compressed_all_reduce(grads, comm, c)], None
+        return [start_compressed_all_reduce(grads if flat is None else flat, comm, c)], None
 
     def end_iteration(self) -> None:
         """Count a finished iteration; forget groups the current bucket layout no longer uses."""

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..collectives.communicator import TorchCommunicator
 from ..compression import Compressor
 from ..errors import ArgumentTypeError
-from ._engine import BucketCompressor, ReductionPipeline
+from ._engine import BucketCompressor, ReductionPipeline, totals
 
 __all__ = ["CompressionHookState", "HookStats", "compression_hook"]
 
@@ -240,14 +240,13 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
                 finish()
             stats.buckets += 1
             before = buf.numel() * buf.element_size()
-            after = sum(r.bytes_sent for r in reductions)
-            comp = sum(r.compute_s for r in reductions)
-            wait = sum(r.wait_s for r in reductions)
+            cost = totals(reductions)
             stats.bytes_before += before
-            stats.bytes_after += after
-            stats.compress_s += comp
-            stats.wait_s += wait
-            for k, v in (("bytes_before", before), ("bytes_after", after), ("compress_s", comp), ("wait_s", wait)):
+            stats.bytes_after += cost["bytes_sent"]
+            stats.compress_s += cost["compress_s"]
+            stats.wait_s += cost["wait_s"]
+            for k, v in (("bytes_before", before), ("bytes_after", cost["bytes_sent"]),
+                         ("compress_s", cost["compress_s"]), ("wait_s", cost["wait_s"])):  # fmt: skip
                 turn[k] = turn.get(k, 0) + v
             fut.set_result(buf)
 

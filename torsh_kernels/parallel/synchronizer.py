@@ -41,7 +41,7 @@ import torch
 from ..collectives.communicator import Communicator
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
-from ._engine import BucketCompressor, ReductionPipeline
+from ._engine import BucketCompressor, ReductionPipeline, totals
 
 __all__ = ["GradientConsistency", "GradientSynchronizer"]
 
@@ -294,9 +294,7 @@ class GradientSynchronizer:
                     "params": len(bucket.params),
                     "mb": bucket.numel * grads[0].element_size() / 2**20,
                     "seconds": time.perf_counter() - t0,
-                    "compress_s": sum(r.compute_s for r in reductions),
-                    "wait_s": sum(r.wait_s for r in reductions),
-                    "bytes_sent": sum(r.bytes_sent for r in reductions),
+                    **totals(reductions),
                 }
             )
 
@@ -400,6 +398,7 @@ class GradientSynchronizer:
         for b in self.buckets:
             names = [self.names[i] for i in b.params]
             comp = [self.names[i] for i in b.params if self._engine.eligible(self.params[i])]
+            comp_set = set(comp)
             info.append(
                 {
                     "index": b.index,
@@ -408,7 +407,7 @@ class GradientSynchronizer:
                     "mb": b.numel * self.params[b.params[0]].element_size() / 2**20,
                     "dtype": str(b.dtype).replace("torch.", ""),
                     "compressed": comp,
-                    "uncompressed": [n for n in names if n not in set(comp)],
+                    "uncompressed": [n for n in names if n not in comp_set],
                 }
             )
         return info

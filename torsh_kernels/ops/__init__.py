@@ -31,6 +31,19 @@ from .compress import (
     topk_decompress,
     topk_decompress_ref,
 )
+from .moe import (
+    Routing,
+    moe_aux_loss,
+    moe_aux_loss_ref,
+    moe_permute,
+    moe_permute_ref,
+    moe_route,
+    moe_route_ref,
+    moe_unpermute,
+    moe_unpermute_ref,
+    moe_z_loss,
+    moe_z_loss_ref,
+)
 from .registry import PROVIDERS, ProviderInfo, ProviderReport, providers, set_tuned_lookup
 
 __all__ = [
@@ -38,6 +51,7 @@ __all__ = [
     "BucketLayout",
     "ProviderInfo",
     "ProviderReport",
+    "Routing",
     "bucket_reduce",
     "bucket_reduce_ref",
     "dequantize",
@@ -46,6 +60,16 @@ __all__ = [
     "error_update_ref",
     "flatten",
     "flatten_ref",
+    "moe_aux_loss",
+    "moe_aux_loss_ref",
+    "moe_permute",
+    "moe_permute_ref",
+    "moe_route",
+    "moe_route_ref",
+    "moe_unpermute",
+    "moe_unpermute_ref",
+    "moe_z_loss",
+    "moe_z_loss_ref",
     "orthogonalize",
     "orthogonalize_ref",
     "providers",

@@ -1,0 +1,297 @@
+"""Numba CUDA kernels of the MoE op family (see moe.py).
+
+Imported on first use of the numba provider. Kernels are built per dtype (they close over the load and
+store helpers of ``_numba``); ``cuda`` must be a module global (the simulator swaps it while a kernel runs).
+
+- route top-k: one thread per token; the scores are recomputed per selection round instead of held in
+  a per-thread array (E is not a compile-time constant);
+- route assign: one thread per expert, walking the assignments in token order (capacity threshold by a
+  bisection over the score bits, as the Triton kernel does);
+- route rows: one thread per assignment;
+- permute / unpermute: one block per token, the threads striding over H;
+- unpermute backward's weight gradients: one thread per assignment, a sequential fp32 dot product.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import torch
+from numba import cuda, float32, int64
+
+from . import _numba as nb
+
+
+def _blocks(n: int, threads: int) -> int:
+    return max(1, -(-n // threads))
+
+
+@cache
+def _topk_kernel(dtype: torch.dtype, softmax: bool, renorm: bool):
+    load = nb.loader(dtype, "f32")
+
+    @cuda.jit(device=True, inline=True)
+    def prob(logits, base, e, mx, tot):
+        v = load(logits, base + e)
+        if softmax:
+            return math.exp(v - mx) / tot
+        return float32(1.0) / (float32(1.0) + math.exp(-v))
+
+    @cuda.jit
+    def kernel(logits, idx, w, s, bad, T, E, K):
+        t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if t >= T:
+            return
+        base = t * E
+        mx = float32(-math.inf)
+        tot = float32(0.0)
+        if softmax:
+            for e in range(E):
+                v = load(logits, base + e)
+                if v > mx:
+                    mx = v
+            for e in range(E):
+                tot += math.exp(load(logits, base + e) - mx)
+        nan_row = False
+        total = float32(0.0)
+        for j in range(K):
+            best = float32(-3.0)
+            pick = int64(-1)
+            for e in range(E):
+                taken = False
+                for i in range(j):
+                    if idx[t * K + i] == e:
+                        taken = True
+                if taken:
+                    continue
+                p = prob(logits, base, e, mx, tot)
+                key = p
+                if p != p:
+                    key = float32(-1.0)
+                    nan_row = True
+                if key > best:  # strict: equal scores keep the lower expert
+                    best = key
+                    pick = e
+            idx[t * K + j] = pick
+            pj = prob(logits, base, pick, mx, tot)
+            s[t * K + j] = pj
+            total += pj
+        for e in range(E):  # count rows with NaN scores even where no NaN was chosen
+            p = prob(logits, base, e, mx, tot)
+            if p != p:
+                nan_row = True
+        if nan_row:
+            cuda.atomic.add(bad, 0, 1)
+        for j in range(K):
+            if renorm and total != 0:
+                w[t * K + j] = s[t * K + j] / total
+            else:
+                w[t * K + j] = s[t * K + j]
+
+    return kernel
+
+
+def route_topk(logits: torch.Tensor, k: int, softmax: bool, renorm: bool):
+    T, E = logits.shape
+    dev = logits.device
+    idx = torch.empty(T * k, dtype=torch.int64, device=dev)
+    w = torch.empty(T * k, dtype=torch.float32, device=dev)
+    s = torch.empty(T * k, dtype=torch.float32, device=dev)
+    bad = torch.zeros(1, dtype=torch.int32, device=dev)
+    kernel = _topk_kernel(logits.dtype, softmax, renorm)
+    nb.launch(
+        kernel, _blocks(T, nb.THREADS), nb.THREADS, dev,
+        nb.as_array(logits.reshape(-1)), nb.as_array(idx), nb.as_array(w), nb.as_array(s), nb.as_array(bad), T, E, k,
+    )  # fmt: skip
+    return idx.view(T, k), w.view(T, k), s.view(T, k), bad
+
+
+@cuda.jit(device=True, inline=True)
+def _bits(v):
+    """fp32 -> its bits as a signed 32-bit integer (order-preserving for non-negative floats)."""
+    b = int64(nb._f32_bits(v))
+    if b >= 2**31:
+        b -= 2**32
+    return b
+
+
+@cuda.jit(device=True, inline=True)
+def _count_ge(idx, s, n, e, b):
+    c = int64(0)
+    for i in range(n):
+        if idx[i] == e and _bits(s[i]) >= b:
+            c += 1
+    return c
+
+
+@cuda.jit
+def _assign_kernel(idx, s, pos, counts, n, E, cap, policy):
+    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if e >= E:
+        return
+    thr = int64(-(2**31) - 1)
+    quota = int64(2**62)
+    if policy == 2:
+        total = _count_ge(idx, s, n, e, -(2**31))
+        if total > cap:
+            lo = int64(-(2**31))
+            hi = int64(2**31)
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                if _count_ge(idx, s, n, e, mid) >= cap:
+                    lo = mid
+                else:
+                    hi = mid
+            thr = lo
+            quota = cap - _count_ge(idx, s, n, e, lo + 1)
+    kept = int64(0)
+    seen = int64(0)
+    for i in range(n):
+        if idx[i] != e:
+            continue
+        keep = True
+        if policy == 2:
+            b = _bits(s[i])
+            if b == thr:
+                keep = seen < quota
+                seen += 1
+            else:
+                keep = b > thr
+        elif policy == 1:
+            keep = seen < cap
+            seen += 1
+        if keep:
+            pos[i] = kept
+            kept += 1
+        else:
+            pos[i] = -1
+    counts[e] = kept
+
+
+def route_assign(idx: torch.Tensor, s: torch.Tensor, E: int, cap: int, policy: int):
+    n = idx.numel()
+    pos = torch.empty(n, dtype=torch.int64, device=idx.device)
+    counts = torch.empty(E, dtype=torch.int64, device=idx.device)
+    nb.launch(
+        _assign_kernel, _blocks(E, nb.THREADS), nb.THREADS, idx.device,
+        nb.as_array(idx.reshape(-1)), nb.as_array(s.reshape(-1)), nb.as_array(pos), nb.as_array(counts), n, E, cap,
+        policy,
+    )  # fmt: skip
+    return pos, counts
+
+
+@cuda.jit
+def _rows_kernel(idx, pos, starts, tok, n, K):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < n and pos[i] >= 0:
+        r = starts[idx[i]] + pos[i]
+        pos[i] = r
+        tok[r] = i // K
+
+
+def route_rows(idx: torch.Tensor, pos: torch.Tensor, starts: torch.Tensor, tok: torch.Tensor, k: int) -> None:
+    n = idx.numel()
+    nb.launch(
+        _rows_kernel, _blocks(n, nb.THREADS), nb.THREADS, idx.device,
+        nb.as_array(idx.reshape(-1)), nb.as_array(pos), nb.as_array(starts.contiguous()), nb.as_array(tok), n, k,
+    )  # fmt: skip
+
+
+@cache
+def _scatter_kernel(src: torch.dtype, dst: torch.dtype, has_w: bool):
+    load, store = nb.loader(src, "f32"), nb.storer(dst)
+
+    @cuda.jit
+    def kernel(x, rows, w, out, H, K):
+        t = cuda.blockIdx.x
+        for j in range(K):
+            r = rows[t * K + j]
+            if r < 0:
+                continue
+            wt = w[t * K + j] if has_w else float32(1.0)
+            h = cuda.threadIdx.x
+            while h < H:
+                v = load(x, t * H + h)
+                store(out, r * H + h, v * wt if has_w else v)
+                h += cuda.blockDim.x
+
+    return kernel
+
+
+def scatter_rows(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out[rows[t, j]] = x[t] (* w[t, j])."""
+    T, K = rows.shape
+    kernel = _scatter_kernel(x.dtype, out.dtype, w is not None)
+    nb.launch(
+        kernel, T, nb.THREADS, x.device,
+        nb.as_array(x.reshape(-1)), nb.as_array(rows.reshape(-1)), nb.as_array((w if w is not None else rows.float())
+                                                                               .reshape(-1)),
+        nb.as_array(out.reshape(-1)), x.shape[1], K,
+    )  # fmt: skip
+
+
+@cache
+def _gather_kernel(dtype: torch.dtype, has_w: bool):
+    load, store = nb.loader(dtype, "f32"), nb.storer(dtype)
+
+    @cuda.jit
+    def kernel(y, rows, w, out, H, K):
+        t = cuda.blockIdx.x
+        h = cuda.threadIdx.x
+        while h < H:
+            acc = float32(0.0)
+            for j in range(K):
+                r = rows[t * K + j]
+                if r >= 0:
+                    v = load(y, r * H + h)
+                    if has_w:
+                        v = v * w[t * K + j]
+                    acc += v
+            store(out, t * H + h, acc)
+            h += cuda.blockDim.x
+
+    return kernel
+
+
+def gather_rows(y: torch.Tensor, rows: torch.Tensor, w: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out[t] = sum_j w[t, j] * y[rows[t, j]] in fp32."""
+    T, K = rows.shape
+    kernel = _gather_kernel(y.dtype, w is not None)
+    nb.launch(
+        kernel, T, nb.THREADS, y.device,
+        nb.as_array(y.reshape(-1)), nb.as_array(rows.reshape(-1)),
+        nb.as_array((w if w is not None else rows.float()).reshape(-1)), nb.as_array(out.reshape(-1)), out.shape[1], K,
+    )  # fmt: skip
+
+
+@cache
+def _dots_kernel(dtype: torch.dtype):
+    load = nb.loader(dtype, "f32")
+
+    @cuda.jit
+    def kernel(gy, y, rows, gw, n, H, K):
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i >= n:
+            return
+        r = rows[i]
+        acc = float32(0.0)
+        if r >= 0:
+            t = i // K
+            for h in range(H):
+                acc += load(gy, t * H + h) * load(y, r * H + h)
+        gw[i] = acc
+
+    return kernel
+
+
+def row_dots(gy: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """gw[t, j] = <gy[t], y[rows[t, j]]> in fp32 (0 for dropped assignments)."""
+    n = rows.numel()
+    gw = torch.empty(rows.shape, dtype=torch.float32, device=gy.device)
+    nb.launch(
+        _dots_kernel(gy.dtype), _blocks(n, nb.THREADS), nb.THREADS, gy.device,
+        nb.as_array(gy.reshape(-1)), nb.as_array(y.reshape(-1)), nb.as_array(rows.reshape(-1)),
+        nb.as_array(gw.view(-1)), n, gy.shape[1], rows.shape[1],
+    )  # fmt: skip
+    return gw

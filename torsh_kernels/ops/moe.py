@@ -1,0 +1,970 @@
+"""Mixture-of-experts routing ops: fused router top-k with capacity, permute and unpermute, router losses.
+
+Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dropped assignments``.
+
+- ``moe_route(logits [T, E], k=, score=, renormalize=, capacity_factor=, drop_policy=)`` -> :class:`Routing`.
+  Scores are computed in fp32: ``softmax`` over the E logits, or ``sigmoid`` of each. The K experts of
+  a token are its K highest scores, in descending order; equal scores go to the lower expert index
+  (ties are deterministic and the same for every provider). ``weights`` are the chosen scores,
+  divided by their sum when ``renormalize`` (for softmax this equals a softmax over the chosen logits).
+  *Capacity*: with ``capacity_factor`` set, each expert keeps at most
+  ``C = ceil(T * K * capacity_factor / E)`` assignments; ``drop_policy="probability"`` keeps the C with
+  the highest scores (equal scores: lower token first), ``"position"`` the first C in token order.
+  Dropped assignments keep their weight in ``weights`` (renormalisation happens before dropping) and
+  are marked in ``dropped`` and by ``row_map == -1``; the unpermute ignores them, so a token whose every
+  assignment was dropped comes back as zeros (the caller's residual connection carries it, as in
+  Switch/GShard). Gradients reach ``logits`` through ``weights``.
+- ``moe_permute(x [T, H], routing)`` -> ``x_perm [N, H]``: rows grouped by expert in ascending expert
+  order, token order kept inside each group; group sizes are ``routing.tokens_per_expert``.
+  Row ``routing.row_map[t, j]`` of the result is ``x[t]``.
+- ``moe_unpermute(y_perm [N, H], routing)`` -> ``y [T, H]``:
+  ``y[t] = sum_j weights[t, j] * y_perm[row_map[t, j]]`` over the kept assignments, accumulated in fp32
+  in the order j = 0..K-1 and cast once to ``y_perm``'s dtype (``weights=False`` sums without weights).
+- ``moe_aux_loss(logits_or_probs, routing)``: the Switch/GShard load-balancing loss
+  ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the T*K assignments the router sent to expert e
+  (before capacity drops: the loss penalises the router's choices) and ``P_e`` the mean router
+  probability of e (softmax; for sigmoid scores, the per-token normalised scores). 1.0 when balanced.
+- ``moe_z_loss(logits)``: ``mean_t logsumexp(logits[t])**2`` (ST-MoE's router z-loss).
+
+Providers: ``moe_route``, ``moe_permute`` and ``moe_unpermute`` (and their backward passes) have Triton,
+Numba CUDA and torch implementations. The route runs three kernels: per token block, scoring and top-K
+(also counting tokens whose probabilities are NaN); per expert, the count, the capacity threshold
+(a bisection over the fp32 score bits) and each kept assignment's position in its expert's group; per
+assignment, the final row and its inverse (the token of each row). The permute reads each token's row
+once and writes it to its K rows; the unpermute reads the K rows of a token and writes it once; the
+unpermute's backward writes the weighted gradient rows and the weight gradients in one pass.
+The backward of the route (a few [T, E] elementwise operations) and the two losses are plain torch for
+every provider: they are tiny next to the [T, H] traffic and autograd differentiates them.
+
+Integer outputs are int64. ``routing.num_rows`` (N) is a host integer: with capacity it costs one
+device-to-host copy of the expert counts, which the permute needs anyway to size its output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import (
+    ArgumentTypeError,
+    DeviceMismatchError,
+    DTypeError,
+    InvalidArgumentError,
+    NonFiniteError,
+    ShapeError,
+)
+from .bucket import _on
+from .registry import Op, _triton_state
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = _triton_state()[2] is None
+except Exception:
+    _HAVE_TRITON = False
+
+__all__ = [
+    "DROP_POLICIES",
+    "SCORES",
+    "Routing",
+    "expert_capacity",
+    "moe_aux_loss",
+    "moe_aux_loss_ref",
+    "moe_permute",
+    "moe_permute_ref",
+    "moe_route",
+    "moe_route_ref",
+    "moe_unpermute",
+    "moe_unpermute_ref",
+    "moe_z_loss",
+    "moe_z_loss_ref",
+]
+
+SCORES = ("softmax", "sigmoid")
+DROP_POLICIES = ("probability", "position")
+ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Above this many experts a token's scores no longer fit one kernel tile (the Triton kernel holds a
+# [BLOCK_T, next_pow2(E)] tile in registers); the route then runs the torch path.
+MAX_KERNEL_EXPERTS = 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Routing:
+    """Where each token goes: the result of :func:`moe_route`, the input of permute and unpermute."""
+
+    indices: torch.Tensor
+    """[T, K] int64: the chosen experts of each token, highest score first."""
+    weights: torch.Tensor
+    """[T, K] fp32: the combine weights (renormalised scores when ``renormalize``); differentiable."""
+    scores: torch.Tensor
+    """[T, K] fp32: the router scores of the chosen experts before renormalisation."""
+    tokens_per_expert: torch.Tensor
+    """[E] int64: kept assignments per expert, i.e. the group sizes of the permuted rows."""
+    row_map: torch.Tensor
+    """[T, K] int64: the row of the permuted tensor that assignment (t, j) occupies, -1 if dropped."""
+    token_index: torch.Tensor
+    """[N] int64: the token each permuted row came from (the inverse of ``row_map``)."""
+    dropped: torch.Tensor
+    """[T, K] bool: assignments dropped by the capacity limit."""
+    num_experts: int
+    """E."""
+    num_rows: int
+    """N: the number of permuted rows (T*K minus the dropped assignments)."""
+    capacity: int | None
+    """C, the per-expert capacity, or None without a capacity limit."""
+    score: str
+    """The scoring function used: "softmax" or "sigmoid"."""
+
+    @property
+    def num_tokens(self) -> int:
+        """T."""
+        return self.indices.shape[0]
+
+    @property
+    def k(self) -> int:
+        """K."""
+        return self.indices.shape[1]
+
+    @property
+    def num_dropped(self) -> int:
+        """T*K - N: assignments dropped by the capacity limit."""
+        return self.num_tokens * self.k - self.num_rows
+
+    def expert_offsets(self) -> torch.Tensor:
+        """[E + 1] int64: the first permuted row of each expert's group, then N."""
+        c = self.tokens_per_expert
+        return torch.cat([c.new_zeros(1), torch.cumsum(c, 0)])
+
+
+def expert_capacity(num_tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
+    """C = ceil(T * K * capacity_factor / E): the assignments each expert keeps at most."""
+    return max(1, math.ceil(num_tokens * k * capacity_factor / num_experts - 1e-9))
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check_tensor(t: object, what: str, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_act_dtype(t: torch.Tensor, what: str, name: str) -> None:
+    if t.dtype not in ACT_DTYPES:
+        raise DTypeError(f"{what}: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
+
+
+def _check_int(v: object, what: str, name: str, lo: int, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ArgumentTypeError(f"{what}: {name} must be an int, got {type(v).__name__} {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise InvalidArgumentError(f"{what}: {name}={v} must be {rng}")
+    return v
+
+
+def _check_choice(v: object, what: str, name: str, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        raise InvalidArgumentError(f"{what}: {name}={v!r}; expected one of {', '.join(map(repr, choices))}")
+    return v  # type: ignore[return-value]
+
+
+def _check_logits(logits: object, what: str) -> torch.Tensor:
+    logits = _check_tensor(logits, what, "logits")
+    _check_act_dtype(logits, what, "logits")
+    if logits.dim() != 2:
+        raise ShapeError(
+            f"{what}: logits must be [T, E] (tokens x experts), got shape {tuple(logits.shape)}; "
+            "flatten the batch dimensions first (logits.reshape(-1, E))"
+        )
+    if logits.shape[1] < 1:
+        raise ShapeError(f"{what}: logits has no experts (shape {tuple(logits.shape)})")
+    return logits
+
+
+def _check_routing(routing: object, what: str) -> Routing:
+    if not isinstance(routing, Routing):
+        raise ArgumentTypeError(f"{what}: routing must be a Routing (from moe_route), got {type(routing).__name__}")
+    return routing
+
+
+def _check_rows(x: object, rows: int, routing: Routing, what: str, name: str, rows_name: str) -> torch.Tensor:
+    x = _check_tensor(x, what, name)
+    _check_act_dtype(x, what, name)
+    if x.dim() != 2 or x.shape[0] != rows:
+        raise ShapeError(f"{what}: {name} must be [{rows_name}={rows}, H] for this routing, got shape {tuple(x.shape)}")
+    if x.device != routing.row_map.device:
+        raise DeviceMismatchError(f"{what}: {name} is on {x.device}, the routing on {routing.row_map.device}")
+    return x
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch references (differentiable; the oracle of the tests and the torch provider's core)
+
+
+def _scores_ref(logits: torch.Tensor, score: str) -> torch.Tensor:
+    x = logits.float()
+    return torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
+
+
+def moe_route_ref(
+    logits: torch.Tensor,
+    *,
+    k: int,
+    score: str = "softmax",
+    renormalize: bool = True,
+    capacity_factor: float | None = None,
+    drop_policy: str = "probability",
+) -> Routing:
+    """Plain PyTorch routing (see the module docstring); ``weights`` is differentiable by autograd."""
+    T, E = logits.shape
+    p = _scores_ref(logits, score)  # [T, E] fp32
+    sel = torch.nan_to_num(p.detach(), nan=-1.0)
+    order = torch.sort(sel, dim=1, descending=True, stable=True).indices  # ties: lower expert first
+    indices = order[:, :k].contiguous()  # [T, K]
+    scores = p.gather(1, indices)  # [T, K]
+    weights = scores / scores.sum(1, keepdim=True) if renormalize else scores
+    flat = indices.reshape(-1)  # [T*K] token-major
+    onehot = torch.nn.functional.one_hot(flat, E)  # [T*K, E]
+    keep = torch.ones_like(flat, dtype=torch.bool)
+    capacity = None
+    if capacity_factor is not None:
+        capacity = expert_capacity(T, k, E, capacity_factor)
+        if drop_policy == "position":
+            order_a = torch.arange(flat.numel(), device=flat.device)
+        else:  # highest score first; equal scores: lower token first (stable sort)
+            s = torch.nan_to_num(scores.detach().reshape(-1), nan=-1.0)
+            order_a = torch.sort(s, descending=True, stable=True).indices
+        rank_sorted = (torch.cumsum(onehot[order_a], 0) - 1).gather(1, flat[order_a, None]).squeeze(1)
+        rank = torch.empty_like(rank_sorted)
+        rank[order_a] = rank_sorted
+        keep = rank < capacity
+    kept = onehot * keep[:, None]
+    counts = kept.sum(0)  # [E]
+    pos = (torch.cumsum(kept, 0) - 1).gather(1, flat[:, None]).squeeze(1)
+    starts = torch.cumsum(counts, 0) - counts
+    rows = torch.where(keep, starts[flat] + pos, -1)
+    n = int(counts.sum())
+    token_index = torch.empty(n, dtype=torch.int64, device=logits.device)
+    token_index[rows[keep]] = torch.arange(flat.numel(), device=logits.device)[keep] // k
+    return Routing(
+        indices=indices,
+        weights=weights,
+        scores=scores,
+        tokens_per_expert=counts,
+        row_map=rows.view(T, k),
+        token_index=token_index,
+        dropped=~keep.view(T, k),
+        num_experts=E,
+        num_rows=n,
+        capacity=capacity,
+        score=score,
+    )
+
+
+def moe_permute_ref(x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """x[token_index]: the rows of each token at its assignments' rows."""
+    return x[routing.token_index]
+
+
+def moe_unpermute_ref(y_perm: torch.Tensor, routing: Routing, *, weights: bool = True) -> torch.Tensor:
+    """sum_j weights[t, j] * y_perm[row_map[t, j]] over kept assignments, in fp32, cast to y's dtype."""
+    T, K = routing.row_map.shape
+    rows = routing.row_map
+    out = torch.zeros(T, y_perm.shape[1], dtype=torch.float32, device=y_perm.device)
+    for j in range(K):
+        ok = rows[:, j] >= 0
+        v = y_perm[rows[:, j].clamp(min=0)].float()
+        if weights:
+            v = v * routing.weights[:, j : j + 1]
+        out = out + torch.where(ok[:, None], v, 0.0)
+    return out.to(y_perm.dtype)
+
+
+def moe_aux_loss_ref(logits_or_probs: torch.Tensor, routing: Routing, *, from_probs: bool = False) -> torch.Tensor:
+    """E * sum_e f_e * P_e (see the module docstring)."""
+    E, T, K = routing.num_experts, routing.num_tokens, routing.k
+    if from_probs:
+        p = logits_or_probs.float()
+    elif routing.score == "softmax":
+        p = torch.softmax(logits_or_probs.float(), dim=-1)
+    else:
+        s = torch.sigmoid(logits_or_probs.float())
+        p = s / s.sum(-1, keepdim=True)
+    f = torch.bincount(routing.indices.reshape(-1), minlength=E).float() / max(T * K, 1)
+    return E * (f * p.mean(0)).sum()
+
+
+def moe_z_loss_ref(logits: torch.Tensor) -> torch.Tensor:
+    """mean over tokens of logsumexp(logits[t])**2, in fp32."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+
+_SOFTMAX, _SIGMOID = 0, 1
+_NO_CAP, _CAP_POSITION, _CAP_PROBABILITY = 0, 1, 2
+
+if _HAVE_TRITON:
+    from .bucket import _cast
+
+    @triton.jit
+    def _route_topk_kernel(
+        logits_ptr, idx_ptr, w_ptr, s_ptr, bad_ptr, T, E, stride_t,
+        K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BLOCK_T: tl.constexpr, SCORE: tl.constexpr,
+        RENORM: tl.constexpr,
+    ):  # fmt: skip
+        """Per token: fp32 scores, the top K (ties to the lower expert), weights; bad += NaN-score rows."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+        cols = tl.arange(0, EP)  # [EP]
+        rmask = rows < T
+        valid = rmask[:, None] & (cols < E)[None, :]  # [BT, EP]
+        x = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=valid, other=float("-inf"))
+        x = x.to(tl.float32)
+        if SCORE == 0:
+            mx = tl.max(x, axis=1)
+            mx = tl.where(rmask, mx, 0.0)
+            e = tl.where(valid, tl.exp(x - mx[:, None]), 0.0)
+            tot = tl.sum(e, axis=1)
+            p = e / tl.where(rmask, tot, 1.0)[:, None]
+        else:
+            p = 1.0 / (1.0 + tl.exp(-x))
+        isnan = (p != p) & valid
+        tl.atomic_add(bad_ptr, tl.sum((tl.sum(isnan.to(tl.int32), axis=1) > 0).to(tl.int32), axis=0))
+        # selection keys: NaN scores rank below every real score (-1), padding below those (-2)
+        sel = tl.where(valid, tl.where(isnan, -1.0, p), -2.0)
+        kcols = tl.arange(0, KP)
+        S = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
+        I = tl.zeros((BLOCK_T, KP), dtype=tl.int64)  # noqa: E741
+        for j in tl.static_range(K):
+            best = tl.max(sel, axis=1)
+            pick = tl.min(tl.where(sel == best[:, None], cols[None, :], EP), axis=1)  # lowest index of the max
+            hit = cols[None, :] == pick[:, None]
+            sj = tl.sum(tl.where(hit, p, 0.0), axis=1)
+            S = tl.where(kcols[None, :] == j, sj[:, None], S)
+            I = tl.where(kcols[None, :] == j, pick.to(tl.int64)[:, None], I)  # noqa: E741
+            sel = tl.where(hit, -3.0, sel)
+        km = rmask[:, None] & (kcols < K)[None, :]
+        off = rows[:, None] * K + kcols[None, :]
+        tl.store(idx_ptr + off, I, mask=km)
+        tl.store(s_ptr + off, S, mask=km)
+        if RENORM:
+            tot = tl.sum(tl.where(km, S, 0.0), axis=1)
+            W = S / tl.where(tot != 0.0, tot, 1.0)[:, None]
+        else:
+            W = S
+        tl.store(w_ptr + off, W, mask=km)
+
+    @triton.jit
+    def _count_ge(idx_ptr, s_ptr, n, e, b, BLOCK: tl.constexpr):
+        """How many assignments to expert e have score bits >= b."""
+        c = tl.zeros((), dtype=tl.int64)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK).to(tl.int64)
+            m = offs < n
+            hit = (tl.load(idx_ptr + offs, mask=m, other=-1) == e) & m
+            bits = tl.load(s_ptr + offs, mask=m, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+            c += tl.sum((hit & (bits >= b)).to(tl.int64), axis=0)
+        return c
+
+    @triton.jit
+    def _route_assign_kernel(idx_ptr, s_ptr, pos_ptr, counts_ptr, n, cap, BLOCK: tl.constexpr, POLICY: tl.constexpr):
+        """One program per expert: the kept assignments' positions inside the expert's group (token
+        order), -1 for dropped ones; counts[e] = kept assignments."""
+        e = tl.program_id(0).to(tl.int64)
+        thr = tl.full((), -(2**31) - 1, tl.int64)  # keep everything at or above thr (default: all)
+        quota = tl.full((), 2**62, tl.int64)  # of those exactly at thr, keep the first `quota`
+        if POLICY == 2:
+            total = _count_ge(idx_ptr, s_ptr, n, e, -(2**31), BLOCK)
+            if total > cap:
+                lo = tl.full((), -(2**31), tl.int64)  # count(>= lo) >= cap
+                hi = tl.full((), 2**31, tl.int64)  # count(>= hi) < cap
+                for _ in range(32):
+                    mid = lo + (hi - lo) // 2
+                    c = _count_ge(idx_ptr, s_ptr, n, e, mid, BLOCK)
+                    lo = tl.where(c >= cap, mid, lo)
+                    hi = tl.where(c >= cap, hi, mid)
+                thr = lo
+                quota = cap - _count_ge(idx_ptr, s_ptr, n, e, lo + 1, BLOCK)
+        kept = tl.zeros((), dtype=tl.int64)
+        seen = tl.zeros((), dtype=tl.int64)  # assignments to e at exactly thr so far (or all, for position)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK).to(tl.int64)
+            m = offs < n
+            hit = (tl.load(idx_ptr + offs, mask=m, other=-1) == e) & m
+            if POLICY == 2:
+                bits = tl.load(s_ptr + offs, mask=m, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+                at = hit & (bits == thr)
+                rank = seen + tl.cumsum(at.to(tl.int64), 0) - 1
+                keep = hit & ((bits > thr) | (at & (rank < quota)))
+                seen += tl.sum(at.to(tl.int64), axis=0)
+            elif POLICY == 1:
+                rank = seen + tl.cumsum(hit.to(tl.int64), 0) - 1
+                keep = hit & (rank < cap)
+                seen += tl.sum(hit.to(tl.int64), axis=0)
+            else:
+                keep = hit
+            pos = kept + tl.cumsum(keep.to(tl.int64), 0) - 1
+            tl.store(pos_ptr + offs, tl.where(keep, pos, -1), mask=hit)
+            kept += tl.sum(keep.to(tl.int64), axis=0)
+        tl.store(counts_ptr + e, kept)
+
+    @triton.jit
+    def _route_rows_kernel(idx_ptr, row_ptr, starts_ptr, tok_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
+        """row = start of the expert's group + position; token_index[row] = token."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        pos = tl.load(row_ptr + offs, mask=m, other=-1)
+        keep = m & (pos >= 0)
+        e = tl.load(idx_ptr + offs, mask=keep, other=0)
+        row = tl.load(starts_ptr + e, mask=keep, other=0) + pos
+        tl.store(row_ptr + offs, row, mask=keep)
+        tl.store(tok_ptr + row, offs // K, mask=keep)
+
+    @triton.jit
+    def _permute_kernel(x_ptr, row_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_W: tl.constexpr):
+        """out[row_map[t, j]] = x[t] (times weights[t, j] with HAS_W) for the kept assignments."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = cols < H
+        v = tl.load(x_ptr + t * H + cols, mask=m, other=0.0)
+        for j in tl.static_range(K):
+            r = tl.load(row_ptr + t * K + j)
+            ok = (cols * 0 + r) >= 0  # [BLOCK_H] (a scalar mask is not accepted everywhere)
+            rr = tl.where(r >= 0, r, 0)
+            if HAS_W:
+                w = tl.load(w_ptr + t * K + j)
+                tl.store(out_ptr + rr * H + cols, _cast(v.to(tl.float32) * w, out_ptr.dtype.element_ty), mask=m & ok)
+            else:
+                tl.store(out_ptr + rr * H + cols, v, mask=m & ok)
+
+    @triton.jit
+    def _unpermute_kernel(
+        y_ptr, row_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_W: tl.constexpr
+    ):
+        """out[t] = sum_j weights[t, j] * y[row_map[t, j]] over the kept assignments, in fp32."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = cols < H
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for j in tl.static_range(K):
+            r = tl.load(row_ptr + t * K + j)
+            ok = (cols * 0 + r) >= 0
+            v = tl.load(y_ptr + tl.where(r >= 0, r, 0) * H + cols, mask=m & ok, other=0.0).to(tl.float32)
+            if HAS_W:
+                v = v * tl.load(w_ptr + t * K + j)
+            acc += v
+        tl.store(out_ptr + t * H + cols, _cast(acc, out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _unpermute_bwd_kernel(
+        gy_ptr, y_ptr, row_ptr, w_ptr, gyp_ptr, gw_ptr, H, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr
+    ):
+        """grad_y_perm[row_map[t, j]] = weights[t, j] * grad_y[t]; grad_w[t, j] = <grad_y[t], y_perm[row]>."""
+        t = tl.program_id(0).to(tl.int64)
+        kcols = tl.arange(0, KP)
+        dots = tl.zeros((KP,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H).to(tl.int64)
+            m = cols < H
+            g = tl.load(gy_ptr + t * H + cols, mask=m, other=0.0).to(tl.float32)
+            for j in tl.static_range(K):
+                r = tl.load(row_ptr + t * K + j)
+                ok = (cols * 0 + r) >= 0
+                rr = tl.where(r >= 0, r, 0)
+                w = tl.load(w_ptr + t * K + j)
+                tl.store(gyp_ptr + rr * H + cols, _cast(g * w, gyp_ptr.dtype.element_ty), mask=m & ok)
+                y = tl.load(y_ptr + rr * H + cols, mask=m & ok, other=0.0).to(tl.float32)
+                dots = tl.where(kcols == j, dots + tl.sum(g * y, axis=0), dots)
+        tl.store(gw_ptr + t * K + kcols, dots, mask=kcols < K)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _block_h(H: int) -> int:
+    return min(1024, _pow2(H))
+
+
+# --------------------------------------------------------------------------------------------------
+# Provider implementations. Inputs are validated and contiguous, on one device.
+
+_topk = Op("moe_route")
+_assign = Op("moe_route.assign")
+_scatter_rows = Op("moe_permute")
+_gather_rows = Op("moe_unpermute")
+_gather_rows_bwd = Op("moe_unpermute.backward")
+
+_ASSIGN_BLOCK = 1024
+
+
+# scoring and top-k: (logits [T, E]) -> indices, weights, scores [T, K], bad-row count [1]
+@_topk.register("torch")
+def _topk_torch(logits, k, score, renorm):
+    p = _scores_ref(logits, score)
+    nan = torch.isnan(p)
+    bad = nan.any(1).sum().view(1)
+    sel = torch.where(nan, -1.0, p)
+    if k == 1:  # argmax returns the first maximal index
+        idx = sel.argmax(1, keepdim=True)
+    else:
+        idx = torch.sort(sel, dim=1, descending=True, stable=True).indices[:, :k].contiguous()
+    s = p.gather(1, idx)
+    w = s / s.sum(1, keepdim=True) if renorm else s.clone()
+    return idx, w, s, bad
+
+
+@_topk.register("triton")
+def _topk_triton(logits, k, score, renorm):
+    T, E = logits.shape
+    dev = logits.device
+    idx = torch.empty(T, k, dtype=torch.int64, device=dev)
+    w = torch.empty(T, k, dtype=torch.float32, device=dev)
+    s = torch.empty(T, k, dtype=torch.float32, device=dev)
+    bad = torch.zeros(1, dtype=torch.int32, device=dev)
+    EP = max(2, _pow2(E))
+    BT = max(1, min(64, 4096 // EP))
+    _route_topk_kernel[(triton.cdiv(T, BT),)](
+        logits, idx, w, s, bad, T, E, logits.stride(0),
+        K=k, KP=max(2, _pow2(k)), EP=EP, BLOCK_T=BT, SCORE=_SOFTMAX if score == "softmax" else _SIGMOID,
+        RENORM=renorm,
+    )  # fmt: skip
+    return idx, w, s, bad
+
+
+@_topk.register("numba")
+def _topk_numba(logits, k, score, renorm):
+    from . import _moe_numba as M
+
+    return M.route_topk(logits, k, score == "softmax", renorm)
+
+
+# per-expert positions: (indices [T*K], scores [T*K]) -> positions [T*K] (-1 dropped), counts [E]
+@_assign.register("torch")
+def _assign_torch(idx, s, E, cap, policy):
+    flat = idx.reshape(-1)
+    onehot = torch.nn.functional.one_hot(flat, E)
+    if policy == _NO_CAP:
+        keep = torch.ones_like(flat, dtype=torch.bool)
+    else:
+        if policy == _CAP_POSITION:
+            order = None
+            oh = onehot
+        else:
+            order = torch.sort(s.reshape(-1), descending=True, stable=True).indices
+            oh = onehot[order]
+        rank = (torch.cumsum(oh, 0) - 1).gather(1, flat[order, None] if order is not None else flat[:, None])
+        rank = rank.squeeze(1)
+        if order is not None:
+            rank = torch.empty_like(rank).scatter_(0, order, rank)
+        keep = rank < cap
+    kept = onehot * keep[:, None]
+    pos = (torch.cumsum(kept, 0) - 1).gather(1, flat[:, None]).squeeze(1)
+    return torch.where(keep, pos, -1), kept.sum(0)
+
+
+@_assign.register("triton")
+def _assign_triton(idx, s, E, cap, policy):
+    n = idx.numel()
+    pos = torch.empty(n, dtype=torch.int64, device=idx.device)
+    counts = torch.empty(E, dtype=torch.int64, device=idx.device)
+    _route_assign_kernel[(E,)](idx, s, pos, counts, n, cap, BLOCK=_ASSIGN_BLOCK, POLICY=policy)
+    return pos, counts
+
+
+@_assign.register("numba")
+def _assign_numba(idx, s, E, cap, policy):
+    from . import _moe_numba as M
+
+    return M.route_assign(idx, s, E, cap, policy)
+
+
+def _rows_torch(idx, pos, starts, n_rows, k):
+    keep = pos >= 0
+    rows = torch.where(keep, starts[idx.reshape(-1)] + pos, -1)
+    tok = torch.empty(n_rows, dtype=torch.int64, device=idx.device)
+    tok[rows[keep]] = torch.arange(idx.numel(), device=idx.device)[keep] // k
+    return rows, tok
+
+
+def _rows(name, idx, pos, starts, n_rows, k):
+    """Final rows (in place of the positions) and the inverse map."""
+    if name == "torch":
+        return _rows_torch(idx, pos, starts, n_rows, k)
+    tok = torch.empty(n_rows, dtype=torch.int64, device=idx.device)
+    n = idx.numel()
+    if name == "triton":
+        _route_rows_kernel[(triton.cdiv(n, 1024),)](idx, pos, starts, tok, n, K=k, BLOCK=1024)
+    else:
+        from . import _moe_numba as M
+
+        M.route_rows(idx, pos, starts, tok, k)
+    return pos, tok
+
+
+# scatter rows: out[row_map[t, j]] = x[t] (* w[t, j])
+@_scatter_rows.register("torch")
+def _scatter_rows_torch(x, rows, w, out):
+    T, K = rows.shape
+    ok = rows >= 0
+    src = x.unsqueeze(1).expand(T, K, x.shape[1])[ok]
+    if w is not None:
+        src = (src.float() * w[ok][:, None]).to(out.dtype)
+    out[rows[ok]] = src
+
+
+@_scatter_rows.register("triton")
+def _scatter_rows_triton(x, rows, w, out):
+    T, K = rows.shape
+    H = x.shape[1]
+    BH = _block_h(H)
+    _permute_kernel[(T, triton.cdiv(H, BH))](x, rows, w if w is not None else rows, out, H, K=K, BLOCK_H=BH,
+                                              HAS_W=w is not None)  # fmt: skip
+
+
+@_scatter_rows.register("numba")
+def _scatter_rows_numba(x, rows, w, out):
+    from . import _moe_numba as M
+
+    M.scatter_rows(x, rows, w, out)
+
+
+# gather rows: out[t] = sum_j w[t, j] * y[row_map[t, j]]
+@_gather_rows.register("torch")
+def _gather_rows_torch(y, rows, w, out):
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for j in range(rows.shape[1]):  # j = 0..K-1, in fp32, as the kernels do
+        r = rows[:, j]
+        v = y.index_select(0, r.clamp(min=0)).float()
+        if w is not None:
+            v = v * w[:, j : j + 1]
+        acc += torch.where((r >= 0)[:, None], v, 0.0)
+    out.copy_(acc)
+
+
+@_gather_rows.register("triton")
+def _gather_rows_triton(y, rows, w, out):
+    T, K = rows.shape
+    H = out.shape[1]
+    BH = _block_h(H)
+    _unpermute_kernel[(T, triton.cdiv(H, BH))](y, rows, w if w is not None else rows, out, H, K=K, BLOCK_H=BH,
+                                                HAS_W=w is not None)  # fmt: skip
+
+
+@_gather_rows.register("numba")
+def _gather_rows_numba(y, rows, w, out):
+    from . import _moe_numba as M
+
+    M.gather_rows(y, rows, w, out)
+
+
+# unpermute backward: grad_y_perm rows and grad_w [T, K] fp32
+@_gather_rows_bwd.register("torch")
+def _gather_rows_bwd_torch(gy, y, rows, w, gyp):
+    _scatter_rows_torch(gy, rows, w, gyp)
+    ok = rows >= 0
+    gw = torch.zeros(rows.shape, dtype=torch.float32, device=gy.device)
+    for j in range(rows.shape[1]):
+        yj = y.index_select(0, rows[:, j].clamp(min=0)).float()
+        gw[:, j] = torch.where(ok[:, j], (gy.float() * yj).sum(1), 0.0)
+    return gw
+
+
+@_gather_rows_bwd.register("triton")
+def _gather_rows_bwd_triton(gy, y, rows, w, gyp):
+    T, K = rows.shape
+    H = gy.shape[1]
+    gw = torch.empty(T, K, dtype=torch.float32, device=gy.device)
+    if T:
+        _unpermute_bwd_kernel[(T,)](gy, y, rows, w, gyp, gw, H, K=K, KP=max(2, _pow2(K)), BLOCK_H=_block_h(H))
+    return gw
+
+
+@_gather_rows_bwd.register("numba")
+def _gather_rows_bwd_numba(gy, y, rows, w, gyp):
+    from . import _moe_numba as M
+
+    M.scatter_rows(gy, rows, w, gyp)
+    return M.row_dots(gy, y, rows)
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops (torch.library) with autograd
+
+
+def _select(op: Op, t: torch.Tensor, provider: str) -> str:
+    return op.select(t.device, t.dtype, t.numel(), provider or None)
+
+
+_POLICY = {"position": _CAP_POSITION, "probability": _CAP_PROBABILITY}
+
+
+@torch.library.custom_op("torsh::moe_route", mutates_args=())
+def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, capacity: int, drop_policy: str,
+              check_finite: bool, provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                          torch.Tensor, torch.Tensor]:  # fmt: skip
+    """-> indices, weights, scores [T, K]; tokens_per_expert [E]; row_map [T, K]; token_index [N]."""
+    T, E = logits.shape
+    if T == 0:
+        i = torch.empty(0, k, dtype=torch.int64, device=logits.device)
+        f = torch.empty(0, k, dtype=torch.float32, device=logits.device)
+        return i, f, f.clone(), torch.zeros(E, dtype=torch.int64, device=logits.device), i.clone(), i.new_empty(0)
+    if E > MAX_KERNEL_EXPERTS:  # a token's scores no longer fit one kernel tile
+        if provider not in ("", "torch"):
+            raise ShapeError(
+                f"torsh_kernels.moe_route: the {provider} kernels route up to {MAX_KERNEL_EXPERTS} experts, got "
+                f"E={E}; use provider='torch' (or None) for more"
+            )
+        name = "torch"
+    else:
+        name = _select(_topk, logits, provider)
+    with _on(logits.device):
+        idx, w, s, bad = _topk(name, logits, k, score, renormalize)
+        if check_finite and (b := int(bad.item())):
+            raise NonFiniteError(
+                f"torsh_kernels.moe_route: {b} of {T} tokens have NaN router scores (NaN or +inf logits, or a "
+                "softmax row of all -inf); fix the router's input, or pass check_finite=False to route them "
+                "anyway (their NaN scores then rank below every real score)"
+            )
+        policy = _NO_CAP if capacity < 0 else _POLICY[drop_policy]
+        pos, counts = _assign(name, idx, s, E, capacity, policy)
+        n_rows = T * k if policy == _NO_CAP else int(counts.sum())
+        starts = torch.cumsum(counts, 0) - counts
+        rows, tok = _rows(name, idx, pos, starts, n_rows, k)
+    return idx, w, s, counts, rows.view(T, k), tok
+
+
+@_route_op.register_fake
+def _(logits, k, score, renormalize, capacity, drop_policy, check_finite, provider):
+    T, E = logits.shape
+    n = T * k if capacity < 0 else torch.library.get_ctx().new_dynamic_size()
+    i64, f32 = torch.int64, torch.float32
+    tk = logits.new_empty(T, k, dtype=i64)
+    return tk, logits.new_empty(T, k, dtype=f32), logits.new_empty(T, k, dtype=f32), logits.new_empty(E, dtype=i64), \
+        torch.empty_like(tk), logits.new_empty(n, dtype=i64)  # fmt: skip
+
+
+def _route_setup(ctx, inputs, output):
+    logits, _k, score, renormalize, *_ = inputs
+    idx, w, s, *_ = output
+    ctx.score, ctx.renormalize = score, renormalize
+    ctx.logits_dtype = logits.dtype
+    ctx.E = logits.shape[1]
+    ctx.mark_non_differentiable(s)  # Routing.scores is informational; gradients flow through the weights
+    ctx.save_for_backward(logits if (score == "softmax" and not renormalize) else None, idx, w, s)
+
+
+def _route_backward(ctx, g_idx, g_w, g_s, g_counts, g_rows, g_tok):
+    """d loss / d logits from d loss / d weights (T x E elementwise work; the same for every provider)."""
+    logits, idx, w, s = ctx.saved_tensors
+    T = idx.shape[0]
+    g = torch.zeros_like(w) if g_w is None else g_w.float()
+    grad = torch.zeros(T, ctx.E, dtype=torch.float32, device=idx.device)
+    if ctx.score == "softmax":
+        if ctx.renormalize:  # w = softmax over the chosen logits
+            grad.scatter_(1, idx, w * (g - (w * g).sum(1, keepdim=True)))
+        else:  # w_j = p[idx_j] with p the full softmax: d p_a / d l = p_a (onehot_a - p)
+            p = torch.softmax(logits.float(), dim=-1)
+            G = torch.zeros_like(grad).scatter_(1, idx, g)
+            grad = p * (G - (s * g).sum(1, keepdim=True))
+    else:  # w = s / sum(s) (or s), s = sigmoid(l): d s / d l = s (1 - s)
+        gs = (g - (w * g).sum(1, keepdim=True)) / s.sum(1, keepdim=True) if ctx.renormalize else g
+        grad.scatter_(1, idx, gs * s * (1.0 - s))
+    return grad.to(ctx.logits_dtype), None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("torsh::moe_route", _route_backward, setup_context=_route_setup)
+
+
+@torch.library.custom_op("torsh::moe_permute", mutates_args=())
+def _permute_op(x: torch.Tensor, row_map: torch.Tensor, num_rows: int, provider: str) -> torch.Tensor:
+    out = x.new_empty(num_rows, x.shape[1])
+    if num_rows and x.shape[1]:
+        name = _select(_scatter_rows, x, provider)
+        with _on(x.device):
+            _scatter_rows(name, x, row_map, None, out)
+    return out
+
+
+@_permute_op.register_fake
+def _(x, row_map, num_rows, provider):
+    return x.new_empty(num_rows, x.shape[1])
+
+
+def _permute_setup(ctx, inputs, output):
+    _, row_map, _, provider = inputs
+    ctx.save_for_backward(row_map)
+    ctx.provider = provider
+
+
+def _permute_backward(ctx, g):
+    (row_map,) = ctx.saved_tensors
+    return _unpermute_op(g.contiguous(), row_map, None, ctx.provider), None, None, None
+
+
+torch.library.register_autograd("torsh::moe_permute", _permute_backward, setup_context=_permute_setup)
+
+
+@torch.library.custom_op("torsh::moe_unpermute", mutates_args=())
+def _unpermute_op(y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None,
+                  provider: str) -> torch.Tensor:  # fmt: skip
+    T = row_map.shape[0]
+    out = y_perm.new_empty(T, y_perm.shape[1])
+    if T and y_perm.shape[1]:
+        name = _select(_gather_rows, y_perm, provider)
+        with _on(y_perm.device):
+            _gather_rows(name, y_perm, row_map, weights, out)
+    return out
+
+
+@_unpermute_op.register_fake
+def _(y_perm, row_map, weights, provider):
+    return y_perm.new_empty(row_map.shape[0], y_perm.shape[1])
+
+
+@torch.library.custom_op("torsh::moe_unpermute_backward", mutates_args=())
+def _unpermute_bwd_op(grad_y: torch.Tensor, y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor,
+                      provider: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    gyp = torch.empty_like(y_perm)
+    if row_map.shape[0] == 0 or y_perm.shape[1] == 0:
+        return gyp.zero_(), torch.zeros(row_map.shape, dtype=torch.float32, device=y_perm.device)
+    name = _select(_gather_rows_bwd, y_perm, provider)
+    with _on(y_perm.device):
+        gw = _gather_rows_bwd(name, grad_y, y_perm, row_map, weights, gyp)
+    return gyp, gw
+
+
+@_unpermute_bwd_op.register_fake
+def _(grad_y, y_perm, row_map, weights, provider):
+    return torch.empty_like(y_perm), weights.new_empty(row_map.shape, dtype=torch.float32)
+
+
+def _unpermute_setup(ctx, inputs, output):
+    y_perm, row_map, weights, provider = inputs
+    ctx.save_for_backward(y_perm, row_map, weights)
+    ctx.provider = provider
+
+
+def _unpermute_backward(ctx, g):
+    y_perm, row_map, weights = ctx.saved_tensors
+    g = g.contiguous()
+    if weights is None:
+        return _permute_op(g, row_map, y_perm.shape[0], ctx.provider), None, None, None
+    gyp, gw = _unpermute_bwd_op(g, y_perm, row_map, weights, ctx.provider)
+    return gyp, None, gw if ctx.needs_input_grad[2] else None, None
+
+
+torch.library.register_autograd("torsh::moe_unpermute", _unpermute_backward, setup_context=_unpermute_setup)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+
+
+def moe_route(
+    logits: torch.Tensor,
+    *,
+    k: int,
+    score: str = "softmax",
+    renormalize: bool = True,
+    capacity_factor: float | None = None,
+    drop_policy: str = "probability",
+    check_finite: bool = True,
+    provider: str | None = None,
+) -> Routing:
+    """Route T tokens to K of E experts (see the module docstring).
+
+    Args:
+        logits: [T, E] router logits (fp32, fp16 or bf16); scores are computed in fp32.
+        k: experts per token, 1 <= k <= E.
+        score: "softmax" over the experts, or "sigmoid" per expert.
+        renormalize: divide each token's K chosen scores by their sum.
+        capacity_factor: None for no limit, else each expert keeps at most
+            ``ceil(T * k * capacity_factor / E)`` assignments.
+        drop_policy: which assignments an overfull expert keeps: "probability" (highest scores) or
+            "position" (earliest tokens).
+        check_finite: raise :class:`NonFiniteError` when a token's scores are NaN (one host sync).
+        provider: "triton", "numba" or "torch"; None selects automatically.
+    """
+    what = "torsh_kernels.moe_route"
+    logits = _check_logits(logits, what)
+    T, E = logits.shape
+    k = _check_int(k, what, "k", 1, E)
+    score = _check_choice(score, what, "score", SCORES)
+    drop_policy = _check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
+    capacity = -1
+    if capacity_factor is not None:
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+            raise ArgumentTypeError(f"{what}: capacity_factor must be a number or None, got {capacity_factor!r}")
+        if not math.isfinite(capacity_factor) or capacity_factor <= 0:
+            raise InvalidArgumentError(
+                f"{what}: capacity_factor={capacity_factor} must be a positive finite number (or None for no limit)"
+            )
+        capacity = expert_capacity(T, k, E, float(capacity_factor))
+    idx, w, s, counts, rows, tok = _route_op(
+        logits.contiguous(), k, score, bool(renormalize), capacity, drop_policy, bool(check_finite), provider or ""
+    )
+    return Routing(
+        indices=idx,
+        weights=w,
+        scores=s.detach(),
+        tokens_per_expert=counts,
+        row_map=rows,
+        token_index=tok,
+        dropped=rows < 0,
+        num_experts=E,
+        num_rows=tok.shape[0],
+        capacity=None if capacity < 0 else capacity,
+        score=score,
+    )
+
+
+def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = None) -> torch.Tensor:
+    """Rows of ``x [T, H]`` grouped by expert: ``[N, H]``, expert e's group holding its tokens in token
+    order; differentiable (the backward sums each token's rows)."""
+    what = "torsh_kernels.moe_permute"
+    routing = _check_routing(routing, what)
+    x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")
+    return _permute_op(x.contiguous(), routing.row_map, routing.num_rows, provider or "")
+
+
+def moe_unpermute(
+    y_perm: torch.Tensor, routing: Routing, *, weights: bool = True, provider: str | None = None
+) -> torch.Tensor:
+    """Combine expert outputs ``y_perm [N, H]`` back to ``[T, H]`` in token order, weighted by
+    ``routing.weights`` (unless ``weights=False``); differentiable in ``y_perm`` and the weights."""
+    what = "torsh_kernels.moe_unpermute"
+    routing = _check_routing(routing, what)
+    y_perm = _check_rows(y_perm, routing.num_rows, routing, what, "y_perm", "N")
+    w = routing.weights if weights else None
+    return _unpermute_op(y_perm.contiguous(), routing.row_map, w, provider or "")
+
+
+def moe_aux_loss(logits_or_probs: torch.Tensor, routing: Routing, *, from_probs: bool = False) -> torch.Tensor:
+    """The load-balancing loss ``E * sum_e f_e * P_e`` (fp32 scalar, differentiable in the input).
+
+    ``logits_or_probs`` is the [T, E] router logits (scored like the routing) or, with
+    ``from_probs=True``, probabilities the caller already computed."""
+    what = "torsh_kernels.moe_aux_loss"
+    routing = _check_routing(routing, what)
+    x = _check_tensor(logits_or_probs, what, "logits_or_probs")
+    _check_act_dtype(x, what, "logits_or_probs")
+    if tuple(x.shape) != (routing.num_tokens, routing.num_experts):
+        raise ShapeError(
+            f"{what}: logits_or_probs has shape {tuple(x.shape)}; the routing is for "
+            f"[T={routing.num_tokens}, E={routing.num_experts}]"
+        )
+    return moe_aux_loss_ref(x, routing, from_probs=from_probs)
+
+
+def moe_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """The router z-loss ``mean_t logsumexp(logits[t])**2`` (fp32 scalar, differentiable)."""
+    logits = _check_logits(logits, "torsh_kernels.moe_z_loss")
+    return moe_z_loss_ref(logits)

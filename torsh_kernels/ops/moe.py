@@ -710,12 +710,13 @@ _POLICY = {"position": _CAP_POSITION, "probability": _CAP_PROBABILITY}
 def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, capacity: int, drop_policy: str,
               check_finite: bool, provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                           torch.Tensor, torch.Tensor]:  # fmt: skip
-    """-> indices, weights, scores [T, K]; tokens_per_expert [E]; row_map [T, K]; token_index [N]."""
+    """-> weights, indices, scores [T, K]; tokens_per_expert [E]; row_map [T, K]; token_index [N] (the
+    differentiable output first)."""
     T, E = logits.shape
     if T == 0:
         i = torch.empty(0, k, dtype=torch.int64, device=logits.device)
         f = torch.empty(0, k, dtype=torch.float32, device=logits.device)
-        return i, f, f.clone(), torch.zeros(E, dtype=torch.int64, device=logits.device), i.clone(), i.new_empty(0)
+        return f, i, f.clone(), torch.zeros(E, dtype=torch.int64, device=logits.device), i.clone(), i.new_empty(0)
     if E > MAX_KERNEL_EXPERTS:  # a token's scores no longer fit one kernel tile
         if provider not in ("", "torch"):
             raise ShapeError(
@@ -738,7 +739,7 @@ def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, capac
         n_rows = T * k if policy == _NO_CAP else int(counts.sum())
         starts = torch.cumsum(counts, 0) - counts
         rows, tok = _rows(name, idx, pos, starts, n_rows, k)
-    return idx, w, s, counts, rows.view(T, k), tok
+    return w, idx, s, counts, rows.view(T, k), tok
 
 
 @_route_op.register_fake
@@ -747,13 +748,14 @@ def _(logits, k, score, renormalize, capacity, drop_policy, check_finite, provid
     n = T * k if capacity < 0 else torch.library.get_ctx().new_dynamic_size()
     i64, f32 = torch.int64, torch.float32
     tk = logits.new_empty(T, k, dtype=i64)
-    return tk, logits.new_empty(T, k, dtype=f32), logits.new_empty(T, k, dtype=f32), logits.new_empty(E, dtype=i64), \
-        torch.empty_like(tk), logits.new_empty(n, dtype=i64)  # fmt: skip
+    w = logits.new_empty(T, k, dtype=f32)
+    counts, tok = logits.new_empty(E, dtype=i64), logits.new_empty(n, dtype=i64)
+    return w, tk, torch.empty_like(w), counts, torch.empty_like(tk), tok
 
 
 def _route_setup(ctx, inputs, output):
     logits, _k, score, renormalize, *_ = inputs
-    idx, w, s, *_ = output
+    w, idx, s, *_ = output
     ctx.score, ctx.renormalize = score, renormalize
     ctx.logits_dtype = logits.dtype
     ctx.E = logits.shape[1]
@@ -761,7 +763,7 @@ def _route_setup(ctx, inputs, output):
     ctx.save_for_backward(logits if (score == "softmax" and not renormalize) else None, idx, w, s)
 
 
-def _route_backward(ctx, g_idx, g_w, g_s, g_counts, g_rows, g_tok):
+def _route_backward(ctx, g_w, g_idx, g_s, g_counts, g_rows, g_tok):
     """d loss / d logits from d loss / d weights (T x E elementwise work; the same for every provider)."""
     logits, idx, w, s = ctx.saved_tensors
     T = idx.shape[0]
@@ -908,7 +910,7 @@ def moe_route(
                 f"{what}: capacity_factor={capacity_factor} must be a positive finite number (or None for no limit)"
             )
         capacity = expert_capacity(T, k, E, float(capacity_factor))
-    idx, w, s, counts, rows, tok = _route_op(
+    w, idx, s, counts, rows, tok = _route_op(
         logits.contiguous(), k, score, bool(renormalize), capacity, drop_policy, bool(check_finite), provider or ""
     )
     return Routing(

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="run a benchmark suite")
     suites = bench.add_subparsers(dest="suite", required=True)
-    from .bench import bucket, collectives, compression, ddp
+    from .bench import bucket, collectives, compression, ddp, moe
 
     bucket.add_arguments(
         suites.add_parser("bucket", help="flatten / unflatten / bucket_reduce against the torch peers",
@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
                           description=ddp.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     )  # fmt: skip
 
+    moe.add_arguments(
+        suites.add_parser("moe", help="MoE route + permute + unpermute against a Mixtral-style torch block",
+                          description=moe.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )  # fmt: skip
+
     args = parser.parse_args(argv)
     if args.command == "providers":
         from . import providers
@@ -56,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return collectives.run(args)
     if args.command == "bench" and args.suite == "ddp":
         return ddp.run(args)
+    if args.command == "bench" and args.suite == "moe":
+        return moe.run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

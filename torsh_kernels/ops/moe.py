@@ -546,28 +546,52 @@ def _topk_numba(logits, k, score, renorm):
     return M.route_topk(logits, k, score == "softmax", renorm)
 
 
-# per-expert positions: (indices [T*K], scores [T*K]) -> positions [T*K] (-1 dropped), counts [E]
+# assignment -> row: (indices [T, K], scores [T, K]) -> row_map [T*K] (-1 dropped), counts [E], token_index [N]
 @_assign.register("torch")
 def _assign_torch(idx, s, E, cap, policy):
-    flat = idx.reshape(-1)
-    onehot = torch.nn.functional.one_hot(flat, E)
+    """Stable sorts instead of one pass per expert: rows ordered by (expert, token)."""
+    flat = idx.reshape(-1)  # [T*K] token-major
+    n, k = flat.numel(), idx.shape[1]
+    dev = flat.device
+    ar = torch.arange(n, device=dev)
     if policy == _NO_CAP:
-        keep = torch.ones_like(flat, dtype=torch.bool)
+        keep = None
     else:
+        counts_all = torch.bincount(flat, minlength=E)
+        starts_all = torch.cumsum(counts_all, 0) - counts_all
         if policy == _CAP_POSITION:
-            order = None
-            oh = onehot
-        else:
-            order = torch.sort(s.reshape(-1), descending=True, stable=True).indices
-            oh = onehot[order]
-        rank = (torch.cumsum(oh, 0) - 1).gather(1, flat[order, None] if order is not None else flat[:, None])
-        rank = rank.squeeze(1)
-        if order is not None:
-            rank = torch.empty_like(rank).scatter_(0, order, rank)
-        keep = rank < cap
-    kept = onehot * keep[:, None]
-    pos = (torch.cumsum(kept, 0) - 1).gather(1, flat[:, None]).squeeze(1)
-    return torch.where(keep, pos, -1), kept.sum(0)
+            order = torch.sort(flat, stable=True).indices  # by expert, then token
+        else:  # by expert, then score descending, then token
+            by_score = torch.sort(s.reshape(-1), descending=True, stable=True).indices
+            order = by_score[torch.sort(flat[by_score], stable=True).indices]
+        rank_sorted = ar - starts_all[flat[order]]  # rank of each assignment inside its expert
+        keep = torch.empty(n, dtype=torch.bool, device=dev)
+        keep[order] = rank_sorted < cap
+    key = flat if keep is None else torch.where(keep, flat, E)  # dropped ones sort last
+    order = torch.sort(key, stable=True).indices  # kept rows grouped by expert, token order inside
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    n_rows = n if keep is None else int(counts.sum())
+    rows = torch.empty(n, dtype=torch.int64, device=dev)
+    rows[order] = ar
+    if keep is not None:
+        rows.masked_fill_(~keep, -1)
+    tok = order[:n_rows] // k
+    return rows, counts, tok
+
+
+def _finish_rows(name, idx, pos, counts, policy, k):
+    """Kernels: per-expert positions -> rows (in place) and the inverse map."""
+    n = idx.numel()
+    n_rows = n if policy == _NO_CAP else int(counts.sum())
+    starts = torch.cumsum(counts, 0) - counts
+    tok = torch.empty(n_rows, dtype=torch.int64, device=idx.device)
+    if name == "triton":
+        _route_rows_kernel[(triton.cdiv(n, 1024),)](idx, pos, starts, tok, n, K=k, BLOCK=1024)
+    else:
+        from . import _moe_numba as M
+
+        M.route_rows(idx, pos, starts, tok, k)
+    return pos, counts, tok
 
 
 @_assign.register("triton")
@@ -576,42 +600,23 @@ def _assign_triton(idx, s, E, cap, policy):
     pos = torch.empty(n, dtype=torch.int64, device=idx.device)
     counts = torch.empty(E, dtype=torch.int64, device=idx.device)
     _route_assign_kernel[(E,)](idx, s, pos, counts, n, cap, BLOCK=_ASSIGN_BLOCK, POLICY=policy)
-    return pos, counts
+    return _finish_rows("triton", idx, pos, counts, policy, idx.shape[1])
 
 
 @_assign.register("numba")
 def _assign_numba(idx, s, E, cap, policy):
     from . import _moe_numba as M
 
-    return M.route_assign(idx, s, E, cap, policy)
+    pos, counts = M.route_assign(idx, s, E, cap, policy)
+    return _finish_rows("numba", idx, pos, counts, policy, idx.shape[1])
 
 
-def _rows_torch(idx, pos, starts, n_rows, k):
-    keep = pos >= 0
-    rows = torch.where(keep, starts[idx.reshape(-1)] + pos, -1)
-    tok = torch.empty(n_rows, dtype=torch.int64, device=idx.device)
-    tok[rows[keep]] = torch.arange(idx.numel(), device=idx.device)[keep] // k
-    return rows, tok
-
-
-def _rows(name, idx, pos, starts, n_rows, k):
-    """Final rows (in place of the positions) and the inverse map."""
-    if name == "torch":
-        return _rows_torch(idx, pos, starts, n_rows, k)
-    tok = torch.empty(n_rows, dtype=torch.int64, device=idx.device)
-    n = idx.numel()
-    if name == "triton":
-        _route_rows_kernel[(triton.cdiv(n, 1024),)](idx, pos, starts, tok, n, K=k, BLOCK=1024)
-    else:
-        from . import _moe_numba as M
-
-        M.route_rows(idx, pos, starts, tok, k)
-    return pos, tok
-
-
-# scatter rows: out[row_map[t, j]] = x[t] (* w[t, j])
+# scatter rows: out[row_map[t, j]] = x[t] (* w[t, j]); tok = the inverse map (out[i] = x[tok[i]] * ...)
 @_scatter_rows.register("torch")
-def _scatter_rows_torch(x, rows, w, out):
+def _scatter_rows_torch(x, rows, tok, w, out):
+    if w is None:  # a gather through the inverse map: one pass, no masks
+        torch.index_select(x, 0, tok, out=out)
+        return
     T, K = rows.shape
     ok = rows >= 0
     src = x.unsqueeze(1).expand(T, K, x.shape[1])[ok]
@@ -621,7 +626,7 @@ def _scatter_rows_torch(x, rows, w, out):
 
 
 @_scatter_rows.register("triton")
-def _scatter_rows_triton(x, rows, w, out):
+def _scatter_rows_triton(x, rows, tok, w, out):
     T, K = rows.shape
     H = x.shape[1]
     BH = _block_h(H)
@@ -630,7 +635,7 @@ def _scatter_rows_triton(x, rows, w, out):
 
 
 @_scatter_rows.register("numba")
-def _scatter_rows_numba(x, rows, w, out):
+def _scatter_rows_numba(x, rows, tok, w, out):
     from . import _moe_numba as M
 
     M.scatter_rows(x, rows, w, out)
@@ -639,13 +644,19 @@ def _scatter_rows_numba(x, rows, w, out):
 # gather rows: out[t] = sum_j w[t, j] * y[row_map[t, j]]
 @_gather_rows.register("torch")
 def _gather_rows_torch(y, rows, w, out):
-    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-    for j in range(rows.shape[1]):  # j = 0..K-1, in fp32, as the kernels do
+    T, K = rows.shape
+    if K == 1 and w is None and y.shape[0] == T:  # no drops: a plain gather
+        torch.index_select(y, 0, rows.view(-1), out=out)
+        return
+    drops = y.shape[0] < T * K  # without drops every row index is valid and no mask is needed
+    ww = torch.ones(rows.shape, dtype=torch.float32, device=y.device) if w is None else w
+    acc = None
+    for j in range(K):  # j = 0..K-1, in fp32, as the kernels do
         r = rows[:, j]
-        v = y.index_select(0, r.clamp(min=0)).float()
-        if w is not None:
-            v = v * w[:, j : j + 1]
-        acc += torch.where((r >= 0)[:, None], v, 0.0)
+        v = y.index_select(0, r.clamp(min=0) if drops else r)
+        if drops:  # dropped assignments add nothing (a 0 weight would still turn inf into NaN)
+            v = torch.where((r >= 0)[:, None], v, 0)
+        acc = torch.mul(v, ww[:, j : j + 1]) if acc is None else acc.addcmul_(v, ww[:, j : j + 1])
     out.copy_(acc)
 
 
@@ -668,7 +679,7 @@ def _gather_rows_numba(y, rows, w, out):
 # unpermute backward: grad_y_perm rows and grad_w [T, K] fp32
 @_gather_rows_bwd.register("torch")
 def _gather_rows_bwd_torch(gy, y, rows, w, gyp):
-    _scatter_rows_torch(gy, rows, w, gyp)
+    _scatter_rows_torch(gy, rows, None, w, gyp)
     ok = rows >= 0
     gw = torch.zeros(rows.shape, dtype=torch.float32, device=gy.device)
     for j in range(rows.shape[1]):
@@ -735,10 +746,7 @@ def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, capac
                 "anyway (their NaN scores then rank below every real score)"
             )
         policy = _NO_CAP if capacity < 0 else _POLICY[drop_policy]
-        pos, counts = _assign(name, idx, s, E, capacity, policy)
-        n_rows = T * k if policy == _NO_CAP else int(counts.sum())
-        starts = torch.cumsum(counts, 0) - counts
-        rows, tok = _rows(name, idx, pos, starts, n_rows, k)
+        rows, counts, tok = _assign(name, idx, s, E, capacity, policy)
     return w, idx, s, counts, rows.view(T, k), tok
 
 
@@ -786,36 +794,36 @@ torch.library.register_autograd("torsh::moe_route", _route_backward, setup_conte
 
 
 @torch.library.custom_op("torsh::moe_permute", mutates_args=())
-def _permute_op(x: torch.Tensor, row_map: torch.Tensor, num_rows: int, provider: str) -> torch.Tensor:
-    out = x.new_empty(num_rows, x.shape[1])
-    if num_rows and x.shape[1]:
+def _permute_op(x: torch.Tensor, row_map: torch.Tensor, token_index: torch.Tensor, provider: str) -> torch.Tensor:
+    out = x.new_empty(token_index.shape[0], x.shape[1])
+    if out.numel():
         name = _select(_scatter_rows, x, provider)
         with _on(x.device):
-            _scatter_rows(name, x, row_map, None, out)
+            _scatter_rows(name, x, row_map, token_index, None, out)
     return out
 
 
 @_permute_op.register_fake
-def _(x, row_map, num_rows, provider):
-    return x.new_empty(num_rows, x.shape[1])
+def _(x, row_map, token_index, provider):
+    return x.new_empty(token_index.shape[0], x.shape[1])
 
 
 def _permute_setup(ctx, inputs, output):
-    _, row_map, _, provider = inputs
-    ctx.save_for_backward(row_map)
+    _, row_map, token_index, provider = inputs
+    ctx.save_for_backward(row_map, token_index)
     ctx.provider = provider
 
 
 def _permute_backward(ctx, g):
-    (row_map,) = ctx.saved_tensors
-    return _unpermute_op(g.contiguous(), row_map, None, ctx.provider), None, None, None
+    row_map, token_index = ctx.saved_tensors
+    return _unpermute_op(g.contiguous(), row_map, token_index, None, ctx.provider), None, None, None
 
 
 torch.library.register_autograd("torsh::moe_permute", _permute_backward, setup_context=_permute_setup)
 
 
 @torch.library.custom_op("torsh::moe_unpermute", mutates_args=())
-def _unpermute_op(y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None,
+def _unpermute_op(y_perm: torch.Tensor, row_map: torch.Tensor, token_index: torch.Tensor, weights: torch.Tensor | None,
                   provider: str) -> torch.Tensor:  # fmt: skip
     T = row_map.shape[0]
     out = y_perm.new_empty(T, y_perm.shape[1])
@@ -827,7 +835,7 @@ def _unpermute_op(y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Te
 
 
 @_unpermute_op.register_fake
-def _(y_perm, row_map, weights, provider):
+def _(y_perm, row_map, token_index, weights, provider):
     return y_perm.new_empty(row_map.shape[0], y_perm.shape[1])
 
 
@@ -849,18 +857,18 @@ def _(grad_y, y_perm, row_map, weights, provider):
 
 
 def _unpermute_setup(ctx, inputs, output):
-    y_perm, row_map, weights, provider = inputs
-    ctx.save_for_backward(y_perm, row_map, weights)
+    y_perm, row_map, token_index, weights, provider = inputs
+    ctx.save_for_backward(y_perm, row_map, token_index, weights)
     ctx.provider = provider
 
 
 def _unpermute_backward(ctx, g):
-    y_perm, row_map, weights = ctx.saved_tensors
+    y_perm, row_map, token_index, weights = ctx.saved_tensors
     g = g.contiguous()
     if weights is None:
-        return _permute_op(g, row_map, y_perm.shape[0], ctx.provider), None, None, None
+        return _permute_op(g, row_map, token_index, ctx.provider), None, None, None, None
     gyp, gw = _unpermute_bwd_op(g, y_perm, row_map, weights, ctx.provider)
-    return gyp, None, gw if ctx.needs_input_grad[2] else None, None
+    return gyp, None, None, gw if ctx.needs_input_grad[3] else None, None
 
 
 torch.library.register_autograd("torsh::moe_unpermute", _unpermute_backward, setup_context=_unpermute_setup)
@@ -934,7 +942,7 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
     what = "torsh_kernels.moe_permute"
     routing = _check_routing(routing, what)
     x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")
-    return _permute_op(x.contiguous(), routing.row_map, routing.num_rows, provider or "")
+    return _permute_op(x.contiguous(), routing.row_map, routing.token_index, provider or "")
 
 
 def moe_unpermute(
@@ -946,7 +954,7 @@ def moe_unpermute(
     routing = _check_routing(routing, what)
     y_perm = _check_rows(y_perm, routing.num_rows, routing, what, "y_perm", "N")
     w = routing.weights if weights else None
-    return _unpermute_op(y_perm.contiguous(), routing.row_map, w, provider or "")
+    return _unpermute_op(y_perm.contiguous(), routing.row_map, routing.token_index, w, provider or "")
 
 
 def moe_aux_loss(logits_or_probs: torch.Tensor, routing: Routing, *, from_probs: bool = False) -> torch.Tensor:

@@ -1,0 +1,13 @@
+"""MoE route + permute + unpermute against a Mixtral-style torch block; same as `torsh bench moe`.
+
+python benchmarks/bench_moe.py [--device cuda] [--json benchmarks/results/moe-<gpu>.json]
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torsh_kernels.bench.moe import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Compile every GPU kernel variant of the bucket and compression ops for a real GPU target, with no GPU present.
+"""Compile every GPU kernel variant of the bucket, compression and MoE ops for a real GPU target, with no GPU present.
 
 Run in a fresh process without TRITON_INTERPRET / NUMBA_ENABLE_CUDASIM (test_gpu_compile.py does), so
 the module defines real Triton JITFunctions and Numba CUDA dispatchers:
@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from torsh_kernels.ops import bucket, compress
+from torsh_kernels.ops import bucket, compress, moe
 
 TL = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 DTYPES = list(TL)
@@ -108,12 +108,46 @@ def compress_triton_variants():
                    {"ROWS": rows, "RP": rp, "ITERS": 2})  # fmt: skip
 
 
+def moe_triton_variants():
+    M = moe
+    F = ("fp32", "fp16", "bf16")
+    route = {"logits_ptr": None, "idx_ptr": "*i64", "w_ptr": "*fp32", "s_ptr": "*fp32", "bad_ptr": "*i32", "T": "i32",
+             "E": "i32", "stride_t": "i32"}  # fmt: skip
+    for x in F:
+        for score in (0, 1):
+            for renorm in (False, True):
+                yield (f"moe_route_topk {x} score={score} renorm={renorm} K=2 E<=8", M._route_topk_kernel,
+                       {**route, "logits_ptr": f"*{x}"},
+                       {"K": 2, "KP": 2, "EP": 8, "BLOCK_T": 64, "SCORE": score, "RENORM": renorm})  # fmt: skip
+    yield ("moe_route_topk bf16 K=6 E<=64", M._route_topk_kernel, {**route, "logits_ptr": "*bf16"},
+           {"K": 6, "KP": 8, "EP": 64, "BLOCK_T": 64, "SCORE": 0, "RENORM": True})  # fmt: skip
+    for policy in (0, 1, 2):
+        yield (f"moe_route_assign policy={policy}", M._route_assign_kernel,
+               {"idx_ptr": "*i64", "s_ptr": "*fp32", "pos_ptr": "*i64", "counts_ptr": "*i64", "n": "i32", "cap": "i32"},
+               {"BLOCK": M._ASSIGN_BLOCK, "POLICY": policy})  # fmt: skip
+    yield ("moe_route_rows", M._route_rows_kernel,
+           {"idx_ptr": "*i64", "row_ptr": "*i64", "starts_ptr": "*i64", "tok_ptr": "*i64", "n": "i32"},
+           {"K": 2, "BLOCK": 1024})  # fmt: skip
+    for x in F:
+        for has_w in (False, True):
+            w = "*fp32" if has_w else "*i64"
+            yield (f"moe_permute {x} weights={has_w}", M._permute_kernel,
+                   {"x_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": w, "out_ptr": f"*{x}", "H": "i32"},
+                   {"K": 2, "BLOCK_H": 1024, "HAS_W": has_w})  # fmt: skip
+            yield (f"moe_unpermute {x} weights={has_w}", M._unpermute_kernel,
+                   {"y_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": w, "out_ptr": f"*{x}", "H": "i32"},
+                   {"K": 2, "BLOCK_H": 1024, "HAS_W": has_w})  # fmt: skip
+        yield (f"moe_unpermute_backward {x}", M._unpermute_bwd_kernel,
+               {"gy_ptr": f"*{x}", "y_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": "*fp32", "gyp_ptr": f"*{x}",
+                "gw_ptr": "*fp32", "H": "i32"}, {"K": 2, "KP": 2, "BLOCK_H": 1024})  # fmt: skip
+
+
 def compile_triton(cap: int) -> list[dict]:
     import triton
     from triton.backends.compiler import GPUTarget
 
     results = []
-    for name, fn, sig, consts in [*triton_variants(), *compress_triton_variants()]:
+    for name, fn, sig, consts in [*triton_variants(), *compress_triton_variants(), *moe_triton_variants()]:
         try:
             src = triton.compiler.ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                                             constexprs=consts)  # fmt: skip
@@ -157,7 +191,7 @@ def compile_numba(cc: tuple[int, int]) -> list[dict]:
                     )  # fmt: skip
             for name, kernel, sig in variants:
                 results.append(_compile_ptx(cuda, name, kernel, sig, cc))
-    for name, kernel, sig in compress_numba_variants(nt):
+    for name, kernel, sig in [*compress_numba_variants(nt), *moe_numba_variants(nt)]:
         results.append(_compile_ptx(cuda, name, kernel, sig, cc))
     return results
 
@@ -212,6 +246,29 @@ def compress_numba_variants(nt):
             yield (f"orthogonalize {TL[d]} RP={rp}", K._ortho_kernel(d, rp),
                    (int64[::1], a[d], int64, float64, int64))  # fmt: skip
     _ = float32
+
+
+def moe_numba_variants(nt):
+    from numba import float32, int32, int64
+
+    from torsh_kernels.ops import _moe_numba as K
+
+    a = {d: nt[d][::1] for d in nt}
+    f32, i64 = float32[::1], int64[::1]
+    for x in (torch.float32, torch.float16, torch.bfloat16):
+        n = TL[x]
+        for softmax in (False, True):
+            for renorm in (False, True):
+                yield (f"moe_route_topk {n} softmax={softmax} renorm={renorm}", K._topk_kernel(x, softmax, renorm),
+                       (a[x], i64, f32, f32, int32[::1], int64, int64, int64))  # fmt: skip
+        for has_w in (False, True):
+            yield (f"moe_permute {n} weights={has_w}", K._scatter_kernel(x, x, has_w),
+                   (a[x], i64, f32, a[x], int64, int64))  # fmt: skip
+            yield (f"moe_unpermute {n} weights={has_w}", K._gather_kernel(x, has_w),
+                   (a[x], i64, f32, a[x], int64, int64))  # fmt: skip
+        yield (f"moe_row_dots {n}", K._dots_kernel(x), (a[x], a[x], i64, f32, int64, int64, int64))
+    yield ("moe_route_assign", K._assign_kernel, (i64, f32, i64, i64, int64, int64, int64, int64))
+    yield ("moe_route_rows", K._rows_kernel, (i64, i64, i64, i64, int64, int64))
 
 
 def main() -> int:

@@ -142,3 +142,19 @@ def test_bench_ddp_runs_every_case_and_writes_json(tmp_path):
                      "torch powersgd"]  # fmt: skip
     assert all(row["step_ms"] > 0 for row in data["rows"])
     assert "speedup vs no hook" in r.stdout
+
+
+def test_bench_moe_prints_tables_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    rc = main(["bench", "moe", "--device", "cpu", "--providers", "torch", "--tokens", "257", "--hidden", "33",
+               "--experts", "3,8", "--reps", "2", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    for needle in ("T=257 H=33 E=3 k=2", "E=8", "Mixtral block", "route+permute+unpermute", "index_select", "GB/s"):
+        assert needle in text, needle
+    data = json.loads(out.read_text())
+    assert data["suite"] == "moe" and data["config"]["tokens"] == 257
+    kinds = {(r["op"], r["kind"]) for r in data["results"]}
+    assert kinds >= {("path", "ours"), ("path", "peer"), ("route", "ours"), ("permute", "peer"), ("unpermute", "ours")}
+    for r in data["results"]:
+        assert r["timing"]["median_ms"] > 0 and r["gbps"] > 0 and r["extra"]["rows"] == 514

@@ -391,3 +391,17 @@ def test_torch_unpermute_in_token_blocks(gen, cf):
     for weights in (True, False):
         got = M.moe_unpermute(y_perm, r, weights=weights, provider="torch")
         torch.testing.assert_close(got, M.moe_unpermute_ref(y_perm, r, weights=weights), atol=8e-3, rtol=8e-3)
+
+
+def test_kernel_limits_fall_back_to_torch_or_raise(gen):
+    """Past the kernels' limits (K unrolled up to 32, E up to 1024 per tile) automatic selection runs the
+    torch path; an explicitly requested kernel provider raises."""
+    logits = rand((3, 40), torch.float32, gen)
+    r = M.moe_route(logits, k=33)  # automatic: torch
+    assert torch.equal(r.row_map, M.moe_route_ref(logits, k=33).row_map)
+    with pytest.raises(ShapeError, match="k=32"):
+        M.moe_route(logits, k=33, provider="triton")
+    with pytest.raises(ShapeError, match="k=32"):
+        M.moe_permute(rand((3, 4), torch.float32, gen), r, provider="numba")
+    with pytest.raises(ShapeError, match="1024 experts"):
+        M.moe_route(rand((2, 1025), torch.float32, gen), k=1, provider="triton")

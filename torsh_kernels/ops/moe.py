@@ -89,6 +89,8 @@ ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Above this many experts a token's scores no longer fit one kernel tile (the Triton kernel holds a
 # [BLOCK_T, next_pow2(E)] tile in registers); the route then runs the torch path.
 MAX_KERNEL_EXPERTS = 1024
+# The kernels unroll the K choices of a token; beyond this many the torch path runs instead.
+MAX_KERNEL_K = 32
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -722,8 +724,19 @@ def _gather_rows_bwd_numba(gy, y, rows, w, gyp):
 # Custom ops (torch.library) with autograd
 
 
-def _select(op: Op, t: torch.Tensor, provider: str) -> str:
-    return op.select(t.device, t.dtype, t.numel(), provider or None)
+def _select(op: Op, t: torch.Tensor, provider: str, k: int, num_experts: int = 0) -> str:
+    """The provider for this call; the torch path past the kernels' limits on K and E (an explicitly
+    requested kernel provider then raises instead)."""
+    limit = None
+    if k > MAX_KERNEL_K:
+        limit = f"up to k={MAX_KERNEL_K} choices per token, got k={k}"
+    elif num_experts > MAX_KERNEL_EXPERTS:
+        limit = f"up to {MAX_KERNEL_EXPERTS} experts, got E={num_experts}"
+    if limit is None:
+        return op.select(t.device, t.dtype, t.numel(), provider or None)
+    if provider not in ("", "torch"):
+        raise ShapeError(f"torsh_kernels.{op.name}: the {provider} kernels handle {limit}; use provider='torch'")
+    return "torch"
 
 
 _POLICY = {"position": _CAP_POSITION, "probability": _CAP_PROBABILITY}
@@ -740,15 +753,7 @@ def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, capac
         i = torch.empty(0, k, dtype=torch.int64, device=logits.device)
         f = torch.empty(0, k, dtype=torch.float32, device=logits.device)
         return f, i, f.clone(), torch.zeros(E, dtype=torch.int64, device=logits.device), i.clone(), i.new_empty(0)
-    if E > MAX_KERNEL_EXPERTS:  # a token's scores no longer fit one kernel tile
-        if provider not in ("", "torch"):
-            raise ShapeError(
-                f"torsh_kernels.moe_route: the {provider} kernels route up to {MAX_KERNEL_EXPERTS} experts, got "
-                f"E={E}; use provider='torch' (or None) for more"
-            )
-        name = "torch"
-    else:
-        name = _select(_topk, logits, provider)
+    name = _select(_topk, logits, provider, k, E)
     with _on(logits.device):
         idx, w, s, bad = _topk(name, logits, k, score, renormalize)
         if check_finite and (b := int(bad.item())):
@@ -809,7 +814,7 @@ torch.library.register_autograd("torsh::moe_route", _route_backward, setup_conte
 def _permute_op(x: torch.Tensor, row_map: torch.Tensor, token_index: torch.Tensor, provider: str) -> torch.Tensor:
     out = x.new_empty(token_index.shape[0], x.shape[1])
     if out.numel():
-        name = _select(_scatter_rows, x, provider)
+        name = _select(_scatter_rows, x, provider, row_map.shape[1])
         with _on(x.device):
             _scatter_rows(name, x, row_map, token_index, None, out)
     return out
@@ -840,7 +845,7 @@ def _unpermute_op(y_perm: torch.Tensor, row_map: torch.Tensor, token_index: torc
     T = row_map.shape[0]
     out = y_perm.new_empty(T, y_perm.shape[1])
     if T and y_perm.shape[1]:
-        name = _select(_gather_rows, y_perm, provider)
+        name = _select(_gather_rows, y_perm, provider, row_map.shape[1])
         with _on(y_perm.device):
             _gather_rows(name, y_perm, row_map, weights, out)
     return out
@@ -857,7 +862,7 @@ def _unpermute_bwd_op(grad_y: torch.Tensor, y_perm: torch.Tensor, row_map: torch
     gyp = torch.empty_like(y_perm)
     if row_map.shape[0] == 0 or y_perm.shape[1] == 0:
         return gyp.zero_(), torch.zeros(row_map.shape, dtype=torch.float32, device=y_perm.device)
-    name = _select(_gather_rows_bwd, y_perm, provider)
+    name = _select(_gather_rows_bwd, y_perm, provider, row_map.shape[1])
     with _on(y_perm.device):
         gw = _gather_rows_bwd(name, grad_y, y_perm, row_map, weights, gyp)
     return gyp, gw

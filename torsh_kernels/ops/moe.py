@@ -514,8 +514,13 @@ def _topk_torch(logits, k, score, renorm):
     nan = torch.isnan(p)
     bad = nan.any(1).sum().view(1)
     sel = torch.where(nan, -1.0, p)
-    if k == 1:  # argmax returns the first maximal index
-        idx = sel.argmax(1, keepdim=True)
+    if k <= 8:  # k rounds of argmax, which returns the first (lowest) index of equal maxima
+        idx = torch.empty(p.shape[0], k, dtype=torch.int64, device=p.device)
+        for j in range(k):
+            i = sel.argmax(1, keepdim=True)
+            idx[:, j : j + 1] = i
+            if j + 1 < k:
+                sel.scatter_(1, i, -3.0)
     else:
         idx = torch.sort(sel, dim=1, descending=True, stable=True).indices[:, :k].contiguous()
     s = p.gather(1, idx)

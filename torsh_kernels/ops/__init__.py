@@ -44,11 +44,14 @@ from .moe import (
     moe_z_loss,
     moe_z_loss_ref,
 )
+from .offload import FORMATS, Packed, pack, pack_ref, packed_nbytes, unpack, unpack_ref
 from .registry import PROVIDERS, ProviderInfo, ProviderReport, providers, set_tuned_lookup
 
 __all__ = [
+    "FORMATS",
     "PROVIDERS",
     "BucketLayout",
+    "Packed",
     "ProviderInfo",
     "ProviderReport",
     "Routing",
@@ -72,6 +75,9 @@ __all__ = [
     "moe_z_loss_ref",
     "orthogonalize",
     "orthogonalize_ref",
+    "pack",
+    "pack_ref",
+    "packed_nbytes",
     "providers",
     "quantize",
     "quantize_ref",
@@ -88,4 +94,6 @@ __all__ = [
     "topk_decompress_ref",
     "unflatten",
     "unflatten_ref",
+    "unpack",
+    "unpack_ref",
 ]

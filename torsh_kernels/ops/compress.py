@@ -1207,19 +1207,34 @@ def _(values, indices, out, accumulate, alpha, provider):
     return None
 
 
+def _quantize_into(x, q, scales, bits, block, stochastic, key, check_finite, provider) -> None:
+    if x.numel():
+        name = _select(_quantize, x, provider)
+        with _on(x.device):
+            bad = _quantize(name, x.view(-1), q, scales, bits, block, stochastic, key)
+        if check_finite and (b := int(bad.item())):
+            _raise_nonfinite(b, "torsh_kernels.quantize", "x")
+
+
 @torch.library.custom_op("torsh::quantize", mutates_args=())
 def _quantize_op(x: torch.Tensor, bits: int, block: int, stochastic: bool, key: int, check_finite: bool,
                  provider: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     n = x.numel()
     q = torch.empty(n if bits == 8 else -(-n // 2), dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device)
     scales = torch.empty(-(-n // block), dtype=torch.float32, device=x.device)
-    if n:
-        name = _select(_quantize, x, provider)
-        with _on(x.device):
-            bad = _quantize(name, x.view(-1), q, scales, bits, block, stochastic, key)
-        if check_finite and (b := int(bad.item())):
-            _raise_nonfinite(b, "torsh_kernels.quantize", "x")
+    _quantize_into(x, q, scales, bits, block, stochastic, key, check_finite, provider)
     return q, scales
+
+
+@torch.library.custom_op("torsh::quantize_out", mutates_args=("q", "scales"))
+def _quantize_out_op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int, block: int, stochastic: bool,
+                     key: int, check_finite: bool, provider: str) -> None:  # fmt: skip
+    _quantize_into(x, q, scales, bits, block, stochastic, key, check_finite, provider)
+
+
+@_quantize_out_op.register_fake
+def _(x, q, scales, bits, block, stochastic, key, check_finite, provider):
+    return None
 
 
 @_quantize_op.register_fake
@@ -1480,6 +1495,7 @@ def quantize(
     stochastic: bool = False,
     seed: int | None = None,
     check_finite: bool = True,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
     provider: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise absmax quantization of ``x``'s elements to int8 or packed int4.
@@ -1487,7 +1503,9 @@ def quantize(
     Returns ``(q, scales)``: ``q`` int8 [n] (bits=8) or uint8 [ceil(n/2)] (bits=4, two codes per byte),
     ``scales`` fp32 [ceil(n/block)]. ``stochastic`` rounds up with probability equal to the fractional
     part, from noise determined by ``seed`` (default: drawn from torch's global generator, so
-    ``torch.manual_seed`` makes it reproducible) and the element index.
+    ``torch.manual_seed`` makes it reproducible) and the element index. ``out=(q, scales)``: write into
+    these contiguous tensors of exactly those dtypes and sizes on x's device (with ``check_finite``, a
+    non-finite input raises after they were written).
     """
     what = "torsh_kernels.quantize"
     xf = _flat_input(x, what, "x")
@@ -1500,7 +1518,25 @@ def quantize(
         key = seed_key(seed)
     elif seed is not None:
         _check_int(seed, what, "seed")
-    return _quantize_op(xf, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
+    if out is None:
+        return _quantize_op(xf, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ArgumentTypeError(f"{what}: out must be a (q, scales) pair of tensors, got {type(out).__name__}")
+    n = xf.numel()
+    qdt = torch.int8 if bits == 8 else torch.uint8
+    for t, name, dt, size in ((out[0], "out[0] (q)", qdt, n if bits == 8 else -(-n // 2)),
+                              (out[1], "out[1] (scales)", torch.float32, -(-n // block))):  # fmt: skip
+        t = _check_tensor(t, what, name)
+        if t.dtype != dt or t.numel() != size or not t.is_contiguous():
+            raise ShapeError(
+                f"{what}: {name} must be a contiguous {dt} tensor of {size} elements for {n} elements in blocks "
+                f"of {block}, got {t.dtype} with {t.numel()} elements{'' if t.is_contiguous() else ' (strided)'}"
+            )
+        if t.device != xf.device:
+            raise DeviceMismatchError(f"{what}: {name} is on {t.device}, x on {xf.device}")
+    q, scales = out[0].view(-1), out[1].view(-1)
+    _quantize_out_op(xf, q, scales, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
+    return out[0], out[1]
 
 
 def dequantize(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .hooks import CompressionHookState, HookStats, compression_hook
 from .moe import ExpertParallelMoE, MoELayer
+from .offload import OffloadedOptimizer
 from .synchronizer import GradientConsistency, GradientSynchronizer
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "GradientSynchronizer",
     "HookStats",
     "MoELayer",
+    "OffloadedOptimizer",
     "compression_hook",
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .hooks import CompressionHookState, HookStats, compression_hook
 from .moe import ExpertParallelMoE, MoELayer
-from .offload import OffloadedOptimizer
+from .offload import OffloadedOptimizer, ParameterOffloader
 from .synchronizer import GradientConsistency, GradientSynchronizer
 
 __all__ = [
@@ -18,5 +18,6 @@ __all__ = [
     "HookStats",
     "MoELayer",
     "OffloadedOptimizer",
+    "ParameterOffloader",
     "compression_hook",
 ]

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from torsh_kernels.bench.bucket import case_sizes
 from torsh_kernels.cli import main
 
@@ -158,3 +160,18 @@ def test_bench_moe_prints_tables_and_writes_json(tmp_path, capsys):
     assert kinds >= {("path", "ours"), ("path", "peer"), ("route", "ours"), ("permute", "peer"), ("unpermute", "ours")}
     for r in data["results"]:
         assert r["timing"]["median_ms"] > 0 and r["gbps"] > 0 and r["extra"]["rows"] == 514
+
+
+def test_bench_offload_prints_tables_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "offload.json"
+    rc = main(["bench", "offload", "--device", "cpu", "--sizes", "0.25", "--width", "64", "--layers", "2",
+               "--steps", "2", "--reps", "2", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    for needle in ("torsh pack", "torsh unpack", 'x.to("cpu", non_blocking=True) fp32', "OffloadedOptimizer(bf16)",
+                   "AdamW", "GB/s"):  # fmt: skip
+        assert needle in text, needle
+    data = json.loads(out.read_text())
+    assert data["suite"] == "offload" and {r["extra"]["format"] for r in data["results"]} == {"bf16", "fp16", "int8"}
+    opt = {r["optimizer"]: r for r in data["config"]["optimizer"]}
+    assert opt["OffloadedOptimizer(bf16)"]["peak_bytes"] == pytest.approx(opt["AdamW"]["peak_bytes"] / 2, rel=1e-3)

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="run a benchmark suite")
     suites = bench.add_subparsers(dest="suite", required=True)
-    from .bench import bucket, collectives, compression, ddp, moe
+    from .bench import bucket, collectives, compression, ddp, moe, offload
 
     bucket.add_arguments(
         suites.add_parser("bucket", help="flatten / unflatten / bucket_reduce against the torch peers",
@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
                           description=moe.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     )  # fmt: skip
 
+    offload.add_arguments(
+        suites.add_parser("offload", help="pack/unpack to host against plain copies; AdamW against OffloadedOptimizer",
+                          description=offload.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )  # fmt: skip
+
     args = parser.parse_args(argv)
     if args.command == "providers":
         from . import providers
@@ -63,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return ddp.run(args)
     if args.command == "bench" and args.suite == "moe":
         return moe.run(args)
+    if args.command == "bench" and args.suite == "offload":
+        return offload.run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -39,6 +39,7 @@ from ..errors import (
     ShapeError,
 )
 from .bucket import BucketLayout, flatten, unflatten
+from .bucket import _flatten as _flatten_op
 from .compress import dequantize, quantize
 
 __all__ = ["FORMATS", "Packed", "pack", "pack_ref", "packed_nbytes", "unpack", "unpack_ref"]
@@ -152,6 +153,11 @@ def _check_buffer(out: object, nbytes: int, what: str, name: str) -> torch.Tenso
     return out
 
 
+def _torch_path(t: torch.Tensor, provider: str | None) -> bool:
+    """Whether the cast runs with the torch provider (then as one torch copy)."""
+    return _flatten_op.select(t.device, t.dtype, t.numel(), provider or None) == "torch"
+
+
 def pack(
     x: torch.Tensor,
     fmt: str = "bf16",
@@ -190,6 +196,8 @@ def pack(
             if fmt == "int8":
                 quantize(x.detach(), bits=8, block=block, check_finite=check_finite, out=(dst.codes, dst.scales),
                          provider=provider)  # fmt: skip
+            elif _torch_path(x, provider):  # one cast-copy, without the bucket op's per-call overhead
+                dst.codes.copy_(x.detach().reshape(-1))
             else:
                 flatten([x.detach()], out=dst.codes, provider=provider)
         if stage is not out:  # only the packed bytes cross the bus
@@ -244,6 +252,13 @@ def unpack(
         if packed.fmt == "int8":
             dequantize(src.codes, src.scales, block=src.block, numel=n, out=flat, accumulate=accumulate,
                        provider=provider)  # fmt: skip
+        elif _torch_path(flat, provider):
+            if not accumulate:
+                flat.copy_(src.codes)
+            elif flat.dtype == torch.float32:
+                flat.add_(src.codes)  # in fp32, rounded once
+            else:
+                flat.copy_(flat.float() + src.codes.float())
         else:
             unflatten(src.codes, BucketLayout.for_tensors([flat], src.codes.dtype), [flat], accumulate=accumulate,
                       provider=provider)  # fmt: skip

@@ -125,6 +125,8 @@ def test_finite_checks(provider):
     p = O.pack(big, "fp16", check_finite=False, provider=provider)
     assert O.unpack(p).tolist() == [1.0, float("inf"), -3.0]
     assert O.unpack(O.pack(big, "bf16", provider=provider)).tolist()[1] == pytest.approx(70000, rel=1e-2)
+    with pytest.raises(NonFiniteError, match="70000"):  # a NaN does not hide the overflow
+        O.pack(torch.tensor([float("nan"), 70000.0, float("inf")], device=DEVICE), "fp16", provider=provider)
     nan = torch.tensor([1.0, float("nan"), 2.0], device=DEVICE)
     with pytest.raises(NonFiniteError):
         O.pack(nan, "int8", provider=provider)

@@ -184,10 +184,13 @@ def pack(
         out = _check_buffer(out, nbytes, what, "out")
     with _stream_ctx(stream, (x.device, out.device), what):
         if check_finite and fmt == "fp16" and x.dtype != torch.float16 and n:
-            amax = float(x.detach().abs().amax())
+            lo, hi = torch.aminmax(x.detach())  # one pass, no temporary
+            amax = max(-float(lo), float(hi))
+            if math.isnan(amax):  # NaN hides the finite extremes: look again without NaN and Inf
+                amax = float(torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0).abs().max())
             if math.isfinite(amax) and amax > FP16_MAX:
                 raise NonFiniteError(
-                    f"{what}: x holds a finite magnitude of {amax:.4g}, beyond fp16's largest {FP16_MAX:g}; it "
+                    f"{what}: x holds a finite magnitude of {amax:.6g}, beyond fp16's largest {FP16_MAX:g}; it "
                     "would become inf. Use fmt='bf16' (fp32's range) or pass check_finite=False"
                 )
         stage = out if out.device == x.device else torch.empty(nbytes, dtype=torch.uint8, device=x.device)

@@ -518,3 +518,18 @@ def test_custom_ops_pass_opcheck():
     q, s = C.quantize(x, block=64)
     torch.library.opcheck(C._dequantize_op, (q, s, torch.empty(300), 8, 64, 1.0, False, "torch"))
     torch.library.opcheck(C._ortho_op, ([torch.randn(20, 3), torch.randn(9, 3)], 1e-4, 2, "torch"))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_torch_quantize_in_cpu_slices_matches_reference(gen, bits, stochastic):
+    """On the CPU the torch provider quantizes in slices of CPU_SLICE elements: several slices, a ragged
+    last block and (int4) an odd count give the reference's codes and scales bit for bit."""
+    n = 3 * C.CPU_SLICE + 1001
+    x = rand(n, torch.float32, gen).cpu()
+    q, s = C.quantize(x, bits=bits, block=128, stochastic=stochastic, seed=5, provider="torch")
+    q_ref, s_ref = C.quantize_ref(x, bits=bits, block=128, stochastic=stochastic, seed=5)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    out = torch.full((n,), 0.5)
+    C.dequantize(q, s, block=128, numel=n, out=out, accumulate=True, provider="torch")
+    torch.testing.assert_close(out, C.dequantize_ref(q, s, numel=n, block=128) + 0.5, atol=0, rtol=0)

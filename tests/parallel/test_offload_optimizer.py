@@ -168,3 +168,29 @@ def test_arguments():
     opt = OffloadedOptimizer(ps)
     with pytest.raises(InvalidArgumentError, match="param groups"):
         opt.load_state_dict({"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]})
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_gradients_offloaded_during_backward(micro_batches):
+    """offload_gradients="backward": each gradient leaves the device as backward produces it (grad stays
+    None), micro-batches add up on the host, and the result is still AdamW's bit for bit."""
+    ref, ours = _model(), _model()
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-3, weight_decay=0.01)
+    opt = OffloadedOptimizer(_groups(ours), state_format="fp32", lr=1e-3, weight_decay=0.01, chunk_mb=1e-3,
+                             offload_gradients="backward")  # fmt: skip
+    for step in range(6):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for mb in range(micro_batches):
+            g = torch.Generator().manual_seed(100 * step + mb)
+            x, y = torch.randn(16, 13, generator=g), torch.randint(0, 5, (16,), generator=g)
+            for m in (ref, ours):
+                out = m(x) + (m.extra(x) if step % 2 == 0 else 0)
+                nn.functional.cross_entropy(out, y).backward()
+        assert all(p.grad is None for p in ours.parameters()), "no gradient stays on the device"
+        ref_opt.step()
+        opt.step()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            assert torch.equal(p, q)
+    with pytest.raises(InvalidArgumentError, match="offload_gradients"):
+        OffloadedOptimizer(ours.parameters(), offload_gradients="never")

@@ -15,7 +15,8 @@ user moves), so a format's GB/s can exceed the link's.
 
 Part 2, an optimizer step on an MLP stack of --layers x [--width x --width] (the 1B-parameter class
 scaled to the machine: the defaults give 0.2B on CUDA and 17M on the CPU): forward + backward + step with
-plain AdamW against ``OffloadedOptimizer`` (bf16 state), step time and the peak memory of the device
+plain AdamW against ``OffloadedOptimizer`` (bf16 state; gradients moved at the step, or during
+backward), step time and the peak memory of the device
 (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the optimizer state bytes, since host and device are
 the same memory there).
 """
@@ -91,13 +92,14 @@ def _mlp(width: int, layers: int, device: torch.device) -> torch.nn.Module:
 
 def run_optimizer(width: int, layers: int, batch: int, steps: int, device: torch.device) -> list[dict]:
     out = []
-    for name in ("AdamW", "OffloadedOptimizer(bf16)"):
+    for name in ("AdamW", "OffloadedOptimizer(bf16)", "OffloadedOptimizer(bf16, grads in backward)"):
         model = _mlp(width, layers, device)
         n = sum(p.numel() for p in model.parameters())
         if name == "AdamW":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         else:
-            opt = OffloadedOptimizer(model.parameters(), state_format="bf16", lr=1e-4)
+            grads = "backward" if "backward" in name else "step"
+            opt = OffloadedOptimizer(model.parameters(), state_format="bf16", lr=1e-4, offload_gradients=grads)
         x = torch.randn(batch, width, device=device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

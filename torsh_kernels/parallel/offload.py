@@ -14,7 +14,11 @@ Each ``step()`` works through the parameters in chunks of about ``chunk_mb`` meg
    their dtype, while the host updates the next chunk.
 
 The device stream waits for the last copy before ``step`` returns, so the next forward sees the new
-parameters. On machines without CUDA, the same steps run on host tensors (no pinning, no streams).
+parameters. With ``offload_gradients="backward"`` each gradient instead goes to the host as soon as
+backward has produced it (a post-accumulate-grad hook; further micro-batches add to it there) and is
+freed on the device, so the device never holds all gradients at once: parameters and activations are
+then all that training keeps there (``param.grad`` stays None; ``step`` reads the host copies).
+On machines without CUDA, the same steps run on host tensors (no pinning, no streams).
 
 ``state_format``: "fp32" keeps the state unpacked (the result equals the wrapped optimizer's bit for
 bit); "bf16"/"fp16" round each state tensor to that format after every step (relative error 2^-9 /
@@ -35,6 +39,7 @@ passed to the wrapped optimizer at every step.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -71,7 +76,8 @@ def _host_state(v: Any) -> Any:
 class _Chunk:
     """Parameters of one group updated together: their fp32 masters and gradients as flat host buffers."""
 
-    __slots__ = ("grad_flat", "group", "h2d_done", "inner", "layout", "master_flat", "masters", "params")
+    __slots__ = ("grad_flat", "grad_views", "group", "h2d_done", "host_has", "inner", "layout", "master_flat",
+                 "masters", "params")  # fmt: skip
 
     def __init__(self, group: int, params: list[torch.nn.Parameter], pin: bool) -> None:
         self.group = group
@@ -81,6 +87,8 @@ class _Chunk:
         self.grad_flat = torch.empty(n, dtype=torch.float32, pin_memory=pin)
         self.layout = BucketLayout.for_tensors(params, torch.float32)
         self.masters = self.layout.views(self.master_flat)
+        self.grad_views = self.layout.views(self.grad_flat)
+        self.host_has = [False] * len(params)  # offload_gradients="backward": this step's gradient is on the host
         with torch.no_grad():
             for m, p in zip(self.masters, params):
                 m.copy_(p.detach())
@@ -96,6 +104,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         optimizer: the wrapped optimizer class (default ``torch.optim.AdamW``); it runs on the host.
         state_format: "fp32", "bf16" (default), "fp16" or "int8".
         chunk_mb: megabytes of fp32 parameters per pipeline chunk.
+        offload_gradients: "step" (gradients move at ``step()``) or "backward" (as backward produces them).
         **optimizer_kwargs: the wrapped optimizer's arguments (lr, betas, weight_decay, ...).
     """
 
@@ -106,6 +115,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         state_format: str = "bf16",
         *,
         chunk_mb: float = 32.0,
+        offload_gradients: str = "step",
         **optimizer_kwargs: Any,
     ) -> None:
         what = "OffloadedOptimizer"
@@ -150,6 +160,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             hyper = {k: v for k, v in self.param_groups[c.group].items() if k != "params"}
             c.inner = optimizer([{"params": c.masters, **hyper}])
         self._packed: dict[int, dict[str, Packed]] = {}  # id(master) -> state name -> packed bytes
+        if offload_gradients not in ("step", "backward"):
+            raise InvalidArgumentError(
+                f"{what}: offload_gradients={offload_gradients!r}; expected 'step' or 'backward'"
+            )
+        self.offload_gradients = offload_gradients
+        self._grad_hooks = []
+        if offload_gradients == "backward":
+            for c in self._chunks:
+                for i, p in enumerate(c.params):
+                    self._grad_hooks.append(
+                        p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, c, i))
+                    )
         if self._cuda is not None:
             self._d2h = torch.cuda.Stream(self._cuda)
             self._h2d = torch.cuda.Stream(self._cuda)
@@ -240,12 +262,48 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._pack_state(m, c.inner.state[m])
 
     @torch.no_grad()
+    def _grad_ready(self, c: _Chunk, i: int, p: torch.Tensor) -> None:
+        """offload_gradients="backward": move a gradient to the host as soon as backward produced it (adding
+        to the one already there within this step) and free it on the device."""
+        view, g = c.grad_views[i], p.grad
+        self.stats["bytes_to_host"] += g.numel() * 4
+        if self._cuda is None:
+            if c.host_has[i]:
+                view.add_(g)
+            else:
+                view.copy_(g)
+        elif not c.host_has[i]:
+            self._d2h.wait_stream(torch.cuda.current_stream(self._cuda))
+            with torch.cuda.stream(self._d2h):
+                view.copy_(g, non_blocking=True)
+                g.record_stream(self._d2h)  # the allocator must not reuse it before the copy ran
+        else:  # a second micro-batch: add on the host (synchronous)
+            self._d2h.synchronize()
+            view.add_(g.to("cpu", torch.float32))
+        c.host_has[i] = True
+        p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for c in self._chunks:
+            c.host_has = [False] * len(c.params)
+
+    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every parameter that has a gradient (see the module docstring)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.offload_gradients == "backward":  # the gradients are on the host already
+            if self._cuda is not None:
+                self._d2h.synchronize()
+            for c in self._chunks:
+                if any(c.host_has):
+                    self._update(c, c.host_has)
+                    self._scatter_params(c)
+                    c.host_has = [False] * len(c.params)
+            return self._finish(loss)
         chunks = [c for c in self._chunks if any(p.grad is not None for p in c.params)]
         if not chunks:
             return loss
@@ -258,6 +316,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 ev.synchronize()
             self._update(c, has)
             self._scatter_params(c)
+        return self._finish(loss)
+
+    def _finish(self, loss: Any) -> Any:
         if self._cuda is not None:
             torch.cuda.current_stream(self._cuda).wait_stream(self._h2d)
         self.stats["steps"] += 1

@@ -38,7 +38,7 @@ from ..errors import (
     LayoutMismatchError,
     ShapeError,
 )
-from .registry import Op, _triton_state
+from .registry import Op, _triton_state, tuned_meta
 
 try:
     import triton
@@ -674,12 +674,14 @@ def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float)
 def _flatten_triton(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> None:
     tensors = [_readable(t) for t in tensors]
     for dtype, (ts, offs) in _by_dtype(tensors, _offsets(tensors)):
-        table, tile_map, n_tiles = _tables(ts, offs, [t.data_ptr() for t in ts], TRITON_BLOCK, out.device, "triton")
+        m = tuned_meta("flatten", out.device, out.dtype, out.numel(), "triton")
+        block, warps = m.get("BLOCK", TRITON_BLOCK), m.get("num_warps", TRITON_WARPS)
+        table, tile_map, n_tiles = _tables(ts, offs, [t.data_ptr() for t in ts], block, out.device, "triton")
         _flatten_kernel[(n_tiles,)](
             table, tile_map, out, ts[0], _scale_bits(scale),
-            BLOCK=TRITON_BLOCK, NCOL=NCOLS, HAS_SCALE=scale != 1.0,
+            BLOCK=block, NCOL=NCOLS, HAS_SCALE=scale != 1.0,
             COMPUTE_F64=_compute_dtype(dtype, out.dtype) == torch.float64,
-            num_warps=TRITON_WARPS, enable_fp_fusion=False,
+            num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
 
 
@@ -726,12 +728,14 @@ def _unflatten_torch(flat: torch.Tensor, tensors: list[torch.Tensor], scale: flo
 def _unflatten_triton(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool) -> None:
     w = _Writable(tensors, accumulate)
     for dtype, (ts, offs) in _by_dtype(w.targets, _offsets(w.targets)):
-        table, tile_map, n_tiles = _tables(ts, offs, [t.data_ptr() for t in ts], TRITON_BLOCK, flat.device, "triton")
+        m = tuned_meta("unflatten", flat.device, flat.dtype, flat.numel(), "triton")
+        block, warps = m.get("BLOCK", TRITON_BLOCK), m.get("num_warps", TRITON_WARPS)
+        table, tile_map, n_tiles = _tables(ts, offs, [t.data_ptr() for t in ts], block, flat.device, "triton")
         _unflatten_kernel[(n_tiles,)](
             table, tile_map, flat, ts[0], _scale_bits(scale),
-            BLOCK=TRITON_BLOCK, NCOL=NCOLS, HAS_SCALE=scale != 1.0, ACCUMULATE=accumulate,
+            BLOCK=block, NCOL=NCOLS, HAS_SCALE=scale != 1.0, ACCUMULATE=accumulate,
             COMPUTE_F64=_compute_dtype(dtype, flat.dtype) == torch.float64,
-            num_warps=TRITON_WARPS, enable_fp_fusion=False,
+            num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
     w.finish()
 
@@ -781,11 +785,13 @@ def _reduce_triton(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> N
     if numel == 0:
         return
     ptrs = _ptr_table([b.data_ptr() for b in buffers], out.device, "triton-reduce")
-    _bucket_reduce_kernel[(triton.cdiv(numel, TRITON_BLOCK),)](
+    m = tuned_meta("bucket_reduce", out.device, buffers[0].dtype, numel, "triton")
+    block, warps = m.get("BLOCK", TRITON_BLOCK), m.get("num_warps", TRITON_WARPS)
+    _bucket_reduce_kernel[(triton.cdiv(numel, block),)](
         ptrs, out, buffers[0], numel, len(buffers),
-        BLOCK=TRITON_BLOCK, OP=_REDUCE_CODE[op],
+        BLOCK=block, OP=_REDUCE_CODE[op],
         COMPUTE_F64=_compute_dtype(buffers[0].dtype, out.dtype) == torch.float64,
-        num_warps=TRITON_WARPS, enable_fp_fusion=False,
+        num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
 
 

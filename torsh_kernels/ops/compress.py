@@ -60,7 +60,7 @@ from ..errors import (
     ShapeError,
 )
 from .bucket import _on, _ptr_table, _Ranges
-from .registry import Op, _triton_state
+from .registry import Op, _triton_state, tuned_meta
 
 try:
     import triton
@@ -892,11 +892,13 @@ def _quantize_torch_range(x, q, scales, bits, block, stochastic, key, offset):
 @_quantize.register("triton")
 def _quantize_triton(x, q, scales, bits, block, stochastic, key):
     bad = _counter(x.device)
-    group = max(1, QTILE // block)
+    m = tuned_meta("quantize", x.device, x.dtype, x.numel(), "triton")
+    group = max(1, m.get("QTILE", QTILE) // block)
     nb = scales.numel()
     _quantize_kernel[_grid(nb, group)](
         x, q, scales, bad, x.numel(), nb, key,
-        QBLOCK=block, GROUP=group, BITS=bits, QMAXV=QMAX[bits], STOCHASTIC=stochastic, num_warps=WARPS,
+        QBLOCK=block, GROUP=group, BITS=bits, QMAXV=QMAX[bits], STOCHASTIC=stochastic,
+        num_warps=m.get("num_warps", WARPS),
     )  # fmt: skip
     return bad
 

@@ -21,7 +21,9 @@ import functools
 import importlib.metadata
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +37,11 @@ __all__ = [
     "ProviderInfo",
     "ProviderReport",
     "can_run",
+    "forced_meta",
     "providers",
     "set_tuned_lookup",
+    "set_tuned_meta",
+    "tuned_meta",
 ]
 
 log = logging.getLogger("torsh_kernels")
@@ -151,6 +156,39 @@ def set_tuned_lookup(fn: TunedLookup | None) -> None:
     """Install (or remove, with None) the source of tuned winners consulted by automatic selection."""
     global _tuned_lookup
     _tuned_lookup = fn
+
+
+# ... and a source of tuned meta-parameters: (op, device, dtype, size, provider) -> {"BLOCK": ..., ...} or None.
+TunedMeta = Callable[[str, torch.device, torch.dtype, int, str], "dict[str, int] | None"]
+_tuned_meta: TunedMeta | None = None
+_forced = threading.local()
+
+
+def set_tuned_meta(fn: TunedMeta | None) -> None:
+    """Install (or remove, with None) the source of tuned meta-parameters that kernel launchers consult."""
+    global _tuned_meta
+    _tuned_meta = fn
+
+
+@contextmanager
+def forced_meta(op: str, meta: dict[str, int]):
+    """Within the block, launches of ``op`` on this thread use ``meta`` (the autotuner timing a candidate)."""
+    prev = getattr(_forced, "meta", None)
+    _forced.meta = {**(prev or {}), op: dict(meta)}
+    try:
+        yield
+    finally:
+        _forced.meta = prev
+
+
+def tuned_meta(op: str, device: torch.device, dtype: torch.dtype, size: int, provider: str) -> dict[str, int]:
+    """Meta-parameters for this launch: forced by the tuner, else the cached winner's, else {} (the defaults)."""
+    f = getattr(_forced, "meta", None)
+    if f and op in f:
+        return f[op]
+    if _tuned_meta is None:
+        return {}
+    return _tuned_meta(op, device, dtype, size, provider) or {}
 
 
 _logged: set[tuple[str, str, str]] = set()

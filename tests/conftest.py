@@ -9,6 +9,7 @@ imports torsh_kernels. On a GPU machine the same tests run the compiled kernels 
 from __future__ import annotations
 
 import os
+import tempfile
 import zlib
 
 import torch
@@ -17,8 +18,10 @@ _GPU = torch.cuda.is_available() and os.environ.get("TORSH_TEST_INTERPRET", "0")
 if not _GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-# Keep the user's provider choice out of the tests: they select providers explicitly.
+# Keep the user's provider choice and tuning cache out of the tests: they select providers explicitly,
+# and the tuner's tests use their own cache directories.
 os.environ.pop("TORSH_KERNELS_PROVIDER", None)
+os.environ["TORSH_KERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="torsh-test-cache-")
 
 import pytest  # noqa: E402
 

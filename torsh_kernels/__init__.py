@@ -41,6 +41,10 @@ from .ops import (
 
 __version__ = "0.1.0"
 
+from .profiling.autotune import install as _install_tuning
+
+_install_tuning()  # automatic provider selection and the kernel launchers use the tuning cache's winners
+
 __all__ = [
     "ArgumentTypeError",
     "BucketLayout",

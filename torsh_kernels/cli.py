@@ -50,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
                           description=offload.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     )  # fmt: skip
 
+    from .profiling import tune_cli
+
+    tune_cli.add_arguments(
+        sub.add_parser("tune", help="autotune the kernels' providers and meta-parameters; cache the winners",
+                       description=tune_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )  # fmt: skip
+
     args = parser.parse_args(argv)
     if args.command == "providers":
         from . import providers
@@ -58,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "demo":
         return demo.run(args)
+    if args.command == "tune":
+        return tune_cli.run(args)
     if args.command == "bench" and args.suite == "bucket":
         return bucket.run(args)
     if args.command == "bench" and args.suite == "compression":

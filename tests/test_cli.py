@@ -175,3 +175,53 @@ def test_bench_offload_prints_tables_and_writes_json(tmp_path, capsys):
     assert data["suite"] == "offload" and {r["extra"]["format"] for r in data["results"]} == {"bf16", "fp16", "int8"}
     opt = {r["optimizer"]: r for r in data["config"]["optimizer"]}
     assert opt["OffloadedOptimizer(bf16)"]["peak_bytes"] == pytest.approx(opt["AdamW"]["peak_bytes"] / 2, rel=1e-3)
+
+
+def test_bench_harness_json_and_compare(tmp_path, capsys):
+    """`torsh bench SUITE SUITE --json` runs both through one harness; `--compare` against that JSON passes,
+    against a baseline where our cases were 10x faster it fails and names them; peers never fail it."""
+    out = tmp_path / "all.json"
+    small = ["--args", 'moe=--tokens 257 --hidden 33 --experts 3 --reps 2',
+             "--args", "offload=--sizes 0.25 --width 64 --layers 2 --steps 2 --reps 2"]  # fmt: skip
+    assert main(["bench", "moe", "offload", "--json", str(out), *small]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == "all" and set(doc["suites"]) == {"moe", "offload"} and doc["git_commit"] is not None
+    ours = [k for k, m in doc["measurements"]["moe"].items() if m["kind"] == "ours"]
+    assert ours and all(m["ms"] > 0 for m in doc["measurements"]["moe"].values())
+    capsys.readouterr()
+    assert main(["bench", "moe", "--compare", str(out), "--max-regression", "10000%", *small[:2]]) == 0
+    assert "no regression" in capsys.readouterr().out
+    fast = json.loads(out.read_text())
+    for suite in fast["measurements"].values():
+        for m in suite.values():
+            m["ms"] /= 10 if m["kind"] == "ours" else 1e-3  # ours 10x faster; peers 1000x slower (no failure)
+    base = tmp_path / "fast.json"
+    base.write_text(json.dumps(fast))
+    assert main(["bench", "moe", "--compare", str(base), "--max-regression", "50%", *small[:2]]) == 1
+    text = capsys.readouterr().out
+    assert "REGRESSION moe: " in text and "torsh[torch]" in text and "index_add_" not in text.split("REGRESSION")[1]
+    assert main(["bench", "moe", "nosuch"]) == 2  # the harness names the unknown suite
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "nosuch"])  # one name: the single-suite command, argparse's usage error
+    assert exit_.value.code == 2
+    assert main(["bench", "moe", "--compare", str(tmp_path / "missing.json")]) == 2
+
+
+def test_bench_compare_logic():
+    from torsh_kernels.bench.harness import compare, measurements
+
+    cur = {"measurements": {"s": {"a": {"ms": 2.0, "kind": "ours"}, "b": {"ms": 2.0, "kind": "peer"},
+                                  "c": {"ms": 1.0, "kind": "ours"}, "d": {"ms": 5.0, "kind": "copy"}}}}  # fmt: skip
+    base = {"measurements": {"s": {"a": {"ms": 1.0, "kind": "ours"}, "b": {"ms": 1.0, "kind": "peer"},
+                                   "d": {"ms": 1.0, "kind": "copy"}, "gone": {"ms": 1.0, "kind": "ours"}}}}  # fmt: skip
+    rows, bad = compare(cur, base, 0.1)
+    assert {r[1] for r in rows} == {"a", "b"} and [r[1] for r in bad] == ["a"]
+    rows, bad = compare(cur, base, 1.5)
+    assert bad == []
+    single = {"suite": "ddp", "rows": [{"case": "torsh powersgd", "buckets": "25 MB", "step_ms": 10.0},
+                                       {"case": "no hook", "buckets": "25 MB", "step_ms": 30.0}]}  # fmt: skip
+    m = measurements("ddp", single)
+    assert m == {
+        "torsh powersgd / 25 MB": {"ms": 10.0, "kind": "ours"},
+        "no hook / 25 MB": {"ms": 30.0, "kind": "peer"},
+    }

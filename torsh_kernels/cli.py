@@ -5,8 +5,28 @@ from __future__ import annotations
 import argparse
 import sys
 
+_HARNESS_FLAGS = ("--compare", "--max-regression", "--full", "--args")
+
+
+def _harness_mode(rest: list[str]) -> bool:
+    """`torsh bench` runs the harness unless exactly one suite is named with its own options only."""
+    leading = []
+    for a in rest:
+        if a.startswith("-"):
+            break
+        leading.append(a)
+    return len(leading) != 1 or any(a.split("=")[0] in _HARNESS_FLAGS for a in rest)
+
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "bench" and _harness_mode(argv[1:]):
+        from .bench import harness
+
+        hp = argparse.ArgumentParser(prog="torsh bench", description=harness.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        harness.add_arguments(hp)
+        return harness.run(hp.parse_args(argv[1:]))
     parser = argparse.ArgumentParser(prog="torsh", description="torsh-kernels: fused kernels for distributed training")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -18,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                        description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     )  # fmt: skip
 
-    bench = sub.add_parser("bench", help="run a benchmark suite")
+    bench = sub.add_parser(
+        "bench", help="run benchmark suites: `torsh bench [SUITE ...] [--json P] [--compare B]` (all through one "
+        "harness) or `torsh bench SUITE [its options]`")  # fmt: skip
     suites = bench.add_subparsers(dest="suite", required=True)
     from .bench import bucket, collectives, compression, ddp, moe, offload
 

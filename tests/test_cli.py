@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from torsh_kernels.bench.bucket import case_sizes
 from torsh_kernels.cli import main
@@ -225,3 +226,9 @@ def test_bench_compare_logic():
         "torsh powersgd / 25 MB": {"ms": 10.0, "kind": "ours"},
         "no hook / 25 MB": {"ms": 30.0, "kind": "peer"},
     }
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where no GPU is present")
+def test_bench_ncu_says_why_it_cannot_run(capsys):
+    assert main(["bench", "moe", "--ncu"]) == 2
+    assert "torsh bench --ncu cannot run here: no CUDA GPU" in capsys.readouterr().err

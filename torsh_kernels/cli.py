@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-_HARNESS_FLAGS = ("--compare", "--max-regression", "--full", "--args")
+_HARNESS_FLAGS = ("--compare", "--max-regression", "--full", "--args", "--ncu")
 
 
 def _harness_mode(rest: list[str]) -> bool:

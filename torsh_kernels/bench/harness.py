@@ -10,6 +10,10 @@ slower than the baseline by more than ``--max-regression`` (default 10%) is a re
 names each such case and exits with status 1. Peers are listed but never fail the run (their change is
 the machine's, not ours).
 
+``--ncu`` adds hardware counters of the fused kernels (Nsight Compute through nsight-python, the
+``nsight`` extra): DRAM throughput and occupancy per kernel; where ``ncu``, nsight-python or a GPU is
+missing it says which and exits with status 2.
+
 Sizes: on a GPU the suites' own defaults; on a CPU, unless ``--full``, the reduced settings in
 :data:`QUICK` (the full CPU run takes most of an hour). ``--args SUITE="..."`` passes options to a suite.
 """
@@ -103,6 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-regression", default="10%", help="allowed slowdown of our cases (default 10%%)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--full", action="store_true", help="the suites' full default sizes also on a CPU")
+    p.add_argument("--ncu", action="store_true",
+                   help="also profile the fused kernels under Nsight Compute (DRAM throughput, occupancy)")  # fmt: skip
     p.add_argument("--args", action="append", default=[], metavar='SUITE="OPTIONS"',
                    help='extra options for one suite, e.g. --args moe="--experts 8"')  # fmt: skip
 
@@ -123,6 +129,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"torsh bench: {e}", file=sys.stderr)
         return 2
+    if args.ncu:
+        from . import ncu
+
+        why = ncu.unavailable_reason()
+        if why is not None:
+            print(f"torsh bench --ncu cannot run here: {why}", file=sys.stderr)
+            return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     quick = device.type == "cpu" and not args.full
     doc = {"suite": "all", **environment(device), "mode": "quick" if quick else "full", "suites": {},
@@ -142,6 +155,19 @@ def run(args: argparse.Namespace) -> int:
             data = json.loads((Path(tmp) / f"{name}.json").read_text())
             doc["suites"][name] = data
             doc["measurements"][name] = measurements(name, data)
+    if args.ncu:
+        from rich.table import Table
+
+        from . import ncu
+
+        doc["ncu"] = ncu.profile()
+        t = Table(title="Nsight Compute: fused kernels (triton provider)", title_justify="left")
+        cols = list(dict.fromkeys(k for r in doc["ncu"] for k in r))
+        for c in cols:
+            t.add_column(c)
+        for r in doc["ncu"]:
+            t.add_row(*(str(r.get(c, "")) for c in cols))
+        wide_console(140).print(t)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(doc, indent=1) + "\n")

@@ -154,14 +154,15 @@ class _Store:
 
     def __init__(self) -> None:
         self.data: dict[str, Any] | None = None
-        self.mtime: float | None = None
+        self.mtime: tuple[int, int, int] | None = None
         self.path: Path | None = None
         self.used: set[str] = set()
 
     def entries(self, device: torch.device) -> dict[str, Any]:
         path = cache_path()
-        try:
-            mtime = path.stat().st_mtime
+        try:  # writes replace the file, so a new inode (or size or mtime) means new contents, even within one tick
+            st = path.stat()
+            mtime = (st.st_ino, st.st_size, st.st_mtime_ns)
         except OSError:
             mtime = None
         if self.data is None or mtime != self.mtime or path != self.path:

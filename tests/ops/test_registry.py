@@ -26,10 +26,11 @@ def calls(monkeypatch):
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    installed = registry._tuned_lookup  # the autotuner's, installed at import: put it back afterwards
     registry.set_tuned_lookup(None)
     registry._logged.clear()
     yield
-    registry.set_tuned_lookup(None)
+    registry.set_tuned_lookup(installed)
 
 
 def run(provider=None):

@@ -23,6 +23,7 @@ CPU = torch.device("cpu")
 def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(A.ENV_CACHE_DIR, str(tmp_path / "cache"))
     A._STORE.data = None
+    A.install()  # as importing torsh_kernels does (another test may have swapped the registry's hooks)
     yield
     A._STORE.data = None
 

@@ -150,32 +150,40 @@ def _save_cache(data: dict[str, Any], path: Path | None = None) -> None:
 
 
 class _Store:
-    """The cache as the dispatcher reads it: loaded once per process (reloaded when the file changes)."""
+    """The cache as the dispatcher reads it: loaded once per process (reloaded when the file changes).
+
+    Consulted on every automatic provider selection and kernel launch, so a lookup costs one ``stat``:
+    the path is recomputed only when the environment variables it comes from change."""
 
     def __init__(self) -> None:
         self.data: dict[str, Any] | None = None
         self.mtime: tuple[int, int, int] | None = None
         self.path: Path | None = None
+        self.path_from: tuple[str | None, str | None] | None = None
         self.used: set[str] = set()
 
+    def _cache_path(self) -> Path:
+        src = (os.environ.get(ENV_CACHE_DIR), os.environ.get("XDG_CACHE_HOME"))
+        if src != self.path_from:  # Path.home() and friends cost more than the stat
+            self.path_from, self.data, self.path = src, None, cache_path()
+        return self.path
+
     def entries(self, device: torch.device) -> dict[str, Any]:
-        path = cache_path()
+        path = self._cache_path()
         try:  # writes replace the file, so a new inode (or size or mtime) means new contents, even within one tick
-            st = path.stat()
+            st = os.stat(path)
             mtime = (st.st_ino, st.st_size, st.st_mtime_ns)
         except OSError:
             mtime = None
-        if self.data is None or mtime != self.mtime or path != self.path:
-            self.data, self.mtime, self.path = load_cache(path), mtime, path
+        if self.data is None or mtime != self.mtime:
+            self.data, self.mtime = load_cache(path), mtime
         key, _ = environment_key(device)
         return self.data["environments"].get(key, {}).get("entries", {})
 
     def winner(self, op: str, device: torch.device, dtype: torch.dtype, size: int) -> dict[str, Any] | None:
-        e = self.entries(device).get(_entry_key(op, dtype, bucket_of(size)))
-        if e is None:
-            return None
         ek = _entry_key(op, dtype, bucket_of(size))
-        if ek not in self.used:
+        e = self.entries(device).get(ek)
+        if e is not None and ek not in self.used:
             self.used.add(ek)
             log.info("torsh_kernels: %s uses the tuned winner %s%s", ek, e["provider"], e.get("meta") or "")
         return e

@@ -42,35 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         "bench", help="run benchmark suites: `torsh bench [SUITE ...] [--json P] [--compare B]` (all through one "
         "harness) or `torsh bench SUITE [its options]`")  # fmt: skip
     suites = bench.add_subparsers(dest="suite", required=True)
-    from .bench import bucket, collectives, compression, ddp, moe, offload
+    from .bench import harness
 
-    bucket.add_arguments(
-        suites.add_parser("bucket", help="flatten / unflatten / bucket_reduce against the torch peers",
-                          description=bucket.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    )  # fmt: skip
-    compression.add_arguments(
-        suites.add_parser("compression", help="compression ops and compressors against the torch peers",
-                          description=compression.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    )  # fmt: skip
-    collectives.add_arguments(
-        suites.add_parser("collectives", help="collectives and compressed all-reduce over real processes",
-                          description=collectives.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    )  # fmt: skip
-
-    ddp.add_arguments(
-        suites.add_parser("ddp", help="DDP step time: PyTorch's hooks against torsh's compression_hook",
-                          description=ddp.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    )  # fmt: skip
-
-    moe.add_arguments(
-        suites.add_parser("moe", help="MoE route + permute + unpermute against a Mixtral-style torch block",
-                          description=moe.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    )  # fmt: skip
-
-    offload.add_arguments(
-        suites.add_parser("offload", help="pack/unpack to host against plain copies; AdamW against OffloadedOptimizer",
-                          description=offload.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    )  # fmt: skip
+    for name, text in harness.SUITES.items():
+        mod = harness.suite_module(name)
+        mod.add_arguments(suites.add_parser(name, help=text, description=mod.__doc__,
+                                            formatter_class=argparse.RawDescriptionHelpFormatter))  # fmt: skip
 
     from .profiling import tune_cli
 
@@ -89,18 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         return demo.run(args)
     if args.command == "tune":
         return tune_cli.run(args)
-    if args.command == "bench" and args.suite == "bucket":
-        return bucket.run(args)
-    if args.command == "bench" and args.suite == "compression":
-        return compression.run(args)
-    if args.command == "bench" and args.suite == "collectives":
-        return collectives.run(args)
-    if args.command == "bench" and args.suite == "ddp":
-        return ddp.run(args)
-    if args.command == "bench" and args.suite == "moe":
-        return moe.run(args)
-    if args.command == "bench" and args.suite == "offload":
-        return offload.run(args)
+    if args.command == "bench":
+        return harness.suite_module(args.suite).run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

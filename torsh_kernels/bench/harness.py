@@ -21,6 +21,7 @@ Sizes: on a GPU the suites' own defaults; on a CPU, unless ``--full``, the reduc
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
 import sys
@@ -31,7 +32,16 @@ import torch
 
 from . import environment, wide_console
 
-SUITE_NAMES = ("bucket", "compression", "collectives", "ddp", "moe", "offload")
+# Each suite (a module of this package with add_arguments and run) and its one-line help.
+SUITES = {
+    "bucket": "flatten / unflatten / bucket_reduce against the torch peers",
+    "compression": "compression ops and compressors against the torch peers",
+    "collectives": "collectives and compressed all-reduce over real processes",
+    "ddp": "DDP step time: PyTorch's hooks against torsh's compression_hook",
+    "moe": "MoE route + permute + unpermute against a Mixtral-style torch block",
+    "offload": "pack/unpack to host against plain copies; AdamW against OffloadedOptimizer",
+}
+SUITE_NAMES = tuple(SUITES)
 
 # Reduced settings for CPU runs (each a few seconds to a minute on 2 cores).
 QUICK: dict[str, list[str]] = {
@@ -45,11 +55,9 @@ QUICK: dict[str, list[str]] = {
 HAS_DEVICE = ("bucket", "compression", "moe", "offload")
 
 
-def _suite_module(name: str):
-    from . import bucket, collectives, compression, ddp, moe, offload
-
-    return {"bucket": bucket, "compression": compression, "collectives": collectives, "ddp": ddp, "moe": moe,
-            "offload": offload}[name]  # fmt: skip
+def suite_module(name: str):
+    """The module of a suite: ``add_arguments(parser)`` and ``run(args)``."""
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 def measurements(suite: str, data: dict) -> dict[str, dict]:
@@ -142,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
            "measurements": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="torsh-bench-") as tmp:
         for name in suites:
-            mod = _suite_module(name)
+            mod = suite_module(name)
             parser = argparse.ArgumentParser(prog=f"torsh bench {name}")
             mod.add_arguments(parser)
             argv = (QUICK[name] if quick else []) + extra.get(name, []) + ["--json", str(Path(tmp) / f"{name}.json")]

@@ -183,10 +183,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Second-moment states are stored as their square root in fp16 (range) and int8 (resolution)."""
         return self.state_format in ("fp16", "int8") and name in SQRT_STATES
 
-    def _unpack_state(self, master: torch.Tensor, state: dict[str, Any]) -> None:
-        for name, pk in self._packed.pop(id(master), {}).items():
+    def _unpacked(self, master: torch.Tensor, *, keep: bool) -> dict[str, torch.Tensor]:
+        """The packed state of one parameter as fp32 tensors (the stored bytes dropped unless ``keep``)."""
+        stored = self._packed.get(id(master), {}) if keep else self._packed.pop(id(master), {})
+        out = {}
+        for name, pk in stored.items():
             v = unpack(pk, dtype=torch.float32)
-            state[name] = v.square_() if (self._sqrt(name)) else v
+            out[name] = v.square_() if self._sqrt(name) else v
+        return out
+
+    def _unpack_state(self, master: torch.Tensor, state: dict[str, Any]) -> None:
+        state.update(self._unpacked(master, keep=False))
 
     def _pack_state(self, master: torch.Tensor, state: dict[str, Any]) -> None:
         if self.state_format == "fp32":
@@ -334,9 +341,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for c in self._chunks:
             for p, m in zip(c.params, c.masters):
                 s = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in c.inner.state.get(m, {}).items()}
-                for name, pk in self._packed.get(id(m), {}).items():
-                    v = unpack(pk, dtype=torch.float32)
-                    s[name] = v.square_() if (self._sqrt(name)) else v
+                s.update(self._unpacked(m, keep=True))
                 s["master"] = m.detach().clone()
                 state[index[id(p)]] = s
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}

@@ -176,6 +176,19 @@ def _check_choice(v: object, what: str, name: str, choices: tuple[str, ...]) -> 
     return v  # type: ignore[return-value]
 
 
+def check_capacity_factor(capacity_factor: object, what: str) -> float | None:
+    """None (no limit) or a positive finite float; a typed error otherwise."""
+    if capacity_factor is None:
+        return None
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+        raise ArgumentTypeError(f"{what}: capacity_factor must be a number or None, got {capacity_factor!r}")
+    if not math.isfinite(capacity_factor) or capacity_factor <= 0:
+        raise InvalidArgumentError(
+            f"{what}: capacity_factor={capacity_factor} must be a positive finite number (or None for no limit)"
+        )
+    return float(capacity_factor)
+
+
 def _check_logits(logits: object, what: str) -> torch.Tensor:
     logits = _check_tensor(logits, what, "logits")
     _check_act_dtype(logits, what, "logits")
@@ -931,15 +944,8 @@ def moe_route(
     k = _check_int(k, what, "k", 1, E)
     score = _check_choice(score, what, "score", SCORES)
     drop_policy = _check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
-    capacity = -1
-    if capacity_factor is not None:
-        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-            raise ArgumentTypeError(f"{what}: capacity_factor must be a number or None, got {capacity_factor!r}")
-        if not math.isfinite(capacity_factor) or capacity_factor <= 0:
-            raise InvalidArgumentError(
-                f"{what}: capacity_factor={capacity_factor} must be a positive finite number (or None for no limit)"
-            )
-        capacity = expert_capacity(T, k, E, float(capacity_factor))
+    capacity_factor = check_capacity_factor(capacity_factor, what)
+    capacity = -1 if capacity_factor is None else expert_capacity(T, k, E, capacity_factor)
     w, idx, s, counts, rows, tok = _route_op(
         logits.contiguous(), k, score, bool(renormalize), capacity, drop_policy, bool(check_finite), provider or ""
     )

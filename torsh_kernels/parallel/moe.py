@@ -43,6 +43,8 @@ from ..ops.moe import (
     DROP_POLICIES,
     SCORES,
     Routing,
+    _check_choice,
+    check_capacity_factor,
     moe_aux_loss,
     moe_permute,
     moe_route,
@@ -94,16 +96,10 @@ class _MoEBase(nn.Module):
         self.k = _check_pos_int(k, what, "k")
         if k > num_experts:
             raise InvalidArgumentError(f"{what}: k={k} exceeds num_experts={num_experts}")
-        if score not in SCORES:
-            raise InvalidArgumentError(f"{what}: score={score!r}; expected one of {SCORES}")
-        if drop_policy not in DROP_POLICIES:
-            raise InvalidArgumentError(f"{what}: drop_policy={drop_policy!r}; expected one of {DROP_POLICIES}")
-        if activation not in ACTIVATIONS:
-            raise InvalidArgumentError(f"{what}: activation={activation!r}; expected one of {ACTIVATIONS}")
-        if capacity_factor is not None and not (
-            isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor) and capacity_factor > 0
-        ):
-            raise InvalidArgumentError(f"{what}: capacity_factor={capacity_factor!r} must be positive (or None)")
+        _check_choice(score, what, "score", SCORES)
+        _check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
+        _check_choice(activation, what, "activation", ACTIVATIONS)
+        capacity_factor = check_capacity_factor(capacity_factor, what)
         for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise InvalidArgumentError(f"{what}: {name}={v!r} must be a finite number >= 0")

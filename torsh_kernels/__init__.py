@@ -45,6 +45,10 @@ from .profiling.autotune import install as _install_tuning
 
 _install_tuning()  # automatic provider selection and the kernel launchers use the tuning cache's winners
 
+from .profiling.timeline import start_from_env as _start_trace_from_env  # noqa: E402
+
+_start_trace_from_env()  # TORSH_TRACE=DIR: record this process's timeline into DIR/rank{R}.json
+
 __all__ = [
     "ArgumentTypeError",
     "BucketLayout",

@@ -56,6 +56,17 @@ def main(argv: list[str] | None = None) -> int:
                        description=tune_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     )  # fmt: skip
 
+    from .profiling import report, viewer
+
+    viewer.add_arguments(
+        sub.add_parser("timeline", help="terminal timeline of a torsh or torch.profiler trace (file or directory)",
+                       description=viewer.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )  # fmt: skip
+    report.add_arguments(
+        sub.add_parser("report", help="bottleneck report of a trace: time breakdown, overlap, stragglers, suggestions",
+                       description=report.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )  # fmt: skip
+
     args = parser.parse_args(argv)
     if args.command == "providers":
         from . import providers
@@ -66,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         return demo.run(args)
     if args.command == "tune":
         return tune_cli.run(args)
+    if args.command == "timeline":
+        return viewer.run(args)
+    if args.command == "report":
+        return report.run(args)
     if args.command == "bench":
         return harness.suite_module(args.suite).run(args)
     parser.error(f"unknown command {args.command!r}")

@@ -9,6 +9,10 @@ uncompressed.
 
 ``--link 1gbit`` runs two ranks on two emulated hosts joined by a link of that rate (network
 namespaces; needs root), where the bytes saved show up in the step time.
+
+``--trace DIR`` records the last ``--trace-steps`` steps of every compressor with the timeline recorder
+(one ``rank{R}.json`` per rank in DIR, steps labelled by compressor) and prints the timeline's summary;
+``torsh timeline DIR`` and ``torsh report DIR`` then show the rest.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from .bench import fmt_bytes, quantile
 from .compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
 
-__all__ = ["COMPRESSORS", "DemoConfig", "load_digits_split", "main", "run_rank"]
+__all__ = ["COMPRESSORS", "DemoConfig", "load_digits_split", "main", "print_trace_summary", "run_rank"]
 
 
 def _compressors() -> dict[str, Compressor | None]:
@@ -63,6 +67,10 @@ class DemoConfig:
     """Seed of the weights, the split and the batches."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    trace: str | None = None
+    """Directory for the per-rank timeline traces (None: no tracing)."""
+    trace_steps: int = 5
+    """With ``trace``: record this many of each compressor's last steps."""
 
     def __post_init__(self) -> None:
         bad = [c for c in self.compressors if c not in COMPRESSORS]
@@ -73,6 +81,11 @@ class DemoConfig:
                 raise ValueError(f"demo: {name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"demo: warmup must be in [0, steps), got {self.warmup} with steps={self.steps}")
+        if not 1 <= self.trace_steps <= self.steps - self.warmup:
+            raise ValueError(
+                f"demo: trace_steps must be in [1, steps - warmup] = [1, {self.steps - self.warmup}], got "
+                f"{self.trace_steps}"
+            )
 
 
 def load_digits_split(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,6 +117,7 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from .parallel import CompressionHookState, compression_hook
+    from .profiling import timeline
 
     dev = comm.device
     xtr, ytr, xte, yte = load_digits_split(cfg.seed)
@@ -119,8 +133,9 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
         )  # fmt: skip
         progress.start()
     rows = []
+    rec = timeline.Recorder(cfg.trace, rank=comm.rank, world_size=comm.world_size) if cfg.trace else None
     try:
-        for name in cfg.compressors:
+        for ci, name in enumerate(cfg.compressors):
             compressor = _compressors()[name]
             net = _mlp(cfg.hidden, cfg.seed).to(dev)
             ddp = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None)
@@ -130,19 +145,28 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
             g = torch.Generator().manual_seed(cfg.seed + 1)  # the same global batches for every compressor
             task = progress.add_task(f"{name} ({ws} ranks)", total=cfg.steps) if progress else None
             times = []
-            for _ in range(cfg.steps):
+            for i in range(cfg.steps):
                 idx = torch.randint(0, len(ytr), (ws * cfg.batch,), generator=g)[me * cfg.batch : (me + 1) * cfg.batch]
                 idx = idx.to(dev)
+                traced = rec is not None and i >= cfg.steps - cfg.trace_steps
+                if traced:
+                    rec.start()
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                loss = torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx])
-                loss.backward()
-                opt.step()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
+                with timeline.step(ci * cfg.steps + i, label=name):
+                    opt.zero_grad(set_to_none=True)
+                    with timeline.record("forward"):
+                        loss = torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx])
+                    with timeline.record("backward"):
+                        loss.backward()
+                    with timeline.record("optimizer"):
+                        opt.step()
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
                 times.append(time.perf_counter() - t0)
+                if traced:
+                    rec.stop()
                 if progress:
                     progress.update(task, advance=1)
             with torch.no_grad():
@@ -165,6 +189,11 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
     finally:
         if progress:
             progress.stop()
+        if rec is not None:
+            rec.stop()
+    if rec is not None:
+        rec.write()
+        comm.barrier()  # every rank's file is written before rank 0 reads them
     if me != 0:
         return None
     base = next((r["step_ms"] for r in rows if r["compressor"] == "none"), None)
@@ -212,6 +241,22 @@ def _finish(rows: list[dict], cfg: DemoConfig, ranks: int, backend: str, network
             json.dump({"environment": environment(dev), "network": network, "ranks": ranks, "backend": backend,
                        "config": asdict(cfg), "parameters": params, "rows": rows}, f, indent=2)  # fmt: skip
         print(f"wrote {json_path}")
+    if cfg.trace:
+        print_trace_summary(cfg.trace)
+
+
+def print_trace_summary(directory: str, console=None) -> dict:
+    """The timeline viewer's output for the demo's traces (lanes, per-rank totals, top names)."""
+    from rich.console import Console
+
+    from .profiling.traces import load
+    from .profiling.viewer import View, render
+
+    console = console or Console(width=max(120, Console().width), highlight=False)
+    out = render(load(directory), View(top=10), console, source=directory)
+    console.print(f"traces in {directory}/: `torsh timeline {directory} --step N` to zoom into a step, "
+                  f"`torsh report {directory}` for the bottleneck report")  # fmt: skip
+    return out
 
 
 def _env_rank_main(cfg: DemoConfig, json_path: str | None) -> int:
@@ -242,12 +287,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--trace", default=None, metavar="DIR", help="record timeline traces (rank{R}.json) into DIR")
+    ap.add_argument("--trace-steps", type=int, default=d.trace_steps,
+                    help=f"with --trace: the last N steps of each compressor (default {d.trace_steps})")  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> int:
     try:
         cfg = DemoConfig(compressors=[c.strip() for c in a.compressors.split(",") if c.strip()], steps=a.steps,
-                         hidden=a.hidden, batch=a.batch, progress=not a.no_progress)  # fmt: skip
+                         hidden=a.hidden, batch=a.batch, progress=not a.no_progress,
+                         trace=os.path.abspath(a.trace) if a.trace else None, trace_steps=a.trace_steps)  # fmt: skip
     except ValueError as e:
         print(f"torsh demo: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ __all__ = [
     "RankFailedError",
     "ShapeError",
     "TorshKernelsError",
+    "TraceFormatError",
 ]
 
 
@@ -82,3 +83,7 @@ class RankFailedError(CollectiveError):
         """Return value of each rank that finished (None for the others), by rank."""
         self.failures = failures or {}
         """Error line of each rank that raised, exited or was terminated."""
+
+
+class TraceFormatError(TorshKernelsError, ValueError):
+    """A trace file is malformed, truncated or not a trace; the message names the file and the problem."""

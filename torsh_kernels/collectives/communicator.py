@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
@@ -42,6 +43,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from .. import _trace
 from ..errors import (
     ArgumentTypeError,
     CollectiveError,
@@ -128,14 +130,16 @@ class CompletedHandle:
 class _TorchHandle:
     """A torch ``Work`` plus what to do once it completes (a copy back, a division for ``avg``)."""
 
-    __slots__ = ("_comm", "_done", "_then", "_what", "_works")
+    __slots__ = ("_comm", "_done", "_span", "_then", "_what", "_works")
 
-    def __init__(self, comm: TorchCommunicator, works: list, what: str, then: Callable[[], None] | None = None):
+    def __init__(self, comm: TorchCommunicator, works: list, what: str, then: Callable[[], None] | None = None,
+                 span=None):  # fmt: skip
         self._comm = comm
         self._works = works
         self._what = what
         self._then = then
         self._done = False
+        self._span = span  # the timeline's interval of this collective, when a recorder is active
 
     def wait(self) -> None:
         if self._done:
@@ -152,8 +156,12 @@ class _TorchHandle:
         except CollectiveError:
             raise
         except Exception as e:  # gloo / NCCL report peer loss and timeouts as RuntimeError (or subclasses)
+            if self._span is not None:
+                self._span.end(error=f"{type(e).__name__}")
             raise c._failure(self._what, e) from e
         self._done = True
+        if self._span is not None:
+            self._span.end()  # no-op where the backend's completion callback ended it already
         if self._then is not None:
             self._then()
 
@@ -312,7 +320,8 @@ class TorchCommunicator:
         fields = [self._seq, _OP_IDS[what], numel, zlib.crc32(str(dtype).encode()), extra]
         sig = torch.tensor(fields, dtype=torch.int64, device=self._device)
         allsig = torch.empty(self._world * sig.numel(), dtype=torch.int64, device=self._device)
-        self._run(what + " (consistency check)", lambda: _all_gather_single(allsig, sig, self._group))
+        self._run(what + " (consistency check)", lambda: _all_gather_single(allsig, sig, self._group),
+                  nbytes=sig.numel() * 8, op="all_gather")  # fmt: skip
         rows = allsig.view(self._world, -1).tolist()
         if any(r != rows[0] for r in rows):
             names = {v: k for k, v in _OP_IDS.items()}
@@ -323,15 +332,24 @@ class TorchCommunicator:
             raise CollectiveMismatchError(f"{what}: ranks issued different collectives at the same point: {desc}")
 
     def _run(self, what: str, launch: Callable[[], object], then: Callable[[], None] | None = None,
-             async_op: bool = False) -> _TorchHandle | None:  # fmt: skip
+             async_op: bool = False, *, nbytes: int = 0, op: str | None = None) -> _TorchHandle | None:  # fmt: skip
+        rec = _trace.recorder
+        span = None
+        if rec is not None:
+            cuda = self._device if self._device.type == "cuda" else None
+            span = rec.collective(op or what, group=self._ranks, nbytes=nbytes, device=cuda)
         try:
             work = launch()
         except CollectiveError:
             raise
         except Exception as e:
+            if span is not None:
+                span.end(error=type(e).__name__)
             raise self._failure(what, e) from e
         works = work if isinstance(work, list) else [work]
-        h = _TorchHandle(self, works, what, then)
+        if span is not None and self._device.type != "cuda":
+            _end_on_completion(works, span)
+        h = _TorchHandle(self, works, what, then, span)
         if async_op:
             return h
         h.wait()
@@ -346,7 +364,7 @@ class TorchCommunicator:
         self._consistent(what, t.numel(), t.dtype)
         then = (lambda: t.div_(self._world)) if op == "avg" else None
         return self._run(what, lambda: dist.all_reduce(t, self._torch_op(op), group=self._group, async_op=True),
-                         then, async_op)  # fmt: skip
+                         then, async_op, nbytes=_nbytes(t))  # fmt: skip
 
     def all_gather(
         self, output: torch.Tensor | list[torch.Tensor], input: torch.Tensor, *, async_op: bool = False
@@ -364,11 +382,12 @@ class TorchCommunicator:
                     )
             self._consistent(what, x.numel(), x.dtype)
             outs = list(output)
-            return self._run(what, lambda: dist.all_gather(outs, x, group=self._group, async_op=True), None, async_op)
+            return self._run(what, lambda: dist.all_gather(outs, x, group=self._group, async_op=True), None, async_op,
+                             nbytes=_nbytes(x))  # fmt: skip
         out = self._check_tensor(output, what, "output")
         self._check_world_multiple(out, "output", x, "input", what, "")
         self._consistent(what, x.numel(), x.dtype)
-        return self._run(what, lambda: _all_gather_single(out, x, self._group), None, async_op)
+        return self._run(what, lambda: _all_gather_single(out, x, self._group), None, async_op, nbytes=_nbytes(x))
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, async_op: bool = False
@@ -383,7 +402,7 @@ class TorchCommunicator:
         rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return self._run(
             what, lambda: rs(out.view(-1), x.view(-1), self._torch_op(op), group=self._group, async_op=True), then,
-            async_op,
+            async_op, nbytes=_nbytes(x),
         )  # fmt: skip
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
@@ -392,7 +411,8 @@ class TorchCommunicator:
         src = self._check_peer(src, what, "src")
         self._consistent(what, t.numel(), t.dtype, src)
         g = self._ranks[src]
-        return self._run(what, lambda: dist.broadcast(t, g, group=self._group, async_op=True), None, async_op)
+        return self._run(what, lambda: dist.broadcast(t, g, group=self._group, async_op=True), None, async_op,
+                         nbytes=_nbytes(t) if src == self._rank else 0)  # fmt: skip
 
     def all_to_all(
         self,
@@ -422,6 +442,7 @@ class TorchCommunicator:
             lambda: dist.all_to_all_single(out, x, outs, ins, group=self._group, async_op=True),
             None,
             async_op,
+            nbytes=_nbytes(x),
         )
 
     def _check_world_multiple(self, big: torch.Tensor, nbig: str, small: torch.Tensor, nsmall: str, what: str,
@@ -456,20 +477,20 @@ class TorchCommunicator:
         t = self._check_tensor(tensor, what, "tensor")
         dst = self._check_peer(dst, what, "dst")
         g = self._ranks[dst]
-        return self._run(what, lambda: dist.isend(t, g, group=self._group, tag=tag), None, async_op)
+        return self._run(what, lambda: dist.isend(t, g, group=self._group, tag=tag), None, async_op, nbytes=_nbytes(t))
 
     def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0, async_op: bool = False) -> Handle | None:
         what = "recv"
         t = self._check_tensor(tensor, what, "tensor")
         src = self._check_peer(src, what, "source")
         g = self._ranks[src]
-        return self._run(what, lambda: dist.irecv(t, g, group=self._group, tag=tag), None, async_op)
+        return self._run(what, lambda: dist.irecv(t, g, group=self._group, tag=tag), None, async_op, nbytes=0)
 
     def barrier(self) -> None:
         self._consistent("barrier", 0, torch.int64)
         # a tiny all-reduce: same semantics as dist.barrier, and it honours the wait timeout on gloo
         t = torch.zeros(1, dtype=torch.int32, device=self._device)
-        self._run("barrier", lambda: dist.all_reduce(t, group=self._group, async_op=True))
+        self._run("barrier", lambda: dist.all_reduce(t, group=self._group, async_op=True), nbytes=4)
 
     def split(self, groups: Sequence[Sequence[int]]) -> TorchCommunicator:
         """The communicator of the group holding this rank. ``groups`` partitions (or covers part of) this
@@ -499,6 +520,34 @@ class TorchCommunicator:
         except Exception as e:
             raise self._failure(what, e) from e
         return TorchCommunicator(pg, timeout=timeout, check_consistency=self._check)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _end_on_completion(works: list, span) -> None:
+    """End the timeline span when the backend completes the work (gloo runs a future's callbacks on its
+    own thread as the work finishes); where a work has no future, ``wait()`` ends the span instead."""
+    try:
+        futs = [w.get_future() for w in works if w is not None]
+    except Exception:  # e.g. point-to-point works on some backends
+        return
+    if not futs:
+        span.end()
+        return
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def done(_f) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            span.end()
+
+    for f in futs:
+        f.add_done_callback(done)
 
 
 def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group):

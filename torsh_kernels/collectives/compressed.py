@@ -41,6 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import _trace
 from ..compression import FP16, CompressionState, Compressor, NoCompression, Payload, PowerSGD, Quantize, Sign
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, NonFiniteError, ShapeError
 from ..ops.bucket import flatten, unflatten
@@ -71,9 +72,11 @@ class CompressedReduction:
     hook and the gradient synchronizer pipeline them that way (PowerSGD's P round of one bucket travels
     while the Q round of the one before is computed)."""
 
-    __slots__ = ("_gen", "_pending", "bytes_sent", "compute_s", "done", "rounds", "tensors", "wait_s")
+    __slots__ = ("_gen", "_pending", "_trace_args", "bytes_sent", "compute_s", "done", "rounds", "tensors", "wait_s")
 
-    def __init__(self, tensors: list[torch.Tensor], gen) -> None:
+    def __init__(
+        self, tensors: list[torch.Tensor], gen, compressor: str = "none", algorithm: str = "all_reduce"
+    ) -> None:
         self.tensors = tensors
         """The tensors being averaged in place (the result lands in them)."""
         self.bytes_sent = 0
@@ -87,9 +90,24 @@ class CompressedReduction:
         self.done = False
         self._gen = gen
         self._pending: list = []
+        self._trace_args = (compressor, algorithm)
         self._resume()
 
     def _resume(self) -> None:
+        rec = _trace.recorder
+        if rec is not None:
+            c, alg = self._trace_args
+            dev = self.tensors[0].device if self.tensors else None
+            # compressing this round, issuing its collectives (which inherit compressor and algorithm from
+            # this span) and decompressing the previous one; uncompressed reductions only issue
+            name = f"{c} round {self.rounds + 1}" if c != "none" else "issue all_reduce"
+            cat = "compression" if c != "none" else "issue"
+            with rec.span(name, cat, {"compressor": c, "algorithm": alg, "round": self.rounds + 1}, device=dev):
+                self._advance()
+        else:
+            self._advance()
+
+    def _advance(self) -> None:
         t0 = time.perf_counter()
         try:
             self._pending, nbytes = next(self._gen)  # each round: its handles and the bytes it sends
@@ -105,8 +123,14 @@ class CompressedReduction:
         if self.done:
             return True
         t0 = time.perf_counter()
-        for h in self._pending:
-            h.wait()
+        rec = _trace.recorder
+        if rec is not None and self._pending:
+            with rec.span("wait", "wait", {"compressor": self._trace_args[0], "round": self.rounds}):
+                for h in self._pending:
+                    h.wait()
+        else:
+            for h in self._pending:
+                h.wait()
         self.wait_s += time.perf_counter() - t0
         self._resume()
         return self.done
@@ -202,16 +226,17 @@ def start_compressed_all_reduce(
         raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
     live = [(t, s) for t, s in zip(tensors, states) if t.numel()]
     if not live:
-        gen = iter(())
+        gen, alg = iter(()), "none"
     elif isinstance(compressor, Sign):
-        gen = _lockstep([_sign_two_phase(t, comm, compressor, s) for t, s in live])
+        gen, alg = _lockstep([_sign_two_phase(t, comm, compressor, s) for t, s in live]), "two-phase sign"
     elif isinstance(compressor, Quantize) and _shared_scale(quantize_mode, live, compressor, comm, link):
-        gen = _lockstep([_quantize_shared(t, comm, compressor, s) for t, s in live])
+        gen, alg = _lockstep([_quantize_shared(t, comm, compressor, s) for t, s in live]), "shared-scale all_reduce"
     elif compressor.is_linear:
-        gen = _linear([t for t, _ in live], [s for _, s in live], comm, compressor)
+        gen, alg = _linear([t for t, _ in live], [s for _, s in live], comm, compressor), "all_reduce"
     else:
-        gen = _gathered([t for t, _ in live], [s for _, s in live], comm, compressor)
-    return CompressedReduction(tensors, gen)
+        gen, alg = _gathered([t for t, _ in live], [s for _, s in live], comm, compressor), "all_gather"
+    cname = "none" if isinstance(compressor, NoCompression) else type(compressor).__name__
+    return CompressedReduction(tensors, gen, cname, alg)
 
 
 def _shared_scale(mode: str, live, q: Quantize, comm: Communicator, link: Link | None) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _trace
 from ..errors import ArgumentTypeError, InvalidArgumentError, ShapeError
 from .communicator import Communicator
 
@@ -61,6 +62,12 @@ def hierarchical_all_reduce(
             f"hierarchical_all_reduce: op='avg' needs a floating-point tensor, got {tensor.dtype}"
         )
     intra, inter = node_groups(comm, local_size)
+    with _trace.span("hierarchical_all_reduce", "issue", {"algorithm": "hierarchical", "local_size": local_size}):
+        return _hierarchical(tensor, comm, intra, inter, op)
+
+
+def _hierarchical(tensor: torch.Tensor, comm: Communicator, intra: Communicator, inter: Communicator,
+                  op: str) -> torch.Tensor:  # fmt: skip
     if intra.world_size == 1 or inter.world_size == 1:  # one rank per node, or one node: a flat all-reduce
         comm.all_reduce(tensor, op)
         return tensor

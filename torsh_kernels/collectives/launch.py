@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _trace
 from ..errors import InvalidArgumentError, RankFailedError
 from .communicator import TorchCommunicator
 
@@ -63,6 +64,7 @@ def _child(rank, world, fn, args, init, backend, op_timeout, threads, results) -
         )
         comm = TorchCommunicator(timeout=op_timeout)
         value = fn(comm, *args)
+        _trace.flush()  # TORSH_TRACE: write this rank's trace now (os._exit below skips atexit)
         status = ("ok", pickle.dumps(value))
     except BaseException as e:
         status = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())

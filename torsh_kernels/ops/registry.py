@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _trace
 from ..errors import ProviderError, ProviderUnavailableError
 
 __all__ = [
@@ -252,7 +253,11 @@ class Op:
         return "torch"
 
     def __call__(self, provider: str, *args: object, **kwargs: object) -> object:
-        return self.impls[provider](*args, **kwargs)
+        rec = _trace.recorder
+        if rec is None:
+            return self.impls[provider](*args, **kwargs)
+        with rec.op(self.name, provider, args):
+            return self.impls[provider](*args, **kwargs)
 
 
 @dataclass(frozen=True, slots=True)

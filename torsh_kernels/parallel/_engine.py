@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import _trace
 from ..collectives.communicator import Communicator
 from ..collectives.compressed import QUANTIZE_MODES, CompressedReduction, start_compressed_all_reduce
 from ..compression import CompressionState, Compressor, NoCompression, PowerSGD
@@ -36,16 +37,18 @@ class ReductionPipeline:
     __slots__ = ("_inflight",)
 
     def __init__(self) -> None:
-        self._inflight: deque[tuple[list[CompressedReduction], Callable[[], None] | None]] = deque()
+        self._inflight: deque[tuple[list[CompressedReduction], Callable[[], None] | None, object]] = deque()
 
     def __len__(self) -> int:
         return len(self._inflight)
 
-    def submit(self, reductions: list[CompressedReduction], on_done: Callable[[], None] | None = None) -> None:
-        """Add a started bucket; every older bucket in flight then advances by one round."""
+    def submit(self, reductions: list[CompressedReduction], on_done: Callable[[], None] | None = None,
+               span=None) -> None:  # fmt: skip
+        """Add a started bucket; every older bucket in flight then advances by one round. ``span``: the
+        bucket's timeline interval (from :func:`bucket_span`), ended when the bucket is done."""
         older = list(self._inflight)
-        self._inflight.append((reductions, on_done))
-        for rs, _ in older:
+        self._inflight.append((reductions, on_done, span))
+        for rs, _, _ in older:
             for r in rs:
                 r.step()
         self._reap()
@@ -53,16 +56,30 @@ class ReductionPipeline:
     def drain(self) -> None:
         """Advance every bucket, oldest first, round by round, until all are done."""
         while self._inflight:
-            for rs, _ in list(self._inflight):
+            for rs, _, _ in list(self._inflight):
                 for r in rs:
                     r.step()
             self._reap()
 
     def _reap(self) -> None:
         while self._inflight and all(r.done for r in self._inflight[0][0]):
-            _, on_done = self._inflight.popleft()
+            _, on_done, span = self._inflight.popleft()
             if on_done is not None:
                 on_done()
+            if span is not None:
+                span.end()
+
+
+def bucket_span(index: int, grads: Sequence[torch.Tensor], compressor: Compressor):
+    """A timeline interval for one bucket, from now until its reductions are done (None without a recorder)."""
+    rec = _trace.recorder
+    if rec is None:
+        return None
+    nbytes = sum(g.numel() * g.element_size() for g in grads)
+    name = "none" if isinstance(compressor, NoCompression) else type(compressor).__name__
+    dev = grads[0].device if grads else None
+    return rec.begin(f"bucket {index}", "bucket", {"bucket": index, "bytes": nbytes, "tensors": len(grads),
+                                                   "compressor": name}, lane="bucket", device=dev)  # fmt: skip
 
 
 def totals(reductions: Sequence[CompressedReduction]) -> dict[str, float]:

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..collectives.communicator import TorchCommunicator
 from ..compression import Compressor
 from ..errors import ArgumentTypeError
-from ._engine import BucketCompressor, ReductionPipeline, totals
+from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
 
 __all__ = ["CompressionHookState", "HookStats", "compression_hook"]
 
@@ -233,7 +233,9 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     stats = state.stats
     turn = state._turn
     try:
-        reductions, finish = state._engine.start(bucket.gradients(), keys, comm)
+        grads = bucket.gradients()
+        span = bucket_span(bucket.index(), grads, state._engine.compressor)
+        reductions, finish = state._engine.start(grads, keys, comm)
 
         def done() -> None:
             if finish is not None:
@@ -250,7 +252,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
                 turn[k] = turn.get(k, 0) + v
             fut.set_result(buf)
 
-        state._pipeline.submit(reductions, done)
+        state._pipeline.submit(reductions, done, span)
         if bucket.is_last():
             state._pipeline.drain()
             state._engine.end_iteration()

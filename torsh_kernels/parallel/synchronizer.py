@@ -41,7 +41,7 @@ import torch
 from ..collectives.communicator import Communicator
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
-from ._engine import BucketCompressor, ReductionPipeline, totals
+from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
 
 __all__ = ["GradientConsistency", "GradientSynchronizer"]
 
@@ -283,6 +283,7 @@ class GradientSynchronizer:
             grads.append(p.grad)
         self._launched = b + 1
         t0 = time.perf_counter()
+        span = bucket_span(b, grads, self._engine.compressor)
         reductions, finish = self._engine.start(grads, bucket.params, self.comm)
 
         def done() -> None:
@@ -298,7 +299,7 @@ class GradientSynchronizer:
                 }
             )
 
-        self._pipeline.submit(reductions, done)
+        self._pipeline.submit(reductions, done, span)
 
     def wait(self) -> None:
         """Complete every bucket already started (their gradients then hold the average)."""

@@ -1,0 +1,527 @@
+"""The timeline recorder: Chrome Trace Event JSON, one file per rank, loadable in Perfetto and ``torsh timeline``.
+
+Usage::
+
+    from torsh_kernels.profiling import timeline
+
+    with timeline.Recorder("traces/"):          # writes traces/rank{R}.json on exit
+        for i, batch in enumerate(loader):
+            with timeline.step(i):               # step markers: `torsh timeline --step N`
+                with timeline.record("forward"):
+                    loss = model(batch)
+                with timeline.record("backward"):
+                    loss.backward()
+                opt.step()
+
+or ``TORSH_TRACE=traces/ torchrun ...``: importing torsh_kernels starts a recorder that writes its file
+when the process exits (``run_local``'s ranks write theirs before they leave).
+
+What is recorded while a recorder is active (each event's ``cat``):
+
+- ``op``: every fused-op launch, from the provider dispatcher: name, provider, shapes, bytes of tensor
+  arguments; compression kernels are ``compression``;
+- ``collective``: every collective of a :class:`~torsh_kernels.collectives.TorchCommunicator`, from
+  issue to completion (gloo: the moment the backend completes it; CUDA: events on the current stream,
+  from issue to the point where that stream may use the result): op, bytes, estimated bytes on the
+  wire, group, sequence number, and the algorithm and compressor of the compressed all-reduce that
+  issued it; plus a ``wire bytes`` counter;
+- ``bucket``: a DDP hook's or GradientSynchronizer's bucket from submission to completion;
+- ``compression``: compressing, issuing and decompressing one round of a compressed all-reduce;
+- ``wait``: a thread blocked on a collective;
+- ``user`` and ``step``: :func:`record` and :func:`step`.
+
+Lanes (``tid``) never hold partially overlapping complete events, so Perfetto accepts the file: spans
+on one thread nest; spans that outlive their caller (collectives and buckets in flight) are packed
+into ``comm N`` / ``bucket N`` lanes where each is free; GPU spans (CUDA events, read back when the
+trace is written, so recording adds no synchronisation) get one lane per stream. Timestamps are
+microseconds on one axis for all ranks: a monotonic clock (``time.perf_counter_ns``) anchored to the
+wall clock once, when the recorder is created, counted from midnight UTC of that day
+(``otherData.clock.base_unix_us``; readers add it to align ranks). Ranks on one host share the clock;
+across hosts the alignment is as good as the hosts' clock synchronisation (NTP/PTP).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import platform
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .. import _trace
+from ..errors import ArgumentTypeError, InvalidArgumentError
+
+__all__ = ["ENV_VAR", "SCHEMA", "Recorder", "current", "record", "start_from_env", "step"]
+
+ENV_VAR = "TORSH_TRACE"
+SCHEMA = "torsh-trace/1"
+
+# ops whose launches count as compression (the rest are "op")
+COMPRESSION_OPS = frozenset({"residual_add", "error_update", "topk_compress", "topk_decompress", "quantize",
+                             "dequantize", "sign_compress", "sign_compress.pack", "sign_decompress",
+                             "orthogonalize"})  # fmt: skip
+
+
+# bytes each rank puts on the wire per byte of its input, ring algorithms (what NCCL and gloo use for
+# large messages): all_reduce 2(W-1)/W, all_gather (W-1) (of the input), reduce_scatter (W-1)/W (of the
+# input), all_to_all (W-1)/W, broadcast 1 (pipelined ring), send 1
+def wire_bytes(op: str, nbytes: int, world: int) -> int:
+    """Estimated bytes this rank sends for ``op`` on ``nbytes`` of input over ``world`` ranks."""
+    if world <= 1:
+        return 0
+    ring = (world - 1) / world
+    f = {"all_reduce": 2 * ring, "all_gather": world - 1, "reduce_scatter": ring, "all_to_all": ring,
+         "broadcast": 1.0, "send": 1.0, "barrier": 2 * ring}  # fmt: skip
+    return int(nbytes * f.get(op, 0.0))
+
+
+def _now() -> int:
+    return time.perf_counter_ns()
+
+
+class _Span:
+    """A complete event on the calling thread (and, with a CUDA device, on its current stream)."""
+
+    __slots__ = ("args", "cat", "dev", "ev0", "name", "rec", "t0")
+
+    def __init__(self, rec: Recorder, name: str, cat: str, args: dict | None, dev) -> None:
+        self.rec, self.name, self.cat, self.args, self.dev = rec, name, cat, args, dev
+        self.ev0 = None
+
+    def __enter__(self) -> _Span:
+        rec = self.rec
+        rec._stack().append(self)
+        if self.dev is not None:
+            self.ev0 = rec._cuda_event(self.dev)
+        self.t0 = _now()
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        t1 = _now()
+        rec = self.rec
+        st = rec._stack()
+        if st and st[-1] is self:
+            st.pop()
+        rec._add(("X", self.name, self.cat, self.t0, t1, rec._thread_lane(), self.args))
+        if self.ev0 is not None:
+            rec._gpu_span(self.name, self.cat, self.ev0, self.dev, self.args)
+        return False
+
+    def end(self, **args: object) -> None:
+        if args:
+            self.args = {**(self.args or {}), **args}
+        self.__exit__(None, None, None)
+
+
+class _Interval:
+    """An event that outlives the call that started it (a collective or a bucket in flight); ``end()``
+    may come from any thread, once."""
+
+    __slots__ = ("args", "cat", "dev", "done", "ev0", "lane", "name", "rec", "t0")
+
+    def __init__(self, rec: Recorder, name: str, cat: str, args: dict, lane: str, dev) -> None:
+        self.rec, self.name, self.cat, self.args, self.lane, self.dev = rec, name, cat, args, lane, dev
+        self.ev0 = rec._cuda_event(dev) if dev is not None else None
+        self.done = False
+        self.t0 = _now()
+
+    def end(self, **args: object) -> None:
+        with self.rec._lock:  # the backend's completion callback and wait() may race to end it
+            if self.done:
+                return
+            self.done = True
+        t1 = _now()
+        if args:
+            self.args = {**self.args, **args}
+        rec = self.rec
+        if self.ev0 is not None:
+            rec._gpu_span(self.name, self.cat, self.ev0, self.dev, self.args, lane=self.lane)
+        else:
+            rec._add(("A", self.name, self.cat, self.t0, t1, self.lane, self.args))
+
+
+class Recorder:
+    """Records spans from every layer while active; writes ``rank{R}.json`` (see the module docstring).
+
+    ``directory``: where :meth:`write` (and leaving the ``with`` block) puts the file; None: call
+    ``write(directory)`` yourself. ``rank``/``world_size``: default to torch.distributed's once it is
+    initialised (else ``RANK``/``WORLD_SIZE``, else 0/1). ``cuda``: time GPU work with CUDA events
+    (default: when CUDA is available). ``max_events``: recording stops adding events past this many
+    (the trace then says how many were dropped) so a forgotten recorder cannot exhaust memory.
+    One recorder is active per process at a time; ``start()``/``stop()`` may alternate to record
+    several windows into one trace.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        cuda: bool | None = None,
+        max_events: int = 2_000_000,
+    ) -> None:
+        for name, v, lo in (("rank", rank, 0), ("world_size", world_size, 1)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+                raise InvalidArgumentError(f"Recorder: {name} must be an int >= {lo}, got {v!r}")
+        if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
+            raise InvalidArgumentError(f"Recorder: max_events must be an int >= 1, got {max_events!r}")
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise ArgumentTypeError(f"Recorder: directory must be a path or None, got {type(directory).__name__}")
+        self.directory = Path(directory) if directory is not None else None
+        self.rank = rank
+        self.world_size = world_size
+        self.max_events = max_events
+        self.from_env = False
+        self.dropped = 0
+        self._events: list[tuple] = []
+        self._gpu: list[tuple] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._threads: dict[int, tuple[int, str]] = {}
+        self._seq: dict[str, int] = {}
+        self._wire = 0
+        self._cuda = torch.cuda.is_available() if cuda is None else bool(cuda)
+        self._cuda_ref: dict[int, tuple[object, int]] = {}  # device index -> (reference event, its clock ns)
+        # one clock for every rank: the monotonic clock, anchored to the wall clock here
+        self._origin_wall_ns = time.time_ns()
+        self._origin_ns = _now()
+        # timestamps count from midnight UTC of that day: small numbers keep nanoseconds exact in a double
+        self._base_ns = self._origin_wall_ns - self._origin_wall_ns % (86_400 * 10**9)
+        self._written: Path | None = None
+
+    # -- activation ---------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return _trace.recorder is self
+
+    def start(self) -> Recorder:
+        """Make this the process's active recorder."""
+        cur = _trace.recorder
+        if cur is self:
+            return self
+        if cur is not None:
+            raise InvalidArgumentError(
+                "Recorder.start: another recorder is already active in this process; stop() it first "
+                f"(it writes to {cur.directory})"
+            )
+        self._resolve_rank()
+        _trace.recorder = self
+        return self
+
+    def stop(self) -> None:
+        """Stop recording (events so far are kept; ``start()`` resumes)."""
+        if _trace.recorder is self:
+            _trace.recorder = None
+
+    def __enter__(self) -> Recorder:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> bool:
+        self.stop()
+        if self.directory is not None:
+            self.write()
+        return False
+
+    def _resolve_rank(self) -> None:
+        if self.rank is not None and self.world_size is not None:
+            return
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            r, w = dist.get_rank(), dist.get_world_size()
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            try:
+                r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            except ValueError:
+                return
+        else:
+            return
+        if self.rank is None:
+            self.rank = r
+        if self.world_size is None:
+            self.world_size = w
+
+    # -- recording (called by the instrumented layers through torsh_kernels._trace) --------------------
+
+    def _add(self, ev: tuple) -> None:
+        if len(self._events) >= self.max_events:
+            self.dropped += 1
+            return
+        self._events.append(ev)  # list.append is atomic under the GIL: no lock on the hot path
+
+    def _stack(self) -> list:
+        st = getattr(self._local, "stack", None)
+        if st is None:
+            st = self._local.stack = []
+        return st
+
+    def _thread_lane(self) -> int:
+        ident = threading.get_ident()
+        lane = self._threads.get(ident)
+        if lane is None:
+            with self._lock:
+                lane = self._threads.get(ident)
+                if lane is None:
+                    t = threading.current_thread()
+                    name = "main" if t is threading.main_thread() else t.name
+                    lane = self._threads[ident] = (len(self._threads), name)
+        return lane[0]
+
+    def _cuda_event(self, dev: torch.device):
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if idx not in self._cuda_ref:
+            # once per device: align the GPU's clock with ours (the only synchronisation the recorder makes)
+            torch.cuda.synchronize(idx)
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record(torch.cuda.current_stream(idx))
+            ref.synchronize()
+            self._cuda_ref[idx] = (ref, _now())
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(idx))
+        return ev
+
+    def _gpu_span(self, name: str, cat: str, ev0, dev: torch.device, args: dict | None,
+                  lane: str | None = None) -> None:  # fmt: skip
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(idx)
+        ev1 = torch.cuda.Event(enable_timing=True)
+        ev1.record(stream)
+        if len(self._gpu) + len(self._events) >= self.max_events:
+            self.dropped += 1
+            return
+        self._gpu.append((name, cat, ev0, ev1, idx, lane or f"stream {stream.stream_id}", args))
+
+    def span(self, name: str, cat: str, args: dict | None = None, *, device=None) -> _Span:
+        dev = device if (self._cuda and device is not None and torch.device(device).type == "cuda") else None
+        return _Span(self, name, cat, args, torch.device(dev) if dev is not None else None)
+
+    def begin(self, name: str, cat: str, args: dict | None = None, *, lane: str = "comm", device=None) -> _Interval:
+        """An interval that ends with ``.end()`` (from any thread), drawn in the first free ``{lane} N`` lane."""
+        dev = device if (self._cuda and device is not None and torch.device(device).type == "cuda") else None
+        return _Interval(self, name, cat, dict(args or {}), lane, torch.device(dev) if dev is not None else None)
+
+    def counter(self, name: str, **values: float) -> None:
+        self._add(("C", name, "counter", _now(), 0, None, values))
+
+    def context(self, key: str):
+        """The innermost value of ``key`` among the calling thread's open spans' args, or None."""
+        for s in reversed(self._stack()):
+            if s.args and key in s.args:
+                return s.args[key]
+        return None
+
+    def op(self, name: str, provider: str, args: Sequence[object]) -> _Span:
+        """The span of one fused-op launch: shapes and bytes of its tensor arguments."""
+        shapes, nbytes, dev = [], 0, None
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                shapes.append(list(a.shape))
+                nbytes += a.numel() * a.element_size()
+                dev = dev or a.device
+            elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+                n = sum(t.numel() for t in a)
+                shapes.append(f"{len(a)} tensors, {n} elements")
+                nbytes += sum(t.numel() * t.element_size() for t in a)
+                dev = dev or a[0].device
+        cat = "compression" if name in COMPRESSION_OPS else "op"
+        return self.span(name, cat, {"provider": provider, "shapes": shapes, "bytes": nbytes}, device=dev)
+
+    def collective(self, op: str, *, group: Sequence[int], nbytes: int, device: torch.device) -> _Interval:
+        """An issued collective, from now until ``.end()`` (its completion)."""
+        if self.rank is None:
+            self._resolve_rank()
+        key = ",".join(map(str, group))
+        seq = self._seq[key] = self._seq.get(key, 0) + 1
+        wire = wire_bytes(op, nbytes, len(group))
+        args = {"op": op, "bytes": nbytes, "wire_bytes": wire, "group": key, "seq": seq}
+        for k in ("algorithm", "compressor"):
+            v = self.context(k)
+            if v is not None:
+                args[k] = v
+        with self._lock:
+            self._wire += wire
+            total = self._wire
+        self.counter("wire bytes", sent=total)
+        return self.begin(op, "collective", args, lane="comm", device=device)
+
+    # -- output ---------------------------------------------------------------------------------------
+
+    def _us(self, t_ns: int) -> float:
+        return round((self._origin_wall_ns - self._base_ns + (t_ns - self._origin_ns)) / 1e3, 3)
+
+    def _resolve_gpu(self) -> list[tuple]:
+        """GPU spans as ("G", name, cat, t0, t1, lane, args), waiting for events still pending (at write time)."""
+        out = []
+        for name, cat, ev0, ev1, idx, lane, args in self._gpu:
+            ref, ref_ns = self._cuda_ref[idx]
+            ev1.synchronize()
+            t0 = ref_ns + int(ref.elapsed_time(ev0) * 1e6)
+            t1 = ref_ns + int(ref.elapsed_time(ev1) * 1e6)
+            out.append(("G", name, cat, t0, max(t0, t1), (idx, lane), args))
+        return out
+
+    def trace(self) -> dict:
+        """The Chrome trace (a JSON-ready dict) of everything recorded so far."""
+        self._resolve_rank()
+        rank = self.rank if self.rank is not None else 0
+        world = self.world_size if self.world_size is not None else 1
+        pid = rank
+        events: list[dict] = []
+        lanes: dict[object, int] = {}
+        lane_names: dict[int, str] = {}
+
+        def tid_of(key: object, name: str) -> int:
+            t = lanes.get(key)
+            if t is None:
+                t = lanes[key] = len(lanes) + 1
+                lane_names[t] = name
+            return t
+
+        threads = dict(self._threads)
+        for _ident, (idx, name) in sorted(threads.items(), key=lambda kv: kv[1][0]):
+            tid_of(("thread", idx), f"{name}" if name == "main" else f"thread {name}")
+        raw = list(self._events)
+        # intervals (in flight) and GPU spans: pack into the first lane of their kind free at their start
+        packed = [e for e in raw if e[0] == "A"] + (self._resolve_gpu() if self._gpu else [])
+        packed.sort(key=lambda e: (e[3], -e[4]))
+        free_at: dict[object, list[int]] = {}
+        for kind, name, cat, t0, t1, lane, args in packed:
+            ends = free_at.setdefault(lane, [])
+            for i, end in enumerate(ends):
+                if end <= t0:
+                    ends[i] = t1
+                    break
+            else:
+                i = len(ends)
+                ends.append(t1)
+            if kind == "G":
+                dev, base = lane
+                label = f"cuda:{dev} {base}" + (f" {i}" if i else "")
+            else:
+                label = f"{lane} {i}"
+            tid = tid_of((kind, lane, i), label)
+            events.append(self._x(name, cat, t0, t1, pid, tid, args))
+        for kind, name, cat, t0, t1, lane, args in raw:
+            if kind == "X":
+                events.append(self._x(name, cat, t0, t1, pid, tid_of(("thread", lane), f"thread {lane}"), args))
+            elif kind == "C":
+                events.append({"ph": "C", "name": name, "cat": cat, "ts": self._us(t0), "pid": pid, "tid": 0,
+                               "args": args})  # fmt: skip
+        events.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        meta = [
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"rank {rank}"}},
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": rank}},
+        ]
+        for tid, name in sorted(lane_names.items()):
+            meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+            meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        return {
+            "traceEvents": meta + events,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "schema": SCHEMA,
+                "rank": rank,
+                "world_size": world,
+                "device": self._device_name(),
+                "versions": _versions(),
+                "host": platform.node(),
+                "pid": os.getpid(),
+                "clock": {
+                    "source": "time.perf_counter_ns (monotonic), GPU spans by CUDA events",
+                    "origin_unix_ns": self._origin_wall_ns,
+                    "origin_monotonic_ns": self._origin_ns,
+                    "base_unix_us": self._base_ns // 1000,
+                    "ts_unit": "microseconds since base_unix_us (midnight UTC of the day recording began)",
+                },
+                "wire_bytes": self._wire,
+                "dropped_events": self.dropped,
+            },
+        }
+
+    def _x(self, name: str, cat: str, t0: int, t1: int, pid: int, tid: int, args: dict | None) -> dict:
+        ev = {"ph": "X", "name": name, "cat": cat, "ts": self._us(t0), "dur": round(max(0, t1 - t0) / 1e3, 3),
+              "pid": pid, "tid": tid}  # fmt: skip
+        if args:
+            ev["args"] = args
+        return ev
+
+    def _device_name(self) -> str:
+        if self._cuda and torch.cuda.is_available():
+            return torch.cuda.get_device_name(torch.cuda.current_device())
+        return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+    def write(self, directory: str | os.PathLike | None = None) -> Path:
+        """Write ``rank{R}.json`` into ``directory`` (default: the recorder's); returns its path."""
+        d = Path(directory) if directory is not None else self.directory
+        if d is None:
+            raise InvalidArgumentError("Recorder.write: no directory; pass one here or to Recorder(directory)")
+        d.mkdir(parents=True, exist_ok=True)
+        data = self.trace()
+        path = d / f"rank{data['otherData']['rank']}.json"
+        tmp = path.with_suffix(f".json.tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(data, f, separators=(",", ":"))
+        os.replace(tmp, path)  # a reader never sees a half-written file
+        self._written = path
+        return path
+
+
+def _versions() -> dict[str, str | None]:
+    from .. import __version__
+    from ..ops.registry import _version
+
+    return {"torsh_kernels": __version__, "torch": torch.__version__, "triton": _version("triton"),
+            "numba": _version("numba"), "python": platform.python_version(), "cuda": torch.version.cuda}  # fmt: skip
+
+
+def current() -> Recorder | None:
+    """The active recorder, or None."""
+    return _trace.recorder
+
+
+def record(name: str, **args: object):
+    """A user span around a block: ``with record("forward"): ...`` (nothing when no recorder is active).
+    On a CUDA job the span is also timed on the current stream with CUDA events."""
+    r = _trace.recorder
+    if r is None:
+        return _trace.NULL
+    if not isinstance(name, str) or not name:
+        raise ArgumentTypeError(f"record: name must be a non-empty string, got {name!r}")
+    return r.span(name, "user", args or None, device="cuda" if r._cuda and torch.cuda.is_available() else None)
+
+
+def step(n: int, **args: object):
+    """A step marker around one training step: ``with step(i): ...``; ``torsh timeline --step N`` and
+    ``torsh report`` use them. Extra ``args`` (e.g. ``label="powersgd"``) are kept; the report groups
+    steps by ``label``."""
+    r = _trace.recorder
+    if r is None:
+        return _trace.NULL
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ArgumentTypeError(f"step: n must be an int, got {n!r}")
+    return r.span(f"step {n}", "step", {"step": n, **args})
+
+
+def start_from_env() -> Recorder | None:
+    """Start a recorder writing to ``$TORSH_TRACE`` (if set and none is active); it writes at exit."""
+    d = os.environ.get(ENV_VAR, "").strip()
+    if not d or _trace.recorder is not None:
+        return None
+    rec = Recorder(d)
+    rec.from_env = True
+    rec.start()
+
+    def _at_exit() -> None:
+        if rec._events or rec._gpu:
+            rec.stop()
+            rec.write()
+
+    atexit.register(_at_exit)
+    return rec

@@ -1,0 +1,378 @@
+"""Reading traces: torsh's own (``rank{R}.json``), torch.profiler/Kineto Chrome traces (``.json`` or
+``.json.gz``) and other Chrome Trace Event files, into one model the viewer and the report share.
+
+:func:`load` takes a file or a directory (every ``*.json`` / ``*.json.gz`` in it, one rank per file) and
+returns a :class:`Trace`: spans on lanes, each lane belonging to a rank, times in milliseconds from the
+earliest event of any rank. Each span gets a *class*, what the breakdown counts it as:
+
+==================  ==================================================================================
+class               spans
+==================  ==================================================================================
+``compute``         torsh op launches and user spans; Kineto kernels and CPU ops that are not collectives
+``communication``   collectives in flight (torsh ``collective``), host time issuing them (torsh ``issue``);
+                    NCCL kernels; ``gloo:``/``c10d::`` ops
+``compression``     torsh compression rounds and compression kernels
+``memory``          host/device copies (Kineto ``gpu_memcpy``/``gpu_memset``)
+``wait``            a thread blocked on a collective (torsh ``wait``)
+``step``            step markers (torsh ``step N``; Kineto ``ProfilerStep#N``)
+``other``           everything else (buckets in flight, runtime calls, Python frames, annotations)
+==================  ==================================================================================
+
+:func:`validate` checks a file against the format (:class:`TraceFormatError` names the problem):
+required fields, numeric microsecond timestamps, for torsh traces the metadata and no partially
+overlapping complete events on one thread.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import TraceFormatError
+
+__all__ = ["CLASSES", "Lane", "Span", "Trace", "classify", "load", "read_json", "validate"]
+
+CLASSES = ("compute", "communication", "compression", "memory", "wait", "step", "other")
+
+_COMM = re.compile(
+    r"nccl|gloo:|c10d::|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|"
+    r"sendrecv|send_recv|allgather|reducescatter",
+    re.IGNORECASE,
+)
+_STEP = re.compile(r"^(?:ProfilerStep#|step )(\d+)$")
+_TORSH_CLASSES = {"collective": "communication", "issue": "communication", "compression": "compression",
+                  "op": "compute", "user": "compute", "wait": "wait", "step": "step", "offload": "memory"}  # fmt: skip
+_DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
+# nesting tolerance: torsh writes nanosecond-rounded microseconds; sums of two such doubles differ by < 1e-3 us
+EPS_US = 1e-3
+
+
+@dataclass(slots=True)
+class Lane:
+    """One row of the timeline: a thread, a GPU stream, or torsh's in-flight ``comm N`` / ``bucket N``."""
+
+    rank: int
+    """The rank (one file: one rank)."""
+    name: str
+    """Display name, e.g. ``main``, ``comm 0``, ``stream 7``."""
+    kind: str
+    """``thread`` (nested spans), ``device`` (a GPU stream) or ``inflight`` (collectives/buckets in flight)."""
+    key: tuple = ()
+    """(pid, tid) in the file."""
+
+
+@dataclass(slots=True)
+class Span:
+    """One complete event."""
+
+    rank: int
+    """The rank."""
+    lane: int
+    """Index into :attr:`Trace.lanes`."""
+    name: str
+    """Event name."""
+    cat: str
+    """The file's category."""
+    cls: str
+    """What the breakdown counts it as (:data:`CLASSES`)."""
+    start: float
+    """Milliseconds from the trace's origin."""
+    dur: float
+    """Milliseconds."""
+    args: dict = field(default_factory=dict)
+    """The event's args."""
+
+    @property
+    def end(self) -> float:
+        return self.start + self.dur
+
+
+@dataclass(slots=True)
+class Trace:
+    """Every rank's spans on one time axis (see the module docstring)."""
+
+    spans: list[Span]
+    """All spans, sorted by start."""
+    lanes: list[Lane]
+    """All lanes; spans refer to them by index."""
+    ranks: dict[int, dict]
+    """Rank -> metadata (source, file, world size, device, versions, wire bytes, ...)."""
+    origin_us: float
+    """Absolute time (microseconds since the Unix epoch) of time 0."""
+    counters: list[tuple[int, str, float, dict]] = field(default_factory=list)
+    """(rank, name, ms, values) of counter events."""
+
+    @property
+    def end(self) -> float:
+        return max((s.end for s in self.spans), default=0.0)
+
+    def steps(self, rank: int | None = None) -> list[Span]:
+        """Step markers (of one rank, or all), by start."""
+        return [s for s in self.spans if s.cls == "step" and (rank is None or s.rank == rank)]
+
+
+def classify(cat: str, name: str, source: str) -> str:
+    """The class of an event (see the module docstring)."""
+    if source == "torsh":
+        return _TORSH_CLASSES.get(cat, "other")
+    if _STEP.match(name):
+        return "step"
+    if cat in ("gpu_memcpy", "gpu_memset") or (source == "chrome" and "memcpy" in name.lower()):
+        return "memory"
+    if cat in ("kernel", "cpu_op", "user_annotation", "gpu_user_annotation") or source == "chrome":
+        if _COMM.search(name):
+            return "communication"
+        if cat in ("kernel", "cpu_op") or (source == "chrome" and cat not in ("Trace",)):
+            return "compute"
+    return "other"
+
+
+def read_json(path: str | Path) -> dict | list:
+    """Parse one trace file (gzip when it starts with gzip's magic), with errors that name the problem."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise TraceFormatError(f"{p}: cannot be read ({e.strerror or e})") from e
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (EOFError, OSError, zlib.error) as e:
+            raise TraceFormatError(f"{p}: the gzip stream is truncated or corrupt ({e}); re-export the trace") from e
+    if not raw.strip():
+        raise TraceFormatError(f"{p}: the file is empty")
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise TraceFormatError(f"{p}: not UTF-8 JSON (byte {e.start}); is it a trace file?") from e
+    except json.JSONDecodeError as e:
+        end = len(raw.decode("utf-8", "replace").rstrip())
+        cut = " (the file ends early: truncated while being written?)" if e.pos >= end - 1 else ""
+        raise TraceFormatError(f"{p}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}{cut}") from e
+
+
+def _events(data: dict | list, p: Path) -> list:
+    if isinstance(data, list):  # the JSON Array Format
+        return data
+    if not isinstance(data, dict):
+        raise TraceFormatError(f"{p}: expected a JSON object with 'traceEvents' (or an array of events), "
+                               f"got {type(data).__name__}")  # fmt: skip
+    ev = data.get("traceEvents")
+    if not isinstance(ev, list):
+        raise TraceFormatError(f"{p}: no 'traceEvents' list at the top level; not a Chrome trace")
+    return ev
+
+
+def _num(e: dict, key: str, i: int, p: Path) -> float:
+    v = e.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TraceFormatError(f"{p}: event {i} ({e.get('name')!r}, ph {e.get('ph')!r}) has {key}={v!r}; "
+                               "expected a number of microseconds")  # fmt: skip
+    if v != v or v in (float("inf"), float("-inf")):
+        raise TraceFormatError(f"{p}: event {i} ({e.get('name')!r}) has {key}={v!r}")
+    return float(v)
+
+
+_TORSH_META = ("rank", "world_size", "device", "versions", "clock")
+
+
+def validate(data: dict | list, path: str | Path = "<trace>") -> str:
+    """Check a parsed trace; returns its source (``torsh``, ``kineto`` or ``chrome``) or raises
+    :class:`TraceFormatError`. Every event needs ``ph``; complete events (``X``) a string ``name``,
+    numeric ``ts`` and ``dur >= 0``, ``pid`` and ``tid``. torsh traces must also carry their metadata
+    (``otherData``: rank, world_size, device, versions, clock; process and thread names) and hold no
+    two complete events on one (pid, tid) that overlap without nesting."""
+    p = Path(path)
+    events = _events(data, p)
+    source = "chrome"
+    if isinstance(data, dict):
+        od = data.get("otherData")
+        if isinstance(od, dict) and str(od.get("schema", "")).startswith("torsh-trace/"):
+            source = "torsh"
+            missing = [k for k in _TORSH_META if k not in od]
+            if missing:
+                raise TraceFormatError(f"{p}: torsh trace metadata (otherData) lacks {missing}")
+            if not isinstance(od["rank"], int) or not isinstance(od["world_size"], int) or not 0 <= od["rank"] < \
+                    od["world_size"]:  # fmt: skip
+                raise TraceFormatError(f"{p}: otherData has rank={od['rank']!r}, world_size={od['world_size']!r}")
+            if not isinstance(od["clock"], dict) or not isinstance(od["clock"].get("base_unix_us"), int):
+                raise TraceFormatError(f"{p}: otherData.clock lacks an integer base_unix_us")
+        elif "schemaVersion" in data or "deviceProperties" in data or "baseTimeNanoseconds" in data:
+            source = "kineto"
+    lanes: dict[tuple, list[tuple[float, float, int]]] = {}
+    named_threads, named_procs = set(), set()
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise TraceFormatError(f"{p}: event {i} is a {type(e).__name__}, expected an object")
+        ph = e.get("ph")
+        if not isinstance(ph, str) or not ph:
+            raise TraceFormatError(f"{p}: event {i} ({e.get('name')!r}) has no 'ph' (phase)")
+        if ph == "M":
+            if e.get("name") == "thread_name":
+                named_threads.add((e.get("pid"), e.get("tid")))
+            elif e.get("name") == "process_name":
+                named_procs.add(e.get("pid"))
+            continue
+        if ph not in ("X", "B", "E", "C", "i", "I"):
+            continue
+        if ph != "E" and not isinstance(e.get("name"), str):
+            raise TraceFormatError(f"{p}: event {i} (ph {ph!r}) has no string 'name'")
+        ts = _num(e, "ts", i, p)
+        if ph == "X":
+            dur = _num(e, "dur", i, p)
+            if dur < 0:
+                raise TraceFormatError(f"{p}: event {i} ({e['name']!r}) has a negative duration {dur}")
+            for k in ("pid", "tid"):
+                if k not in e:
+                    raise TraceFormatError(f"{p}: event {i} ({e['name']!r}) has no {k!r}")
+            if source == "torsh":
+                lanes.setdefault((e["pid"], e["tid"]), []).append((ts, ts + dur, i))
+    if source == "torsh":
+        for key, spans in lanes.items():
+            if key not in named_threads:
+                raise TraceFormatError(f"{p}: lane pid={key[0]} tid={key[1]} has no thread_name metadata")
+            if key[0] not in named_procs:
+                raise TraceFormatError(f"{p}: pid {key[0]} has no process_name metadata")
+            _check_nesting(spans, key, events, p)
+    return source
+
+
+def _check_nesting(spans: list[tuple[float, float, int]], key: tuple, events: list, p: Path) -> None:
+    spans.sort(key=lambda s: (s[0], -s[1]))
+    stack: list[tuple[float, float, int]] = []
+    for s in spans:
+        while stack and stack[-1][1] <= s[0] + EPS_US:
+            stack.pop()
+        if stack and s[1] > stack[-1][1] + EPS_US:
+            a, b = events[stack[-1][2]], events[s[2]]
+            raise TraceFormatError(
+                f"{p}: events {a['name']!r} (ts {a['ts']}, dur {a['dur']}) and {b['name']!r} (ts {b['ts']}, dur "
+                f"{b['dur']}) overlap without nesting on pid={key[0]} tid={key[1]}; Perfetto rejects such lanes"
+            )
+        stack.append(s)
+
+
+def _files(target: Path) -> list[Path]:
+    if target.is_dir():
+        fs = sorted(f for f in target.iterdir() if f.is_file() and (f.name.endswith(".json") or f.name.endswith(
+            ".json.gz")))  # fmt: skip
+        if not fs:
+            raise TraceFormatError(f"{target}: no trace files (*.json, *.json.gz) in this directory")
+        return fs
+    if not target.exists():
+        raise TraceFormatError(f"{target}: no such file or directory")
+    return [target]
+
+
+def _rank_of(data: dict | list, source: str, f: Path, fallback: int) -> int:
+    if isinstance(data, dict):
+        if source == "torsh":
+            return int(data["otherData"]["rank"])
+        di = data.get("distributedInfo")
+        if isinstance(di, dict) and isinstance(di.get("rank"), int):
+            return di["rank"]
+    m = re.search(r"rank[_-]?(\d+)", f.name)
+    return int(m.group(1)) if m else fallback
+
+
+def _base_us(data: dict | list, source: str) -> float:
+    if not isinstance(data, dict):
+        return 0.0
+    if source == "torsh":
+        return float(data["otherData"]["clock"]["base_unix_us"])
+    b = data.get("baseTimeNanoseconds")
+    return b / 1e3 if isinstance(b, (int, float)) and not isinstance(b, bool) else 0.0
+
+
+def load(target: str | Path) -> Trace:
+    """Load a trace file or a directory of them (one rank per file) into a :class:`Trace`."""
+    files = _files(Path(target))
+    raw = []
+    seen: dict[int, Path] = {}
+    for n, f in enumerate(files):
+        data = read_json(f)
+        source = validate(data, f)
+        rank = _rank_of(data, source, f, n)
+        if rank in seen:
+            raise TraceFormatError(f"{f}: rank {rank} appears twice ({seen[rank].name} and {f.name}); keep one trace "
+                                   "per rank in the directory")  # fmt: skip
+        seen[rank] = f
+        raw.append((rank, f, data, source, _base_us(data, source)))
+    origin = min((base + e["ts"] for _, _, data, _, base in raw for e in _events(data, Path()) if e.get("ph") in
+                  ("X", "B") and isinstance(e.get("ts"), (int, float))), default=0.0)  # fmt: skip
+    lanes: list[Lane] = []
+    spans: list[Span] = []
+    counters: list[tuple[int, str, float, dict]] = []
+    ranks: dict[int, dict] = {}
+    for rank, f, data, source, base in raw:
+        meta = _rank_meta(data, source, f)
+        ranks[rank] = meta
+        _convert(rank, _events(data, f), source, base - origin, lanes, spans, counters, f)
+    spans.sort(key=lambda s: (s.start, -s.dur))
+    if not spans:
+        raise TraceFormatError(f"{target}: the trace holds no complete events to show")
+    return Trace(spans=spans, lanes=lanes, ranks=dict(sorted(ranks.items())), origin_us=origin, counters=counters)
+
+
+def _rank_meta(data: dict | list, source: str, f: Path) -> dict:
+    meta: dict = {"source": source, "file": str(f)}
+    if isinstance(data, dict):
+        if source == "torsh":
+            od = data["otherData"]
+            meta.update({k: od.get(k) for k in ("world_size", "device", "versions", "host", "wire_bytes",
+                                                "dropped_events")})  # fmt: skip
+        else:
+            di = data.get("distributedInfo") or {}
+            meta["world_size"] = di.get("world_size")
+            props = data.get("deviceProperties") or []
+            meta["device"] = props[0].get("name") if props and isinstance(props[0], dict) else None
+    return meta
+
+
+def _convert(rank: int, events: list, source: str, shift_us: float, lanes: list[Lane], spans: list[Span],
+             counters: list, f: Path) -> None:  # fmt: skip
+    names: dict[tuple, str] = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "thread_name" and isinstance(e.get("args"), dict):
+            names[(e.get("pid"), e.get("tid"))] = str(e["args"].get("name", ""))
+    lane_of: dict[tuple, int] = {}
+
+    def lane(key: tuple, cat: str) -> int:
+        i = lane_of.get(key)
+        if i is None:
+            name = names.get(key) or f"{key[0]}:{key[1]}"
+            if source == "torsh":
+                kind = "inflight" if re.match(r"^(comm|bucket) \d+$", name) else (
+                    "device" if name.startswith("cuda:") else "thread")  # fmt: skip
+            else:
+                kind = "device" if cat in _DEVICE_CATS else "thread"
+                if kind == "device" and key not in names:
+                    name = f"gpu {key[0]} stream {key[1]}"
+            i = lane_of[key] = len(lanes)
+            lanes.append(Lane(rank=rank, name=name, kind=kind, key=key))
+        return i
+
+    open_b: dict[tuple, list[dict]] = {}
+    for e in events:
+        ph = e.get("ph")
+        if ph == "X":
+            name, cat = e["name"], str(e.get("cat", ""))
+            ln = lane((e["pid"], e["tid"]), cat)
+            spans.append(Span(rank, ln, name, cat, classify(cat, name, source), (e["ts"] + shift_us) / 1e3,
+                              e["dur"] / 1e3, e.get("args") or {}))  # fmt: skip
+        elif ph == "B":
+            open_b.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+        elif ph == "E":
+            st = open_b.get((e.get("pid"), e.get("tid")))
+            if st:
+                b = st.pop()
+                name, cat = b["name"], str(b.get("cat", ""))
+                ln = lane((b.get("pid"), b.get("tid")), cat)
+                spans.append(Span(rank, ln, name, cat, classify(cat, name, source), (b["ts"] + shift_us) / 1e3,
+                                  max(0.0, e["ts"] - b["ts"]) / 1e3, b.get("args") or {}))  # fmt: skip
+        elif ph == "C" and isinstance(e.get("args"), dict):
+            counters.append((rank, e["name"], (e["ts"] + shift_us) / 1e3, e["args"]))

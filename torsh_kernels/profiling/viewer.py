@@ -1,0 +1,406 @@
+"""``torsh timeline TRACE_OR_DIR``: a terminal timeline of one trace file or a directory of per-rank files.
+
+One lane per rank and thread / GPU stream / in-flight collective, on one time axis; each character
+cell shows the class that fills most of it (legend below the lanes); then per-rank totals (the
+breakdown of :mod:`~torsh_kernels.profiling.analysis`, with the communication share and overlap) and
+the top names by total time. Reads torsh traces and torch.profiler (Kineto) traces, gzip too.
+
+Times are milliseconds from the earliest event of any rank. ``--window 120ms:180ms`` (units us, ms, s;
+a bare number is ms; either side may be left out), ``--step N`` (the window of step N, from step
+markers), ``--rank 0,2``, ``--cat communication`` (a class or a file category), ``--name REGEX``,
+``--min-dur 0.5ms``, ``--top N``, ``--width COLUMNS``. ``--interactive``: keys pan (left/right, h/l),
+zoom (+/-, i/o), step (n/p), rank (r), reset (0), quit (q).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass, field, replace
+
+from ..errors import InvalidArgumentError, TraceFormatError
+from . import analysis as A
+from .traces import Span, Trace, load
+
+__all__ = ["GLYPHS", "View", "add_arguments", "parse_duration", "parse_window", "render", "run"]
+
+# class -> (glyph, style): the glyphs differ in shape, so the lanes read without colour too
+GLYPHS = {
+    "compute": ("█", "green"),
+    "compression": ("▓", "magenta"),
+    "communication": ("▒", "cyan"),
+    "memory": ("░", "yellow"),
+    "wait": ("-", "red"),
+    "other": ("·", "bright_black"),
+}
+_UNITS = {"us": 1e-3, "µs": 1e-3, "ms": 1.0, "s": 1e3}
+LABEL = 24
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    """'120ms', '1.5s', '300us' or '7' (ms) -> milliseconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(us|µs|ms|s)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise InvalidArgumentError(f"{what}: cannot read {text!r} as a time; write e.g. 120ms, 1.5s or 300us")
+    return float(m.group(1)) * _UNITS[(m.group(2) or "ms").lower()]
+
+
+def parse_window(text: str) -> tuple[float | None, float | None]:
+    """'120ms:180ms' -> (120.0, 180.0); either side may be empty."""
+    if ":" not in text:
+        raise InvalidArgumentError(f"--window: expected START:END (e.g. 120ms:180ms), got {text!r}")
+    a, b = text.split(":", 1)
+    lo = parse_duration(a, "--window start") if a.strip() else None
+    hi = parse_duration(b, "--window end") if b.strip() else None
+    if lo is not None and hi is not None and hi <= lo:
+        raise InvalidArgumentError(f"--window: the end ({b}) must come after the start ({a})")
+    return lo, hi
+
+
+@dataclass(slots=True)
+class View:
+    """What to show: a time window, filters, and the rank the interactive mode focuses on."""
+
+    start: float | None = None
+    """Window start (ms); None: the beginning (or the step's)."""
+    end: float | None = None
+    """Window end (ms); None: the end (or the step's)."""
+    step: int | None = None
+    """Show the window of this step (from step markers)."""
+    ranks: list[int] | None = None
+    """Ranks to show; None: all."""
+    cats: set[str] = field(default_factory=set)
+    """Classes or file categories to keep; empty: all."""
+    name: re.Pattern | None = None
+    """Keep spans whose name matches."""
+    min_dur: float = 0.0
+    """Keep spans at least this long (ms)."""
+    top: int = 15
+    """Rows of the top-N table."""
+
+    def keep(self, s: Span) -> bool:
+        if self.ranks is not None and s.rank not in self.ranks:
+            return False
+        if s.cls == "step":
+            return True
+        if self.cats and s.cls not in self.cats and s.cat not in self.cats:
+            return False
+        if self.name is not None and not self.name.search(s.name):
+            return False
+        return s.dur >= self.min_dur
+
+
+def resolve_window(trace: Trace, view: View) -> tuple[float, float]:
+    """The window's (start, end) in ms."""
+    lo, hi = 0.0, trace.end
+    if view.step is not None:
+        steps = [s for s in trace.steps() if A.step_number(s) == view.step and (view.ranks is None or s.rank in
+                                                                                 view.ranks)]  # fmt: skip
+        if not steps:
+            have = sorted({n for s in trace.steps() if (n := A.step_number(s)) is not None})
+            shown = f"{have[:5]}...{have[-5:]}" if len(have) > 10 else str(have)
+            raise InvalidArgumentError(
+                f"--step {view.step}: the trace has no step {view.step} "
+                + (f"(its steps: {shown})" if have else "(it has no step markers: record them with timeline.step)")
+            )
+        lo, hi = min(s.start for s in steps), max(s.end for s in steps)
+    if view.start is not None:
+        lo = view.start
+    if view.end is not None:
+        hi = view.end
+    if hi <= lo:
+        raise InvalidArgumentError(f"the window {lo:.3f}-{hi:.3f} ms is empty; the trace spans 0-{trace.end:.3f} ms")
+    return lo, hi
+
+
+def _lane_order(trace: Trace, idx: int) -> tuple:
+    ln = trace.lanes[idx]
+    kind = {"thread": 0, "device": 1, "inflight": 2}[ln.kind]
+    main = 0 if ln.name in ("main",) or "python" in ln.name else 1
+    bucket = 1 if ln.name.startswith("bucket") else 0
+    num = re.findall(r"\d+", ln.name)
+    return (ln.rank, kind, bucket, main, int(num[-1]) if num else 0, ln.name)
+
+
+def _cells(segs: list[tuple[float, float, str]], lo: float, hi: float, width: int) -> list[str | None]:
+    """Per cell, the class covering most of it (None: nothing)."""
+    cover: list[dict[str, float]] = [{} for _ in range(width)]
+    scale = width / (hi - lo)
+    for a, b, c in segs:
+        a, b = max(a, lo), min(b, hi)
+        if b < a or (b == a and not (lo <= a < hi)):
+            continue
+        i0, i1 = int((a - lo) * scale), min(width - 1, int((b - lo) * scale))
+        for i in range(max(0, i0), i1 + 1):
+            c0, c1 = lo + i / scale, lo + (i + 1) / scale
+            d = cover[i]
+            d[c] = d.get(c, 0.0) + max(min(b, c1) - max(a, c0), 1e-9)
+    return [max(d, key=d.get) if d else None for d in cover]
+
+
+def _axis(lo: float, hi: float, width: int) -> tuple[str, str]:
+    """Tick marks and labels under a time axis of ``width`` cells."""
+    span = hi - lo
+    raw = span / max(1, width // 14)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    marks, labels = [" "] * width, [" "] * width
+    t = first
+    while t <= hi + 1e-9:
+        i = min(width - 1, int((t - lo) / span * width))
+        marks[i] = "|"
+        lab = f"{t:g}"
+        if all(c == " " for c in labels[max(0, i - 1) : i + len(lab) + 1]) and i + len(lab) <= width:
+            labels[i : i + len(lab)] = list(lab)
+        t += step
+    return "".join(marks), "".join(labels)
+
+
+def render(trace: Trace, view: View, console, *, source: str = "") -> dict:
+    """Print the lanes, the legend, the per-rank totals and the top-N table; returns what was computed
+    (window, breakdowns, top rows) for callers and tests."""
+    from rich.table import Table
+    from rich.text import Text
+
+    lo, hi = resolve_window(trace, view)
+    width = max(20, console.width - LABEL - 1)
+    ranks = [r for r in trace.ranks if view.ranks is None or r in view.ranks]
+    if not ranks:
+        raise InvalidArgumentError(f"--rank {view.ranks}: the trace holds ranks {list(trace.ranks)}")
+    kept = [s for s in trace.spans if view.keep(s) and s.end >= lo and s.start <= hi]
+    n_ranks = len(trace.ranks)
+    srcs = sorted({m.get("source", "?") for m in trace.ranks.values()})
+    console.print(Text(f"{source or 'trace'}: {n_ranks} rank(s) ({', '.join(srcs)}), {trace.end:.3f} ms recorded; "
+                       f"window {lo:.3f} - {hi:.3f} ms ({hi - lo:.3f} ms)"
+                       + (f", step {view.step}" if view.step is not None else ""), style="bold"))  # fmt: skip
+    marks, labels = _axis(lo, hi, width)
+    console.print(Text(" " * LABEL + " " + labels, style="dim"))
+    console.print(Text(" " * LABEL + " " + marks, style="dim"))
+    by_lane: dict[int, list[Span]] = {}
+    for s in kept:
+        by_lane.setdefault(s.lane, []).append(s)
+    shown_lanes = 0
+    for r in ranks:
+        steps = [s for s in kept if s.rank == r and s.cls == "step"]
+        if steps:
+            row = [" "] * width
+            scale = width / (hi - lo)
+            starts = []
+            for s in sorted(steps, key=lambda s: s.start):
+                i0 = max(0, int((max(s.start, lo) - lo) * scale))
+                i1 = min(width - 1, int((min(s.end, hi) - lo) * scale))
+                for i in range(i0, i1 + 1):
+                    row[i] = "─"
+                starts.append((i0, s))
+            for k, (i0, s) in enumerate(starts):  # "[N" at each step's start where the label fits
+                if s.start < lo - 1e-6:
+                    continue
+                room = (starts[k + 1][0] if k + 1 < len(starts) else width) - i0
+                lab = f"[{A.step_number(s)}"
+                row[i0 : i0 + min(room, len(lab))] = list(lab if room >= len(lab) else "[")[: width - i0]
+            t = Text(f"r{r} steps".ljust(LABEL)[:LABEL] + " ", style="bold")
+            t.append("".join(row[:width]), style="bright_white")
+            console.print(t, no_wrap=True, overflow="crop")
+        for li in sorted((i for i in by_lane if trace.lanes[i].rank == r), key=lambda i: _lane_order(trace, i)):
+            spans = [s for s in by_lane[li] if s.cls != "step" and s.cat != "Trace"]  # not Kineto's whole-run span
+            if not spans:
+                continue
+            ln = trace.lanes[li]
+            segs = [(s.start, s.end, s.cls) for s in spans] if ln.kind == "inflight" else A.self_segments(spans)
+            cells = _cells(segs, lo, hi, width)
+            t = Text(f"r{r} {ln.name}".ljust(LABEL)[:LABEL] + " ")
+            for c in cells:
+                if c is None:
+                    t.append(" ")
+                else:
+                    g, style = GLYPHS.get(c, GLYPHS["other"])
+                    t.append(g, style=style)
+            console.print(t, no_wrap=True, overflow="crop")
+            shown_lanes += 1
+    if not shown_lanes:
+        console.print(Text("(no spans match the filters in this window)", style="yellow"))
+    legend = Text("legend: ")
+    for c, (g, style) in GLYPHS.items():
+        legend.append(g * 2, style=style)
+        legend.append(f" {c}  ")
+    legend.append("(blank: idle)")
+    console.print(legend)
+
+    # per-rank totals: over the rank's steps (all, or step N) when no explicit window is given, else over the
+    # window; the same windows `torsh report` uses. They ignore the name/cat filters: it is the rank's time.
+    explicit = view.start is not None or view.end is not None
+    wins = {r: [(lo, hi)] if explicit else A.intersect(A.windows(trace, r, step=view.step), [(lo, hi)])
+            for r in ranks}  # fmt: skip
+    bds = [A.breakdown(trace, r, wins[r]) for r in ranks]
+    over = "the window" if explicit else ("its steps" if trace.steps() else "its recorded extent")
+    title = (f"per-rank totals over {over}, ms (exclusive: compute > compression > memory > exposed communication "
+             "(comm exp) > idle; in flight: any collective in flight)")  # fmt: skip
+    tt = Table(title=title, title_justify="left")
+    for col in ("rank", "time", "compute", "compress", "memory", "comm exp", "idle", "in flight", "comm share",
+                "overlap", "colls", "wire"):  # fmt: skip
+        tt.add_column(col, justify="left" if col == "rank" else "right")
+    for b in bds:
+        tt.add_row(str(b.rank), f"{b.window_ms:.3f}", f"{b.compute_ms:.3f}", f"{b.compression_ms:.3f}",
+                   f"{b.memory_ms:.3f}", f"{b.communication_ms:.3f}", f"{b.idle_ms:.3f}", f"{b.comm_ms:.3f}",
+                   f"{100 * b.comm_share:.1f}%", "-" if b.overlap is None else f"{100 * b.overlap:.1f}%",
+                   str(b.collectives), _fmt_bytes(b.wire_bytes))  # fmt: skip
+    console.print(tt)
+    top = A.top_spans(trace, kept, wins, view.top)
+    if top:
+        t2 = Table(title=f"top {len(top)} by total time in the window", title_justify="left")
+        for col in ("name", "class", "count", "total ms", "mean ms", "max ms", "ranks"):
+            t2.add_column(col, justify="left" if col in ("name", "class", "ranks") else "right")
+        for d in top:
+            rk = ",".join(map(str, d["ranks"]))
+            t2.add_row(d["name"][:48], d["class"], str(d["count"]), f"{d['total_ms']:.3f}", f"{d['mean_ms']:.3f}",
+                       f"{d['max_ms']:.3f}", rk if len(rk) <= 12 else f"{len(d['ranks'])} ranks")  # fmt: skip
+        console.print(t2)
+    return {"window": (lo, hi), "breakdowns": bds, "top": top, "lanes": shown_lanes}
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+# -- interactive ---------------------------------------------------------------------------------------
+
+
+def apply_key(trace: Trace, view: View, key: str) -> View | None:
+    """The view after one key press (None: quit). Pure, so the keys are testable without a terminal."""
+    lo, hi = resolve_window(trace, view)
+    span = hi - lo
+    if key in ("q", "Q", "\x03", "\x1b"):
+        return None
+    if key in ("right", "l"):
+        d = min(span / 4, max(0.0, trace.end - hi))
+        return replace(view, start=lo + d, end=hi + d, step=None)
+    if key in ("left", "h"):
+        d = min(span / 4, lo)
+        return replace(view, start=lo - d, end=hi - d, step=None)
+    if key in ("+", "=", "i"):
+        mid = (lo + hi) / 2
+        return replace(view, start=mid - span / 4, end=mid + span / 4, step=None)
+    if key in ("-", "o"):
+        mid = (lo + hi) / 2
+        a, b = max(0.0, mid - span), min(trace.end, mid + span)
+        return replace(view, start=a, end=b, step=None)
+    if key == "0":
+        return replace(view, start=None, end=None, step=None)
+    if key in ("n", "p"):
+        nums = sorted({n for s in trace.steps() if (n := A.step_number(s)) is not None})
+        if not nums:
+            return view
+        if view.step is None:
+            nxt = next((n for s in trace.steps() if s.start >= lo and (n := A.step_number(s)) is not None), nums[0])
+        else:
+            i = nums.index(view.step) if view.step in nums else 0
+            nxt = nums[min(len(nums) - 1, i + 1)] if key == "n" else nums[max(0, i - 1)]
+        return replace(view, step=nxt, start=None, end=None)
+    if key == "r":
+        ranks = list(trace.ranks)
+        if view.ranks is None or len(view.ranks) != 1:
+            return replace(view, ranks=[ranks[0]])
+        i = ranks.index(view.ranks[0]) if view.ranks[0] in ranks else -1
+        return replace(view, ranks=None if i + 1 >= len(ranks) else [ranks[i + 1]])
+    return view
+
+
+def _read_key(fd: int) -> str:
+    import os
+
+    ch = os.read(fd, 1).decode(errors="replace")
+    if ch == "\x1b":
+        import select
+
+        if select.select([fd], [], [], 0.05)[0]:
+            seq = os.read(fd, 2).decode(errors="replace")
+            return {"[C": "right", "[D": "left", "[A": "+", "[B": "-"}.get(seq, "")
+        return "\x1b"
+    return ch
+
+
+def interactive(trace: Trace, view: View, console, source: str) -> int:
+    import termios
+    import tty
+
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise InvalidArgumentError("--interactive needs a terminal on stdin and stdout; drop it to print once")
+    fd = sys.stdin.fileno()
+    old = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        while view is not None:
+            console.clear()
+            render(trace, view, console, source=source)
+            console.print("[dim]keys: ←/→ pan  +/- zoom  n/p step  r rank  0 reset  q quit[/dim]")
+            nxt = apply_key(trace, view, _read_key(fd))
+            view = nxt
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, old)
+    return 0
+
+
+# -- command line -------------------------------------------------------------------------------------
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("trace", help="a trace file (.json, .json.gz) or a directory of per-rank files")
+    ap.add_argument("--window", default=None, help="time window, e.g. 120ms:180ms (ms from the trace start)")
+    ap.add_argument("--step", type=int, default=None, help="show the window of step N (step markers)")
+    ap.add_argument("--rank", default=None, help="ranks to show, e.g. 0 or 0,2")
+    ap.add_argument("--cat", default=None, help="classes or categories to show, e.g. communication,compression")
+    ap.add_argument("--name", default=None, help="only spans whose name matches this regular expression")
+    ap.add_argument("--min-dur", default=None, help="only spans at least this long, e.g. 0.5ms")
+    ap.add_argument("--top", type=int, default=15, help="rows of the top-N table (default 15)")
+    ap.add_argument("--width", type=int, default=None, help="columns (default: the terminal's)")
+    ap.add_argument("--interactive", action="store_true", help="pan and zoom with keys (needs a terminal)")
+
+
+def view_from_args(a: argparse.Namespace) -> View:
+    v = View(step=a.step, top=a.top)
+    if a.window:
+        v.start, v.end = parse_window(a.window)
+    if a.rank:
+        try:
+            v.ranks = [int(x) for x in a.rank.split(",") if x.strip()]
+        except ValueError as e:
+            raise InvalidArgumentError(f"--rank: expected ranks like 0 or 0,2, got {a.rank!r}") from e
+    if a.cat:
+        v.cats = {c.strip() for c in a.cat.split(",") if c.strip()}
+    if a.name:
+        try:
+            v.name = re.compile(a.name)
+        except re.error as e:
+            raise InvalidArgumentError(f"--name: {a.name!r} is not a regular expression ({e})") from e
+    if a.min_dur:
+        v.min_dur = parse_duration(a.min_dur, "--min-dur")
+    if a.top < 0:
+        raise InvalidArgumentError(f"--top must be >= 0, got {a.top}")
+    return v
+
+
+def make_console(width: int | None = None):
+    from rich.console import Console
+
+    return Console(width=width, highlight=False) if width else Console(highlight=False)
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        view = view_from_args(a)
+        trace = load(a.trace)
+        console = make_console(a.width)
+        if a.interactive:
+            return interactive(trace, view, console, a.trace)
+        render(trace, view, console, source=a.trace)
+    except (TraceFormatError, InvalidArgumentError) as e:
+        print(f"torsh timeline: {e}", file=sys.stderr)
+        return 2
+    return 0

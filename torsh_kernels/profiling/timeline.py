@@ -257,21 +257,25 @@ class Recorder:
         self._events.append(ev)  # list.append is atomic under the GIL: no lock on the hot path
 
     def _stack(self) -> list:
-        st = getattr(self._local, "stack", None)
-        if st is None:
-            st = self._local.stack = []
-        return st
+        try:
+            return self._local.stack
+        except AttributeError:
+            self._local.stack = []
+            return self._local.stack
 
     def _thread_lane(self) -> int:
+        try:
+            return self._local.lane
+        except AttributeError:
+            pass
         ident = threading.get_ident()
-        lane = self._threads.get(ident)
-        if lane is None:
-            with self._lock:
-                lane = self._threads.get(ident)
-                if lane is None:
-                    t = threading.current_thread()
-                    name = "main" if t is threading.main_thread() else t.name
-                    lane = self._threads[ident] = (len(self._threads), name)
+        with self._lock:
+            lane = self._threads.get(ident)
+            if lane is None:
+                t = threading.current_thread()
+                name = "main" if t is threading.main_thread() else t.name
+                lane = self._threads[ident] = (len(self._threads), name)
+        self._local.lane = lane[0]
         return lane[0]
 
     def _cuda_event(self, dev: torch.device):
@@ -299,8 +303,10 @@ class Recorder:
         self._gpu.append((name, cat, ev0, ev1, idx, lane or f"stream {stream.stream_id}", args))
 
     def span(self, name: str, cat: str, args: dict | None = None, *, device=None) -> _Span:
-        dev = device if (self._cuda and device is not None and torch.device(device).type == "cuda") else None
-        return _Span(self, name, cat, args, torch.device(dev) if dev is not None else None)
+        if self._cuda and device is not None:
+            dev = torch.device(device)
+            return _Span(self, name, cat, args, dev if dev.type == "cuda" else None)
+        return _Span(self, name, cat, args, None)
 
     def begin(self, name: str, cat: str, args: dict | None = None, *, lane: str = "comm", device=None) -> _Interval:
         """An interval that ends with ``.end()`` (from any thread), drawn in the first free ``{lane} N`` lane."""
@@ -322,14 +328,15 @@ class Recorder:
         shapes, nbytes, dev = [], 0, None
         for a in args:
             if isinstance(a, torch.Tensor):
-                shapes.append(list(a.shape))
-                nbytes += a.numel() * a.element_size()
-                dev = dev or a.device
+                shapes.append(tuple(a.shape))
+                nbytes += a.nbytes
+                if dev is None and self._cuda:
+                    dev = a.device
             elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-                n = sum(t.numel() for t in a)
-                shapes.append(f"{len(a)} tensors, {n} elements")
-                nbytes += sum(t.numel() * t.element_size() for t in a)
-                dev = dev or a[0].device
+                shapes.append(f"{len(a)} tensors, {sum(t.numel() for t in a)} elements")
+                nbytes += sum(t.nbytes for t in a)
+                if dev is None and self._cuda:
+                    dev = a[0].device
         cat = "compression" if name in COMPRESSION_OPS else "op"
         return self.span(name, cat, {"provider": provider, "shapes": shapes, "bytes": nbytes}, device=dev)
 

@@ -81,7 +81,7 @@ class DemoConfig:
                 raise ValueError(f"demo: {name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"demo: warmup must be in [0, steps), got {self.warmup} with steps={self.steps}")
-        if not 1 <= self.trace_steps <= self.steps - self.warmup:
+        if self.trace and not 1 <= self.trace_steps <= self.steps - self.warmup:
             raise ValueError(
                 f"demo: trace_steps must be in [1, steps - warmup] = [1, {self.steps - self.warmup}], got "
                 f"{self.trace_steps}"
@@ -183,7 +183,7 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
                     "gradient_bytes": steady["bytes_before"],
                     "ratio": steady["bytes_before"] / max(1, steady["bytes_after"]),
                     "accuracy": acc,
-                    "final_loss": float(loss),
+                    "final_loss": loss.item(),
                 }
             )
     finally:

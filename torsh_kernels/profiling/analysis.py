@@ -5,7 +5,8 @@ The breakdown of one rank over a set of windows (its steps, or a ``--window``):
 
 1. On each thread and GPU-stream lane, every instant belongs to the *innermost* span open there (spans
    on a lane nest), so a ``wait`` inside ``backward`` counts as waiting, not computing. Step markers are
-   windows, not work. In-flight lanes (torsh's ``comm N``) count whole.
+   windows, not work. Communication spans count whole, with what they nest (issuing a collective
+   includes flattening its buffer), and so do in-flight lanes (torsh's ``comm N``).
 2. A rank whose trace has GPU lanes is measured on its GPU lanes (and in-flight collectives) only, as
    Holistic Trace Analysis does: host threads then only launch work.
 3. Per class, the union of those segments; then exclusively, in this order: ``compute``, ``compression``
@@ -127,6 +128,8 @@ def class_intervals(trace: Trace, rank: int) -> dict[str, Intervals]:
         else:
             for a, b, c in self_segments(ss):
                 segs.setdefault(c, []).append((a, b))
+            # a collective call counts whole as communication, with what it nests (flattening, waiting)
+            segs.setdefault("communication", []).extend((s.start, s.end) for s in ss if s.cls == "communication")
     return {c: union(v) for c, v in segs.items()}
 
 

@@ -132,7 +132,8 @@ def _cells(segs: list[tuple[float, float, str]], lo: float, hi: float, width: in
         a, b = max(a, lo), min(b, hi)
         if b < a or (b == a and not (lo <= a < hi)):
             continue
-        i0, i1 = int((a - lo) * scale), min(width - 1, int((b - lo) * scale))
+        i0 = int((a - lo) * scale)
+        i1 = min(width - 1, max(i0, math.ceil((b - lo) * scale) - 1))  # cells [a, b) touches
         for i in range(max(0, i0), i1 + 1):
             c0, c1 = lo + i / scale, lo + (i + 1) / scale
             d = cover[i]
@@ -173,9 +174,10 @@ def render(trace: Trace, view: View, console, *, source: str = "") -> dict:
     kept = [s for s in trace.spans if view.keep(s) and s.end >= lo and s.start <= hi]
     n_ranks = len(trace.ranks)
     srcs = sorted({m.get("source", "?") for m in trace.ranks.values()})
-    console.print(Text(f"{source or 'trace'}: {n_ranks} rank(s) ({', '.join(srcs)}), {trace.end:.3f} ms recorded; "
-                       f"window {lo:.3f} - {hi:.3f} ms ({hi - lo:.3f} ms)"
-                       + (f", step {view.step}" if view.step is not None else ""), style="bold"))  # fmt: skip
+    console.print(Text(f"{source or 'trace'}: {n_ranks} rank(s) ({', '.join(srcs)}), {trace.end:.3f} ms recorded",
+                       style="bold"), soft_wrap=True)  # fmt: skip
+    step_note = f", step {view.step}" if view.step is not None else ""
+    console.print(Text(f"window {lo:.3f} - {hi:.3f} ms ({hi - lo:.3f} ms){step_note}", style="bold"), soft_wrap=True)
     marks, labels = _axis(lo, hi, width)
     console.print(Text(" " * LABEL + " " + labels, style="dim"))
     console.print(Text(" " * LABEL + " " + marks, style="dim"))
@@ -191,7 +193,7 @@ def render(trace: Trace, view: View, console, *, source: str = "") -> dict:
             starts = []
             for s in sorted(steps, key=lambda s: s.start):
                 i0 = max(0, int((max(s.start, lo) - lo) * scale))
-                i1 = min(width - 1, int((min(s.end, hi) - lo) * scale))
+                i1 = min(width - 1, max(i0, math.ceil((min(s.end, hi) - lo) * scale) - 1))
                 for i in range(i0, i1 + 1):
                     row[i] = "─"
                 starts.append((i0, s))

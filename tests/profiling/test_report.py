@@ -1,0 +1,132 @@
+"""`torsh report`: breakdown, stragglers, suggestions from thresholds, --json; and the issue's end-to-end
+check: `torsh demo --trace DIR`, `torsh timeline DIR` and `torsh report DIR` agree on the communication
+share, which is recomputed here from the raw JSON files independently of the library's analysis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from trace_fixtures import EXPECTED, write_trace
+
+from torsh_kernels.cli import main as cli
+from torsh_kernels.errors import InvalidArgumentError
+from torsh_kernels.profiling.report import Thresholds, build
+from torsh_kernels.profiling.traces import load, validate
+
+
+@pytest.fixture
+def trace_dir(tmp_path):
+    return write_trace(tmp_path / "tr")
+
+
+def test_report_numbers_and_straggler(trace_dir):
+    rep = build(load(trace_dir))
+    assert rep["window"]["over"] == "steps"
+    for r in rep["ranks"]:
+        for k, v in EXPECTED.items():
+            assert r[k] == pytest.approx(v, abs=1e-6), k
+    s = rep["summary"]
+    assert s["comm_share"] == pytest.approx(0.225) and s["overlap"] == pytest.approx(2 / 3)
+    assert s["step_ms_median"] == pytest.approx(100.0) and s["steps_per_rank"] == 2
+    st = {d["rank"]: d for d in rep["stragglers"]}
+    # rank 1 starts both collectives 8 ms after rank 0 (threshold: 5% of the 100 ms step)
+    assert st[1]["straggler"] and st[1]["median_late_ms"] == pytest.approx(8.0) and st[1]["latest_fraction"] == 1.0
+    assert not st[0]["straggler"] and st[0]["median_late_ms"] == 0.0
+    assert [g["id"] for g in rep["suggestions"]] == ["straggler"]
+    assert "Rank 1" in rep["suggestions"][0]["message"]
+
+
+def test_thresholds_drive_suggestions(trace_dir):
+    tr = load(trace_dir)
+    ids = [g["id"] for g in build(tr, thresholds=Thresholds(comm_share=0.2, idle=0.05))["suggestions"]]
+    assert ids == ["communication", "idle", "straggler"]
+    ids = [g["id"] for g in build(tr, thresholds=Thresholds(overlap=0.9, compression=0.05))["suggestions"]]
+    assert ids == ["overlap", "compression", "straggler"]
+    # no straggler when the ranks are in step
+    rep = build(load(write_trace(trace_dir.parent / "even", shift=0.0)))
+    assert rep["suggestions"] == [] and not any(d["straggler"] for d in rep["stragglers"])
+    with pytest.raises(InvalidArgumentError, match="comm_share"):
+        Thresholds(comm_share=30)
+
+
+def test_report_step_and_window(trace_dir):
+    tr = load(trace_dir)
+    rep = build(tr, step=1)
+    r0 = rep["ranks"][0]
+    assert r0["window_ms"] == pytest.approx(100) and r0["compute_ms"] == pytest.approx(80)
+    assert r0["comm_ms"] == pytest.approx(10)
+    rep = build(tr, window=(40.0, 75.0))
+    assert rep["ranks"][0]["comm_share"] == pytest.approx(1.0)
+    with pytest.raises(InvalidArgumentError, match="step 9"):
+        build(tr, step=9)
+
+
+def test_report_cli(trace_dir, capsys):
+    assert cli(["report", str(trace_dir), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["summary"]["comm_share"] == pytest.approx(0.225)
+    assert cli(["report", str(trace_dir), "--width", "150"]) == 0
+    out = capsys.readouterr().out
+    assert "communication share 22.5% of step time" in out and "overlap 66.7%" in out
+    assert "YES" in out and "(straggler) Rank 1" in out
+    assert cli(["report", str(trace_dir / "nope")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+
+
+# -- end to end: the demo's trace ----------------------------------------------------------------------
+
+
+def _merge(iv):
+    out = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _independent_comm_share(path) -> tuple[float, set]:
+    """Communication share straight from a torsh trace file: the union of its collective and issue
+    events (collectives in flight, and issuing them) inside its step events, over the steps' length."""
+    data = json.loads(path.read_text())
+    validate(data, path)
+    xs = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    steps = _merge([(e["ts"], e["ts"] + e["dur"]) for e in xs if e["cat"] == "step"])
+    comm = _merge([(e["ts"], e["ts"] + e["dur"]) for e in xs if e["cat"] in ("collective", "issue")])
+    inside = 0.0
+    for a, b in comm:
+        for c, d in steps:
+            inside += max(0.0, min(b, d) - max(a, c))
+    labels = {e["args"]["label"] for e in xs if e["cat"] == "step"}
+    return inside / sum(b - a for a, b in steps), labels
+
+
+def test_demo_timeline_and_report_agree(tmp_path, capsys):
+    d = tmp_path / "demo"
+    rc = cli(["demo", "--steps", "16", "--compressors", "none,powersgd", "--hidden", "48", "--batch", "8",
+              "--trace", str(d), "--trace-steps", "4", "--no-progress"])  # fmt: skip
+    assert rc == 0
+    demo_out = capsys.readouterr().out
+    assert sorted(p.name for p in d.iterdir()) == ["rank0.json", "rank1.json"]
+    expected = {}
+    for r in (0, 1):
+        share, labels = _independent_comm_share(d / f"rank{r}.json")
+        assert labels == {"none", "powersgd"}
+        assert 0 < share < 1
+        expected[r] = share
+    assert cli(["report", str(d), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert list(rep["labels"]) == ["none", "powersgd"]
+    for row in rep["ranks"]:
+        assert row["comm_share"] == pytest.approx(expected[row["rank"]], abs=1e-9)
+        assert row["steps"] == 8 and row["collectives"] > 0 and row["wire_bytes"] > 0
+    assert cli(["timeline", str(d), "--width", "200"]) == 0
+    tl_out = capsys.readouterr().out
+    for out in (demo_out, tl_out):  # the demo prints the viewer's summary; both show the same shares
+        assert "per-rank totals over its steps" in out
+        for r, share in expected.items():
+            row = next(line for line in out.splitlines() if line.startswith(f"│ {r} "))
+            assert f"{100 * share:.1f}%" in row.split("│")[9]
+    assert "powersgd" in demo_out and "PowerSGD round 1" in tl_out

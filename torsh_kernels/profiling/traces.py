@@ -150,9 +150,22 @@ def read_json(path: str | Path) -> dict | list:
     except UnicodeDecodeError as e:
         raise TraceFormatError(f"{p}: not UTF-8 JSON (byte {e.start}); is it a trace file?") from e
     except json.JSONDecodeError as e:
-        end = len(raw.decode("utf-8", "replace").rstrip())
-        cut = " (the file ends early: truncated while being written?)" if e.pos >= end - 1 else ""
+        cut = " (the file ends early: truncated while being written?)" if _truncated(e.doc, e.pos) else ""
         raise TraceFormatError(f"{p}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}{cut}") from e
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _truncated(doc: str, pos: int) -> bool:
+    """Whether a JSON document that failed to parse at ``pos`` looks cut off: the error is at its end,
+    or brackets are still open when it ends (strings ignored)."""
+    if pos >= len(doc.rstrip()) - 1:
+        return True
+    bare = _STRING.sub('""', doc)
+    if bare.count('"') % 2:  # an unterminated string runs to the end
+        bare = bare[: bare.rfind('"')]
+    return bare.count("{") + bare.count("[") > bare.count("}") + bare.count("]")
 
 
 def _events(data: dict | list, p: Path) -> list:

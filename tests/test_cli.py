@@ -232,3 +232,20 @@ def test_bench_compare_logic():
 def test_bench_ncu_says_why_it_cannot_run(capsys):
     assert main(["bench", "moe", "--ncu"]) == 2
     assert "torsh bench --ncu cannot run here: no CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_trace_measures_the_instrumentation(tmp_path, capsys):
+    out = tmp_path / "trace.json"
+    assert main(["bench", "trace", "--calls", "2000", "--reps", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for needle in ("Op.__call__, no recorder", "dispatch without the trace check", "timeline.record, recorder active",
+                   "flatten, no recorder", "instrumentation with no recorder"):  # fmt: skip
+        assert needle in text, needle
+    data = json.loads(out.read_text())
+    s = data["config"]["summary"]
+    assert data["suite"] == "trace" and s["target_ns"] == 1000.0 and isinstance(s["met"], bool)
+    ns = {r["impl"]: r["extra"]["ns_per_call"] for r in data["results"]}
+    assert all(v > 0 for v in ns.values()) and len(ns) == 10
+    # recording a span costs more than skipping it: the recorder really was active in those loops
+    assert ns["Op.__call__, recorder active"] > ns["Op.__call__, no recorder"]
+    assert main(["bench", "trace", "--calls", "5"]) == 2

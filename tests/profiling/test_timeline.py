@@ -230,3 +230,19 @@ def test_overlapping_events_are_rejected():
     del data["otherData"]["clock"]
     with pytest.raises(TraceFormatError, match="lacks"):
         validate(data, "t.json")
+
+
+def test_offload_transfers_are_memory_spans(tmp_path):
+    from torsh_kernels.parallel import OffloadedOptimizer
+
+    net = _Net()
+    opt = OffloadedOptimizer(net.parameters(), state_format="bf16", lr=1e-3, chunk_mb=1e-3)
+    with timeline.Recorder(tmp_path, rank=0, world_size=1):
+        net(torch.randn(4, 24)).sum().backward()
+        opt.step()
+    tr = load(tmp_path)
+    mem = [s for s in tr.spans if s.cat == "offload"]
+    assert {s.name for s in mem} == {"offload grads to host", "offload params to device"}
+    assert all(s.cls == "memory" for s in mem)
+    n = sum(p.numel() for p in net.parameters())
+    assert sum(s.args["bytes"] for s in mem if s.name == "offload grads to host") == 4 * n

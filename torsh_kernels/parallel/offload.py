@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from .. import _trace
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops.bucket import BucketLayout, flatten, unflatten
 from ..ops.offload import Packed, pack, packed_nbytes, unpack
@@ -221,6 +222,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _gather_grads(self, c: _Chunk) -> tuple[list[bool], torch.cuda.Event | None]:
         """Copy the chunk's gradients into its host grad buffer (async on CUDA); which params had one."""
+        with _trace.span("offload grads to host", "offload", {"bytes": c.grad_flat.numel() * 4}, device=self._cuda):
+            return self._gather_grads_now(c)
+
+    def _gather_grads_now(self, c: _Chunk) -> tuple[list[bool], torch.cuda.Event | None]:
         has = [p.grad is not None for p in c.params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in c.params]
         self.stats["bytes_to_host"] += c.grad_flat.numel() * 4
@@ -238,6 +243,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _scatter_params(self, c: _Chunk) -> None:
         """Write the chunk's updated masters into the parameters (async on CUDA)."""
+        with _trace.span("offload params to device", "offload", {"bytes": c.master_flat.numel() * 4},
+                         device=self._cuda):  # fmt: skip
+            self._scatter_params_now(c)
+
+    def _scatter_params_now(self, c: _Chunk) -> None:
         params = [p.detach() for p in c.params]
         self.stats["bytes_to_device"] += c.master_flat.numel() * 4
         if self._cuda is None:
@@ -505,6 +515,10 @@ class ParameterOffloader:
 
     def _materialize(self, unit: int) -> dict[str, torch.Tensor]:
         """Device copies of a unit's parameters (on the current stream)."""
+        with _trace.span("offload unit to device", "offload", {"unit": unit, "format": self.fmt}, device=self.device):
+            return self._materialize_now(unit)
+
+    def _materialize_now(self, unit: int) -> dict[str, torch.Tensor]:
         out = {}
         for name, e in self._entries[unit].items():
             src = self._packed(e)

@@ -245,18 +245,24 @@ def _finish(rows: list[dict], cfg: DemoConfig, ranks: int, backend: str, network
         print_trace_summary(cfg.trace)
 
 
-def print_trace_summary(directory: str, console=None) -> dict:
-    """The timeline viewer's output for the demo's traces (lanes, per-rank totals, top names)."""
+def print_trace_summary(directory: str, console=None) -> None:
+    """The timeline of the last traced step, then the viewer's per-rank totals and top names over every
+    traced step, and the communication share per compressor (the report's per-label table)."""
     from rich.console import Console
 
+    from .profiling import analysis
+    from .profiling.report import build, print_labels
     from .profiling.traces import load
-    from .profiling.viewer import View, render
+    from .profiling.viewer import View, render_lanes, render_tables
 
     console = console or Console(width=max(120, Console().width), highlight=False)
-    out = render(load(directory), View(top=10), console, source=directory)
+    trace = load(directory)
+    last = max(n for s in trace.steps() if (n := analysis.step_number(s)) is not None)
+    render_lanes(trace, View(step=last), console, source=f"{directory} (last traced step)")
+    render_tables(trace, View(top=10), console)
+    print_labels(build(trace), console)
     console.print(f"traces in {directory}/: `torsh timeline {directory} --step N` to zoom into a step, "
                   f"`torsh report {directory}` for the bottleneck report")  # fmt: skip
-    return out
 
 
 def _env_rank_main(cfg: DemoConfig, json_path: str | None) -> int:

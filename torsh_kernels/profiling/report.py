@@ -182,6 +182,32 @@ def suggestions(rep: dict, trace: Trace, th: Thresholds) -> list[dict]:
     return out
 
 
+def print_labels(rep: dict, console) -> None:
+    """The per-label table (steps grouped by their ``label``), when the steps carry several labels."""
+    from rich.table import Table
+
+    if not rep["labels"]:
+        return
+    tl = Table(title="by step label (mean over ranks)", title_justify="left")
+    for c in ("label", "steps/rank", "ms/step", "compute", "compression", "comm exposed", "idle", "comm share",
+              "overlap", "wire bytes/step"):  # fmt: skip
+        tl.add_column(c, justify="left" if c == "label" else "right")
+    for lab, rows in rep["labels"].items():
+        rows = [r for r in rows if r["window_ms"] > 0]
+        if not rows:
+            continue
+        n = statistics.fmean(r["steps"] for r in rows) or 1
+        w = sum(r["window_ms"] for r in rows)
+        comm = sum(r["comm_ms"] for r in rows)
+        ov = sum((r["overlap"] or 0) * r["comm_ms"] for r in rows) / comm if comm else None
+        tl.add_row(lab, f"{n:.0f}", f"{w / len(rows) / n:.3f}", _pct(sum(r["compute_ms"] for r in rows) / w),
+                   _pct(sum(r["compression_ms"] for r in rows) / w),
+                   _pct(sum(r["communication_ms"] for r in rows) / w), _pct(sum(r["idle_ms"] for r in rows) / w),
+                   _pct(comm / w), "-" if ov is None else _pct(ov),
+                   f"{statistics.fmean(r['wire_bytes'] for r in rows) / n / 1024:.1f} KiB")  # fmt: skip
+    console.print(tl)
+
+
 def print_report(rep: dict, console) -> None:
     from rich.table import Table
 
@@ -204,25 +230,7 @@ def print_report(rep: dict, console) -> None:
                   _pct(b["idle_ms"] / w), _pct(b["comm_share"]),
                   "-" if b["overlap"] is None else _pct(b["overlap"]), str(b["collectives"]))  # fmt: skip
     console.print(t)
-    if rep["labels"]:
-        tl = Table(title="by step label (mean over ranks)", title_justify="left")
-        for c in ("label", "steps/rank", "ms/step", "compute", "compression", "comm exposed", "idle", "comm share",
-                  "overlap", "wire bytes/step"):  # fmt: skip
-            tl.add_column(c, justify="left" if c == "label" else "right")
-        for lab, rows in rep["labels"].items():
-            rows = [r for r in rows if r["window_ms"] > 0]
-            if not rows:
-                continue
-            n = statistics.fmean(r["steps"] for r in rows) or 1
-            w = sum(r["window_ms"] for r in rows)
-            comm = sum(r["comm_ms"] for r in rows)
-            ov = sum((r["overlap"] or 0) * r["comm_ms"] for r in rows) / comm if comm else None
-            tl.add_row(lab, f"{n:.0f}", f"{w / len(rows) / n:.3f}", _pct(sum(r["compute_ms"] for r in rows) / w),
-                       _pct(sum(r["compression_ms"] for r in rows) / w),
-                       _pct(sum(r["communication_ms"] for r in rows) / w), _pct(sum(r["idle_ms"] for r in rows) / w),
-                       _pct(comm / w), "-" if ov is None else _pct(ov),
-                       f"{statistics.fmean(r['wire_bytes'] for r in rows) / n / 1024:.1f} KiB")  # fmt: skip
-        console.print(tl)
+    print_labels(rep, console)
     if rep["stragglers"]:
         ts = Table(title="collective start lateness (vs the earliest rank, same collective)", title_justify="left")
         for c in ("rank", "collectives", "median late ms", "max late ms", "starts last", "straggler"):

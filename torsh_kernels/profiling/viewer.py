@@ -163,14 +163,24 @@ def _axis(lo: float, hi: float, width: int) -> tuple[str, str]:
 def render(trace: Trace, view: View, console, *, source: str = "") -> dict:
     """Print the lanes, the legend, the per-rank totals and the top-N table; returns what was computed
     (window, breakdowns, top rows) for callers and tests."""
-    from rich.table import Table
+    lanes = render_lanes(trace, view, console, source=source)
+    return {**render_tables(trace, view, console), "lanes": lanes}
+
+
+def _ranks(trace: Trace, view: View) -> list[int]:
+    ranks = [r for r in trace.ranks if view.ranks is None or r in view.ranks]
+    if not ranks:
+        raise InvalidArgumentError(f"--rank {view.ranks}: the trace holds ranks {list(trace.ranks)}")
+    return ranks
+
+
+def render_lanes(trace: Trace, view: View, console, *, source: str = "") -> int:
+    """Print the header, the time axis, one row per rank and lane, and the legend; returns the lanes shown."""
     from rich.text import Text
 
     lo, hi = resolve_window(trace, view)
     width = max(20, console.width - LABEL - 1)
-    ranks = [r for r in trace.ranks if view.ranks is None or r in view.ranks]
-    if not ranks:
-        raise InvalidArgumentError(f"--rank {view.ranks}: the trace holds ranks {list(trace.ranks)}")
+    ranks = _ranks(trace, view)
     kept = [s for s in trace.spans if view.keep(s) and s.end >= lo and s.start <= hi]
     n_ranks = len(trace.ranks)
     srcs = sorted({m.get("source", "?") for m in trace.ranks.values()})
@@ -230,6 +240,17 @@ def render(trace: Trace, view: View, console, *, source: str = "") -> dict:
         legend.append(f" {c}  ")
     legend.append("(blank: idle)")
     console.print(legend)
+    return shown_lanes
+
+
+def render_tables(trace: Trace, view: View, console) -> dict:
+    """Print the per-rank totals and the top-N table for the view's window; returns the window, the
+    breakdowns and the top rows."""
+    from rich.table import Table
+
+    lo, hi = resolve_window(trace, view)
+    ranks = _ranks(trace, view)
+    kept = [s for s in trace.spans if view.keep(s) and s.end >= lo and s.start <= hi]
 
     # per-rank totals: over the rank's steps (all, or step N) when no explicit window is given, else over the
     # window; the same windows `torsh report` uses. They ignore the name/cat filters: it is the rank's time.
@@ -260,7 +281,7 @@ def render(trace: Trace, view: View, console, *, source: str = "") -> dict:
             t2.add_row(d["name"][:48], d["class"], str(d["count"]), f"{d['total_ms']:.3f}", f"{d['mean_ms']:.3f}",
                        f"{d['max_ms']:.3f}", rk if len(rk) <= 12 else f"{len(d['ranks'])} ranks")  # fmt: skip
         console.print(t2)
-    return {"window": (lo, hi), "breakdowns": bds, "top": top, "lanes": shown_lanes}
+    return {"window": (lo, hi), "breakdowns": bds, "top": top}
 
 
 def _fmt_bytes(n: float) -> str:

@@ -246,3 +246,18 @@ def test_offload_transfers_are_memory_spans(tmp_path):
     assert all(s.cls == "memory" for s in mem)
     n = sum(p.numel() for p in net.parameters())
     assert sum(s.args["bytes"] for s in mem if s.name == "offload grads to host") == 4 * n
+
+
+def test_parameter_offloader_units_are_memory_spans(tmp_path):
+    from torsh_kernels.parallel import ParameterOffloader
+
+    net = _Net()
+    off = ParameterOffloader(net, fmt="bf16", prefetch=0, device="cpu")
+    try:
+        with timeline.Recorder(tmp_path, rank=0, world_size=1):
+            net(torch.randn(4, 24)).sum().backward()
+    finally:
+        off.remove()
+    spans = [s for s in load(tmp_path).spans if s.name == "offload unit to device"]
+    assert spans and all(s.cls == "memory" and s.args["format"] == "bf16" for s in spans)
+    assert {s.args["unit"] for s in spans} == {0, 1}  # both Linear layers were brought to the device

@@ -128,21 +128,26 @@ def git_commit() -> str | None:
         return None
 
 
-def environment(device: torch.device) -> dict[str, object]:
+def versions() -> dict[str, str | None]:
+    """Versions of torsh-kernels, torch, Triton, Numba, Python and CUDA (benchmark JSON, trace metadata)."""
     from .. import __version__
 
+    return {
+        "torsh_kernels": __version__,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "numba": _version("numba"),
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+    }
+
+
+def environment(device: torch.device) -> dict[str, object]:
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(device),
         "device_type": device.type,
-        "versions": {
-            "torsh_kernels": __version__,
-            "torch": torch.__version__,
-            "triton": _version("triton"),
-            "numba": _version("numba"),
-            "python": platform.python_version(),
-            "cuda": torch.version.cuda,
-        },
+        "versions": versions(),
         "git_commit": git_commit(),
         "host": platform.node(),
     }

@@ -321,7 +321,7 @@ class TorchCommunicator:
         sig = torch.tensor(fields, dtype=torch.int64, device=self._device)
         allsig = torch.empty(self._world * sig.numel(), dtype=torch.int64, device=self._device)
         self._run(what + " (consistency check)", lambda: _all_gather_single(allsig, sig, self._group),
-                  nbytes=sig.numel() * 8, op="all_gather")  # fmt: skip
+                  nbytes=sig.nbytes, op="all_gather")  # fmt: skip
         rows = allsig.view(self._world, -1).tolist()
         if any(r != rows[0] for r in rows):
             names = {v: k for k, v in _OP_IDS.items()}
@@ -364,7 +364,7 @@ class TorchCommunicator:
         self._consistent(what, t.numel(), t.dtype)
         then = (lambda: t.div_(self._world)) if op == "avg" else None
         return self._run(what, lambda: dist.all_reduce(t, self._torch_op(op), group=self._group, async_op=True),
-                         then, async_op, nbytes=_nbytes(t))  # fmt: skip
+                         then, async_op, nbytes=t.nbytes)  # fmt: skip
 
     def all_gather(
         self, output: torch.Tensor | list[torch.Tensor], input: torch.Tensor, *, async_op: bool = False
@@ -383,11 +383,11 @@ class TorchCommunicator:
             self._consistent(what, x.numel(), x.dtype)
             outs = list(output)
             return self._run(what, lambda: dist.all_gather(outs, x, group=self._group, async_op=True), None, async_op,
-                             nbytes=_nbytes(x))  # fmt: skip
+                             nbytes=x.nbytes)  # fmt: skip
         out = self._check_tensor(output, what, "output")
         self._check_world_multiple(out, "output", x, "input", what, "")
         self._consistent(what, x.numel(), x.dtype)
-        return self._run(what, lambda: _all_gather_single(out, x, self._group), None, async_op, nbytes=_nbytes(x))
+        return self._run(what, lambda: _all_gather_single(out, x, self._group), None, async_op, nbytes=x.nbytes)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, async_op: bool = False
@@ -402,7 +402,7 @@ class TorchCommunicator:
         rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return self._run(
             what, lambda: rs(out.view(-1), x.view(-1), self._torch_op(op), group=self._group, async_op=True), then,
-            async_op, nbytes=_nbytes(x),
+            async_op, nbytes=x.nbytes,
         )  # fmt: skip
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
@@ -412,7 +412,7 @@ class TorchCommunicator:
         self._consistent(what, t.numel(), t.dtype, src)
         g = self._ranks[src]
         return self._run(what, lambda: dist.broadcast(t, g, group=self._group, async_op=True), None, async_op,
-                         nbytes=_nbytes(t) if src == self._rank else 0)  # fmt: skip
+                         nbytes=t.nbytes if src == self._rank else 0)  # fmt: skip
 
     def all_to_all(
         self,
@@ -442,7 +442,7 @@ class TorchCommunicator:
             lambda: dist.all_to_all_single(out, x, outs, ins, group=self._group, async_op=True),
             None,
             async_op,
-            nbytes=_nbytes(x),
+            nbytes=x.nbytes,
         )
 
     def _check_world_multiple(self, big: torch.Tensor, nbig: str, small: torch.Tensor, nsmall: str, what: str,
@@ -477,7 +477,7 @@ class TorchCommunicator:
         t = self._check_tensor(tensor, what, "tensor")
         dst = self._check_peer(dst, what, "dst")
         g = self._ranks[dst]
-        return self._run(what, lambda: dist.isend(t, g, group=self._group, tag=tag), None, async_op, nbytes=_nbytes(t))
+        return self._run(what, lambda: dist.isend(t, g, group=self._group, tag=tag), None, async_op, nbytes=t.nbytes)
 
     def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0, async_op: bool = False) -> Handle | None:
         what = "recv"
@@ -520,10 +520,6 @@ class TorchCommunicator:
         except Exception as e:
             raise self._failure(what, e) from e
         return TorchCommunicator(pg, timeout=timeout, check_consistency=self._check)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _end_on_completion(works: list, span) -> None:

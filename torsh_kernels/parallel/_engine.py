@@ -75,7 +75,7 @@ def bucket_span(index: int, grads: Sequence[torch.Tensor], compressor: Compresso
     rec = _trace.recorder
     if rec is None:
         return None
-    nbytes = sum(g.numel() * g.element_size() for g in grads)
+    nbytes = sum(g.nbytes for g in grads)
     name = "none" if isinstance(compressor, NoCompression) else type(compressor).__name__
     dev = grads[0].device if grads else None
     return rec.begin(f"bucket {index}", "bucket", {"bucket": index, "bytes": nbytes, "tensors": len(grads),

@@ -62,18 +62,23 @@ def build(trace: Trace, *, step: int | None = None, window: tuple[float, float] 
     """The report as a JSON-ready dict: ranks, labels, summary, stragglers, suggestions."""
     th = thresholds or Thresholds()
     ranks = list(trace.ranks)
+    steps = trace.steps()
     wins = {r: A.windows(trace, r, step=step, window=window) for r in ranks}
     if step is not None and not any(wins.values()):
         raise InvalidArgumentError(f"--step {step}: no rank has a step {step} in this trace")
     bds = {r: A.breakdown(trace, r, wins[r]) for r in ranks}
     labels: dict[str, list[dict]] = {}
     if window is None and step is None:
-        names = sorted({s.args.get("label") for s in trace.steps() if isinstance(s.args.get("label"), str)},
-                       key=lambda x: min(s.start for s in trace.steps() if s.args.get("label") == x))  # fmt: skip
+        first: dict[str, float] = {}  # label -> its first step's start
+        for s in steps:
+            lab = s.args.get("label")
+            if isinstance(lab, str):
+                first[lab] = min(first.get(lab, s.start), s.start)
+        names = sorted(first, key=first.get)
         if len(names) > 1:
             for lab in names:
                 labels[lab] = [A.breakdown(trace, r, A.windows(trace, r, label=lab)).as_dict() for r in ranks]
-    step_ms = [s.dur for s in trace.steps() if step is None or A.step_number(s) == step]
+    step_ms = [s.dur for s in steps if step is None or A.step_number(s) == step]
     strag = A.stragglers(trace)
     measured = [b for b in bds.values() if b.window_ms > 0]
     summary = {
@@ -94,7 +99,7 @@ def build(trace: Trace, *, step: int | None = None, window: tuple[float, float] 
         "window": {
             "step": step,
             "window_ms": list(window) if window else None,
-            "over": "window" if window else ("steps" if trace.steps() else "recorded extent"),
+            "over": "window" if window else ("steps" if steps else "recorded extent"),
         },
         "ranks": [bds[r].as_dict() for r in ranks],
         "labels": labels,
@@ -116,7 +121,7 @@ def _mean_overlap(bds: list[A.Breakdown]) -> float | None:
 
 
 def _bucket_stats(trace: Trace, wins: dict[int, A.Intervals]) -> dict | None:
-    sizes, per_step = [], []
+    sizes = []
     for s in trace.spans:
         if s.cat == "bucket" and isinstance(s.args.get("bytes"), int) and any(a <= s.start < b for a, b in
                                                                                wins.get(s.rank, [])):  # fmt: skip

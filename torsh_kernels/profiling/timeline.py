@@ -193,7 +193,6 @@ class Recorder:
         self._origin_ns = _now()
         # timestamps count from midnight UTC of that day: small numbers keep nanoseconds exact in a double
         self._base_ns = self._origin_wall_ns - self._origin_wall_ns % (86_400 * 10**9)
-        self._written: Path | None = None
 
     # -- activation ---------------------------------------------------------------------------------
 
@@ -376,7 +375,11 @@ class Recorder:
 
     def trace(self) -> dict:
         """The Chrome trace (a JSON-ready dict) of everything recorded so far."""
+        from ..bench import device_name, versions
+
         self._resolve_rank()
+        cuda = self._cuda and torch.cuda.is_available()
+        dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         rank = self.rank if self.rank is not None else 0
         world = self.world_size if self.world_size is not None else 1
         pid = rank
@@ -436,8 +439,8 @@ class Recorder:
                 "schema": SCHEMA,
                 "rank": rank,
                 "world_size": world,
-                "device": self._device_name(),
-                "versions": _versions(),
+                "device": device_name(dev),
+                "versions": versions(),
                 "host": platform.node(),
                 "pid": os.getpid(),
                 "clock": {
@@ -459,11 +462,6 @@ class Recorder:
             ev["args"] = args
         return ev
 
-    def _device_name(self) -> str:
-        if self._cuda and torch.cuda.is_available():
-            return torch.cuda.get_device_name(torch.cuda.current_device())
-        return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
     def write(self, directory: str | os.PathLike | None = None) -> Path:
         """Write ``rank{R}.json`` into ``directory`` (default: the recorder's); returns its path."""
         d = Path(directory) if directory is not None else self.directory
@@ -476,16 +474,7 @@ class Recorder:
         with open(tmp, "w") as f:
             json.dump(data, f, separators=(",", ":"))
         os.replace(tmp, path)  # a reader never sees a half-written file
-        self._written = path
         return path
-
-
-def _versions() -> dict[str, str | None]:
-    from .. import __version__
-    from ..ops.registry import _version
-
-    return {"torsh_kernels": __version__, "torch": torch.__version__, "triton": _version("triton"),
-            "numba": _version("numba"), "python": platform.python_version(), "cuda": torch.version.cuda}  # fmt: skip
 
 
 def current() -> Recorder | None:

@@ -301,16 +301,19 @@ class Recorder:
             return
         self._gpu.append((name, cat, ev0, ev1, idx, lane or f"stream {stream.stream_id}", args))
 
+    def _cuda_target(self, device) -> torch.device | None:
+        """The CUDA device to time with events, or None (CPU work, or CUDA timing off)."""
+        if not self._cuda or device is None:
+            return None
+        dev = torch.device(device)
+        return dev if dev.type == "cuda" else None
+
     def span(self, name: str, cat: str, args: dict | None = None, *, device=None) -> _Span:
-        if self._cuda and device is not None:
-            dev = torch.device(device)
-            return _Span(self, name, cat, args, dev if dev.type == "cuda" else None)
-        return _Span(self, name, cat, args, None)
+        return _Span(self, name, cat, args, self._cuda_target(device))
 
     def begin(self, name: str, cat: str, args: dict | None = None, *, lane: str = "comm", device=None) -> _Interval:
         """An interval that ends with ``.end()`` (from any thread), drawn in the first free ``{lane} N`` lane."""
-        dev = device if (self._cuda and device is not None and torch.device(device).type == "cuda") else None
-        return _Interval(self, name, cat, dict(args or {}), lane, torch.device(dev) if dev is not None else None)
+        return _Interval(self, name, cat, dict(args or {}), lane, self._cuda_target(device))
 
     def counter(self, name: str, **values: float) -> None:
         self._add(("C", name, "counter", _now(), 0, None, values))

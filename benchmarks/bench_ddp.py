@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from torsh_kernels.bench.ddp import main
+from torsh_kernels.apps.bench.ddp import main
 
 if __name__ == "__main__":
     sys.exit(main())

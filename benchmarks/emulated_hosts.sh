@@ -10,4 +10,4 @@ py="${PYTHON:-}"
 if [ -z "$py" ]; then
   if [ -x "$root/.venv/bin/python" ]; then py="$root/.venv/bin/python"; else py=python3; fi
 fi
-PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m torsh_kernels.bench.emulated "$@"
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m torsh_kernels.apps.bench.emulated "$@"

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from torsh_kernels.bench.bucket import case_sizes
-from torsh_kernels.cli import main
+from torsh_kernels.apps.bench.bucket import case_sizes
+from torsh_kernels.apps.cli import main
 
 
 def test_bench_bucket_prints_tables_and_writes_json(tmp_path, capsys):
@@ -51,7 +51,7 @@ def test_case_sizes_match_the_issue():
 
 
 def test_console_script_providers():
-    out = subprocess.run([sys.executable, "-m", "torsh_kernels.cli", "providers"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "providers"], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
     assert "triton" in out and "numba" in out and "torch" in out
 
@@ -109,7 +109,7 @@ def test_bench_collectives_rejects_bad_arguments(capsys):
 def test_torsh_demo_trains_every_compressor_and_prints_one_table(tmp_path):
     """The README's first command, shortened: real ranks, real DDP, the table and the JSON."""
     out = tmp_path / "demo.json"
-    r = subprocess.run([sys.executable, "-m", "torsh_kernels.cli", "demo", "--steps", "15", "--hidden", "48",
+    r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--steps", "15", "--hidden", "48",
                         "--no-progress", "--json", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr
     for word in ("compressor", "bytes", "accuracy", "speedup", "none", "fp16", "topk", "quantize", "sign",
@@ -122,7 +122,7 @@ def test_torsh_demo_trains_every_compressor_and_prints_one_table(tmp_path):
 
 
 def test_torsh_demo_link_without_root_falls_back_with_a_message(monkeypatch, capsys):
-    from torsh_kernels.bench import emulated
+    from torsh_kernels.apps.bench import emulated
 
     monkeypatch.setattr(emulated, "unavailable_reason", lambda: "creating network namespaces needs root")
     assert main(["demo", "--link", "1gbit", "--steps", "12", "--hidden", "8", "--compressors", "none",
@@ -135,8 +135,8 @@ def test_torsh_demo_link_without_root_falls_back_with_a_message(monkeypatch, cap
 
 def test_bench_ddp_runs_every_case_and_writes_json(tmp_path):
     out = tmp_path / "ddp.json"
-    r = subprocess.run([sys.executable, "-m", "torsh_kernels.cli", "bench", "ddp", "--width", "64", "--layers", "2",
-                        "--steps", "2", "--compressors", "none,topk,powersgd", "--json", str(out)],
+    r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "bench", "ddp", "--width", "64",
+                        "--layers", "2", "--steps", "2", "--compressors", "none,topk,powersgd", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
@@ -209,7 +209,7 @@ def test_bench_harness_json_and_compare(tmp_path, capsys):
 
 
 def test_bench_compare_logic():
-    from torsh_kernels.bench.harness import compare, measurements
+    from torsh_kernels.apps.bench.harness import compare, measurements
 
     cur = {"measurements": {"s": {"a": {"ms": 2.0, "kind": "ours"}, "b": {"ms": 2.0, "kind": "peer"},
                                   "c": {"ms": 1.0, "kind": "ours"}, "d": {"ms": 5.0, "kind": "copy"}}}}  # fmt: skip

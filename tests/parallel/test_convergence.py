@@ -4,8 +4,8 @@ real gloo ranks, with its default settings."""
 
 from __future__ import annotations
 
+from torsh_kernels.apps.demo import COMPRESSORS, DemoConfig, run_rank
 from torsh_kernels.collectives import run_local
-from torsh_kernels.demo import COMPRESSORS, DemoConfig, run_rank
 
 
 def test_every_compressor_ends_within_two_points_of_uncompressed():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torsh_kernels.profiling.autotune as A
-from torsh_kernels.cli import main
+from torsh_kernels.apps.cli import main
 from torsh_kernels.collectives import run_local
 from torsh_kernels.ops import registry
 from torsh_kernels.ops.bucket import _flatten

@@ -9,7 +9,7 @@ import json
 import pytest
 from trace_fixtures import EXPECTED, write_trace
 
-from torsh_kernels.cli import main as cli
+from torsh_kernels.apps.cli import main as cli
 from torsh_kernels.errors import InvalidArgumentError
 from torsh_kernels.profiling.report import Thresholds, build
 from torsh_kernels.profiling.traces import load, validate

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from torsh_kernels.cli import main as cli
+from torsh_kernels.apps.cli import main as cli
 from torsh_kernels.collectives import run_local
 from torsh_kernels.errors import TraceFormatError
 from torsh_kernels.profiling import analysis as A

@@ -11,7 +11,7 @@ import sys
 import pytest
 from trace_fixtures import EXPECTED, write_trace
 
-from torsh_kernels.cli import main as cli
+from torsh_kernels.apps.cli import main as cli
 from torsh_kernels.errors import InvalidArgumentError
 from torsh_kernels.profiling import analysis as A
 from torsh_kernels.profiling.traces import load
@@ -157,7 +157,7 @@ def test_keys(trace_dir):
 
 
 def test_interactive_needs_a_terminal(trace_dir):
-    p = subprocess.run([sys.executable, "-m", "torsh_kernels.cli", "timeline", str(trace_dir), "--interactive"],
+    p = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "timeline", str(trace_dir), "--interactive"],
                        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)  # fmt: skip
     assert p.returncode == 2 and "needs a terminal" in p.stderr
 
@@ -170,7 +170,7 @@ def test_interactive_in_a_pty(trace_dir):
     pid, fd = pty.fork()
     if pid == 0:  # the child: the viewer on the pty
         os.environ["COLUMNS"] = str(WIDTH)
-        os.execv(sys.executable, [sys.executable, "-m", "torsh_kernels.cli", "timeline", str(trace_dir),
+        os.execv(sys.executable, [sys.executable, "-m", "torsh_kernels.apps.cli", "timeline", str(trace_dir),
                                   "--interactive", "--width", str(WIDTH)])  # fmt: skip
     out = b""
 

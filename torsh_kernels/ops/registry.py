@@ -18,7 +18,6 @@ candidate, with one debug log line per (op, provider, reason); ``torch`` runs ev
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import logging
 import os
 import threading
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _trace
+from .._env import package_version
 from ..errors import ProviderError, ProviderUnavailableError
 
 __all__ = [
@@ -57,13 +57,6 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in _TRUE
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 @functools.cache
 def _triton_state() -> tuple[str | None, bool, str | None]:
     """(version, interpreted, import error). Read once: Triton fixes the mode when kernels are defined."""
@@ -71,7 +64,7 @@ def _triton_state() -> tuple[str | None, bool, str | None]:
         import triton  # noqa: F401
     except Exception as exc:  # ImportError, or a broken install raising anything at import
         return None, False, f"triton cannot be imported ({type(exc).__name__}: {exc})"
-    return _version("triton"), _env_flag("TRITON_INTERPRET"), None
+    return package_version("triton"), _env_flag("TRITON_INTERPRET"), None
 
 
 @functools.cache
@@ -84,7 +77,7 @@ def _numba_state() -> tuple[str | None, bool, str | None]:
         )
     except Exception as exc:
         return None, False, f"numba.cuda cannot be imported ({type(exc).__name__}: {exc})"
-    return _version("numba"), bool(config.ENABLE_CUDASIM), None
+    return package_version("numba"), bool(config.ENABLE_CUDASIM), None
 
 
 @functools.cache
@@ -332,6 +325,6 @@ def providers() -> ProviderReport:
         [
             ProviderInfo("triton", tv, tmode, no_cuda or can_run("triton", cuda_dev), can_run("triton", cpu_dev)),
             ProviderInfo("numba", nv, nmode, no_cuda or can_run("numba", cuda_dev), can_run("numba", cpu_dev)),
-            ProviderInfo("torch", _version("torch"), "eager PyTorch ops (the reference path)", no_cuda, None),
+            ProviderInfo("torch", package_version("torch"), "eager PyTorch ops (the reference path)", no_cuda, None),
         ]
     )

@@ -378,7 +378,7 @@ class Recorder:
 
     def trace(self) -> dict:
         """The Chrome trace (a JSON-ready dict) of everything recorded so far."""
-        from ..bench import device_name, versions
+        from .._env import device_name, versions
 
         self._resolve_rank()
         cuda = self._cuda and torch.cuda.is_available()

@@ -23,7 +23,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import torsh_kernels as tk
 
-from ..ops.registry import PROVIDERS, _numba_state, _triton_state, can_run
+from ...ops.registry import PROVIDERS, _numba_state, _triton_state, can_run
 from . import Case, Result, check_providers, environment, print_tables, write_json
 
 MIB = 1 << 20

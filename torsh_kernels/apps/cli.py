@@ -49,14 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         mod.add_arguments(suites.add_parser(name, help=text, description=mod.__doc__,
                                             formatter_class=argparse.RawDescriptionHelpFormatter))  # fmt: skip
 
-    from .profiling import tune_cli
+    from . import tune_cli
 
     tune_cli.add_arguments(
         sub.add_parser("tune", help="autotune the kernels' providers and meta-parameters; cache the winners",
                        description=tune_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     )  # fmt: skip
 
-    from .profiling import report, viewer
+    from ..profiling import report, viewer
 
     viewer.add_arguments(
         sub.add_parser("timeline", help="terminal timeline of a torsh or torch.profiler trace (file or directory)",
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "providers":
-        from . import providers
+        from .. import providers
 
         print(providers())
         return 0

@@ -27,8 +27,8 @@ import sys
 
 import torch
 
-from .. import compression as cz
-from ..ops import compress as C
+from ... import compression as cz
+from ...ops import compress as C
 from . import Case, Result, check_providers, environment, print_tables, write_json
 
 MIB = 1 << 20

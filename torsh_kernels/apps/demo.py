@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
 from .bench import fmt_bytes, quantile
-from .compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
 
 __all__ = ["COMPRESSORS", "DemoConfig", "load_digits_split", "main", "print_trace_summary", "run_rank"]
 
@@ -116,8 +116,8 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
     """One rank's part: train once per compressor. Rank 0 returns a row per compressor."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .parallel import CompressionHookState, compression_hook
-    from .profiling import timeline
+    from ..parallel import CompressionHookState, compression_hook
+    from ..profiling import timeline
 
     dev = comm.device
     xtr, ytr, xte, yte = load_digits_split(cfg.seed)
@@ -250,10 +250,10 @@ def print_trace_summary(directory: str, console=None) -> None:
     traced step, and the communication share per compressor (the report's per-label table)."""
     from rich.console import Console
 
-    from .profiling import analysis
-    from .profiling.report import build, print_labels
-    from .profiling.traces import load
-    from .profiling.viewer import View, render_lanes, render_tables
+    from ..profiling import analysis
+    from ..profiling.report import build, print_labels
+    from ..profiling.traces import load
+    from ..profiling.viewer import View, render_lanes, render_tables
 
     console = console or Console(width=max(120, Console().width), highlight=False)
     trace = load(directory)
@@ -267,7 +267,7 @@ def print_trace_summary(directory: str, console=None) -> None:
 
 def _env_rank_main(cfg: DemoConfig, json_path: str | None) -> int:
     """Entry point of one rank under torchrun's environment (the --link mode's two namespaces)."""
-    from .collectives import init_from_env
+    from ..collectives import init_from_env
 
     comm = init_from_env(timeout=120)
     rows = run_rank(comm, cfg)
@@ -314,7 +314,7 @@ def run(a: argparse.Namespace) -> int:
 
         why = unavailable_reason()
         if why is None:
-            cmd = [sys.executable, "-m", "torsh_kernels.cli", "demo", *sys.argv[2:]]
+            cmd = [sys.executable, "-m", "torsh_kernels.apps.cli", "demo", *sys.argv[2:]]
             os.environ["TORSH_DEMO_RANK_MODE"] = "env"
             try:
                 return run_on_emulated_hosts(cmd, rate=a.link, delay=a.delay)
@@ -322,7 +322,7 @@ def run(a: argparse.Namespace) -> int:
                 os.environ.pop("TORSH_DEMO_RANK_MODE", None)
         print(f"torsh demo: --link {a.link} needs two emulated hosts, but {why}; running {a.ranks} ranks over "
               "loopback instead (the step times then show compute, not a slow link)", file=sys.stderr)  # fmt: skip
-    from .collectives import run_local
+    from ..collectives import run_local
 
     if a.ranks < 1:
         print(f"torsh demo: --ranks must be >= 1, got {a.ranks}", file=sys.stderr)

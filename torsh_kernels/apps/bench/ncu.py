@@ -32,7 +32,7 @@ def unavailable_reason() -> str | None:
 
 def _cases(n: int) -> dict[str, Any]:
     """name -> a callable launching one fused kernel (the triton provider) on n elements."""
-    from ..ops import bucket_reduce, flatten, moe_permute, moe_route, moe_unpermute, quantize, unflatten
+    from ...ops import bucket_reduce, flatten, moe_permute, moe_route, moe_unpermute, quantize, unflatten
 
     dev = torch.device("cuda")
     ts = [torch.randn(n // 8, device=dev) for _ in range(8)]

@@ -29,9 +29,9 @@ import time
 
 import torch
 
-from ..ops.compress import quantize_ref
-from ..ops.offload import FORMATS, pack, packed_nbytes, unpack
-from ..parallel.offload import OffloadedOptimizer
+from ...ops.compress import quantize_ref
+from ...ops.offload import FORMATS, pack, packed_nbytes, unpack
+from ...parallel.offload import OffloadedOptimizer
 from . import Case, Result, environment, fmt_bytes, print_tables, wide_console, write_json
 
 MIB = 1 << 20

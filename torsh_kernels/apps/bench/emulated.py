@@ -5,7 +5,7 @@ in the second, with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RA
 ``MASTER_PORT``) and ``GLOO_SOCKET_IFNAME`` set as on two hosts, and removes the namespaces, the veth
 pair and the qdiscs afterwards, whatever happens. Needs root, ``ip`` and ``tc``.
 
-    sudo python -m torsh_kernels.bench.emulated --rate 1gbit [--delay 1ms] -- COMMAND [ARGS...]
+    sudo python -m torsh_kernels.apps.bench.emulated --rate 1gbit [--delay 1ms] -- COMMAND [ARGS...]
 
 Rank 0 prints to the terminal; rank 1's output goes to a log file, shown if it fails.
 """
@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidArgumentError
+from ...errors import InvalidArgumentError
 
 __all__ = ["EmulatedHosts", "emulated_hosts", "run_on_emulated_hosts", "unavailable_reason"]
 
@@ -131,7 +131,8 @@ def run_on_emulated_hosts(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m torsh_kernels.bench.emulated", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m torsh_kernels.apps.bench.emulated",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="1gbit", help="tbf rate per direction (tc syntax: 1gbit, 100mbit)")
     ap.add_argument("--delay", default=None, help="netem delay per direction (e.g. 1ms)")
     ap.add_argument("--burst", default="512kb", help="tbf burst")

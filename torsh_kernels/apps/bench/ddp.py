@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from .. import compression as cz
-from ..collectives import TorchCommunicator, init_from_env, run_local
-from ..errors import RankFailedError
+from ... import compression as cz
+from ...collectives import TorchCommunicator, init_from_env, run_local
+from ...errors import RankFailedError
 from . import environment, quantile, wide_console
 
 OURS = {
@@ -62,7 +62,7 @@ def _mlp(cfg: dict) -> torch.nn.Module:
 def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    from ..parallel import CompressionHookState, compression_hook
+    from ...parallel import CompressionHookState, compression_hook
 
     dev = comm.device
     net = _mlp(cfg).to(dev)

@@ -24,7 +24,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from ..ops import moe as M
+from ...ops import moe as M
 from . import Case, Result, check_providers, environment, print_tables, write_json
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from . import autotune as A
+from ..profiling import autotune as A
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from ..bench import wide_console
+    from .._env import wide_console
 
     console = wide_console(140)
     if args.clear:

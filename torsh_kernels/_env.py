@@ -1,0 +1,164 @@
+"""Environment and timing helpers that several layers share: which machine and library versions a result
+or a trace comes from, interleaved timing with caches flushed, byte and quantile formatting, a console
+that does not wrap tables. Imports only torch and the standard library (rich on demand)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def package_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, or None (read from metadata: nothing is imported)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(kw_only=True, slots=True)
+class Timing:
+    """Per-call wall time of one implementation, over several repetitions."""
+
+    median_ms: float
+    """Median time of one call, in milliseconds."""
+    p20_ms: float
+    """20th percentile, in milliseconds."""
+    p80_ms: float
+    """80th percentile, in milliseconds."""
+    reps: int
+    """Number of timed repetitions."""
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """The q-quantile of xs, interpolated between neighbours."""
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count in B, KiB, MiB or GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    return str(n)
+
+
+class _Flusher:
+    """Evicts caches between repetitions by writing a buffer larger than the last-level cache."""
+
+    def __init__(self, device: torch.device) -> None:
+        nbytes = (256 if device.type == "cuda" else 64) << 20
+        self.buf = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+
+    def __call__(self) -> None:
+        self.buf.fill_(1.0)
+
+
+def time_interleaved(
+    fns: list[Callable[[], object]], device: torch.device, *, warmup: int = 3, reps: int = 10
+) -> list[Timing]:
+    """Time each of ``fns``, one call per repetition with caches flushed before it, interleaving the
+    implementations (each repetition runs every one once, in rotating order) so that drift in clock
+    speed or background load falls on all of them alike. CUDA events on GPU, a monotonic clock on CPU."""
+    flush = _Flusher(device)
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    n = len(fns)
+    times: list[list[float]] = [[] for _ in fns]
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    pending = []
+    for rep in range(reps):
+        for j in range(n):
+            i = (rep + j) % n
+            flush()
+            if cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fns[i]()
+                e.record()
+                pending.append((i, s, e))
+            else:
+                t0 = time.perf_counter()
+                fns[i]()
+                times[i].append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize(device)
+        for i, s, e in pending:
+            times[i].append(s.elapsed_time(e))
+    return [
+        Timing(median_ms=statistics.median(t), p20_ms=quantile(t, 0.2), p80_ms=quantile(t, 0.8), reps=reps)
+        for t in times
+    ]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU: {cpu} ({torch.get_num_threads()} torch threads)"
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of torsh-kernels, torch, Triton, Numba, Python and CUDA (benchmark JSON, trace metadata)."""
+    from . import __version__
+
+    return {
+        "torsh_kernels": __version__,
+        "torch": torch.__version__,
+        "triton": package_version("triton"),
+        "numba": package_version("numba"),
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+    }
+
+
+def environment(device: torch.device) -> dict[str, object]:
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(device),
+        "device_type": device.type,
+        "versions": versions(),
+        "git_commit": git_commit(),
+        "host": platform.node(),
+    }
+
+
+def wide_console(width: int):
+    """A rich console; on logs and pipes at least ``width`` columns, so that no table cell wraps."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, width))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os as _os
+
 from .errors import (
     ArgumentTypeError,
     DeviceMismatchError,
@@ -41,13 +43,12 @@ from .ops import (
 
 __version__ = "0.1.0"
 
-from .profiling.autotune import install as _install_tuning
+if _os.environ.get("TORSH_TRACE", "").strip():
+    # TORSH_TRACE=DIR: record this process's timeline into DIR/rank{R}.json. The profiling layer is loaded
+    # only then; a plain import loads no profiling code, no Triton and no Numba.
+    from .profiling.timeline import start_from_env as _start_trace_from_env
 
-_install_tuning()  # automatic provider selection and the kernel launchers use the tuning cache's winners
-
-from .profiling.timeline import start_from_env as _start_trace_from_env  # noqa: E402
-
-_start_trace_from_env()  # TORSH_TRACE=DIR: record this process's timeline into DIR/rank{R}.json
+    _start_trace_from_env()
 
 __all__ = [
     "ArgumentTypeError",

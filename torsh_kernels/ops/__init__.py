@@ -12,6 +12,9 @@ from .bucket import (
     unflatten_ref,
 )
 from .compress import (
+    COMPRESS_DTYPES,
+    QMAX,
+    block_codes,
     dequantize,
     dequantize_ref,
     error_update,
@@ -22,15 +25,18 @@ from .compress import (
     quantize_ref,
     residual_add,
     residual_add_ref,
+    seed_key,
     sign_compress,
     sign_compress_ref,
     sign_decompress,
     sign_decompress_ref,
     topk_compress,
     topk_compress_ref,
+    topk_count,
     topk_decompress,
     topk_decompress_ref,
 )
+from .compress import _count_nonfinite as count_nonfinite
 from .moe import (
     Routing,
     moe_aux_loss,
@@ -48,15 +54,19 @@ from .offload import FORMATS, Packed, pack, pack_ref, packed_nbytes, unpack, unp
 from .registry import PROVIDERS, ProviderInfo, ProviderReport, providers, set_tuned_lookup
 
 __all__ = [
+    "COMPRESS_DTYPES",
     "FORMATS",
     "PROVIDERS",
+    "QMAX",
     "BucketLayout",
     "Packed",
     "ProviderInfo",
     "ProviderReport",
     "Routing",
+    "block_codes",
     "bucket_reduce",
     "bucket_reduce_ref",
+    "count_nonfinite",
     "dequantize",
     "dequantize_ref",
     "error_update",
@@ -83,6 +93,7 @@ __all__ = [
     "quantize_ref",
     "residual_add",
     "residual_add_ref",
+    "seed_key",
     "set_tuned_lookup",
     "sign_compress",
     "sign_compress_ref",
@@ -90,6 +101,7 @@ __all__ = [
     "sign_decompress_ref",
     "topk_compress",
     "topk_compress_ref",
+    "topk_count",
     "topk_decompress",
     "topk_decompress_ref",
     "unflatten",

@@ -1,4 +1,5 @@
-"""The alpha-beta cost model: formulas checked by hand, plan choices, and the probe on real processes."""
+"""The alpha-beta cost of plain collectives: formulas checked by hand, schemes of rounds, and the probe on
+real processes."""
 
 from __future__ import annotations
 
@@ -12,15 +13,13 @@ from torsh_kernels.collectives import (
     all_gather_time,
     all_reduce_time,
     all_to_all_time,
-    compressed_time,
-    plan,
     probe,
     probe_topology,
+    rounds_time,
     run_local,
 )
-from torsh_kernels.collectives.cost_model import quantize_shared_scale_cheaper
-from torsh_kernels.compression import FP16, PowerSGD, Quantize, Sign, TopK
-from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError
+from torsh_kernels.collectives.cost_model import Round
+from torsh_kernels.errors import InvalidArgumentError
 
 A, BW = 10e-6, 1e9  # 10 us, 1 GB/s
 LINK = Link(latency=A, bandwidth=BW)
@@ -47,53 +46,6 @@ def test_all_reduce_formulas_by_hand():
     assert Link.gbit(1).bandwidth == 125e6
 
 
-def test_compressed_traffic():
-    numel = 2_000_000
-    _, t = compressed_time(TopK(0.01), numel, 2, LINK)
-    assert t == pytest.approx(all_gather_time(TopK(0.01).payload_nbytes(numel), 2, LINK))
-    assert TopK(0.01).payload_nbytes(numel) == 20_000 * 8
-    algo, t = compressed_time(FP16(), numel, 4, LINK, algorithm="ring")
-    assert algo == "ring" and t == pytest.approx(all_reduce_time(2 * numel, 4, LINK, "ring"))
-    # PowerSGD: two all-reduces, of P (rows x r) and Q (cols x r)
-    algo, t = compressed_time(PowerSGD(4), (1000, 2000), 2, LINK, algorithm="ring")
-    assert t == pytest.approx(all_reduce_time(16_000, 2, LINK, "ring") + all_reduce_time(32_000, 2, LINK, "ring"))
-    algo, _ = compressed_time(Sign(), numel, 4, LINK)
-    assert algo == "all_to_all+all_gather"
-    # compute passes add passes * 4 bytes * numel / bandwidth
-    _, t0 = compressed_time(TopK(0.01), numel, 2, LINK)
-    _, t1 = compressed_time(TopK(0.01), numel, 2, LINK, compute_bandwidth=1e10)
-    assert t1 - t0 == pytest.approx(6 * 4 * numel / 1e10)
-
-
-def test_quantize_scheme_depends_on_world_size():
-    n = 10_000_000
-    # int4: codes sum in int8 up to 18 ranks; the all-gather grows with p, the all-reduce does not
-    assert not quantize_shared_scale_cheaper(n, Quantize(4), 2, LINK)
-    assert quantize_shared_scale_cheaper(n, Quantize(4), 16, LINK)
-    # int8: the sum needs int32 (4 bytes per code), so gathering wins until p is large
-    assert not quantize_shared_scale_cheaper(n, Quantize(8), 4, LINK)
-    assert quantize_shared_scale_cheaper(n, Quantize(8), 32, LINK)
-
-
-def test_plan_picks_the_cheapest():
-    slow = Link.gbit(1)
-    p = plan(32 << 20, 2, slow)
-    assert p.compressor is not None and p.seconds == min(s for _, _, s in p.candidates)
-    assert [name for name, _, _ in p.candidates][-1] == "none"  # uncompressed is slowest at 1 Gbit/s
-    # a tiny buffer on a high-latency link: latency dominates, one-step algorithms win
-    p = plan(64, 8, Link(latency=1e-3, bandwidth=1e10), compressors=(None,))
-    assert p.algorithm == "tree"
-    # a large buffer: bandwidth dominates, ring and Rabenseifner (same bytes) beat recursive doubling
-    p = plan(1 << 30, 8, Link(latency=1e-6, bandwidth=1e9), compressors=(None,))
-    assert p.algorithm in ("ring", "rabenseifner")
-    # two nodes with a fast intra link: hierarchical
-    topo = Topology(world_size=8, local_size=4, intra=Link(latency=1e-6, bandwidth=1e11))
-    assert plan(1 << 28, topo, Link.gbit(10), compressors=(None,)).algorithm == "hierarchical"
-    # with compute cost on a slow device, compression stops paying on a fast link
-    p = plan(32 << 20, 2, Link.gbit(400), compute_bandwidth=5e9, compressors=(None, TopK(0.01)))
-    assert p.compressor is None
-
-
 def test_argument_errors():
     with pytest.raises(InvalidArgumentError):
         Link(latency=-1, bandwidth=1)
@@ -104,9 +56,21 @@ def test_argument_errors():
     with pytest.raises(InvalidArgumentError):
         all_reduce_time(1, 4, LINK, "butterfly")
     with pytest.raises(InvalidArgumentError):
-        plan(-1, 2, LINK)
-    with pytest.raises(ArgumentTypeError):
-        plan(10, 2, 1e9)
+        Round("broadcast", 8)
+
+
+def test_rounds_time_prices_a_scheme_round_by_round():
+    # the all-reduce rounds share the algorithm that is cheapest for the first one
+    rounds = (Round("all_reduce", N), Round("all_reduce", N / 4))
+    algo, t = rounds_time(rounds, 4, LINK)
+    assert algo == "rabenseifner"
+    assert t == pytest.approx(all_reduce_time(N, 4, LINK, algo) + all_reduce_time(N / 4, 4, LINK, algo))
+    algo, t = rounds_time(rounds, 4, LINK, ("ring",))
+    assert algo == "ring" and t == pytest.approx(all_reduce_time(1.25 * N, 4, LINK, "ring") + 6 * A)
+    # gathers and all-to-alls: no all-reduce algorithm
+    algo, t = rounds_time((Round("all_to_all", 4e6), Round("all_gather", 1e6)), 4, LINK)
+    assert algo is None and t == pytest.approx(all_to_all_time(4e6, 4, LINK) + all_gather_time(1e6, 4, LINK))
+    assert rounds_time(rounds, 1, LINK)[1] == 0.0
 
 
 def _probe_worker(comm, local_size):

@@ -15,13 +15,15 @@ from __future__ import annotations
 import io
 import pickle
 
+import helpers
 import pytest
 import torch
 import torch.nn as nn
+from helpers import make_compressor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from torsh_kernels.collectives import compressed_all_reduce, run_local
-from torsh_kernels.compression import BF16, FP16, NoCompression, PowerSGD, Quantize, Sign, TopK
+from torsh_kernels.collectives import run_local
+from torsh_kernels.compression import NoCompression, TopK, compressed_all_reduce
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError
 from torsh_kernels.parallel import CompressionHookState, compression_hook
 
@@ -30,16 +32,8 @@ CAP_MB = 0.005  # about 1300 fp32 elements per bucket: several buckets for this 
 
 
 def make(name: str):
-    return {
-        "none": None,
-        "fp16": FP16(),
-        "bf16": BF16(),
-        "topk": TopK(0.05),
-        "int8": Quantize(8, block=64),
-        "int4": Quantize(4, block=32, stochastic=True),
-        "sign": Sign(),
-        "powersgd": PowerSGD(2),
-    }[name]
+    # the shared factory, with this file's ratio and no PowerSGD warm-up (the hook state's start_iter rules)
+    return make_compressor(name, **{"topk": {"ratio": 0.05}, "powersgd": {"start_iter": 0}}.get(name, {}))
 
 
 def model() -> nn.Module:
@@ -50,8 +44,7 @@ def model() -> nn.Module:
 
 
 def batch(step: int, rank: int):
-    g = torch.Generator().manual_seed(7919 * step + 31 * rank)
-    return torch.randn(24, 37, generator=g), torch.randint(0, 10, (24,), generator=g)
+    return helpers.batch(step, rank, rows=24, features=37, classes=10)
 
 
 def train_ddp(comm, name, steps, *, state=None, net=None, opt=None, start=0, **ddp_kw):

@@ -7,24 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers import MLP
 
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError
 from torsh_kernels.parallel import OffloadedOptimizer
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(13, 48), nn.GELU(), nn.Linear(48, 40), nn.GELU(), nn.Linear(40, 5))
-        self.extra = nn.Linear(13, 5)  # used only on even steps: no gradient on odd ones
-
-    def forward(self, x):
-        return self.body(x)
-
-
 def _model(dtype=torch.float32) -> nn.Module:
-    torch.manual_seed(11)
-    return Net().to(dtype)
+    return MLP(13, 48, 40, 5, act=nn.GELU, side=True, seed=11).to(dtype)  # side: used on even steps only
 
 
 def _train(m: nn.Module, opt, steps: int, start: int = 0, sched=None) -> None:
@@ -33,9 +23,7 @@ def _train(m: nn.Module, opt, steps: int, start: int = 0, sched=None) -> None:
         x = torch.randn(24, 13, generator=g).to(next(m.parameters()).dtype)
         y = torch.randint(0, 5, (24,), generator=g)
         opt.zero_grad(set_to_none=True)
-        out = m(x)
-        if step % 2 == 0:
-            out = out + m.extra(x)
+        out = m(x, side=step % 2 == 0)
         nn.functional.cross_entropy(out.float(), y).backward()
         opt.step()
         if sched is not None:
@@ -44,8 +32,8 @@ def _train(m: nn.Module, opt, steps: int, start: int = 0, sched=None) -> None:
 
 def _groups(m: nn.Module):
     return [
-        {"params": [p for n, p in m.named_parameters() if not n.startswith("extra") and p.dim() == 2]},
-        {"params": [p for n, p in m.named_parameters() if n.startswith("extra") or p.dim() == 1],
+        {"params": [p for n, p in m.named_parameters() if not n.startswith("side") and p.dim() == 2]},
+        {"params": [p for n, p in m.named_parameters() if n.startswith("side") or p.dim() == 1],
          "lr": 3e-3, "weight_decay": 0.0},
     ]  # fmt: skip
 
@@ -185,7 +173,7 @@ def test_gradients_offloaded_during_backward(micro_batches):
             g = torch.Generator().manual_seed(100 * step + mb)
             x, y = torch.randn(16, 13, generator=g), torch.randint(0, 5, (16,), generator=g)
             for m in (ref, ours):
-                out = m(x) + (m.extra(x) if step % 2 == 0 else 0)
+                out = m(x, side=step % 2 == 0)
                 nn.functional.cross_entropy(out, y).backward()
         assert all(p.grad is None for p in ours.parameters()), "no gradient stays on the device"
         ref_opt.step()

@@ -3,9 +3,11 @@ DDP with compression_hook (compressed), overlap, unused parameters, consistency 
 
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 import torch.nn as nn
+from helpers import MLP
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torsh_kernels.collectives import run_local
@@ -14,23 +16,12 @@ from torsh_kernels.errors import InvalidArgumentError
 from torsh_kernels.parallel import CompressionHookState, GradientSynchronizer, compression_hook
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(99)
-        self.a = nn.Linear(29, 53)
-        self.b = nn.Linear(53, 41)
-        self.c = nn.Linear(41, 7)
-        self.side = nn.Linear(29, 7)  # used only where a rank asks for it
-
-    def forward(self, x, side=False):
-        y = self.c(torch.relu(self.b(torch.relu(self.a(x)))))
-        return y + self.side(x) if side else y
+def Net() -> MLP:
+    return MLP(29, 53, 41, 7, side=True, seed=99)  # the side branch is used only where a rank asks for it
 
 
 def batch(step: int, rank: int):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(16, 29, generator=g), torch.randint(0, 7, (16,), generator=g)
+    return helpers.batch(step, rank, rows=16, features=29, classes=7, salt=(1000, 1))
 
 
 def grads(m: nn.Module) -> dict[str, torch.Tensor | None]:

@@ -11,13 +11,13 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
+from helpers import MLP
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torsh_kernels as tk
 from torsh_kernels import _trace
-from torsh_kernels.collectives import compressed_all_reduce, run_local
-from torsh_kernels.compression import PowerSGD, TopK
+from torsh_kernels.collectives import run_local
+from torsh_kernels.compression import PowerSGD, TopK, compressed_all_reduce
 from torsh_kernels.errors import InvalidArgumentError, TraceFormatError
 from torsh_kernels.parallel import CompressionHookState, GradientSynchronizer, compression_hook
 from torsh_kernels.profiling import timeline
@@ -116,15 +116,8 @@ def test_start_stop_windows_and_threads(tmp_path):
 # -- real multi-process runs ------------------------------------------------------------------------
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(24, 64)
-        self.b = nn.Linear(64, 10)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
+def _Net() -> MLP:
+    return MLP(24, 64, 10, seed=0)
 
 
 def _traced_worker(comm, d: str) -> None:

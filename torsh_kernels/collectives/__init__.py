@@ -1,21 +1,21 @@
 """Layer 2: collectives over a :class:`Communicator` (torch.distributed today; CuPy NCCL and RDMA fit the
-same protocol), compressed and hierarchical all-reduce, and the alpha-beta cost model."""
+same protocol), hierarchical all-reduce, and the alpha-beta cost of plain collectives. Nothing here
+knows of compressors: the compressed all-reduce and its planner live one layer up, in
+:mod:`torsh_kernels.compression`."""
 
 from __future__ import annotations
 
 from .communicator import REDUCE_OPS, Communicator, Handle, TorchCommunicator
-from .compressed import CompressedReduction, compressed_all_reduce, start_compressed_all_reduce
 from .cost_model import (
     Link,
-    Plan,
+    Round,
     Topology,
     all_gather_time,
     all_reduce_time,
     all_to_all_time,
-    compressed_time,
-    plan,
     probe,
     probe_topology,
+    rounds_time,
 )
 from .hierarchical import hierarchical_all_reduce, node_groups
 from .launch import init_from_env, run_local
@@ -23,23 +23,32 @@ from .launch import init_from_env, run_local
 __all__ = [
     "REDUCE_OPS",
     "Communicator",
-    "CompressedReduction",
     "Handle",
     "Link",
-    "Plan",
+    "Round",
     "Topology",
     "TorchCommunicator",
     "all_gather_time",
     "all_reduce_time",
     "all_to_all_time",
-    "compressed_all_reduce",
-    "compressed_time",
     "hierarchical_all_reduce",
     "init_from_env",
     "node_groups",
-    "plan",
     "probe",
     "probe_topology",
+    "rounds_time",
     "run_local",
-    "start_compressed_all_reduce",
 ]
+
+_MOVED = {
+    "CompressedReduction", "compressed_all_reduce", "start_compressed_all_reduce", "compressed_time", "plan", "Plan",
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(
+            f"torsh_kernels.collectives.{name} moved to torsh_kernels.compression.{name} (the compressed all-reduce "
+            "and its planner are layer 3); import it from there (docs/migration.md lists every move)"
+        )
+    raise AttributeError(f"module 'torsh_kernels.collectives' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""An alpha-beta cost model for all-reduce algorithms and compressed all-reduce, with a link probe.
+"""The alpha-beta cost of plain collectives (all-reduce algorithms, all-gather, all-to-all), with a link probe.
 
 A message of ``n`` bytes over a link costs ``alpha + n * beta`` (``alpha``: latency per message,
 ``beta = 1 / bandwidth``). For ``p`` ranks and an ``n``-byte buffer per rank:
@@ -30,48 +30,39 @@ Parallel Algorithms and Data Structures", Springer 2019.
 Flat algorithms on several nodes run at the pace of the slowest link they cross (the inter-node one).
 The local reduction (gamma) term is left out: the reduction runs at memory speed, far above the link.
 
-Compressed all-reduce moves each compressor's payload with the collective it needs (see
-``compressed.py``): linear payloads (fp16, bf16, PowerSGD's P and Q, one all-reduce each) with the best
-all-reduce above; top-k with an all-gather; quantized with an all-gather or with an all-reduce(max) of
-the scales plus an integer all-reduce of the codes, whichever is cheaper; sign with an all-to-all and
-an all-gather. With ``compute_bandwidth`` (bytes/s the device streams through memory) the compressor's
-own passes over the data are added, ``passes * 4 n_elements / compute_bandwidth``; the pass counts
-(``COMPUTE_PASSES``) are rough estimates of each compressor's memory traffic, in fp32 tensor sizes.
+A communication scheme is a sequence of :class:`Round` s (a collective and the bytes each rank puts in);
+:func:`rounds_time` prices one. The compression layer describes each compressor's schemes that way and
+its planner prices them here; this module knows nothing of compressors.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..compression import BF16, FP16, Compressor, NoCompression, PowerSGD, Quantize, Sign, TopK
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..ops.compress import QMAX
 from .communicator import Communicator
 
 __all__ = [
-    "COMPUTE_PASSES",
+    "ALGORITHMS",
+    "COLLECTIVES",
     "Link",
-    "Plan",
+    "Round",
     "Topology",
+    "algorithms_for",
     "all_gather_time",
     "all_reduce_time",
     "all_to_all_time",
-    "compressed_time",
-    "plan",
     "probe",
     "probe_topology",
-    "quantize_shared_scale_cheaper",
+    "rounds_time",
 ]
 
 ALGORITHMS = ("ring", "tree", "rabenseifner", "hierarchical")
-
-# fp32-tensor-sized passes over memory per compress + decompress (rough; see the module docstring)
-COMPUTE_PASSES = {"NoCompression": 0.0, "FP16": 3.0, "BF16": 3.0, "TopK": 6.0, "Quantize": 5.0, "Sign": 5.0,
-                  "PowerSGD": 7.0}  # fmt: skip
+COLLECTIVES = ("all_reduce", "all_gather", "all_to_all")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -168,159 +159,54 @@ def all_to_all_time(nbytes_sent: float, world_size: int, link: Link) -> float:
     return (p - 1) * link.latency + (p - 1) / p * nbytes_sent / link.bandwidth if p > 1 else 0.0
 
 
-def quantize_codes_dtype(bits: int, world_size: int) -> torch.dtype:
-    """Narrowest integer dtype both gloo and NCCL reduce that holds the sum of ``world_size`` codes."""
-    qmax = QMAX[bits]
-    return torch.int8 if qmax * world_size <= 127 else torch.int32
-
-
-def _quantize_shared_time(numel: int, q: Quantize, world_size: int, link: Link) -> float:
-    scales = 4 * -(-numel // q.block)
-    codes = numel * torch.empty((), dtype=quantize_codes_dtype(q.bits, world_size)).element_size()
-    return all_reduce_time(scales, world_size, link) + all_reduce_time(codes, world_size, link)
-
-
-def quantize_shared_scale_cheaper(numel: int, q: Quantize, world_size: int, link: Link | None = None) -> bool:
-    """Whether the shared-scale integer all-reduce beats the all-gather of (codes, scales) for a
-    quantized all-reduce of ``numel`` elements over ``world_size`` ranks (ring model)."""
-    link = link or Link.gbit(10)
-    gather = all_gather_time(q.payload_nbytes(numel), world_size, link)
-    return _quantize_shared_time(numel, q, world_size, link) < gather
-
-
 def _best_all_reduce(nbytes: float, topo: Topology, link: Link, algorithms) -> tuple[str, float]:
-    best = min(((a, all_reduce_time(nbytes, topo, link, a)) for a in algorithms), key=lambda x: x[1])
-    return best
+    return min(((a, all_reduce_time(nbytes, topo, link, a)) for a in algorithms), key=lambda x: x[1])
 
 
-def compressed_time(
-    compressor: Compressor | None,
-    shape: int | tuple[int, ...],
-    topology: Topology | int,
-    link: Link,
-    *,
-    algorithm: str | None = None,
-    compute_bandwidth: float | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[str, float]:
-    """(algorithm, predicted seconds) of ``compressed_all_reduce`` for a tensor of ``shape``.
+def algorithms_for(topology: Topology) -> tuple[str, ...]:
+    """The all-reduce algorithms worth pricing on ``topology`` (hierarchical only across several nodes of
+    several ranks)."""
+    return ALGORITHMS if topology.local_size > 1 and topology.nodes > 1 else ALGORITHMS[:3]
 
-    Linear compressors use ``algorithm`` (default: the cheapest all-reduce for the topology); the
-    others use the collectives their scheme needs (named in the returned algorithm)."""
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One collective of a communication scheme and the bytes each rank puts into it."""
+
+    collective: str
+    """'all_reduce', 'all_gather' or 'all_to_all'."""
+    nbytes: float
+    """Bytes of this rank's input: the buffer all-reduced, its own all-gather segment, or all it sends in
+    the all-to-all."""
+
+    def __post_init__(self) -> None:
+        if self.collective not in COLLECTIVES:
+            raise InvalidArgumentError(f"Round: collective must be one of {COLLECTIVES}, got {self.collective!r}")
+
+
+def rounds_time(
+    rounds: tuple[Round, ...] | list[Round], topology: Topology | int, link: Link, algorithms=None
+) -> tuple[str | None, float]:
+    """(all-reduce algorithm, predicted seconds) of a sequence of collectives run one after another. The
+    all-reduce rounds share the one algorithm, of ``algorithms`` (default: those worth pricing on the
+    topology), that is cheapest for the first of them; the algorithm is None when no round is an
+    all-reduce. Gathers and all-to-alls are priced as ring / pairwise over all ranks."""
     topo = topology if isinstance(topology, Topology) else Topology(world_size=topology)
     p = topo.world_size
-    numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else int(shape)
-    algos = (algorithm,) if algorithm else _algorithms(topo)
-    c = compressor if compressor is not None else NoCompression()
-    name = type(c).__name__
-    compute = 0.0
-    if compute_bandwidth:
-        compute = COMPUTE_PASSES.get(name, 5.0) * 4 * numel / compute_bandwidth
-    if p == 1:
-        return "none", compute
-    if isinstance(c, PowerSGD):
-        t = torch.empty(shape, device="meta")
-        plan_ = c._plan(t)
-        if plan_ is None:
-            a, s = _best_all_reduce(4 * numel, topo, link, algos)
-            return a, s + compute
-        rows, cols, r = plan_
-        a, s1 = _best_all_reduce(4 * rows * r, topo, link, algos)
-        _, s2 = _best_all_reduce(4 * cols * r, topo, link, (a,))
-        return a, s1 + s2 + compute
-    if isinstance(c, (NoCompression, FP16, BF16)):
-        a, s = _best_all_reduce(c.payload_nbytes(numel, dtype), topo, link, algos)
-        return a, s + compute
-    if isinstance(c, TopK):
-        return "all_gather", all_gather_time(c.payload_nbytes(numel, dtype), p, link) + compute
-    if isinstance(c, Quantize):
-        gather = all_gather_time(c.payload_nbytes(numel, dtype), p, link)
-        shared = _quantize_shared_time(numel, c, p, link)
-        if shared < gather:
-            return "shared_scale_all_reduce", shared + compute
-        return "all_gather", gather + compute
-    if isinstance(c, Sign):
-        seg = sign_segment_bytes(numel, p)
-        return "all_to_all+all_gather", all_to_all_time(p * seg, p, link) + all_gather_time(seg, p, link) + compute
-    # an unknown compressor: gathered if not linear
-    nb = c.payload_nbytes(numel, dtype)
-    if c.is_linear:
-        a, s = _best_all_reduce(nb, topo, link, algos)
-        return a, s + compute
-    return "all_gather", all_gather_time(nb, p, link) + compute
-
-
-def sign_chunk(numel: int, world_size: int) -> int:
-    """Elements per server chunk of the two-phase sign all-reduce (a multiple of 32)."""
-    per = -(-numel // world_size)
-    return max(32, -(-per // 32) * 32)
-
-
-def sign_segment_bytes(numel: int, world_size: int) -> int:
-    """Bytes per destination in the two-phase sign all-reduce: a chunk's sign bits plus its fp32 scale."""
-    return sign_chunk(numel, world_size) // 8 + 4
-
-
-def _algorithms(topo: Topology) -> tuple[str, ...]:
-    return ALGORITHMS if topo.local_size > 1 and topo.nodes > 1 else ALGORITHMS[:3]
-
-
-@dataclass(slots=True)
-class Plan:
-    """The cheapest (algorithm, compressor) for a buffer, with every candidate's prediction."""
-
-    algorithm: str
-    """Collective scheme: an all-reduce algorithm, or the gather scheme of a non-linear compressor."""
-    compressor: Compressor | None
-    """The compressor (None: uncompressed)."""
-    seconds: float
-    """Predicted time of the whole compressed all-reduce."""
-    candidates: list[tuple[str, str, float]] = field(default_factory=list)
-    """(compressor, algorithm, seconds) of every candidate, cheapest first."""
-
-
-DEFAULT_CANDIDATES = (None, FP16(), BF16(), TopK(0.01), Quantize(8), Quantize(4), Sign(), PowerSGD(4))
-
-
-def plan(
-    nbytes: int,
-    topology: Topology | int,
-    link: Link,
-    *,
-    shape: tuple[int, ...] | None = None,
-    compressors: tuple[Compressor | None, ...] | None = None,
-    compute_bandwidth: float | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> Plan:
-    """The cheapest (algorithm, compressor) for an all-reduce of ``nbytes`` of ``dtype`` (``shape``
-    matters to PowerSGD; default: a flat tensor). ``compressors`` defaults to no compression, fp16,
-    bf16, top-k 1%, int8, int4, sign and PowerSGD rank 4; ``None`` in it means uncompressed."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise InvalidArgumentError(f"plan: nbytes must be an int >= 0, got {nbytes!r}")
-    if not isinstance(link, Link):
-        raise ArgumentTypeError(f"plan: link must be a Link, got {type(link).__name__}")
-    esize = torch.empty((), dtype=dtype).element_size()
-    numel = nbytes // esize
-    shp = shape if shape is not None else (numel,)
-    cands = []
-    for c in compressors if compressors is not None else DEFAULT_CANDIDATES:
-        a, s = compressed_time(c, shp, topology, link, compute_bandwidth=compute_bandwidth, dtype=dtype)
-        cands.append((c, a, s))
-    cands.sort(key=lambda x: x[2])
-    best = cands[0]
-    return Plan(best[1], best[0], best[2], [(_describe(c), a, s) for c, a, s in cands])
-
-
-def _describe(c: Compressor | None) -> str:
-    if c is None:
-        return "none"
-    if isinstance(c, TopK):
-        return f"topk({c.ratio:g})"
-    if isinstance(c, Quantize):
-        return f"int{c.bits}" + ("-stochastic" if c.stochastic else "")
-    if isinstance(c, PowerSGD):
-        return f"powersgd(rank={c.rank})"
-    return type(c).__name__.lower()
+    algos = tuple(algorithms) if algorithms else algorithms_for(topo)
+    algo, total = None, 0.0
+    for r in rounds:
+        if r.collective == "all_reduce":
+            if algo is None:
+                algo, t = _best_all_reduce(r.nbytes, topo, link, algos)
+            else:
+                t = all_reduce_time(r.nbytes, topo, link, algo)
+        elif r.collective == "all_gather":
+            t = all_gather_time(r.nbytes, p, link)
+        else:
+            t = all_to_all_time(r.nbytes, p, link)
+        total += t
+    return algo, total
 
 
 # -- probing -------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .hooks import CompressionHookState, HookStats, compression_hook
 from .moe import ExpertParallelMoE, MoELayer
-from .offload import OffloadedOptimizer, ParameterOffloader
+from .offload_optimizer import OffloadedOptimizer
+from .offload_params import ParameterOffloader
 from .synchronizer import GradientConsistency, GradientSynchronizer
 
 __all__ = [

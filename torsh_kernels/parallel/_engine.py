@@ -23,10 +23,16 @@ import torch
 
 from .. import _trace
 from ..collectives.communicator import Communicator
-from ..collectives.compressed import QUANTIZE_MODES, CompressedReduction, start_compressed_all_reduce
-from ..compression import CompressionState, Compressor, NoCompression, PowerSGD
+from ..compression import (
+    QUANTIZE_MODES,
+    CompressedReduction,
+    CompressionState,
+    Compressor,
+    NoCompression,
+    start_compressed_all_reduce,
+)
 from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError
-from ..ops.bucket import flatten, unflatten
+from ..ops import flatten, unflatten
 
 POLICIES = ("layerwise", "bucket")
 
@@ -76,7 +82,7 @@ def bucket_span(index: int, grads: Sequence[torch.Tensor], compressor: Compresso
     if rec is None:
         return None
     nbytes = sum(g.nbytes for g in grads)
-    name = "none" if isinstance(compressor, NoCompression) else type(compressor).__name__
+    name = compressor.name
     dev = grads[0].device if grads else None
     return rec.begin(f"bucket {index}", "bucket", {"bucket": index, "bytes": nbytes, "tensors": len(grads),
                                                    "compressor": name}, lane="bucket", device=dev)  # fmt: skip
@@ -152,12 +158,13 @@ class BucketCompressor:
             compressor = NoCompression()
         if not isinstance(compressor, Compressor):
             raise ArgumentTypeError(f"{what}: compressor must be a Compressor or None, got {type(compressor).__name__}")
+        default_start, default_rate = compressor.warmup()
         if start_iter is None:
-            start_iter = compressor.start_iter if isinstance(compressor, PowerSGD) else 0
+            start_iter = default_start
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise InvalidArgumentError(f"{what}: start_iter must be an int >= 0, got {start_iter!r}")
         if min_compression_rate is None:
-            min_compression_rate = compressor.min_compression_rate if isinstance(compressor, PowerSGD) else 2.0
+            min_compression_rate = default_rate
         if not isinstance(min_compression_rate, (int, float)) or min_compression_rate < 0:
             raise InvalidArgumentError(f"{what}: min_compression_rate must be >= 0, got {min_compression_rate!r}")
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
@@ -166,10 +173,8 @@ class BucketCompressor:
             raise InvalidArgumentError(f"{what}: policy must be one of {POLICIES}, got {policy!r}")
         if quantize_mode not in QUANTIZE_MODES:
             raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
-        if isinstance(compressor, PowerSGD):
-            # the warm-up and the size rule are decided here, per tensor; the compressor must not repeat them
-            compressor = dataclasses.replace(compressor, start_iter=0, min_compression_rate=min_compression_rate)
-        self.compressor = compressor
+        # the warm-up and the size rule are decided here, per tensor; the compressor must not repeat them
+        self.compressor = compressor.per_tensor(min_compression_rate)
         self.start_iter = start_iter
         self.min_compression_rate = float(min_compression_rate)
         self.min_numel = min_numel
@@ -187,7 +192,7 @@ class BucketCompressor:
         """Whether the compressor touches this tensor: 2+ dims, at least ``min_numel`` elements, and a
         compression rate (bytes in / bytes on the wire) of at least ``min_compression_rate``."""
         c = self.compressor
-        if isinstance(c, NoCompression) or t.dim() < 2 or t.numel() < max(1, self.min_numel):
+        if c.identity or t.dim() < 2 or t.numel() < max(1, self.min_numel):
             return False
         wire = c.payload_nbytes(tuple(t.shape), t.dtype)
         return wire > 0 and t.numel() * t.element_size() / wire >= self.min_compression_rate
@@ -262,7 +267,7 @@ class BucketCompressor:
         grads = list(grads)
         self.check_shapes(grads, keys)
         plain_c = NoCompression(check_finite=False)
-        if self.iteration < self.start_iter or isinstance(self.compressor, NoCompression):
+        if self.iteration < self.start_iter or self.compressor.identity:
             return self._plain(grads, comm, plain_c)
         plan = self._plan(grads, keys)
         reductions: list[CompressedReduction] = []

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from ... import compression as cz
-from ...collectives import Link, TorchCommunicator, compressed_all_reduce, init_from_env, probe, run_local
-from ...collectives.cost_model import all_gather_time, all_reduce_time, all_to_all_time, compressed_time
+from ...collectives import Link, TorchCommunicator, init_from_env, probe, run_local
+from ...collectives.cost_model import all_gather_time, all_reduce_time, all_to_all_time
+from ...compression import compressed_all_reduce, compressed_time
 from . import environment, fmt_bytes, wide_console
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")

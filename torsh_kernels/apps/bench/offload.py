@@ -31,7 +31,7 @@ import torch
 
 from ...ops.compress import quantize_ref
 from ...ops.offload import FORMATS, pack, packed_nbytes, unpack
-from ...parallel.offload import OffloadedOptimizer
+from ...parallel import OffloadedOptimizer
 from . import Case, Result, environment, fmt_bytes, print_tables, wide_console, write_json
 
 MIB = 1 << 20

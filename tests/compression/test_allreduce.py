@@ -11,15 +11,34 @@ step, as in DDP.
 from __future__ import annotations
 
 import copy
+import math
+from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import make_compressor
 
-from torsh_kernels.collectives import TorchCommunicator, compressed_all_reduce, run_local
-from torsh_kernels.collectives.cost_model import sign_chunk
-from torsh_kernels.compression import BF16, FP16, PowerSGD, Quantize, Sign, TopK, roundtrip
+from torsh_kernels.collectives import Link, TorchCommunicator, all_reduce_time, run_local
+from torsh_kernels.compression import (
+    BF16,
+    FP16,
+    CompressionState,
+    Compressor,
+    NoCompression,
+    Payload,
+    PowerSGD,
+    Quantize,
+    Sign,
+    TopK,
+    compressed_all_reduce,
+    compressed_time,
+    plan,
+    roundtrip,
+    sign_chunk,
+    start_compressed_all_reduce,
+)
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError
-from torsh_kernels.ops.compress import orthogonalize_ref, sign_compress_ref, sign_decompress_ref
+from torsh_kernels.ops import orthogonalize_ref, sign_compress_ref, sign_decompress_ref
 
 SHAPES = [(7, 143), (5,), (64, 33)]  # odd sizes; (5,) leaves sign chunks empty and PowerSGD uncompressed
 STEPS = 3
@@ -30,20 +49,7 @@ def inputs(step: int, rank: int, shape) -> torch.Tensor:
     return torch.randn(shape, generator=g)
 
 
-def make(name: str, provider: str | None = None):
-    return {
-        "none": None,
-        "fp16": FP16(provider=provider),
-        "bf16": BF16(provider=provider),
-        "topk": TopK(0.1, provider=provider),
-        "topk-exact": TopK(0.05, exact=True, provider=provider),
-        "int8-gather": Quantize(8, block=64, provider=provider),
-        "int8-shared": Quantize(8, block=64, provider=provider),
-        "int4-gather": Quantize(4, block=32, stochastic=True, provider=provider),
-        "int4-shared": Quantize(4, block=32, stochastic=True, provider=provider),
-        "sign": Sign(provider=provider),
-        "powersgd": PowerSGD(2, start_iter=1, provider=provider),
-    }[name]
+make = make_compressor
 
 
 def _gather_ref(c, xs, sims):
@@ -231,7 +237,6 @@ def test_bad_input_raises_before_state_or_network_change():
 def _list_worker(comm: TorchCommunicator, names: list[str]) -> int:
     """A list of tensors with one state each equals one call per tensor; several reductions in flight at
     once, stepped in the same order on every rank, give the same results."""
-    from torsh_kernels.collectives import start_compressed_all_reduce
 
     comm = TorchCommunicator(comm.group, timeout=30, check_consistency=True)
     ws, me = comm.world_size, comm.rank
@@ -270,3 +275,96 @@ def _list_worker(comm: TorchCommunicator, names: list[str]) -> int:
 def test_a_list_of_tensors_and_pipelined_reductions_match_single_calls(world_size):
     counts = run_local(_list_worker, world_size, ALL, op_timeout=60)
     assert counts == [len(ALL) * STEPS * len(SHAPES)] * world_size
+
+
+# -- the contract: a compressor is one module, and what it says it sends is what goes on the wire ----------
+
+
+def _bytes_worker(comm: TorchCommunicator) -> list[tuple[str, int, int]]:
+    """For every compressor and scheme: (name, bytes the reduction sent, bytes its scheme declares)."""
+    out = []
+    cases = [("none", "auto", "all_reduce"), ("fp16", "auto", "all_reduce"), ("bf16", "auto", "all_reduce"),
+             ("topk", "auto", "all_gather"), ("int8", "all_gather", "all_gather"),
+             ("int4", "shared_scale", "shared_scale_all_reduce"), ("sign", "auto", "all_to_all+all_gather"),
+             ("powersgd", "auto", "all_reduce")]  # fmt: skip
+    for name, mode, scheme in cases:
+        c = make_compressor(name, start_iter=0) if name == "powersgd" else make_compressor(name)
+        for shape in SHAPES:
+            t = inputs(0, comm.rank, shape)
+            st = c.new_state(seed=comm.rank) if c is not None else None
+            r = start_compressed_all_reduce(t, comm, c, st, quantize_mode=mode)
+            r.wait()
+            declared = (c or NoCompression()).schemes(shape, t.dtype, comm.world_size)[scheme]
+            out.append((f"{name} {shape}", r.bytes_sent, int(sum(x.nbytes for x in declared))))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_bytes_a_scheme_declares_are_the_bytes_sent(world_size):
+    """The planner prices what ``schemes()`` declares; the driver counts each collective's input. They
+    agree to the byte, up to the 8-byte alignment of a gathered segment."""
+    for rank_rows in run_local(_bytes_worker, world_size, op_timeout=60):
+        for what, sent, declared in rank_rows:
+            assert 0 <= sent - declared < 8, (what, sent, declared)
+
+
+@dataclass(slots=True)
+class RandK(Compressor):
+    """A compressor written only here, against the contract: random-k sparsification with indices drawn
+    from a seed every rank shares (so it is linear: the ranks' values at the same indices add up), scaled
+    by n / k to stay unbiased. Nothing in the library knows it."""
+
+    k: int = 5
+    is_linear = True
+    stateful = True  # the step count draws the indices
+    passes = 2.0
+
+    def _indices(self, n: int, state: CompressionState) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + state.step)
+        return torch.randperm(n, generator=g)[: min(self.k, n)]
+
+    def compress(self, tensor, state):
+        x = tensor.reshape(-1)
+        idx = self._indices(x.numel(), state)
+        state.work["idx"] = idx
+        state.step += 1
+        return Payload({"values": x[idx].float() * (x.numel() / idx.numel())}, x.numel())
+
+    def decompress(self, payload, state, out, *, alpha=1.0, accumulate=False):
+        o = out.view(-1)
+        if not accumulate:
+            o.zero_()
+        o[state.work["idx"]] += alpha * payload.tensors["values"].to(o.dtype)
+        return out
+
+    def payload_nbytes(self, shape, dtype=torch.float32):
+        n = math.prod(shape) if isinstance(shape, tuple) else shape
+        return 4 * min(self.k, n)
+
+
+def _randk_worker(comm: TorchCommunicator) -> int:
+    c = RandK(k=9)
+    states = [c.new_state() for _ in SHAPES]
+    for step in range(2):
+        for shape, st in zip(SHAPES, states):
+            xs = [inputs(step, r, shape) for r in range(comm.world_size)]
+            idx = c._indices(math.prod(shape), st)  # the indices this step will draw
+            t = xs[comm.rank].clone()
+            r = start_compressed_all_reduce(t, comm, c, st)
+            r.wait()
+            want = torch.zeros(math.prod(shape))
+            want[idx] = torch.stack(xs).mean(0).view(-1)[idx] * (want.numel() / idx.numel())
+            torch.testing.assert_close(t.view(-1), want, rtol=1e-6, atol=1e-6)
+            assert r.bytes_sent == c.payload_nbytes(shape) and r.rounds == 1
+    return len(SHAPES) * 2
+
+
+def test_a_new_compressor_needs_no_change_outside_its_module():
+    """A compressor defined in this test file runs through the driver on real processes and is priced by
+    the planner, from the contract alone."""
+    assert run_local(_randk_worker, 3, op_timeout=60) == [2 * len(SHAPES)] * 3
+    link = Link(latency=10e-6, bandwidth=1e9)
+    algo, t = compressed_time(RandK(k=1000), 1_000_000, 4, link)
+    assert algo in ("ring", "tree", "rabenseifner") and t == pytest.approx(all_reduce_time(4000, 4, link, algo))
+    p = plan(4 << 20, 4, link, compressors=(None, RandK(k=1000)))
+    assert p.candidates[0][0] == "randk" and isinstance(p.compressor, RandK)

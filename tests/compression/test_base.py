@@ -1,4 +1,5 @@
-"""Compressor objects: the shared contract, error feedback over steps, bit-exact state round trips."""
+"""The Compressor contract every compressor keeps: round trips, error feedback over steps, bit-exact state
+round trips, non-finite input, configuration errors; and what the bucket layer and the planner read."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from torsh_kernels.compression import (
     Quantize,
     Sign,
     TopK,
-    matrix_shape,
     roundtrip,
 )
 from torsh_kernels.errors import InvalidArgumentError, NonFiniteError, ShapeError
@@ -111,62 +111,6 @@ def test_state_dict_round_trip_is_bit_exact(gen, make):
     assert restored.step == state.step == 5
 
 
-def test_powersgd_start_iter_and_min_compression_rate(gen):
-    c = PowerSGD(2, start_iter=2)
-    state = c.new_state()
-    x = rand((64, 64), torch.float32, gen)
-    for _ in range(2):  # warm-up: uncompressed, exact, no residual
-        out, (p,) = roundtrip(c, x, state)
-        assert torch.equal(out, x) and p.nbytes == 4 * x.numel() and "residual" not in state.tensors
-    p = c.compress(x, state)
-    assert not p.final and p.tensors["p"].shape == (64, 2)
-    q = c.advance(p, state)
-    assert q.final and q.tensors["q"].shape == (64, 2)
-    p_mat = state.work["p"]
-    torch.testing.assert_close(p_mat.T @ p_mat, torch.eye(2, device=DEVICE), atol=1e-5, rtol=0)
-    small = PowerSGD(4, min_compression_rate=2.0)
-    y = rand((6, 5), torch.float32, gen)  # 30 elements vs (6 + 5) * 4 = 44: not worth compressing
-    out, (p,) = roundtrip(small, y, small.new_state())
-    assert torch.equal(out, y) and "data" in p.tensors
-
-
-def test_powersgd_rank_recovers_low_rank_matrices(gen):
-    a, b = rand((50, 3), torch.float32, gen), rand((3, 40), torch.float32, gen)
-    x = a @ b
-    c = PowerSGD(3)
-    state = c.new_state()
-    for _ in range(3):  # power iterations with warm start converge on an exactly rank-3 matrix
-        out, _ = roundtrip(c, x, state)
-        state.tensors["residual"].zero_()
-    assert ((out - x).norm() / x.norm()).item() < 1e-4
-
-
-def test_flat_tensors_use_a_near_square_matrix():
-    assert matrix_shape(torch.empty(1000)) == (32, 32)
-    assert matrix_shape(torch.empty(10, 3, 3)) == (10, 9)
-    assert matrix_shape(torch.empty(1, 50)) == (8, 7)
-
-
-def test_topk_decompress_sum_equals_sum_of_decompressions(gen):
-    c = TopK(0.1)
-    payloads = []
-    states = [c.new_state() for _ in range(3)]
-    for s in states:
-        payloads.append(c.compress(rand(500, torch.float32, gen), s))
-    out = torch.full((500,), float("nan"), device=DEVICE)
-    c.decompress_sum(payloads, states[0], out, alpha=1 / 3)
-    ref = sum(c.decompress(p, states[0], torch.empty(500, device=DEVICE)) for p in payloads) / 3
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
-    q = Quantize(8, 64)
-    qp = [q.compress(rand(500, torch.float32, gen), q.new_state()) for _ in range(2)]
-    out2 = q.decompress_sum(qp, None, torch.empty(500, device=DEVICE), alpha=0.5)
-    ref2 = (
-        q.decompress(qp[0], None, torch.empty(500, device=DEVICE))
-        + q.decompress(qp[1], None, torch.empty(500, device=DEVICE))
-    ) * 0.5
-    torch.testing.assert_close(out2, ref2, atol=1e-6, rtol=1e-6)
-
-
 def test_nonfinite_gradients_raise_before_the_state_changes(gen):
     x = rand(300, torch.float32, gen)
     x[17] = float("nan")
@@ -206,3 +150,22 @@ def test_configuration_errors(gen):
         c.advance(Payload({}, 1), state)
     with pytest.raises(InvalidArgumentError):
         CompressionState().load_state_dict({"step": 1})
+
+
+def test_what_the_bucket_layer_and_the_planner_read():
+    """Names, labels, state needs and costs come from the compressors themselves (no type switches)."""
+    assert [c.name for c in (NoCompression(), FP16(), TopK(0.1), Quantize(), Sign(), PowerSGD())] == [
+        "none", "FP16", "TopK", "Quantize", "Sign", "PowerSGD"]  # fmt: skip
+    assert [c.label() for c in (FP16(), BF16(), Quantize(4, stochastic=True), PowerSGD(4))] == [
+        "fp16", "bf16", "int4-stochastic", "powersgd(rank=4)"]  # fmt: skip
+    assert [c.stateful for c in (NoCompression(), FP16(), TopK(0.1), Quantize(), Sign(), PowerSGD())] == [
+        False, False, True, True, True, True]  # fmt: skip
+    assert NoCompression().identity and not FP16().identity
+    assert FP16().prescale and not BF16().prescale
+    for c in (NoCompression(), FP16(), BF16(), TopK(0.1), Quantize(4), Sign()):
+        assert c.warmup() == (0, 2.0) and c.per_tensor(3.0) is c
+        schemes = c.schemes((64, 33), torch.float32, 4)
+        assert schemes and all(r.nbytes > 0 for rounds in schemes.values() for r in rounds)
+    (r,) = FP16().schemes(1000, torch.float32, 4)["all_reduce"]
+    assert r.nbytes == 2000 and NoCompression().schemes(1000, torch.bfloat16, 4)["all_reduce"][0].nbytes == 2000
+

@@ -1,0 +1,54 @@
+"""PowerSGD on one process: warm-up, the size rule, rank recovery, the matrix view, its wire rounds."""
+
+from __future__ import annotations
+
+import torch
+from conftest import DEVICE, rand
+
+from torsh_kernels.compression import PowerSGD, matrix_shape, roundtrip
+
+
+def test_powersgd_start_iter_and_min_compression_rate(gen):
+    c = PowerSGD(2, start_iter=2)
+    state = c.new_state()
+    x = rand((64, 64), torch.float32, gen)
+    for _ in range(2):  # warm-up: uncompressed, exact, no residual
+        out, (p,) = roundtrip(c, x, state)
+        assert torch.equal(out, x) and p.nbytes == 4 * x.numel() and "residual" not in state.tensors
+    p = c.compress(x, state)
+    assert not p.final and p.tensors["p"].shape == (64, 2)
+    q = c.advance(p, state)
+    assert q.final and q.tensors["q"].shape == (64, 2)
+    p_mat = state.work["p"]
+    torch.testing.assert_close(p_mat.T @ p_mat, torch.eye(2, device=DEVICE), atol=1e-5, rtol=0)
+    small = PowerSGD(4, min_compression_rate=2.0)
+    y = rand((6, 5), torch.float32, gen)  # 30 elements vs (6 + 5) * 4 = 44: not worth compressing
+    out, (p,) = roundtrip(small, y, small.new_state())
+    assert torch.equal(out, y) and "data" in p.tensors
+
+
+def test_powersgd_rank_recovers_low_rank_matrices(gen):
+    a, b = rand((50, 3), torch.float32, gen), rand((3, 40), torch.float32, gen)
+    x = a @ b
+    c = PowerSGD(3)
+    state = c.new_state()
+    for _ in range(3):  # power iterations with warm start converge on an exactly rank-3 matrix
+        out, _ = roundtrip(c, x, state)
+        state.tensors["residual"].zero_()
+    assert ((out - x).norm() / x.norm()).item() < 1e-4
+
+
+def test_flat_tensors_use_a_near_square_matrix():
+    assert matrix_shape(torch.empty(1000)) == (32, 32)
+    assert matrix_shape(torch.empty(10, 3, 3)) == (10, 9)
+    assert matrix_shape(torch.empty(1, 50)) == (8, 7)
+
+
+def test_schemes_are_the_p_and_q_all_reduces():
+    (p, q) = PowerSGD(4).schemes((1000, 2000), torch.float32, 2)["all_reduce"]
+    assert (p.collective, p.nbytes, q.collective, q.nbytes) == ("all_reduce", 16_000, "all_reduce", 32_000)
+    (plain,) = PowerSGD(4).schemes((6, 5), torch.float32, 2)["all_reduce"]  # not worth compressing
+    assert plain.nbytes == 4 * 30
+    assert PowerSGD(4, start_iter=7, min_compression_rate=3.0).warmup() == (7, 3.0)
+    c = PowerSGD(4, start_iter=7).per_tensor(1.5)
+    assert (c.start_iter, c.min_compression_rate, c.rank) == (0, 1.5, 4)

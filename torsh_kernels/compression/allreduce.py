@@ -1,0 +1,204 @@
+"""The compressed all-reduce driver: every rank ends with the average of the ranks' compressed
+contributions.
+
+``compressed_all_reduce(tensor, comm, compressor, state)`` overwrites ``tensor`` with the average. It
+validates, then runs the rounds the compressor describes (``compressor.reduce``, see
+:mod:`~torsh_kernels.compression.base`): linear compressors all-reduce each round's payloads (PowerSGD's
+P and Q; FP16 divided by the world size first so the sum cannot overflow), the others all-gather them,
+and compressors with a scheme of their own run it (sign's two phases, quantize's shared scale). This
+module knows no compressor by name: a new compressor needs no change here.
+
+Ordering: the collectives a call issues depend only on the compressor, the tensors' shapes and the
+states' step counts, never on timing or on the data, so ranks that make the same calls issue the same
+collectives in the same order, whatever the number of buckets.
+
+Each rank keeps its own ``state`` per bucket (error-feedback residuals are per rank by design).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .. import _trace
+from ..collectives.communicator import Communicator
+from ..collectives.cost_model import Link
+from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, ShapeError
+from ..ops import COMPRESS_DTYPES
+from .base import CompressionState, Compressor
+from .cast import NoCompression
+from .quantize import SCHEMES as QUANTIZE_MODES
+
+__all__ = ["QUANTIZE_MODES", "CompressedReduction", "compressed_all_reduce", "start_compressed_all_reduce"]
+
+
+class CompressedReduction:
+    """A compressed all-reduce in flight. Each round's collectives are issued asynchronously; ``step()``
+    waits for the current round and issues the next (or finishes), ``wait()`` runs to the end.
+
+    Several reductions may be in flight at once (one per bucket): as long as every rank starts them and
+    steps them in the same order, every rank issues the same collectives in the same order. The DDP
+    hook and the gradient synchronizer pipeline them that way (PowerSGD's P round of one bucket travels
+    while the Q round of the one before is computed)."""
+
+    __slots__ = ("_gen", "_pending", "_trace_args", "bytes_sent", "compute_s", "done", "rounds", "tensors", "wait_s")
+
+    def __init__(
+        self, tensors: list[torch.Tensor], gen, compressor: str = "none", algorithm: str = "all_reduce"
+    ) -> None:
+        self.tensors = tensors
+        """The tensors being averaged in place (the result lands in them)."""
+        self.bytes_sent = 0
+        """Payload bytes this rank has put on the wire so far (each collective's input, summed)."""
+        self.rounds = 0
+        """Rounds of collectives issued so far."""
+        self.compute_s = 0.0
+        """Seconds spent compressing and decompressing (this rank, wall clock)."""
+        self.wait_s = 0.0
+        """Seconds spent waiting for collectives to complete."""
+        self.done = False
+        self._gen = gen
+        self._pending: list = []
+        self._trace_args = (compressor, algorithm)
+        self._resume()
+
+    def _resume(self) -> None:
+        rec = _trace.recorder
+        if rec is not None:
+            c, alg = self._trace_args
+            dev = self.tensors[0].device if self.tensors else None
+            # compressing this round, issuing its collectives (which inherit compressor and algorithm from
+            # this span) and decompressing the previous one; uncompressed reductions only issue
+            name = f"{c} round {self.rounds + 1}" if c != "none" else "issue all_reduce"
+            cat = "compression" if c != "none" else "issue"
+            with rec.span(name, cat, {"compressor": c, "algorithm": alg, "round": self.rounds + 1}, device=dev):
+                self._advance()
+        else:
+            self._advance()
+
+    def _advance(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._pending, nbytes = next(self._gen)  # each round: its handles and the bytes it sends
+            self.bytes_sent += nbytes
+            self.rounds += 1
+        except StopIteration:
+            self._pending, self.done, self._gen = [], True, None
+        finally:
+            self.compute_s += time.perf_counter() - t0
+
+    def step(self) -> bool:
+        """Wait for the current round, then issue the next one or finish. Returns ``done``."""
+        if self.done:
+            return True
+        t0 = time.perf_counter()
+        rec = _trace.recorder
+        if rec is not None and self._pending:
+            with rec.span("wait", "wait", {"compressor": self._trace_args[0], "round": self.rounds}):
+                for h in self._pending:
+                    h.wait()
+        else:
+            for h in self._pending:
+                h.wait()
+        self.wait_s += time.perf_counter() - t0
+        self._resume()
+        return self.done
+
+    def wait(self) -> list[torch.Tensor]:
+        """Run to the end; returns the averaged tensors."""
+        while not self.step():
+            pass
+        return self.tensors
+
+
+def compressed_all_reduce(
+    tensor: torch.Tensor | Sequence[torch.Tensor],
+    comm: Communicator,
+    compressor: Compressor | None = None,
+    state: CompressionState | Sequence[CompressionState] | None = None,
+    *,
+    quantize_mode: str = "auto",
+    link: Link | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
+    """Average ``tensor`` over the ranks of ``comm`` through ``compressor`` (None: uncompressed), in
+    place; returns ``tensor``. ``state`` is this rank's state for this tensor (bucket), from
+    ``compressor.new_state()``; it may be None only for stateless compressors (none, FP16, BF16).
+    ``link`` (e.g. from ``probe``) informs ``quantize_mode="auto"``.
+
+    ``tensor`` may also be a list of tensors with a list of states (one per tensor): each tensor is
+    compressed on its own, and the payloads of a round share one collective where the compressor
+    allows it (linear compressors: one flat all-reduce per round; top-k and gathered int8/int4: one
+    all-gather)."""
+    r = start_compressed_all_reduce(tensor, comm, compressor, state, quantize_mode=quantize_mode, link=link)
+    r.wait()
+    return tensor
+
+
+def start_compressed_all_reduce(
+    tensor: torch.Tensor | Sequence[torch.Tensor],
+    comm: Communicator,
+    compressor: Compressor | None = None,
+    state: CompressionState | Sequence[CompressionState] | None = None,
+    *,
+    quantize_mode: str = "auto",
+    link: Link | None = None,
+) -> CompressedReduction:
+    """Validate, compress and issue the first round of :func:`compressed_all_reduce`; returns the
+    :class:`CompressedReduction` to ``step()`` or ``wait()`` on. Arguments as for
+    ``compressed_all_reduce``."""
+    what = "compressed_all_reduce"
+    single = isinstance(tensor, torch.Tensor)
+    if single:
+        tensors = [tensor]
+    elif isinstance(tensor, (list, tuple)):
+        tensors = list(tensor)
+    else:
+        raise ArgumentTypeError(f"{what}: expected a torch.Tensor or a list of them, got {type(tensor).__name__}")
+    dev = comm.device
+    for i, t in enumerate(tensors):
+        name = "tensor" if single else f"tensor[{i}]"
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(f"{what}: {name} is a {type(t).__name__}, expected a torch.Tensor")
+        if t.dtype not in COMPRESS_DTYPES:
+            raise InvalidArgumentError(f"{what}: {name} dtype {t.dtype}; expected float32, float16 or bfloat16")
+        if not t.is_contiguous():
+            raise ShapeError(f"{what}: {name} must be contiguous (the average is written into it)")
+        if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
+            raise DeviceMismatchError(f"{what}: {name} is on {t.device}, the communicator moves tensors on {dev}")
+    if compressor is None:
+        compressor = NoCompression()
+    if not isinstance(compressor, Compressor):
+        raise ArgumentTypeError(f"{what}: compressor must be a Compressor or None, got {type(compressor).__name__}")
+    stateful = compressor.stateful
+    if single:
+        states = [state]
+    elif state is None:
+        states = [None] * len(tensors)
+    elif isinstance(state, (list, tuple)) and len(state) == len(tensors):
+        states = list(state)
+    else:
+        got = f"{len(state)} states" if isinstance(state, (list, tuple)) else type(state).__name__
+        raise InvalidArgumentError(f"{what}: {len(tensors)} tensors need a list of {len(tensors)} states, got {got}")
+    for i, s in enumerate(states):
+        if s is None:
+            if stateful:
+                raise InvalidArgumentError(
+                    f"{what}: {type(compressor).__name__} keeps state (error feedback); pass "
+                    "state=compressor.new_state() (one per tensor) and reuse it for that tensor on every step"
+                )
+            states[i] = compressor.new_state()
+        elif not isinstance(s, CompressionState):
+            raise ArgumentTypeError(f"{what}: state must be a CompressionState, got {type(s).__name__}")
+    if stateful and len({id(s) for s in states}) != len(states):
+        raise InvalidArgumentError(f"{what}: each tensor needs its own state; the same state was given twice")
+    if quantize_mode not in QUANTIZE_MODES:
+        raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
+    live = [(t, s) for t, s in zip(tensors, states) if t.numel()]
+    if live:
+        gen, alg = compressor.reduce([t for t, _ in live], [s for _, s in live], comm, scheme=quantize_mode,
+                                     link=link)  # fmt: skip
+    else:
+        gen, alg = iter(()), "none"
+    return CompressedReduction(tensors, gen, compressor.name, alg)

@@ -1,0 +1,105 @@
+"""Compressors that only cast: :class:`NoCompression` (the tensor as it is), :class:`FP16` and
+:class:`BF16` (2 bytes per element). All linear: one all-reduce, one decode with the 1/world scale."""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
+
+import torch
+
+from ..collectives.communicator import Communicator
+from ..ops import flatten, unflatten
+from .base import (
+    Compressor,
+    Payload,
+    Rounds,
+    check_finite,
+    check_input,
+    check_out,
+    decode_plain,
+    itemsize,
+    numel_of,
+)
+
+__all__ = ["BF16", "FP16", "NoCompression"]
+
+
+@dataclass(slots=True)
+class _Cast(Compressor):
+    _: KW_ONLY
+    check_finite: bool = True
+    """Raise NonFiniteError if the cast payload holds NaN/Inf (fp16 overflows above 65504)."""
+    provider: str | None = None
+    """Kernel provider for the fused cast ops (None: automatic)."""
+
+    dtype = torch.float32
+    is_linear = True
+    passes = 3.0
+
+    def compress(self, tensor, state):
+        x = check_input(tensor, f"{type(self).__name__}.compress")
+        data, _ = flatten([x], dtype=self.dtype, provider=self.provider)
+        if self.check_finite:
+            check_finite(data, f"{type(self).__name__}.compress")
+        state.step += 1
+        return Payload({"data": data}, x.numel())
+
+    def decompress(self, payload, state, out, *, alpha=1.0, accumulate=False):
+        o = check_out(out, payload.numel, f"{type(self).__name__}.decompress")
+        decode_plain(payload.tensors["data"], o, alpha, accumulate, self.provider)
+        return out
+
+    def payload_nbytes(self, shape, dtype=torch.float32):
+        return numel_of(shape) * itemsize(self.dtype)
+
+
+@dataclass(slots=True)
+class NoCompression(_Cast):
+    """Send the tensor as it is (its own dtype); the payload is a view of the input."""
+
+    identity = True
+    passes = 0.0
+
+    @property
+    def name(self) -> str:
+        return "none"
+
+    def compress(self, tensor, state):
+        x = check_input(tensor, "NoCompression.compress")
+        if self.check_finite:
+            check_finite(x, "NoCompression.compress")
+        state.step += 1
+        return Payload({"data": x}, x.numel())
+
+    def payload_nbytes(self, shape, dtype=torch.float32):
+        return numel_of(shape) * itemsize(dtype)
+
+    def reduce(self, tensors, states, comm: Communicator, *, scheme="auto", link=None) -> tuple[Rounds, str]:
+        return self._rounds(tensors, states, comm), "all_reduce"
+
+    def _rounds(self, tensors, states, comm: Communicator) -> Rounds:
+        # the payload is the tensor itself: one fused flatten, all-reduce, unflatten with the 1/ws scale
+        for t, s in zip(tensors, states):
+            self.compress(t, s)  # the finite check and the step count
+        flat, layout = (tensors[0].view(-1), None) if len(tensors) == 1 else flatten(tensors)
+        yield [comm.all_reduce(flat, "sum", async_op=True)], flat.numel() * flat.element_size()
+        if layout is None:
+            flat.div_(comm.world_size)
+        else:
+            unflatten(flat, layout, tensors, scale=1.0 / comm.world_size)
+
+
+@dataclass(slots=True)
+class FP16(_Cast):
+    """Cast to fp16 for the wire (PyTorch's fp16_compress_hook): 2 bytes per element. The payload is
+    divided by the world size before the all-reduce, as that hook does, so the sum cannot overflow."""
+
+    dtype = torch.float16
+    prescale = True
+
+
+@dataclass(slots=True)
+class BF16(_Cast):
+    """Cast to bf16 for the wire: 2 bytes per element, fp32's range."""
+
+    dtype = torch.bfloat16

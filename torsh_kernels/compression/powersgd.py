@@ -1,0 +1,178 @@
+"""Rank-r PowerSGD (Vogels et al.) with error feedback and warm start: two linear rounds, P then Q.
+
+Both rounds are all-reduced: the summed P is orthogonalised by the fused kernel, and every rank ends
+with the same estimate ``P Q^T``. That needs the same initial Q on every rank: on a fresh state's first
+call, rank 0's seed is broadcast and adopted by all. (PyTorch's PowerSGD hook on gloo with several
+buckets fails with "Received data size doesn't match expected size"; the rounds here do not.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import KW_ONLY, dataclass
+
+import torch
+
+from ..collectives.communicator import Communicator
+from ..collectives.cost_model import Round
+from ..errors import InvalidArgumentError
+from ..ops import error_update, orthogonalize, residual_add
+from .base import Compressor, Payload, Rounds, check_finite, check_input, check_out, decode_plain, linear_rounds
+
+__all__ = ["PowerSGD", "matrix_shape"]
+
+
+def matrix_shape(tensor: torch.Tensor) -> tuple[int, int]:
+    """PowerSGD's matrix view: [shape[0], rest] for tensors of 2+ dims, a near-square padded one for
+    flat tensors (as PyTorch's batched PowerSGD does)."""
+    n = tensor.numel()
+    if tensor.dim() >= 2 and tensor.shape[0] > 1 and n // tensor.shape[0] > 1:
+        return tensor.shape[0], n // tensor.shape[0]
+    side = max(1, math.ceil(math.sqrt(n)))
+    return side, max(1, -(-n // side))
+
+
+@dataclass(slots=True)
+class PowerSGD(Compressor):
+    """Rank-r PowerSGD (Vogels et al.) with error feedback and warm start: two linear rounds (P, then Q).
+
+    Before ``start_iter`` compress steps, and for tensors where ``rows * cols / ((rows + cols) * rank)``
+    is below ``min_compression_rate``, the tensor is sent uncompressed in fp32 (one round), as in
+    PyTorch's powerSGD_hook. The orthogonalisation between the rounds is the fused kernel.
+    """
+
+    rank: int = 1
+    """Rank of the approximation P Q^T."""
+    start_iter: int = 0
+    """Compress steps sent uncompressed before compression starts."""
+    warm_start: bool = True
+    """Reuse the last step's Q (else draw a fresh random Q each step)."""
+    min_compression_rate: float = 2.0
+    """Send uncompressed when the compression rate of a tensor would be below this."""
+    _: KW_ONLY
+    check_finite: bool = True
+    """Raise NonFiniteError on NaN/Inf input (before the residual changes)."""
+    provider: str | None = None
+    """Kernel provider (None: automatic)."""
+
+    is_linear = True
+    stateful = True  # the error-feedback residual and the warm-start Q
+    passes = 7.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise InvalidArgumentError(f"PowerSGD: rank must be a positive int, got {self.rank!r}")
+        if not isinstance(self.start_iter, int) or self.start_iter < 0:
+            raise InvalidArgumentError(f"PowerSGD: start_iter must be an int >= 0, got {self.start_iter!r}")
+        if not isinstance(self.min_compression_rate, (int, float)) or self.min_compression_rate < 0:
+            raise InvalidArgumentError(
+                f"PowerSGD: min_compression_rate must be >= 0, got {self.min_compression_rate!r}"
+            )
+
+    def label(self) -> str:
+        return f"powersgd(rank={self.rank})"
+
+    def _plan(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:
+        rows, cols = matrix_shape(tensor)
+        r = min(self.rank, rows, cols)
+        if rows * cols / ((rows + cols) * r) < self.min_compression_rate:
+            return None
+        return rows, cols, r
+
+    def compress(self, tensor, state):
+        x = check_input(tensor, "PowerSGD.compress")
+        plan = self._plan(tensor) if state.step >= self.start_iter else None
+        if plan is None:
+            if self.check_finite:
+                check_finite(x, "PowerSGD.compress")
+            state.step += 1
+            return Payload({"data": x.float() if x.dtype != torch.float32 else x.clone()}, x.numel())
+        rows, cols, r = plan
+        n = x.numel()
+        res = state.residual(x)
+        m = state.buffer("m", rows * cols, x.device, zero=True)  # padding stays zero
+        residual_add(x, res, out=m[:n], check_finite=self.check_finite, provider=self.provider)
+        q = state.tensors.get("q")
+        if q is None or q.shape != (cols, r) or not self.warm_start:
+            g = torch.Generator(device="cpu")
+            g.manual_seed((state.seed * 1_000_003 + (0 if self.warm_start else state.step)) & 0x7FFFFFFFFFFFFFFF)
+            q = torch.randn(cols, r, generator=g).to(x.device)
+            state.tensors["q"] = q
+        p = m.view(rows, cols) @ q
+        state.step += 1
+        return Payload({"p": p}, n, final=False)
+
+    def advance(self, payload, state):
+        p = payload.tensors.get("p")
+        if p is None or "m" not in state.work:
+            raise InvalidArgumentError("PowerSGD.advance: expects the reduced P payload of this state's compress()")
+        orthogonalize(p, check_finite=self.check_finite, provider=self.provider)
+        m = state.work["m"]
+        rows, cols = p.shape[0], m.numel() // p.shape[0]
+        state.work["p"] = p
+        # Q = M^T P, computed as (P^T M)^T: row-major M is read along its rows (several times faster on CPU)
+        return Payload({"q": (p.t() @ m.view(rows, cols)).t().contiguous()}, payload.numel)
+
+    def decompress(self, payload, state, out, *, alpha=1.0, accumulate=False):
+        o = check_out(out, payload.numel, "PowerSGD.decompress")
+        if "data" in payload.tensors:  # uncompressed round
+            decode_plain(payload.tensors["data"], o, alpha, accumulate, self.provider)
+            return out
+        if accumulate:
+            raise InvalidArgumentError("PowerSGD.decompress: accumulate is not supported (PowerSGD is all-reduced)")
+        q = payload.tensors["q"]
+        q = q * alpha if alpha != 1.0 else q.clone()  # owned by the state, not the caller's payload
+        state.tensors["q"] = q  # the averaged Q: next step's warm start
+        p, m = state.work["p"], state.work["m"]
+        approx = state.buffer("approx", m.numel(), m.device)
+        torch.matmul(p, q.t(), out=approx.view(p.shape[0], -1))
+        n = payload.numel
+        error_update(m[:n], approx[:n], state.residual(o), out=o, provider=self.provider)
+        return out
+
+    def decompress_sum(self, payloads, state, out, *, alpha=1.0):
+        raise InvalidArgumentError("PowerSGD is linear: all-reduce its payloads instead of gathering them")
+
+    def payload_nbytes(self, shape, dtype=torch.float32):
+        """Steady state (after start_iter): P and Q in fp32, or the fp32 tensor when not worth compressing."""
+        t = torch.empty(shape, device="meta")
+        plan = self._plan(t)
+        if plan is None:
+            return 4 * t.numel()
+        rows, cols, r = plan
+        return 4 * r * (rows + cols)
+
+    # -- on the wire ---------------------------------------------------------------------------------
+
+    def schemes(self, shape, dtype, world_size):
+        """Steady state: an all-reduce of P (rows x r) then one of Q (cols x r), in fp32; or one fp32
+        all-reduce of the tensor when it is not worth compressing."""
+        t = torch.empty(shape, device="meta")
+        plan = self._plan(t)
+        if plan is None:
+            return {"all_reduce": (Round("all_reduce", 4 * t.numel()),)}
+        rows, cols, r = plan
+        return {"all_reduce": (Round("all_reduce", 4 * rows * r), Round("all_reduce", 4 * cols * r))}
+
+    def reduce(self, tensors, states, comm: Communicator, *, scheme="auto", link=None) -> tuple[Rounds, str]:
+        return self._rounds(tensors, states, comm), "all_reduce"
+
+    def _rounds(self, tensors, states, comm: Communicator) -> Rounds:
+        fresh = [s for s in states if s.step == 0 and "q" not in s.tensors]
+        if fresh:
+            # P = sum_r M_r Q needs one Q on every rank: agree on rank 0's seeds once per fresh state
+            seeds = torch.tensor([s.seed for s in fresh], dtype=torch.int64, device=tensors[0].device)
+            yield [comm.broadcast(seeds, 0, async_op=True)], 0  # bookkeeping, not payload
+            for s, v in zip(fresh, seeds.tolist()):
+                s.seed = int(v)
+        yield from linear_rounds(tensors, states, comm, self)
+
+    # -- under the bucket layer ------------------------------------------------------------------------
+
+    def warmup(self) -> tuple[int, float]:
+        return self.start_iter, self.min_compression_rate
+
+    def per_tensor(self, min_compression_rate: float) -> PowerSGD:
+        # the bucket layer decides the warm-up and the size rule per tensor; this copy must not repeat them
+        return dataclasses.replace(self, start_iter=0, min_compression_rate=min_compression_rate)

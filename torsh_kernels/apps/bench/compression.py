@@ -28,7 +28,16 @@ import sys
 import torch
 
 from ... import compression as cz
-from ...ops import compress as C
+from ...ops import (
+    dequantize,
+    orthogonalize,
+    quantize,
+    sign_compress,
+    sign_decompress,
+    topk_compress,
+    topk_count,
+    topk_decompress,
+)
 from . import Case, Result, check_providers, environment, print_tables, write_json
 
 MIB = 1 << 20
@@ -184,7 +193,7 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
         case.add(f"{name} decompress", "out.copy_(payload)", "peer", lambda pl=payload: out.copy_(pl), moved)
 
     # top-k -----------------------------------------------------------------------------------------
-    k = C.topk_count(n, RATIO)
+    k = topk_count(n, RATIO)
     idx_bytes = 4
     ef_moved = 3 * nbytes + k * (4 + idx_bytes)  # read x and r, write r, write the payload
     plain_moved = nbytes + k * (4 + idx_bytes)
@@ -192,24 +201,24 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
     for p in providers:
         for exact in (False, True):
             r = torch.zeros(n, device=device)
-            v, i = C.topk_compress(x, ratio=RATIO, residual=r, exact=exact, provider=p)
-            note = f"{ratio_note}, rel err {_rel_err(C.topk_decompress(v, i, n), x):.2f}"
+            v, i = topk_compress(x, ratio=RATIO, residual=r, exact=exact, provider=p)
+            note = f"{ratio_note}, rel err {_rel_err(topk_decompress(v, i, n), x):.2f}"
             case.add("top-k 1% + error feedback", f"torsh[{p}]{' exact' if exact else ' approx'}", "ours",
-                     lambda r=r, p=p, exact=exact: C.topk_compress(x, ratio=RATIO, residual=r, exact=exact, provider=p),
+                     lambda r=r, p=p, exact=exact: topk_compress(x, ratio=RATIO, residual=r, exact=exact, provider=p),
                      ef_moved, note=note)  # fmt: skip
     r_peer = torch.zeros(n, device=device)
     case.add("top-k 1% + error feedback", "torch.topk + gather + residual", "peer",
              lambda: peer_topk_ef(x, r_peer, k), ef_moved)  # fmt: skip
     for p in providers:
-        case.add("top-k 1%", f"torsh[{p}] approx", "ours", lambda p=p: C.topk_compress(x, ratio=RATIO, provider=p),
+        case.add("top-k 1%", f"torsh[{p}] approx", "ours", lambda p=p: topk_compress(x, ratio=RATIO, provider=p),
                  plain_moved, note=ratio_note)  # fmt: skip
     case.add("top-k 1%", "torch.topk(|x|) + gather", "peer",
              lambda: x[torch.topk(x.abs(), k, sorted=False).indices], plain_moved)  # fmt: skip
-    v, i = C.topk_compress(x, ratio=RATIO)
+    v, i = topk_compress(x, ratio=RATIO)
     dec_moved = nbytes + k * 8
     for p in providers:
         case.add("top-k decompress", f"torsh[{p}]", "ours",
-                 lambda p=p: C.topk_decompress(v, i, n, out=out, provider=p), dec_moved)  # fmt: skip
+                 lambda p=p: topk_decompress(v, i, n, out=out, provider=p), dec_moved)  # fmt: skip
     il = i.long()
 
     def peer_topk_dec():
@@ -224,24 +233,24 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
         moved = nbytes + qbytes + 4 * (n // BLOCK)
         label = f"int{bits}{' stochastic' if stochastic else ''} quantize"
         for p in providers:
-            q, s = C.quantize(x, bits=bits, block=BLOCK, stochastic=stochastic, seed=3, provider=p)
-            err = _rel_err(C.dequantize(q, s, block=BLOCK, numel=n), x)
+            q, s = quantize(x, bits=bits, block=BLOCK, stochastic=stochastic, seed=3, provider=p)
+            err = _rel_err(dequantize(q, s, block=BLOCK, numel=n), x)
             note = f"ratio {nbytes / (moved - nbytes):.1f}x, rel err {err:.1e}"
             case.add(label, f"torsh[{p}]", "ours",
-                     lambda p=p, bits=bits, st=stochastic: C.quantize(x, bits=bits, block=BLOCK, stochastic=st,
-                                                                      seed=3, provider=p),
+                     lambda p=p, bits=bits, st=stochastic: quantize(x, bits=bits, block=BLOCK, stochastic=st,
+                                                                    seed=3, provider=p),
                      moved, note=note)  # fmt: skip
         case.add(label, "torch ops (amax, div, round, clamp, cast)", "peer",
                  lambda bits=bits, st=stochastic: peer_quantize(x, bits, st), moved)  # fmt: skip
         if stochastic:
             continue
-        q, s = C.quantize(x, bits=bits, block=BLOCK)
+        q, s = quantize(x, bits=bits, block=BLOCK)
         qp, sp = peer_quantize(x, bits)
-        if not (torch.equal(peer_dequantize(qp, sp, bits), C.dequantize(q, s, block=BLOCK, numel=n))):
+        if not (torch.equal(peer_dequantize(qp, sp, bits), dequantize(q, s, block=BLOCK, numel=n))):
             raise AssertionError(f"int{bits}: the torch peer and torsh disagree; not timing them")
         for p in providers:
             case.add(f"int{bits} dequantize", f"torsh[{p}]", "ours",
-                     lambda p=p, q=q, s=s: C.dequantize(q, s, block=BLOCK, numel=n, out=out, provider=p),
+                     lambda p=p, q=q, s=s: dequantize(q, s, block=BLOCK, numel=n, out=out, provider=p),
                      moved)  # fmt: skip
         case.add(f"int{bits} dequantize", "torch ops (mul by block scale)", "peer",
                  lambda qp=qp, sp=sp, bits=bits: peer_dequantize(qp, sp, bits), moved)  # fmt: skip
@@ -250,10 +259,10 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
     moved = 3 * nbytes + n // 8
     for p in providers:
         r = torch.zeros(n, device=device)
-        b, s = C.sign_compress(x, provider=p)
-        note = f"ratio {nbytes / (n // 8 + 4):.0f}x, rel err {_rel_err(C.sign_decompress(b, s, n), x):.2f}"
+        b, s = sign_compress(x, provider=p)
+        note = f"ratio {nbytes / (n // 8 + 4):.0f}x, rel err {_rel_err(sign_decompress(b, s, n), x):.2f}"
         case.add("sign + error feedback", f"torsh[{p}]", "ours",
-                 lambda r=r, p=p: C.sign_compress(x, r, provider=p), moved, note=note)  # fmt: skip
+                 lambda r=r, p=p: sign_compress(x, r, provider=p), moved, note=note)  # fmt: skip
     r_peer2 = torch.zeros(n, device=device)
     case.add("sign + error feedback", "torch ops (mean |.|, packbits)", "peer", lambda: peer_sign(x, r_peer2), moved)
     cupy_sign = _cupy_sign_peer(device)
@@ -261,10 +270,10 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
         r_peer3 = torch.zeros(n, device=device)
         case.add("sign + error feedback", "torch ops + cupy.packbits (DeepSpeed 1-bit)", "peer",
                  lambda: cupy_sign(x, r_peer3), moved)  # fmt: skip
-    b, s = C.sign_compress(x)
+    b, s = sign_compress(x)
     for p in providers:
         case.add("sign decompress", f"torsh[{p}]", "ours",
-                 lambda p=p: C.sign_decompress(b, s, n, out=out, provider=p), nbytes + n // 8)  # fmt: skip
+                 lambda p=p: sign_decompress(b, s, n, out=out, provider=p), nbytes + n // 8)  # fmt: skip
     case.add("sign decompress", "torch ops (unpack bits)", "peer", lambda: peer_sign_decompress(b, s, n),
              nbytes + n // 8)  # fmt: skip
 
@@ -301,10 +310,10 @@ def run_orthogonalize(device: torch.device, providers: list[str], reps: int, bat
         work = base.clone()
         for p in providers:
             chk = base.clone()
-            C.orthogonalize(chk, provider=p)
+            orthogonalize(chk, provider=p)
             err = (chk.transpose(1, 2) @ chk - torch.eye(r, device=device)).abs().max().item()
             case.add("orthogonalize", f"torsh[{p}]", "ours",
-                     lambda p=p, work=work: C.orthogonalize(work, provider=p), 2 * nbytes,
+                     lambda p=p, work=work: orthogonalize(work, provider=p), 2 * nbytes,
                      note=f"max |Q^T Q - I| {err:.1e}")  # fmt: skip
         case.add("orthogonalize", "torch.linalg.qr (batched)", "peer", lambda w=work: torch.linalg.qr(w), 2 * nbytes)
         case.add("orthogonalize", "PowerSGD hook Gram-Schmidt loop (batched)", "peer",

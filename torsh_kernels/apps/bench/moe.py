@@ -24,7 +24,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from ...ops import moe as M
+from ...ops import moe_permute, moe_route, moe_unpermute
 from . import Case, Result, check_providers, environment, print_tables, write_json
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -61,7 +61,7 @@ def run_case(T: int, H: int, E: int, k: int, dtype: torch.dtype, device: torch.d
     x = torch.randn(T, H, generator=g).to(dtype).to(device)
     logits = torch.randn(T, E, generator=g).to(dtype).to(device)
     b = x.element_size()
-    r = M.moe_route(logits, k=k, provider="torch")
+    r = moe_route(logits, k=k, provider="torch")
     N = r.num_rows
     y_perm = torch.randn(N, H, generator=g).to(dtype).to(device)
     w_row = torch.empty(N, dtype=torch.float32, device=device)
@@ -80,16 +80,16 @@ def run_case(T: int, H: int, E: int, k: int, dtype: torch.dtype, device: torch.d
     # correctness first: ours against the peer on the whole path
     want = mixtral_block(x, logits, k).float()
     for p in providers:
-        rr = M.moe_route(logits, k=k, provider=p)
-        got = M.moe_unpermute(M.moe_permute(x, rr, provider=p), rr, provider=p).float()
+        rr = moe_route(logits, k=k, provider=p)
+        got = moe_unpermute(moe_permute(x, rr, provider=p), rr, provider=p).float()
         err = (got - want).abs().max().item()
         tol = 4 * torch.finfo(dtype).eps * (want.abs().max().item() + 1)
         if err > tol:
             raise AssertionError(f"moe path[{p}] differs from the Mixtral peer by {err} (> {tol}); not timing it")
 
     def path(p: str) -> torch.Tensor:
-        rr = M.moe_route(logits, k=k, provider=p)
-        return M.moe_unpermute(M.moe_permute(x, rr, provider=p), rr, provider=p)
+        rr = moe_route(logits, k=k, provider=p)
+        return moe_unpermute(moe_permute(x, rr, provider=p), rr, provider=p)
 
     for p in providers:
         add("path", f"torsh[{p}] route+permute+unpermute", "ours", lambda p=p: path(p),
@@ -97,13 +97,13 @@ def run_case(T: int, H: int, E: int, k: int, dtype: torch.dtype, device: torch.d
     add("path", "Mixtral block (identity experts)", "peer", lambda: mixtral_block(x, logits, k),
         route_bytes + perm_bytes + unperm_bytes)  # fmt: skip
     for p in providers:
-        add("route", f"torsh[{p}]", "ours", lambda p=p: M.moe_route(logits, k=k, provider=p), route_bytes)
+        add("route", f"torsh[{p}]", "ours", lambda p=p: moe_route(logits, k=k, provider=p), route_bytes)
     add("route", "softmax/topk/renorm/one_hot", "peer", lambda: mixtral_routing(logits, k), route_bytes)
     for p in providers:
-        add("permute", f"torsh[{p}]", "ours", lambda p=p: M.moe_permute(x, r, provider=p), perm_bytes)
+        add("permute", f"torsh[{p}]", "ours", lambda p=p: moe_permute(x, r, provider=p), perm_bytes)
     add("permute", "x.index_select(token_index)", "peer", lambda: x.index_select(0, r.token_index), perm_bytes)
     for p in providers:
-        add("unpermute", f"torsh[{p}]", "ours", lambda p=p: M.moe_unpermute(y_perm, r, provider=p), unperm_bytes)
+        add("unpermute", f"torsh[{p}]", "ours", lambda p=p: moe_unpermute(y_perm, r, provider=p), unperm_bytes)
 
     def index_add() -> torch.Tensor:
         out.zero_()

@@ -29,8 +29,7 @@ import time
 
 import torch
 
-from ...ops.compress import quantize_ref
-from ...ops.offload import FORMATS, pack, packed_nbytes, unpack
+from ...ops import FORMATS, pack, packed_nbytes, quantize_ref, unpack
 from ...parallel import OffloadedOptimizer
 from . import Case, Result, environment, fmt_bytes, print_tables, wide_console, write_json
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ... import _trace
-from ...ops.bucket import flatten
+from ...ops import flatten
 from ...ops.registry import Op
 from ...profiling import timeline
 from . import Result, Timing, environment, quantile, wide_console, write_json

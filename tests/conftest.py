@@ -2,8 +2,9 @@
 
 Where no GPU is present (or TORSH_TEST_INTERPRET=1 asks for it), Triton kernels run in Triton's
 interpreter on CPU tensors and Numba CUDA kernels in Numba's simulator on host arrays. Both read their
-switches when kernels are defined / when numba is imported, so they are set here, before any test module
-imports torsh_kernels. On a GPU machine the same tests run the compiled kernels on CUDA tensors.
+switches when kernels are defined / when numba is imported (on a provider's first launch, since importing
+torsh_kernels imports neither), so they are set here, before any test module imports torsh_kernels. On a
+GPU machine the same tests run the compiled kernels on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ os.environ["TORSH_KERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="torsh-test-cach
 
 import pytest  # noqa: E402
 
-import torsh_kernels  # noqa: E402,F401  (defines the kernels now, in the mode chosen above)
+# Importing torsh_kernels loads no Triton or Numba: each provider's kernels load, in the mode chosen above,
+# on its first launch.
+import torsh_kernels  # noqa: E402,F401
 
 DEVICE = torch.device("cuda") if _GPU else torch.device("cpu")
 PROVIDERS = ("triton", "numba", "torch")
@@ -65,3 +68,8 @@ def rand(shape, dtype, gen, device=DEVICE) -> torch.Tensor:
 
 def poison(shape, dtype, device=DEVICE) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def close(a, b, atol, rtol) -> None:
+    """assert_close of fp32 CPU copies; a NaN (an element left poisoned) never matches."""
+    torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=atol, rtol=rtol, equal_nan=False)

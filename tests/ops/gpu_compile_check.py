@@ -1,7 +1,8 @@
 """Compile every GPU kernel variant of the bucket, compression and MoE ops for a real GPU target, with no GPU present.
 
 Run in a fresh process without TRITON_INTERPRET / NUMBA_ENABLE_CUDASIM (test_gpu_compile.py does), so
-the module defines real Triton JITFunctions and Numba CUDA dispatchers:
+the kernel modules (ops/_<family>_triton.py, ops/_<family>_numba.py) define real Triton JITFunctions and
+Numba CUDA dispatchers:
 
 - Triton: each kernel variant goes through Triton's full pipeline (TTIR, TTGIR, LLVM IR, PTX, and a
   cubin from the bundled ptxas) for sm_90 (Hopper);
@@ -20,96 +21,108 @@ import traceback
 
 import torch
 
-from torsh_kernels.ops import bucket, compress, moe
+from torsh_kernels.ops import _bucket_tables, bucket
+from torsh_kernels.ops.quantize import QMAX, QTILE
+from torsh_kernels.ops.sign import SIGN_BYTES
 
 TL = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 DTYPES = list(TL)
 
 
 def triton_variants():
+    from torsh_kernels.ops import _bucket_triton as B
+
     for src in DTYPES:
         for dst in DTYPES:
             f64 = torch.float64 in (src, dst)
             yield (
                 f"flatten {TL[src]}->{TL[dst]}",
-                bucket._flatten_kernel,
+                B._flatten_kernel,
                 {"table_ptr": "*i64", "tile_ptr": "*i32", "out_ptr": f"*{TL[dst]}", "ref_ptr": f"*{TL[src]}",
                  "scale_bits": "i64"},
-                {"BLOCK": bucket.TRITON_BLOCK, "NCOL": bucket.NCOLS, "HAS_SCALE": True, "COMPUTE_F64": f64},
+                {"BLOCK": bucket.TRITON_BLOCK, "NCOL": _bucket_tables.NCOLS, "HAS_SCALE": True, "COMPUTE_F64": f64},
             )  # fmt: skip
             yield (
                 f"unflatten {TL[src]}->{TL[dst]} accumulate",
-                bucket._unflatten_kernel,
+                B._unflatten_kernel,
                 {"table_ptr": "*i64", "tile_ptr": "*i32", "flat_ptr": f"*{TL[src]}", "ref_ptr": f"*{TL[dst]}",
                  "scale_bits": "i64"},
-                {"BLOCK": bucket.TRITON_BLOCK, "NCOL": bucket.NCOLS, "HAS_SCALE": True, "ACCUMULATE": True,
+                {"BLOCK": bucket.TRITON_BLOCK, "NCOL": _bucket_tables.NCOLS, "HAS_SCALE": True, "ACCUMULATE": True,
                  "COMPUTE_F64": f64},
             )  # fmt: skip
         for op in (0, 1, 2):
             out = torch.float32 if src == torch.bfloat16 else src
             yield (
                 f"bucket_reduce {TL[src]}->{TL[out]} op={op}",
-                bucket._bucket_reduce_kernel,
+                B._bucket_reduce_kernel,
                 {"ptrs_ptr": "*i64", "out_ptr": f"*{TL[out]}", "ref_ptr": f"*{TL[src]}", "numel": "i64", "K": "i32"},
                 {"BLOCK": bucket.TRITON_BLOCK, "OP": op, "COMPUTE_F64": src == torch.float64},
             )
 
 
 def compress_triton_variants():
-    C = compress
+    from torsh_kernels.ops import _error_feedback_triton as EF
+    from torsh_kernels.ops import _orthogonalize_triton as O
+    from torsh_kernels.ops import _quantize_triton as Q
+    from torsh_kernels.ops import _sign_triton as S
+    from torsh_kernels.ops import _topk_triton as TK
+    from torsh_kernels.ops._common import BLOCK
+
     F = ("fp32", "fp16", "bf16")
     for x in F:
         for out in ("fp32", "bf16"):
             for bad in (False, True):
-                yield (f"residual_add {x}+fp32->{out} count_bad={bad}", C._axpby_kernel,
+                yield (f"residual_add {x}+fp32->{out} count_bad={bad}", EF._axpby_kernel,
                        {"x_ptr": f"*{x}", "y_ptr": "*fp32", "out_ptr": f"*{out}", "bad_ptr": "*i64", "n": "i64",
-                        "beta": "fp32"}, {"BLOCK": C.BLOCK, "COUNT_BAD": bad})  # fmt: skip
+                        "beta": "fp32"}, {"BLOCK": BLOCK, "COUNT_BAD": bad})  # fmt: skip
         for r in (False, True):
             for idx in ("i32", "i64"):
-                yield (f"topk_candidates {x} residual={r} idx={idx}", C._topk_candidates_kernel,
+                yield (f"topk_candidates {x} residual={r} idx={idx}", TK._topk_candidates_kernel,
                        {"x_ptr": f"*{x}", "r_ptr": "*fp32", "cval_ptr": "*fp32", "cidx_ptr": f"*{idx}",
                         "cnt_ptr": "*i64", "n": "i64", "thr": "fp32", "cap": "i64"},
-                       {"BLOCK": C.BLOCK, "HAS_R": r})  # fmt: skip
-            yield (f"abs_sum {x} residual={r}", C._abs_sum_kernel,
+                       {"BLOCK": BLOCK, "HAS_R": r})  # fmt: skip
+            yield (f"abs_sum {x} residual={r}", S._abs_sum_kernel,
                    {"x_ptr": f"*{x}", "r_ptr": "*fp32", "part_ptr": "*fp32", "bad_ptr": "*i64", "n": "i64"},
-                   {"BLOCK": C.BLOCK, "HAS_R": r})  # fmt: skip
-            yield (f"sign_pack {x} residual={r}", C._sign_pack_kernel,
+                   {"BLOCK": BLOCK, "HAS_R": r})  # fmt: skip
+            yield (f"sign_pack {x} residual={r}", S._sign_pack_kernel,
                    {"x_ptr": f"*{x}", "r_ptr": "*fp32", "bits_ptr": "*u8", "scale_ptr": "*fp32", "n": "i64",
-                    "nbytes": "i64"}, {"BYTES": C.SIGN_BYTES, "HAS_R": r})  # fmt: skip
+                    "nbytes": "i64"}, {"BYTES": SIGN_BYTES, "HAS_R": r})  # fmt: skip
         for bits in (8, 4):
             for st in (False, True):
-                yield (f"quantize {x} int{bits} stochastic={st}", C._quantize_kernel,
+                yield (f"quantize {x} int{bits} stochastic={st}", Q._quantize_kernel,
                        {"x_ptr": f"*{x}", "q_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp32",
                         "bad_ptr": "*i64", "n": "i64", "nblocks": "i64", "key": "i64"},
-                       {"QBLOCK": 256, "GROUP": C.QTILE // 256, "BITS": bits, "QMAXV": C.QMAX[bits],
+                       {"QBLOCK": 256, "GROUP": QTILE // 256, "BITS": bits, "QMAXV": QMAX[bits],
                         "STOCHASTIC": st})  # fmt: skip
             for acc in (False, True):
-                yield (f"dequantize int{bits}->{x} accumulate={acc}", C._dequantize_kernel,
+                yield (f"dequantize int{bits}->{x} accumulate={acc}", Q._dequantize_kernel,
                        {"q_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp32", "out_ptr": f"*{x}", "n": "i64",
                         "nblocks": "i64", "alpha": "fp32"},
-                       {"QBLOCK": 256, "GROUP": C.QTILE // 256, "BITS": bits, "ACCUMULATE": acc})  # fmt: skip
+                       {"QBLOCK": 256, "GROUP": QTILE // 256, "BITS": bits, "ACCUMULATE": acc})  # fmt: skip
         for acc in (False, True):
-            yield (f"sign_unpack ->{x} accumulate={acc}", C._sign_unpack_kernel,
+            yield (f"sign_unpack ->{x} accumulate={acc}", S._sign_unpack_kernel,
                    {"bits_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": f"*{x}", "n": "i64", "nbytes": "i64",
-                    "alpha": "fp32"}, {"BYTES": C.SIGN_BYTES, "ACCUMULATE": acc})  # fmt: skip
+                    "alpha": "fp32"}, {"BYTES": SIGN_BYTES, "ACCUMULATE": acc})  # fmt: skip
             for atomic in (False, True) if acc else (False,):
                 out = "fp32" if atomic else x
-                yield (f"scatter {x}->{out} accumulate={acc} atomic={atomic}", C._scatter_kernel,
+                yield (f"scatter {x}->{out} accumulate={acc} atomic={atomic}", TK._scatter_kernel,
                        {"val_ptr": f"*{x}", "idx_ptr": "*i32", "out_ptr": f"*{out}", "k": "i64", "numel": "i64",
-                        "alpha": "fp32"}, {"BLOCK": C.BLOCK, "ACCUMULATE": acc, "ATOMIC": atomic})  # fmt: skip
+                        "alpha": "fp32"}, {"BLOCK": BLOCK, "ACCUMULATE": acc, "ATOMIC": atomic})  # fmt: skip
         for has_out in (False, True):
-            yield (f"error_update fp32->{x} out={has_out}", C._error_update_kernel,
+            yield (f"error_update fp32->{x} out={has_out}", EF._error_update_kernel,
                    {"acc_ptr": "*fp32", "approx_ptr": "*fp32", "res_ptr": "*fp32", "out_ptr": f"*{x}", "n": "i64"},
-                   {"BLOCK": C.BLOCK, "HAS_OUT": has_out})  # fmt: skip
+                   {"BLOCK": BLOCK, "HAS_OUT": has_out})  # fmt: skip
     for dt in ("fp32", "fp64", "bf16"):
         for rp, rows in ((2, 256), (8, 64), (32, 4)):
-            yield (f"orthogonalize {dt} RP={rp}", C._orthogonalize_kernel,
+            yield (f"orthogonalize {dt} RP={rp}", O._orthogonalize_kernel,
                    {"table_ptr": "*i64", "ref_ptr": f"*{dt}", "r": "i32", "rtol2": "fp64"},
                    {"ROWS": rows, "RP": rp, "ITERS": 2})  # fmt: skip
 
 
 def moe_triton_variants():
-    M = moe
+    from torsh_kernels.ops import _moe_triton as M
+    from torsh_kernels.ops.moe import _ASSIGN_BLOCK
+
     F = ("fp32", "fp16", "bf16")
     route = {"logits_ptr": None, "idx_ptr": "*i64", "w_ptr": "*fp32", "s_ptr": "*fp32", "bad_ptr": "*i32", "T": "i32",
              "E": "i32", "stride_t": "i32"}  # fmt: skip
@@ -124,7 +137,7 @@ def moe_triton_variants():
     for policy in (0, 1, 2):
         yield (f"moe_route_assign policy={policy}", M._route_assign_kernel,
                {"idx_ptr": "*i64", "s_ptr": "*fp32", "pos_ptr": "*i64", "counts_ptr": "*i64", "n": "i32", "cap": "i32"},
-               {"BLOCK": M._ASSIGN_BLOCK, "POLICY": policy})  # fmt: skip
+               {"BLOCK": _ASSIGN_BLOCK, "POLICY": policy})  # fmt: skip
     yield ("moe_route_rows", M._route_rows_kernel,
            {"idx_ptr": "*i64", "row_ptr": "*i64", "starts_ptr": "*i64", "tok_ptr": "*i64", "n": "i32"},
            {"K": 2, "BLOCK": 1024})  # fmt: skip
@@ -209,41 +222,45 @@ def _compile_ptx(cuda, name, kernel, sig, cc) -> dict:
 def compress_numba_variants(nt):
     from numba import float32, float64, int8, int32, int64, uint8
 
-    from torsh_kernels.ops import _compress_numba as K
+    from torsh_kernels.ops import _error_feedback_numba as EF
+    from torsh_kernels.ops import _orthogonalize_numba as O
+    from torsh_kernels.ops import _quantize_numba as Q
+    from torsh_kernels.ops import _sign_numba as S
+    from torsh_kernels.ops import _topk_numba as TK
 
     a = {d: nt[d][::1] for d in nt}
     f32, i64 = a[torch.float32], int64[::1]
     for x in (torch.float32, torch.float16, torch.bfloat16):
         n = TL[x]
         for bad in (False, True):
-            yield (f"residual_add {n} count_bad={bad}", K._axpby_kernel(x, torch.float32, torch.float32, bad),
+            yield (f"residual_add {n} count_bad={bad}", EF._axpby_kernel(x, torch.float32, torch.float32, bad),
                    (a[x], f32, f32, i64, int64, float64))  # fmt: skip
-        yield (f"error_update ->{n}", K._error_update_kernel(torch.float32, torch.float32, torch.float32, x, True),
+        yield (f"error_update ->{n}", EF._error_update_kernel(torch.float32, torch.float32, torch.float32, x, True),
                (f32, f32, f32, a[x], int64))  # fmt: skip
         for r in (False, True):
-            yield (f"topk_candidates {n} residual={r}", K._candidates_kernel(x, torch.float32, r),
+            yield (f"topk_candidates {n} residual={r}", TK._candidates_kernel(x, torch.float32, r),
                    (a[x], f32, f32, int32[::1], i64, int64, float64, int64))  # fmt: skip
-            yield (f"abs_sum {n} residual={r}", K._abs_sum_kernel(x, torch.float32, r), (a[x], f32, f32, i64, int64))
-            yield (f"sign_pack {n} residual={r}", K._sign_pack_kernel(x, torch.float32, r),
+            yield (f"abs_sum {n} residual={r}", S._abs_sum_kernel(x, torch.float32, r), (a[x], f32, f32, i64, int64))
+            yield (f"sign_pack {n} residual={r}", S._sign_pack_kernel(x, torch.float32, r),
                    (a[x], f32, uint8[::1], f32, int64, int64))  # fmt: skip
         for acc, atomic in ((False, False), (True, False), (True, True)):
             out = torch.float32 if atomic else x
-            yield (f"scatter {n}->{TL[out]} accumulate={acc} atomic={atomic}", K._scatter_kernel(x, out, acc, atomic),
+            yield (f"scatter {n}->{TL[out]} accumulate={acc} atomic={atomic}", TK._scatter_kernel(x, out, acc, atomic),
                    (a[x], int32[::1], a[out], int64, int64, float64))  # fmt: skip
         for bits in (8, 4):
             q = int8[::1] if bits == 8 else uint8[::1]
             for st in (False, True):
-                yield (f"quantize {n} int{bits} stochastic={st}", K._quantize_kernel(x, bits, st),
+                yield (f"quantize {n} int{bits} stochastic={st}", Q._quantize_kernel(x, bits, st),
                        (a[x], q, f32, i64, int64, int64, int64, float64))  # fmt: skip
             for acc in (False, True):
-                yield (f"dequantize int{bits}->{n} accumulate={acc}", K._dequantize_kernel(x, bits, acc),
+                yield (f"dequantize int{bits}->{n} accumulate={acc}", Q._dequantize_kernel(x, bits, acc),
                        (q, f32, a[x], int64, int64, float64))  # fmt: skip
         for acc in (False, True):
-            yield (f"sign_unpack ->{n} accumulate={acc}", K._sign_unpack_kernel(x, acc),
+            yield (f"sign_unpack ->{n} accumulate={acc}", S._sign_unpack_kernel(x, acc),
                    (uint8[::1], f32, a[x], int64, int64, float64))  # fmt: skip
     for d in (torch.float32, torch.float64, torch.bfloat16):
         for rp in (2, 8, 32):
-            yield (f"orthogonalize {TL[d]} RP={rp}", K._ortho_kernel(d, rp),
+            yield (f"orthogonalize {TL[d]} RP={rp}", O._ortho_kernel(d, rp),
                    (int64[::1], a[d], int64, float64, int64))  # fmt: skip
     _ = float32
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torsh_kernels as tk
-from torsh_kernels.ops import bucket
+from torsh_kernels.ops import _bucket_tables, _common
 from torsh_kernels.ops.bucket import BucketLayout, bucket_reduce_ref, flatten_ref, unflatten_ref
 
 COUNTS = (1, 3, 130, 600)
@@ -50,7 +50,7 @@ def test_test_tensors_cover_every_kernel_path(gen):
     dimensions, and the contiguous-copy fallback (5 dimensions)."""
     dims = set()
     for t in make_tensors(13, torch.float32, gen):
-        g = bucket._geometry(t)
+        g = _bucket_tables._geometry(t)
         dims.add("fallback" if g is None else ("contiguous" if g[0] else sum(1 for s in g[1] if s > 1)))
     assert {"contiguous", 2, 3, 4, "fallback"} <= dims, dims
 
@@ -271,11 +271,13 @@ class _LaunchCounter:
 
 @pytest.mark.parametrize("count", [1, 3, 130, 600])
 def test_triton_launch_count_does_not_grow_with_tensor_count(count, gen, monkeypatch):
+    from torsh_kernels.ops import _bucket_triton
+
     tensors = make_tensors(count, torch.float32, gen)
-    flat_counter = _LaunchCounter(bucket._flatten_kernel)
-    unflat_counter = _LaunchCounter(bucket._unflatten_kernel)
-    monkeypatch.setattr(bucket, "_flatten_kernel", flat_counter)
-    monkeypatch.setattr(bucket, "_unflatten_kernel", unflat_counter)
+    flat_counter = _LaunchCounter(_bucket_triton._flatten_kernel)
+    unflat_counter = _LaunchCounter(_bucket_triton._unflatten_kernel)
+    monkeypatch.setattr(_bucket_triton, "_flatten_kernel", flat_counter)
+    monkeypatch.setattr(_bucket_triton, "_unflatten_kernel", unflat_counter)
     flat, layout = tk.flatten(tensors, provider="triton")
     tk.unflatten(flat, layout, tensors, accumulate=True, provider="triton")
     assert flat_counter.launches == 1
@@ -284,8 +286,10 @@ def test_triton_launch_count_does_not_grow_with_tensor_count(count, gen, monkeyp
 
 def test_triton_one_launch_per_dtype(gen, monkeypatch):
     tensors = [rand((n,), torch.float32 if i % 2 else torch.bfloat16, gen) for i, n in enumerate(range(1, 520))]
-    counter = _LaunchCounter(bucket._flatten_kernel)
-    monkeypatch.setattr(bucket, "_flatten_kernel", counter)
+    from torsh_kernels.ops import _bucket_triton
+
+    counter = _LaunchCounter(_bucket_triton._flatten_kernel)
+    monkeypatch.setattr(_bucket_triton, "_flatten_kernel", counter)
     flat, _ = tk.flatten(tensors, provider="triton")
     assert counter.launches == 2
     assert_close(flat, flatten_ref(tensors, torch.float32), 1e-6, 1e-6)
@@ -305,8 +309,10 @@ def test_numba_launch_count_does_not_grow_with_tensor_count(gen, monkeypatch):
 
 
 def test_triton_bucket_reduce_single_launch(gen, monkeypatch):
-    counter = _LaunchCounter(bucket._bucket_reduce_kernel)
-    monkeypatch.setattr(bucket, "_bucket_reduce_kernel", counter)
+    from torsh_kernels.ops import _bucket_triton
+
+    counter = _LaunchCounter(_bucket_triton._bucket_reduce_kernel)
+    monkeypatch.setattr(_bucket_triton, "_bucket_reduce_kernel", counter)
     tk.bucket_reduce([rand((5000,), torch.float32, gen) for _ in range(7)], provider="triton")
     assert counter.launches == 1
 
@@ -508,7 +514,7 @@ def test_contiguous_clash_agrees_with_pairwise_check(spans):
     of non-empty views overlaps, and any pair it names does overlap."""
     storage = torch.zeros(80)
     views = [storage[a : a + n] for a, n in spans]
-    clash = bucket._Ranges.of(views).contiguous_clash() if views else None
+    clash = _common._Ranges.of(views).contiguous_clash() if views else None
 
     def overlap(i: int, j: int) -> bool:
         (a, n), (b, m) = spans[i], spans[j]

@@ -26,7 +26,7 @@ def calls(monkeypatch):
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
-    installed = registry._tuned_lookup  # the autotuner's, installed at import: put it back afterwards
+    installed = registry._tuned_lookup  # the tuning cache's reader by default: put it back afterwards
     registry.set_tuned_lookup(None)
     registry._logged.clear()
     yield
@@ -126,3 +126,25 @@ def test_providers_without_interpreter_or_simulator_explain_how_to_enable_them()
         assert "set TRITON_INTERPRET=1 before importing torsh_kernels" in out
         assert "set NUMBA_ENABLE_CUDASIM=1 before importing numba" in out
     assert "torch" in out and "cpu tensors:   yes" in out
+
+
+def test_import_loads_no_triton_numba_or_profiling():
+    """A fresh ``import torsh_kernels`` defines no kernels: Triton, Numba and the profiling layer load on
+    first use (a provider's first launch, a provider query, a trace)."""
+    code = (
+        "import sys, torsh_kernels, torsh_kernels.ops; "
+        "print([m for m in sys.modules if m.startswith(('triton', 'numba', 'torsh_kernels.profiling'))])"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TORSH_TRACE"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_default_tuned_lookup_is_the_tuning_cache_reader():
+    """Provider selection reads the tuning cache without an install step (tests swap it per test only)."""
+    code = (
+        "from torsh_kernels.ops import registry, tuning; "
+        "print(registry._tuned_lookup is tuning.lookup_provider, registry._tuned_meta is tuning.lookup_meta)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True"]

@@ -1,7 +1,15 @@
-"""Layer 1: fused kernels, one module per op family, each with triton, numba and torch providers."""
+"""Layer 1: fused kernels, one module per op family, each with triton, numba and torch providers.
+
+Families: ``bucket`` (flatten, unflatten, bucket_reduce), ``topk``, ``quantize``, ``sign``,
+``orthogonalize``, ``error_feedback`` (the compression ops), ``moe`` (routing, permute, unpermute, router
+losses) and ``offload`` (pack, unpack). Helpers they share live in ``_common``; provider selection in
+``registry``; the tuning cache it reads in ``tuning``. Importing this package imports no Triton, no Numba
+and no profiling code: each provider's kernels load on its first launch.
+"""
 
 from __future__ import annotations
 
+from ._common import COMPRESS_DTYPES, count_nonfinite
 from .bucket import (
     BucketLayout,
     bucket_reduce,
@@ -11,32 +19,7 @@ from .bucket import (
     unflatten,
     unflatten_ref,
 )
-from .compress import (
-    COMPRESS_DTYPES,
-    QMAX,
-    block_codes,
-    dequantize,
-    dequantize_ref,
-    error_update,
-    error_update_ref,
-    orthogonalize,
-    orthogonalize_ref,
-    quantize,
-    quantize_ref,
-    residual_add,
-    residual_add_ref,
-    seed_key,
-    sign_compress,
-    sign_compress_ref,
-    sign_decompress,
-    sign_decompress_ref,
-    topk_compress,
-    topk_compress_ref,
-    topk_count,
-    topk_decompress,
-    topk_decompress_ref,
-)
-from .compress import _count_nonfinite as count_nonfinite
+from .error_feedback import error_update, error_update_ref, residual_add, residual_add_ref
 from .moe import (
     Routing,
     moe_aux_loss,
@@ -51,7 +34,11 @@ from .moe import (
     moe_z_loss_ref,
 )
 from .offload import FORMATS, Packed, pack, pack_ref, packed_nbytes, unpack, unpack_ref
+from .orthogonalize import orthogonalize, orthogonalize_ref
+from .quantize import QMAX, block_codes, dequantize, dequantize_ref, quantize, quantize_ref, seed_key
 from .registry import PROVIDERS, ProviderInfo, ProviderReport, providers, set_tuned_lookup
+from .sign import sign_compress, sign_compress_ref, sign_decompress, sign_decompress_ref
+from .topk import topk_compress, topk_compress_ref, topk_count, topk_decompress, topk_decompress_ref
 
 __all__ = [
     "COMPRESS_DTYPES",

@@ -12,10 +12,13 @@ Imported lazily (only when the numba provider runs), so ``import torsh_kernels``
   (round to nearest even, NaN -> 0x7FC0, as PyTorch does). The two float<->bits intrinsics are libdevice
   calls on the GPU and ``struct`` in the simulator, whose libdevice functions are stubs; everything
   else is the same code on both.
+- The compression families' kernels share the device helpers at the end: each CUDA block's tile of an
+  elementwise pass, the non-finite test and the stochastic-rounding hash.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable
 
@@ -172,3 +175,49 @@ def launch(kernel, blocks: int, threads: int, device: torch.device, *args) -> No
 
 # Threads per block. The simulator runs every thread as a Python thread, so it gets fewer.
 THREADS = 8 if SIM else 256
+
+
+# --------------------------------------------------------------------------------------------------
+# Device helpers of the compression families' kernels
+
+TILE = 2048  # elements per CUDA block in the elementwise passes
+_M32 = 0xFFFFFFFF
+_INV24 = 1.0 / 16777216.0
+
+
+def _blocks(n: int, per_block: int) -> int:
+    return max(1, -(-n // per_block))
+
+
+@cuda.jit(device=True, inline=True)
+def _nonfinite(v):
+    return math.isnan(v) or math.isinf(v)
+
+
+@cuda.jit(device=True, inline=True)
+def _mul32(h, c):
+    return ((h * (c & 0xFFFF)) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+@cuda.jit(device=True, inline=True)
+def _lowbias32(h):
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = _mul32(h, 0x846CA68B)
+    return h ^ (h >> 16)
+
+
+@cuda.jit(device=True, inline=True)
+def _uniform(i, key):
+    h = _lowbias32(_lowbias32(int64(i) & _M32) ^ key)
+    return float32(h >> 8) * float32(_INV24)
+
+
+@cuda.jit(device=True, inline=True)
+def _tile_range(n):
+    start = cuda.blockIdx.x * TILE
+    end = start + TILE
+    if end > n:
+        end = n
+    return start + cuda.threadIdx.x, end

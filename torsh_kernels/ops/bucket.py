@@ -13,18 +13,15 @@ four coalesced sizes and strides; a second table maps each tile (program) to its
 of Triton's grouped-GEMM tutorial. Launches therefore grow with the number of distinct dtypes, never
 with the number of tensors. The Numba kernels use the same tables, with addresses replaced by element
 offsets from the lowest address (see ``_numba.py``). Tables are cached per (device, stream, geometry,
-addresses), so steady-state training steps do not rebuild or re-upload them.
+addresses), so steady-state training steps do not rebuild or re-upload them (``_bucket_tables.py``).
+The kernels live in ``_bucket_triton.py`` and ``_bucket_numba.py``, imported on a provider's first launch.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import struct
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,15 +35,10 @@ from ..errors import (
     LayoutMismatchError,
     ShapeError,
 )
-from .registry import Op, _triton_state, tuned_meta
-
-try:
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = _triton_state()[2] is None
-except Exception:  # the registry reports why triton is unavailable
-    _HAVE_TRITON = False
+from ._bucket_tables import NCOLS, _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable
+from ._common import _numba_span, _on, _ptr_table, _Ranges
+from .registry import Op, tuned_meta
+from .tuning import TuneSpace, register_space
 
 __all__ = [
     "BucketLayout",
@@ -67,8 +59,6 @@ _REDUCE_CODE = {"sum": 0, "avg": 1, "max": 2}
 TRITON_BLOCK = 2048
 TRITON_WARPS = 4
 NUMBA_TILE = 2048
-MAX_DIMS = 4
-NCOLS = 12  # table columns: addr, numel, flat_off, first_tile, contig, size1..3, stride0..3
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,59 +192,6 @@ def _check_scale(scale: object, what: str) -> float:
     return scale
 
 
-def _extent(t: torch.Tensor) -> int:
-    """Elements spanned in memory from the first element to the last (0 for an empty tensor)."""
-    if t.is_contiguous():
-        return t.numel()
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-
-
-@dataclass(frozen=True, slots=True)
-class _Ranges:
-    """Byte ranges of a list of tensors: [lo, lo + nbytes), and which tensors are contiguous."""
-
-    lo: np.ndarray
-    nbytes: np.ndarray
-    contig: np.ndarray
-
-    @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor]) -> _Ranges:
-        n = len(tensors)
-        contig = np.fromiter((t.is_contiguous() for t in tensors), dtype=bool, count=n)
-        lo = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=n)
-        nbytes = np.fromiter((t.numel() if c else _extent(t) for t, c in zip(tensors, contig)), np.int64, n)
-        if len({t.dtype for t in tensors}) == 1:
-            nbytes *= tensors[0].element_size()
-        else:
-            nbytes *= np.fromiter((t.element_size() for t in tensors), dtype=np.int64, count=n)
-        return cls(lo, nbytes, contig)
-
-    def overlapping(self, other: torch.Tensor) -> np.ndarray:
-        """Boolean mask: which tensors share at least one byte of memory range with ``other``."""
-        if other.numel() == 0:
-            return np.zeros(len(self.lo), dtype=bool)
-        o_lo = other.data_ptr()
-        o_hi = o_lo + _extent(other) * other.element_size()
-        return (self.nbytes > 0) & (self.lo < o_hi) & (self.lo + self.nbytes > o_lo)
-
-    def contiguous_clash(self) -> tuple[int, int] | None:
-        """Indices of two contiguous, non-empty tensors sharing memory, or None. (Strided views are left
-        out: interleaved views of one storage share a byte range without sharing elements.)"""
-        idx = np.flatnonzero(self.contig & (self.nbytes > 0))
-        if idx.size < 2:
-            return None
-        order = idx[np.argsort(self.lo[idx], kind="stable")]
-        lo, hi = self.lo[order], self.lo[order] + self.nbytes[order]
-        clash = np.flatnonzero(lo[1:] < np.maximum.accumulate(hi)[:-1])
-        if not clash.size:
-            return None
-        k = int(clash[0]) + 1
-        earlier = next(int(j) for j in range(k) if hi[j] > lo[k])
-        return tuple(sorted((int(order[earlier]), int(order[k]))))
-
-
 def _has_internal_overlap(t: torch.Tensor) -> bool:
     """A stride-0 (expanded) dimension of size > 1 makes several elements share memory."""
     return not t.is_contiguous() and any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride()))
@@ -318,304 +255,6 @@ def bucket_reduce_ref(buffers: Sequence[torch.Tensor], op: str, out_dtype: torch
 
 
 # --------------------------------------------------------------------------------------------------
-# Table building shared by the Triton and Numba kernels
-
-
-def _geometry(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
-    """(contiguous flag, 4 sizes, 4 strides) after dropping size-1 dims and merging adjacent dims;
-    None if more than MAX_DIMS dims remain."""
-    dims: list[list[int]] = []
-    for s, st in zip(t.shape, t.stride()):
-        if s == 1:
-            continue
-        if dims and dims[-1][1] == s * st:
-            dims[-1][0] *= s
-            dims[-1][1] = st
-        else:
-            dims.append([s, st])
-    if not dims:
-        dims = [[1, 1]]
-    if len(dims) > MAX_DIMS:
-        return None
-    contig = int(len(dims) == 1 and dims[0][1] == 1)
-    pad = [[1, 0]] * (MAX_DIMS - len(dims))
-    dims = pad + dims
-    return contig, tuple(d[0] for d in dims), tuple(d[1] for d in dims)
-
-
-def _rows(
-    tensors: Sequence[torch.Tensor], offsets: Sequence[int], addrs: Sequence[int], tile: int
-) -> tuple[list[tuple[int, ...]], list[int]]:
-    rows, tiles = [], []
-    first = 0
-    for t, off, addr in zip(tensors, offsets, addrs):
-        n = t.numel()
-        g = _geometry(t)
-        assert g is not None  # callers replace tensors of more than MAX_DIMS dims first
-        contig, sizes, strides = g
-        rows.append((addr, n, off, first, contig, sizes[1], sizes[2], sizes[3], *strides))
-        k = -(-n // tile)
-        tiles.append(k)
-        first += k
-    return rows, tiles
-
-
-_TABLES: OrderedDict[tuple, object] = OrderedDict()  # launch tables, see _tables and _ptr_table
-_TABLES_MAX = 64
-
-
-def _stream_key(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-
-
-_TABLES_LOCK = threading.Lock()  # DDP comm hooks and autograd hooks may call from several threads
-
-
-def _cached(key: tuple, build):
-    with _TABLES_LOCK:
-        hit = _TABLES.get(key)
-        if hit is not None:
-            _TABLES.move_to_end(key)
-            return hit
-    value = build()
-    with _TABLES_LOCK:
-        _TABLES[key] = value
-        if len(_TABLES) > _TABLES_MAX:
-            _TABLES.popitem(last=False)
-    return value
-
-
-def _tables(
-    tensors: Sequence[torch.Tensor],
-    offsets: Sequence[int],
-    addrs: Sequence[int],
-    tile: int,
-    device: torch.device,
-    tag: str,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(tensor table [R, NCOLS] int64, tile -> row map [n_tiles] int32, n_tiles) on ``device``.
-
-    Cached under a key of addresses, shapes, strides and offsets, which determine the tables' contents
-    entirely, so a hit is always correct and steady-state steps skip the per-tensor geometry work and
-    the upload. The stream is in the key, so a table is only used on the stream that uploaded it.
-    """
-    key = (
-        tag, device, _stream_key(device), tile, tuple(addrs), tuple(t.shape for t in tensors),
-        tuple(t.stride() for t in tensors), tuple(offsets),
-    )  # fmt: skip
-
-    def build() -> tuple[torch.Tensor, torch.Tensor, int]:
-        rows, tiles = _rows(tensors, offsets, addrs, tile)
-        table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), NCOLS)
-        tile_map = torch.from_numpy(np.repeat(np.arange(len(rows), dtype=np.int32), tiles))
-        if device.type == "cuda":
-            table, tile_map = table.to(device), tile_map.to(device)
-        return table, tile_map, int(sum(tiles))
-
-    return _cached(key, build)
-
-
-def _ptr_table(ptrs: list[int], device: torch.device, tag: str) -> torch.Tensor:
-    """A cached int64 tensor of addresses (or offsets) on ``device``."""
-
-    def build() -> torch.Tensor:
-        table = torch.tensor(ptrs, dtype=torch.int64)
-        return table.to(device) if device.type == "cuda" else table
-
-    return _cached((tag, device, _stream_key(device), tuple(ptrs)), build)
-
-
-def _by_dtype(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
-    """Non-empty tensors grouped by dtype, with their flat offsets: one launch per group."""
-    if len({t.dtype for t in tensors}) == 1 and all(t.numel() for t in tensors):
-        return [(tensors[0].dtype, (tensors, offsets))]
-    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
-    for t, off in zip(tensors, offsets):
-        if t.numel():
-            g = groups.setdefault(t.dtype, ([], []))
-            g[0].append(t)
-            g[1].append(off)
-    return list(groups.items())
-
-
-def _readable(t: torch.Tensor) -> torch.Tensor:
-    """A tensor the kernels can read: itself, or a contiguous copy if its strides need > MAX_DIMS dims."""
-    return t if t.is_contiguous() or _geometry(t) is not None else t.contiguous()
-
-
-class _Writable:
-    """Destinations the kernels can write: each tensor, or a contiguous stand-in copied back after."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor], accumulate: bool) -> None:
-        self.pairs = []
-        self.targets = []
-        for t in tensors:
-            if not t.is_contiguous() and t.numel() and _geometry(t) is None:
-                tmp = t.contiguous() if accumulate else torch.empty_like(t, memory_format=torch.contiguous_format)
-                self.pairs.append((t, tmp))
-                self.targets.append(tmp)
-            else:
-                self.targets.append(t)
-
-    def finish(self) -> None:
-        for t, tmp in self.pairs:
-            t.copy_(tmp)
-
-
-def _scale_bits(scale: float) -> int:
-    """The fp64 bit pattern of ``scale`` as a signed int64; kernels bitcast it back, so fp64 compute
-    gets the exact scale and fp32 compute rounds it once, as PyTorch does for a Python scalar."""
-    return struct.unpack("<q", struct.pack("<d", scale))[0]
-
-
-# --------------------------------------------------------------------------------------------------
-# Triton kernels
-
-if _HAVE_TRITON:
-
-    @triton.jit
-    def _cast(x, DST: tl.constexpr):
-        """Cast a computed value to DST. fp32 -> bf16 rounds to nearest even in integer ops (what the
-        GPU's cvt.rn does), because Triton's interpreter truncates instead; the same code then runs,
-        and is tested, in both. fp64 -> bf16 goes through fp32, as PyTorch's conversion does."""
-        if tl.bfloat16 == DST:
-            b = x.to(tl.float32).to(tl.uint32, bitcast=True)
-            r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-            r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
-            return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            return x.to(DST)
-
-    @triton.jit
-    def _element_offsets(row, idx):
-        """Element offsets (from the tensor's address) of linear indices ``idx`` of one table row."""
-        contig = tl.load(row + 4)
-        if contig != 0:
-            off = idx
-        else:
-            s1 = tl.load(row + 5)
-            s2 = tl.load(row + 6)
-            s3 = tl.load(row + 7)
-            i3 = idx % s3
-            r = idx // s3
-            i2 = r % s2
-            r = r // s2
-            i1 = r % s1
-            i0 = r // s1
-            off = i0 * tl.load(row + 8) + i1 * tl.load(row + 9) + i2 * tl.load(row + 10) + i3 * tl.load(row + 11)
-        return off
-
-    @triton.jit
-    def _tile(table_ptr, tile_ptr, BLOCK: tl.constexpr, NCOL: tl.constexpr):
-        """This program's table row, its tensor's offset in the flat buffer, its indices and mask."""
-        pid = tl.program_id(0).to(tl.int64)
-        row = table_ptr + tl.load(tile_ptr + pid).to(tl.int64) * NCOL
-        idx = (pid - tl.load(row + 3)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        return row, tl.load(row + 2), idx, idx < tl.load(row + 1)
-
-    @triton.jit
-    def _scaled(x, scale_bits, HAS_SCALE: tl.constexpr, COMPUTE_F64: tl.constexpr):
-        """x in the compute dtype, times the scale (passed as its fp64 bits; rounded once for fp32)."""
-        if COMPUTE_F64:
-            x = x.to(tl.float64)
-        else:
-            x = x.to(tl.float32)
-        if HAS_SCALE:
-            s = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-            if not COMPUTE_F64:
-                s = s.to(tl.float32)
-            x = x * s
-        return x
-
-    @triton.jit(do_not_specialize=["scale_bits"])
-    def _flatten_kernel(
-        table_ptr,
-        tile_ptr,
-        out_ptr,
-        ref_ptr,
-        scale_bits,
-        BLOCK: tl.constexpr,
-        NCOL: tl.constexpr,
-        HAS_SCALE: tl.constexpr,
-        COMPUTE_F64: tl.constexpr,
-    ):
-        row, flat_off, idx, mask = _tile(table_ptr, tile_ptr, BLOCK, NCOL)
-        src = tl.load(row).to(ref_ptr.dtype)
-        x = _scaled(tl.load(src + _element_offsets(row, idx), mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
-        tl.store(out_ptr + flat_off + idx, _cast(x, out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit(do_not_specialize=["scale_bits"])
-    def _unflatten_kernel(
-        table_ptr,
-        tile_ptr,
-        flat_ptr,
-        ref_ptr,
-        scale_bits,
-        BLOCK: tl.constexpr,
-        NCOL: tl.constexpr,
-        HAS_SCALE: tl.constexpr,
-        ACCUMULATE: tl.constexpr,
-        COMPUTE_F64: tl.constexpr,
-    ):
-        row, flat_off, idx, mask = _tile(table_ptr, tile_ptr, BLOCK, NCOL)
-        dst = tl.load(row).to(ref_ptr.dtype) + _element_offsets(row, idx)
-        x = _scaled(tl.load(flat_ptr + flat_off + idx, mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
-        if ACCUMULATE:
-            x = tl.load(dst, mask=mask).to(x.dtype) + x
-        tl.store(dst, _cast(x, ref_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _bucket_reduce_kernel(
-        ptrs_ptr,
-        out_ptr,
-        ref_ptr,
-        numel,
-        K,
-        BLOCK: tl.constexpr,
-        OP: tl.constexpr,
-        COMPUTE_F64: tl.constexpr,
-    ):
-        pid = tl.program_id(0).to(tl.int64)
-        idx = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        mask = idx < numel
-        acc = tl.load(tl.load(ptrs_ptr).to(ref_ptr.dtype) + idx, mask=mask)
-        if COMPUTE_F64:
-            acc = acc.to(tl.float64)
-        else:
-            acc = acc.to(tl.float32)
-        for k in range(1, K):
-            x = tl.load(tl.load(ptrs_ptr + k).to(ref_ptr.dtype) + idx, mask=mask).to(acc.dtype)
-            if OP == 2:
-                acc = tl.maximum(acc, x, propagate_nan=tl.PropagateNan.ALL)
-            else:
-                acc = acc + x
-        if OP == 1:
-            acc = acc / K
-        tl.store(out_ptr + idx, _cast(acc, out_ptr.dtype.element_ty), mask=mask)
-
-
-def _numba_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int, list[int]]:
-    """(lowest address, elements spanned, each tensor's element offset from it) for one dtype group."""
-    isz = tensors[0].element_size()
-    base = min(t.data_ptr() for t in tensors)
-    offs = [(t.data_ptr() - base) // isz for t in tensors]
-    span = max(o + _extent(t) for o, t in zip(offs, tensors))
-    return base, span, offs
-
-
-def _numba_groups(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
-    """Like _by_dtype, but also split by address modulo the element size, so every tensor of a group
-    sits a whole number of elements from the group's lowest address."""
-    out: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
-    for dtype, (ts, offs) in _by_dtype(tensors, offsets):
-        for t, off in zip(ts, offs):
-            g = out.setdefault((dtype, t.data_ptr() % t.element_size()), ([], []))
-            g[0].append(t)
-            g[1].append(off)
-    return out.values()
-
-
-# --------------------------------------------------------------------------------------------------
 # Provider implementations. Inputs are validated; outputs are allocated.
 
 _flatten = Op("flatten")
@@ -672,12 +311,14 @@ def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float)
 
 @_flatten.register("triton")
 def _flatten_triton(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> None:
+    from . import _bucket_triton as K
+
     tensors = [_readable(t) for t in tensors]
     for dtype, (ts, offs) in _by_dtype(tensors, _offsets(tensors)):
         m = tuned_meta("flatten", out.device, out.dtype, out.numel(), "triton")
         block, warps = m.get("BLOCK", TRITON_BLOCK), m.get("num_warps", TRITON_WARPS)
         table, tile_map, n_tiles = _tables(ts, offs, [t.data_ptr() for t in ts], block, out.device, "triton")
-        _flatten_kernel[(n_tiles,)](
+        K._flatten_kernel[(n_tiles,)](
             table, tile_map, out, ts[0], _scale_bits(scale),
             BLOCK=block, NCOL=NCOLS, HAS_SCALE=scale != 1.0,
             COMPUTE_F64=_compute_dtype(dtype, out.dtype) == torch.float64,
@@ -726,12 +367,14 @@ def _unflatten_torch(flat: torch.Tensor, tensors: list[torch.Tensor], scale: flo
 
 @_unflatten.register("triton")
 def _unflatten_triton(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool) -> None:
+    from . import _bucket_triton as K
+
     w = _Writable(tensors, accumulate)
     for dtype, (ts, offs) in _by_dtype(w.targets, _offsets(w.targets)):
         m = tuned_meta("unflatten", flat.device, flat.dtype, flat.numel(), "triton")
         block, warps = m.get("BLOCK", TRITON_BLOCK), m.get("num_warps", TRITON_WARPS)
         table, tile_map, n_tiles = _tables(ts, offs, [t.data_ptr() for t in ts], block, flat.device, "triton")
-        _unflatten_kernel[(n_tiles,)](
+        K._unflatten_kernel[(n_tiles,)](
             table, tile_map, flat, ts[0], _scale_bits(scale),
             BLOCK=block, NCOL=NCOLS, HAS_SCALE=scale != 1.0, ACCUMULATE=accumulate,
             COMPUTE_F64=_compute_dtype(dtype, flat.dtype) == torch.float64,
@@ -781,13 +424,17 @@ def _reduce_torch(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> No
 
 @_reduce.register("triton")
 def _reduce_triton(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> None:
+    import triton
+
+    from . import _bucket_triton as K
+
     numel = out.numel()
     if numel == 0:
         return
     ptrs = _ptr_table([b.data_ptr() for b in buffers], out.device, "triton-reduce")
     m = tuned_meta("bucket_reduce", out.device, buffers[0].dtype, numel, "triton")
     block, warps = m.get("BLOCK", TRITON_BLOCK), m.get("num_warps", TRITON_WARPS)
-    _bucket_reduce_kernel[(triton.cdiv(numel, block),)](
+    K._bucket_reduce_kernel[(triton.cdiv(numel, block),)](
         ptrs, out, buffers[0], numel, len(buffers),
         BLOCK=block, OP=_REDUCE_CODE[op],
         COMPUTE_F64=_compute_dtype(buffers[0].dtype, out.dtype) == torch.float64,
@@ -840,11 +487,6 @@ def _flatten_out_op(tensors: list[torch.Tensor], out: torch.Tensor, scale: float
 @_flatten_out_op.register_fake
 def _(tensors, out, scale, provider):
     return None
-
-
-def _on(device: torch.device):
-    """Launch on the tensors' GPU (Triton launches on the current device), not on whatever is current."""
-    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def _flatten_into(tensors: list[torch.Tensor], out: torch.Tensor, scale: float, provider: str) -> None:
@@ -1068,3 +710,59 @@ def bucket_reduce(
             raise ShapeError(f"{what}: out overlaps {n} without being the same tensor; the result would be undefined")
     _reduce_out_op(buffers, out, op, provider or "")
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Tuning spaces (``torsh tune``): the Triton kernels' elements per program and warps
+
+_TUNE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TUNE_META = {"triton": {"BLOCK": (2048, 1024, 4096, 8192), "num_warps": (4, 2, 8)}}
+
+
+def _tune_pieces(device, dtype, size, gen):
+    k = 7
+    sizes = [max(1, size // k + (i * 37) % 101) for i in range(k)]
+    return [torch.randn(s, generator=gen).to(dtype).to(device) for s in sizes]
+
+
+def _tune_make_flatten(device, dtype, size, gen):
+    ts = _tune_pieces(device, dtype, size, gen)
+    return ts, torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=device)
+
+
+def _tune_make_unflatten(device, dtype, size, gen):
+    ts = _tune_pieces(device, dtype, size, gen)
+    flat, layout = flatten(ts, provider="torch")
+    flat = torch.randn(flat.numel(), generator=gen).to(dtype).to(device)
+    return flat, layout, [torch.empty_like(t) for t in ts]
+
+
+def _tune_run_unflatten(s, p):
+    unflatten(s[0], s[1], s[2], provider=p)
+    return torch.cat([t.reshape(-1) for t in s[2]])
+
+
+def _tune_make_reduce(device, dtype, size, gen):
+    bufs = [torch.randn(size, generator=gen).to(dtype).to(device) for _ in range(4)]
+    return bufs, torch.empty(size, dtype=dtype, device=device)
+
+
+def _tune_check_reduce(s, out):
+    ref = bucket_reduce_ref(s[0], "sum", s[1].dtype)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[s[1].dtype]
+    return bool(torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol))
+
+
+register_space(TuneSpace(
+    op="flatten", family="bucket", dtypes=_TUNE_DTYPES, meta=_TUNE_META, make=_tune_make_flatten,
+    run=lambda s, p: flatten(s[0], out=s[1], provider=p)[0],
+    check=lambda s, out: torch.equal(out, torch.cat([t.reshape(-1) for t in s[0]])),
+))  # fmt: skip
+register_space(TuneSpace(
+    op="unflatten", family="bucket", dtypes=_TUNE_DTYPES, meta=_TUNE_META, make=_tune_make_unflatten,
+    run=_tune_run_unflatten, check=lambda s, out: torch.equal(out, s[0]),
+))  # fmt: skip
+register_space(TuneSpace(
+    op="bucket_reduce", family="bucket", dtypes=_TUNE_DTYPES, meta=_TUNE_META, make=_tune_make_reduce,
+    run=lambda s, p: bucket_reduce(s[0], out=s[1], provider=p), check=_tune_check_reduce,
+))  # fmt: skip

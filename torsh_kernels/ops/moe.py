@@ -38,12 +38,12 @@ every provider: they are tiny next to the [T, H] traffic and autograd differenti
 
 Integer outputs are int64. ``routing.num_rows`` (N) is a host integer: with capacity it costs one
 device-to-host copy of the expert counts, which the permute needs anyway to size its output.
+
+The kernels live in ``_moe_triton.py`` and ``_moe_numba.py`` (imported on a provider's first launch),
+:class:`Routing` and the capacity rule in ``_moe_routing.py``.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import torch
 
@@ -55,16 +55,9 @@ from ..errors import (
     NonFiniteError,
     ShapeError,
 )
-from .bucket import _on
-from .registry import Op, _triton_state
-
-try:
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = _triton_state()[2] is None
-except Exception:
-    _HAVE_TRITON = False
+from ._common import _check_tensor, _on
+from ._moe_routing import Routing, check_capacity_factor, expert_capacity
+from .registry import Op
 
 __all__ = [
     "DROP_POLICIES",
@@ -91,69 +84,13 @@ ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_KERNEL_EXPERTS = 1024
 # The kernels unroll the K choices of a token; beyond this many the torch path runs instead.
 MAX_KERNEL_K = 32
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Routing:
-    """Where each token goes: the result of :func:`moe_route`, the input of permute and unpermute."""
-
-    indices: torch.Tensor
-    """[T, K] int64: the chosen experts of each token, highest score first."""
-    weights: torch.Tensor
-    """[T, K] fp32: the combine weights (renormalised scores when ``renormalize``); differentiable."""
-    scores: torch.Tensor
-    """[T, K] fp32: the router scores of the chosen experts before renormalisation."""
-    tokens_per_expert: torch.Tensor
-    """[E] int64: kept assignments per expert, i.e. the group sizes of the permuted rows."""
-    row_map: torch.Tensor
-    """[T, K] int64: the row of the permuted tensor that assignment (t, j) occupies, -1 if dropped."""
-    token_index: torch.Tensor
-    """[N] int64: the token each permuted row came from (the inverse of ``row_map``)."""
-    dropped: torch.Tensor
-    """[T, K] bool: assignments dropped by the capacity limit."""
-    num_experts: int
-    """E."""
-    num_rows: int
-    """N: the number of permuted rows (T*K minus the dropped assignments)."""
-    capacity: int | None
-    """C, the per-expert capacity, or None without a capacity limit."""
-    score: str
-    """The scoring function used: "softmax" or "sigmoid"."""
-
-    @property
-    def num_tokens(self) -> int:
-        """T."""
-        return self.indices.shape[0]
-
-    @property
-    def k(self) -> int:
-        """K."""
-        return self.indices.shape[1]
-
-    @property
-    def num_dropped(self) -> int:
-        """T*K - N: assignments dropped by the capacity limit."""
-        return self.num_tokens * self.k - self.num_rows
-
-    def expert_offsets(self) -> torch.Tensor:
-        """[E + 1] int64: the first permuted row of each expert's group, then N."""
-        c = self.tokens_per_expert
-        return torch.cat([c.new_zeros(1), torch.cumsum(c, 0)])
-
-
-def expert_capacity(num_tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
-    """C = ceil(T * K * capacity_factor / E): the assignments each expert keeps at most."""
-    return max(1, math.ceil(num_tokens * k * capacity_factor / num_experts - 1e-9))
+# Codes the kernels take for the score function and the capacity policy.
+_SOFTMAX, _SIGMOID = 0, 1
+_NO_CAP, _CAP_POSITION, _CAP_PROBABILITY = 0, 1, 2
 
 
 # --------------------------------------------------------------------------------------------------
 # Validation
-
-
-def _check_tensor(t: object, what: str, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    return t
 
 
 def _check_act_dtype(t: torch.Tensor, what: str, name: str) -> None:
@@ -174,19 +111,6 @@ def _check_choice(v: object, what: str, name: str, choices: tuple[str, ...]) -> 
     if v not in choices:
         raise InvalidArgumentError(f"{what}: {name}={v!r}; expected one of {', '.join(map(repr, choices))}")
     return v  # type: ignore[return-value]
-
-
-def check_capacity_factor(capacity_factor: object, what: str) -> float | None:
-    """None (no limit) or a positive finite float; a typed error otherwise."""
-    if capacity_factor is None:
-        return None
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-        raise ArgumentTypeError(f"{what}: capacity_factor must be a number or None, got {capacity_factor!r}")
-    if not math.isfinite(capacity_factor) or capacity_factor <= 0:
-        raise InvalidArgumentError(
-            f"{what}: capacity_factor={capacity_factor} must be a positive finite number (or None for no limit)"
-        )
-    return float(capacity_factor)
 
 
 def _check_logits(logits: object, what: str) -> torch.Tensor:
@@ -321,194 +245,6 @@ def moe_z_loss_ref(logits: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# Triton kernels
-
-_SOFTMAX, _SIGMOID = 0, 1
-_NO_CAP, _CAP_POSITION, _CAP_PROBABILITY = 0, 1, 2
-
-if _HAVE_TRITON:
-    from .bucket import _cast
-
-    @triton.jit
-    def _route_topk_kernel(
-        logits_ptr, idx_ptr, w_ptr, s_ptr, bad_ptr, T, E, stride_t,
-        K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BLOCK_T: tl.constexpr, SCORE: tl.constexpr,
-        RENORM: tl.constexpr,
-    ):  # fmt: skip
-        """Per token: fp32 scores, the top K (ties to the lower expert), weights; bad += NaN-score rows."""
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
-        cols = tl.arange(0, EP)  # [EP]
-        rmask = rows < T
-        valid = rmask[:, None] & (cols < E)[None, :]  # [BT, EP]
-        x = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=valid, other=float("-inf"))
-        x = x.to(tl.float32)
-        if SCORE == 0:
-            mx = tl.max(x, axis=1)
-            mx = tl.where(rmask, mx, 0.0)
-            e = tl.where(valid, tl.exp(x - mx[:, None]), 0.0)
-            tot = tl.sum(e, axis=1)
-            p = e / tl.where(rmask, tot, 1.0)[:, None]
-        else:
-            p = 1.0 / (1.0 + tl.exp(-x))
-        isnan = (p != p) & valid
-        tl.atomic_add(bad_ptr, tl.sum((tl.sum(isnan.to(tl.int32), axis=1) > 0).to(tl.int32), axis=0))
-        # selection keys: NaN scores rank below every real score (-1), padding below those (-2)
-        sel = tl.where(valid, tl.where(isnan, -1.0, p), -2.0)
-        kcols = tl.arange(0, KP)
-        S = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
-        I = tl.zeros((BLOCK_T, KP), dtype=tl.int64)  # noqa: E741
-        for j in tl.static_range(K):
-            best = tl.max(sel, axis=1)
-            pick = tl.min(tl.where(sel == best[:, None], cols[None, :], EP), axis=1)  # lowest index of the max
-            hit = cols[None, :] == pick[:, None]
-            sj = tl.sum(tl.where(hit, p, 0.0), axis=1)
-            S = tl.where(kcols[None, :] == j, sj[:, None], S)
-            I = tl.where(kcols[None, :] == j, pick.to(tl.int64)[:, None], I)  # noqa: E741
-            sel = tl.where(hit, -3.0, sel)
-        km = rmask[:, None] & (kcols < K)[None, :]
-        off = rows[:, None] * K + kcols[None, :]
-        tl.store(idx_ptr + off, I, mask=km)
-        tl.store(s_ptr + off, S, mask=km)
-        if RENORM:
-            tot = tl.sum(tl.where(km, S, 0.0), axis=1)
-            W = S / tl.where(tot != 0.0, tot, 1.0)[:, None]
-        else:
-            W = S
-        tl.store(w_ptr + off, W, mask=km)
-
-    @triton.jit
-    def _count_ge(idx_ptr, s_ptr, n, e, b, BLOCK: tl.constexpr):
-        """How many assignments to expert e have score bits >= b."""
-        c = tl.zeros((), dtype=tl.int64)
-        for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK).to(tl.int64)
-            m = offs < n
-            hit = (tl.load(idx_ptr + offs, mask=m, other=-1) == e) & m
-            bits = tl.load(s_ptr + offs, mask=m, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
-            c += tl.sum((hit & (bits >= b)).to(tl.int64), axis=0)
-        return c
-
-    @triton.jit
-    def _route_assign_kernel(idx_ptr, s_ptr, pos_ptr, counts_ptr, n, cap, BLOCK: tl.constexpr, POLICY: tl.constexpr):
-        """One program per expert: the kept assignments' positions inside the expert's group (token
-        order), -1 for dropped ones; counts[e] = kept assignments."""
-        e = tl.program_id(0).to(tl.int64)
-        thr = tl.full((), -(2**31) - 1, tl.int64)  # keep everything at or above thr (default: all)
-        quota = tl.full((), 2**62, tl.int64)  # of those exactly at thr, keep the first `quota`
-        if POLICY == 2:
-            total = _count_ge(idx_ptr, s_ptr, n, e, -(2**31), BLOCK)
-            if total > cap:
-                lo = tl.full((), -(2**31), tl.int64)  # count(>= lo) >= cap
-                hi = tl.full((), 2**31, tl.int64)  # count(>= hi) < cap
-                for _ in range(32):
-                    mid = lo + (hi - lo) // 2
-                    c = _count_ge(idx_ptr, s_ptr, n, e, mid, BLOCK)
-                    lo = tl.where(c >= cap, mid, lo)
-                    hi = tl.where(c >= cap, hi, mid)
-                thr = lo
-                quota = cap - _count_ge(idx_ptr, s_ptr, n, e, lo + 1, BLOCK)
-        kept = tl.zeros((), dtype=tl.int64)
-        seen = tl.zeros((), dtype=tl.int64)  # assignments to e at exactly thr so far (or all, for position)
-        for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK).to(tl.int64)
-            m = offs < n
-            hit = (tl.load(idx_ptr + offs, mask=m, other=-1) == e) & m
-            if POLICY == 2:
-                bits = tl.load(s_ptr + offs, mask=m, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
-                at = hit & (bits == thr)
-                rank = seen + tl.cumsum(at.to(tl.int64), 0) - 1
-                keep = hit & ((bits > thr) | (at & (rank < quota)))
-                seen += tl.sum(at.to(tl.int64), axis=0)
-            elif POLICY == 1:
-                rank = seen + tl.cumsum(hit.to(tl.int64), 0) - 1
-                keep = hit & (rank < cap)
-                seen += tl.sum(hit.to(tl.int64), axis=0)
-            else:
-                keep = hit
-            pos = kept + tl.cumsum(keep.to(tl.int64), 0) - 1
-            tl.store(pos_ptr + offs, tl.where(keep, pos, -1), mask=hit)
-            kept += tl.sum(keep.to(tl.int64), axis=0)
-        tl.store(counts_ptr + e, kept)
-
-    @triton.jit
-    def _route_rows_kernel(idx_ptr, row_ptr, starts_ptr, tok_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
-        """row = start of the expert's group + position; token_index[row] = token."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        pos = tl.load(row_ptr + offs, mask=m, other=-1)
-        keep = m & (pos >= 0)
-        e = tl.load(idx_ptr + offs, mask=keep, other=0)
-        row = tl.load(starts_ptr + e, mask=keep, other=0) + pos
-        tl.store(row_ptr + offs, row, mask=keep)
-        tl.store(tok_ptr + row, offs // K, mask=keep)
-
-    @triton.jit
-    def _permute_kernel(x_ptr, row_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_W: tl.constexpr):
-        """out[row_map[t, j]] = x[t] (times weights[t, j] with HAS_W) for the kept assignments."""
-        t = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
-        m = cols < H
-        v = tl.load(x_ptr + t * H + cols, mask=m, other=0.0)
-        for j in tl.static_range(K):
-            r = tl.load(row_ptr + t * K + j)
-            ok = (cols * 0 + r) >= 0  # [BLOCK_H] (a scalar mask is not accepted everywhere)
-            rr = tl.where(r >= 0, r, 0)
-            if HAS_W:
-                w = tl.load(w_ptr + t * K + j)
-                tl.store(out_ptr + rr * H + cols, _cast(v.to(tl.float32) * w, out_ptr.dtype.element_ty), mask=m & ok)
-            else:
-                tl.store(out_ptr + rr * H + cols, v, mask=m & ok)
-
-    @triton.jit
-    def _unpermute_kernel(
-        y_ptr, row_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_W: tl.constexpr
-    ):
-        """out[t] = sum_j weights[t, j] * y[row_map[t, j]] over the kept assignments, in fp32."""
-        t = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
-        m = cols < H
-        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for j in tl.static_range(K):
-            r = tl.load(row_ptr + t * K + j)
-            ok = (cols * 0 + r) >= 0
-            v = tl.load(y_ptr + tl.where(r >= 0, r, 0) * H + cols, mask=m & ok, other=0.0).to(tl.float32)
-            if HAS_W:
-                v = v * tl.load(w_ptr + t * K + j)
-            acc += v
-        tl.store(out_ptr + t * H + cols, _cast(acc, out_ptr.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _unpermute_bwd_kernel(
-        gy_ptr, y_ptr, row_ptr, w_ptr, gyp_ptr, gw_ptr, H, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr
-    ):
-        """grad_y_perm[row_map[t, j]] = weights[t, j] * grad_y[t]; grad_w[t, j] = <grad_y[t], y_perm[row]>."""
-        t = tl.program_id(0).to(tl.int64)
-        kcols = tl.arange(0, KP)
-        dots = tl.zeros((KP,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H).to(tl.int64)
-            m = cols < H
-            g = tl.load(gy_ptr + t * H + cols, mask=m, other=0.0).to(tl.float32)
-            for j in tl.static_range(K):
-                r = tl.load(row_ptr + t * K + j)
-                ok = (cols * 0 + r) >= 0
-                rr = tl.where(r >= 0, r, 0)
-                w = tl.load(w_ptr + t * K + j)
-                tl.store(gyp_ptr + rr * H + cols, _cast(g * w, gyp_ptr.dtype.element_ty), mask=m & ok)
-                y = tl.load(y_ptr + rr * H + cols, mask=m & ok, other=0.0).to(tl.float32)
-                dots = tl.where(kcols == j, dots + tl.sum(g * y, axis=0), dots)
-        tl.store(gw_ptr + t * K + kcols, dots, mask=kcols < K)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _block_h(H: int) -> int:
-    return min(1024, _pow2(H))
-
-
-# --------------------------------------------------------------------------------------------------
 # Provider implementations. Inputs are validated and contiguous, on one device.
 
 _topk = Op("moe_route")
@@ -518,6 +254,14 @@ _gather_rows = Op("moe_unpermute")
 _gather_rows_bwd = Op("moe_unpermute.backward")
 
 _ASSIGN_BLOCK = 1024
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _block_h(H: int) -> int:
+    return min(1024, _pow2(H))
 
 
 # scoring and top-k: (logits [T, E]) -> indices, weights, scores [T, K], bad-row count [1]
@@ -543,6 +287,10 @@ def _topk_torch(logits, k, score, renorm):
 
 @_topk.register("triton")
 def _topk_triton(logits, k, score, renorm):
+    import triton
+
+    from . import _moe_triton as kt
+
     T, E = logits.shape
     dev = logits.device
     idx = torch.empty(T, k, dtype=torch.int64, device=dev)
@@ -551,7 +299,7 @@ def _topk_triton(logits, k, score, renorm):
     bad = torch.zeros(1, dtype=torch.int32, device=dev)
     EP = max(2, _pow2(E))
     BT = max(1, min(64, 4096 // EP))
-    _route_topk_kernel[(triton.cdiv(T, BT),)](
+    kt._route_topk_kernel[(triton.cdiv(T, BT),)](
         logits, idx, w, s, bad, T, E, logits.stride(0),
         K=k, KP=max(2, _pow2(k)), EP=EP, BLOCK_T=BT, SCORE=_SOFTMAX if score == "softmax" else _SIGMOID,
         RENORM=renorm,
@@ -606,7 +354,11 @@ def _finish_rows(name, idx, pos, counts, policy, k):
     starts = torch.cumsum(counts, 0) - counts
     tok = torch.empty(n_rows, dtype=torch.int64, device=idx.device)
     if name == "triton":
-        _route_rows_kernel[(triton.cdiv(n, 1024),)](idx, pos, starts, tok, n, K=k, BLOCK=1024)
+        import triton
+
+        from . import _moe_triton as kt
+
+        kt._route_rows_kernel[(triton.cdiv(n, 1024),)](idx, pos, starts, tok, n, K=k, BLOCK=1024)
     else:
         from . import _moe_numba as M
 
@@ -616,10 +368,12 @@ def _finish_rows(name, idx, pos, counts, policy, k):
 
 @_assign.register("triton")
 def _assign_triton(idx, s, E, cap, policy):
+    from . import _moe_triton as kt
+
     n = idx.numel()
     pos = torch.empty(n, dtype=torch.int64, device=idx.device)
     counts = torch.empty(E, dtype=torch.int64, device=idx.device)
-    _route_assign_kernel[(E,)](idx, s, pos, counts, n, cap, BLOCK=_ASSIGN_BLOCK, POLICY=policy)
+    kt._route_assign_kernel[(E,)](idx, s, pos, counts, n, cap, BLOCK=_ASSIGN_BLOCK, POLICY=policy)
     return _finish_rows("triton", idx, pos, counts, policy, idx.shape[1])
 
 
@@ -647,11 +401,15 @@ def _scatter_rows_torch(x, rows, tok, w, out):
 
 @_scatter_rows.register("triton")
 def _scatter_rows_triton(x, rows, tok, w, out):
+    import triton
+
+    from . import _moe_triton as kt
+
     T, K = rows.shape
     H = x.shape[1]
     BH = _block_h(H)
-    _permute_kernel[(T, triton.cdiv(H, BH))](x, rows, w if w is not None else rows, out, H, K=K, BLOCK_H=BH,
-                                              HAS_W=w is not None)  # fmt: skip
+    kt._permute_kernel[(T, triton.cdiv(H, BH))](x, rows, w if w is not None else rows, out, H, K=K, BLOCK_H=BH,
+                                                 HAS_W=w is not None)  # fmt: skip
 
 
 @_scatter_rows.register("numba")
@@ -694,11 +452,15 @@ def _gather_rows_torch(y, rows, w, out):
 
 @_gather_rows.register("triton")
 def _gather_rows_triton(y, rows, w, out):
+    import triton
+
+    from . import _moe_triton as kt
+
     T, K = rows.shape
     H = out.shape[1]
     BH = _block_h(H)
-    _unpermute_kernel[(T, triton.cdiv(H, BH))](y, rows, w if w is not None else rows, out, H, K=K, BLOCK_H=BH,
-                                                HAS_W=w is not None)  # fmt: skip
+    kt._unpermute_kernel[(T, triton.cdiv(H, BH))](y, rows, w if w is not None else rows, out, H, K=K, BLOCK_H=BH,
+                                                   HAS_W=w is not None)  # fmt: skip
 
 
 @_gather_rows.register("numba")
@@ -722,11 +484,13 @@ def _gather_rows_bwd_torch(gy, y, rows, w, gyp):
 
 @_gather_rows_bwd.register("triton")
 def _gather_rows_bwd_triton(gy, y, rows, w, gyp):
+    from . import _moe_triton as kt
+
     T, K = rows.shape
     H = gy.shape[1]
     gw = torch.empty(T, K, dtype=torch.float32, device=gy.device)
     if T:
-        _unpermute_bwd_kernel[(T,)](gy, y, rows, w, gyp, gw, H, K=K, KP=max(2, _pow2(K)), BLOCK_H=_block_h(H))
+        kt._unpermute_bwd_kernel[(T,)](gy, y, rows, w, gyp, gw, H, K=K, KP=max(2, _pow2(K)), BLOCK_H=_block_h(H))
     return gw
 
 

@@ -17,7 +17,7 @@
   int8 with 256-element blocks).
 
 The kernels are the bucket family's fused cast (fp16/bf16; ``flatten``/``unflatten``) and the
-compression family's blockwise quantizer (int8; ``quantize``/``dequantize``), so each format has Triton,
+quantization family's blockwise quantizer (int8; ``quantize``/``dequantize``), so each format has Triton,
 Numba CUDA and torch providers. fp16 holds magnitudes up to 65504: a finite value beyond it would
 become inf, which ``check_finite`` refuses (as it refuses NaN/Inf for int8, where one would spoil its
 whole block); fp16/bf16 carry NaN and Inf through unchanged.
@@ -40,7 +40,7 @@ from ..errors import (
 )
 from .bucket import BucketLayout, flatten, unflatten
 from .bucket import _flatten as _flatten_op
-from .compress import dequantize, quantize
+from .quantize import dequantize, quantize
 
 __all__ = ["FORMATS", "Packed", "pack", "pack_ref", "packed_nbytes", "unpack", "unpack_ref"]
 
@@ -276,7 +276,7 @@ def pack_ref(x: torch.Tensor, fmt: str = "bf16", *, block: int = 256) -> Packed:
     p = Packed(data=data, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block)
     v = x.detach().reshape(-1)
     if fmt == "int8":
-        from .compress import quantize_ref
+        from .quantize import quantize_ref
 
         q, s = quantize_ref(v, bits=8, block=block)
         p.codes.copy_(q)

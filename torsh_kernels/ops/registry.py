@@ -9,7 +9,8 @@ Every op registers up to three implementations, one per provider:
 - ``torch``: plain PyTorch, any device.
 
 Selection, strongest first (DESIGN.md): the explicit ``provider=`` argument; the environment variable
-``TORSH_KERNELS_PROVIDER``; the autotuner's cached winner for (op, device, dtype, size); the device
+``TORSH_KERNELS_PROVIDER``; the autotuner's cached winner for (op, device, dtype, size), read from the
+tuning cache by :mod:`.tuning` (``set_tuned_lookup`` / ``set_tuned_meta`` override the source); the device
 default (CUDA: triton, otherwise torch). An explicitly requested provider that cannot run raises
 :class:`ProviderUnavailableError`. An automatically chosen one that cannot run is skipped for the next
 candidate, with one debug log line per (op, provider, reason); ``torch`` runs everywhere and ends the chain.
@@ -30,6 +31,7 @@ import torch
 from .. import _trace
 from .._env import package_version
 from ..errors import ProviderError, ProviderUnavailableError
+from . import tuning
 
 __all__ = [
     "ENV_VAR",
@@ -59,7 +61,8 @@ def _env_flag(name: str) -> bool:
 
 @functools.cache
 def _triton_state() -> tuple[str | None, bool, str | None]:
-    """(version, interpreted, import error). Read once: Triton fixes the mode when kernels are defined."""
+    """(version, interpreted, import error). Read once, on the first triton launch or provider query (this
+    imports Triton; ``import torsh_kernels`` does not): Triton fixes the mode when kernels are defined."""
     try:
         import triton  # noqa: F401
     except Exception as exc:  # ImportError, or a broken install raising anything at import
@@ -141,9 +144,10 @@ def default_provider(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-# The autotuner installs a lookup here: (op, device, dtype, size) -> provider name or None.
+# The source of tuned winners: (op, device, dtype, size) -> provider name or None. By default the tuning
+# cache's reader; tests and tools may install another (or None for no tuned winners).
 TunedLookup = Callable[[str, torch.device, torch.dtype, int], "str | None"]
-_tuned_lookup: TunedLookup | None = None
+_tuned_lookup: TunedLookup | None = tuning.lookup_provider
 
 
 def set_tuned_lookup(fn: TunedLookup | None) -> None:
@@ -154,7 +158,7 @@ def set_tuned_lookup(fn: TunedLookup | None) -> None:
 
 # ... and a source of tuned meta-parameters: (op, device, dtype, size, provider) -> {"BLOCK": ..., ...} or None.
 TunedMeta = Callable[[str, torch.device, torch.dtype, int, str], "dict[str, int] | None"]
-_tuned_meta: TunedMeta | None = None
+_tuned_meta: TunedMeta | None = tuning.lookup_meta
 _forced = threading.local()
 
 

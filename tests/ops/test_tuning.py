@@ -1,0 +1,123 @@
+"""The tuning cache as provider selection reads it (ops.tuning): winners reaching selection and the kernel
+launchers, change detection, the cache location, environments, and the search spaces the op modules
+declare. The autotuner that writes the cache is tested in tests/profiling/test_autotune.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+import torsh_kernels as tk
+from torsh_kernels.ops import registry, tuning
+from torsh_kernels.ops.bucket import _flatten
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """A fresh cache directory, and the registry reading it through the default reader."""
+    monkeypatch.setenv(tuning.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    monkeypatch.setattr(registry, "_tuned_lookup", tuning.lookup_provider)
+    monkeypatch.setattr(registry, "_tuned_meta", tuning.lookup_meta)
+    tuning._STORE.data = None
+    yield
+    tuning._STORE.data = None
+
+
+def write_cache(entries: dict, device: torch.device = CPU, env_override: dict | None = None) -> None:
+    """Write a cache holding ``entries`` for ``device``'s environment (as the tuner does: replace the file)."""
+    key, env = tuning.environment_key(device)
+    if env_override:
+        env = {**env, **env_override}
+        key = " | ".join(f"{a}={b}" for a, b in env.items())
+    path = tuning.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    data = {"format": tuning.CACHE_FORMAT, "environments": {key: {"env": env, "entries": entries}}}
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def test_hand_written_winner_reaches_selection_and_the_launchers():
+    """A winner in the cache: automatic selection takes its provider, the launchers its meta-parameters."""
+    write_cache({"flatten | float32 | 2^12": {"provider": "triton", "meta": {"BLOCK": 1024, "num_warps": 2},
+                                              "median_ms": 1.0}})  # fmt: skip
+    assert _flatten.select(CPU, torch.float32, 3000, None) == "triton"
+    assert registry.tuned_meta("flatten", CPU, torch.float32, 3000, "triton") == {"BLOCK": 1024, "num_warps": 2}
+    assert registry.tuned_meta("flatten", CPU, torch.float32, 3000, "numba") == {}
+    xs = [torch.randn(1500), torch.randn(1499)]
+    assert torch.equal(tk.flatten(xs)[0], torch.cat(xs)), "the tuned provider and BLOCK give the right result"
+    # another bucket, another dtype: no winner, the device default
+    assert _flatten.select(CPU, torch.float32, 5000, None) == registry.default_provider(CPU)
+    assert _flatten.select(CPU, torch.bfloat16, 3000, None) == registry.default_provider(CPU)
+
+
+def test_a_replaced_cache_file_is_reread():
+    """The tuner replaces the file: a new inode (here with the same size) is seen by the next lookup."""
+    write_cache({"flatten | float32 | 2^12": {"provider": "torch", "meta": {}, "median_ms": 1.0}})
+    assert tuning.lookup_provider("flatten", CPU, torch.float32, 3000) == "torch"
+    write_cache({"flatten | float32 | 2^12": {"provider": "numba", "meta": {}, "median_ms": 1.0}})
+    assert tuning.lookup_provider("flatten", CPU, torch.float32, 3000) == "numba"
+    tuning.cache_path().unlink()
+    assert tuning.lookup_provider("flatten", CPU, torch.float32, 3000) is None
+
+
+def test_the_cache_location_follows_the_environment_variables(tmp_path, monkeypatch):
+    write_cache({"quantize | bfloat16 | 2^20": {"provider": "numba", "meta": {}, "median_ms": 1.0}})
+    assert tuning.lookup_provider("quantize", CPU, torch.bfloat16, 2**20) == "numba"
+    monkeypatch.setenv(tuning.ENV_CACHE_DIR, str(tmp_path / "elsewhere"))
+    assert tuning.cache_path() == tmp_path / "elsewhere" / "tuning.json"
+    assert tuning.lookup_provider("quantize", CPU, torch.bfloat16, 2**20) is None
+    monkeypatch.delenv(tuning.ENV_CACHE_DIR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tuning.cache_path() == tmp_path / "xdg" / "torsh_kernels" / "tuning.json"
+    write_cache({"quantize | bfloat16 | 2^20": {"provider": "triton", "meta": {"QTILE": 1024}, "median_ms": 1.0}})
+    assert tuning.lookup_provider("quantize", CPU, torch.bfloat16, 2**20) == "triton"
+    assert tuning.lookup_meta("quantize", CPU, torch.bfloat16, 2**20, "triton") == {"QTILE": 1024}
+
+
+def test_winners_of_another_environment_do_not_apply():
+    write_cache({"flatten | float32 | 2^12": {"provider": "numba", "meta": {}, "median_ms": 1.0}},
+                env_override={"torch": "0.0.1"})  # fmt: skip
+    assert tuning.lookup_provider("flatten", CPU, torch.float32, 3000) is None
+    assert registry.tuned_meta("flatten", CPU, torch.float32, 3000, "numba") == {}
+
+
+def test_an_unreadable_cache_is_ignored_with_a_warning(caplog):
+    path = tuning.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="torsh_kernels"):
+        assert tuning.lookup_provider("flatten", CPU, torch.float32, 3000) is None
+    assert any("unreadable tuning cache" in r.getMessage() for r in caplog.records)
+    path.write_text(json.dumps({"format": tuning.CACHE_FORMAT + 1, "environments": {"x": {}}}))
+    assert tuning.load_cache()["environments"] == {}, "another format: read as empty"
+
+
+def test_buckets_and_entry_keys():
+    assert [tuning.bucket_of(n) for n in (0, 1, 2, 3, 600, 1024, 1025)] == [0, 0, 1, 2, 10, 10, 11]
+    assert tuning.entry_key("flatten", torch.bfloat16, 12) == "flatten | bfloat16 | 2^12"
+    key, env = tuning.environment_key(CPU)
+    assert env["torch"] == torch.__version__ and env["torsh_kernels"] == tk.__version__
+    assert key == " | ".join(f"{a}={b}" for a, b in env.items())
+
+
+def test_op_modules_register_their_search_spaces():
+    """Each op module declares its space next to its kernels; every one is right for the torch provider."""
+    sp = tuning.spaces()
+    assert {op: s.family for op, s in sp.items() if s.family in ("bucket", "compression")} == {
+        "flatten": "bucket", "unflatten": "bucket", "bucket_reduce": "bucket", "quantize": "compression"}  # fmt: skip
+    flat = sp["flatten"].candidates(["torch", "triton"])
+    assert flat[0] == tuning.Candidate("torch") and len(flat) == 1 + 4 * 3
+    assert str(flat[1]) == "triton(BLOCK=2048, num_warps=4)", "the first values are the launchers' defaults"
+    for op in ("flatten", "unflatten", "bucket_reduce", "quantize"):
+        s = sp[op]
+        for dtype in s.dtypes:
+            state = s.make(CPU, dtype, 300, torch.Generator().manual_seed(1))
+            assert s.check(state, s.run(state, "torch")), (op, dtype)

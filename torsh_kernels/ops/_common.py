@@ -1,0 +1,290 @@
+"""Helpers shared by the op families: validation, memory ranges, launch tables, scratch buffers, finite checks.
+
+Private to ``torsh_kernels.ops``: the family modules import from here; nothing here imports Triton or Numba.
+
+The compression families (``topk``, ``quantize``, ``sign``, ``orthogonalize``, ``error_feedback``) work
+on the flattened elements of their input (any shape; fp32, fp16 or bf16) and compute in fp32. Their
+payloads are plain tensors, so the collectives layer can all-reduce or all-gather them. Non-finite inputs
+are reported, not spread: compressing ops count NaN/Inf in their first pass and raise
+:class:`NonFiniteError` before writing anything the caller owns (``check_finite=False`` skips the check
+and its host synchronisation).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import (
+    ArgumentTypeError,
+    DeviceMismatchError,
+    DTypeError,
+    InvalidArgumentError,
+    NonFiniteError,
+    ShapeError,
+)
+from .registry import Op
+
+COMPRESS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Kernel geometry of the compression families' elementwise passes (memory-bound).
+BLOCK = 4096
+WARPS = 8
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check_tensor(t: object, what: str, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_dtype(t: torch.Tensor, what: str, name: str, allowed=COMPRESS_DTYPES) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise DTypeError(f"{what}: {name} has dtype {t.dtype}; expected one of {names}")
+
+
+def _flat_input(x: object, what: str, name: str = "x") -> torch.Tensor:
+    """A floating input as a contiguous 1-D tensor (a view when it already is contiguous)."""
+    x = _check_tensor(x, what, name)
+    _check_dtype(x, what, name)
+    return x.detach().reshape(-1).contiguous() if not x.is_contiguous() else x.detach().view(-1)
+
+
+def _flat_inout(t: object, what: str, name: str, numel: int, device: torch.device) -> torch.Tensor:
+    """A tensor the op writes: contiguous, ``numel`` elements, on ``device``; as a 1-D view."""
+    t = _check_tensor(t, what, name)
+    _check_dtype(t, what, name)
+    if t.device != device:
+        raise DeviceMismatchError(f"{what}: {name} is on {t.device}, the input on {device}")
+    if t.numel() != numel:
+        raise ShapeError(f"{what}: {name} has {t.numel()} elements, expected {numel} (one per input element)")
+    if not t.is_contiguous():
+        raise ShapeError(f"{what}: {name} must be contiguous (it is written in place)")
+    return t.detach().view(-1)
+
+
+def _no_overlap(a: torch.Tensor, b: torch.Tensor, what: str, na: str, nb: str, *, same_ok: bool = False) -> None:
+    """Raise if ``a`` and ``b`` share memory (unless ``same_ok`` and they are the same elements)."""
+    if not _Ranges.of([a]).overlapping(b)[0]:
+        return
+    if same_ok and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel():
+        return
+    raise ShapeError(f"{what}: {na} overlaps {nb}; pass separate buffers")
+
+
+def _check_alpha(alpha: object, what: str) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ArgumentTypeError(f"{what}: alpha must be a real number, got {type(alpha).__name__}")
+    if not math.isfinite(alpha):
+        raise InvalidArgumentError(f"{what}: alpha must be finite, got {alpha}")
+    return float(alpha)
+
+
+def _check_int(v: object, what: str, name: str, lo: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ArgumentTypeError(f"{what}: {name} must be an int, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise InvalidArgumentError(f"{what}: {name} must be >= {lo}, got {v}")
+    return v
+
+
+def _raise_nonfinite(bad: int, what: str, name: str) -> None:
+    raise NonFiniteError(
+        f"{what}: {name} holds {bad} non-finite element(s) (NaN or Inf); nothing was compressed and no "
+        "residual was modified. Find the source (a loss scale too high, a diverging step) or skip the "
+        "step; pass check_finite=False to compress anyway."
+    )
+
+
+def _decode_out(out, numel, dtype, device, what) -> tuple[torch.Tensor, torch.Tensor]:
+    if out is None:
+        if dtype not in COMPRESS_DTYPES:
+            raise DTypeError(f"{what}: dtype={dtype}; expected float32, float16 or bfloat16")
+        out = torch.empty(numel, dtype=dtype, device=device)
+    return out, _flat_inout(out, what, "out", numel, device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory ranges
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements spanned in memory from the first element to the last (0 for an empty tensor)."""
+    if t.is_contiguous():
+        return t.numel()
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+
+
+@dataclass(frozen=True, slots=True)
+class _Ranges:
+    """Byte ranges of a list of tensors: [lo, lo + nbytes), and which tensors are contiguous."""
+
+    lo: np.ndarray
+    nbytes: np.ndarray
+    contig: np.ndarray
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> _Ranges:
+        n = len(tensors)
+        contig = np.fromiter((t.is_contiguous() for t in tensors), dtype=bool, count=n)
+        lo = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=n)
+        nbytes = np.fromiter((t.numel() if c else _extent(t) for t, c in zip(tensors, contig)), np.int64, n)
+        if len({t.dtype for t in tensors}) == 1:
+            nbytes *= tensors[0].element_size()
+        else:
+            nbytes *= np.fromiter((t.element_size() for t in tensors), dtype=np.int64, count=n)
+        return cls(lo, nbytes, contig)
+
+    def overlapping(self, other: torch.Tensor) -> np.ndarray:
+        """Boolean mask: which tensors share at least one byte of memory range with ``other``."""
+        if other.numel() == 0:
+            return np.zeros(len(self.lo), dtype=bool)
+        o_lo = other.data_ptr()
+        o_hi = o_lo + _extent(other) * other.element_size()
+        return (self.nbytes > 0) & (self.lo < o_hi) & (self.lo + self.nbytes > o_lo)
+
+    def contiguous_clash(self) -> tuple[int, int] | None:
+        """Indices of two contiguous, non-empty tensors sharing memory, or None. (Strided views are left
+        out: interleaved views of one storage share a byte range without sharing elements.)"""
+        idx = np.flatnonzero(self.contig & (self.nbytes > 0))
+        if idx.size < 2:
+            return None
+        order = idx[np.argsort(self.lo[idx], kind="stable")]
+        lo, hi = self.lo[order], self.lo[order] + self.nbytes[order]
+        clash = np.flatnonzero(lo[1:] < np.maximum.accumulate(hi)[:-1])
+        if not clash.size:
+            return None
+        k = int(clash[0]) + 1
+        earlier = next(int(j) for j in range(k) if hi[j] > lo[k])
+        return tuple(sorted((int(order[earlier]), int(order[k]))))
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch tables, cached per (device, stream, contents)
+
+_TABLES: OrderedDict[tuple, object] = OrderedDict()  # launch tables: _ptr_table, _bucket_tables._tables
+_TABLES_MAX = 64
+
+
+def _stream_key(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+_TABLES_LOCK = threading.Lock()  # DDP comm hooks and autograd hooks may call from several threads
+
+
+def _cached(key: tuple, build):
+    with _TABLES_LOCK:
+        hit = _TABLES.get(key)
+        if hit is not None:
+            _TABLES.move_to_end(key)
+            return hit
+    value = build()
+    with _TABLES_LOCK:
+        _TABLES[key] = value
+        if len(_TABLES) > _TABLES_MAX:
+            _TABLES.popitem(last=False)
+    return value
+
+
+def _ptr_table(ptrs: list[int], device: torch.device, tag: str) -> torch.Tensor:
+    """A cached int64 tensor of addresses (or offsets) on ``device``."""
+
+    def build() -> torch.Tensor:
+        table = torch.tensor(ptrs, dtype=torch.int64)
+        return table.to(device) if device.type == "cuda" else table
+
+    return _cached((tag, device, _stream_key(device), tuple(ptrs)), build)
+
+
+def _numba_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int, list[int]]:
+    """(lowest address, elements spanned, each tensor's element offset from it) for one dtype group."""
+    isz = tensors[0].element_size()
+    base = min(t.data_ptr() for t in tensors)
+    offs = [(t.data_ptr() - base) // isz for t in tensors]
+    span = max(o + _extent(t) for o, t in zip(offs, tensors))
+    return base, span, offs
+
+
+# --------------------------------------------------------------------------------------------------
+# Launching
+
+
+def _on(device: torch.device):
+    """Launch on the tensors' GPU (Triton launches on the current device), not on whatever is current."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def _grid(n: int, block: int) -> tuple[int]:
+    return (max(1, -(-n // block)),)
+
+
+def _select(op: Op, t: torch.Tensor, provider: str) -> str:
+    return op.select(t.device, t.dtype, t.numel(), provider or None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Error-feedback inputs, scratch buffers and the finite check
+
+
+def _acc_ref(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    acc = x.reshape(-1).float()
+    return acc + residual.reshape(-1).float() if residual is not None else acc.clone()
+
+
+def _store_ref(v: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype, accumulate: bool) -> torch.Tensor:
+    """Write decoded fp32 values ``v`` into ``out`` (a new ``dtype`` tensor if None), or add them to it."""
+    if out is None:
+        out = torch.empty(v.numel(), dtype=dtype, device=v.device)
+    if accumulate:
+        v = out.reshape(-1).float() + v
+    out.view(-1).copy_(v)
+    return out
+
+
+def _acc_torch(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    """x + r in fp32 (x alone without a residual): the torch providers' error-feedback input."""
+    return x.float() + r.float() if r is not None else x.float()
+
+
+def _counter(device: torch.device, n: int = 1) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int64, device=device)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(device: torch.device, n: int) -> torch.Tensor:
+    """A float32 work buffer of n elements, reused by later calls on this thread and device (its content
+    is garbage; never returned to callers). Saves the allocation and first-touch page faults that a
+    fresh tensor costs on the CPU for every call."""
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    b = bufs.get(device)
+    if b is None or b.numel() < n:
+        b = bufs[device] = torch.empty(n, dtype=torch.float32, device=device)
+    return b[:n]
+
+
+def count_nonfinite(v: torch.Tensor) -> torch.Tensor:
+    """Number of NaN/Inf elements of v, as an int64 [1] tensor. A plain sum (one vectorised pass, no
+    temporary) is finite whenever every element is, so the exact count (a bool pass and a sum over it,
+    several times slower) only runs when the sum is not: NaN/Inf present, or a sum that overflowed."""
+    if v.numel() == 0 or bool(torch.isfinite(v.sum(dtype=torch.float32))):
+        return _counter(v.device)
+    return (~torch.isfinite(v)).sum().view(1)

@@ -1,0 +1,36 @@
+"""Triton kernels of the error-feedback op family (see error_feedback.py).
+
+Imported by the triton launchers on first use, so ``import torsh_kernels`` does not import Triton. Triton
+reads ``TRITON_INTERPRET`` when these kernels are defined, i.e. on that first import.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._triton import _cast, _nonfinite
+
+
+@triton.jit
+def _axpby_kernel(x_ptr, y_ptr, out_ptr, bad_ptr, n, beta, BLOCK: tl.constexpr, COUNT_BAD: tl.constexpr):
+    """out = x + beta * y in fp32; optionally count non-finite results."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    v = v + beta * tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if COUNT_BAD:
+        tl.atomic_add(bad_ptr, tl.sum((_nonfinite(v) & m).to(tl.int64)))
+    tl.store(out_ptr + offs, _cast(v, out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _error_update_kernel(acc_ptr, approx_ptr, res_ptr, out_ptr, n, BLOCK: tl.constexpr, HAS_OUT: tl.constexpr):
+    """residual = acc - approx; out = approx (cast)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    a = tl.load(approx_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    v = tl.load(acc_ptr + offs, mask=m, other=0.0).to(tl.float32) - a
+    tl.store(res_ptr + offs, _cast(v, res_ptr.dtype.element_ty), mask=m)
+    if HAS_OUT:
+        tl.store(out_ptr + offs, _cast(a, out_ptr.dtype.element_ty), mask=m)

@@ -1,0 +1,187 @@
+"""Triton kernels of the MoE routing op family (see moe.py).
+
+Imported by the triton launchers on first use, so ``import torsh_kernels`` does not import Triton. Triton
+reads ``TRITON_INTERPRET`` when these kernels are defined, i.e. on that first import.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._triton import _cast
+
+
+@triton.jit
+def _route_topk_kernel(
+    logits_ptr, idx_ptr, w_ptr, s_ptr, bad_ptr, T, E, stride_t,
+    K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BLOCK_T: tl.constexpr, SCORE: tl.constexpr,
+    RENORM: tl.constexpr,
+):  # fmt: skip
+    """Per token: fp32 scores, the top K (ties to the lower expert), weights; bad += NaN-score rows."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    cols = tl.arange(0, EP)  # [EP]
+    rmask = rows < T
+    valid = rmask[:, None] & (cols < E)[None, :]  # [BT, EP]
+    x = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=valid, other=float("-inf"))
+    x = x.to(tl.float32)
+    if SCORE == 0:
+        mx = tl.max(x, axis=1)
+        mx = tl.where(rmask, mx, 0.0)
+        e = tl.where(valid, tl.exp(x - mx[:, None]), 0.0)
+        tot = tl.sum(e, axis=1)
+        p = e / tl.where(rmask, tot, 1.0)[:, None]
+    else:
+        p = 1.0 / (1.0 + tl.exp(-x))
+    isnan = (p != p) & valid
+    tl.atomic_add(bad_ptr, tl.sum((tl.sum(isnan.to(tl.int32), axis=1) > 0).to(tl.int32), axis=0))
+    # selection keys: NaN scores rank below every real score (-1), padding below those (-2)
+    sel = tl.where(valid, tl.where(isnan, -1.0, p), -2.0)
+    kcols = tl.arange(0, KP)
+    S = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
+    I = tl.zeros((BLOCK_T, KP), dtype=tl.int64)  # noqa: E741
+    for j in tl.static_range(K):
+        best = tl.max(sel, axis=1)
+        pick = tl.min(tl.where(sel == best[:, None], cols[None, :], EP), axis=1)  # lowest index of the max
+        hit = cols[None, :] == pick[:, None]
+        sj = tl.sum(tl.where(hit, p, 0.0), axis=1)
+        S = tl.where(kcols[None, :] == j, sj[:, None], S)
+        I = tl.where(kcols[None, :] == j, pick.to(tl.int64)[:, None], I)  # noqa: E741
+        sel = tl.where(hit, -3.0, sel)
+    km = rmask[:, None] & (kcols < K)[None, :]
+    off = rows[:, None] * K + kcols[None, :]
+    tl.store(idx_ptr + off, I, mask=km)
+    tl.store(s_ptr + off, S, mask=km)
+    if RENORM:
+        tot = tl.sum(tl.where(km, S, 0.0), axis=1)
+        W = S / tl.where(tot != 0.0, tot, 1.0)[:, None]
+    else:
+        W = S
+    tl.store(w_ptr + off, W, mask=km)
+
+
+@triton.jit
+def _count_ge(idx_ptr, s_ptr, n, e, b, BLOCK: tl.constexpr):
+    """How many assignments to expert e have score bits >= b."""
+    c = tl.zeros((), dtype=tl.int64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK).to(tl.int64)
+        m = offs < n
+        hit = (tl.load(idx_ptr + offs, mask=m, other=-1) == e) & m
+        bits = tl.load(s_ptr + offs, mask=m, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+        c += tl.sum((hit & (bits >= b)).to(tl.int64), axis=0)
+    return c
+
+
+@triton.jit
+def _route_assign_kernel(idx_ptr, s_ptr, pos_ptr, counts_ptr, n, cap, BLOCK: tl.constexpr, POLICY: tl.constexpr):
+    """One program per expert: the kept assignments' positions inside the expert's group (token
+    order), -1 for dropped ones; counts[e] = kept assignments."""
+    e = tl.program_id(0).to(tl.int64)
+    thr = tl.full((), -(2**31) - 1, tl.int64)  # keep everything at or above thr (default: all)
+    quota = tl.full((), 2**62, tl.int64)  # of those exactly at thr, keep the first `quota`
+    if POLICY == 2:
+        total = _count_ge(idx_ptr, s_ptr, n, e, -(2**31), BLOCK)
+        if total > cap:
+            lo = tl.full((), -(2**31), tl.int64)  # count(>= lo) >= cap
+            hi = tl.full((), 2**31, tl.int64)  # count(>= hi) < cap
+            for _ in range(32):
+                mid = lo + (hi - lo) // 2
+                c = _count_ge(idx_ptr, s_ptr, n, e, mid, BLOCK)
+                lo = tl.where(c >= cap, mid, lo)
+                hi = tl.where(c >= cap, hi, mid)
+            thr = lo
+            quota = cap - _count_ge(idx_ptr, s_ptr, n, e, lo + 1, BLOCK)
+    kept = tl.zeros((), dtype=tl.int64)
+    seen = tl.zeros((), dtype=tl.int64)  # assignments to e at exactly thr so far (or all, for position)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK).to(tl.int64)
+        m = offs < n
+        hit = (tl.load(idx_ptr + offs, mask=m, other=-1) == e) & m
+        if POLICY == 2:
+            bits = tl.load(s_ptr + offs, mask=m, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+            at = hit & (bits == thr)
+            rank = seen + tl.cumsum(at.to(tl.int64), 0) - 1
+            keep = hit & ((bits > thr) | (at & (rank < quota)))
+            seen += tl.sum(at.to(tl.int64), axis=0)
+        elif POLICY == 1:
+            rank = seen + tl.cumsum(hit.to(tl.int64), 0) - 1
+            keep = hit & (rank < cap)
+            seen += tl.sum(hit.to(tl.int64), axis=0)
+        else:
+            keep = hit
+        pos = kept + tl.cumsum(keep.to(tl.int64), 0) - 1
+        tl.store(pos_ptr + offs, tl.where(keep, pos, -1), mask=hit)
+        kept += tl.sum(keep.to(tl.int64), axis=0)
+    tl.store(counts_ptr + e, kept)
+
+
+@triton.jit
+def _route_rows_kernel(idx_ptr, row_ptr, starts_ptr, tok_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
+    """row = start of the expert's group + position; token_index[row] = token."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    pos = tl.load(row_ptr + offs, mask=m, other=-1)
+    keep = m & (pos >= 0)
+    e = tl.load(idx_ptr + offs, mask=keep, other=0)
+    row = tl.load(starts_ptr + e, mask=keep, other=0) + pos
+    tl.store(row_ptr + offs, row, mask=keep)
+    tl.store(tok_ptr + row, offs // K, mask=keep)
+
+
+@triton.jit
+def _permute_kernel(x_ptr, row_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_W: tl.constexpr):
+    """out[row_map[t, j]] = x[t] (times weights[t, j] with HAS_W) for the kept assignments."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = cols < H
+    v = tl.load(x_ptr + t * H + cols, mask=m, other=0.0)
+    for j in tl.static_range(K):
+        r = tl.load(row_ptr + t * K + j)
+        ok = (cols * 0 + r) >= 0  # [BLOCK_H] (a scalar mask is not accepted everywhere)
+        rr = tl.where(r >= 0, r, 0)
+        if HAS_W:
+            w = tl.load(w_ptr + t * K + j)
+            tl.store(out_ptr + rr * H + cols, _cast(v.to(tl.float32) * w, out_ptr.dtype.element_ty), mask=m & ok)
+        else:
+            tl.store(out_ptr + rr * H + cols, v, mask=m & ok)
+
+
+@triton.jit
+def _unpermute_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_W: tl.constexpr):
+    """out[t] = sum_j weights[t, j] * y[row_map[t, j]] over the kept assignments, in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(row_ptr + t * K + j)
+        ok = (cols * 0 + r) >= 0
+        v = tl.load(y_ptr + tl.where(r >= 0, r, 0) * H + cols, mask=m & ok, other=0.0).to(tl.float32)
+        if HAS_W:
+            v = v * tl.load(w_ptr + t * K + j)
+        acc += v
+    tl.store(out_ptr + t * H + cols, _cast(acc, out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _unpermute_bwd_kernel(
+    gy_ptr, y_ptr, row_ptr, w_ptr, gyp_ptr, gw_ptr, H, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    """grad_y_perm[row_map[t, j]] = weights[t, j] * grad_y[t]; grad_w[t, j] = <grad_y[t], y_perm[row]>."""
+    t = tl.program_id(0).to(tl.int64)
+    kcols = tl.arange(0, KP)
+    dots = tl.zeros((KP,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H).to(tl.int64)
+        m = cols < H
+        g = tl.load(gy_ptr + t * H + cols, mask=m, other=0.0).to(tl.float32)
+        for j in tl.static_range(K):
+            r = tl.load(row_ptr + t * K + j)
+            ok = (cols * 0 + r) >= 0
+            rr = tl.where(r >= 0, r, 0)
+            w = tl.load(w_ptr + t * K + j)
+            tl.store(gyp_ptr + rr * H + cols, _cast(g * w, gyp_ptr.dtype.element_ty), mask=m & ok)
+            y = tl.load(y_ptr + rr * H + cols, mask=m & ok, other=0.0).to(tl.float32)
+            dots = tl.where(kcols == j, dots + tl.sum(g * y, axis=0), dots)
+    tl.store(gw_ptr + t * K + kcols, dots, mask=kcols < K)

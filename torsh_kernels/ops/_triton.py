@@ -1,0 +1,52 @@
+"""Triton device functions shared by the op families' kernels.
+
+Imported by the triton launchers on first use, so ``import torsh_kernels`` does not import Triton. Triton
+reads ``TRITON_INTERPRET`` when these kernels are defined, i.e. on that first import.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _cast(x, DST: tl.constexpr):
+    """Cast a computed value to DST. fp32 -> bf16 rounds to nearest even in integer ops (what the
+    GPU's cvt.rn does), because Triton's interpreter truncates instead; the same code then runs,
+    and is tested, in both. fp64 -> bf16 goes through fp32, as PyTorch's conversion does."""
+    if tl.bfloat16 == DST:
+        b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DST)
+
+
+@triton.jit
+def _nonfinite(v):
+    return (v != v) | (tl.abs(v) == float("inf"))
+
+
+@triton.jit
+def _lowbias32(h):
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x846CA68B
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _uniform(idx, key):
+    h = _lowbias32(_lowbias32(idx.to(tl.uint32)) ^ key)
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _load_acc(x_ptr, r_ptr, offs, mask, HAS_R: tl.constexpr):
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_R:
+        v = v + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return v

@@ -1,0 +1,210 @@
+"""Error-feedback ops: the fused steps around a lossy compression.
+
+- ``residual_add(x, residual, out=)``: ``acc = x + residual`` in fp32, in one pass (the input of an
+  error-feedback compressor), counting NaN/Inf on the way.
+- ``error_update(acc, approx, residual, out=)``: ``residual = acc - approx`` and, optionally, ``approx``
+  copied, cast, into ``out`` (typically the gradient), in one pass.
+
+See ``_common`` for what the compression families share (fp32 compute, the non-finite checks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import DeviceMismatchError, ShapeError
+from ._common import (
+    BLOCK,
+    WARPS,
+    _counter,
+    _flat_inout,
+    _flat_input,
+    _grid,
+    _no_overlap,
+    _on,
+    _raise_nonfinite,
+    _select,
+    count_nonfinite,
+)
+from .registry import Op
+
+__all__ = ["error_update", "error_update_ref", "residual_add", "residual_add_ref"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch references (the oracles for the tests; plain PyTorch, any device)
+
+
+def residual_add_ref(x: torch.Tensor, residual: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    acc = x.reshape(-1).float() + residual.reshape(-1).float()
+    if out is None:
+        return acc.view(x.shape)
+    out.view(-1).copy_(acc)
+    return out
+
+
+def error_update_ref(acc, approx, residual, *, out=None) -> None:
+    a = approx.reshape(-1).float()
+    residual.view(-1).copy_(acc.reshape(-1).float() - a)
+    if out is not None:
+        out.view(-1).copy_(a)
+
+
+# --------------------------------------------------------------------------------------------------
+# Provider implementations. Inputs are validated, contiguous and 1-D, on one device.
+
+_axpby = Op("residual_add")
+_err_update = Op("error_update")
+
+
+# out = x + beta * y; returns the non-finite count tensor (or None)
+@_axpby.register("torch")
+def _axpby_torch(x, y, out, beta, count_bad):
+    if beta == 1.0 and out.dtype == x.dtype == y.dtype == torch.float32:
+        torch.add(x, y, alpha=beta, out=out)  # one pass, no temporary
+        v = out
+    else:
+        v = x.float() + y.float() * beta if beta != 1.0 else x.float() + y.float()
+        out.copy_(v)
+    return count_nonfinite(v) if count_bad else None
+
+
+@_axpby.register("triton")
+def _axpby_triton(x, y, out, beta, count_bad):
+    from . import _error_feedback_triton as K
+
+    bad = _counter(x.device)
+    K._axpby_kernel[_grid(x.numel(), BLOCK)](x, y, out, bad, x.numel(), beta, BLOCK=BLOCK, COUNT_BAD=count_bad,
+                                             num_warps=WARPS, enable_fp_fusion=False)  # fmt: skip
+    return bad if count_bad else None
+
+
+@_axpby.register("numba")
+def _axpby_numba(x, y, out, beta, count_bad):
+    from . import _error_feedback_numba as K
+
+    return K.axpby(x, y, out, beta, count_bad)
+
+
+@_err_update.register("torch")
+def _err_update_torch(acc, approx, res, out):
+    a = approx.float()
+    if res.dtype == acc.dtype == torch.float32:
+        torch.sub(acc, a, out=res)  # one pass, no temporary
+    else:
+        res.copy_(acc.float() - a)
+    if out is not None:
+        out.copy_(a)
+
+
+@_err_update.register("triton")
+def _err_update_triton(acc, approx, res, out):
+    from . import _error_feedback_triton as K
+
+    n = acc.numel()
+    K._error_update_kernel[_grid(n, BLOCK)](acc, approx, res, out if out is not None else res, n, BLOCK=BLOCK,
+                                            HAS_OUT=out is not None, num_warps=WARPS)  # fmt: skip
+
+
+@_err_update.register("numba")
+def _err_update_numba(acc, approx, res, out):
+    from . import _error_feedback_numba as K
+
+    K.error_update(acc, approx, res, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops (torch.library): opaque to torch.compile, with fake implementations.
+
+
+@torch.library.custom_op("torsh::residual_add", mutates_args=("out",))
+def _residual_add_op(x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, check_finite: bool,
+                     provider: str) -> None:  # fmt: skip
+    name = _select(_axpby, x, provider)
+    with _on(x.device):
+        bad = _axpby(name, x.view(-1), residual.view(-1), out.view(-1), 1.0, check_finite)
+    if check_finite and (b := int(bad.item())):
+        _raise_nonfinite(b, "torsh_kernels.residual_add", "x + residual")
+
+
+@_residual_add_op.register_fake
+def _(x, residual, out, check_finite, provider):
+    return None
+
+
+@torch.library.custom_op("torsh::error_update", mutates_args=("residual", "out"))
+def _error_update_op(acc: torch.Tensor, approx: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None,
+                     provider: str) -> None:  # fmt: skip
+    name = _select(_err_update, acc, provider)
+    with _on(acc.device):
+        _err_update(name, acc.view(-1), approx.view(-1), residual.view(-1), out.view(-1) if out is not None else None)
+
+
+@_error_update_op.register_fake
+def _(acc, approx, residual, out, provider):
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+
+
+def residual_add(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    check_finite: bool = True,
+    provider: str | None = None,
+) -> torch.Tensor:
+    """``x + residual`` in fp32, in one pass: the error-feedback input of a lossy compressor.
+
+    ``out`` (any of fp32/fp16/bf16, x's element count, contiguous) defaults to a new fp32 tensor of x's
+    shape; it may be ``residual`` or ``x`` itself. With ``check_finite``, NaN/Inf in the sum raise
+    :class:`NonFiniteError` (after the pass: an ``out`` that aliases an input has been written).
+    """
+    what = "torsh_kernels.residual_add"
+    xf = _flat_input(x, what, "x")
+    rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.float32, device=xf.device)
+    of = _flat_inout(out, what, "out", xf.numel(), xf.device)
+    for t, nm in ((xf, "x"), (rf, "residual")):
+        _no_overlap(of, t, what, "out", nm, same_ok=True)
+    if xf.numel():
+        _residual_add_op(xf, rf, of, bool(check_finite), provider or "")
+    return out
+
+
+def error_update(
+    acc: torch.Tensor,
+    approx: torch.Tensor,
+    residual: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    provider: str | None = None,
+) -> None:
+    """``residual = acc - approx`` and, if ``out`` is given, ``out = approx`` (cast), in one pass.
+
+    The error-feedback step after decompression: ``acc`` is what was compressed (gradient + old
+    residual), ``approx`` what the compressed payload decodes to (for PowerSGD, ``P @ Q.T``), ``out``
+    typically the gradient tensor that receives the approximation. ``residual`` may be ``acc`` itself.
+    """
+    what = "torsh_kernels.error_update"
+    af = _flat_input(acc, what, "acc")
+    n, dev = af.numel(), af.device
+    pf = _flat_input(approx, what, "approx")
+    if pf.numel() != n:
+        raise ShapeError(f"{what}: approx has {pf.numel()} elements, acc has {n}")
+    if pf.device != dev:
+        raise DeviceMismatchError(f"{what}: approx is on {pf.device}, acc on {dev}")
+    rf = _flat_inout(residual, what, "residual", n, dev)
+    of = _flat_inout(out, what, "out", n, dev) if out is not None else None
+    _no_overlap(rf, pf, what, "residual", "approx")
+    _no_overlap(rf, af, what, "residual", "acc", same_ok=True)
+    if of is not None:
+        _no_overlap(of, rf, what, "out", "residual")
+        _no_overlap(of, af, what, "out", "acc")
+        _no_overlap(of, pf, what, "out", "approx", same_ok=True)
+    if n:
+        _error_update_op(af, pf, rf, of, provider or "")

@@ -1,0 +1,270 @@
+"""Orthogonalisation op: the step between PowerSGD's two matmuls.
+
+- ``orthogonalize(matrices)``: in-place orthonormalisation of the columns of tall thin matrices
+  ([m, r], [B, m, r] or a list of [m_i, r]). The kernels run CholeskyQR2 with the Gram matrix
+  accumulated in fp64: two passes over the data per iteration, independent of r, where Gram-Schmidt
+  makes r. A column whose component orthogonal to the previous ones is below ``rtol`` of its own norm
+  (a zero or linearly dependent column) becomes a zero column, never NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import (
+    ArgumentTypeError,
+    DeviceMismatchError,
+    DTypeError,
+    InvalidArgumentError,
+    NonFiniteError,
+    ShapeError,
+)
+from ._common import COMPRESS_DTYPES, _check_dtype, _check_int, _check_tensor, _on, _ptr_table, _Ranges
+from .registry import Op
+
+__all__ = ["default_rtol", "orthogonalize", "orthogonalize_ref"]
+
+ORTHO_DTYPES = (*COMPRESS_DTYPES, torch.float64)
+MAX_KERNEL_RANK = 32  # orthogonalize kernels keep an r x r Gram matrix in registers / local memory
+ORTHO_ELEMS = 4096  # elements of the [ROWS, RP, RP] product tile in the orthogonalize kernel
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _matrix_list(matrices: object, what: str) -> list[torch.Tensor]:
+    if isinstance(matrices, torch.Tensor):
+        if matrices.dim() == 2:
+            return [matrices]
+        if matrices.dim() == 3:
+            return list(matrices.unbind(0))
+        raise ShapeError(f"{what}: expected a [m, r] or [B, m, r] tensor, got shape {tuple(matrices.shape)}")
+    if not isinstance(matrices, (list, tuple)):
+        raise ArgumentTypeError(
+            f"{what}: matrices must be a tensor or a list of 2-D tensors, got {type(matrices).__name__}"
+        )
+    for i, m in enumerate(matrices):
+        _check_tensor(m, what, f"matrices[{i}]")
+        if m.dim() != 2:
+            raise ShapeError(f"{what}: matrices[{i}] has shape {tuple(m.shape)}; expected [m, r]")
+    return list(matrices)
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch references (the oracles for the tests; plain PyTorch, any device)
+
+
+def default_rtol(dtype: torch.dtype) -> float:
+    """Relative norm below which a projected column counts as dependent (zeroed), per input dtype."""
+    return {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+
+
+def orthogonalize_ref(matrices, *, rtol: float | None = None):
+    """Modified Gram-Schmidt, twice per column, in fp64; dependent/zero columns become zero columns."""
+    mats = _matrix_list(matrices, "orthogonalize_ref")
+    for m in mats:
+        a = m.double()
+        q = torch.zeros_like(a)
+        tol = default_rtol(m.dtype) if rtol is None else rtol
+        for j in range(a.shape[1]):
+            v = a[:, j].clone()
+            n0 = torch.linalg.vector_norm(v)
+            for _ in range(2):
+                for i in range(j):
+                    v -= (q[:, i] @ v) * q[:, i]
+            nv = torch.linalg.vector_norm(v)
+            if n0 > 0 and nv > tol * n0:
+                q[:, j] = v / nv
+        m.copy_(q)
+    return matrices
+
+
+# --------------------------------------------------------------------------------------------------
+# Provider implementations. Inputs are validated, contiguous and 2-D matrices, on one device.
+
+_ortho = Op("orthogonalize")
+
+
+def _gram_factor_torch(G: torch.Tensor, rtol2: float) -> torch.Tensor:
+    """Batched [B, r, r] fp64 version of the kernels' _gram_factor."""
+    B, r, _ = G.shape
+    T = torch.zeros_like(G)
+    eye = torch.eye(r, dtype=G.dtype, device=G.device)
+    for j in range(r):
+        t = eye[j].expand(B, r).clone()
+        for _ in range(2):
+            gt = torch.einsum("bij,bj->bi", G, t)
+            c = torch.einsum("bai,ba->bi", T, gt)
+            t = t - torch.einsum("bai,bi->ba", T, c)
+        nrm2 = torch.einsum("bi,bi->b", t, torch.einsum("bij,bj->bi", G, t))
+        gjj = G[:, j, j]
+        ok = (nrm2 > rtol2 * gjj) & (gjj > 0)
+        inv = torch.where(ok, torch.rsqrt(torch.where(ok, nrm2, 1.0)), 0.0)
+        T[:, :, j] = t * inv[:, None]
+    return T
+
+
+@_ortho.register("torch")
+def _ortho_torch(mats, rtol, iters):
+    """Householder QR (torch.linalg.qr, batched per shape) with the signs fixed to a positive diagonal of
+    R: the same Q as Gram-Schmidt. A matrix with a dependent or zero column (|R_jj| below rtol of the
+    column's norm) takes the CholeskyQR path instead, because Householder fills such a column with an
+    arbitrary direction that the later columns are then made orthogonal to."""
+    groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    batches = [m for m in mats if m.dim() == 3]
+    for m in mats:
+        if m.dim() == 2:
+            groups.setdefault(tuple(m.shape), []).append(m)
+    work = [(b.shape[1], b.shape[2], list(b.unbind(0)), b) for b in batches]
+    work += [(rows, cols, ms, _as_batch(ms)) for (rows, cols), ms in groups.items()]
+    for rows, cols, ms, view in work:  # view: the [B, m, r] tensor holding ms, when there is one
+        cdt = torch.float64 if ms[0].dtype == torch.float64 else torch.float32
+        a = view.to(cdt) if view is not None else torch.stack([m.to(cdt) for m in ms])  # [B, m, r]
+        ok = torch.zeros(len(ms), dtype=torch.bool, device=a.device)
+        if rows >= cols:
+            q, r = torch.linalg.qr(a)
+            d = torch.diagonal(r, dim1=-2, dim2=-1)  # [B, r]
+            norms = torch.linalg.vector_norm(a, dim=1)
+            ok = ((d.abs() > rtol * norms) & (norms > 0)).all(dim=1)
+            q = q * torch.where(d < 0, -1.0, 1.0).to(cdt)[:, None, :]
+        slow = (~ok).nonzero().view(-1).tolist()
+        if slow:  # rank-deficient (or wider than tall): Gram-Schmidt in the Gram-matrix metric, in fp64
+            b = a[slow].double()
+            for _ in range(iters):
+                b = b @ _gram_factor_torch(b.transpose(1, 2) @ b, rtol * rtol)
+        if rows >= cols and view is not None:
+            if slow:
+                q[slow] = b.to(cdt)
+            view.copy_(q)
+            continue
+        for i, m in enumerate(ms):
+            m.copy_(b[slow.index(i)] if i in slow else q[i])
+
+
+def _as_batch(ms: list[torch.Tensor]) -> torch.Tensor | None:
+    """One [B, m, r] view over matrices that lie back to back in memory, else None."""
+    m0 = ms[0]
+    step = m0.numel() * m0.element_size()
+    if all(m.data_ptr() == m0.data_ptr() + i * step for i, m in enumerate(ms)):
+        return m0.as_strided((len(ms), *m0.shape), (m0.numel(), m0.shape[1], 1))
+    return None
+
+
+@_ortho.register("triton")
+def _ortho_triton(mats, rtol, iters):
+    import triton
+
+    from . import _orthogonalize_triton as K
+
+    r = mats[0].shape[1]
+    rp = max(2, triton.next_power_of_2(r))
+    rows = max(1, min(256, triton.next_power_of_2(max(1, ORTHO_ELEMS // (rp * rp)))))
+    table = _ptr_table([v for m in mats for v in (m.data_ptr(), m.shape[0])], mats[0].device, "ortho")
+    K._orthogonalize_kernel[(len(mats),)](table, mats[0], r, rtol * rtol, ROWS=rows, RP=rp, ITERS=iters,
+                                          num_warps=4)  # fmt: skip
+
+
+@_ortho.register("numba")
+def _ortho_numba(mats, rtol, iters):
+    from . import _orthogonalize_numba as K
+
+    K.orthogonalize(mats, rtol, iters)
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops (torch.library): opaque to torch.compile, with fake implementations.
+
+
+@torch.library.custom_op("torsh::orthogonalize", mutates_args=("matrices",))
+def _ortho_op(matrices: list[torch.Tensor], rtol: float, iters: int, provider: str) -> None:
+    """``matrices``: [m, r] matrices and/or [B, m, r] batches, one r."""
+    m0 = matrices[0]
+    requested = provider or None
+    if m0.shape[-1] > MAX_KERNEL_RANK and requested is None:
+        name = "torch"  # the kernels keep r x r in registers; wider matrices take the batched torch path
+    else:
+        name = _ortho.select(m0.device, m0.dtype, m0.numel(), requested)
+        if name != "torch" and m0.shape[-1] > MAX_KERNEL_RANK:
+            raise ShapeError(
+                f"torsh_kernels.orthogonalize: the {name} kernel handles up to {MAX_KERNEL_RANK} columns, got "
+                f"{m0.shape[-1]}; use provider='torch' (or None) for wider matrices"
+            )
+    with _on(m0.device):
+        if name == "torch":
+            _ortho(name, matrices, rtol, iters)
+        else:  # the kernels take one table row per matrix
+            _ortho(name, [v for m in matrices for v in (m.unbind(0) if m.dim() == 3 else (m,))], rtol, iters)
+
+
+@_ortho_op.register_fake
+def _(matrices, rtol, iters, provider):
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+
+
+def orthogonalize(
+    matrices: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    rtol: float | None = None,
+    iters: int = 2,
+    check_finite: bool = True,
+    provider: str | None = None,
+) -> torch.Tensor | Sequence[torch.Tensor]:
+    """Orthonormalise the columns of each tall thin matrix in place (the PowerSGD step) and return it.
+
+    ``matrices``: a contiguous [m, r] or [B, m, r] tensor, or a list of contiguous [m_i, r] tensors
+    (one r, one dtype, one device), fp32/fp64/fp16/bf16. Column j becomes the normalised part of column j
+    orthogonal to columns < j (the Q of a thin QR with a positive diagonal); if that part is below
+    ``rtol`` (default per dtype: fp32 1e-4, fp16 1e-2, bf16 5e-2, fp64 1e-10) of the column's norm, the
+    column is zero or dependent on the previous ones and becomes zero. ``iters`` CholeskyQR iterations
+    (2 is CholeskyQR2: orthogonal to fp32 rounding for condition numbers up to ~1e7). NaN/Inf raise
+    :class:`NonFiniteError` before anything is written (``check_finite``).
+    """
+    what = "torsh_kernels.orthogonalize"
+    if isinstance(matrices, torch.Tensor) and matrices.dim() == 3:  # one batch: validated and passed whole
+        _check_dtype(matrices, what, "matrices", ORTHO_DTYPES)
+        if not matrices.is_contiguous():
+            raise ShapeError(f"{what}: matrices must be contiguous (they are orthogonalised in place)")
+        mats = [matrices]
+    else:
+        mats = _matrix_list(matrices, what)
+    if not mats:
+        return matrices
+    m0 = mats[0]
+    for i, m in enumerate(mats):
+        _check_dtype(m, what, f"matrices[{i}]", ORTHO_DTYPES)
+        if m.dtype != m0.dtype:
+            raise DTypeError(f"{what}: matrices[{i}] is {m.dtype}, matrices[0] is {m0.dtype}")
+        if m.device != m0.device:
+            raise DeviceMismatchError(f"{what}: matrices[{i}] is on {m.device}, matrices[0] on {m0.device}")
+        if m.shape[-1] != m0.shape[-1]:
+            raise ShapeError(f"{what}: matrices[{i}] has {m.shape[-1]} columns, matrices[0] has {m0.shape[-1]}")
+        if not m.is_contiguous():
+            raise ShapeError(f"{what}: matrices[{i}] must be contiguous (it is orthogonalised in place)")
+    if len(mats) > 1:
+        clash = _Ranges.of(mats).contiguous_clash()
+        if clash is not None:
+            raise ShapeError(f"{what}: matrices[{clash[0]}] and matrices[{clash[1]}] share memory")
+    iters = _check_int(iters, what, "iters", 1)
+    tol = default_rtol(m0.dtype) if rtol is None else rtol
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (0.0 <= tol < 1.0):
+        raise InvalidArgumentError(f"{what}: rtol must be a number in [0, 1), got {rtol!r}")
+    mats = [m for m in mats if m.numel()]
+    if not mats or m0.shape[-1] == 0:
+        return matrices
+    if check_finite:
+        whole = matrices if isinstance(matrices, torch.Tensor) else None
+        total = sum(m.sum(dtype=torch.float64) for m in mats) if whole is None else whole.sum(dtype=torch.float64)
+        bad = 0
+        if not bool(torch.isfinite(total)):  # a NaN/Inf element (finite inputs cannot overflow fp64)
+            bad = sum(int((~torch.isfinite(m)).sum()) for m in mats)
+        if bad:
+            raise NonFiniteError(f"{what}: the matrices hold {bad} non-finite element(s); nothing was written")
+    _ortho_op([m.detach() for m in mats], float(tol), iters, provider or "")
+    return matrices

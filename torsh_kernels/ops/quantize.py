@@ -1,0 +1,474 @@
+"""Blockwise quantization ops: quantize and dequantize, with round-to-nearest or stochastic rounding.
+
+- ``quantize(x, bits=8|4, block=256, stochastic=, seed=)`` -> ``(q, scales)``: symmetric blockwise absmax
+  scaling, ``scale = absmax / qmax`` (qmax 127 or 7), codes ``round(x / scale)`` (to nearest even) or
+  ``floor(x / scale + u)`` with ``u`` uniform in [0, 1) from a counter-based hash of (seed, element
+  index): stochastic rounding that is unbiased and reproducible from the seed, bit-identical across
+  providers. int8 codes one per byte; int4 codes two per byte (element 2i in the low nibble, 2i+1 in the
+  high, two's complement). ``dequantize`` reverses it. Error bound per element: ``scale / 2`` (round to
+  nearest) or ``scale`` (stochastic), i.e. ``absmax / (2 * qmax)`` resp. ``absmax / qmax`` of its block,
+  plus fp32 rounding. A block holding NaN/Inf gets a NaN scale (with ``check_finite=False``; otherwise
+  the input raises :class:`NonFiniteError`).
+
+See ``_common`` for what the compression families share (fp32 compute, the non-finite checks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import (
+    ArgumentTypeError,
+    DeviceMismatchError,
+    DTypeError,
+    InvalidArgumentError,
+    ShapeError,
+)
+from ._common import (
+    COMPRESS_DTYPES,
+    WARPS,
+    _check_alpha,
+    _check_int,
+    _check_tensor,
+    _counter,
+    _decode_out,
+    _flat_input,
+    _grid,
+    _on,
+    _raise_nonfinite,
+    _select,
+    _store_ref,
+)
+from .registry import Op, tuned_meta
+from .tuning import TuneSpace, register_space
+
+__all__ = [
+    "QMAX",
+    "block_codes",
+    "dequantize",
+    "dequantize_ref",
+    "quantize",
+    "quantize_ref",
+    "seed_key",
+    "uniform_noise",
+]
+
+QMAX = {8: 127.0, 4: 7.0}
+QTILE = 4096  # elements per Triton quantize program (several quantization blocks)
+
+
+# On the CPU the torch providers work through the elements in slices of about this many, so that their
+# fp32 temporaries stay in cache instead of each costing a full pass of fresh pages (10x at 64 MiB).
+CPU_SLICE = 1 << 17
+
+
+# --------------------------------------------------------------------------------------------------
+# Stochastic rounding noise: a counter-based hash of (seed, element index), the same in every provider.
+
+_M32 = 0xFFFFFFFF
+
+
+def _lowbias32_int(h: int) -> int:
+    h &= _M32
+    h ^= h >> 16
+    h = (h * 0x7FEB352D) & _M32
+    h ^= h >> 15
+    h = (h * 0x846CA68B) & _M32
+    h ^= h >> 16
+    return h
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit key the kernels mix with element indices (any Python int seed, folded to 64 bits)."""
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    return _lowbias32_int((s & _M32) ^ _lowbias32_int((s >> 32) + 0x9E3779B9))
+
+
+def _i32(c: int) -> int:
+    """A 32-bit pattern as the signed int32 value with the same bits."""
+    return c - (1 << 32) if c & 0x80000000 else c
+
+
+def _lowbias32_t(h: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int32 tensors: two's-complement multiplication wraps modulo 2**32 (as on every
+    platform PyTorch runs on), and the masks turn the arithmetic shifts into logical ones. The Triton
+    and Numba kernels compute the same bits in uint32 / masked int64 (tested bit for bit)."""
+    h = h ^ (h >> 16).bitwise_and_(0xFFFF)
+    h.mul_(0x7FEB352D)
+    h.bitwise_xor_((h >> 15).bitwise_and_(0x1FFFF))
+    h.mul_(_i32(0x846CA68B))
+    return h.bitwise_xor_((h >> 16).bitwise_and_(0xFFFF))
+
+
+def uniform_noise(idx: torch.Tensor, key: int) -> torch.Tensor:
+    """u in [0, 1) (fp32, 24 random bits) for integer element indices ``idx`` (used modulo 2**32) and a
+    seed key."""
+    if idx.dtype != torch.int32:
+        idx = ((idx & _M32) ^ 0x80000000).to(torch.int32) ^ _i32(0x80000000)  # low 32 bits, no overflow
+    h = _lowbias32_t(_lowbias32_t(idx).bitwise_xor_(_i32(key)))
+    return h.__irshift__(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(1.0 / 16777216.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch references (the oracles for the tests; plain PyTorch, any device)
+
+
+def quantize_ref(
+    x: torch.Tensor, *, bits: int = 8, block: int = 256, stochastic: bool = False, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    v = x.reshape(-1).float()
+    n = v.numel()
+    nb = -(-n // block)
+    padded = torch.zeros(nb * block, device=v.device)
+    padded[:n] = v
+    blocks = padded.view(nb, block)
+    qmax = QMAX[bits]
+    scales = blocks.abs().amax(dim=1) / qmax
+    bad = ~torch.isfinite(blocks).all(dim=1)
+    scales = torch.where(bad, torch.full_like(scales, float("nan")), scales)
+    y = torch.where(scales[:, None] > 0, blocks / scales[:, None], torch.zeros_like(blocks)).view(-1)[:n]
+    if stochastic:
+        u = uniform_noise(torch.arange(n, device=v.device), seed_key(seed))
+        q = torch.floor(y + u)
+    else:
+        q = torch.round(y)  # half to even
+    q = torch.nan_to_num(q, nan=0.0).clamp(-qmax, qmax).to(torch.int8)
+    if bits == 4:
+        if n % 2:
+            q = torch.cat([q, q.new_zeros(1)])
+        pair = q.view(-1, 2).to(torch.int32) & 15
+        q = (pair[:, 0] | (pair[:, 1] << 4)).to(torch.uint8)
+    return q, scales
+
+
+def dequantize_ref(
+    q: torch.Tensor, scales: torch.Tensor, *, numel: int, block: int = 256, dtype=torch.float32,
+    out=None, accumulate=False, alpha=1.0,
+) -> torch.Tensor:  # fmt: skip
+    if q.dtype == torch.uint8:
+        b = q.to(torch.int32)
+        codes = torch.stack([b & 15, (b >> 4) & 15], dim=1).view(-1)
+        codes = torch.where(codes >= 8, codes - 16, codes)[:numel]
+    else:
+        codes = q[:numel].to(torch.int32)
+    s = scales.repeat_interleave(block)[:numel]
+    return _store_ref(codes.float() * s * alpha, out, dtype, accumulate)
+
+
+# --------------------------------------------------------------------------------------------------
+# Provider implementations. Inputs are validated, contiguous and 1-D, on one device.
+
+_quantize = Op("quantize")
+_dequantize = Op("dequantize")
+
+
+def block_codes(
+    blocks: torch.Tensor, scales: torch.Tensor, qmax: float, stochastic: bool, key: int, offset: int = 0
+) -> torch.Tensor:
+    """fp32 integer codes of ``blocks`` [nb, block] on the grid of ``scales`` [nb], clamped to +-qmax:
+    round half to even, or ``floor(y + u)`` with the (key, element index) noise, element indices starting
+    at ``offset``; NaN codes become 0. The torch provider's quantization, and the shared-scale all-reduce's."""
+    nb, block = blocks.shape
+    y = blocks / torch.where(scales > 0, scales, 1.0)[:, None]  # an all-zero block has s == 0 and y == 0
+    if stochastic:
+        end = offset + nb * block
+        idx = torch.arange(offset, end, device=y.device, dtype=torch.int32 if end < 2**31 else torch.int64)
+        c = torch.floor_(y.view(-1).add_(uniform_noise(idx, key))).view(nb, block)
+    else:
+        c = torch.round(y)
+    return c.nan_to_num_(nan=0.0).clamp_(-qmax, qmax)
+
+
+def _cpu_slices(n: int, block: int, device: torch.device) -> list[tuple[int, int]]:
+    """[a, b) element ranges, whole blocks each (block is even, so int4 bytes never straddle two)."""
+    step = max(block, CPU_SLICE // block * block) if device.type == "cpu" else n
+    return [(a, min(a + step, n)) for a in range(0, n, max(step, 1))]
+
+
+@_quantize.register("torch")
+def _quantize_torch(x, q, scales, bits, block, stochastic, key):
+    bad = torch.zeros(1, dtype=torch.int64, device=x.device)
+    for a, b in _cpu_slices(x.numel(), block, x.device):
+        qa, qb = (a, b) if bits == 8 else (a // 2, -(-b // 2))
+        bad += _quantize_torch_range(x[a:b], q[qa:qb], scales[a // block : -(-b // block)], bits, block, stochastic,
+                                     key, a)  # fmt: skip
+    return bad
+
+
+def _quantize_torch_range(x, q, scales, bits, block, stochastic, key, offset):
+    n = x.numel()
+    nb = scales.numel()
+    qmax = QMAX[bits]
+    v = x.float()
+    blocks = (torch.nn.functional.pad(v, (0, nb * block - n)) if n % block else v).view(nb, block)
+    amax = blocks.abs().amax(dim=1)  # NaN/Inf propagate into the block's maximum
+    bad_blocks = ~torch.isfinite(amax)
+    s = torch.where(bad_blocks, float("nan"), amax / qmax)
+    scales.copy_(s)
+    c = block_codes(blocks, s, qmax, stochastic, key, offset).to(torch.int8).view(-1)[:n]
+    if bits == 8:
+        q.copy_(c)
+    else:
+        c = torch.nn.functional.pad(c, (0, n % 2)).view(-1, 2) & 15
+        q.copy_(c[:, 0] | (c[:, 1] << 4))
+    bad = torch.zeros(1, dtype=torch.int64, device=v.device)
+    if bool(bad_blocks.any()):  # rare: count the elements for the message
+        bad += (~torch.isfinite(blocks[bad_blocks])).sum()
+    return bad
+
+
+@_quantize.register("triton")
+def _quantize_triton(x, q, scales, bits, block, stochastic, key):
+    from . import _quantize_triton as K
+
+    bad = _counter(x.device)
+    m = tuned_meta("quantize", x.device, x.dtype, x.numel(), "triton")
+    group = max(1, m.get("QTILE", QTILE) // block)
+    nb = scales.numel()
+    K._quantize_kernel[_grid(nb, group)](
+        x, q, scales, bad, x.numel(), nb, key,
+        QBLOCK=block, GROUP=group, BITS=bits, QMAXV=QMAX[bits], STOCHASTIC=stochastic,
+        num_warps=m.get("num_warps", WARPS),
+    )  # fmt: skip
+    return bad
+
+
+@_quantize.register("numba")
+def _quantize_numba(x, q, scales, bits, block, stochastic, key):
+    from . import _quantize_numba as K
+
+    return K.quantize(x, q, scales, bits, block, stochastic, key)
+
+
+@_dequantize.register("torch")
+def _dequantize_torch(q, scales, out, bits, block, alpha, accumulate):
+    for a, b in _cpu_slices(out.numel(), block, out.device):
+        qa, qb = (a, b) if bits == 8 else (a // 2, -(-b // 2))
+        _dequantize_torch_range(q[qa:qb], scales[a // block : -(-b // block)], out[a:b], bits, block, alpha,
+                                accumulate)  # fmt: skip
+
+
+def _dequantize_torch_range(q, scales, out, bits, block, alpha, accumulate):
+    n = out.numel()
+    if bits == 4:
+        b = q.view(torch.int8)
+        codes = torch.stack([(b << 4) >> 4, b >> 4], dim=1).view(-1)[:n]  # arithmetic shifts sign-extend
+    else:
+        codes = q
+    v = codes.float().view(-1, block) if n % block == 0 else None
+    if v is not None:
+        v = (v * scales[:, None]).view(-1)
+    else:
+        v = codes.float() * scales.repeat_interleave(block)[:n]
+    if alpha != 1.0:
+        v = v * alpha
+    if accumulate:
+        v = out.float() + v
+    out.copy_(v)
+
+
+@_dequantize.register("triton")
+def _dequantize_triton(q, scales, out, bits, block, alpha, accumulate):
+    from . import _quantize_triton as K
+
+    group = max(1, QTILE // block)
+    nb = scales.numel()
+    K._dequantize_kernel[_grid(nb, group)](
+        q, scales, out, out.numel(), nb, alpha,
+        QBLOCK=block, GROUP=group, BITS=bits, ACCUMULATE=accumulate, num_warps=WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+@_dequantize.register("numba")
+def _dequantize_numba(q, scales, out, bits, block, alpha, accumulate):
+    from . import _quantize_numba as K
+
+    K.dequantize(q, scales, out, bits, block, alpha, accumulate)
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops (torch.library): opaque to torch.compile, with fake implementations.
+
+
+def _quantize_into(x, q, scales, bits, block, stochastic, key, check_finite, provider) -> None:
+    if x.numel():
+        name = _select(_quantize, x, provider)
+        with _on(x.device):
+            bad = _quantize(name, x.view(-1), q, scales, bits, block, stochastic, key)
+        if check_finite and (b := int(bad.item())):
+            _raise_nonfinite(b, "torsh_kernels.quantize", "x")
+
+
+@torch.library.custom_op("torsh::quantize", mutates_args=())
+def _quantize_op(x: torch.Tensor, bits: int, block: int, stochastic: bool, key: int, check_finite: bool,
+                 provider: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    n = x.numel()
+    q = torch.empty(n if bits == 8 else -(-n // 2), dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device)
+    scales = torch.empty(-(-n // block), dtype=torch.float32, device=x.device)
+    _quantize_into(x, q, scales, bits, block, stochastic, key, check_finite, provider)
+    return q, scales
+
+
+@torch.library.custom_op("torsh::quantize_out", mutates_args=("q", "scales"))
+def _quantize_out_op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int, block: int, stochastic: bool,
+                     key: int, check_finite: bool, provider: str) -> None:  # fmt: skip
+    _quantize_into(x, q, scales, bits, block, stochastic, key, check_finite, provider)
+
+
+@_quantize_out_op.register_fake
+def _(x, q, scales, bits, block, stochastic, key, check_finite, provider):
+    return None
+
+
+@_quantize_op.register_fake
+def _(x, bits, block, stochastic, key, check_finite, provider):
+    n = x.numel()
+    q = x.new_empty(n if bits == 8 else -(-n // 2), dtype=torch.int8 if bits == 8 else torch.uint8)
+    return q, x.new_empty(-(-n // block), dtype=torch.float32)
+
+
+@torch.library.custom_op("torsh::dequantize", mutates_args=("out",))
+def _dequantize_op(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: int, block: int, alpha: float,
+                   accumulate: bool, provider: str) -> None:  # fmt: skip
+    if out.numel():
+        name = _select(_dequantize, out, provider)
+        with _on(out.device):
+            _dequantize(name, q, scales, out.view(-1), bits, block, alpha, accumulate)
+
+
+@_dequantize_op.register_fake
+def _(q, scales, out, bits, block, alpha, accumulate, provider):
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _check_quant_args(bits, block, what) -> tuple[int, int]:
+    bits = _check_int(bits, what, "bits")
+    if bits not in QMAX:
+        raise InvalidArgumentError(f"{what}: bits={bits}; expected 8 or 4")
+    block = _check_int(block, what, "block")
+    if block < 2 or block > 65536 or block & (block - 1):
+        raise InvalidArgumentError(f"{what}: block={block}; expected a power of two in [2, 65536]")
+    return bits, block
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    bits: int = 8,
+    block: int = 256,
+    stochastic: bool = False,
+    seed: int | None = None,
+    check_finite: bool = True,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    provider: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax quantization of ``x``'s elements to int8 or packed int4.
+
+    Returns ``(q, scales)``: ``q`` int8 [n] (bits=8) or uint8 [ceil(n/2)] (bits=4, two codes per byte),
+    ``scales`` fp32 [ceil(n/block)]. ``stochastic`` rounds up with probability equal to the fractional
+    part, from noise determined by ``seed`` (default: drawn from torch's global generator, so
+    ``torch.manual_seed`` makes it reproducible) and the element index. ``out=(q, scales)``: write into
+    these contiguous tensors of exactly those dtypes and sizes on x's device (with ``check_finite``, a
+    non-finite input raises after they were written).
+    """
+    what = "torsh_kernels.quantize"
+    xf = _flat_input(x, what, "x")
+    bits, block = _check_quant_args(bits, block, what)
+    key = 0
+    if stochastic:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed = _check_int(seed, what, "seed")
+        key = seed_key(seed)
+    elif seed is not None:
+        _check_int(seed, what, "seed")
+    if out is None:
+        return _quantize_op(xf, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ArgumentTypeError(f"{what}: out must be a (q, scales) pair of tensors, got {type(out).__name__}")
+    n = xf.numel()
+    qdt = torch.int8 if bits == 8 else torch.uint8
+    for t, name, dt, size in ((out[0], "out[0] (q)", qdt, n if bits == 8 else -(-n // 2)),
+                              (out[1], "out[1] (scales)", torch.float32, -(-n // block))):  # fmt: skip
+        t = _check_tensor(t, what, name)
+        if t.dtype != dt or t.numel() != size or not t.is_contiguous():
+            raise ShapeError(
+                f"{what}: {name} must be a contiguous {dt} tensor of {size} elements for {n} elements in blocks "
+                f"of {block}, got {t.dtype} with {t.numel()} elements{'' if t.is_contiguous() else ' (strided)'}"
+            )
+        if t.device != xf.device:
+            raise DeviceMismatchError(f"{what}: {name} is on {t.device}, x on {xf.device}")
+    q, scales = out[0].view(-1), out[1].view(-1)
+    _quantize_out_op(xf, q, scales, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
+    return out[0], out[1]
+
+
+def dequantize(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    block: int = 256,
+    numel: int | None = None,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+    accumulate: bool = False,
+    alpha: float = 1.0,
+    provider: str | None = None,
+) -> torch.Tensor:
+    """``alpha * codes * scale`` for each element (plus ``out`` with ``accumulate``).
+
+    The bit width follows ``q``'s dtype (int8: 8 bits, uint8: packed int4). ``numel`` defaults to
+    ``q.numel()`` (int8) or ``2 * q.numel()`` (int4: pass the true count when it is odd); ``block`` must
+    be the one ``quantize`` used (checked against the number of scales).
+    """
+    what = "torsh_kernels.dequantize"
+    q = _check_tensor(q, what, "q")
+    scales = _check_tensor(scales, what, "scales")
+    if q.dtype not in (torch.int8, torch.uint8):
+        raise DTypeError(f"{what}: q has dtype {q.dtype}; expected int8 (8-bit codes) or uint8 (packed int4)")
+    if scales.dtype != torch.float32:
+        raise DTypeError(f"{what}: scales have dtype {scales.dtype}; expected float32")
+    if q.device != scales.device:
+        raise DeviceMismatchError(f"{what}: q is on {q.device}, scales on {scales.device}")
+    bits = 8 if q.dtype == torch.int8 else 4
+    bits, block = _check_quant_args(bits, block, what)
+    if numel is None:
+        numel = q.numel() if bits == 8 else 2 * q.numel()
+    numel = _check_int(numel, what, "numel", 0)
+    want_q = numel if bits == 8 else -(-numel // 2)
+    if q.numel() != want_q:
+        raise ShapeError(f"{what}: {numel} elements at {bits} bits need {want_q} code bytes, q has {q.numel()}")
+    if scales.numel() != -(-numel // block):
+        raise ShapeError(
+            f"{what}: {numel} elements in blocks of {block} need {-(-numel // block)} scales, got "
+            f"{scales.numel()}; pass the block size quantize used"
+        )
+    alpha = _check_alpha(alpha, what)
+    out, of = _decode_out(out, numel, dtype, q.device, what)
+    _dequantize_op(q.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), of, bits, block, alpha,
+                   bool(accumulate), provider or "")  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Tuning space (``torsh tune``): the Triton quantizer's elements per program and warps
+
+
+def _tune_make(device, dtype, size, gen):
+    return torch.randn(size, generator=gen).to(dtype).to(device)
+
+
+def _tune_check(x, out):
+    q, s = quantize_ref(x, bits=8)
+    return torch.equal(out[0], q) and torch.equal(out[1], s)
+
+
+register_space(TuneSpace(
+    op="quantize", family="compression", dtypes=COMPRESS_DTYPES, make=_tune_make,
+    meta={"triton": {"QTILE": (4096, 1024, 2048, 8192), "num_warps": (8, 4)}},
+    run=lambda x, p: quantize(x, bits=8, provider=p), check=_tune_check,
+))  # fmt: skip

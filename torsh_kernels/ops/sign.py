@@ -1,0 +1,258 @@
+"""1-bit sign compression ops: sign_compress (with error feedback) and sign_decompress.
+
+- ``sign_compress(x, residual=)`` -> ``(bits, scale)``: 8 signs per byte (element 8i + j in bit j; 1 for
+  ``v >= 0``) and ``scale = mean(|v|)`` (summed in fp64), v = x + residual; with a residual, it is left
+  holding ``v - scale * sign(v)`` (EF-SignSGD). ``sign_decompress`` gives ``+-scale``.
+
+See ``_common`` for what the compression families share (fp32 compute, the non-finite checks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import DeviceMismatchError, DTypeError, ShapeError
+from ._common import (
+    BLOCK,
+    WARPS,
+    _acc_ref,
+    _acc_torch,
+    _check_alpha,
+    _check_int,
+    _check_tensor,
+    _counter,
+    _decode_out,
+    _flat_inout,
+    _flat_input,
+    _grid,
+    _no_overlap,
+    _on,
+    _raise_nonfinite,
+    _select,
+    _store_ref,
+)
+from .registry import Op
+
+__all__ = ["sign_compress", "sign_compress_ref", "sign_decompress", "sign_decompress_ref"]
+
+SIGN_BYTES = 512  # packed bytes per Triton sign program
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch references (the oracles for the tests; plain PyTorch, any device)
+
+
+def sign_compress_ref(x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = _acc_ref(x, residual)
+    n = acc.numel()
+    scale = (acc.abs().sum(dtype=torch.float64) / n).float() if n else torch.zeros((), device=acc.device)
+    pos = acc >= 0
+    nbytes = -(-n // 8)
+    padded = torch.zeros(nbytes * 8, dtype=torch.int32, device=acc.device)
+    padded[:n] = pos.to(torch.int32)
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.int32, device=acc.device)
+    bits = (padded.view(nbytes, 8) * weights).sum(dim=1).to(torch.uint8)
+    if residual is not None:
+        residual.view(-1).copy_(acc - torch.where(pos, scale, -scale))
+    return bits, scale
+
+
+def sign_decompress_ref(bits, scale, numel, *, dtype=torch.float32, out=None, accumulate=False, alpha=1.0):
+    b = bits.to(torch.int32)
+    pos = ((b[:, None] >> torch.arange(8, device=bits.device)) & 1).view(-1)[:numel] != 0
+    s = scale.float() * alpha
+    return _store_ref(torch.where(pos, s, -s), out, dtype, accumulate)
+
+
+# --------------------------------------------------------------------------------------------------
+# Provider implementations. Inputs are validated, contiguous and 1-D, on one device.
+
+_abs_sum = Op("sign_compress")
+_sign_pack = Op("sign_compress.pack")
+_sign_unpack = Op("sign_decompress")
+
+
+# sign: pass 1 -> (sum |v| as fp64 0-dim, non-finite count); pass 2 packs (and updates the residual)
+@_abs_sum.register("torch")
+def _abs_sum_torch(x, r):
+    v = _acc_torch(x, r)
+    total = v.abs().sum(dtype=torch.float64)  # finite unless an element is NaN/Inf (no fp64 overflow)
+    bad = torch.zeros(1, dtype=torch.int64, device=v.device)
+    if not bool(torch.isfinite(total)):
+        bad += (~torch.isfinite(v)).sum()
+    return total, bad
+
+
+@_abs_sum.register("triton")
+def _abs_sum_triton(x, r):
+    from . import _sign_triton as K
+
+    grid = _grid(x.numel(), BLOCK)
+    part = torch.empty(grid[0], dtype=torch.float32, device=x.device)
+    bad = _counter(x.device)
+    K._abs_sum_kernel[grid](x, r if r is not None else x, part, bad, x.numel(), BLOCK=BLOCK, HAS_R=r is not None,
+                            num_warps=WARPS)  # fmt: skip
+    return part.sum(dtype=torch.float64), bad
+
+
+@_abs_sum.register("numba")
+def _abs_sum_numba(x, r):
+    from . import _sign_numba as K
+
+    return K.abs_sum(x, r)
+
+
+@_sign_pack.register("torch")
+def _sign_pack_torch(x, r, bits, scale):
+    v = _acc_torch(x, r)
+    pos = v >= 0
+    n = v.numel()
+    p8 = pos.view(torch.uint8)
+    if n % 8:
+        p8 = torch.nn.functional.pad(p8, (0, bits.numel() * 8 - n))
+    shifts = torch.arange(8, dtype=torch.uint8, device=v.device)
+    torch.sum(p8.view(-1, 8) << shifts, dim=1, dtype=torch.uint8, out=bits)
+    if r is not None:
+        r.copy_(v - torch.where(pos, scale, -scale))
+
+
+@_sign_pack.register("triton")
+def _sign_pack_triton(x, r, bits, scale):
+    from . import _sign_triton as K
+
+    K._sign_pack_kernel[_grid(bits.numel(), SIGN_BYTES)](
+        x, r if r is not None else x, bits, scale, x.numel(), bits.numel(),
+        BYTES=SIGN_BYTES, HAS_R=r is not None, num_warps=WARPS,
+    )  # fmt: skip
+
+
+@_sign_pack.register("numba")
+def _sign_pack_numba(x, r, bits, scale):
+    from . import _sign_numba as K
+
+    K.sign_pack(x, r, bits, scale)
+
+
+@_sign_unpack.register("torch")
+def _sign_unpack_torch(bits, scale, out, alpha, accumulate):
+    n = out.numel()
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    pos = ((bits[:, None] >> shifts) & 1).view(-1)[:n].view(torch.bool)
+    s = scale * alpha if alpha != 1.0 else scale
+    v = torch.where(pos, s, -s)
+    if accumulate:
+        v = out.float() + v
+    out.copy_(v)
+
+
+@_sign_unpack.register("triton")
+def _sign_unpack_triton(bits, scale, out, alpha, accumulate):
+    from . import _sign_triton as K
+
+    K._sign_unpack_kernel[_grid(bits.numel(), SIGN_BYTES)](
+        bits, scale, out, out.numel(), bits.numel(), alpha,
+        BYTES=SIGN_BYTES, ACCUMULATE=accumulate, num_warps=WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+@_sign_unpack.register("numba")
+def _sign_unpack_numba(bits, scale, out, alpha, accumulate):
+    from . import _sign_numba as K
+
+    K.sign_unpack(bits, scale, out, alpha, accumulate)
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops (torch.library): opaque to torch.compile, with fake implementations.
+
+
+@torch.library.custom_op("torsh::sign_compress", mutates_args=("residual",))
+def _sign_op(x: torch.Tensor, residual: torch.Tensor | None, check_finite: bool,
+             provider: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    n = x.numel()
+    bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return bits, torch.zeros((), dtype=torch.float32, device=x.device)
+    name = _select(_abs_sum, x, provider)
+    r = residual.view(-1) if residual is not None else None
+    with _on(x.device):
+        total, bad = _abs_sum(name, x.view(-1), r)
+        if check_finite and (b := int(bad.item())):
+            _raise_nonfinite(b, "torsh_kernels.sign_compress", "x + residual" if r is not None else "x")
+        scale = (total / n).to(torch.float32)
+        _sign_pack(name, x.view(-1), r, bits, scale)
+    return bits, scale
+
+
+@_sign_op.register_fake
+def _(x, residual, check_finite, provider):
+    return x.new_empty(-(-x.numel() // 8), dtype=torch.uint8), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("torsh::sign_decompress", mutates_args=("out",))
+def _sign_decompress_op(bits: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, alpha: float, accumulate: bool,
+                        provider: str) -> None:  # fmt: skip
+    if out.numel():
+        name = _select(_sign_unpack, out, provider)
+        with _on(out.device):
+            _sign_unpack(name, bits, scale.reshape(()).float(), out.view(-1), alpha, accumulate)
+
+
+@_sign_decompress_op.register_fake
+def _(bits, scale, out, alpha, accumulate, provider):
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+
+
+def sign_compress(
+    x: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    *,
+    check_finite: bool = True,
+    provider: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-bit compression of ``v = x + residual``: ``(bits, scale)``, bits uint8 [ceil(n/8)] (bit j of byte
+    i is 1 where element 8i+j is >= 0), scale = mean |v| (fp32, 0-dim). With ``residual`` (updated in
+    place): ``residual = v - scale * sign(v)``."""
+    what = "torsh_kernels.sign_compress"
+    xf = _flat_input(x, what, "x")
+    rf = None
+    if residual is not None:
+        rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
+        _no_overlap(rf, xf, what, "residual", "x")
+    return _sign_op(xf, rf, bool(check_finite), provider or "")
+
+
+def sign_decompress(
+    bits: torch.Tensor,
+    scale: torch.Tensor | float,
+    numel: int,
+    *,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+    accumulate: bool = False,
+    alpha: float = 1.0,
+    provider: str | None = None,
+) -> torch.Tensor:
+    """``+-alpha * scale`` per element from packed signs (plus ``out`` with ``accumulate``)."""
+    what = "torsh_kernels.sign_decompress"
+    bits = _check_tensor(bits, what, "bits")
+    if bits.dtype != torch.uint8:
+        raise DTypeError(f"{what}: bits have dtype {bits.dtype}; expected uint8")
+    numel = _check_int(numel, what, "numel", 0)
+    if bits.numel() != -(-numel // 8):
+        raise ShapeError(f"{what}: {numel} signs need {-(-numel // 8)} bytes, bits has {bits.numel()}")
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        scale = torch.tensor(float(scale), device=bits.device)
+    scale = _check_tensor(scale, what, "scale")
+    if scale.numel() != 1 or not scale.is_floating_point():
+        raise ShapeError(f"{what}: scale must be one floating-point element, got {scale.numel()} of {scale.dtype}")
+    if scale.device != bits.device:
+        raise DeviceMismatchError(f"{what}: scale is on {scale.device}, bits on {bits.device}")
+    alpha = _check_alpha(alpha, what)
+    out, of = _decode_out(out, numel, dtype, bits.device, what)
+    _sign_decompress_op(bits.reshape(-1).contiguous(), scale, of, alpha, bool(accumulate), provider or "")
+    return out

@@ -1,0 +1,375 @@
+"""Top-k sparsification ops: topk_compress (with error feedback) and topk_decompress.
+
+- ``topk_compress(x, ratio=, residual=, exact=)`` -> ``(values, indices)``: the k = ceil(ratio * n)
+  largest magnitudes of ``x + residual``, indices ascending (int32 when n < 2**31). With a residual, the
+  residual is left holding exactly what was not sent: ``x + residual_old - scatter(values)``.
+  *Approximate mode* (the default, as in Deep Gradient Compression): a threshold is estimated from a
+  strided sample, one fused pass compacts the candidates ``|v| >= threshold`` into a buffer of
+  ``CAP = k + ceil(TOPK_SLACK * k)`` slots, and the k largest candidates are kept. The estimate is
+  *refined* (threshold re-estimated from the sample with the observed count) when the candidate count
+  misses the band ``[k, CAP]``: below k (too few) or above ``(1 + TOPK_SLACK) * k`` (overflow), at most
+  ``TOPK_REFINE`` times, then the exact path runs. Whenever the count lands in the band, every one of
+  the true top k is a candidate, so the result equals the exact top-k (ties at the threshold may be
+  broken differently); what is approximate is the threshold, and its cost is one pass plus a top-k
+  over at most CAP elements instead of a top-k over n. ``exact=True`` selects with a top-k over all n.
+- ``topk_decompress(values, indices, numel, out=, accumulate=, alpha=)``: scatter (or scatter-add, with
+  duplicate indices summed: the all-gathered payloads of several ranks) ``alpha * values``.
+
+See ``_common`` for what the compression families share (fp32 compute, the non-finite checks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import (
+    ArgumentTypeError,
+    DeviceMismatchError,
+    DTypeError,
+    InvalidArgumentError,
+    NonFiniteError,
+    ShapeError,
+)
+from ._common import (
+    BLOCK,
+    WARPS,
+    _acc_ref,
+    _acc_torch,
+    _check_alpha,
+    _check_dtype,
+    _check_int,
+    _check_tensor,
+    _counter,
+    _decode_out,
+    _flat_inout,
+    _flat_input,
+    _grid,
+    _no_overlap,
+    _on,
+    _raise_nonfinite,
+    _scratch,
+    _select,
+    count_nonfinite,
+)
+from .error_feedback import _axpby
+from .registry import Op
+
+__all__ = ["index_dtype", "topk_compress", "topk_compress_ref", "topk_count", "topk_decompress", "topk_decompress_ref"]
+
+
+# Top-k approximate mode: candidate buffer slack over k, and refinement rounds before the exact path.
+TOPK_SLACK = 0.25
+TOPK_REFINE = 4
+TOPK_MIN_SAMPLE = 65536
+TOPK_SAMPLE_PER_K = 1024  # the sample holds about this many expected top-k elements (when n allows)
+_TOPK_TARGET = 1 + TOPK_SLACK / 2  # aim at the middle of the band
+
+
+def topk_count(numel: int, ratio: float) -> int:
+    """k for a density ``ratio`` of ``numel`` elements: ceil(ratio * numel), at least 1."""
+    return min(numel, max(1, math.ceil(ratio * numel)))
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch references (the oracles for the tests; plain PyTorch, any device)
+
+
+def topk_compress_ref(
+    x: torch.Tensor, *, ratio: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of |x + residual| by torch.topk, indices ascending; residual keeps what was not sent."""
+    acc = _acc_ref(x, residual)
+    if not torch.isfinite(acc).all():
+        raise NonFiniteError("topk_compress_ref: non-finite input")
+    k = topk_count(acc.numel(), ratio)
+    idx = torch.topk(acc.abs(), k, sorted=False).indices.sort().values
+    values = acc[idx].to(x.dtype)
+    if residual is not None:
+        acc[idx] -= values.float()
+        residual.view(-1).copy_(acc)
+    return values, idx.to(index_dtype(acc.numel()))
+
+
+def topk_decompress_ref(values, indices, numel, *, out=None, accumulate=False, alpha=1.0) -> torch.Tensor:
+    if out is None:
+        out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    acc = out.reshape(-1).float() if accumulate else torch.zeros(numel, device=values.device)
+    acc.index_add_(0, indices.long(), values.float() * alpha)
+    out.view(-1).copy_(acc)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Provider implementations. Inputs are validated, contiguous and 1-D, on one device.
+
+_candidates = Op("topk_compress")
+_scatter = Op("topk_decompress")
+
+
+# candidates: (cval fp32 [cap], cidx [cap], cnt int64 [2] = (count, non-finite))
+@_candidates.register("torch")
+def _cand_torch(x, r, thr, cap, idx_dtype):
+    # |x + r| in a per-thread scratch buffer (no 4-byte-per-element allocation and first touch per call);
+    # the candidates' signed values are re-read from x and r, k elements instead of n
+    a = _scratch(x.device, x.numel())
+    if r is None:
+        a.copy_(x)
+    elif x.dtype == r.dtype == torch.float32:
+        torch.add(x, r, out=a)
+    else:
+        a.copy_(_acc_torch(x, r))
+    bad = count_nonfinite(a)
+    a.abs_()
+    sel = a >= thr  # NaN compares false
+    if bool(bad):
+        sel &= torch.isfinite(a)
+    idx = sel.nonzero().view(-1)
+    cnt = torch.cat([idx.new_tensor([idx.numel()]), bad.to(idx.dtype)])
+    idx = idx[:cap]
+    return _acc_torch(x[idx], r[idx] if r is not None else None), idx.to(idx_dtype), cnt
+
+
+@_candidates.register("triton")
+def _cand_triton(x, r, thr, cap, idx_dtype):
+    from . import _topk_triton as K
+
+    cval = torch.empty(cap, dtype=torch.float32, device=x.device)
+    cidx = torch.empty(cap, dtype=idx_dtype, device=x.device)
+    cnt = _counter(x.device, 2)
+    K._topk_candidates_kernel[_grid(x.numel(), BLOCK)](
+        x, r if r is not None else x, cval, cidx, cnt, x.numel(), thr, cap,
+        BLOCK=BLOCK, HAS_R=r is not None, num_warps=WARPS,
+    )  # fmt: skip
+    return cval, cidx, cnt
+
+
+@_candidates.register("numba")
+def _cand_numba(x, r, thr, cap, idx_dtype):
+    from . import _topk_numba as K
+
+    return K.candidates(x, r, thr, cap, idx_dtype)
+
+
+# out[idx] (+)= alpha * values; ``unique`` promises no repeated index (no atomics needed)
+@_scatter.register("torch")
+def _scatter_torch(values, indices, out, alpha, accumulate, unique):
+    v = values.float() * alpha if alpha != 1.0 else values.float()
+    idx = indices.long()
+    if accumulate:
+        if out.dtype == torch.float32:
+            out.index_add_(0, idx, v)
+        else:
+            acc = out.float()
+            acc.index_add_(0, idx, v)
+            out.copy_(acc)
+    else:
+        out[idx] = v.to(out.dtype)
+
+
+def _scatter_with(launch, values, indices, out, alpha, accumulate, unique):
+    """Repeated indices with a 16-bit destination accumulate in an fp32 copy (no 16-bit atomics)."""
+    if accumulate and not unique and out.dtype != torch.float32:
+        acc = out.float()
+        launch(values, indices, acc, alpha, True, True)
+        out.copy_(acc)
+    else:
+        launch(values, indices, out, alpha, accumulate, accumulate and not unique)
+
+
+@_scatter.register("triton")
+def _scatter_triton(values, indices, out, alpha, accumulate, unique):
+    from . import _topk_triton as K
+
+    def launch(values, indices, out, alpha, accumulate, atomic):
+        k = values.numel()
+        K._scatter_kernel[_grid(k, BLOCK)](values, indices, out, k, out.numel(), alpha, BLOCK=BLOCK,
+                                           ACCUMULATE=accumulate, ATOMIC=atomic, num_warps=WARPS)  # fmt: skip
+
+    _scatter_with(launch, values, indices, out, alpha, accumulate, unique)
+
+
+@_scatter.register("numba")
+def _scatter_numba(values, indices, out, alpha, accumulate, unique):
+    from . import _topk_numba as K
+
+    _scatter_with(K.scatter, values, indices, out, alpha, accumulate, unique)
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops (torch.library): opaque to torch.compile, with fake implementations.
+
+
+@torch.library.custom_op("torsh::topk_compress", mutates_args=("residual",))
+def _topk_op(x: torch.Tensor, residual: torch.Tensor | None, k: int, exact: bool, check_finite: bool,
+             provider: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    name = _select(_candidates, x, provider)
+    with _on(x.device):
+        return _topk_run(name, x.view(-1), residual.view(-1) if residual is not None else None, k, exact, check_finite)
+
+
+@_topk_op.register_fake
+def _(x, residual, k, exact, check_finite, provider):
+    return x.new_empty(k), x.new_empty(k, dtype=index_dtype(x.numel()))
+
+
+def _sample_threshold(x: torch.Tensor, r: torch.Tensor | None, stride: int, target: int) -> float:
+    """The ``target``-th largest |x + r| over the strided sample x[::stride] (a host scalar)."""
+    s = x[::stride].float()
+    if r is not None:
+        s = s + r[::stride].float()
+    s = s.abs().nan_to_num_(nan=0.0, posinf=0.0)
+    target = min(max(target, 1), s.numel())
+    return float(torch.topk(s, target, sorted=False).values.min().item())
+
+
+def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
+    n = x.numel()
+    idt = index_dtype(n)
+    what = "torsh_kernels.topk_compress"
+    chosen = None
+    if not exact:
+        cap = min(n, k + math.ceil(TOPK_SLACK * k))
+        sample = min(n, max(TOPK_MIN_SAMPLE, math.ceil(TOPK_SAMPLE_PER_K * n / k)))
+        stride = max(1, n // sample)
+        ns = -(-n // stride)
+        target = _TOPK_TARGET * k * ns / n
+        for _ in range(TOPK_REFINE):
+            thr = _sample_threshold(x, r, stride, math.ceil(target))
+            cval, cidx, cnt = _candidates(name, x, r, thr, cap, idt)
+            count, bad = cnt.tolist()
+            if bad and check_finite:
+                _raise_nonfinite(bad, what, "x + residual" if r is not None else "x")
+            if k <= count <= cap:
+                sel = torch.topk(cval[:count].abs(), k, sorted=False).indices
+                chosen = cidx[sel], cval[sel]
+                break
+            # re-aim: the sample rank that should give k * _TOPK_TARGET candidates, given what this gave
+            new = target * (_TOPK_TARGET * k) / max(count, 1)
+            if math.ceil(new) == math.ceil(target):
+                new = target + (1 if count < k else -1)
+            if new < 1 or new > ns:
+                break
+            target = new
+    if chosen is None:  # exact path (also the fallback)
+        acc = torch.empty(n, dtype=torch.float32, device=x.device)
+        bad = _axpby(name, x, r if r is not None else torch.zeros_like(x), acc, 1.0, check_finite)
+        if check_finite and (b := int(bad.item())):
+            _raise_nonfinite(b, what, "x + residual" if r is not None else "x")
+        sel = torch.topk(acc.abs(), k, sorted=False).indices
+        chosen = sel.to(idt), acc[sel]
+    idx, order = torch.sort(chosen[0])
+    acc = chosen[1][order]  # fp32 x + residual at the chosen indices
+    values = acc.to(x.dtype)
+    if r is not None:  # error feedback: residual = x + residual, then what the sent values leave of it
+        _axpby(name, x, r, r, 1.0, False)
+        _scatter(name, acc - values.float(), idx, r, 1.0, False, True)  # rounded once into r's dtype
+    return values, idx
+
+
+@torch.library.custom_op("torsh::topk_decompress", mutates_args=("out",))
+def _topk_decompress_op(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, accumulate: bool,
+                        alpha: float, provider: str) -> None:  # fmt: skip
+    name = _select(_scatter, out, provider)
+    with _on(out.device):
+        if not accumulate:
+            out.zero_()
+        if values.numel():
+            _scatter(name, values, indices, out.view(-1), alpha, accumulate, False)
+
+
+@_topk_decompress_op.register_fake
+def _(values, indices, out, accumulate, alpha, provider):
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _check_ratio(ratio: object, what: str) -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise ArgumentTypeError(f"{what}: ratio must be a number in (0, 1], got {type(ratio).__name__}")
+    if not (0.0 < ratio <= 1.0):
+        raise InvalidArgumentError(f"{what}: ratio must be in (0, 1] (the fraction of elements sent), got {ratio}")
+    return float(ratio)
+
+
+def topk_compress(
+    x: torch.Tensor,
+    *,
+    ratio: float,
+    residual: torch.Tensor | None = None,
+    exact: bool = False,
+    check_finite: bool = True,
+    provider: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k = ceil(ratio * x.numel()) largest magnitudes of ``x + residual``, with error feedback.
+
+    Returns ``(values, indices)``: values in x's dtype, indices ascending, int32 when x has fewer than
+    2**31 elements (else int64), both of length k. With ``residual`` (fp32/fp16/bf16, x's element count,
+    contiguous), it is updated in place to ``x + residual - decompress(values, indices)``: exactly what
+    was not sent (for each element, computed in fp32 and rounded once into the residual's dtype). See the
+    module docstring for the approximate mode and ``exact``.
+    """
+    what = "torsh_kernels.topk_compress"
+    xf = _flat_input(x, what, "x")
+    ratio = _check_ratio(ratio, what)
+    if xf.numel() == 0:
+        raise ShapeError(f"{what}: x is empty; there is nothing to select")
+    rf = None
+    if residual is not None:
+        rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
+        _no_overlap(rf, xf, what, "residual", "x")
+    k = topk_count(xf.numel(), ratio)
+    return _topk_op(xf, rf, k, bool(exact), bool(check_finite), provider or "")
+
+
+def topk_decompress(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    numel: int,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    alpha: float = 1.0,
+    dtype: torch.dtype | None = None,
+    provider: str | None = None,
+) -> torch.Tensor:
+    """Scatter ``alpha * values`` to ``indices`` of a zero tensor of ``numel`` elements (or of ``out``).
+
+    With ``accumulate`` the values are added to ``out`` (repeated indices add up, e.g. the concatenated
+    payloads of several ranks); without, ``out`` is zeroed first and a repeated index keeps one of its
+    values (unspecified which). Indices outside [0, numel) raise ``ShapeError`` before anything is written.
+    """
+    what = "torsh_kernels.topk_decompress"
+    values = _check_tensor(values, what, "values")
+    indices = _check_tensor(indices, what, "indices")
+    _check_dtype(values, what, "values")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise DTypeError(f"{what}: indices have dtype {indices.dtype}; expected int32 or int64")
+    if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
+        raise ShapeError(
+            f"{what}: values and indices must be 1-D of one length, got {tuple(values.shape)} and "
+            f"{tuple(indices.shape)}"
+        )
+    if values.device != indices.device:
+        raise DeviceMismatchError(f"{what}: values are on {values.device}, indices on {indices.device}")
+    numel = _check_int(numel, what, "numel", 0)
+    alpha = _check_alpha(alpha, what)
+    out, of = _decode_out(out, numel, dtype or values.dtype, values.device, what)
+    if indices.numel():
+        lo, hi = torch.aminmax(indices)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= numel:
+            bad = lo if lo < 0 else hi
+            raise ShapeError(f"{what}: index {bad} is outside [0, {numel}); nothing was written")
+    _no_overlap(of, values, what, "out", "values")
+    _no_overlap(of, indices, what, "out", "indices")
+    _topk_decompress_op(values.contiguous(), indices.contiguous(), of, bool(accumulate), alpha, provider or "")
+    return out

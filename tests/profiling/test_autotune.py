@@ -1,5 +1,6 @@
-"""The autotuner: search logic, pruning, wrong or failing candidates never winning, the cache (keying,
-resume, invalidation), the dispatcher using winners, rank consistency on real processes, `torsh tune`."""
+"""The autotuner: search logic, pruning, wrong or failing candidates never winning, the cache it writes
+(keying, resume, invalidation), the dispatcher using what it tuned, rank consistency on real processes,
+`torsh tune`. The cache reader itself (ops.tuning) is tested in tests/ops/test_tuning.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import pytest
 import torch
 
+import torsh_kernels.ops.tuning as T
 import torsh_kernels.profiling.autotune as A
 from torsh_kernels.apps.cli import main
 from torsh_kernels.collectives import run_local
@@ -21,17 +23,17 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(A.ENV_CACHE_DIR, str(tmp_path / "cache"))
-    A._STORE.data = None
-    A.install()  # as importing torsh_kernels does (another test may have swapped the registry's hooks)
+    monkeypatch.setenv(T.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    T._STORE.data = None
+    A.install()  # the registry's default reader (another test may have swapped the registry's hooks)
     yield
-    A._STORE.data = None
+    T._STORE.data = None
 
 
 CALLS: list[str] = []
 
 
-def _fake_space(op: str = "test_fake") -> A.TuneSpace:
+def _fake_space(op: str = "test_fake") -> T.TuneSpace:
     """torch: right, and as slow as its meta X says (X=1 fastest); triton: fast but wrong; numba: raises."""
 
     def run(x, provider):
@@ -44,7 +46,7 @@ def _fake_space(op: str = "test_fake") -> A.TuneSpace:
         time.sleep(0.002 * X**2)
         return x * 2
 
-    return A.TuneSpace(op=op, family="test", dtypes=(torch.float32,), meta={"torch": {"X": (2, 1, 4)}},
+    return T.TuneSpace(op=op, family="test", dtypes=(torch.float32,), meta={"torch": {"X": (2, 1, 4)}},
                        make=lambda d, dt, n, g: torch.randn(n, generator=g, dtype=dt).to(d), run=run,
                        check=lambda x, out: torch.equal(out, x * 2))  # fmt: skip
 
@@ -54,10 +56,10 @@ def test_wrong_and_failing_candidates_never_win(strategy):
     A.register_space(_fake_space())
     t = A.Tuner(CPU, providers=("torch", "triton", "numba"), strategy=strategy, budget_s=60, reps=3)
     (r,) = t.tune(["test_fake"], [torch.float32], [1000])
-    assert r.winner == A.Candidate("torch", (("X", 1),)), r
+    assert r.winner == T.Candidate("torch", (("X", 1),)), r
     assert "triton" in r.dropped and "wrong result" in r.dropped["triton"]
     assert "numba" in r.dropped and "does not compile" in r.dropped["numba"]
-    assert r.bucket == 10 and r.default == A.Candidate("torch")
+    assert r.bucket == 10 and r.default == T.Candidate("torch")
     assert r.speedup and r.speedup > 1.5  # X=1 against the default (X=2): 4x less sleep
     if strategy == "exhaustive":
         assert "torch(X=4)" in r.pruned, "8x slower than the best after one repetition: pruned"
@@ -67,7 +69,7 @@ def test_cache_keying_resume_and_invalidation():
     A.register_space(_fake_space())
     t = A.Tuner(CPU, providers=("torch",), budget_s=60, reps=2)
     t.tune(["test_fake"], [torch.float32], [1000, 5000])
-    data = json.loads(A.cache_path().read_text())
+    data = json.loads(T.cache_path().read_text())
     (env_key,) = data["environments"]
     env = data["environments"][env_key]
     assert env["env"]["torch"] == torch.__version__ and env["env"]["device"].startswith("cpu")
@@ -83,7 +85,7 @@ def test_cache_keying_resume_and_invalidation():
     # the dispatcher's lookups see the winner (size 600 is in bucket 2^10)
     assert registry.tuned_meta("test_fake", CPU, torch.float32, 600, "torch") == {"X": 1}
     # a version change is another environment: the old winners no longer apply
-    A.cache_path().write_text(A.cache_path().read_text().replace(f"torch={torch.__version__}", "torch=0.0.1"))
+    T.cache_path().write_text(T.cache_path().read_text().replace(f"torch={torch.__version__}", "torch=0.0.1"))
     assert registry.tuned_meta("test_fake", CPU, torch.float32, 600, "torch") == {}
 
 
@@ -103,32 +105,20 @@ def test_dispatcher_uses_cached_winners_for_real_ops():
     assert r.winner is not None and not r.dropped, r.dropped
     assert len(r.timings) + len(r.pruned) >= 3
     assert _flatten.select(CPU, torch.float32, 900, None) == r.winner.provider  # automatic selection
-    # write a winner by hand: the launchers get its meta-parameters, selection its provider
-    key, _ = A.environment_key(CPU)
-    data = A.load_cache()
-    data["environments"][key]["entries"]["flatten | float32 | 2^12"] = {
-        "provider": "triton", "meta": {"BLOCK": 1024, "num_warps": 2}, "median_ms": 1.0}  # fmt: skip
-    A._save_cache(data)
-    assert _flatten.select(CPU, torch.float32, 3000, None) == "triton"
-    assert registry.tuned_meta("flatten", CPU, torch.float32, 3000, "triton") == {"BLOCK": 1024, "num_warps": 2}
-    assert registry.tuned_meta("flatten", CPU, torch.float32, 3000, "numba") == {}
-    from torsh_kernels import flatten
-
-    xs = [torch.randn(1500), torch.randn(1499)]
-    assert torch.equal(flatten(xs)[0], torch.cat(xs)), "the tuned provider and BLOCK give the right result"
+    # (a winner written by hand, its meta-parameters reaching the launchers: tests/ops/test_tuning.py)
 
 
 def _sync_worker(comm, root):
-    os.environ[A.ENV_CACHE_DIR] = os.path.join(root, f"rank{comm.rank}")
-    A._STORE.data = None
-    key, env = A.environment_key(torch.device("cpu"))
+    os.environ[T.ENV_CACHE_DIR] = os.path.join(root, f"rank{comm.rank}")
+    T._STORE.data = None
+    key, env = T.environment_key(torch.device("cpu"))
     entries = {"flatten | float32 | 2^12": {"provider": "torch" if comm.rank == 0 else "triton", "meta": {},
                                             "median_ms": 1.0}}  # fmt: skip
     if comm.rank == 1:
         entries["quantize | float32 | 2^20"] = {"provider": "numba", "meta": {}, "median_ms": 2.0}
-    A._save_cache({"format": A.CACHE_FORMAT, "environments": {key: {"env": env, "entries": entries}}})
+    A._save_cache({"format": T.CACHE_FORMAT, "environments": {key: {"env": env, "entries": entries}}})
     n = A.sync_tuning(comm)
-    got = A.load_cache()["environments"][key]["entries"]
+    got = T.load_cache()["environments"][key]["entries"]
     return (
         n,
         {k: (v["provider"], v.get("synced_from_rank")) for k, v in got.items()},
@@ -155,4 +145,4 @@ def test_torsh_tune_cli(capsys):
     assert "flatten | float32 | 2^10" in shown and "current" in shown
     assert main(["tune", "--ops", "nonsense"]) == 2
     assert main(["tune", "--clear"]) == 0
-    assert not A.cache_path().exists()
+    assert not T.cache_path().exists()

@@ -1,9 +1,10 @@
 """Kernel autotuner: search providers and meta-parameters per op, dtype and shape bucket; cache winners.
 
-- **Search spaces.** Each tunable op registers a :class:`TuneSpace` (:func:`register_space`): how to
-  build fresh random inputs of a given size, how to run the op with a given provider, how to check the
+- **Search spaces.** Each tunable op declares a :class:`TuneSpace` next to its kernels and registers it
+  (:func:`register_space`; both live in :mod:`torsh_kernels.ops.tuning` and are re-exported here): how
+  to build fresh random inputs of a given size, how to run the op with a given provider, how to check the
   output against the torch reference, and the meta-parameter choices per provider (Triton BLOCK sizes
-  and ``num_warps``, ...). Later op families add theirs with ``register_space``; the tuner does not change.
+  and ``num_warps``, ...). New op families add theirs with ``register_space``; the tuner does not change.
 - **Shape buckets.** Sizes fall into powers of two of the element count (``2^k`` holds sizes in
   (2^(k-1), 2^k]); one winner per (op, dtype, bucket).
 - **Measuring.** Every candidate first runs once on fresh random inputs and is compared with the
@@ -18,9 +19,11 @@
   or under ``$XDG_CACHE_HOME``). Entries are grouped by environment: device name, compute capability,
   torch/triton/numba/torsh-kernels versions; a version change makes a new environment, so old winners
   are never applied to new code (``torsh tune --show`` lists them as stale). Each entry is written as
-  soon as it is found (an interrupted tuning keeps what it found, and the next run resumes).
-- **Use.** ``install()`` (done when torsh_kernels is imported) points the provider registry at the
-  cache: automatic provider selection and the kernel launchers use the winners. ``sync_tuning(comm)``
+  soon as it is found (an interrupted tuning keeps what it found, and the next run resumes). The tuner
+  writes the cache; :mod:`torsh_kernels.ops.tuning` reads it.
+- **Use.** Automatic provider selection and the kernel launchers use the winners through the cache
+  reader of :mod:`torsh_kernels.ops.tuning`, by default (no install step; ``install()`` points the
+  registry back at that reader after ``registry.set_tuned_lookup`` installed another). ``sync_tuning(comm)``
   broadcasts rank 0's winners so every rank runs the same configuration (different ranks picking
   different configurations change numerics), and records in each rank's cache that they came from rank 0.
 """
@@ -30,7 +33,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import os
 import random
 import time
@@ -41,11 +43,30 @@ from typing import Any
 
 import torch
 
-from .._env import package_version
 from ..errors import InvalidArgumentError
 from ..ops import registry
+from ..ops.tuning import (
+    _STORE,
+    CACHE_FORMAT,
+    ENV_CACHE_DIR,
+    Candidate,
+    TuneSpace,
+    bucket_of,
+    cache_dir,
+    cache_path,
+    entry_key,
+    environment_key,
+    load_cache,
+    lookup_meta,
+    lookup_provider,
+    register_space,
+    spaces,
+)
 
 __all__ = [
+    "CACHE_FORMAT",
+    "ENV_CACHE_DIR",
+    "STRATEGIES",
     "Candidate",
     "TuneResult",
     "TuneSpace",
@@ -63,83 +84,7 @@ __all__ = [
 
 log = logging.getLogger("torsh_kernels")
 
-ENV_CACHE_DIR = "TORSH_KERNELS_CACHE_DIR"
-CACHE_FORMAT = 1
 STRATEGIES = ("exhaustive", "random", "greedy")
-
-
-def cache_dir() -> Path:
-    """Where the tuning cache lives: $TORSH_KERNELS_CACHE_DIR, else $XDG_CACHE_HOME/torsh_kernels, else
-    ~/.cache/torsh_kernels."""
-    env = os.environ.get(ENV_CACHE_DIR)
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "torsh_kernels"
-
-
-def cache_path() -> Path:
-    return cache_dir() / "tuning.json"
-
-
-def bucket_of(size: int) -> int:
-    """The shape bucket k of a size: 2^(k-1) < size <= 2^k."""
-    return max(0, math.ceil(math.log2(max(size, 1))))
-
-
-# --------------------------------------------------------------------------------------------------
-# Environment and cache
-
-
-def _environment(device: torch.device) -> dict[str, str]:
-    from .. import __version__
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        major, minor = torch.cuda.get_device_capability(device)
-        cc = f"{major}.{minor}"
-    else:
-        import platform
-
-        name, cc = f"cpu:{platform.machine()}", "cpu"
-    return {
-        "device": name,
-        "capability": cc,
-        "torch": torch.__version__,
-        "triton": package_version("triton") or "-",
-        "numba": package_version("numba") or "-",
-        "torsh_kernels": __version__,
-    }
-
-
-_ENV_CACHE: dict[tuple[str, int | None], tuple[str, dict[str, str]]] = {}
-
-
-def environment_key(device: torch.device) -> tuple[str, dict[str, str]]:
-    """(key, fields) of the environment tuning results belong to."""
-    k = (device.type, device.index)
-    if k not in _ENV_CACHE:
-        env = _environment(device)
-        _ENV_CACHE[k] = (" | ".join(f"{a}={b}" for a, b in env.items()), env)
-    return _ENV_CACHE[k]
-
-
-def _entry_key(op: str, dtype: torch.dtype, bucket: int) -> str:
-    return f"{op} | {str(dtype).removeprefix('torch.')} | 2^{bucket}"
-
-
-def load_cache(path: Path | None = None) -> dict[str, Any]:
-    path = path or cache_path()
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {"format": CACHE_FORMAT, "environments": {}}
-    except (OSError, ValueError) as e:
-        log.warning("torsh_kernels: ignoring the unreadable tuning cache %s (%s)", path, e)
-        return {"format": CACHE_FORMAT, "environments": {}}
-    if data.get("format") != CACHE_FORMAT:
-        return {"format": CACHE_FORMAT, "environments": {}}
-    return data
 
 
 def _save_cache(data: dict[str, Any], path: Path | None = None) -> None:
@@ -150,196 +95,13 @@ def _save_cache(data: dict[str, Any], path: Path | None = None) -> None:
     os.replace(tmp, path)  # atomic: an interrupted write never leaves half a file
 
 
-class _Store:
-    """The cache as the dispatcher reads it: loaded once per process (reloaded when the file changes).
-
-    Consulted on every automatic provider selection and kernel launch, so a lookup costs one ``stat``:
-    the path is recomputed only when the environment variables it comes from change."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, Any] | None = None
-        self.mtime: tuple[int, int, int] | None = None
-        self.path: Path | None = None
-        self.path_from: tuple[str | None, str | None] | None = None
-        self.used: set[str] = set()
-
-    def _cache_path(self) -> Path:
-        src = (os.environ.get(ENV_CACHE_DIR), os.environ.get("XDG_CACHE_HOME"))
-        if src != self.path_from:  # Path.home() and friends cost more than the stat
-            self.path_from, self.data, self.path = src, None, cache_path()
-        return self.path
-
-    def entries(self, device: torch.device) -> dict[str, Any]:
-        path = self._cache_path()
-        try:  # writes replace the file, so a new inode (or size or mtime) means new contents, even within one tick
-            st = os.stat(path)
-            mtime = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
-            mtime = None
-        if self.data is None or mtime != self.mtime:
-            self.data, self.mtime = load_cache(path), mtime
-        key, _ = environment_key(device)
-        return self.data["environments"].get(key, {}).get("entries", {})
-
-    def winner(self, op: str, device: torch.device, dtype: torch.dtype, size: int) -> dict[str, Any] | None:
-        ek = _entry_key(op, dtype, bucket_of(size))
-        e = self.entries(device).get(ek)
-        if e is not None and ek not in self.used:
-            self.used.add(ek)
-            log.info("torsh_kernels: %s uses the tuned winner %s%s", ek, e["provider"], e.get("meta") or "")
-        return e
-
-
-_STORE = _Store()
-
-
-def _lookup_provider(op: str, device: torch.device, dtype: torch.dtype, size: int) -> str | None:
-    e = _STORE.winner(op, device, dtype, size)
-    return e["provider"] if e else None
-
-
-def _lookup_meta(op: str, device: torch.device, dtype: torch.dtype, size: int, provider: str) -> dict | None:
-    e = _STORE.winner(op, device, dtype, size)
-    return e.get("meta") if e and e["provider"] == provider else None
-
-
 def install() -> None:
-    """Point provider selection and the kernel launchers at the tuning cache."""
-    registry.set_tuned_lookup(_lookup_provider)
-    registry.set_tuned_meta(_lookup_meta)
+    """Point provider selection and the kernel launchers at the tuning cache's reader.
 
-
-# --------------------------------------------------------------------------------------------------
-# Search spaces
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration: a provider and its meta-parameters ({} = the launcher's defaults)."""
-
-    provider: str
-    meta: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def meta_dict(self) -> dict[str, int]:
-        return dict(self.meta)
-
-    def __str__(self) -> str:
-        m = ", ".join(f"{k}={v}" for k, v in self.meta)
-        return f"{self.provider}({m})" if m else self.provider
-
-
-@dataclass(kw_only=True)
-class TuneSpace:
-    """How to tune one op (see the module docstring)."""
-
-    op: str
-    """The registry name of the op (what the kernel launchers look up)."""
-    family: str
-    """The op family, for ``torsh tune --ops FAMILY``."""
-    dtypes: tuple[torch.dtype, ...]
-    """dtypes it is tuned for."""
-    make: Callable[[torch.device, torch.dtype, int, torch.Generator], Any]
-    """Fresh random inputs of about ``size`` elements."""
-    run: Callable[[Any, str], Any]
-    """Run the op on the inputs with a provider; returns what ``check`` compares."""
-    check: Callable[[Any, Any], bool]
-    """Whether an output is right (against the torch reference)."""
-    meta: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
-    """Per provider: meta-parameter name -> the values to try (the first is the default)."""
-
-    def candidates(self, providers: Sequence[str]) -> list[Candidate]:
-        out = []
-        for p in providers:
-            grid = self.meta.get(p, {})
-            combos: list[dict[str, int]] = [{}]
-            for name, values in grid.items():
-                combos = [{**c, name: v} for c in combos for v in values]
-            out += [Candidate(p, tuple(sorted(c.items()))) for c in combos]
-        return out
-
-
-_SPACES: dict[str, TuneSpace] = {}
-
-
-def register_space(space: TuneSpace) -> None:
-    """Make an op tunable (later op families call this; the tuner itself does not change)."""
-    _SPACES[space.op] = space
-
-
-def spaces() -> dict[str, TuneSpace]:
-    _builtin_spaces()
-    return dict(_SPACES)
-
-
-_BUILTINS: list[bool] = []
-
-
-def _builtin_spaces() -> None:
-    if _BUILTINS:
-        return
-    _BUILTINS.append(True)
-    from ..ops import bucket_reduce, bucket_reduce_ref, flatten, quantize, quantize_ref, unflatten
-
-    floats = (torch.float32, torch.float16, torch.bfloat16)
-    triton_bucket = {"triton": {"BLOCK": (2048, 1024, 4096, 8192), "num_warps": (4, 2, 8)}}
-
-    def pieces(device, dtype, size, gen):
-        k = 7
-        sizes = [max(1, size // k + (i * 37) % 101) for i in range(k)]
-        return [torch.randn(s, generator=gen).to(dtype).to(device) for s in sizes]
-
-    def make_flatten(device, dtype, size, gen):
-        ts = pieces(device, dtype, size, gen)
-        return ts, torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=device)
-
-    register_space(TuneSpace(
-        op="flatten", family="bucket", dtypes=floats, meta=triton_bucket, make=make_flatten,
-        run=lambda s, p: flatten(s[0], out=s[1], provider=p)[0],
-        check=lambda s, out: torch.equal(out, torch.cat([t.reshape(-1) for t in s[0]])),
-    ))  # fmt: skip
-
-    def make_unflatten(device, dtype, size, gen):
-        ts = pieces(device, dtype, size, gen)
-        flat, layout = flatten(ts, provider="torch")
-        flat = torch.randn(flat.numel(), generator=gen).to(dtype).to(device)
-        return flat, layout, [torch.empty_like(t) for t in ts]
-
-    def run_unflatten(s, p):
-        unflatten(s[0], s[1], s[2], provider=p)
-        return torch.cat([t.reshape(-1) for t in s[2]])
-
-    register_space(TuneSpace(
-        op="unflatten", family="bucket", dtypes=floats, meta=triton_bucket, make=make_unflatten, run=run_unflatten,
-        check=lambda s, out: torch.equal(out, s[0]),
-    ))  # fmt: skip
-
-    def make_reduce(device, dtype, size, gen):
-        bufs = [torch.randn(size, generator=gen).to(dtype).to(device) for _ in range(4)]
-        return bufs, torch.empty(size, dtype=dtype, device=device)
-
-    def check_reduce(s, out):
-        ref = bucket_reduce_ref(s[0], "sum", s[1].dtype)
-        tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[s[1].dtype]
-        return bool(torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol))
-
-    register_space(TuneSpace(
-        op="bucket_reduce", family="bucket", dtypes=floats, meta=triton_bucket, make=make_reduce,
-        run=lambda s, p: bucket_reduce(s[0], out=s[1], provider=p), check=check_reduce,
-    ))  # fmt: skip
-
-    def make_quantize(device, dtype, size, gen):
-        return torch.randn(size, generator=gen).to(dtype).to(device)
-
-    def check_quantize(x, out):
-        q, s = quantize_ref(x, bits=8)
-        return torch.equal(out[0], q) and torch.equal(out[1], s)
-
-    register_space(TuneSpace(
-        op="quantize", family="compression", dtypes=floats, make=make_quantize,
-        meta={"triton": {"QTILE": (4096, 1024, 2048, 8192), "num_warps": (8, 4)}},
-        run=lambda x, p: quantize(x, bits=8, provider=p), check=check_quantize,
-    ))  # fmt: skip
+    They use it by default (:mod:`torsh_kernels.ops.tuning`); this puts it back after
+    ``registry.set_tuned_lookup`` / ``set_tuned_meta`` installed another source."""
+    registry.set_tuned_lookup(lookup_provider)
+    registry.set_tuned_meta(lookup_meta)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -466,7 +228,7 @@ class Tuner:
         bucket = bucket_of(size)
         size = 2**bucket  # the bucket's representative size
         env_key, env = environment_key(self.device)
-        ekey = _entry_key(space.op, dtype, bucket)
+        ekey = entry_key(space.op, dtype, bucket)
         default = Candidate(registry.default_provider(self.device))
         if not force:
             e = load_cache(self.path)["environments"].get(env_key, {}).get("entries", {}).get(ekey)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os as _os
 
+from ._env import __version__
 from .errors import (
     ArgumentTypeError,
     DeviceMismatchError,
@@ -40,8 +41,6 @@ from .ops import (
     topk_decompress,
     unflatten,
 )
-
-__version__ = "0.1.0"
 
 if _os.environ.get("TORSH_TRACE", "").strip():
     # TORSH_TRACE=DIR: record this process's timeline into DIR/rank{R}.json. The profiling layer is loaded

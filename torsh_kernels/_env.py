@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+__version__ = "0.1.0"
+"""This library's version (re-exported as ``torsh_kernels.__version__``)."""
+
 
 def package_version(dist: str) -> str | None:
     """The installed version of distribution ``dist``, or None (read from metadata: nothing is imported)."""
@@ -133,8 +136,6 @@ def git_commit() -> str | None:
 
 def versions() -> dict[str, str | None]:
     """Versions of torsh-kernels, torch, Triton, Numba, Python and CUDA (benchmark JSON, trace metadata)."""
-    from . import __version__
-
     return {
         "torsh_kernels": __version__,
         "torch": torch.__version__,

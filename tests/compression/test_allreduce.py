@@ -59,7 +59,7 @@ def _gather_ref(c, xs, sims):
 
 
 def _shared_ref(c: Quantize, xs, sims, step):
-    from torsh_kernels.ops.compress import seed_key, uniform_noise
+    from torsh_kernels.ops.quantize import seed_key, uniform_noise
 
     qmax = 127 if c.bits == 8 else 7
     accs = [x.reshape(-1) + st.residual(x.reshape(-1)) for x, st in zip(xs, sims)]

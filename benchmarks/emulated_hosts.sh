@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two emulated hosts on one machine (network namespaces, a veth pair, tbf on each end): runs COMMAND as
-# rank 0 and rank 1 with torchrun's environment. The logic lives in torsh_kernels/bench/emulated.py.
+# rank 0 and rank 1 with torchrun's environment. The logic lives in torsh_kernels/apps/bench/emulated.py.
 #
 #   sudo benchmarks/emulated_hosts.sh [--rate 1gbit] [--delay 0ms] [--burst 512kb] -- COMMAND [ARGS...]
 #   sudo benchmarks/emulated_hosts.sh -- .venv/bin/python benchmarks/bench_collectives.py --json out.json

@@ -1,17 +1,51 @@
-"""Factories and models the test modules share: one home for what several of them need.
+"""What the test modules share: the device and dtype tolerances, random and poisoned tensors, compressor
+factories, batches and models. One home for what several of them need.
 
-(``conftest.py`` holds the harness itself: interpreter switches, devices, dtype tolerances, fixtures.)
+(``conftest.py`` sets the interpreter switches and the tuning cache, and holds the fixtures.) The
+compressor classes are imported at the top: importing torsh_kernels loads no Triton and no Numba, so the
+switches conftest sets still come before any kernel is defined.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 
+import pytest
 import torch
 from torch import nn
 
 from torsh_kernels.compression import BF16, FP16, Compressor, PowerSGD, Quantize, Sign, TopK
+
+GPU = torch.cuda.is_available() and os.environ.get("TORSH_TEST_INTERPRET", "0") != "1"
+"""Whether the tests run the compiled kernels on a GPU (else Triton's interpreter and Numba's simulator)."""
+DEVICE = torch.device("cuda") if GPU else torch.device("cpu")
+PROVIDERS = ("triton", "numba", "torch")
+
+# (dtype, atol, rtol): about two units in the last place of each dtype, so a wrong element or a missed
+# element (the outputs are poisoned with NaN) fails. A one-ulp rounding error passes these; rounding
+# modes are checked separately, bit for bit (test_casts_round_to_nearest_even).
+DTYPE_TOLS = [
+    pytest.param(torch.float32, 1e-6, 1e-6, id="fp32"),
+    pytest.param(torch.float16, 1e-3, 1e-3, id="fp16"),
+    pytest.param(torch.bfloat16, 8e-3, 8e-3, id="bf16"),
+]
+
+
+def rand(shape, dtype, gen, device=DEVICE) -> torch.Tensor:
+    """Random normal data (never zeros), made on the CPU from ``gen`` then moved."""
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+
+def poison(shape, dtype, device=DEVICE) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def close(a, b, atol, rtol) -> None:
+    """assert_close of fp32 CPU copies; a NaN (an element left poisoned) never matches."""
+    torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=atol, rtol=rtol, equal_nan=False)
+
 
 _COMPRESSORS = {
     "none": lambda p: None,

@@ -1,4 +1,4 @@
-"""The recording interface the lower layers call (DESIGN.md, layer 4): one module-level slot.
+"""The recording interface the lower layers call for the profiling layer (layer 5): one module-level slot.
 
 ``recorder`` is None unless a :class:`~torsh_kernels.profiling.timeline.Recorder` is active; then the
 op dispatcher, the communicators, the compressed all-reduce, the DDP hook and the synchronizer report

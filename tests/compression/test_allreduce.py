@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import make_compressor
 
+from tests.helpers import make_compressor
 from torsh_kernels.collectives import Link, TorchCommunicator, all_reduce_time, run_local
 from torsh_kernels.compression import (
     BF16,

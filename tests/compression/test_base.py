@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 import torch
-from conftest import DEVICE, rand
 
+from tests.helpers import DEVICE, rand
 from torsh_kernels.compression import (
     BF16,
     FP16,

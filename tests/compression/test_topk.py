@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from conftest import DEVICE, rand
 
+from tests.helpers import DEVICE, rand
 from torsh_kernels.compression import Quantize, TopK
 
 

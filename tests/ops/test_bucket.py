@@ -7,11 +7,11 @@ import pickle
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPE_TOLS, poison, rand
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torsh_kernels as tk
+from tests.helpers import DEVICE, DTYPE_TOLS, poison, rand
 from torsh_kernels.ops import _bucket_tables, _common
 from torsh_kernels.ops.bucket import BucketLayout, bucket_reduce_ref, flatten_ref, unflatten_ref
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPE_TOLS, close, poison, rand
 
 import torsh_kernels.ops.error_feedback as E
+from tests.helpers import DEVICE, DTYPE_TOLS, close, poison, rand
 from torsh_kernels.errors import NonFiniteError, ShapeError
 
 

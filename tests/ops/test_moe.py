@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPE_TOLS, rand
 
 import torsh_kernels.ops.moe as M
+from tests.helpers import DEVICE, DTYPE_TOLS, rand
 from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, poison, rand
 
 import torsh_kernels.ops.offload as O
+from tests.helpers import DEVICE, poison, rand
 from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
 
 SRC = [torch.float32, torch.float16, torch.bfloat16]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, close, rand
 
+from tests.helpers import DEVICE, close, rand
 from torsh_kernels.errors import DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
 from torsh_kernels.ops.orthogonalize import _ortho_op, orthogonalize, orthogonalize_ref
 

@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPE_TOLS, close, poison, rand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import DEVICE, DTYPE_TOLS, close, poison, rand
 from torsh_kernels.errors import DTypeError, InvalidArgumentError, NonFiniteError, ProviderError, ShapeError
 from torsh_kernels.ops.quantize import (
     CPU_SLICE,

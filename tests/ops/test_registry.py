@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
-from conftest import DEVICE
 
 import torsh_kernels as tk
+from tests.helpers import DEVICE
 from torsh_kernels.ops import bucket, registry
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, close, poison, rand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torsh_kernels.ops.sign as S
+from tests.helpers import DEVICE, close, poison, rand
 from torsh_kernels.errors import DTypeError, NonFiniteError, ShapeError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

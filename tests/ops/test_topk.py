@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPE_TOLS, close, poison, rand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torsh_kernels.ops.topk as K
+from tests.helpers import DEVICE, DTYPE_TOLS, close, poison, rand
 from torsh_kernels.errors import (
     ArgumentTypeError,
     DeviceMismatchError,

@@ -15,13 +15,13 @@ from __future__ import annotations
 import io
 import pickle
 
-import helpers
 import pytest
 import torch
 import torch.nn as nn
-from helpers import make_compressor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests import helpers
+from tests.helpers import make_compressor
 from torsh_kernels.collectives import run_local
 from torsh_kernels.compression import NoCompression, TopK, compressed_all_reduce
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from helpers import MLP
 
+from tests.helpers import MLP
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError
 from torsh_kernels.parallel import OffloadedOptimizer
 

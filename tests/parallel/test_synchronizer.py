@@ -3,13 +3,13 @@ DDP with compression_hook (compressed), overlap, unused parameters, consistency 
 
 from __future__ import annotations
 
-import helpers
 import pytest
 import torch
 import torch.nn as nn
-from helpers import MLP
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests import helpers
+from tests.helpers import MLP
 from torsh_kernels.collectives import run_local
 from torsh_kernels.compression import TopK
 from torsh_kernels.errors import InvalidArgumentError

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from trace_fixtures import EXPECTED, write_trace
 
+from tests.profiling.trace_fixtures import EXPECTED, write_trace
 from torsh_kernels.apps.cli import main as cli
 from torsh_kernels.errors import InvalidArgumentError
 from torsh_kernels.profiling.report import Thresholds, build

@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
-from helpers import MLP
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torsh_kernels as tk
+from tests.helpers import MLP
 from torsh_kernels import _trace
 from torsh_kernels.collectives import run_local
 from torsh_kernels.compression import PowerSGD, TopK, compressed_all_reduce

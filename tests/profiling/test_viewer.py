@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from trace_fixtures import EXPECTED, write_trace
 
+from tests.profiling.trace_fixtures import EXPECTED, write_trace
 from torsh_kernels.apps.cli import main as cli
 from torsh_kernels.errors import InvalidArgumentError
 from torsh_kernels.profiling import analysis as A

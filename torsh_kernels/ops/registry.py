@@ -8,7 +8,7 @@ Every op registers up to three implementations, one per provider:
   ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) in Numba's simulator, on CPU tensors.
 - ``torch``: plain PyTorch, any device.
 
-Selection, strongest first (DESIGN.md): the explicit ``provider=`` argument; the environment variable
+Selection, strongest first (docs/ops.md): the explicit ``provider=`` argument; the environment variable
 ``TORSH_KERNELS_PROVIDER``; the autotuner's cached winner for (op, device, dtype, size), read from the
 tuning cache by :mod:`.tuning` (``set_tuned_lookup`` / ``set_tuned_meta`` override the source); the device
 default (CUDA: triton, otherwise torch). An explicitly requested provider that cannot run raises

@@ -80,7 +80,7 @@ def bucket_of(size: int) -> int:
 
 
 def _environment(device: torch.device) -> dict[str, str]:
-    from .. import __version__
+    from .._env import __version__
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)

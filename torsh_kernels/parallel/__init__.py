@@ -1,4 +1,4 @@
-"""Layer 3: where models, optimizers and communicators meet. DDP comm hooks that compress gradients
+"""Layer 4: where models, optimizers and communicators meet. DDP comm hooks that compress gradients
 (:func:`compression_hook`), the same compression and bucketing without DDP
 (:class:`GradientSynchronizer`), mixture-of-experts layers on one process and expert-parallel
 (:class:`MoELayer`, :class:`ExpertParallelMoE`)."""

@@ -1,4 +1,4 @@
-"""Layer 4: observing the layers below. The timeline recorder (:mod:`~torsh_kernels.profiling.timeline`),
+"""Layer 5: observing the layers below. The timeline recorder (:mod:`~torsh_kernels.profiling.timeline`),
 trace loading and analysis (:mod:`~.traces`, :mod:`~.analysis`), the terminal viewer (:mod:`~.viewer`,
 ``torsh timeline``), the bottleneck report (:mod:`~.report`, ``torsh report``) and the kernel autotuner
 (:mod:`~.autotune`, ``torsh tune``)."""

@@ -177,7 +177,7 @@ def decode_plain(data: torch.Tensor, out: torch.Tensor, alpha: float, accumulate
     unflatten(data, BucketLayout.for_tensors([data]), [out], scale=alpha, accumulate=accumulate, provider=provider)
 
 
-def check_finite(t: torch.Tensor, what: str) -> None:
+def raise_if_nonfinite(t: torch.Tensor, what: str) -> None:
     """NonFiniteError naming ``what`` if ``t`` holds NaN or Inf."""
     bad = int(count_nonfinite(t))
     if bad:

@@ -13,12 +13,12 @@ from .base import (
     Compressor,
     Payload,
     Rounds,
-    check_finite,
     check_input,
     check_out,
     decode_plain,
     itemsize,
     numel_of,
+    raise_if_nonfinite,
 )
 
 __all__ = ["BF16", "FP16", "NoCompression"]
@@ -40,7 +40,7 @@ class _Cast(Compressor):
         x = check_input(tensor, f"{type(self).__name__}.compress")
         data, _ = flatten([x], dtype=self.dtype, provider=self.provider)
         if self.check_finite:
-            check_finite(data, f"{type(self).__name__}.compress")
+            raise_if_nonfinite(data, f"{type(self).__name__}.compress")
         state.step += 1
         return Payload({"data": data}, x.numel())
 
@@ -67,7 +67,7 @@ class NoCompression(_Cast):
     def compress(self, tensor, state):
         x = check_input(tensor, "NoCompression.compress")
         if self.check_finite:
-            check_finite(x, "NoCompression.compress")
+            raise_if_nonfinite(x, "NoCompression.compress")
         state.step += 1
         return Payload({"data": x}, x.numel())
 

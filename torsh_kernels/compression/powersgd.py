@@ -18,7 +18,7 @@ from ..collectives.communicator import Communicator
 from ..collectives.cost_model import Round
 from ..errors import InvalidArgumentError
 from ..ops import error_update, orthogonalize, residual_add
-from .base import Compressor, Payload, Rounds, check_finite, check_input, check_out, decode_plain, linear_rounds
+from .base import Compressor, Payload, Rounds, check_input, check_out, decode_plain, linear_rounds, raise_if_nonfinite
 
 __all__ = ["PowerSGD", "matrix_shape"]
 
@@ -85,7 +85,7 @@ class PowerSGD(Compressor):
         plan = self._plan(tensor) if state.step >= self.start_iter else None
         if plan is None:
             if self.check_finite:
-                check_finite(x, "PowerSGD.compress")
+                raise_if_nonfinite(x, "PowerSGD.compress")
             state.step += 1
             return Payload({"data": x.float() if x.dtype != torch.float32 else x.clone()}, x.numel())
         rows, cols, r = plan

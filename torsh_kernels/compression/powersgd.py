@@ -136,12 +136,7 @@ class PowerSGD(Compressor):
 
     def payload_nbytes(self, shape, dtype=torch.float32):
         """Steady state (after start_iter): P and Q in fp32, or the fp32 tensor when not worth compressing."""
-        t = torch.empty(shape, device="meta")
-        plan = self._plan(t)
-        if plan is None:
-            return 4 * t.numel()
-        rows, cols, r = plan
-        return 4 * r * (rows + cols)
+        return sum(r.nbytes for r in self.schemes(shape, dtype, 1)["all_reduce"])
 
     # -- on the wire ---------------------------------------------------------------------------------
 

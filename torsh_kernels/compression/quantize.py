@@ -14,6 +14,7 @@ contribution is quantized on a coarser common grid). Give each rank a different 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import KW_ONLY, dataclass
 
 import torch
@@ -137,10 +138,15 @@ def quantize_codes_dtype(bits: int, world_size: int) -> torch.dtype:
 def quantize_shared_scale_cheaper(numel: int, q: Quantize, world_size: int, link: Link | None = None) -> bool:
     """Whether the shared-scale integer all-reduce beats the all-gather of (codes, scales) for a
     quantized all-reduce of ``numel`` elements over ``world_size`` ranks (alpha-beta model, a flat
-    topology, a 10 Gbit/s link unless one is given)."""
-    link = link or Link.gbit(10)
+    topology, a 10 Gbit/s link unless one is given). Asked on every bucket of every step in
+    ``scheme="auto"``, so the answer is cached per (bits, block, numel, world size, link)."""
+    return _shared_scale_cheaper(q.bits, q.block, numel, world_size, link or Link.gbit(10))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_scale_cheaper(bits: int, block: int, numel: int, world_size: int, link: Link) -> bool:
     topo = Topology(world_size=world_size)
-    schemes = q.schemes(numel, torch.float32, world_size)
+    schemes = Quantize(bits, block).schemes(numel, torch.float32, world_size)
     shared = rounds_time(schemes["shared_scale_all_reduce"], topo, link)[1]
     return shared < rounds_time(schemes["all_gather"], topo, link)[1]
 

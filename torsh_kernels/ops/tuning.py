@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .._env import package_version
+from .._env import versions
 
 __all__ = [
     "CACHE_FORMAT",
@@ -80,23 +81,20 @@ def bucket_of(size: int) -> int:
 
 
 def _environment(device: torch.device) -> dict[str, str]:
-    from .._env import __version__
-
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         major, minor = torch.cuda.get_device_capability(device)
         cc = f"{major}.{minor}"
     else:
-        import platform
-
         name, cc = f"cpu:{platform.machine()}", "cpu"
+    v = versions()
     return {
         "device": name,
         "capability": cc,
-        "torch": torch.__version__,
-        "triton": package_version("triton") or "-",
-        "numba": package_version("numba") or "-",
-        "torsh_kernels": __version__,
+        "torch": v["torch"],
+        "triton": v["triton"] or "-",
+        "numba": v["numba"] or "-",
+        "torsh_kernels": v["torsh_kernels"],
     }
 
 

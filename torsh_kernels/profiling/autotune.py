@@ -15,12 +15,10 @@
   ``prune_factor`` times the best are pruned before the full timing), ``random`` (candidates in random
   order until the budget runs out) and ``greedy`` (coordinate descent over each provider's
   meta-parameters from the defaults).
-- **The cache** is JSON, ``$TORSH_KERNELS_CACHE_DIR/tuning.json`` (default ``~/.cache/torsh_kernels``,
-  or under ``$XDG_CACHE_HOME``). Entries are grouped by environment: device name, compute capability,
-  torch/triton/numba/torsh-kernels versions; a version change makes a new environment, so old winners
-  are never applied to new code (``torsh tune --show`` lists them as stale). Each entry is written as
-  soon as it is found (an interrupted tuning keeps what it found, and the next run resumes). The tuner
-  writes the cache; :mod:`torsh_kernels.ops.tuning` reads it.
+- **The cache**: its location, environment keys and reading are :mod:`torsh_kernels.ops.tuning`'s
+  (winners are never applied across a version change; ``torsh tune --show`` lists such entries as
+  stale). The tuner writes it, each entry as soon as it is found (an interrupted tuning keeps what it
+  found, and the next run resumes).
 - **Use.** Automatic provider selection and the kernel launchers use the winners through the cache
   reader of :mod:`torsh_kernels.ops.tuning`, by default (no install step; ``install()`` points the
   registry back at that reader after ``registry.set_tuned_lookup`` installed another). ``sync_tuning(comm)``

@@ -65,3 +65,25 @@ def test_plan_picks_the_cheapest():
     assert p.compressor is None
 
 
+
+
+def test_measured_compute_decides_where_the_link_is_fast():
+    from torsh_kernels.compression import measure_compute
+
+    cands = (None, FP16(), TopK(0.01))
+    cs = measure_compute((64, 48), 2, compressors=cands, repeats=1)
+    assert set(cs) == {"none", "fp16", "topk(0.01)"} and all(s > 0 for s in cs.values())
+    # a fixed, known compute cost: compression wins on a slow link and loses on a fast one
+    known = {"none": 0.0, "fp16": 1e-3, "topk(0.01)": 2e-3}
+    assert plan(64 << 20, 2, Link.gbit(0.1), compressors=cands, compute_seconds=known).compressor is not None
+    assert plan(64 << 20, 2, Link.gbit(1000), compressors=cands, compute_seconds=known).compressor is None
+    # the measured seconds are added to the wire time, exactly
+    p = plan(1 << 20, 2, LINK, compressors=cands, compute_seconds=known)
+    wire = {n: s for n, _, s in plan(1 << 20, 2, LINK, compressors=cands).candidates}
+    assert {n: s for n, _, s in p.candidates} == pytest.approx({n: wire[n] + known[n] for n in known})
+    with pytest.raises(InvalidArgumentError, match="no entry for 'fp16'"):
+        plan(1 << 20, 2, LINK, compressors=cands, compute_seconds={"none": 0.0})
+    with pytest.raises(InvalidArgumentError):
+        plan(1 << 20, 2, LINK, compressors=cands, compute_seconds={**known, "fp16": float("nan")})
+    with pytest.raises(InvalidArgumentError):
+        measure_compute(10, 2, repeats=0)

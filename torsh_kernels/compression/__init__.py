@@ -8,7 +8,7 @@ from __future__ import annotations
 from .allreduce import QUANTIZE_MODES, CompressedReduction, compressed_all_reduce, start_compressed_all_reduce
 from .base import CompressionState, Compressor, Payload, roundtrip
 from .cast import BF16, FP16, NoCompression
-from .planner import DEFAULT_CANDIDATES, Plan, compressed_time, plan
+from .planner import DEFAULT_CANDIDATES, Plan, compressed_time, measure_compute, plan
 from .powersgd import PowerSGD, matrix_shape
 from .quantize import Quantize, quantize_codes_dtype, quantize_shared_scale_cheaper
 from .sign import Sign, sign_chunk, sign_segment_bytes
@@ -31,6 +31,7 @@ __all__ = [
     "TopK",
     "compressed_all_reduce",
     "compressed_time",
+    "measure_compute",
     "matrix_shape",
     "plan",
     "quantize_codes_dtype",

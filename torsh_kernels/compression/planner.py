@@ -5,18 +5,30 @@ bytes each rank puts in); the alpha-beta model of plain collectives
 (:mod:`~torsh_kernels.collectives.cost_model`) prices each, and the cheapest is the compressor's time.
 With ``compute_bandwidth`` (bytes/s the device streams through memory) the compressor's own passes over
 the data are added, ``compressor.passes * 4 n_elements / compute_bandwidth``; the pass counts are rough
-estimates of each compressor's memory traffic, in fp32 tensor sizes. ``plan`` prices a list of
-candidates and picks the cheapest (``auto``).
+estimates of each compressor's memory traffic, in fp32 tensor sizes, and miss what is not memory-bound
+(PowerSGD's matrix products and orthogonalisation, top-k's selection, per-call host time). Measured
+costs are better: :func:`measure_compute` times each compressor's real reduction of a tensor of the given
+shape on this device (over a :class:`~torsh_kernels.collectives.replica.ReplicaCommunicator`, so decoding
+``world_size`` payloads is included and the network is not), and ``plan(compute_seconds=...)`` uses those
+seconds instead. Without either, compute is free and the most compressing candidate wins on every link.
+``plan`` prices a list of candidates and picks the cheapest. For a training job,
+``compressor="auto"`` in the DDP hook and the synchronizer measures on the job's own buckets and link
+(:mod:`torsh_kernels.parallel.auto`).
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..collectives.cost_model import Link, Topology, algorithms_for, rounds_time
+from ..collectives.replica import ReplicaCommunicator
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from .allreduce import start_compressed_all_reduce
 from .base import Compressor, itemsize, numel_of
 from .cast import BF16, FP16, NoCompression
 from .powersgd import PowerSGD
@@ -24,7 +36,7 @@ from .quantize import Quantize
 from .sign import Sign
 from .topk import TopK
 
-__all__ = ["DEFAULT_CANDIDATES", "Plan", "compressed_time", "plan"]
+__all__ = ["DEFAULT_CANDIDATES", "Plan", "compressed_time", "measure_compute", "plan"]
 
 
 def compressed_time(
@@ -84,11 +96,16 @@ def plan(
     shape: tuple[int, ...] | None = None,
     compressors: tuple[Compressor | None, ...] | None = None,
     compute_bandwidth: float | None = None,
+    compute_seconds: Mapping[str, float] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Plan:
     """The cheapest (algorithm, compressor) for an all-reduce of ``nbytes`` of ``dtype`` (``shape``
     matters to PowerSGD; default: a flat tensor). ``compressors`` defaults to no compression, fp16,
-    bf16, top-k 1%, int8, int4, sign and PowerSGD rank 4; ``None`` in it means uncompressed."""
+    bf16, top-k 1%, int8, int4, sign and PowerSGD rank 4; ``None`` in it means uncompressed.
+
+    Compute: ``compute_seconds`` maps each candidate's label (``"none"`` for uncompressed; as
+    :func:`measure_compute` returns) to its measured seconds, and must cover every candidate; else
+    ``compute_bandwidth`` estimates it from the pass counts; else it is left out."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise InvalidArgumentError(f"plan: nbytes must be an int >= 0, got {nbytes!r}")
     if not isinstance(link, Link):
@@ -99,8 +116,68 @@ def plan(
     for c in compressors if compressors is not None else DEFAULT_CANDIDATES:
         if c is not None and not isinstance(c, Compressor):
             raise ArgumentTypeError(f"plan: compressors must hold Compressors or None, got {type(c).__name__}")
-        a, s = compressed_time(c, shp, topology, link, compute_bandwidth=compute_bandwidth, dtype=dtype)
+        if compute_seconds is not None:
+            label = _label(c)
+            if label not in compute_seconds:
+                raise InvalidArgumentError(
+                    f"plan: compute_seconds has no entry for {label!r}; give one per candidate "
+                    f"(measure_compute returns them), got {sorted(compute_seconds)}"
+                )
+            extra = compute_seconds[label]
+            if not isinstance(extra, (int, float)) or not math.isfinite(extra) or extra < 0:
+                raise InvalidArgumentError(f"plan: compute_seconds[{label!r}] must be finite and >= 0, got {extra!r}")
+            a, s = compressed_time(c, shp, topology, link, dtype=dtype)
+            s += extra
+        else:
+            a, s = compressed_time(c, shp, topology, link, compute_bandwidth=compute_bandwidth, dtype=dtype)
         cands.append((c, a, s))
     cands.sort(key=lambda x: x[2])
     best = cands[0]
-    return Plan(best[1], best[0], best[2], [("none" if c is None else c.label(), a, s) for c, a, s in cands])
+    return Plan(best[1], best[0], best[2], [(_label(c), a, s) for c, a, s in cands])
+
+
+def _label(c: Compressor | None) -> str:
+    return "none" if c is None else c.label()
+
+
+def measure_compute(
+    shape: int | tuple[int, ...],
+    world_size: int,
+    *,
+    compressors: Sequence[Compressor | None] | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 3,
+) -> dict[str, float]:
+    """Seconds each compressor's ``compressed_all_reduce`` of a ``shape`` tensor of ``dtype`` computes on
+    ``device`` at ``world_size`` ranks, the network left out: the real reduction over a
+    :class:`~torsh_kernels.collectives.replica.ReplicaCommunicator` (compress, decode ``world_size``
+    payloads, the host work around them), on random values; the fastest of ``repeats`` runs after one
+    untimed run (state set-up). Returns ``{label: seconds}`` for :func:`plan`'s ``compute_seconds``."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise InvalidArgumentError(f"measure_compute: repeats must be an int >= 1, got {repeats!r}")
+    device = torch.device(device)
+    shp = (shape,) if isinstance(shape, int) else tuple(shape)
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, float] = {}
+    for c in compressors if compressors is not None else DEFAULT_CANDIDATES:
+        if c is not None and not isinstance(c, Compressor):
+            raise ArgumentTypeError(
+                f"measure_compute: compressors must hold Compressors or None, got {type(c).__name__}"
+            )
+        comp = c if c is not None else NoCompression()
+        state = comp.new_state()
+        best = math.inf
+        for run in range(repeats + 1):
+            x = torch.randn(shp, generator=gen).mul_(1e-3).to(device=device, dtype=dtype)
+            comm = ReplicaCommunicator(world_size, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            start_compressed_all_reduce(x, comm, comp, state).wait()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if run:
+                best = min(best, time.perf_counter() - t0)
+        out[_label(c)] = best
+    return out

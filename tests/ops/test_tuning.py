@@ -25,9 +25,9 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     monkeypatch.setattr(registry, "_tuned_lookup", tuning.lookup_provider)
     monkeypatch.setattr(registry, "_tuned_meta", tuning.lookup_meta)
-    tuning._STORE.data = None
+    registry.reload()
     yield
-    tuning._STORE.data = None
+    registry.reload()
 
 
 def write_cache(entries: dict, device: torch.device = CPU, env_override: dict | None = None) -> None:
@@ -42,6 +42,7 @@ def write_cache(entries: dict, device: torch.device = CPU, env_override: dict | 
     data = {"format": tuning.CACHE_FORMAT, "environments": {key: {"env": env, "entries": entries}}}
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
+    registry.reload()  # as the tuner does after writing: selection's cached choices see the new winners
 
 
 def test_hand_written_winner_reaches_selection_and_the_launchers():

@@ -86,6 +86,7 @@ def test_cache_keying_resume_and_invalidation():
     assert registry.tuned_meta("test_fake", CPU, torch.float32, 600, "torch") == {"X": 1}
     # a version change is another environment: the old winners no longer apply
     T.cache_path().write_text(T.cache_path().read_text().replace(f"torch={torch.__version__}", "torch=0.0.1"))
+    registry.reload()  # a change from outside the tuner: cached lookups see it after a reload
     assert registry.tuned_meta("test_fake", CPU, torch.float32, 600, "torch") == {}
 
 

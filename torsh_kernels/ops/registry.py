@@ -14,6 +14,16 @@ tuning cache by :mod:`.tuning` (``set_tuned_lookup`` / ``set_tuned_meta`` overri
 default (CUDA: triton, otherwise torch). An explicitly requested provider that cannot run raises
 :class:`ProviderUnavailableError`. An automatically chosen one that cannot run is skipped for the next
 candidate, with one debug log line per (op, provider, reason); ``torch`` runs everywhere and ends the chain.
+
+**Caching.** The automatic choice is resolved once per (op, device, dtype, size bucket, value of
+``TORSH_KERNELS_PROVIDER``) and kept; later calls cost one dict lookup and one ``os.environ.get`` (so a
+change of the variable is honoured at once). Tuned meta-parameters (:func:`tuned_meta`) are cached per
+(op, device, dtype, size bucket, provider) likewise. No call touches the file system after its first
+resolution: the tuning cache's file is read on a miss only. Both caches are dropped by :func:`reload`
+(which also makes :mod:`.tuning` re-read the file; the autotuner calls it after writing the cache), by
+:func:`set_tuned_lookup` and by :func:`set_tuned_meta`. A tuning cache replaced by another process is
+therefore seen after ``reload()`` or in a new process. Size buckets are the tuning cache's:
+``2^(k-1) < size <= 2^k``.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ __all__ = [
     "can_run",
     "forced_meta",
     "providers",
+    "reload",
     "set_tuned_lookup",
     "set_tuned_meta",
     "tuned_meta",
@@ -151,9 +162,11 @@ _tuned_lookup: TunedLookup | None = tuning.lookup_provider
 
 
 def set_tuned_lookup(fn: TunedLookup | None) -> None:
-    """Install (or remove, with None) the source of tuned winners consulted by automatic selection."""
+    """Install (or remove, with None) the source of tuned winners consulted by automatic selection
+    (drops the cached selections)."""
     global _tuned_lookup
     _tuned_lookup = fn
+    _clear_caches()
 
 
 # ... and a source of tuned meta-parameters: (op, device, dtype, size, provider) -> {"BLOCK": ..., ...} or None.
@@ -163,9 +176,38 @@ _forced = threading.local()
 
 
 def set_tuned_meta(fn: TunedMeta | None) -> None:
-    """Install (or remove, with None) the source of tuned meta-parameters that kernel launchers consult."""
+    """Install (or remove, with None) the source of tuned meta-parameters that kernel launchers consult
+    (drops the cached ones)."""
     global _tuned_meta
     _tuned_meta = fn
+    _clear_caches()
+
+
+# Resolved choices: (op, device, dtype, size bucket, env value) -> provider, and
+# (op, device, dtype, size bucket, provider) -> meta. Plain dicts: a lookup is atomic under the GIL and a
+# racing miss only resolves the same answer twice.
+_SELECTED: dict[tuple, str] = {}
+_META: dict[tuple, dict[str, int]] = {}
+
+
+def _clear_caches() -> None:
+    _SELECTED.clear()
+    _META.clear()
+
+
+def reload() -> None:
+    """Forget every resolved provider choice and tuned meta-parameter, and make the tuning cache's file be
+    re-read on the next miss. Call it after changing the tuning cache from outside this process (the
+    autotuner calls it itself after writing)."""
+    tuning.reload()  # also calls _clear_caches (registered below)
+
+
+tuning.on_reload(_clear_caches)
+
+
+def _bucket(size: int) -> int:
+    """tuning.bucket_of without floating point: 2^(k-1) < size <= 2^k."""
+    return (size - 1).bit_length() if size > 1 else 0
 
 
 @contextmanager
@@ -184,9 +226,12 @@ def tuned_meta(op: str, device: torch.device, dtype: torch.dtype, size: int, pro
     f = getattr(_forced, "meta", None)
     if f and op in f:
         return f[op]
-    if _tuned_meta is None:
-        return {}
-    return _tuned_meta(op, device, dtype, size, provider) or {}
+    key = (op, device, dtype, _bucket(size), provider)
+    m = _META.get(key)
+    if m is None:
+        m = (_tuned_meta(op, device, dtype, size, provider) if _tuned_meta is not None else None) or {}
+        _META[key] = m
+    return m
 
 
 _logged: set[tuple[str, str, str]] = set()
@@ -233,8 +278,16 @@ class Op:
                     f"{device.type} tensors here: {reason}. Pass provider=None for automatic selection."
                 )
             return requested
+        env = os.environ.get(ENV_VAR)
+        key = (self.name, device, dtype, _bucket(size), env)
+        name = _SELECTED.get(key)
+        if name is None:
+            name = _SELECTED[key] = self._resolve(device, dtype, size, env)
+        return name
+
+    def _resolve(self, device: torch.device, dtype: torch.dtype, size: int, env: str | None) -> str:
         candidates: list[tuple[str, str]] = []
-        env = os.environ.get(ENV_VAR, "").strip()
+        env = (env or "").strip()
         if env:
             candidates.append((_check_name(env, ENV_VAR), ENV_VAR))
         if _tuned_lookup is not None:

@@ -6,10 +6,13 @@
   torch/triton/numba/torsh-kernels versions; a version change makes a new environment, so old winners
   are never applied to new code. Within an environment, one winner per (op, dtype, shape bucket):
   sizes fall into powers of two of the element count (``2^k`` holds sizes in (2^(k-1), 2^k]).
-- **Use.** The provider registry consults :func:`lookup_provider` on every automatic selection and
-  the kernel launchers :func:`lookup_meta` (through ``registry.tuned_meta``) by default; no install
-  step. The file is read once per process and re-read when it changes (inode, size or mtime), so a
-  lookup costs one ``stat``.
+- **Use.** The provider registry consults :func:`lookup_provider` when it resolves an automatic
+  selection and the kernel launchers :func:`lookup_meta` (through ``registry.tuned_meta``) by default;
+  no install step. The registry caches what it resolved per (op, device, dtype, size bucket), so these
+  readers run on a cache miss only, never per op call. The file is read once per process; a direct
+  lookup here re-reads it when it changed (inode, size or mtime: one ``stat`` per lookup), but the
+  registry's cached choices stay until :func:`reload` (the autotuner calls it after writing the file;
+  call it yourself after changing the file from another process).
 - **Search spaces.** Each tunable op declares a :class:`TuneSpace` next to its kernels and registers it
   with :func:`register_space`: how to build fresh random inputs of a given size, how to run the op with
   a provider, how to check the output against the torch reference, and the meta-parameter choices per
@@ -47,7 +50,9 @@ __all__ = [
     "load_cache",
     "lookup_meta",
     "lookup_provider",
+    "on_reload",
     "register_space",
+    "reload",
     "spaces",
 ]
 
@@ -137,8 +142,9 @@ def load_cache(path: Path | None = None) -> dict[str, Any]:
 class _Store:
     """The cache as the dispatcher reads it: loaded once per process (reloaded when the file changes).
 
-    Consulted on every automatic provider selection and kernel launch, so a lookup costs one ``stat``:
-    the path is recomputed only when the environment variables it comes from change."""
+    Consulted when the registry resolves a selection or meta-parameters it has not cached (never per op
+    call); a lookup costs one ``stat``, and the path is recomputed only when the environment variables it
+    comes from change."""
 
     def __init__(self) -> None:
         self.data: dict[str, Any] | None = None
@@ -175,6 +181,19 @@ class _Store:
 
 
 _STORE = _Store()
+_RELOAD_HOOKS: list[Callable[[], None]] = []
+
+
+def on_reload(fn: Callable[[], None]) -> None:
+    """Have :func:`reload` call ``fn`` (the registry drops its cached selections through this)."""
+    _RELOAD_HOOKS.append(fn)
+
+
+def reload() -> None:
+    """Re-read the cache file on the next lookup and drop every cached selection built from it."""
+    _STORE.data = None
+    for fn in _RELOAD_HOOKS:
+        fn()
 
 
 def lookup_provider(op: str, device: torch.device, dtype: torch.dtype, size: int) -> str | None:

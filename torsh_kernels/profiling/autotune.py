@@ -91,6 +91,7 @@ def _save_cache(data: dict[str, Any], path: Path | None = None) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)  # atomic: an interrupted write never leaves half a file
+    registry.reload()  # this process's cached provider choices and meta-parameters see the new winners
 
 
 def install() -> None:

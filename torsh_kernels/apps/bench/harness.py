@@ -1,7 +1,7 @@
 """`torsh bench [SUITE ...] [--json PATH] [--compare BASELINE.json --max-regression 10%]`: every suite
 through one harness.
 
-Runs the named suites (default: all of bucket, compression, collectives, ddp, moe, offload, trace), each with
+Runs the named suites (default: all of bucket, compression, collectives, ddp, moe, offload, trace, overhead), each with
 its own tables, then writes one JSON document: the environment (device, versions, date, git commit),
 each suite's full results, and a flat ``measurements`` map per suite (case -> median time in ms and
 whether it is ours or a peer's) that ``--compare`` reads. With ``--compare BASELINE.json`` (a document
@@ -41,6 +41,7 @@ SUITES = {
     "moe": "MoE route + permute + unpermute against a Mixtral-style torch block",
     "offload": "pack/unpack to host against plain copies; AdamW against OffloadedOptimizer",
     "trace": "what the timeline instrumentation costs per call, with and without a recorder",
+    "overhead": "host cost per call of every public op at tiny sizes against its plain-torch equivalent",
 }
 SUITE_NAMES = tuple(SUITES)
 
@@ -53,6 +54,7 @@ QUICK: dict[str, list[str]] = {
     "moe": ["--tokens", "2048", "--hidden", "512", "--reps", "5"],
     "offload": ["--sizes", "16", "--width", "512", "--layers", "4", "--steps", "3", "--reps", "5"],
     "trace": ["--calls", "50000", "--reps", "5"],
+    "overhead": ["--calls", "100", "--reps", "7"],
 }
 HAS_DEVICE = ("bucket", "compression", "moe", "offload")
 

@@ -174,6 +174,68 @@ class _Ranges:
 
 
 # --------------------------------------------------------------------------------------------------
+# Validation cached per layout: an entry is found by the tensors' addresses and confirmed by a C-level
+# check of everything else the validation read (dynamo's TensorGuards: Python type, dtype, device, shape,
+# strides, requires_grad, dispatch keys), so a hit costs two passes over the tensors in C and no Python
+# per tensor. Where TensorGuards is missing (another torch), nothing is cached and every call validates.
+
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - torch without dynamo's C guards
+    _TensorGuards = None
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _guards(tensors: Sequence[torch.Tensor]):
+    """A check that ``tensors`` still have the metadata they have now (``.check(*tensors) -> bool``), or None."""
+    if _TensorGuards is None:
+        return None
+    try:
+        return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                             dynamic_dims_strides=[list(t.stride()) for t in tensors])  # fmt: skip
+    except Exception:  # noqa: BLE001 - an unexpected TensorGuards signature: do without the cache
+        return None
+
+
+def _ptrs(tensors: object) -> tuple[int, ...] | None:
+    """The addresses of a list or tuple of tensors (one C-level pass), or None when it is not one."""
+    if type(tensors) is not list and type(tensors) is not tuple:
+        return None
+    try:
+        return tuple(map(_data_ptr, tensors))
+    except (TypeError, RuntimeError):  # not tensors, or tensors without storage: the full check says which
+        return None
+
+
+class _Memo:
+    """A bounded map for validated layouts (oldest dropped first); lookups and stores are single dict
+    operations, safe under the GIL from several threads."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.data: dict = {}
+
+    def get(self, key):
+        return self.data.get(key)
+
+    def put(self, key, value) -> None:
+        d = self.data
+        d[key] = value
+        while len(d) > self.size:
+            try:
+                d.pop(next(iter(d)), None)
+            except (StopIteration, RuntimeError):
+                break
+
+    def pop(self, key) -> None:
+        self.data.pop(key, None)
+
+    def clear(self) -> None:
+        self.data.clear()
+
+
+# --------------------------------------------------------------------------------------------------
 # Launch tables, cached per (device, stream, contents)
 
 _TABLES: OrderedDict[tuple, object] = OrderedDict()  # launch tables: _ptr_table, _bucket_tables._tables

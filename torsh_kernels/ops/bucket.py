@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,7 +37,8 @@ from ..errors import (
     ShapeError,
 )
 from ._bucket_tables import NCOLS, _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable
-from ._common import _numba_span, _on, _ptr_table, _Ranges
+from . import _eager
+from ._common import _guards, _Memo, _numba_span, _on, _ptr_table, _ptrs, _Ranges
 from .registry import Op, tuned_meta
 from .tuning import TuneSpace, register_space
 
@@ -277,7 +279,12 @@ def _split_like(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[tor
 
 
 @_flatten.register("torch")
-def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> None:
+def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float, one_d: bool | None = None) -> None:
+    if one_d is not None:  # the direct path's plan: every tensor of out's dtype, 1-D if one_d, scale rounds once
+        torch.cat(tensors if one_d else _as_1d(tensors), out=out)
+        if scale != 1.0:
+            out.mul_(scale)
+        return
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) == 1:  # one group covering the whole bucket, in order: whole-buffer ops
         (dtype,) = dtypes
@@ -345,7 +352,11 @@ def _flatten_numba(tensors: list[torch.Tensor], out: torch.Tensor, scale: float)
 
 
 @_unflatten.register("torch")
-def _unflatten_torch(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool) -> None:
+def _unflatten_torch(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool,
+                     views: list[torch.Tensor] | None = None) -> None:  # fmt: skip
+    if views is not None:  # the direct path's plan: views of flat, one per tensor, all of flat's dtype
+        torch._foreach_copy_(tensors, views)
+        return
     groups = _by_dtype(tensors, _offsets(tensors))
     whole = len(groups) == 1 and len(groups[0][1][0]) == len(tensors)  # every tensor, in order, one dtype
     for dtype, (ts, toffs) in groups:
@@ -497,10 +508,8 @@ def _flatten_into(tensors: list[torch.Tensor], out: torch.Tensor, scale: float, 
         _flatten(name, tensors, out.view(-1), scale)
 
 
-@torch.library.custom_op("torsh::unflatten", mutates_args=("tensors",))
-def _unflatten_op(
-    flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool, provider: str
-) -> None:
+def _unflatten_impl(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool,
+                    provider: str) -> None:  # fmt: skip
     if flat.numel() == 0:
         return
     name = _unflatten.select(flat.device, flat.dtype, flat.numel(), provider or None)
@@ -508,16 +517,21 @@ def _unflatten_op(
         _unflatten(name, flat.reshape(-1).contiguous(), tensors, scale, accumulate)
 
 
+_unflatten_op = torch.library.custom_op("torsh::unflatten", _unflatten_impl, mutates_args=("tensors",))
+
+
 @_unflatten_op.register_fake
 def _(flat, tensors, scale, accumulate, provider):
     return None
 
 
-@torch.library.custom_op("torsh::bucket_reduce", mutates_args=())
-def _reduce_op(buffers: list[torch.Tensor], op: str, provider: str) -> torch.Tensor:
+def _reduce_impl(buffers: list[torch.Tensor], op: str, provider: str) -> torch.Tensor:
     out = torch.empty_like(buffers[0], memory_format=torch.contiguous_format)
     _reduce_into(buffers, out, op, provider)
     return out
+
+
+_reduce_op = torch.library.custom_op("torsh::bucket_reduce", _reduce_impl, mutates_args=())
 
 
 @_reduce_op.register_fake
@@ -541,6 +555,114 @@ def _reduce_into(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provid
     name = _reduce.select(out.device, buffers[0].dtype, out.numel(), provider or None)
     with _on(out.device):
         _reduce(name, [b.contiguous().view(-1) for b in buffers], out.view(-1), op)
+
+
+# --------------------------------------------------------------------------------------------------
+# The direct path (see _eager): validation cached per layout, the implementation called without the
+# dispatcher. A plan is what one full validation of (tensors, out) or (flat, layout, tensors) found; it is
+# found again by the tensors' addresses and confirmed by a C-level check of their types, dtypes, devices,
+# shapes, strides and requires_grad (``_common._guards``), which together fix everything the validation
+# read (memory ranges included). Anything else takes the full validation, and then the plan is stored.
+
+
+@dataclass(slots=True, eq=False)
+class _FlatPlan:
+    guards: object
+    layout: BucketLayout
+    device: torch.device
+    cat: bool  # every tensor of the flat dtype, so torch.cat(out=) writes the bucket exactly
+    cat_scaled: bool  # ... and the flat dtype is its own compute dtype (fp32/fp64): scaling in place rounds once
+    one_d: bool  # every tensor is 1-D (no reshape before the cat)
+    out_1d: bool  # out is None or 1-D
+    grad: bool  # a tensor requires grad: run with grad mode off, as below the dispatcher's autograd
+
+
+@dataclass(slots=True, eq=False)
+class _UnflatPlan:
+    guards: object
+    layout: BucketLayout
+    device: torch.device
+    same: bool  # every tensor of flat's dtype and flat contiguous: one _foreach_copy_ from views of flat
+    grad: bool
+    flat_ref: object = None  # weakref to the flat the views were made of
+    views: list | None = None
+
+
+_FLAT_PLANS = _Memo(64)
+_UNFLAT_PLANS = _Memo(32)
+
+
+def _plain_all(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(map(_eager.plain, tensors))
+
+
+def _new_flat_plan(key, tensors, out, layout, device) -> _FlatPlan | None:
+    if key is None or not _eager.unmoded() or not _plain_all(tensors) or not _eager.plain(out):
+        return None
+    guards = _guards(list(tensors) if out is None else [*tensors, out])
+    if guards is None:
+        return None
+    dt = layout.dtype
+    plan = _FlatPlan(
+        guards=guards, layout=layout, device=device, cat=all(d == dt for d in layout.dtypes),
+        cat_scaled=dt in (torch.float32, torch.float64), one_d=all(len(sh) == 1 for sh in layout.shapes),
+        out_1d=out is None or out.dim() == 1, grad=any(t.requires_grad for t in tensors) or bool(
+            out is not None and out.requires_grad),
+    )  # fmt: skip
+    _FLAT_PLANS.put(key, plan)
+    return plan
+
+
+def _flatten_run(plan: _FlatPlan, tensors, out, scale: float, provider: str | None):
+    layout = plan.layout
+    name = _flatten.select(plan.device, layout.dtype, layout.total, provider or None)
+    if out is None:
+        flat = torch.empty(layout.total, dtype=layout.dtype, device=plan.device)
+    else:
+        flat = out if plan.out_1d else out.view(-1)
+    if layout.total:
+        if name == "torch" and plan.cat and (scale == 1.0 or plan.cat_scaled):
+            if plan.grad:
+                _eager.run(_flatten, name, tensors, flat, scale, plan.one_d)
+            else:
+                _flatten(name, tensors, flat, scale, plan.one_d)
+        else:
+            _eager.run(_flatten_into, list(tensors), flat, scale, name)
+            _eager.written(name, flat)
+    return flat, layout
+
+
+def _storage_views(flat: torch.Tensor, layout: BucketLayout) -> list[torch.Tensor]:
+    """Tensors over ``flat``'s storage shaped like the layout's slices: not autograd views of ``flat``, so
+    holding them does not keep the ``flat`` object alive (its weakref callback drops the plan)."""
+    st, base = flat.untyped_storage(), flat.storage_offset()
+    views = []
+    for off, shape in zip(layout.offsets, layout.shapes):
+        stride, acc = [], 1
+        for d in reversed(shape):
+            stride.append(acc)
+            acc *= max(d, 1)
+        views.append(flat.new_empty(0).set_(st, base + off, shape, tuple(reversed(stride))))
+    return views
+
+
+def _unflatten_run(plan: _UnflatPlan, key, flat, tensors, scale: float, accumulate: bool, provider) -> None:
+    total = plan.layout.total
+    if total == 0:
+        return
+    name = _unflatten.select(plan.device, flat.dtype, total, provider or None)
+    if name == "torch" and plan.same and scale == 1.0 and not accumulate:
+        views = plan.views
+        if views is None or plan.flat_ref() is not flat:
+            views = plan.views = _storage_views(flat, plan.layout)
+            plan.flat_ref = weakref.ref(flat, lambda _, k=key: _UNFLAT_PLANS.pop(k))
+        if plan.grad:
+            _eager.run(_unflatten, name, flat, tensors, scale, accumulate, views)
+        else:
+            _unflatten(name, flat, tensors, scale, accumulate, views)
+        return
+    _eager.run(_unflatten_impl, flat, list(tensors), scale, accumulate, name)
+    _eager.written(name, *tensors)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -570,6 +692,15 @@ def flatten(
         ``(flat, layout)``: the 1-D buffer and the :class:`BucketLayout` that ``unflatten`` takes.
     """
     what = "torsh_kernels.flatten"
+    key = None
+    if _eager.unmoded():  # a validated layout: skip the per-tensor checks and the dispatcher
+        ptrs = _ptrs(tensors)
+        if ptrs and (out is None or type(out) in _eager._PLAIN):
+            key = (ptrs, None, dtype) if out is None else (ptrs, out.data_ptr(), None)
+            plan = _FLAT_PLANS.get(key)
+            if (plan is not None and (out is None or dtype is None or dtype == out.dtype)
+                    and (plan.guards.check(*tensors) if out is None else plan.guards.check(*tensors, out))):  # fmt: skip
+                return _flatten_run(plan, tensors, out, _check_scale(scale, what), provider)
     tensors = _check_tensor_list(tensors, what, "tensors")
     _check_floats(tensors, what, "tensors")
     device = _check_same_device(tensors, what, "tensors")
@@ -587,6 +718,9 @@ def flatten(
         dtype = out.dtype
     layout = BucketLayout.for_tensors(tensors, dtype)
     if out is None:
+        plan = _new_flat_plan(key, tensors, None, layout, device)
+        if plan is not None:
+            return _flatten_run(plan, tensors, None, scale, provider)
         flat = _flatten_op(tensors, layout.dtype, scale, provider or "")
         return flat, layout
     if out.device != device:
@@ -601,6 +735,9 @@ def flatten(
     hits = np.flatnonzero(_Ranges.of(tensors).overlapping(out))
     if hits.size:
         raise ShapeError(f"{what}: out overlaps tensors[{hits[0]}]; flatten cannot write over its own input")
+    plan = _new_flat_plan(key, tensors, out, layout, device)
+    if plan is not None:
+        return _flatten_run(plan, tensors, out, scale, provider)
     _flatten_out_op(tensors, out, scale, provider or "")
     return out.view(-1) if out.dim() != 1 else out, layout
 
@@ -622,6 +759,14 @@ def unflatten(
     (as with DDP's bucket views).
     """
     what = "torsh_kernels.unflatten"
+    key = None
+    if _eager.unmoded() and type(flat) in _eager._PLAIN:  # a validated layout: skip the checks and the dispatcher
+        ptrs = _ptrs(tensors)
+        if ptrs:
+            key = (flat.data_ptr(), id(layout), ptrs)
+            plan = _UNFLAT_PLANS.get(key)
+            if plan is not None and plan.layout is layout and plan.guards.check(flat, *tensors):
+                return _unflatten_run(plan, key, flat, tensors, _check_scale(scale, what), bool(accumulate), provider)
     if not isinstance(layout, BucketLayout):
         raise ArgumentTypeError(f"{what}: layout must be a BucketLayout (from flatten), got {type(layout).__name__}")
     flat = _check_flat(flat, layout, what)
@@ -658,6 +803,14 @@ def unflatten(
                 raise ShapeError(
                     f"{what}: tensors[{i}] overlaps flat other than as its own slice; the result would be undefined"
                 )
+    if key is not None and _plain_all(tensors) and not flat.is_meta:
+        guards = _guards([flat, *tensors])
+        if guards is not None:
+            same = flat.is_contiguous() and all(t.dtype == flat.dtype for t in tensors)
+            grad = flat.requires_grad or any(t.requires_grad for t in tensors)
+            plan = _UnflatPlan(guards=guards, layout=layout, device=flat.device, same=same, grad=grad)
+            _UNFLAT_PLANS.put(key, plan)
+            return _unflatten_run(plan, key, flat, tensors, scale, bool(accumulate), provider)
     _unflatten_op(flat, tensors, scale, bool(accumulate), provider or "")
 
 
@@ -694,6 +847,8 @@ def bucket_reduce(
             raise DTypeError(f"{what}: {n} is {b.dtype}, buffers[0] is {b0.dtype}; reduce buffers of one dtype")
     device = _check_same_device(buffers, what, "buffers")
     if out is None:
+        if _eager.direct(*buffers):
+            return _eager.run(_reduce_impl, buffers, op, provider or "")
         return _reduce_op(buffers, op, provider or "")
     if not isinstance(out, torch.Tensor):
         raise ArgumentTypeError(f"{what}: out must be a torch.Tensor, got {type(out).__name__}")
@@ -708,6 +863,11 @@ def bucket_reduce(
         same = b.data_ptr() == out.data_ptr() and b.dtype == out.dtype and b.is_contiguous()
         if hit and not same:
             raise ShapeError(f"{what}: out overlaps {n} without being the same tensor; the result would be undefined")
+    if _eager.direct(*buffers, out):
+        _eager.run(_reduce_into, buffers, out, op, provider or "")
+        if out.numel():
+            _eager.written(_reduce.select(device, b0.dtype, out.numel(), provider or None), out)
+        return out
     _reduce_out_op(buffers, out, op, provider or "")
     return out
 

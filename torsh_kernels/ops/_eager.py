@@ -1,0 +1,79 @@
+"""The direct path: when a public op may call its implementation without torch.library's dispatcher.
+
+Every public op is a ``torch.library.custom_op`` so that ``torch.compile``, fake tensors, ``opcheck`` and
+tensor subclasses see one opaque, well-described operation. In a plain eager call that dispatch only
+leads back to the same Python implementation, through an autograd wrapper, ADInplaceOrView, a backend
+redispatch and a dynamo-disable frame: 20-60 us a call. :func:`direct` says when that detour can be
+skipped without changing what happens:
+
+- nothing is tracing (``torch.compiler.is_compiling()``), no ``TorchDispatchMode`` (FakeTensorMode,
+  FunctionalTensorMode, ...) and no ``TorchFunctionMode`` is active, no functorch transform (vmap, grad)
+  is running;
+- every tensor argument is a plain ``torch.Tensor`` (or ``nn.Parameter``, whose ``__torch_function__`` is
+  disabled): no subclass, no fake or meta tensor.
+
+Otherwise the public op calls the registered custom op, exactly as before. On the direct path an op
+without registered autograd runs its implementation under no-grad (what the dispatcher gave it: its
+outputs never require grad); an op with registered autograd (the MoE route, permute, unpermute) takes
+the direct path only when no gradient is needed and the custom op otherwise, so its backward is the
+registered one. Tensors a Triton or Numba kernel wrote are marked modified (their autograd version
+counter bumped, as ADInplaceOrView does); the torch provider writes through in-place torch ops, which
+do that themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode = torch._C._is_torch_function_mode_enabled
+_functorch_level = torch._C._functorch.maybe_current_level
+_grad_enabled = torch.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
+_bump = torch._C._increment_version
+
+
+def unmoded() -> bool:
+    """No tracing, no dispatch or function mode, no functorch transform active."""
+    return not (_is_compiling() or _dispatch_modes() or _function_mode() or _functorch_level() is not None)
+
+
+def plain(t: object) -> bool:
+    """``t`` is None or a plain, real (not meta) tensor."""
+    return t is None or (type(t) in _PLAIN and not t.is_meta)
+
+
+def direct(*tensors: object) -> bool:
+    """Whether an op over these tensor arguments may call its implementation directly."""
+    if _is_compiling() or _dispatch_modes() or _function_mode() or _functorch_level() is not None:
+        return False
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or t.is_meta):
+            return False
+    return True
+
+
+def needs_grad(*tensors: object) -> bool:
+    """Grad mode is on and one of the tensors requires grad (an op with autograd must then dispatch)."""
+    if not _grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def run(fn, *args):
+    """``fn(*args)`` with grad mode off, as a custom op's implementation runs below autograd."""
+    if not _grad_enabled():
+        return fn(*args)
+    _set_grad(False)
+    try:
+        return fn(*args)
+    finally:
+        _set_grad(True)
+
+
+def written(provider: str, *tensors: torch.Tensor | None) -> None:
+    """Mark tensors a non-torch provider wrote as modified (autograd's version counter)."""
+    if provider != "torch":
+        _bump(tuple(t for t in tensors if t is not None))

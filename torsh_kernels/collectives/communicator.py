@@ -130,7 +130,7 @@ class CompletedHandle:
 class _TorchHandle:
     """A torch ``Work`` plus what to do once it completes (a copy back, a division for ``avg``)."""
 
-    __slots__ = ("_comm", "_done", "_span", "_then", "_what", "_works")
+    __slots__ = ("_comm", "_done", "_fut", "_span", "_then", "_what", "_works")
 
     def __init__(self, comm: TorchCommunicator, works: list, what: str, then: Callable[[], None] | None = None,
                  span=None):  # fmt: skip
@@ -139,10 +139,51 @@ class _TorchHandle:
         self._what = what
         self._then = then
         self._done = False
+        self._fut = None
         self._span = span  # the timeline's interval of this collective, when a recorder is active
+
+    def future(self) -> torch.futures.Future | None:
+        """A ``torch.futures.Future`` that completes (with None) once the work is done and its follow-up
+        (``avg``'s division) has run, failing with ``CollectiveError`` if the work failed; for chaining
+        with ``.then`` instead of blocking in ``wait()`` (DDP comm hooks). None where there is none: the
+        work has no future, or a wait timeout is set (only ``wait()`` honours it). ``wait()`` remains
+        valid afterwards and waits on this future."""
+        if self._fut is not None:
+            return self._fut
+        c = self._comm
+        if c._wait_timeout is not None:
+            return None
+        try:
+            futs = [w.get_future() for w in self._works if w is not None]
+        except Exception:  # e.g. point-to-point works on some backends
+            return None
+        if len(futs) == 1:
+            fut = futs[0]
+        else:
+            fut = torch.futures.collect_all(futs)
+
+        def finish(f: torch.futures.Future) -> None:
+            try:
+                v = f.value()
+                if len(futs) != 1:
+                    for x in v:
+                        x.value()
+            except Exception as e:
+                if self._span is not None:
+                    self._span.end(error=f"{type(e).__name__}")
+                raise c._failure(self._what, e) from e
+            self._done = True
+            if self._then is not None:
+                self._then()
+
+        self._fut = fut.then(finish)
+        return self._fut
 
     def wait(self) -> None:
         if self._done:
+            return
+        if self._fut is not None:
+            self._fut.wait()
             return
         c = self._comm
         try:

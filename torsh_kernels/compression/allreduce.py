@@ -43,11 +43,13 @@ class CompressedReduction:
     hook and the gradient synchronizer pipeline them that way (PowerSGD's P round of one bucket travels
     while the Q round of the one before is computed)."""
 
-    __slots__ = ("_gen", "_pending", "_trace_args", "bytes_sent", "compute_s", "done", "rounds", "tensors", "wait_s")
+    __slots__ = ("_gen", "_pending", "_trace_args", "bytes_sent", "compute_s", "done", "rounds", "single_round",
+                 "tensors", "wait_s")  # fmt: skip
 
     def __init__(
-        self, tensors: list[torch.Tensor], gen, compressor: str = "none", algorithm: str = "all_reduce"
-    ) -> None:
+        self, tensors: list[torch.Tensor], gen, compressor: str = "none", algorithm: str = "all_reduce", *,
+        single_round: bool = False,
+    ) -> None:  # fmt: skip
         self.tensors = tensors
         """The tensors being averaged in place (the result lands in them)."""
         self.bytes_sent = 0
@@ -59,6 +61,9 @@ class CompressedReduction:
         self.wait_s = 0.0
         """Seconds spent waiting for collectives to complete."""
         self.done = False
+        self.single_round = single_round
+        """The caller knows the reduction has one round: no collective follows the first, so its decode may
+        run from the collective's completion callback (:meth:`future`)."""
         self._gen = gen
         self._pending: list = []
         self._trace_args = (compressor, algorithm)
@@ -106,11 +111,59 @@ class CompressedReduction:
         self._resume()
         return self.done
 
+    def ready(self) -> bool:
+        """Whether the current round's collectives have completed (``step()`` would not block on them)."""
+        return all(h.is_completed() for h in self._pending)
+
     def wait(self) -> list[torch.Tensor]:
         """Run to the end; returns the averaged tensors."""
         while not self.step():
             pass
         return self.tensors
+
+    def future(self) -> torch.futures.Future | None:
+        """For a ``single_round`` reduction: a ``torch.futures.Future`` of the averaged tensors whose
+        decode runs in the completion callback of the round's collectives (on the backend's thread for
+        gloo), so nobody blocks; None where a handle offers no future (``Handle.future()``) or the
+        reduction has more rounds (those must be issued by the caller, in order). Do not ``step()`` a
+        reduction after taking its future."""
+        if self.done:
+            f: torch.futures.Future = torch.futures.Future()
+            f.set_result(self.tensors)
+            return f
+        if not self.single_round:
+            return None
+        futs = []
+        for h in self._pending:
+            get = getattr(h, "future", None)
+            f = get() if get is not None else None
+            if f is None:
+                return None
+            futs.append(f)
+        if len(futs) == 1:
+            fut = futs[0]
+        elif futs:
+            fut = torch.futures.collect_all(futs)
+        else:
+            fut = torch.futures.Future()
+            fut.set_result(None)
+        n = len(futs)
+
+        def finish(f: torch.futures.Future) -> list[torch.Tensor]:
+            v = f.value()  # raises the collective's error
+            if n > 1:
+                for x in v:
+                    x.value()
+            self._pending = []
+            self._resume()  # the decode
+            if not self.done:
+                raise InvalidArgumentError(
+                    "CompressedReduction.future: the reduction issued a second round from a completion "
+                    "callback; it was marked single_round wrongly"
+                )
+            return self.tensors
+
+        return fut.then(finish)
 
 
 def compressed_all_reduce(
@@ -195,10 +248,22 @@ def start_compressed_all_reduce(
         raise InvalidArgumentError(f"{what}: each tensor needs its own state; the same state was given twice")
     if quantize_mode not in QUANTIZE_MODES:
         raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
-    live = [(t, s) for t, s in zip(tensors, states) if t.numel()]
-    if live:
-        gen, alg = compressor.reduce([t for t, _ in live], [s for _, s in live], comm, scheme=quantize_mode,
-                                     link=link)  # fmt: skip
+    return issue(tensors, states, comm, compressor, quantize_mode=quantize_mode, link=link)
+
+
+def issue(
+    tensors: list[torch.Tensor], states: list[CompressionState], comm: Communicator, compressor: Compressor, *,
+    quantize_mode: str = "auto", link: Link | None = None, single_round: bool = False,
+) -> CompressedReduction:  # fmt: skip
+    """:func:`start_compressed_all_reduce` without its checks, for callers that validated the tensors,
+    states and arguments once and reuse them every step (the bucket layer caches that per bucket)."""
+    if all(t.numel() for t in tensors):
+        gen, alg = compressor.reduce(tensors, states, comm, scheme=quantize_mode, link=link)
     else:
-        gen, alg = iter(()), "none"
-    return CompressedReduction(tensors, gen, compressor.name, alg)
+        live = [(t, s) for t, s in zip(tensors, states) if t.numel()]
+        if live:
+            gen, alg = compressor.reduce([t for t, _ in live], [s for _, s in live], comm, scheme=quantize_mode,
+                                         link=link)  # fmt: skip
+        else:
+            gen, alg = iter(()), "none"
+    return CompressedReduction(tensors, gen, compressor.name, alg, single_round=single_round)

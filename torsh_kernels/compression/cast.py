@@ -1,5 +1,11 @@
 """Compressors that only cast: :class:`NoCompression` (the tensor as it is), :class:`FP16` and
-:class:`BF16` (2 bytes per element). All linear: one all-reduce, one decode with the 1/world scale."""
+:class:`BF16` (2 bytes per element). All linear: one all-reduce, one decode with the 1/world scale.
+
+They are elementwise (``elementwise = True``): the value sent for an element depends on that element
+alone, so the bucket layer casts a whole bucket as one flat tensor (per-tensor policies and size rules
+mean nothing for a cast). Their rounds cast every tensor of a call into one wire buffer in one fused
+pass, the 1/world_size prescale (FP16) included: one rounding, ``fp16(x / world_size)``, where PyTorch's
+``fp16_compress_hook`` rounds twice (``fp16(fp16(x) / world_size)``)."""
 
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ class _Cast(Compressor):
 
     dtype = torch.float32
     is_linear = True
+    elementwise = True
+    """The payload of an element depends on that element alone (see the module docstring)."""
     passes = 3.0
 
     def compress(self, tensor, state):
@@ -51,6 +59,22 @@ class _Cast(Compressor):
 
     def payload_nbytes(self, shape, dtype=torch.float32):
         return numel_of(shape) * itemsize(self.dtype)
+
+    def reduce(self, tensors, states, comm: Communicator, *, scheme="auto", link=None) -> tuple[Rounds, str]:
+        return self._cast_rounds(tensors, states, comm), "all_reduce"
+
+    def _cast_rounds(self, tensors, states, comm: Communicator) -> Rounds:
+        # one fused flatten + cast (+ the 1/ws prescale), one all-reduce, one fused unflatten
+        ws = comm.world_size
+        what = f"{type(self).__name__}.compress"
+        data, layout = flatten(tensors, dtype=self.dtype, scale=1.0 / ws if self.prescale else 1.0,
+                               provider=self.provider)  # fmt: skip
+        if self.check_finite:
+            raise_if_nonfinite(data, what)
+        for s in states:
+            s.step += 1
+        yield [comm.all_reduce(data, "sum", async_op=True)], data.numel() * data.element_size()
+        unflatten(data, layout, tensors, scale=1.0 if self.prescale else 1.0 / ws, provider=self.provider)
 
 
 @dataclass(slots=True)

@@ -9,6 +9,18 @@ the round it has in flight, then the next round is issued. The sequence of colle
 function of the bucket sequence and the compressors' round structure alone, never of timing. With
 PowerSGD this puts bucket ``i``'s P all-reduce on the wire while bucket ``i - 1``'s Q is computed
 and sent, instead of serialising P and Q for every bucket; the last bucket drains the pipeline.
+
+One-round buckets. A bucket whose reductions each have a single round (uncompressed, the casts, top-k,
+gathered int8/int4) issues all its collectives when it starts; nothing is issued for it later, so when
+its decode runs cannot change the order of anyone's collectives. Such buckets are never waited for when
+a newer bucket starts: the DDP hook returns the collective's future with the decode chained to it
+(:meth:`~torsh_kernels.compression.CompressedReduction.future`), and the pipeline finishes them when it
+drains, or earlier if their collectives have already completed (a poll, never a wait). Only buckets
+with several rounds (PowerSGD's P then Q, sign's two phases, quantize's shared scale) are stepped.
+
+Elementwise compressors (the casts, ``compressor.elementwise``) see a bucket as one flat tensor, however
+many gradients it holds and whatever the policy: one fused cast (with the 1/world_size prescale) and one
+all-reduce per bucket.
 """
 
 from __future__ import annotations
@@ -29,10 +41,10 @@ from ..compression import (
     CompressionState,
     Compressor,
     NoCompression,
-    start_compressed_all_reduce,
 )
+from ..compression.allreduce import issue
 from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError
-from ..ops import flatten, unflatten
+from ..ops import COMPRESS_DTYPES, flatten, unflatten
 
 POLICIES = ("layerwise", "bucket")
 
@@ -50,13 +62,16 @@ class ReductionPipeline:
 
     def submit(self, reductions: list[CompressedReduction], on_done: Callable[[], None] | None = None,
                span=None) -> None:  # fmt: skip
-        """Add a started bucket; every older bucket in flight then advances by one round. ``span``: the
+        """Add a started bucket; every older bucket in flight with more rounds to issue then advances by
+        one round. Older one-round buckets are finished only if their collectives have completed (their
+        decode issues nothing, so this poll cannot change the order of collectives). ``span``: the
         bucket's timeline interval (from :func:`bucket_span`), ended when the bucket is done."""
-        older = list(self._inflight)
+        if self._inflight:
+            for rs, _, _ in self._inflight:
+                for r in rs:
+                    if not r.done and (not r.single_round or r.ready()):
+                        r.step()
         self._inflight.append((reductions, on_done, span))
-        for rs, _, _ in older:
-            for r in rs:
-                r.step()
         self._reap()
 
     def drain(self) -> None:
@@ -116,10 +131,19 @@ def _as_one(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 @dataclasses.dataclass(slots=True)
 class _BucketPlan:
+    """What one bucket layout gets, worked out once (shapes checked, eligibility, round structure) and
+    reused every step."""
+
     compressed: list[list[int]]
     """Groups of tensor positions compressed together (one group per tensor: layerwise)."""
     plain: list[int]
     """Positions sent uncompressed, in one batched all-reduce."""
+    single_round: bool = True
+    """Every reduction of the bucket has one round (see the module docstring)."""
+    state_keys: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    """The compressor state of each compressed group."""
+    states: list[CompressionState] | None = None
+    """Those states, looked up once (reset when the states change)."""
 
 
 class BucketCompressor:
@@ -130,7 +154,9 @@ class BucketCompressor:
     a change of bucket layout (DDP rebuilds its buckets after the first iteration)."""
 
     __slots__ = (
+        "_plain_c",
         "_plans",
+        "_stateless",
         "_used",
         "compressor",
         "iteration",
@@ -185,27 +211,74 @@ class BucketCompressor:
         self.shapes: dict[int, tuple[int, ...]] = {}
         self._plans: dict[tuple, _BucketPlan] = {}
         self._used: set[tuple[int, ...]] = set()
+        self._plain_c = NoCompression(check_finite=False)
+        self._stateless = CompressionState()  # the state handed to stateless compressors (casts, plain)
+
+    def set_compressor(self, compressor: Compressor | None) -> None:
+        """Switch to another compressor between iterations, on every rank alike (``compressor="auto"``
+        does at the end of the warm-up). The compressor states and cached bucket plans are dropped; the
+        warm-up length and size rules stay as constructed."""
+        if compressor is None:
+            compressor = NoCompression()
+        if not isinstance(compressor, Compressor):
+            raise ArgumentTypeError(f"set_compressor: expected a Compressor or None, got {type(compressor).__name__}")
+        self.compressor = compressor.per_tensor(self.min_compression_rate)
+        self.states = {}
+        self._plans = {}
+        self._used = set()
 
     # -- which tensors ------------------------------------------------------------------------------
 
     def eligible(self, t: torch.Tensor) -> bool:
         """Whether the compressor touches this tensor: 2+ dims, at least ``min_numel`` elements, and a
-        compression rate (bytes in / bytes on the wire) of at least ``min_compression_rate``."""
+        compression rate (bytes in / bytes on the wire) of at least ``min_compression_rate``. An
+        elementwise compressor (a cast) touches every tensor: it casts the whole bucket."""
         c = self.compressor
-        if c.identity or t.dim() < 2 or t.numel() < max(1, self.min_numel):
+        if c.identity:
+            return False
+        if getattr(c, "elementwise", False):
+            return True
+        if t.dim() < 2 or t.numel() < max(1, self.min_numel):
             return False
         wire = c.payload_nbytes(tuple(t.shape), t.dtype)
         return wire > 0 and t.numel() * t.element_size() / wire >= self.min_compression_rate
 
-    def _plan(self, grads: Sequence[torch.Tensor], keys: Sequence[int]) -> _BucketPlan:
-        sig = tuple((k, tuple(g.shape), g.dtype) for k, g in zip(keys, grads))
+    def _plan(self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> _BucketPlan:
+        # keys name parameters, whose shapes do not change: the shapes are checked when the plan is made
+        sig = (tuple(keys), grads[0].dtype if grads else None, comm.world_size)
         plan = self._plans.get(sig)
         if plan is None:
-            comp = [i for i, g in enumerate(grads) if self.eligible(g)]
-            plain = sorted(set(range(len(grads))) - set(comp))
-            groups = [[i] for i in comp] if self.policy == "layerwise" else ([comp] if comp else [])
-            plan = self._plans[sig] = _BucketPlan(groups, plain)
+            plan = self._plans[sig] = self._make_plan(grads, keys, comm)
         return plan
+
+    def _make_plan(self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> _BucketPlan:
+        what = "BucketCompressor"
+        self.check_shapes(grads, keys)
+        dev = comm.device
+        for i, t in enumerate(grads):
+            if t.dtype not in COMPRESS_DTYPES:
+                raise InvalidArgumentError(f"{what}: gradient {i} dtype {t.dtype}; expected float32, float16 or bfloat16")
+            if t.device.type != dev.type:
+                raise InvalidArgumentError(f"{what}: gradient {i} is on {t.device}, the communicator on {dev}")
+        c = self.compressor
+        if c.identity or getattr(c, "elementwise", False):
+            return _BucketPlan([], [])
+        comp = [i for i, g in enumerate(grads) if self.eligible(g)]
+        plain = sorted(set(range(len(grads))) - set(comp))
+        if self.policy == "layerwise":
+            groups = [[i] for i in comp]
+            shapes = [tuple(grads[i].shape) for i in comp]
+        else:
+            groups = [comp] if comp else []
+            shapes = [(sum(grads[i].numel() for i in comp),)] if comp else []
+        single = True
+        for shape in shapes:
+            schemes = c.schemes(shape, grads[0].dtype, comm.world_size)
+            if self.quantize_mode in schemes:
+                schemes = {self.quantize_mode: schemes[self.quantize_mode]}
+            single = single and all(len(rounds) == 1 for rounds in schemes.values())
+        state_keys = [tuple(keys[i] for i in g) for g in groups]
+        return _BucketPlan(groups, plain, single, state_keys)
 
     def check_shapes(self, grads: Sequence[torch.Tensor], keys: Sequence[int]) -> None:
         for k, g in zip(keys, grads):
@@ -260,60 +333,68 @@ class BucketCompressor:
     # -- one bucket -----------------------------------------------------------------------------------
 
     def start(
-        self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator
-    ) -> tuple[list[CompressedReduction], Callable[[], None] | None]:
+        self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator, *,
+        flat: torch.Tensor | None = None,
+    ) -> tuple[list[CompressedReduction], Callable[[], None] | None]:  # fmt: skip
         """Start averaging one bucket's gradients (in place). Returns the reductions to pipeline and a
-        function to call when they are done (copies back from temporary flat buffers), or None."""
-        grads = list(grads)
-        self.check_shapes(grads, keys)
-        plain_c = NoCompression(check_finite=False)
-        if self.iteration < self.start_iter or self.compressor.identity:
-            return self._plain(grads, comm, plain_c)
-        plan = self._plan(grads, keys)
+        function to call when they are done (copies back from temporary flat buffers), or None.
+        ``flat``: a contiguous buffer the gradients are views of, in order (DDP's ``bucket.buffer()``),
+        reduced as one tensor where the whole bucket travels alike (uncompressed, or a cast). Each
+        reduction's ``single_round`` says whether its decode may run from its collective's callback."""
+        if not isinstance(grads, list):
+            grads = list(grads)
+        plan = self._plan(grads, keys, comm)
+        c = self.compressor
+        if self.iteration < self.start_iter or c.identity:
+            return [self._whole(grads, flat, comm, self._plain_c)], None
+        if not plan.compressed and not plan.plain:  # elementwise: the bucket as one tensor
+            return [self._whole(grads, flat, comm, c)], None
         reductions: list[CompressedReduction] = []
-        finish: list[Callable[[], None]] = []
+        finish = None
         if plan.plain:
-            rs, fin = self._plain([grads[i] for i in plan.plain], comm, plain_c)
-            reductions += rs
-            if fin is not None:
-                finish.append(fin)
+            reductions.append(self._whole([grads[i] for i in plan.plain], None, comm, self._plain_c))
+        states = plan.states
+        if states is None:
+            states = plan.states = [self._state(k, comm.rank) for k in plan.state_keys]
+        self._used.update(plan.state_keys)
         if self.policy == "layerwise":
-            tensors = [grads[g[0]] for g in plan.compressed]
-            states = [self._state((keys[g[0]],), comm.rank) for g in plan.compressed]
-            if tensors:
-                reductions.append(
-                    start_compressed_all_reduce(
-                        tensors, comm, self.compressor, states, quantize_mode=self.quantize_mode
-                    )
-                )
+            if states:
+                tensors = [grads[g[0]] for g in plan.compressed]
+                reductions.append(issue(tensors, states, comm, c, quantize_mode=self.quantize_mode,
+                                        single_round=plan.single_round))  # fmt: skip
         elif plan.compressed:
             members = [grads[i] for i in plan.compressed[0]]
-            st = self._state(tuple(keys[i] for i in plan.compressed[0]), comm.rank)
-            flat = _as_one(members)
-            if flat is None:
-                flat, layout = flatten(members)
-                finish.append(lambda: unflatten(flat, layout, members))
-            reductions.append(
-                start_compressed_all_reduce(flat, comm, self.compressor, st, quantize_mode=self.quantize_mode)
-            )
+            one = _as_one(members)
+            if one is None:
+                one, layout = flatten(members)
 
-        def done() -> None:
-            for f in finish:
-                f()
+                def finish() -> None:
+                    unflatten(one, layout, members)
 
-        return reductions, (done if finish else None)
+            reductions.append(issue([one], states, comm, c, quantize_mode=self.quantize_mode,
+                                    single_round=plan.single_round))  # fmt: skip
+        return reductions, finish
 
-    def _plain(self, grads: list[torch.Tensor], comm: Communicator, c: NoCompression):
-        """One uncompressed all-reduce: of the span the tensors cover when they lie back to back, else
-        of the list (one fused flatten and unflatten)."""
-        flat = _as_one(grads)
-        return [start_compressed_all_reduce(grads if flat is None else flat, comm, c)], None
+    def _whole(self, grads: list[torch.Tensor], flat: torch.Tensor | None, comm: Communicator,
+               c: Compressor) -> CompressedReduction:  # fmt: skip
+        """One single-round reduction of all ``grads`` through a stateless compressor (uncompressed or a
+        cast): of ``flat`` or the span the tensors cover when they lie back to back, else of the list
+        (the compressor's rounds flatten it in one fused pass)."""
+        if flat is None:
+            flat = grads[0].view(-1) if len(grads) == 1 and grads[0].is_contiguous() else _as_one(grads)
+        tensors = grads if flat is None else [flat]
+        st = self._stateless
+        return issue(tensors, [st] * len(tensors), comm, c, single_round=True)
 
     def end_iteration(self) -> None:
         """Count a finished iteration; forget groups the current bucket layout no longer uses."""
         if self._used:
-            for k in [k for k in self.states if k not in self._used]:
+            used = self._used
+            for k in [k for k in self.states if k not in used]:
                 del self.states[k]
+            # plans of layouts gone (DDP's rebuild) would hold forgotten states
+            for sig in [s for s, p in self._plans.items() if p.states and not used.issuperset(p.state_keys)]:
+                del self._plans[sig]
         self._used = set()
         self.iteration += 1
 
@@ -350,4 +431,5 @@ class BucketCompressor:
         self.iteration = int(sd["iteration"])
         self.shapes = {int(k): tuple(v) for k, v in sd["shapes"].items()}
         self.states = states
+        self._plans = {}
         self._used = set()

@@ -20,9 +20,16 @@ What a bucket goes through (``compression_hook(state, bucket)``):
   (PowerSGD: one P and one Q per matrix, as PyTorch's ``powerSGD_hook``), the payloads of a round
   sharing one collective where the compressor allows it; ``policy="bucket"`` compresses the bucket's
   eligible gradients as one flat tensor (PowerSGD then behaves like ``batched_powerSGD_hook``);
-- the buckets' rounds are pipelined in a rank-independent order (see :mod:`._engine`), so several
-  buckets work on gloo and NCCL alike; PowerSGD's P all-reduce of one bucket overlaps the Q round of
-  the previous one.
+- elementwise compressors (FP16, BF16) cast the whole bucket, 1-D tensors included, in one fused pass
+  with the 1/world_size prescale, and send it in one all-reduce, as PyTorch's ``fp16_compress_hook``;
+- a bucket whose reduction has one round (warm-up, uncompressed, the casts, top-k, gathered int8/int4)
+  is issued and the hook returns at once: the future it returns is the collective's own, with the
+  decode chained to it (``work.get_future().then(decode)``), so the hook never waits and DDP waits only
+  when backward is over;
+- buckets with several rounds (PowerSGD's P then Q, sign's two phases, quantize's shared scale) are
+  pipelined in a rank-independent order (see :mod:`._engine`), so several buckets work on gloo and NCCL
+  alike; PowerSGD's P all-reduce of one bucket overlaps the Q round of the previous one. The hook waits
+  for older buckets' rounds there, and the last bucket drains the pipeline.
 
 States are kept per parameter (layerwise) or per group of parameters (bucket), keyed by the order in
 which the hook first sees the parameters, so they survive DDP's bucket rebuild after the first
@@ -40,6 +47,8 @@ non-finite values).
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -66,9 +75,15 @@ class HookStats:
     bytes_after: int = 0
     """Payload bytes this rank put on the wire for them."""
     compress_s: float = 0.0
-    """Seconds spent compressing and decompressing (wall clock, this rank)."""
+    """Seconds spent compressing and decompressing (wall clock, this rank). For one-round buckets the
+    decode runs in the collective's completion callback (gloo's thread) and is counted there."""
     wait_s: float = 0.0
-    """Seconds the hook waited for collectives (communication not hidden behind backward)."""
+    """Seconds the hook waited for collectives (communication not hidden behind backward). Only
+    buckets with several rounds wait inside the hook; one-round buckets return the collective's future
+    and DDP waits for it after backward, outside the hook, so their wait is not counted here (it shows
+    in the step time)."""
+    async_buckets: int = 0
+    """Buckets returned as the collective's own future (one round: no wait in the hook)."""
     per_iteration: list[dict] = field(default_factory=list)
     """Per iteration: bytes before/after, compress and wait seconds (the last 100)."""
 
@@ -77,7 +92,7 @@ class HookStats:
         return self.bytes_before / self.bytes_after if self.bytes_after else 1.0
 
     def reset(self) -> None:
-        self.iterations = self.buckets = self.bytes_before = self.bytes_after = 0
+        self.iterations = self.buckets = self.bytes_before = self.bytes_after = self.async_buckets = 0
         self.compress_s = self.wait_s = 0.0
         self.per_iteration.clear()
 
@@ -90,7 +105,51 @@ class HookStats:
             "compression_ratio": self.compression_ratio,
             "compress_s": self.compress_s,
             "wait_s": self.wait_s,
+            "async_buckets": self.async_buckets,
         }
+
+
+class _Turn:
+    """One iteration's figures, filled by each bucket as it finishes, from DDP's thread or the backend's
+    completion thread; appended to ``stats.per_iteration`` once the last bucket was handed to the hook and
+    every bucket has finished."""
+
+    __slots__ = ("closed", "figures", "lock", "pending", "stats")
+
+    def __init__(self, stats: HookStats) -> None:
+        self.stats = stats
+        self.lock = threading.Lock()
+        self.pending = 0
+        self.closed = False
+        self.figures = {"bytes_before": 0, "bytes_after": 0, "compress_s": 0.0, "wait_s": 0.0}
+
+    def record(self, before: int, cost: dict, one_round: bool) -> None:
+        st = self.stats
+        with self.lock:
+            st.buckets += 1
+            st.async_buckets += one_round
+            st.bytes_before += before
+            st.bytes_after += cost["bytes_sent"]
+            st.compress_s += cost["compress_s"]
+            st.wait_s += cost["wait_s"]
+            f = self.figures
+            f["bytes_before"] += before
+            f["bytes_after"] += cost["bytes_sent"]
+            f["compress_s"] += cost["compress_s"]
+            f["wait_s"] += cost["wait_s"]
+            self.pending -= 1
+            self._flush()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.closed and self.pending == 0:
+            self.stats.per_iteration.append(dict(self.figures))
+            del self.stats.per_iteration[:-100]
+            self.closed = False  # once
 
 
 class CompressionHookState:
@@ -144,8 +203,8 @@ class CompressionHookState:
         self._comm: TorchCommunicator | None = None
         self._pipeline = ReductionPipeline()
         self._keys: dict[int, int] = {}
-        self._turn: dict = {}
         self.stats = HookStats()
+        self._turn = _Turn(self.stats)
 
     # tunables, read-only after construction (the per-tensor states depend on them)
     @property
@@ -207,7 +266,7 @@ class CompressionHookState:
         self._comm = None
         self._pipeline = ReductionPipeline()
         self._keys = {}
-        self._turn = {}
+        self._turn = _Turn(self.stats)
 
     def __repr__(self) -> str:
         e = self._engine
@@ -229,43 +288,64 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     comm = state._communicator()
     buf = bucket.buffer()
     keys = [state._key(p) for p in bucket.parameters()]
-    fut: torch.futures.Future = torch.futures.Future(devices=[buf.device] if buf.device.type == "cuda" else None)
-    stats = state.stats
+    engine = state._engine
     turn = state._turn
+    last = bucket.is_last()
     try:
         grads = bucket.gradients()
-        span = bucket_span(bucket.index(), grads, state._engine.compressor)
-        reductions, finish = state._engine.start(grads, keys, comm)
+        span = bucket_span(bucket.index(), grads, engine.compressor)
+        with turn.lock:
+            turn.pending += 1
+        reductions, finish = engine.start(grads, keys, comm, flat=buf)
+        before = buf.numel() * buf.element_size()
+        fut = None
+        if finish is None and all(r.single_round for r in reductions):
+            futs = [r.future() for r in reductions]
+            if all(f is not None for f in futs):
+                fut = _chain(futs, buf, reductions, before, turn, span)
+        if fut is None:
+            fut = torch.futures.Future(devices=[buf.device] if buf.device.type == "cuda" else None)
 
-        def done() -> None:
-            if finish is not None:
-                finish()
-            stats.buckets += 1
-            before = buf.numel() * buf.element_size()
-            cost = totals(reductions)
-            stats.bytes_before += before
-            stats.bytes_after += cost["bytes_sent"]
-            stats.compress_s += cost["compress_s"]
-            stats.wait_s += cost["wait_s"]
-            for k, v in (("bytes_before", before), ("bytes_after", cost["bytes_sent"]),
-                         ("compress_s", cost["compress_s"]), ("wait_s", cost["wait_s"])):  # fmt: skip
-                turn[k] = turn.get(k, 0) + v
-            fut.set_result(buf)
+            def done() -> None:
+                if finish is not None:
+                    finish()
+                turn.record(before, totals(reductions), False)
+                fut.set_result(buf)
 
-        state._pipeline.submit(reductions, done, span)
-        if bucket.is_last():
+            state._pipeline.submit(reductions, done, span)
+        if last:
             state._pipeline.drain()
-            state._engine.end_iteration()
-            stats.iterations += 1
-            stats.per_iteration.append(dict(turn))
-            del stats.per_iteration[:-100]
-            turn.clear()
+            engine.end_iteration()
+            state.stats.iterations += 1
+            state._turn = _Turn(state.stats)
+            turn.close()
     except BaseException:
         # the collectives of this iteration are out of step with the other ranks: start over cleanly
         state._pipeline = ReductionPipeline()
-        turn.clear()
+        state._turn = _Turn(state.stats)
         raise
     return fut
+
+
+def _chain(futs: list, buf: torch.Tensor, reductions: list, before: int, turn: _Turn, span):
+    """The future DDP waits on for a one-round bucket: the collectives' own, the decode chained to it
+    (inside each reduction's future), then the statistics; its value is the bucket's buffer."""
+
+    def finished(f: torch.futures.Future) -> torch.Tensor:
+        t0 = time.perf_counter()
+        v = f.value()  # raises the collective's (or the decode's) error
+        if len(futs) > 1:
+            for x in v:
+                x.value()
+        cost = totals(reductions)
+        cost["compress_s"] += time.perf_counter() - t0
+        turn.record(before, cost, True)
+        if span is not None:
+            span.end()
+        return buf
+
+    f = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
+    return f.then(finished)
 
 
 # DDP checks the hook's annotations by identity; with postponed evaluation they would be strings

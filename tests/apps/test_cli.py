@@ -249,3 +249,23 @@ def test_bench_trace_measures_the_instrumentation(tmp_path, capsys):
     # recording a span costs more than skipping it: the recorder really was active in those loops
     assert ns["Op.__call__, recorder active"] > ns["Op.__call__, no recorder"]
     assert main(["bench", "trace", "--calls", "5"]) == 2
+
+
+def test_bench_overhead_times_every_public_op_beside_torch(tmp_path, capsys):
+    out = tmp_path / "overhead.json"
+    assert main(["bench", "overhead", "--calls", "2", "--bulk-calls", "1", "--reps", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ours/torch" in text and "targets met:" in text
+    data = json.loads(out.read_text())
+    assert data["suite"] == "overhead" and data["config"]["cases"] == len(data["results"]) // 2
+    ours = {r["op"] for r in data["results"] if r["kind"] == "ours"}
+    import torsh_kernels as tk
+
+    public = {n for n in tk.__all__ if callable(getattr(tk, n)) and n[0].islower() and n != "providers"}
+    assert public | {"pack", "unpack"} <= ours, public - ours
+    for r in data["results"]:
+        assert r["extra"]["us_per_call"] > 0
+        if r["kind"] == "ours":
+            assert r["extra"]["provider"] and r["extra"]["ratio_to_torch"] > 0 and isinstance(r["extra"]["met"], bool)
+    assert any("2000 x 4 KiB" in r["case"] for r in data["results"])
+    assert main(["bench", "overhead", "--calls", "0"]) == 2

@@ -148,3 +148,65 @@ def test_default_tuned_lookup_is_the_tuning_cache_reader():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True"]
+
+
+# ------------------------------------------------------------------- selection resolved once, then cached
+
+
+def test_selection_is_resolved_once_per_size_bucket_until_reload():
+    seen = []
+    registry.set_tuned_lookup(lambda op, dev, dtype, size: seen.append(size) or "numba")
+    sel = bucket._flatten.select
+    assert [sel(DEVICE, torch.float32, n, None) for n in (1000, 1000, 600, 1024)] == ["numba"] * 4
+    assert seen == [1000], "one lookup for the 2^10 bucket"
+    assert sel(DEVICE, torch.float32, 1025, None) == "numba" and seen == [1000, 1025]
+    assert sel(DEVICE, torch.float16, 1000, None) == "numba" and len(seen) == 3
+    registry.reload()
+    sel(DEVICE, torch.float32, 1000, None)
+    assert len(seen) == 4, "reload() drops the cached choices"
+    registry.set_tuned_lookup(lambda op, dev, dtype, size: "triton")
+    assert sel(DEVICE, torch.float32, 1000, None) == "triton", "a new lookup is honoured at once"
+
+
+def test_env_var_changes_are_honoured_at_once(calls, monkeypatch):
+    run()
+    monkeypatch.setenv(registry.ENV_VAR, "numba")
+    run()
+    monkeypatch.setenv(registry.ENV_VAR, "torch")
+    run()
+    monkeypatch.delenv(registry.ENV_VAR)
+    run()
+    assert calls == [registry.default_provider(DEVICE), "numba", "torch", registry.default_provider(DEVICE)]
+
+
+def test_tuned_meta_is_cached_until_reload():
+    seen = []
+    installed = registry._tuned_meta
+    registry.set_tuned_meta(lambda op, dev, dtype, size, prov: seen.append(size) or {"BLOCK": 1024})
+    try:
+        assert registry.tuned_meta("flatten", DEVICE, torch.float32, 3000, "triton") == {"BLOCK": 1024}
+        assert registry.tuned_meta("flatten", DEVICE, torch.float32, 4000, "triton") == {"BLOCK": 1024}
+        assert seen == [3000]
+        registry.reload()
+        registry.tuned_meta("flatten", DEVICE, torch.float32, 4000, "triton")
+        assert seen == [3000, 4000]
+    finally:
+        registry.set_tuned_meta(installed)
+
+
+def test_no_file_system_access_per_call(monkeypatch, tmp_path):
+    """With the tuning cache's reader installed, a call after the first stats no file."""
+    import os
+
+    from torsh_kernels.ops import tuning
+
+    monkeypatch.setenv(tuning.ENV_CACHE_DIR, str(tmp_path))
+    registry.set_tuned_lookup(tuning.lookup_provider)
+    registry.reload()
+    run()
+    stats = []
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: (stats.append(p), real(p, *a, **k))[1])
+    for _ in range(3):
+        run()
+    assert not [p for p in stats if "tuning" in str(p)]

@@ -49,10 +49,7 @@ def direct(*tensors: object) -> bool:
     """Whether an op over these tensor arguments may call its implementation directly."""
     if _is_compiling() or _dispatch_modes() or _function_mode() or _functorch_level() is not None:
         return False
-    for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or t.is_meta):
-            return False
-    return True
+    return all(t is None or (type(t) in _PLAIN and not t.is_meta) for t in tensors)
 
 
 def needs_grad(*tensors: object) -> bool:
@@ -77,3 +74,55 @@ def written(provider: str, *tensors: torch.Tensor | None) -> None:
     """Mark tensors a non-torch provider wrote as modified (autograd's version counter)."""
     if provider != "torch":
         _bump(tuple(t for t in tensors if t is not None))
+
+
+def _direct_args(args: tuple, autograd: bool) -> bool:
+    if _is_compiling() or _dispatch_modes() or _function_mode() or _functorch_level() is not None:
+        return False
+    grad = autograd and _grad_enabled()
+    for a in args:
+        ta = type(a)
+        if ta in _PLAIN:
+            if a.is_meta or (grad and a.requires_grad):
+                return False
+        elif ta is list or ta is tuple:
+            for t in a:
+                if type(t) not in _PLAIN or t.is_meta or (grad and t.requires_grad):
+                    return False
+        elif isinstance(a, torch.Tensor):  # a subclass
+            return False
+    return True
+
+
+def call(op, mutated: tuple[int, ...], *args):
+    """``op(*args)`` for a custom op ``op``: its implementation called directly when :func:`direct` allows
+    (under no-grad; the tensors at positions ``mutated`` marked modified afterwards), else through the
+    dispatcher."""
+    fn = getattr(op, "_init_fn", None)
+    if fn is None or not _direct_args(args, False):
+        return op(*args)
+    out = run(fn, *args)
+    if mutated:
+        _mark(args, mutated)
+    return out
+
+
+def call_autograd(op, *args):
+    """Like :func:`call` for an op with registered autograd and no mutations: direct only when no
+    argument needs a gradient (then the registered backward is not needed)."""
+    fn = getattr(op, "_init_fn", None)
+    if fn is None or not _direct_args(args, True):
+        return op(*args)
+    return run(fn, *args)
+
+
+def _mark(args: tuple, mutated: tuple[int, ...]) -> None:
+    ts = []
+    for i in mutated:
+        a = args[i]
+        if type(a) is list or type(a) is tuple:
+            ts.extend(a)
+        elif a is not None:
+            ts.append(a)
+    if ts:
+        _bump(tuple(ts))

@@ -36,8 +36,8 @@ from ..errors import (
     LayoutMismatchError,
     ShapeError,
 )
-from ._bucket_tables import NCOLS, _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable
 from . import _eager
+from ._bucket_tables import NCOLS, _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable
 from ._common import _guards, _Memo, _numba_span, _on, _ptr_table, _ptrs, _Ranges
 from .registry import Op, tuned_meta
 from .tuning import TuneSpace, register_space
@@ -698,8 +698,8 @@ def flatten(
         if ptrs and (out is None or type(out) in _eager._PLAIN):
             key = (ptrs, None, dtype) if out is None else (ptrs, out.data_ptr(), None)
             plan = _FLAT_PLANS.get(key)
-            if (plan is not None and (out is None or dtype is None or dtype == out.dtype)
-                    and (plan.guards.check(*tensors) if out is None else plan.guards.check(*tensors, out))):  # fmt: skip
+            ok = plan is not None and (out is None or dtype is None or dtype == out.dtype)
+            if ok and (plan.guards.check(*tensors) if out is None else plan.guards.check(*tensors, out)):
                 return _flatten_run(plan, tensors, out, _check_scale(scale, what), provider)
     tensors = _check_tensor_list(tensors, what, "tensors")
     _check_floats(tensors, what, "tensors")

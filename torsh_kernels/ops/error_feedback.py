@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import DeviceMismatchError, ShapeError
+from . import _eager
 from ._common import (
     BLOCK,
     WARPS,
@@ -172,7 +173,7 @@ def residual_add(
     for t, nm in ((xf, "x"), (rf, "residual")):
         _no_overlap(of, t, what, "out", nm, same_ok=True)
     if xf.numel():
-        _residual_add_op(xf, rf, of, bool(check_finite), provider or "")
+        _eager.call(_residual_add_op, (2,), xf, rf, of, bool(check_finite), provider or "")
     return out
 
 
@@ -207,4 +208,4 @@ def error_update(
         _no_overlap(of, af, what, "out", "acc")
         _no_overlap(of, pf, what, "out", "approx", same_ok=True)
     if n:
-        _error_update_op(af, pf, rf, of, provider or "")
+        _eager.call(_error_update_op, (2, 3), af, pf, rf, of, provider or "")

@@ -55,6 +55,7 @@ from ..errors import (
     NonFiniteError,
     ShapeError,
 )
+from . import _eager
 from ._common import _check_tensor, _on
 from ._moe_routing import Routing, check_capacity_factor, expert_capacity
 from .registry import Op
@@ -710,8 +711,16 @@ def moe_route(
     drop_policy = _check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
     capacity_factor = check_capacity_factor(capacity_factor, what)
     capacity = -1 if capacity_factor is None else expert_capacity(T, k, E, capacity_factor)
-    w, idx, s, counts, rows, tok = _route_op(
-        logits.contiguous(), k, score, bool(renormalize), capacity, drop_policy, bool(check_finite), provider or ""
+    w, idx, s, counts, rows, tok = _eager.call_autograd(
+        _route_op,
+        logits.contiguous(),
+        k,
+        score,
+        bool(renormalize),
+        capacity,
+        drop_policy,
+        bool(check_finite),
+        provider or "",
     )
     return Routing(
         indices=idx,
@@ -734,7 +743,7 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
     what = "torsh_kernels.moe_permute"
     routing = _check_routing(routing, what)
     x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")
-    return _permute_op(x.contiguous(), routing.row_map, routing.token_index, provider or "")
+    return _eager.call_autograd(_permute_op, x.contiguous(), routing.row_map, routing.token_index, provider or "")
 
 
 def moe_unpermute(
@@ -746,7 +755,9 @@ def moe_unpermute(
     routing = _check_routing(routing, what)
     y_perm = _check_rows(y_perm, routing.num_rows, routing, what, "y_perm", "N")
     w = routing.weights if weights else None
-    return _unpermute_op(y_perm.contiguous(), routing.row_map, routing.token_index, w, provider or "")
+    return _eager.call_autograd(
+        _unpermute_op, y_perm.contiguous(), routing.row_map, routing.token_index, w, provider or ""
+    )
 
 
 def moe_aux_loss(logits_or_probs: torch.Tensor, routing: Routing, *, from_probs: bool = False) -> torch.Tensor:

@@ -21,6 +21,7 @@ from ..errors import (
     NonFiniteError,
     ShapeError,
 )
+from . import _eager
 from ._common import COMPRESS_DTYPES, _check_dtype, _check_int, _check_tensor, _on, _ptr_table, _Ranges
 from .registry import Op
 
@@ -266,5 +267,5 @@ def orthogonalize(
             bad = sum(int((~torch.isfinite(m)).sum()) for m in mats)
         if bad:
             raise NonFiniteError(f"{what}: the matrices hold {bad} non-finite element(s); nothing was written")
-    _ortho_op([m.detach() for m in mats], float(tol), iters, provider or "")
+    _eager.call(_ortho_op, (0,), [m.detach() for m in mats], float(tol), iters, provider or "")
     return matrices

@@ -24,6 +24,7 @@ from ..errors import (
     InvalidArgumentError,
     ShapeError,
 )
+from . import _eager
 from ._common import (
     COMPRESS_DTYPES,
     WARPS,
@@ -387,7 +388,7 @@ def quantize(
     elif seed is not None:
         _check_int(seed, what, "seed")
     if out is None:
-        return _quantize_op(xf, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
+        return _eager.call(_quantize_op, (), xf, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise ArgumentTypeError(f"{what}: out must be a (q, scales) pair of tensors, got {type(out).__name__}")
     n = xf.numel()
@@ -403,7 +404,9 @@ def quantize(
         if t.device != xf.device:
             raise DeviceMismatchError(f"{what}: {name} is on {t.device}, x on {xf.device}")
     q, scales = out[0].view(-1), out[1].view(-1)
-    _quantize_out_op(xf, q, scales, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
+    _eager.call(
+        _quantize_out_op, (1, 2), xf, q, scales, bits, block, bool(stochastic), key, bool(check_finite), provider or ""
+    )
     return out[0], out[1]
 
 
@@ -449,8 +452,8 @@ def dequantize(
         )
     alpha = _check_alpha(alpha, what)
     out, of = _decode_out(out, numel, dtype, q.device, what)
-    _dequantize_op(q.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), of, bits, block, alpha,
-                   bool(accumulate), provider or "")  # fmt: skip
+    _eager.call(_dequantize_op, (2,), q.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), of, bits, block,
+                alpha, bool(accumulate), provider or "")  # fmt: skip
     return out
 
 

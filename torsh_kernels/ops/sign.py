@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import DeviceMismatchError, DTypeError, ShapeError
+from . import _eager
 from ._common import (
     BLOCK,
     WARPS,
@@ -223,7 +224,7 @@ def sign_compress(
     if residual is not None:
         rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
         _no_overlap(rf, xf, what, "residual", "x")
-    return _sign_op(xf, rf, bool(check_finite), provider or "")
+    return _eager.call(_sign_op, (1,), xf, rf, bool(check_finite), provider or "")
 
 
 def sign_decompress(
@@ -254,5 +255,7 @@ def sign_decompress(
         raise DeviceMismatchError(f"{what}: scale is on {scale.device}, bits on {bits.device}")
     alpha = _check_alpha(alpha, what)
     out, of = _decode_out(out, numel, dtype, bits.device, what)
-    _sign_decompress_op(bits.reshape(-1).contiguous(), scale, of, alpha, bool(accumulate), provider or "")
+    _eager.call(
+        _sign_decompress_op, (2,), bits.reshape(-1).contiguous(), scale, of, alpha, bool(accumulate), provider or ""
+    )
     return out

@@ -11,7 +11,9 @@
   ``TOPK_REFINE`` times, then the exact path runs. Whenever the count lands in the band, every one of
   the true top k is a candidate, so the result equals the exact top-k (ties at the threshold may be
   broken differently); what is approximate is the threshold, and its cost is one pass plus a top-k
-  over at most CAP elements instead of a top-k over n. ``exact=True`` selects with a top-k over all n.
+  over at most CAP elements instead of a top-k over n. When the sample would hold every element (n up
+  to ``TOPK_MIN_SAMPLE``), approximate mode takes the exact path: the sample's top-k would already be a
+  top-k over all n. ``exact=True`` selects with a top-k over all n.
 - ``topk_decompress(values, indices, numel, out=, accumulate=, alpha=)``: scatter (or scatter-add, with
   duplicate indices summed: the all-gathered payloads of several ranks) ``alpha * values``.
 
@@ -32,6 +34,7 @@ from ..errors import (
     NonFiniteError,
     ShapeError,
 )
+from . import _eager
 from ._common import (
     BLOCK,
     WARPS,
@@ -233,10 +236,10 @@ def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
     idt = index_dtype(n)
     what = "torsh_kernels.topk_compress"
     chosen = None
-    if not exact:
+    sample = min(n, max(TOPK_MIN_SAMPLE, math.ceil(TOPK_SAMPLE_PER_K * n / k)))
+    stride = max(1, n // sample)
+    if not exact and stride > 1:  # a sample of every element would be a top-k over all n: the exact path is less work
         cap = min(n, k + math.ceil(TOPK_SLACK * k))
-        sample = min(n, max(TOPK_MIN_SAMPLE, math.ceil(TOPK_SAMPLE_PER_K * n / k)))
-        stride = max(1, n // sample)
         ns = -(-n // stride)
         target = _TOPK_TARGET * k * ns / n
         for _ in range(TOPK_REFINE):
@@ -327,7 +330,7 @@ def topk_compress(
         rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
         _no_overlap(rf, xf, what, "residual", "x")
     k = topk_count(xf.numel(), ratio)
-    return _topk_op(xf, rf, k, bool(exact), bool(check_finite), provider or "")
+    return _eager.call(_topk_op, (1,), xf, rf, k, bool(exact), bool(check_finite), provider or "")
 
 
 def topk_decompress(
@@ -371,5 +374,14 @@ def topk_decompress(
             raise ShapeError(f"{what}: index {bad} is outside [0, {numel}); nothing was written")
     _no_overlap(of, values, what, "out", "values")
     _no_overlap(of, indices, what, "out", "indices")
-    _topk_decompress_op(values.contiguous(), indices.contiguous(), of, bool(accumulate), alpha, provider or "")
+    _eager.call(
+        _topk_decompress_op,
+        (2,),
+        values.contiguous(),
+        indices.contiguous(),
+        of,
+        bool(accumulate),
+        alpha,
+        provider or "",
+    )
     return out

@@ -79,7 +79,8 @@ def cases(provider: str | None) -> list[tuple[str, str, Callable[[], object], st
     udst = [torch.empty(1)]
     uviews = ulayout.views(uflat)
     out.append(("unflatten", "1 tensor of 1 element", lambda: ops.unflatten(uflat, ulayout, udst, provider=p),
-                "torch._foreach_copy_ into the views", lambda: torch._foreach_copy_(udst, uviews), "unflatten"))  # fmt: skip
+                "torch._foreach_copy_ into the views", lambda: torch._foreach_copy_(udst, uviews),
+                "unflatten"))  # fmt: skip
     b0, b1 = rnd(1024), rnd(1024)
     out.append(("bucket_reduce", "2 x 1024 fp32, sum", lambda: ops.bucket_reduce([b0, b1], provider=p),
                 "torch.add", lambda: torch.add(b0, b1), "bucket_reduce"))  # fmt: skip
@@ -93,7 +94,8 @@ def cases(provider: str | None) -> list[tuple[str, str, Callable[[], object], st
     bviews = blayout.views(bflat)
     bdst = [torch.empty(1024) for _ in range(2000)]
     out.append(("unflatten", BULK, lambda: ops.unflatten(bflat, blayout, bdst, provider=p),
-                "torch._foreach_copy_ into the views", lambda: torch._foreach_copy_(bdst, bviews), "unflatten"))  # fmt: skip
+                "torch._foreach_copy_ into the views", lambda: torch._foreach_copy_(bdst, bviews),
+                "unflatten"))  # fmt: skip
 
     # compression ops, 1024 elements
     x = rnd(1024)
@@ -119,7 +121,8 @@ def cases(provider: str | None) -> list[tuple[str, str, Callable[[], object], st
     out.append(("topk_compress", "1024 fp32, 1%", lambda: ops.topk_compress(x, ratio=0.01, provider=p),
                 "torch.topk(abs) + gather", topk_torch, "topk_compress"))  # fmt: skip
     out.append(("topk_decompress", "11 of 1024", lambda: ops.topk_decompress(vals, idx, 1024, provider=p),
-                "zeros + scatter_", lambda: torch.zeros(1024).scatter_(0, idx.long(), vals), "topk_decompress"))  # fmt: skip
+                "zeros + scatter_", lambda: torch.zeros(1024).scatter_(0, idx.long(), vals),
+                "topk_decompress"))  # fmt: skip
     shifts = torch.arange(8, dtype=torch.uint8)
 
     def sign_torch():
@@ -131,7 +134,8 @@ def cases(provider: str | None) -> list[tuple[str, str, Callable[[], object], st
                 "(x >= 0) << shifts, sum; abs().mean()", sign_torch, "sign_compress"))  # fmt: skip
     out.append(("sign_decompress", "1024 signs", lambda: ops.sign_decompress(bits, scale, 1024, provider=p),
                 "bits >> shifts & 1, * 2 - 1, * scale",
-                lambda: (((bits[:, None] >> shifts) & 1).view(-1).float() * 2 - 1) * scale, "sign_decompress"))  # fmt: skip
+                lambda: (((bits[:, None] >> shifts) & 1).view(-1).float() * 2 - 1) * scale,
+                "sign_decompress"))  # fmt: skip
     m = rnd(64, 4)
     out.append(("orthogonalize", "one 64 x 4 matrix", lambda: ops.orthogonalize(m, provider=p),
                 "m.copy_(torch.linalg.qr(m).Q)", lambda: m.copy_(torch.linalg.qr(m).Q), "orthogonalize"))  # fmt: skip
@@ -263,7 +267,7 @@ def run(a: argparse.Namespace) -> int:
                  ("p20-p80", "right"), ("torch us", "right"), ("p20-p80", "right"), ("ours/torch", "right"),
                  ("target", "left"), ("torch equivalent", "left")):  # fmt: skip
         t.add_column(c, justify=j, no_wrap=c != "case")
-    for op, case, prov, o, pn, pu, ratio, target, met in summary_rows:
+    for op, case, prov, o, pn, pu, ratio, _target, met in summary_rows:
         t.add_row(op, case, prov, f"{statistics.median(o):.1f}", f"{quantile(o, 0.2):.1f}-{quantile(o, 0.8):.1f}",
                   f"{statistics.median(pu):.1f}", f"{quantile(pu, 0.2):.1f}-{quantile(pu, 0.8):.1f}",
                   f"{ratio:.2f}x", "met" if met else "not met", pn, style=None if met else "bold")  # fmt: skip

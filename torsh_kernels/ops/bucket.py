@@ -416,12 +416,17 @@ def _unflatten_numba(flat: torch.Tensor, tensors: list[torch.Tensor], scale: flo
 @_reduce.register("torch")
 def _reduce_torch(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> None:
     c = _compute_dtype(buffers[0].dtype, out.dtype)
-    if out.dtype == c and not any(b.data_ptr() == out.data_ptr() for b in buffers[1:]):
+    rest = buffers[1:]
+    if out.dtype == c and not any(b.data_ptr() == out.data_ptr() for b in rest):
         acc = out  # accumulate in place: no temporary
-        acc.copy_(buffers[0])
+        if rest and buffers[0].dtype == c and rest[0].dtype == c:  # the first two in one pass
+            (torch.maximum if op == "max" else torch.add)(buffers[0], rest[0], out=acc)
+            rest = rest[1:]
+        else:
+            acc.copy_(buffers[0])
     else:
         acc = buffers[0].to(c, copy=True)
-    for b in buffers[1:]:
+    for b in rest:
         b = b.to(c) if b.dtype != c else b
         if op == "max":
             torch.maximum(acc, b, out=acc)

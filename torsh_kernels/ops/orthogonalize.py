@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -263,7 +264,7 @@ def orthogonalize(
         whole = matrices if isinstance(matrices, torch.Tensor) else None
         total = sum(m.sum(dtype=torch.float64) for m in mats) if whole is None else whole.sum(dtype=torch.float64)
         bad = 0
-        if not bool(torch.isfinite(total)):  # a NaN/Inf element (finite inputs cannot overflow fp64)
+        if not math.isfinite(float(total)):  # a NaN/Inf element (finite inputs cannot overflow fp64)
             bad = sum(int((~torch.isfinite(m)).sum()) for m in mats)
         if bad:
             raise NonFiniteError(f"{what}: the matrices hold {bad} non-finite element(s); nothing was written")

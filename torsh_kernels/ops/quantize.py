@@ -15,6 +15,8 @@ See ``_common`` for what the compression families share (fp32 compute, the non-f
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import (
@@ -188,7 +190,7 @@ def _cpu_slices(n: int, block: int, device: torch.device) -> list[tuple[int, int
 
 @_quantize.register("torch")
 def _quantize_torch(x, q, scales, bits, block, stochastic, key):
-    bad = torch.zeros(1, dtype=torch.int64, device=x.device)
+    bad = 0
     for a, b in _cpu_slices(x.numel(), block, x.device):
         qa, qb = (a, b) if bits == 8 else (a // 2, -(-b // 2))
         bad += _quantize_torch_range(x[a:b], q[qa:qb], scales[a // block : -(-b // block)], bits, block, stochastic,
@@ -203,8 +205,9 @@ def _quantize_torch_range(x, q, scales, bits, block, stochastic, key, offset):
     v = x.float()
     blocks = (torch.nn.functional.pad(v, (0, nb * block - n)) if n % block else v).view(nb, block)
     amax = blocks.abs().amax(dim=1)  # NaN/Inf propagate into the block's maximum
-    bad_blocks = ~torch.isfinite(amax)
-    s = torch.where(bad_blocks, float("nan"), amax / qmax)
+    finite = math.isfinite(amax.sum().item())  # all >= 0: finite iff every block is (an overflow rechecks)
+    bad_blocks = None if finite else ~torch.isfinite(amax)
+    s = amax.div_(qmax) if finite else torch.where(bad_blocks, float("nan"), amax / qmax)
     scales.copy_(s)
     c = block_codes(blocks, s, qmax, stochastic, key, offset).to(torch.int8).view(-1)[:n]
     if bits == 8:
@@ -212,10 +215,9 @@ def _quantize_torch_range(x, q, scales, bits, block, stochastic, key, offset):
     else:
         c = torch.nn.functional.pad(c, (0, n % 2)).view(-1, 2) & 15
         q.copy_(c[:, 0] | (c[:, 1] << 4))
-    bad = torch.zeros(1, dtype=torch.int64, device=v.device)
-    if bool(bad_blocks.any()):  # rare: count the elements for the message
-        bad += (~torch.isfinite(blocks[bad_blocks])).sum()
-    return bad
+    if bad_blocks is None or not bool(bad_blocks.any()):
+        return 0
+    return int((~torch.isfinite(blocks[bad_blocks])).sum())  # rare: count the elements for the message
 
 
 @_quantize.register("triton")
@@ -296,7 +298,7 @@ def _quantize_into(x, q, scales, bits, block, stochastic, key, check_finite, pro
         name = _select(_quantize, x, provider)
         with _on(x.device):
             bad = _quantize(name, x.view(-1), q, scales, bits, block, stochastic, key)
-        if check_finite and (b := int(bad.item())):
+        if check_finite and (b := bad if isinstance(bad, int) else int(bad.item())):
             _raise_nonfinite(b, "torsh_kernels.quantize", "x")
 
 

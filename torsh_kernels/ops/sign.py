@@ -9,6 +9,8 @@ See ``_common`` for what the compression families share (fp32 compute, the non-f
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import DeviceMismatchError, DTypeError, ShapeError
@@ -78,10 +80,9 @@ _sign_unpack = Op("sign_decompress")
 def _abs_sum_torch(x, r):
     v = _acc_torch(x, r)
     total = v.abs().sum(dtype=torch.float64)  # finite unless an element is NaN/Inf (no fp64 overflow)
-    bad = torch.zeros(1, dtype=torch.int64, device=v.device)
-    if not bool(torch.isfinite(total)):
-        bad += (~torch.isfinite(v)).sum()
-    return total, bad
+    if math.isfinite(total.item()):
+        return total, 0
+    return total, int((~torch.isfinite(v)).sum())
 
 
 @_abs_sum.register("triton")
@@ -178,7 +179,7 @@ def _sign_op(x: torch.Tensor, residual: torch.Tensor | None, check_finite: bool,
     r = residual.view(-1) if residual is not None else None
     with _on(x.device):
         total, bad = _abs_sum(name, x.view(-1), r)
-        if check_finite and (b := int(bad.item())):
+        if check_finite and (b := bad if isinstance(bad, int) else int(bad.item())):
             _raise_nonfinite(b, "torsh_kernels.sign_compress", "x + residual" if r is not None else "x")
         scale = (total / n).to(torch.float32)
         _sign_pack(name, x.view(-1), r, bits, scale)

@@ -5,9 +5,9 @@ dispatch, allocation. Each case times the public op (``torsh_kernels.<op>``, pro
 automatically unless ``--provider`` is given) and the plain PyTorch that computes the same thing, in
 loops of ``--calls`` calls, ``--reps`` loops each, the two interleaved (rotating order) so that drift in
 clock speed or load falls on both alike; no cache flushes (they would dwarf a call of a few
-microseconds). Reported: microseconds per call (median over the loops, p20-p80 spread) and the ratio
-ours / torch. The two bucket cases at 2000 x 4 KiB (flatten into ``out``, unflatten into the tensors)
-measure the per-tensor cost instead.
+microseconds); one torch thread unless ``--threads`` says otherwise. Reported: microseconds per call
+(median over the loops, p20-p80 spread) and the ratio ours / torch. The two bucket cases at
+2000 x 4 KiB (flatten into ``out``, unflatten into the tensors) measure the per-tensor cost instead.
 
 The torch equivalents are named in the table; they are what a user would write by hand (e.g. flatten:
 ``torch.cat(out=)``; unflatten: ``torch._foreach_copy_`` into the bucket's views; quantize: a blockwise
@@ -209,6 +209,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--provider", default=None, help="provider for our ops (default: automatic; torch on a CPU)")
     ap.add_argument("--ops", default=None, help="comma-separated op names to run (default: all)")
     ap.add_argument("--no-bulk", action="store_true", help="skip the 2000 x 4 KiB cases")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads while timing (default 1: tiny ops do not use more, and on a "
+                         "loaded machine waking a thread pool costs milliseconds at random; 0: torch's)")  # fmt: skip
     ap.add_argument("--device", default="cpu", help="only cpu: the suite measures host cost")
     ap.add_argument("--json", default=None, help="write the results here")
 
@@ -227,6 +230,16 @@ def run(a: argparse.Namespace) -> int:
         if why is not None:
             print(f"torsh bench overhead: provider {a.provider!r} cannot run here: {why}", file=sys.stderr)
             return 2
+    threads = torch.get_num_threads()
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    try:
+        return _run(a, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(a: argparse.Namespace, device: torch.device) -> int:
     env = environment(device)
     wanted = set(a.ops.split(",")) if a.ops else None
     results: list[Result] = []
@@ -261,7 +274,8 @@ def run(a: argparse.Namespace) -> int:
 
     console = wide_console(190)
     console.print(f"[bold]host overhead per call[/bold] on {env['device']} (torch {env['versions']['torch']}), "
-                  f"{a.reps} interleaved loops of {a.calls} calls ({a.bulk_calls} for {BULK})")  # fmt: skip
+                  f"{a.reps} interleaved loops of {a.calls} calls ({a.bulk_calls} for {BULK}), "
+                  f"{torch.get_num_threads()} torch thread(s)")  # fmt: skip
     t = Table()
     for c, j in (("op", "left"), ("case", "left"), ("provider", "left"), ("ours us", "right"),
                  ("p20-p80", "right"), ("torch us", "right"), ("p20-p80", "right"), ("ours/torch", "right"),
@@ -278,6 +292,7 @@ def run(a: argparse.Namespace) -> int:
     console.print(f"targets met: {n_met} of {len(summary_rows)} cases")
     if a.json:
         config = {"calls": a.calls, "bulk_calls": a.bulk_calls, "reps": a.reps, "provider": a.provider,
+                  "threads": torch.get_num_threads(),
                   "targets": {"us": TARGET_US, "ratio": TARGET_RATIO, "bulk_ratio": TARGET_BULK_RATIO},
                   "met": n_met, "cases": len(summary_rows)}  # fmt: skip
         write_json(a.json, "overhead", env, results, config)

@@ -247,3 +247,88 @@ def test_bucket_policy_carries_residuals_into_new_groups():
     e._used = {(1, 2)}
     e.end_iteration()
     assert list(e.states) == [(1, 2)]
+
+
+def _versus_torch_fp16_worker(comm):
+    """One backward per hook on the same model and batch; what the hook waits for and issues, counted."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from torsh_kernels.collectives.communicator import TorchCommunicator, _TorchHandle
+    from torsh_kernels.compression import FP16
+
+    inside = [False]
+    counts = {"wait": 0, "all_reduce": 0, "all_gather": 0, "buckets": 0, "pending_at_return": 0}
+    orig = {n: getattr(TorchCommunicator, n) for n in ("all_reduce", "all_gather")}
+    orig_wait = _TorchHandle.wait
+
+    def counting(name):
+        def f(self, *a, **kw):
+            if inside[0]:
+                counts[name] += 1
+            return orig[name](self, *a, **kw)
+
+        return f
+
+    def wait(self):
+        if inside[0]:
+            counts["wait"] += 1
+        return orig_wait(self)
+
+    TorchCommunicator.all_reduce, TorchCommunicator.all_gather = counting("all_reduce"), counting("all_gather")
+    _TorchHandle.wait = wait
+
+    def counted(state, bucket):
+        inside[0] = True
+        try:
+            fut = compression_hook(state, bucket)
+        finally:
+            inside[0] = False
+        counts["buckets"] += 1
+        counts["pending_at_return"] += not fut.done()
+        return fut
+
+    counted.__annotations__ = compression_hook.__annotations__
+
+    def grads(hook, state, **kw):
+        net = model()
+        ddp = DDP(net, bucket_cap_mb=CAP_MB, **kw)
+        ddp.register_comm_hook(state, hook)
+        for k in counts:
+            counts[k] = 0
+        for step in range(2):  # the second step runs on DDP's rebuilt buckets
+            x, y = batch(step, comm.rank)
+            ddp.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        return [p.grad.clone() for p in net.parameters()], dict(counts)
+
+    try:
+        theirs, _ = grads(default_hooks.fp16_compress_hook, None)
+        ours, c16 = grads(counted, CompressionHookState(compressor=FP16(), min_numel=64))
+        ours_view, _ = grads(counted, CompressionHookState(compressor=FP16()), gradient_as_bucket_view=True)
+        _, ctopk = grads(counted, CompressionHookState(compressor=TopK(0.05), min_numel=64))
+        _, cpsgd = grads(counted, CompressionHookState(compressor=make("powersgd"), min_numel=64))
+    finally:
+        TorchCommunicator.all_reduce, TorchCommunicator.all_gather = orig["all_reduce"], orig["all_gather"]
+        _TorchHandle.wait = orig_wait
+    same = all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    same_view = all(torch.equal(a, b) for a, b in zip(ours_view, theirs))
+    return same, same_view, c16, ctopk, cpsgd
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fp16_hook_equals_pytorch_fp16_compress_hook_and_returns_the_collectives_future(world_size):
+    # Bitwise: both send fp16(fp16(g) / world_size) for the whole bucket, biases included, in one
+    # all-reduce of the same buffer (so even gloo's ring sums in the same order on 3 ranks), and decode
+    # with an exact fp16 -> fp32 copy.
+    out = run_local(_versus_torch_fp16_worker, world_size, op_timeout=60)
+    for same, same_view, c16, ctopk, cpsgd in out:
+        assert same and same_view
+        b = c16["buckets"]
+        assert b > 2, "expected several buckets"
+        # one collective per bucket, issued and not waited for inside the hook
+        assert (c16["all_reduce"], c16["all_gather"], c16["wait"]) == (b, 0, 0)
+        # top-k: the bucket's 1-D / small tensors in one all-reduce, the top-k payloads in one all-gather
+        assert ctopk["wait"] == 0 and ctopk["all_gather"] == ctopk["buckets"]
+        assert ctopk["all_reduce"] <= ctopk["buckets"]
+        # PowerSGD has two rounds: the deterministic pipeline steps (waits) inside the hook
+        assert cpsgd["wait"] > 0

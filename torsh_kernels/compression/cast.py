@@ -3,12 +3,15 @@
 
 They are elementwise (``elementwise = True``): the value sent for an element depends on that element
 alone, so the bucket layer casts a whole bucket as one flat tensor (per-tensor policies and size rules
-mean nothing for a cast). Their rounds cast every tensor of a call into one wire buffer in one fused
-pass, the 1/world_size prescale (FP16) included: one rounding, ``fp16(x / world_size)``, where PyTorch's
-``fp16_compress_hook`` rounds twice (``fp16(fp16(x) / world_size)``)."""
+mean nothing for a cast) and sends it in one all-reduce. Their rounds cast every tensor of a call into
+one wire buffer in one pass and divide it by the world size in the wire dtype (FP16):
+``fp16(fp16(x) / world_size)``, PyTorch's ``fp16_compress_hook``'s arithmetic, so the results are
+bitwise PyTorch's (on CPU a fused ``fp16(x / world_size)`` costs several times a cast: torch computes
+it in fp32 and copies)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import KW_ONLY, dataclass
 
 import torch
@@ -64,17 +67,38 @@ class _Cast(Compressor):
         return self._cast_rounds(tensors, states, comm), "all_reduce"
 
     def _cast_rounds(self, tensors, states, comm: Communicator) -> Rounds:
-        # one fused flatten + cast (+ the 1/ws prescale), one all-reduce, one fused unflatten
+        # one cast pass into the wire buffer, the 1/ws prescale in the wire dtype (fp16(fp16(x) / ws), as
+        # PyTorch's fp16_compress_hook), one all-reduce, one pass back. A single contiguous tensor (a DDP
+        # bucket) reuses the wire buffer its state keeps between calls (taken while in flight, so two
+        # reductions sharing a state never share it); a list goes through the fused flatten/unflatten.
         ws = comm.world_size
-        what = f"{type(self).__name__}.compress"
-        data, layout = flatten(tensors, dtype=self.dtype, scale=1.0 / ws if self.prescale else 1.0,
-                               provider=self.provider)  # fmt: skip
-        if self.check_finite:
-            raise_if_nonfinite(data, what)
+        st = states[0]
+        layout = None
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            x = tensors[0].view(-1)
+            data = st.work.pop("wire", None)
+            if data is None or data.numel() != x.numel() or data.dtype != self.dtype or data.device != x.device:
+                data = torch.empty(x.numel(), dtype=self.dtype, device=x.device)
+            data.copy_(x)
+        else:
+            data, layout = flatten(tensors, dtype=self.dtype, provider=self.provider)
+        if self.prescale:
+            data.div_(ws)
+        if self.check_finite and data.numel():
+            lo, hi = torch.aminmax(data)  # NaN and +-Inf show in the extremes: one cheap pass
+            if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
+                raise_if_nonfinite(data, f"{type(self).__name__}.compress")
         for s in states:
             s.step += 1
         yield [comm.all_reduce(data, "sum", async_op=True)], data.numel() * data.element_size()
-        unflatten(data, layout, tensors, scale=1.0 if self.prescale else 1.0 / ws, provider=self.provider)
+        alpha = 1.0 if self.prescale else 1.0 / ws
+        if layout is None:
+            x.copy_(data)
+            if alpha != 1.0:
+                x.mul_(alpha)
+            st.work["wire"] = data
+        else:
+            unflatten(data, layout, tensors, scale=alpha, provider=self.provider)
 
 
 @dataclass(slots=True)

@@ -144,6 +144,8 @@ class _BucketPlan:
     """The compressor state of each compressed group."""
     states: list[CompressionState] | None = None
     """Those states, looked up once (reset when the states change)."""
+    work: CompressionState = dataclasses.field(default_factory=CompressionState)
+    """The state a stateless compressor (a cast) gets for this bucket: it keeps the wire buffer."""
 
 
 class BucketCompressor:
@@ -245,7 +247,7 @@ class BucketCompressor:
 
     def _plan(self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> _BucketPlan:
         # keys name parameters, whose shapes do not change: the shapes are checked when the plan is made
-        sig = (tuple(keys), grads[0].dtype if grads else None, comm.world_size)
+        sig = (tuple(keys), grads[0].dtype if grads else None, comm.world_size)  # as in start()
         plan = self._plans.get(sig)
         if plan is None:
             plan = self._plans[sig] = self._make_plan(grads, keys, comm)
@@ -339,16 +341,26 @@ class BucketCompressor:
         """Start averaging one bucket's gradients (in place). Returns the reductions to pipeline and a
         function to call when they are done (copies back from temporary flat buffers), or None.
         ``flat``: a contiguous buffer the gradients are views of, in order (DDP's ``bucket.buffer()``),
-        reduced as one tensor where the whole bucket travels alike (uncompressed, or a cast). Each
+        reduced as one tensor where the whole bucket travels alike (uncompressed, or a cast); ``grads``
+        may then be a function returning them, called only when needed (the first time a layout is seen,
+        or when the bucket is compressed tensor by tensor). Each
         reduction's ``single_round`` says whether its decode may run from its collective's callback."""
+        c = self.compressor
+        if flat is not None:  # the whole bucket may travel as it is: no need to look at its gradients
+            plan = self._plans.get((tuple(keys), flat.dtype, comm.world_size))
+            if plan is not None and (self.iteration < self.start_iter or c.identity):
+                return [self._whole([], flat, comm, self._plain_c)], None
+            if plan is not None and not plan.compressed and not plan.plain:
+                return [self._whole([], flat, comm, c, plan.work)], None
+        if callable(grads):
+            grads = grads()
         if not isinstance(grads, list):
             grads = list(grads)
         plan = self._plan(grads, keys, comm)
-        c = self.compressor
         if self.iteration < self.start_iter or c.identity:
             return [self._whole(grads, flat, comm, self._plain_c)], None
         if not plan.compressed and not plan.plain:  # elementwise: the bucket as one tensor
-            return [self._whole(grads, flat, comm, c)], None
+            return [self._whole(grads, flat, comm, c, plan.work)], None
         reductions: list[CompressedReduction] = []
         finish = None
         if plan.plain:
@@ -376,14 +388,14 @@ class BucketCompressor:
         return reductions, finish
 
     def _whole(self, grads: list[torch.Tensor], flat: torch.Tensor | None, comm: Communicator,
-               c: Compressor) -> CompressedReduction:  # fmt: skip
+               c: Compressor, st: CompressionState | None = None) -> CompressedReduction:  # fmt: skip
         """One single-round reduction of all ``grads`` through a stateless compressor (uncompressed or a
         cast): of ``flat`` or the span the tensors cover when they lie back to back, else of the list
         (the compressor's rounds flatten it in one fused pass)."""
         if flat is None:
             flat = grads[0].view(-1) if len(grads) == 1 and grads[0].is_contiguous() else _as_one(grads)
         tensors = grads if flat is None else [flat]
-        st = self._stateless
+        st = st or self._stateless
         return issue(tensors, [st] * len(tensors), comm, c, single_round=True)
 
     def end_iteration(self) -> None:

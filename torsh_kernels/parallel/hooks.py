@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import _trace
 from ..collectives.communicator import TorchCommunicator
 from ..compression import Compressor
 from ..errors import ArgumentTypeError
@@ -292,11 +293,10 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     turn = state._turn
     last = bucket.is_last()
     try:
-        grads = bucket.gradients()
-        span = bucket_span(bucket.index(), grads, engine.compressor)
+        span = bucket_span(bucket.index(), bucket.gradients(), engine.compressor) if _trace.recorder else None
         with turn.lock:
             turn.pending += 1
-        reductions, finish = engine.start(grads, keys, comm, flat=buf)
+        reductions, finish = engine.start(bucket.gradients, keys, comm, flat=buf)
         before = buf.numel() * buf.element_size()
         fut = None
         if finish is None and all(r.single_round for r in reductions):

@@ -12,6 +12,18 @@ in turn on the same ranks:
   buckets (PowerSGD at the same rank and start iteration as PyTorch's);
 - ``torch powerSGD_hook`` with the default 25 MB buckets, last (its error is reported, not raised).
 
+``--repeat R`` runs that list R times, interleaved, and reports each case's median over the runs with
+the spread of the runs' medians.
+
+``--buckets 1,4,16,64`` measures instead the host cost of a bucket: a deeper MLP of the same size
+(``--sweep-layers`` 64 layers of ``--sweep-width`` 362, 8.5 M parameters, 34 MB, so there are enough
+parameters to split) under DDP with ``bucket_cap_mb`` set so that it splits into about that many buckets,
+for PyTorch's ``fp16_compress_hook`` and ours with fp16, bf16, top-k and PowerSGD (``--sweep``), side by
+side. Per case and bucket count: the step time and the host time spent inside the hook per step (this
+thread's CPU time, ``time.thread_time``: waiting for a collective is not counted, the decode that runs in
+the collective's completion callback on gloo's thread is not either) and per bucket, and the marginal
+host cost of one more bucket, ``(hook(N) - hook(1)) / (N - 1)``.
+
 Per case: median step time (forward, backward with the hook, optimizer step) of the slowest rank over
 ``--steps`` steps after warm-up, p20-p80, bytes each rank sends per step where known, and the speedup over
 no hook. Launch like ``bench collectives``: local ranks on its own, one rank per process under torchrun
@@ -59,21 +71,27 @@ def _mlp(cfg: dict) -> torch.nn.Module:
     return torch.nn.Sequential(*mods)
 
 
-def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str) -> dict:
+def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: int | None = None) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from ...parallel import CompressionHookState, compression_hook
 
     dev = comm.device
-    net = _mlp(cfg).to(dev)
+    net = _mlp(cfg if buckets is None else {**cfg, "layers": cfg["sweep_layers"], "width": cfg["sweep_width"]}).to(dev)
     grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    one_bucket = kind == "torch" and name == "powersgd-1bucket"
+    one_bucket = (kind == "torch" and name == "powersgd-1bucket") or buckets == 1
     cap = 2 * grad_bytes / 2**20 + 1 if one_bucket else 25.0
+    if buckets is not None and buckets > 1:
+        cap = grad_bytes / buckets / 2**20 * 0.999
     ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=cap,
                                                     device_ids=[dev.index] if dev.type == "cuda" else None)  # fmt: skip
     state = None
     start = cfg["start_iter"]
-    if kind == "torch" and name == "fp16":
+    hook_cpu = [0.0, 0]
+    if buckets is not None:  # the sweep: its hook, timed (see _sweep_case)
+        hstate, timed, hook_cpu = cfg["_hook"]
+        ddp.register_comm_hook(hstate, timed)
+    elif kind == "torch" and name == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif kind == "torch" and name.startswith("powersgd"):
         ps = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg["rank"],
@@ -91,6 +109,8 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str) -> dict:
     try:
         for step in range(start + 2 + cfg["steps"]):
             comm.barrier()
+            if step == start + 2:
+                hook_cpu[:] = [0.0, 0]
             t0 = time.perf_counter()
             opt.zero_grad()
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
@@ -114,6 +134,21 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str) -> dict:
     elif kind == "none" or (kind == "torch" and name == "fp16"):
         wire = grad_bytes if kind == "none" else grad_bytes // 2
     ts = t.tolist()
+    if buckets is not None:
+        steps = cfg["steps"]
+        nb = hook_cpu[1] / steps
+        return {
+            "case": "torch fp16" if kind == "torch" else f"torsh {name}",
+            "buckets_asked": buckets,
+            "buckets": round(nb),
+            "step_ms": 1e3 * statistics.median(ts) if error is None else None,
+            "p20_ms": 1e3 * quantile(ts, 0.2) if error is None else None,
+            "p80_ms": 1e3 * quantile(ts, 0.8) if error is None else None,
+            "hook_ms_per_step": 1e3 * hook_cpu[0] / steps,
+            "hook_ms_per_bucket": 1e3 * hook_cpu[0] / steps / nb if nb else None,
+            "gradient_bytes": grad_bytes,
+            "error": error,
+        }
     return {
         "case": "no hook" if kind == "none" else f"{kind} {name}",
         "buckets": "1" if one_bucket else "25 MB",
@@ -126,18 +161,65 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str) -> dict:
     }
 
 
+def _bucket_sweep(comm: TorchCommunicator, cfg: dict) -> dict | None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from ...parallel import CompressionHookState, compression_hook
+
+    hooks = {("torch", "fp16"): (None, default_hooks.fp16_compress_hook)}
+    rows: list[dict] = []
+    for rep in range(cfg["repeat"]):
+        for nb in cfg["buckets"]:
+            for kind, name in [("torch", "fp16")] + [("torsh", c) for c in cfg["sweep"]]:
+                r = _sweep_case(comm, cfg, kind, name, nb, hooks, CompressionHookState, compression_hook)
+                r["repeat"] = rep
+                rows.append(r)
+                if comm.rank == 0 and cfg["progress"]:
+                    print(f"  {r['case']:<16} {r['buckets']:3d} buckets {r['step_ms'] or float('nan'):8.1f} ms/step "
+                          f"hook {r['hook_ms_per_step']:7.2f} ms/step {r['hook_ms_per_bucket']:6.3f} ms/bucket",
+                          file=sys.stderr, flush=True)  # fmt: skip
+    res = {"bucket_rows": rows, "world_size": comm.world_size, "backend": comm.backend}
+    return _report(res, cfg) if comm.rank == 0 else None
+
+
+def _sweep_case(comm, cfg, kind, name, nb, hooks, state_cls, torsh_hook) -> dict:
+    """One (hook, bucket count) case of the sweep: the step loop of :func:`_case` with the hook timed."""
+    acc = [0.0, 0]
+    if kind == "torch":
+        state, inner = hooks[(kind, name)]
+    else:
+        state, inner = state_cls(compressor=OURS[name](cfg["rank"]), start_iter=cfg["start_iter"]), torsh_hook
+
+    def timed(state, bucket):
+        t0 = time.thread_time()
+        f = inner(state, bucket)
+        acc[0] += time.thread_time() - t0
+        acc[1] += 1
+        return f
+
+    timed.__annotations__ = dict(inner.__annotations__)
+    r = _case(comm, {**cfg, "_hook": (state, timed, acc)}, kind, name, buckets=nb)
+    if state is not None:
+        r["bytes_per_step"] = state.stats.per_iteration[-1]["bytes_after"] if state.stats.per_iteration else None
+    return r
+
+
 def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
     import threading
 
     torch.set_num_threads(cfg["threads"])
+    if cfg.get("buckets"):
+        return _bucket_sweep(comm, cfg)
     cases = [("none", ""), ("torch", "fp16"), ("torch", "powersgd-1bucket")]
     cases += [("torsh", c) for c in cfg["compressors"]]
     rows: list[dict] = []
-    for kind, name in cases:
-        rows.append(_case(comm, cfg, kind, name))
-        if comm.rank == 0 and cfg["progress"]:
-            r = rows[-1]
-            print(f"  {r['case']:<28} {r['step_ms'] or float('nan'):9.1f} ms/step", file=sys.stderr, flush=True)
+    for rep in range(cfg["repeat"]):
+        for kind, name in cases:
+            rows.append(_case(comm, cfg, kind, name))
+            rows[-1]["repeat"] = rep
+            if comm.rank == 0 and cfg["progress"]:
+                r = rows[-1]
+                print(f"  {r['case']:<28} {r['step_ms'] or float('nan'):9.1f} ms/step", file=sys.stderr, flush=True)
     res = {"rows": rows, "world_size": comm.world_size, "backend": comm.backend}
     if not cfg["torch_powersgd_buckets"]:
         return _report(res, cfg) if comm.rank == 0 else None
@@ -163,16 +245,87 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
     return _report(res, cfg) if comm.rank == 0 else None
 
 
+def _summaries(res: dict) -> None:
+    """Medians over the repeats with their spread; for the sweep, the marginal cost of a bucket."""
+    def spread(v):
+        v = [x for x in v if x is not None]
+        return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} if v else None
+
+    if "bucket_rows" in res:
+        rows = res["bucket_rows"]
+        out = []
+        for case in dict.fromkeys(r["case"] for r in rows):
+            mine = [r for r in rows if r["case"] == case]
+            ones = {r["repeat"]: r for r in mine if r["buckets_asked"] == 1}
+            for nb in dict.fromkeys(r["buckets_asked"] for r in mine):
+                rs = [r for r in mine if r["buckets_asked"] == nb]
+                marg = [(r["hook_ms_per_step"] - ones[r["repeat"]]["hook_ms_per_step"]) / (r["buckets"] - 1)
+                        for r in rs if r["repeat"] in ones and r["buckets"] > 1]  # fmt: skip
+                out.append({"case": case, "buckets_asked": nb, "buckets": rs[0]["buckets"],
+                            "step_ms": spread([r["step_ms"] for r in rs]),
+                            "hook_ms_per_step": spread([r["hook_ms_per_step"] for r in rs]),
+                            "hook_ms_per_bucket": spread([r["hook_ms_per_bucket"] for r in rs]),
+                            "marginal_ms_per_bucket": spread(marg)})  # fmt: skip
+        res["bucket_summary"] = out
+        return
+    rows = res["rows"]
+    if max(r.get("repeat", 0) for r in rows) == 0:
+        return
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        out.append({"case": case, "step_ms": spread([r["step_ms"] for r in rows if r["case"] == case])})
+    by = {}
+    for r in rows:
+        by.setdefault(r["repeat"], {})[r["case"]] = r["step_ms"]
+    ratios = {}
+    for ours, theirs in (("torsh fp16", "torch fp16"), ("torsh bf16", "torch fp16"),
+                         ("torsh powersgd", "torch powersgd-1bucket")):  # fmt: skip
+        v = [d[theirs] / d[ours] for d in by.values() if d.get(ours) and d.get(theirs)]
+        if v:
+            ratios[f"{theirs} / {ours}"] = spread(v)
+    res["summary"] = out
+    res["speedups"] = ratios
+
+
 def _report(res: dict, cfg: dict) -> dict:
     env = environment(torch.device("cuda" if res["backend"] == "nccl" else "cpu"))
     env["network"] = os.environ.get("TORSH_BENCH_NETWORK", "loopback" if res["backend"] == "gloo" else "local GPUs")
-    print_report(res, env, cfg)
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    _summaries(res)
+    if "bucket_rows" in res:
+        print_sweep(res, env, cfg)
+    else:
+        print_report(res, env, cfg)
     if cfg["json"]:
         with open(cfg["json"], "w") as f:
             json.dump({"suite": "ddp", "environment": env, "config": cfg, **res}, f, indent=2)
         print(f"wrote {cfg['json']}")
     sys.stdout.flush()
     return res
+
+
+def print_sweep(res: dict, env: dict, cfg: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title=(f"DDP host cost per bucket, {res['world_size']} ranks ({res['backend']}, "
+                     f"{env.get('network', 'local')}), MLP {cfg['in_dim']}-{cfg['sweep_width']}x{cfg['sweep_layers']}-10, "
+                     f"{res['bucket_rows'][0]['gradient_bytes'] / 1e6:.1f} MB of gradients; medians over "
+                     f"{cfg['repeat']} run(s) [min-max]; hook = CPU time inside the hook"),
+              title_justify="left")  # fmt: skip
+    for col in ("case", "buckets", "step (ms)", "hook / step (ms)", "hook / bucket (ms)", "one more bucket (ms)"):
+        t.add_column(col, justify="left" if col == "case" else "right")
+
+    def f(d, digits=2):
+        if d is None:
+            return "-"
+        if d["n"] == 1:
+            return f"{d['median']:.{digits}f}"
+        return f"{d['median']:.{digits}f} [{d['min']:.{digits}f}-{d['max']:.{digits}f}]"
+
+    for r in res["bucket_summary"]:
+        t.add_row(r["case"], str(r["buckets"]), f(r["step_ms"], 1), f(r["hook_ms_per_step"]),
+                  f(r["hook_ms_per_bucket"], 3), f(r["marginal_ms_per_bucket"], 3))  # fmt: skip
+    wide_console(150).print(t)
 
 
 def print_report(res: dict, env: dict, cfg: dict) -> None:
@@ -200,6 +353,8 @@ def print_report(res: dict, env: dict, cfg: dict) -> None:
     for r in rows:
         if r["error"]:
             print(f"{r['case']} ({r['buckets']} buckets): {r['error']}")
+    for name, d in res.get("speedups", {}).items():
+        print(f"{name}: median {d['median']:.3f}x over {d['n']} runs [{d['min']:.3f}-{d['max']:.3f}]")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -217,6 +372,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--hang-timeout", type=float, default=60.0,
                    help="seconds after which PyTorch's multi-bucket PowerSGD case counts as hung")  # fmt: skip
+    p.add_argument("--repeat", type=int, default=1, help="run every case this many times, interleaved")
+    p.add_argument("--buckets", default="", help="bucket sweep instead, e.g. 1,4,16,64 (see the module docstring)")
+    p.add_argument("--sweep", default="fp16,bf16,topk,powersgd", help="ours in the bucket sweep")
+    p.add_argument("--sweep-layers", type=int, default=64, help="hidden layers of the sweep's MLP")
+    p.add_argument("--sweep-width", type=int, default=362, help="hidden width of the sweep's MLP")
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -232,7 +392,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = {"width": args.width, "layers": args.layers, "in_dim": args.in_dim, "batch": args.batch,
            "rank": args.rank, "start_iter": args.start_iter, "steps": args.steps, "compressors": comps,
            "torch_powersgd_buckets": not args.no_torch_powersgd_buckets, "threads": args.threads,
-           "progress": True, "json": args.json, "hang_s": args.hang_timeout}  # fmt: skip
+           "progress": True, "json": args.json, "hang_s": args.hang_timeout, "repeat": args.repeat,
+           "buckets": [int(v) for v in args.buckets.split(",") if v.strip()],
+           "sweep": [c.strip() for c in args.sweep.split(",") if c.strip()], "sweep_layers": args.sweep_layers,
+           "sweep_width": args.sweep_width}  # fmt: skip
     if "RANK" in os.environ:
         comm = init_from_env(timeout=args.hang_timeout + 60)
         _worker(comm, cfg)  # rank 0 prints the report

@@ -172,7 +172,7 @@ def _scatter_torch(values, indices, out, alpha, accumulate, unique):
             acc.index_add_(0, idx, v)
             out.copy_(acc)
     else:
-        out[idx] = v.to(out.dtype)
+        out.scatter_(0, idx, v.to(out.dtype))  # (out[idx] = v, without advanced indexing's Python cost)
 
 
 def _scatter_with(launch, values, indices, out, alpha, accumulate, unique):
@@ -260,14 +260,18 @@ def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
                 break
             target = new
     if chosen is None:  # exact path (also the fallback)
-        acc = torch.empty(n, dtype=torch.float32, device=x.device)
-        bad = _axpby(name, x, r if r is not None else torch.zeros_like(x), acc, 1.0, check_finite)
+        if r is None and name == "torch":  # x itself in fp32 (a copy only for 16-bit x)
+            acc = x.float()
+            bad = count_nonfinite(acc) if check_finite else None
+        else:
+            acc = torch.empty(n, dtype=torch.float32, device=x.device)
+            bad = _axpby(name, x, r if r is not None else torch.zeros_like(x), acc, 1.0, check_finite)
         if check_finite and (b := int(bad.item())):
             _raise_nonfinite(b, what, "x + residual" if r is not None else "x")
         sel = torch.topk(acc.abs(), k, sorted=False).indices
-        chosen = sel.to(idt), acc[sel]
+        chosen = sel.to(idt), acc.index_select(0, sel)
     idx, order = torch.sort(chosen[0])
-    acc = chosen[1][order]  # fp32 x + residual at the chosen indices
+    acc = chosen[1].index_select(0, order)  # fp32 x + residual at the chosen indices
     values = acc.to(x.dtype)
     if r is not None:  # error feedback: residual = x + residual, then what the sent values leave of it
         _axpby(name, x, r, r, 1.0, False)

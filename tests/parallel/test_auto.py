@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from torsh_kernels.collectives import Link, Round
+from torsh_kernels.collectives import Link, Round, run_local
 from torsh_kernels.collectives.replica import ReplicaCommunicator
-from torsh_kernels.compression import TopK
+from torsh_kernels.compression import FP16, TopK
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError
 from torsh_kernels.parallel._engine import BucketCompressor
 from torsh_kernels.parallel.auto import AutoSelector, price
@@ -71,3 +71,86 @@ def test_bad_candidates():
         _selector(None, None, repeats=0)
     with pytest.raises(ArgumentTypeError):
         _selector(None, 1e9)
+
+
+def _hook_worker(comm):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.parallel.test_hooks import CAP_MB, batch, model
+    from torsh_kernels.parallel import CompressionHookState, compression_hook
+
+    net = model()
+    ddp = DDP(net, bucket_cap_mb=CAP_MB)
+    state = CompressionHookState(compressor="auto", auto_candidates=(None, TopK(0.05)), min_numel=64)
+    ddp.register_comm_hook(state, compression_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for step in range(4):
+        x, y = batch(step, comm.rank)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    auto = state.stats.auto
+    # a fresh state restores the choice from the checkpoint without measuring again
+    fresh = CompressionHookState(compressor="auto", auto_candidates=(None, TopK(0.05)), min_numel=64)
+    fresh.load_state_dict(state.state_dict())
+    return {
+        "choice": auto["choice"],
+        "names": sorted(c["compressor"] for c in auto["candidates"]),
+        "in_effect": repr(state.compressor),
+        "restored": repr(fresh.compressor),
+        "restored_stats": fresh._engine.auto.decision.choice,
+        "compressed": [it["bytes_after"] < it["bytes_before"] for it in state.stats.per_iteration],
+        "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+    }
+
+
+def test_the_hook_chooses_once_and_alike_on_every_rank():
+    a, b = run_local(_hook_worker, 2, op_timeout=120)
+    assert a["choice"] == b["choice"] and a["choice"] in ("none", "topk(0.05)")
+    assert a["names"] == ["none", "topk(0.05)"]
+    topk = a["choice"] != "none"
+    assert ("TopK" in a["in_effect"]) == topk and a["restored"] == a["in_effect"] and a["restored_stats"] == a["choice"]
+    # two iterations of plain all-reduce (the warm-up), then the choice
+    assert a["compressed"] == [False, False, topk, topk]
+    assert torch.equal(a["params"], b["params"])  # the ranks stayed in step
+
+
+def _sync_worker(comm):
+    from tests.parallel.test_hooks import batch, model
+    from torsh_kernels.parallel import GradientSynchronizer
+
+    net = model()
+    sync = GradientSynchronizer(net, comm, bucket_mb=0.005, compressor="auto", auto_candidates=(None, FP16()),
+                                start_iter=1)  # fmt: skip
+    for step in range(3):
+        x, y = batch(step, comm.rank)
+        sync.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        sync.sync_gradients()
+    stats = sync.get_sync_stats()
+    return stats["auto"]["choice"], stats["compressor"], torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+
+
+def test_the_synchronizer_chooses_alike_on_every_rank():
+    (c0, r0, g0), (c1, r1, g1) = run_local(_sync_worker, 2, op_timeout=120)
+    assert c0 == c1 and c0 in ("none", "fp16") and r0 == r1
+    assert ("FP16" in r0) == (c0 == "fp16")
+    assert torch.equal(g0, g1)
+
+
+def test_auto_arguments():
+    from torsh_kernels.parallel import CompressionHookState
+
+    with pytest.raises(ArgumentTypeError, match="'auto'"):
+        CompressionHookState(compressor="automatic")
+    with pytest.raises(InvalidArgumentError, match="auto_candidates"):
+        CompressionHookState(compressor=TopK(0.1), auto_candidates=(None,))
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        CompressionHookState(compressor="auto", auto_candidates=())
+    st = CompressionHookState(compressor="auto")
+    assert st.start_iter == 2 and st.stats.auto is None
+    saved = {**st.state_dict(), "auto": {"choice": "int4"}}
+    with pytest.raises(InvalidArgumentError, match="candidates"):
+        CompressionHookState(compressor="auto", auto_candidates=(None, FP16())).load_state_dict(saved)
+    with pytest.raises(InvalidArgumentError, match="compressor='auto'"):
+        CompressionHookState(compressor=None).load_state_dict(saved)

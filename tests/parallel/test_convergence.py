@@ -1,6 +1,6 @@
 """Convergence on scikit-learn's digits: DDP with each compressor (error feedback where the compressor
-has it) ends within 2 accuracy points of uncompressed DDP. This is ``torsh demo``'s training run, on 2
-real gloo ranks, with its default settings."""
+has it; compressor="auto" with whatever it chooses) ends within 2 accuracy points of uncompressed DDP.
+This is ``torsh demo``'s training run, on 2 real gloo ranks, with its default settings."""
 
 from __future__ import annotations
 
@@ -17,5 +17,7 @@ def test_every_compressor_ends_within_two_points_of_uncompressed():
     for name, a in acc.items():
         assert a >= acc["none"] - 0.02, f"{name}: {a:.3f} vs uncompressed {acc['none']:.3f}"
     for r in rows:
-        if r["compressor"] != "none":
+        if r["compressor"] != "none" and r.get("chose") != "none":
             assert r["bytes_per_step"] < r["gradient_bytes"], r  # compression did happen
+    auto = next(r for r in rows if r["compressor"] == "auto")
+    assert auto["auto"]["choice"] == auto["chose"]  # what auto measured, and its choice, reach the table

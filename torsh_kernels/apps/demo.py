@@ -3,9 +3,12 @@
 N local ranks (default 2; gloo on CPU, NCCL with the Triton kernels where CUDA is present) train the same
 small MLP on scikit-learn's bundled digits data set under PyTorch's DistributedDataParallel, once per
 compressor (none, fp16, topk, quantize, sign, powersgd) through :func:`~torsh_kernels.parallel.compression_hook`,
-for a fixed number of steps from the same initial weights and the same batches. Then one table: step
-time, bytes each rank sends per step, compression ratio, final test accuracy, and speedup over
-uncompressed.
+for a fixed number of steps from the same initial weights and the same batches, and once with
+``compressor="auto"``, which measures the link and each of those compressors on this model's buckets at
+the end of the warm-up and keeps the cheapest. Then two tables: per compressor the step time, bytes each
+rank sends per step, compression ratio, final test accuracy and speedup over uncompressed; and what
+``auto`` measured: per compressor its compute cost per step, its bytes, its predicted step cost on the
+measured link and the link bandwidth below which it pays off against sending uncompressed, and its choice.
 
 ``--link 1gbit`` runs two ranks on two emulated hosts joined by a link of that rate (network
 namespaces; needs root), where the bytes saved show up in the step time.
@@ -30,10 +33,10 @@ import torch
 from ..compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
 from .bench import fmt_bytes, quantile
 
-__all__ = ["COMPRESSORS", "DemoConfig", "load_digits_split", "main", "print_trace_summary", "run_rank"]
+__all__ = ["COMPRESSORS", "DemoConfig", "load_digits_split", "main", "print_auto", "print_trace_summary", "run_rank"]
 
 
-def _compressors() -> dict[str, Compressor | None]:
+def _compressors() -> dict[str, Compressor | str | None]:
     return {
         "none": None,
         "fp16": FP16(),
@@ -41,10 +44,19 @@ def _compressors() -> dict[str, Compressor | None]:
         "quantize": Quantize(8),
         "sign": Sign(),
         "powersgd": PowerSGD(4),
+        "auto": "auto",
     }
 
 
 COMPRESSORS = tuple(_compressors())
+
+
+def _auto_candidates(names: list[str]) -> tuple[Compressor | None, ...]:
+    """What ``auto`` chooses among in the demo: the demo's other compressors (all of them when the run
+    names only some)."""
+    table = {k: v for k, v in _compressors().items() if k != "auto"}
+    chosen = [n for n in names if n != "auto"]
+    return tuple(table[n] for n in (chosen if len(chosen) > 1 else table))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -139,7 +151,8 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
             compressor = _compressors()[name]
             net = _mlp(cfg.hidden, cfg.seed).to(dev)
             ddp = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None)
-            state = CompressionHookState(compressor=compressor, start_iter=cfg.warmup)
+            extra = {"auto_candidates": _auto_candidates(cfg.compressors)} if compressor == "auto" else {}
+            state = CompressionHookState(compressor=compressor, start_iter=cfg.warmup, **extra)
             ddp.register_comm_hook(state, compression_hook)
             opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=0.9)
             g = torch.Generator().manual_seed(cfg.seed + 1)  # the same global batches for every compressor
@@ -172,10 +185,13 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
             with torch.no_grad():
                 acc = (net(xte).argmax(1) == yte).float().mean().item()
             steady = state.stats.per_iteration[-1]
+            auto = state.stats.auto
             rows.append(
                 {
                     "compressor": name,
-                    "spec": repr(compressor) if compressor is not None else "uncompressed",
+                    "chose": None if auto is None else auto["choice"],
+                    "spec": "uncompressed" if compressor is None else repr(state.compressor if auto else compressor),
+                    "auto": auto,
                     "step_ms": 1e3 * statistics.median(times[cfg.warmup :]),
                     "step_ms_p20": 1e3 * quantile(times[cfg.warmup :], 0.2),
                     "step_ms_p80": 1e3 * quantile(times[cfg.warmup :], 0.8),
@@ -214,11 +230,49 @@ def print_table(rows: list[dict], *, title: str, console=None) -> None:
         t.add_column(col, justify=just)
     for r in rows:
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        name = r["compressor"] + (f": {r['chose']}" if r.get("chose") else "")
         t.add_row(
-            r["compressor"], f"{r['step_ms']:.2f}", f"{r['step_ms_p20']:.2f}-{r['step_ms_p80']:.2f}",
+            name, f"{r['step_ms']:.2f}", f"{r['step_ms_p20']:.2f}-{r['step_ms_p80']:.2f}",
             fmt_bytes(r["bytes_per_step"]), f"{r['ratio']:.1f}x", f"{100 * r['accuracy']:.1f}%", sp,
         )  # fmt: skip
     console.print(t)
+    auto = next((r["auto"] for r in rows if r.get("auto")), None)
+    if auto is not None:
+        print_auto(auto, console=console)
+
+
+def print_auto(auto: dict, *, console=None) -> None:
+    """What ``compressor="auto"`` measured (``stats.auto`` of the hook or the synchronizer) and chose."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=max(100, Console().width))
+    link = auto["link"]
+    t = Table(
+        title=f"compressor='auto' at the end of the warm-up: measured link {link['bandwidth_Bps'] * 8 / 1e9:.3g} "
+        f"Gbit/s, {link['latency_s'] * 1e6:.0f} us latency; each compressor on this model's "
+        f"{auto['buckets']} bucket(s), {fmt_bytes(auto['gradient_bytes'])} of gradients per step "
+        f"(decided in {auto['measure_s']:.2f} s)",
+        title_justify="left",
+    )
+    for col in ("compressor", "compute / step (ms)", "bytes / step", "wire / step (ms)", "predicted (ms)",
+                "pays off below"):  # fmt: skip
+        first = col == "compressor"
+        t.add_column(col, justify="left" if first else "right", min_width=22 if first else None)
+    for c in auto["candidates"]:
+        if c["compressor"] == "none":
+            be = "-"
+        elif c["break_even_gbit"] is None:
+            be = "any link"
+        elif c["break_even_gbit"] <= 0:
+            be = "never"
+        else:
+            be = f"{c['break_even_gbit']:.3g} Gbit/s"
+        mark = "  <- auto" if c["compressor"] == auto["choice"] else ""
+        t.add_row(c["compressor"] + mark, f"{1e3 * c['compute_s']:.2f}", fmt_bytes(c["bytes_sent"]),
+                  f"{1e3 * c['wire_s']:.2f}", f"{1e3 * c['total_s']:.2f}", be)  # fmt: skip
+    console.print(t)
+    console.print(f"auto chose {auto['reason']}")
 
 
 def _title(cfg: DemoConfig, ranks: int, backend: str, network: str, params: int) -> str:

@@ -157,10 +157,7 @@ class _TorchHandle:
             futs = [w.get_future() for w in self._works if w is not None]
         except Exception:  # e.g. point-to-point works on some backends
             return None
-        if len(futs) == 1:
-            fut = futs[0]
-        else:
-            fut = torch.futures.collect_all(futs)
+        fut = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
 
         def finish(f: torch.futures.Future) -> None:
             try:

@@ -45,8 +45,12 @@ from ..compression import (
 from ..compression.allreduce import issue
 from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError
 from ..ops import COMPRESS_DTYPES, flatten, unflatten
+from .auto import AUTO, AutoSelector
 
 POLICIES = ("layerwise", "bucket")
+AUTO_START_ITER = 2
+"""``compressor="auto"``'s default warm-up: DDP rebuilds its buckets after the first iteration, so the
+second one shows the layout the job keeps; the choice is made as the third begins."""
 
 
 class ReductionPipeline:
@@ -156,10 +160,12 @@ class BucketCompressor:
     a change of bucket layout (DDP rebuilds its buckets after the first iteration)."""
 
     __slots__ = (
+        "_auto_rate",
         "_plain_c",
         "_plans",
         "_stateless",
         "_used",
+        "auto",
         "compressor",
         "iteration",
         "min_compression_rate",
@@ -180,13 +186,26 @@ class BucketCompressor:
         min_numel: int = 1024,
         policy: str = "layerwise",
         quantize_mode: str = "auto",
+        auto_candidates: Sequence[Compressor | None] | None = None,
         what: str = "BucketCompressor",
     ) -> None:
-        if compressor is None:
-            compressor = NoCompression()
+        auto = isinstance(compressor, str)
+        if auto and compressor != AUTO:
+            raise ArgumentTypeError(f"{what}: compressor must be a Compressor, None or 'auto', got {compressor!r}")
+        if auto_candidates is not None and not auto:
+            raise InvalidArgumentError(
+                f"{what}: auto_candidates is for compressor='auto', got compressor={compressor!r}"
+            )
+        if auto or compressor is None:
+            compressor = NoCompression()  # 'auto': uncompressed until the choice is made
         if not isinstance(compressor, Compressor):
-            raise ArgumentTypeError(f"{what}: compressor must be a Compressor or None, got {type(compressor).__name__}")
+            raise ArgumentTypeError(
+                f"{what}: compressor must be a Compressor, None or 'auto', got {type(compressor).__name__}"
+            )
+        self._auto_rate = min_compression_rate
         default_start, default_rate = compressor.warmup()
+        if auto and start_iter is None:
+            start_iter = AUTO_START_ITER
         if start_iter is None:
             start_iter = default_start
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
@@ -215,6 +234,37 @@ class BucketCompressor:
         self._used: set[tuple[int, ...]] = set()
         self._plain_c = NoCompression(check_finite=False)
         self._stateless = CompressionState()  # the state handed to stateless compressors (casts, plain)
+        # the pending or made compressor="auto" choice (None for a fixed compressor)
+        self.auto = AutoSelector(self._candidate_engine, auto_candidates) if auto else None
+
+    # -- compressor="auto" ------------------------------------------------------------------------------
+
+    def _candidate_engine(self, c: Compressor | None) -> BucketCompressor:
+        """The engine a candidate of ``auto`` would run in: this one's size rules, no warm-up."""
+        return BucketCompressor(c, start_iter=0, min_compression_rate=self._auto_rate, min_numel=self.min_numel,
+                                policy=self.policy, quantize_mode=self.quantize_mode)  # fmt: skip
+
+    def _apply_auto(self, compressor: Compressor | None) -> None:
+        rate = self._auto_rate
+        if rate is None:
+            rate = compressor.warmup()[1] if compressor is not None else self.min_compression_rate
+        self.min_compression_rate = float(rate)
+        self.set_compressor(compressor)
+        if compressor is not None:  # a candidate with a warm-up of its own (PowerSGD(start_iter=...)) keeps it
+            self.start_iter = max(self.start_iter, compressor.warmup()[0])
+
+    def _auto_turn(self, grads, keys: Sequence[int], comm: Communicator, flat: torch.Tensor | None):
+        """While ``auto`` has not chosen: note the bucket during the warm-up, or choose (the first bucket
+        of iteration ``start_iter`` on every rank, when no collective of the job is in flight) once a whole
+        iteration has been seen. Returns the gradients if it had to fetch them."""
+        if self.iteration >= self.start_iter and self.auto.ready:
+            self._apply_auto(self.auto.decide(comm).compressor)
+            return grads
+        if callable(grads):
+            grads = grads()
+        grads = list(grads)
+        self.auto.observe(grads, keys, packed=flat is not None or _as_one(grads) is not None)
+        return grads
 
     def set_compressor(self, compressor: Compressor | None) -> None:
         """Switch to another compressor between iterations, on every rank alike (``compressor="auto"``
@@ -259,7 +309,9 @@ class BucketCompressor:
         dev = comm.device
         for i, t in enumerate(grads):
             if t.dtype not in COMPRESS_DTYPES:
-                raise InvalidArgumentError(f"{what}: gradient {i} dtype {t.dtype}; expected float32, float16 or bfloat16")
+                raise InvalidArgumentError(
+                    f"{what}: gradient {i} dtype {t.dtype}; expected float32, float16 or bfloat16"
+                )
             if t.device.type != dev.type:
                 raise InvalidArgumentError(f"{what}: gradient {i} is on {t.device}, the communicator on {dev}")
         c = self.compressor
@@ -345,6 +397,8 @@ class BucketCompressor:
         may then be a function returning them, called only when needed (the first time a layout is seen,
         or when the bucket is compressed tensor by tensor). Each
         reduction's ``single_round`` says whether its decode may run from its collective's callback."""
+        if self.auto is not None and self.auto.decision is None:
+            grads = self._auto_turn(grads, keys, comm, flat)
         c = self.compressor
         if flat is not None:  # the whole bucket may travel as it is: no need to look at its gradients
             plan = self._plans.get((tuple(keys), flat.dtype, comm.world_size))
@@ -400,6 +454,8 @@ class BucketCompressor:
 
     def end_iteration(self) -> None:
         """Count a finished iteration; forget groups the current bucket layout no longer uses."""
+        if self.auto is not None and self.auto.decision is None:
+            self.auto.end_iteration()
         if self._used:
             used = self._used
             for k in [k for k in self.states if k not in used]:
@@ -419,6 +475,7 @@ class BucketCompressor:
             "compressor": repr(self.compressor),
             "shapes": dict(self.shapes),
             "states": {k: s.state_dict() for k, s in self.states.items()},
+            "auto": self.auto.decision.as_dict() if self.auto is not None and self.auto.decision else None,
         }
 
     def load_state_dict(self, sd: dict, what: str) -> None:
@@ -430,6 +487,13 @@ class BucketCompressor:
                 f"{what}.load_state_dict: the checkpoint was saved with policy={sd['policy']!r}, this state "
                 f"uses {self.policy!r}; construct the state with the same policy"
             )
+        if sd.get("auto") is not None:
+            if self.auto is None:
+                raise InvalidArgumentError(
+                    f"{what}.load_state_dict: the checkpoint was saved with compressor='auto' (which chose "
+                    f"{sd['auto']['choice']}); construct this state with compressor='auto' too"
+                )
+            self._apply_auto(self.auto.restore(sd["auto"], what))  # the saved choice, not a new measurement
         if sd.get("compressor", repr(self.compressor)) != repr(self.compressor):
             raise InvalidArgumentError(
                 f"{what}.load_state_dict: the checkpoint was saved with {sd['compressor']}, this state uses "

@@ -144,6 +144,18 @@ class AutoDecision:
             "candidates": [c.as_dict() for c in self.candidates],
         }
 
+    @classmethod
+    def from_dict(cls, d: dict, compressor: Compressor | None) -> AutoDecision:
+        """The decision ``as_dict()`` recorded (a checkpoint's)."""
+        cands = [
+            CandidateCost(c["compressor"], c["compute_s"], c["bytes_sent"], c["collectives"], c["wire_s"],
+                          math.inf if c["break_even_gbit"] is None else c["break_even_gbit"] * 1e9 / 8)
+            for c in d["candidates"]
+        ]  # fmt: skip
+        link = Link(latency=d["link"]["latency_s"], bandwidth=d["link"]["bandwidth_Bps"])
+        return cls(d["choice"], compressor, link, d["world_size"], d["buckets"], d["gradient_bytes"], cands,
+                   d["measure_s"])  # fmt: skip
+
     def __str__(self) -> str:
         head = f"{'compressor':<16}{'compute ms':>11}{'MB sent':>9}{'wire ms':>9}{'total ms':>10}{'pays below':>13}"
         lines = [f"auto chose {self.choice}: {self.reason}", head]
@@ -278,7 +290,21 @@ class AutoSelector:
     @property
     def ready(self) -> bool:
         """Whether a complete iteration has been observed."""
-        return bool(self._last or self._current)
+        return bool(self._last)
+
+    def restore(self, record: dict, what: str) -> Compressor | None:
+        """Take the choice recorded in a checkpoint (``AutoDecision.as_dict()``) without measuring again;
+        returns the chosen candidate."""
+        labels = [_label(c) for c in self.candidates]
+        try:
+            i = labels.index(record["choice"])
+        except (KeyError, TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"{what}.load_state_dict: the checkpoint's 'auto' choice {record.get('choice')!r} is not among "
+                f"this state's candidates {labels}; construct it with the same auto_candidates"
+            ) from None
+        self.decision = AutoDecision.from_dict(record, self.candidates[i])
+        return self.candidates[i]
 
     # -- the decision ---------------------------------------------------------------------------------
 

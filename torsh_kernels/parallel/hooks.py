@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +86,10 @@ class HookStats:
     in the step time)."""
     async_buckets: int = 0
     """Buckets returned as the collective's own future (one round: no wait in the hook)."""
+    auto: dict | None = None
+    """With ``compressor="auto"``, once it has chosen: the choice and why (``AutoDecision.as_dict()``:
+    the probed link, each candidate's measured compute, bytes, predicted wire time and break-even
+    bandwidth). Kept by ``reset()``."""
     per_iteration: list[dict] = field(default_factory=list)
     """Per iteration: bytes before/after, compress and wait seconds (the last 100)."""
 
@@ -107,6 +112,7 @@ class HookStats:
             "compress_s": self.compress_s,
             "wait_s": self.wait_s,
             "async_buckets": self.async_buckets,
+            "auto": self.auto,
         }
 
 
@@ -158,9 +164,15 @@ class CompressionHookState:
 
     Args:
         process_group: the group DDP reduces over (None: the default group).
-        compressor: any :class:`~torsh_kernels.compression.Compressor` (None: uncompressed).
+        compressor: any :class:`~torsh_kernels.compression.Compressor` (None: uncompressed), or ``"auto"``:
+            plain all-reduces for ``start_iter`` iterations (default 2), then the candidate that the
+            measured link and the candidates' measured cost on this job's buckets make cheapest, the
+            same on every rank (:mod:`torsh_kernels.parallel.auto`; the choice and why in
+            ``stats.auto``).
+        auto_candidates: with ``compressor="auto"``, the compressors to choose among (None in it:
+            uncompressed); default: uncompressed, fp16, bf16, top-k 1%, int8, int4, sign, PowerSGD rank 4.
         start_iter: iterations of plain all-reduce before compression starts (None: PowerSGD's own
-            ``start_iter``, else 0).
+            ``start_iter``; 2 for ``"auto"``; else 0).
         min_compression_rate: compress a gradient only if its bytes over its payload's bytes reach this
             (None: PowerSGD's own value, else 2.0).
         min_numel: gradients with fewer elements are sent uncompressed.
@@ -176,8 +188,9 @@ class CompressionHookState:
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
-        compressor: Compressor | None = None,
+        compressor: Compressor | str | None = None,
         *,
+        auto_candidates: Sequence[Compressor | None] | None = None,
         start_iter: int | None = None,
         min_compression_rate: float | None = None,
         min_numel: int = 1024,
@@ -198,6 +211,7 @@ class CompressionHookState:
             min_numel=min_numel,
             policy=policy,
             quantize_mode=quantize_mode,
+            auto_candidates=auto_candidates,
             what="CompressionHookState",
         )
         self._timeout = timeout
@@ -297,6 +311,8 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         with turn.lock:
             turn.pending += 1
         reductions, finish = engine.start(bucket.gradients, keys, comm, flat=buf)
+        if engine.auto is not None and state.stats.auto is None and engine.auto.decision is not None:
+            state.stats.auto = engine.auto.decision.as_dict()
         before = buf.numel() * buf.element_size()
         fut = None
         if finish is None and all(r.single_round for r in reductions):

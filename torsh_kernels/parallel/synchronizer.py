@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,14 +88,16 @@ class GradientSynchronizer:
         model: the module whose parameters (those with ``requires_grad``) are synchronised.
         comm: the communicator (e.g. from ``init_from_env()``); parameters must be on its device type.
         bucket_mb: bucket size cap in MiB.
-        compressor: a :class:`~torsh_kernels.compression.Compressor` (None: uncompressed).
+        compressor: a :class:`~torsh_kernels.compression.Compressor` (None: uncompressed), or ``"auto"``
+            (see :class:`~torsh_kernels.parallel.CompressionHookState`; the choice and why in
+            ``get_sync_stats()["auto"]``).
         overlap: start buckets from gradient hooks during backward.
         first_bucket_mb: cap of the first bucket (DDP's rule: small, so communication starts early).
         order: ``"ready"`` (reverse registration order, as gradients become ready) or ``"size"``
             (largest first).
         broadcast_parameters: copy rank 0's parameters and buffers to every rank at construction.
         find_unused_parameters: agree across ranks on parameters no rank used (they keep ``grad=None``).
-        start_iter, min_compression_rate, min_numel, policy, quantize_mode: as for
+        auto_candidates, start_iter, min_compression_rate, min_numel, policy, quantize_mode: as for
             :class:`~torsh_kernels.parallel.CompressionHookState`.
     """
 
@@ -105,7 +107,8 @@ class GradientSynchronizer:
         comm: Communicator,
         *,
         bucket_mb: float = 25.0,
-        compressor: Compressor | None = None,
+        compressor: Compressor | str | None = None,
+        auto_candidates: Sequence[Compressor | None] | None = None,
         overlap: bool = True,
         first_bucket_mb: float = 1.0,
         order: str = "ready",
@@ -156,6 +159,7 @@ class GradientSynchronizer:
             min_numel=min_numel,
             policy=policy,
             quantize_mode=quantize_mode,
+            auto_candidates=auto_candidates,
             what=what,
         )
         self._pipeline = ReductionPipeline()
@@ -390,7 +394,9 @@ class GradientSynchronizer:
     def get_sync_stats(self) -> dict:
         """Statistics of the last ``sync_gradients()``: parameters with gradients, total MB, per-bucket
         times and bytes, bytes on the wire and compression ratio, unused parameters; plus totals."""
-        return {**self._last, "syncs": self._syncs, "compressor": repr(self._engine.compressor)}
+        auto = self._engine.auto
+        decision = auto.decision.as_dict() if auto is not None and auto.decision is not None else None
+        return {**self._last, "syncs": self._syncs, "compressor": repr(self._engine.compressor), "auto": decision}
 
     def get_bucket_info(self) -> list[dict]:
         """One entry per bucket: index, parameter names, elements, MB, dtype, which parameters the

@@ -8,6 +8,9 @@ in turn on the same ranks:
 - ``torch fp16_compress_hook``;
 - ``torch powerSGD_hook`` at ``--rank`` with one bucket (``bucket_cap_mb`` above the model size): on gloo
   it fails with several buckets, which the last case shows;
+- ``torsh auto``: ``compressor="auto"`` choosing among the compressors below at the end of the warm-up
+  (reported with its choice, its reason, and its step time over the best case it could have chosen, no
+  hook or one of ours, measured in the same run);
 - ``torsh <compressor>`` for every compressor, through ``compression_hook`` with DDP's default 25 MB
   buckets (PowerSGD at the same rank and start iteration as PyTorch's);
 - ``torch powerSGD_hook`` with the default 25 MB buckets, last (its error is reported, not raised).
@@ -58,7 +61,13 @@ OURS = {
     "int4": lambda r: cz.Quantize(4),
     "sign": lambda r: cz.Sign(),
     "powersgd": lambda r: cz.PowerSGD(r),
+    "auto": lambda r: "auto",
 }
+
+
+def _auto_candidates(rank: int) -> tuple:
+    """What ``compressor="auto"`` chooses among here: every other compressor of this benchmark."""
+    return tuple(make(rank) for name, make in OURS.items() if name != "auto")
 
 
 def _mlp(cfg: dict) -> torch.nn.Module:
@@ -98,7 +107,8 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
                                          start_powerSGD_iter=start, min_compression_rate=2)  # fmt: skip
         ddp.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
     elif kind == "torsh":
-        state = CompressionHookState(compressor=OURS[name](cfg["rank"]), start_iter=start)
+        extra = {"auto_candidates": _auto_candidates(cfg["rank"])} if name == "auto" else {}
+        state = CompressionHookState(compressor=OURS[name](cfg["rank"]), start_iter=start, **extra)
         ddp.register_comm_hook(state, compression_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(comm.rank)
@@ -151,6 +161,8 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
         }
     return {
         "case": "no hook" if kind == "none" else f"{kind} {name}",
+        "chose": state.stats.auto["choice"] if state is not None and state.stats.auto else None,
+        "auto": state.stats.auto if state is not None and comm.rank == 0 else None,
         "buckets": "1" if one_bucket else "25 MB",
         "step_ms": 1e3 * statistics.median(ts) if error is None else None,
         "p20_ms": 1e3 * quantile(ts, 0.2) if error is None else None,
@@ -247,6 +259,7 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
 
 def _summaries(res: dict) -> None:
     """Medians over the repeats with their spread; for the sweep, the marginal cost of a bucket."""
+
     def spread(v):
         v = [x for x in v if x is not None]
         return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} if v else None
@@ -287,11 +300,31 @@ def _summaries(res: dict) -> None:
     res["speedups"] = ratios
 
 
+def _auto_summary(res: dict) -> None:
+    """``auto``'s step time over the best case it could have chosen (no hook, or one of ours), per run."""
+    rows = [r for r in res.get("rows", []) if r["step_ms"] is not None and r["error"] is None]
+    runs = {}
+    for r in rows:
+        runs.setdefault(r.get("repeat", 0), []).append(r)
+    out = []
+    for rep, rs in sorted(runs.items()):
+        auto = next((r for r in rs if r["case"] == "torsh auto"), None)
+        pool = [r for r in rs if r["case"] == "no hook" or (r["case"].startswith("torsh ") and r is not auto)]
+        if auto is None or not pool:
+            continue
+        best = min(pool, key=lambda r: r["step_ms"])
+        out.append({"repeat": rep, "chose": auto["chose"], "auto_ms": auto["step_ms"], "best_case": best["case"],
+                    "best_ms": best["step_ms"], "ratio": auto["step_ms"] / best["step_ms"]})  # fmt: skip
+    if out:
+        res["auto_vs_best"] = out
+
+
 def _report(res: dict, cfg: dict) -> dict:
     env = environment(torch.device("cuda" if res["backend"] == "nccl" else "cpu"))
     env["network"] = os.environ.get("TORSH_BENCH_NETWORK", "loopback" if res["backend"] == "gloo" else "local GPUs")
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
     _summaries(res)
+    _auto_summary(res)
     if "bucket_rows" in res:
         print_sweep(res, env, cfg)
     else:
@@ -308,7 +341,8 @@ def print_sweep(res: dict, env: dict, cfg: dict) -> None:
     from rich.table import Table
 
     t = Table(title=(f"DDP host cost per bucket, {res['world_size']} ranks ({res['backend']}, "
-                     f"{env.get('network', 'local')}), MLP {cfg['in_dim']}-{cfg['sweep_width']}x{cfg['sweep_layers']}-10, "
+                     f"{env.get('network', 'local')}), "
+                     f"MLP {cfg['in_dim']}-{cfg['sweep_width']}x{cfg['sweep_layers']}-10, "
                      f"{res['bucket_rows'][0]['gradient_bytes'] / 1e6:.1f} MB of gradients; medians over "
                      f"{cfg['repeat']} run(s) [min-max]; hook = CPU time inside the hook"),
               title_justify="left")  # fmt: skip
@@ -347,7 +381,8 @@ def print_report(res: dict, env: dict, cfg: dict) -> None:
             continue
         wire = "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step'] / 1e6:.2f} MB"
         vs = f"{peer / r['step_ms']:.2f}x" if peer and "powersgd" in r["case"] else ""
-        t.add_row(r["case"], r["buckets"], f"{r['step_ms']:.1f}", f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}", wire,
+        case = r["case"] + (f" -> {r['chose']}" if r.get("chose") else "")
+        t.add_row(case, r["buckets"], f"{r['step_ms']:.1f}", f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}", wire,
                   f"{base / r['step_ms']:.2f}x", vs)  # fmt: skip
     wide_console(150).print(t)
     for r in rows:
@@ -355,6 +390,12 @@ def print_report(res: dict, env: dict, cfg: dict) -> None:
             print(f"{r['case']} ({r['buckets']} buckets): {r['error']}")
     for name, d in res.get("speedups", {}).items():
         print(f"{name}: median {d['median']:.3f}x over {d['n']} runs [{d['min']:.3f}-{d['max']:.3f}]")
+    for a in res.get("auto_vs_best", []):
+        print(f"auto chose {a['chose']}: {a['auto_ms']:.1f} ms/step, {a['ratio']:.3f}x the best case measured in "
+              f"the same run ({a['best_case']}, {a['best_ms']:.1f} ms/step)")  # fmt: skip
+    rec = next((r["auto"] for r in rows if r.get("auto")), None)
+    if rec is not None:
+        print(f"auto's reason: {rec['reason']}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -77,11 +77,11 @@ def _flat_inout(t: object, what: str, name: str, numel: int, device: torch.devic
 
 def _no_overlap(a: torch.Tensor, b: torch.Tensor, what: str, na: str, nb: str, *, same_ok: bool = False) -> None:
     """Raise if ``a`` and ``b`` share memory (unless ``same_ok`` and they are the same elements)."""
-    na, nb_ = _extent(a) * a.element_size(), _extent(b) * b.element_size()
-    if not na or not nb_:
+    abytes, bbytes = _extent(a) * a.element_size(), _extent(b) * b.element_size()
+    if not abytes or not bbytes:
         return
     alo, blo = a.data_ptr(), b.data_ptr()
-    if not (alo < blo + nb_ and blo < alo + na):  # the byte ranges _Ranges compares, without numpy
+    if not (alo < blo + bbytes and blo < alo + abytes):  # the byte ranges _Ranges compares, without numpy
         return
     if same_ok and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel():
         return
@@ -348,6 +348,12 @@ def _scratch(device: torch.device, n: int) -> torch.Tensor:
     if b is None or b.numel() < n:
         b = bufs[device] = torch.empty(n, dtype=torch.float32, device=device)
     return b[:n]
+
+
+def _finite_sum(v: torch.Tensor) -> bool:
+    """Whether the fp32 sum of v is finite: True whenever every element is (a False may also be an
+    overflowing sum; the caller then counts exactly). One pass, one host read."""
+    return math.isfinite((v.sum() if v.dtype is torch.float32 else v.sum(dtype=torch.float32)).item())
 
 
 def count_nonfinite(v: torch.Tensor) -> torch.Tensor:

@@ -126,3 +126,35 @@ def _mark(args: tuple, mutated: tuple[int, ...]) -> None:
             ts.append(a)
     if ts:
         _bump(tuple(ts))
+
+
+# --------------------------------------------------------------------------------------------------
+# Fast paths. A public op may compute its common case (plain, contiguous CPU tensors of one shape, the
+# torch provider selected) straight from its arguments, without flattening views or the custom op: the
+# same torch calls on the same elements, so the same results. It falls back to the general path (which
+# validates and raises the typed errors) whenever anything is unusual.
+
+from .. import _trace  # noqa: E402
+
+_T = torch.Tensor
+
+
+def fast() -> bool:
+    """Nothing traces, no mode or transform is active and no op recorder listens: a fast path may run."""
+    return (
+        _trace.recorder is None
+        and not (_is_compiling() or _dispatch_modes() or _function_mode())
+        and _functorch_level() is None
+    )
+
+
+def disjoint_or_same(a: torch.Tensor, b: torch.Tensor, nbytes: int) -> bool:
+    """Two contiguous tensors of ``nbytes`` bytes each (one dtype) are the same elements or share no byte."""
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa == pb or not (pa < pb + nbytes and pb < pa + nbytes)
+
+
+def disjoint(a: torch.Tensor, b: torch.Tensor, nbytes: int) -> bool:
+    """Two contiguous tensors of ``nbytes`` bytes each share no byte."""
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return not (pa < pb + nbytes and pb < pa + nbytes)

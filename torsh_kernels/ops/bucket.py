@@ -262,6 +262,9 @@ def bucket_reduce_ref(buffers: Sequence[torch.Tensor], op: str, out_dtype: torch
 _flatten = Op("flatten")
 _unflatten = Op("unflatten")
 _reduce = Op("bucket_reduce")
+_T = torch.Tensor
+_F32 = torch.float32
+_CPU = torch.device("cpu")
 
 
 def _offsets(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -832,6 +835,34 @@ def bucket_reduce(
     an operand is fp64); "max" propagates NaN. ``out`` (any floating dtype, the buffers' shape,
     contiguous) may be one of the buffers itself, for an in-place reduction.
     """
+    if out is None and type(buffers) is list and len(buffers) >= 2 and (op == "sum" or op == "avg" or op == "max"):
+        b0 = buffers[0]
+        if (
+            type(b0) is _T and b0.dtype is _F32 and b0.is_cpu and b0.is_contiguous()
+            and all(type(b) is _T and b.dtype is _F32 and b.is_cpu and b.is_contiguous() for b in buffers)
+            and all(b.shape == b0.shape for b in buffers)
+            and (n := b0.numel())
+            and _eager.fast()
+            and _reduce.select(_CPU, _F32, n, provider or None) == "torch"
+        ):  # fmt: skip
+            # The common case, fp32 buffers on the CPU: the torch provider's passes (the first two buffers
+            # in one, then one per buffer) into a new tensor, without the flattening views.
+            g = torch.is_grad_enabled()
+            if g:
+                torch._C._set_grad_enabled(False)
+            try:
+                acc = (torch.maximum if op == "max" else torch.add)(b0, buffers[1])
+                for b in buffers[2:]:
+                    if op == "max":
+                        torch.maximum(acc, b, out=acc)
+                    else:
+                        acc.add_(b)
+                if op == "avg":
+                    acc.div_(len(buffers))
+            finally:
+                if g:
+                    torch._C._set_grad_enabled(True)
+            return acc
     what = "torsh_kernels.bucket_reduce"
     if isinstance(buffers, torch.Tensor):
         if buffers.dim() == 0:

@@ -703,6 +703,18 @@ def moe_route(
         check_finite: raise :class:`NonFiniteError` when a token's scores are NaN (one host sync).
         provider: "triton", "numba" or "torch"; None selects automatically.
     """
+    if (
+        capacity_factor is None and type(logits) is _T and logits.dtype is _F32 and logits.is_cpu
+        and logits.dim() == 2 and logits.is_contiguous() and k.__class__ is int
+        and 1 <= k <= 8 and k <= (E := logits.shape[1]) and (T := logits.shape[0]) > 0
+        and score in SCORES and drop_policy in DROP_POLICIES
+        and not (logits.requires_grad and torch.is_grad_enabled())
+        and _eager.fast()
+        and _select(_topk, logits, provider or "", k, E) == "torch"
+    ):  # fmt: skip
+        r = _eager.run(_route_fast, logits, T, E, k, score, bool(renormalize))
+        if r is not None:
+            return r
     what = "torsh_kernels.moe_route"
     logits = _check_logits(logits, what)
     T, E = logits.shape
@@ -737,9 +749,70 @@ def moe_route(
     )
 
 
+_T = torch.Tensor
+_F32 = torch.float32
+_ARANGE: dict[int, torch.Tensor] = {}  # CPU 0..n-1 per n, for the fast path (read only, never returned)
+
+
+def _arange(n: int) -> torch.Tensor:
+    a = _ARANGE.get(n)
+    if a is None:
+        if len(_ARANGE) > 64:
+            _ARANGE.clear()
+        a = _ARANGE[n] = torch.arange(n)
+    return a
+
+
+def _route_fast(logits: torch.Tensor, T: int, E: int, k: int, score: str, renorm: bool) -> Routing | None:
+    """moe_route's torch provider for fp32 CPU logits, k <= 8, no capacity limit, when no score is NaN
+    (else None: the general path counts and reports them, or routes them with check_finite=False). The
+    same operations with the NaN masking left out (it replaces nothing when nothing is NaN), the first
+    argmax taken on the scores themselves, the last round's scatter skipped (its result is never read) and
+    the row map written by scatter_ (rows[order] = 0..n-1). Run under no-grad (``_eager.run``)."""
+    x = logits
+    p = torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
+    total = p.sum().item()
+    if total != total:  # NaN somewhere (scores are in [0, 1] or NaN: no overflow)
+        return None
+    i = p.argmax(1, keepdim=True)
+    if k == 1:
+        idx = i
+    else:
+        cols = [i]
+        sel = p.scatter(1, i, -3.0)
+        for j in range(1, k):
+            i = sel.argmax(1, keepdim=True)
+            cols.append(i)
+            if j + 1 < k:
+                sel.scatter_(1, i, -3.0)
+        idx = torch.cat(cols, 1)
+    s = p.gather(1, idx)
+    w = s / s.sum(1, keepdim=True) if renorm else s.clone()
+    flat = idx.view(-1)
+    n = T * k
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=E)
+    rows = torch.empty(n, dtype=torch.int64).scatter_(0, order, _arange(n)).view(T, k)
+    tok = order // k
+    return Routing(indices=idx, weights=w, scores=s, tokens_per_expert=counts, row_map=rows, token_index=tok,
+                   dropped=rows < 0, num_experts=E, num_rows=n, capacity=None, score=score)  # fmt: skip
+
+
 def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = None) -> torch.Tensor:
     """Rows of ``x [T, H]`` grouped by expert: ``[N, H]``, expert e's group holding its tokens in token
     order; differentiable (the backward sums each token's rows)."""
+    if (
+        type(routing) is Routing and type(x) is _T and x.is_cpu and x.dim() == 2 and x.is_contiguous()
+        and (x.dtype is _F32 or x.dtype is torch.float16 or x.dtype is torch.bfloat16)
+        and x.shape[0] == routing.indices.shape[0] and x.shape[1] and routing.num_rows
+        and routing.token_index.is_cpu and routing.row_map.is_cpu
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and _eager.fast()
+        and _select(_scatter_rows, x, provider or "", routing.row_map.shape[1]) == "torch"
+    ):  # fmt: skip
+        # The common case on the CPU without a gradient: the torch provider's gather through the inverse
+        # map, into a new tensor instead of a preallocated one.
+        return x.index_select(0, routing.token_index)
     what = "torsh_kernels.moe_permute"
     routing = _check_routing(routing, what)
     x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")
@@ -751,6 +824,22 @@ def moe_unpermute(
 ) -> torch.Tensor:
     """Combine expert outputs ``y_perm [N, H]`` back to ``[T, H]`` in token order, weighted by
     ``routing.weights`` (unless ``weights=False``); differentiable in ``y_perm`` and the weights."""
+    if (
+        weights and type(routing) is Routing and type(y_perm) is _T and y_perm.dtype is _F32 and y_perm.is_cpu
+        and y_perm.dim() == 2 and y_perm.is_contiguous() and (H := y_perm.shape[1])
+        and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
+        and (T := rows.shape[0]) and y_perm.shape[0] == routing.num_rows == T * (K := rows.shape[1])
+        and max(16, (1 << 21) // (4 * H)) >= T
+        and not (torch.is_grad_enabled() and (y_perm.requires_grad or w.requires_grad))
+        and _eager.fast()
+        and _select(_gather_rows, y_perm, provider or "", K) == "torch"
+    ):  # fmt: skip
+        # The common case, fp32 on the CPU without drops, one token block, no gradient: the torch
+        # provider's gathers and fp32 multiply-adds, into new tensors instead of its reused buffers.
+        a = torch.mul(y_perm.index_select(0, rows[:, 0]), w[:, 0:1])
+        for j in range(1, K):
+            a.addcmul_(y_perm.index_select(0, rows[:, j]), w[:, j : j + 1])
+        return a
     what = "torsh_kernels.moe_unpermute"
     routing = _check_routing(routing, what)
     y_perm = _check_rows(y_perm, routing.num_rows, routing, what, "y_perm", "N")

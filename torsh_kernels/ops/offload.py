@@ -38,6 +38,7 @@ from ..errors import (
     NonFiniteError,
     ShapeError,
 )
+from . import _eager
 from .bucket import BucketLayout, flatten, unflatten
 from .bucket import _flatten as _flatten_op
 from .quantize import dequantize, quantize
@@ -169,6 +170,18 @@ def pack(
     provider: str | None = None,
 ) -> Packed:
     """Pack ``x`` (fp32, fp16 or bf16, any shape and strides) into ``fmt`` (see the module docstring)."""
+    if (
+        out is None and stream is None and (fmt == "bf16" or (fmt == "fp16" and not check_finite))
+        and type(x) is torch.Tensor and x.is_cpu and x.is_contiguous() and x.dtype in SOURCE_DTYPES
+        and block.__class__ is int and block >= 2 and not block & (block - 1) and (n := x.numel())
+        and _eager.fast() and _torch_path(x, provider)
+    ):  # fmt: skip
+        # The common case, a 16-bit float format on the CPU: the torch path's one cast-copy into a new
+        # buffer, without the staging logic for another device.
+        data = torch.empty(2 * n, dtype=torch.uint8)
+        src = x.detach() if x.requires_grad else x
+        data.view(_CODE_DTYPES[fmt]).copy_(src if src.dim() == 1 else src.view(-1))
+        return Packed(data=data, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block)
     what = "torsh_kernels.pack"
     if not isinstance(x, torch.Tensor):
         raise ArgumentTypeError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")

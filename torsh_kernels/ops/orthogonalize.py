@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as _np
 import torch
 
 from ..errors import (
@@ -146,6 +147,44 @@ def _ortho_torch(mats, rtol, iters):
             m.copy_(b[slow.index(i)] if i in slow else q[i])
 
 
+_T = torch.Tensor
+_F32 = torch.float32
+_CPU = torch.device("cpu")
+
+
+def _ortho_fast(m: torch.Tensor, rtol: float, check_finite: bool) -> bool:
+    """The torch provider on one contiguous fp32 [rows, cols] CPU matrix, rows >= cols, when every column
+    passes the Householder path's test: the same batched QR, norms and sign fix on the same [1, rows,
+    cols] view, with the per-column test and the signs read on the host (cols numbers each; fp32
+    arithmetic reproduced exactly: the product of two fp32 values is exact in a double and rounded once).
+    False, with nothing written, when the general path must run (a non-finite element, which it reports;
+    a column for the CholeskyQR path)."""
+    g = torch.is_grad_enabled()
+    if g:
+        torch._C._set_grad_enabled(False)
+    try:
+        if check_finite and not math.isfinite(m.sum(dtype=torch.float64).item()):
+            return False
+        a = m.unsqueeze(0)
+        q, r = torch.linalg.qr(a)
+        d = torch.diagonal(r, dim1=-2, dim2=-1).tolist()[0]
+        norms = torch.linalg.vector_norm(a, dim=1).tolist()[0]
+        t32 = float(_np.float32(rtol))
+        neg = False
+        for dj, nj in zip(d, norms):
+            if not (nj > 0 and abs(dj) > float(_np.float32(t32 * nj))):
+                return False
+            neg = neg or dj < 0
+        if neg:
+            torch.mul(q, torch.tensor([-1.0 if dj < 0 else 1.0 for dj in d]), out=a)
+        else:
+            a.copy_(q)  # (q * 1.0 is q)
+        return True
+    finally:
+        if g:
+            torch._C._set_grad_enabled(True)
+
+
 def _as_batch(ms: list[torch.Tensor]) -> torch.Tensor | None:
     """One [B, m, r] view over matrices that lie back to back in memory, else None."""
     m0 = ms[0]
@@ -228,6 +267,17 @@ def orthogonalize(
     (2 is CholeskyQR2: orthogonal to fp32 rounding for condition numbers up to ~1e7). NaN/Inf raise
     :class:`NonFiniteError` before anything is written (``check_finite``).
     """
+    if (
+        type(matrices) is _T and matrices.dtype is _F32 and matrices.is_cpu and matrices.dim() == 2
+        and matrices.is_contiguous() and 1 <= matrices.shape[1] <= matrices.shape[0]
+        and (rtol is None or (rtol.__class__ is float and 0.0 <= rtol < 1.0))
+        and iters.__class__ is int and iters >= 1
+        and _eager.fast()
+        and _ortho.select(_CPU, _F32, matrices.numel(), provider or None) == "torch"
+    ):  # fmt: skip
+        done = _ortho_fast(matrices, 1e-4 if rtol is None else rtol, check_finite)
+        if done:
+            return matrices
     what = "torsh_kernels.orthogonalize"
     if isinstance(matrices, torch.Tensor) and matrices.dim() == 3:  # one batch: validated and passed whole
         _check_dtype(matrices, what, "matrices", ORTHO_DTYPES)

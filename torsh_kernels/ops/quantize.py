@@ -163,6 +163,11 @@ def dequantize_ref(
 
 _quantize = Op("quantize")
 _dequantize = Op("dequantize")
+_T = torch.Tensor
+_F32 = torch.float32
+_CPU = torch.device("cpu")
+_grad_enabled = torch.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
 
 
 def block_codes(
@@ -378,6 +383,31 @@ def quantize(
     these contiguous tensors of exactly those dtypes and sizes on x's device (with ``check_finite``, a
     non-finite input raises after they were written).
     """
+    if (
+        out is None and bits.__class__ is int and bits == 8 and not stochastic and seed is None and type(x) is _T
+        and x.dtype is _F32
+        and x.is_cpu and x.is_contiguous() and type(block) is int and 2 <= block <= 65536 and not block & (block - 1)
+        and (n := x.numel()) and not n % block and n <= CPU_SLICE
+        and _eager.fast()
+        and _quantize.select(_CPU, _F32, n, provider or None) == "torch"
+    ):  # fmt: skip
+        # The common case, fp32 on the CPU in whole blocks, one slice, deterministic int8: the torch
+        # provider's arithmetic, minus what is a no-op when every block's maximum is finite (nan_to_num of
+        # codes that cannot be NaN) and the copies into preallocated outputs. A non-finite block (or an
+        # overflowing sum) is left to the general path, which computes and reports it.
+        g = _grad_enabled()
+        if g:
+            _set_grad(False)
+        try:
+            blocks = x.view(n // block, block)
+            amax = blocks.abs().amax(dim=1)
+            if math.isfinite(amax.sum().item()):
+                sc = amax.div_(127.0)
+                c = torch.div(blocks, torch.where(sc > 0, sc, 1.0).unsqueeze(1)).round_().clamp_(-127.0, 127.0)
+                return c.to(torch.int8).view(-1), sc
+        finally:
+            if g:
+                _set_grad(True)
     what = "torsh_kernels.quantize"
     xf = _flat_input(x, what, "x")
     bits, block = _check_quant_args(bits, block, what)
@@ -430,6 +460,28 @@ def dequantize(
     ``q.numel()`` (int8) or ``2 * q.numel()`` (int4: pass the true count when it is odd); ``block`` must
     be the one ``quantize`` used (checked against the number of scales).
     """
+    if (
+        out is None and dtype is _F32 and not accumulate and (alpha.__class__ is float or alpha.__class__ is int)
+        and alpha == 1.0 and type(q) is _T and type(scales) is _T and q.dtype is torch.int8
+        and scales.dtype is _F32 and q.is_cpu and scales.is_cpu and q.dim() == 1 and scales.dim() == 1
+        and q.is_contiguous() and scales.is_contiguous()
+        and type(block) is int and 2 <= block <= 65536 and not block & (block - 1)
+        and (n := q.numel()) and (numel is None or (type(numel) is int and numel == n))
+        and not n % block and n <= CPU_SLICE and scales.numel() == n // block
+        and _eager.fast()
+        and _dequantize.select(_CPU, _F32, n, provider or None) == "torch"
+    ):  # fmt: skip
+        # The common case, int8 codes on the CPU in whole blocks, one slice, into a new fp32 tensor: the
+        # torch provider's product (int8 -> fp32 is exact, so the mixed-dtype multiply is the same fp32
+        # product), returned instead of copied into a preallocated buffer.
+        g = _grad_enabled()
+        if g:
+            _set_grad(False)
+        try:
+            return torch.mul(q.view(n // block, block), scales.unsqueeze(1)).view(-1)
+        finally:
+            if g:
+                _set_grad(True)
     what = "torsh_kernels.dequantize"
     q = _check_tensor(q, what, "q")
     scales = _check_tensor(scales, what, "scales")

@@ -65,6 +65,23 @@ ENV_VAR = "TORSH_KERNELS_PROVIDER"
 
 _TRUE = ("1", "true", "on", "yes")
 
+# Reading ENV_VAR on every call: os.environ.get encodes the key each time (about 1 us); the mapping
+# behind os.environ (updated by every os.environ assignment, monkeypatch.setenv included) read with the
+# key encoded once costs a dict lookup. Elsewhere (another platform's os.environ) the plain get.
+_environ_data = getattr(os.environ, "_data", None)
+_decode = getattr(os.environ, "decodevalue", None)
+try:
+    _env_key = os.environ.encodekey(ENV_VAR)  # type: ignore[attr-defined]
+except Exception:  # pragma: no cover
+    _environ_data = None
+
+
+def _env_value() -> str | None:
+    if _environ_data is None or _decode is None:
+        return os.environ.get(ENV_VAR)
+    v = _environ_data.get(_env_key)
+    return None if v is None else _decode(v)
+
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in _TRUE
@@ -278,8 +295,8 @@ class Op:
                     f"{device.type} tensors here: {reason}. Pass provider=None for automatic selection."
                 )
             return requested
-        env = os.environ.get(ENV_VAR)
-        key = (self.name, device, dtype, _bucket(size), env)
+        env = _env_value()
+        key = (self.name, device, dtype, (size - 1).bit_length() if size > 1 else 0, env)
         name = _SELECTED.get(key)
         if name is None:
             name = _SELECTED[key] = self._resolve(device, dtype, size, env)

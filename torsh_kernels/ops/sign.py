@@ -73,6 +73,13 @@ def sign_decompress_ref(bits, scale, numel, *, dtype=torch.float32, out=None, ac
 _abs_sum = Op("sign_compress")
 _sign_pack = Op("sign_compress.pack")
 _sign_unpack = Op("sign_decompress")
+_T = torch.Tensor
+_F32 = torch.float32
+_CPU = torch.device("cpu")
+_SHIFTS = torch.arange(8, dtype=torch.uint8)  # the CPU fast paths' bit positions (never written)
+_EXACT_INT = 1 << 53
+_grad_enabled = torch.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
 
 
 # sign: pass 1 -> (sum |v| as fp64 0-dim, non-finite count); pass 2 packs (and updates the residual)
@@ -219,6 +226,26 @@ def sign_compress(
     """1-bit compression of ``v = x + residual``: ``(bits, scale)``, bits uint8 [ceil(n/8)] (bit j of byte
     i is 1 where element 8i+j is >= 0), scale = mean |v| (fp32, 0-dim). With ``residual`` (updated in
     place): ``residual = v - scale * sign(v)``."""
+    if (
+        residual is None and type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous()
+        and (n := x.numel()) and not n % 8 and n < _EXACT_INT
+        and _eager.fast()
+        and _abs_sum.select(_CPU, _F32, n, provider or None) == "torch"
+    ):  # fmt: skip
+        # The common case, fp32 on the CPU without a residual, whole bytes: the torch provider's two passes
+        # with its constants cached. mean |x| is the fp64 sum (read once for the finite check anyway)
+        # divided by n in fp64 and rounded to fp32, here in Python: the same IEEE operations.
+        g = _grad_enabled()
+        if g:
+            _set_grad(False)
+        try:
+            total = x.abs().sum(dtype=torch.float64).item()
+            if math.isfinite(total):
+                bits = torch.sum(x.ge(0).view(torch.uint8).view(-1, 8) << _SHIFTS, dim=1, dtype=torch.uint8)
+                return bits, torch.tensor(total / n, dtype=_F32)
+        finally:
+            if g:
+                _set_grad(True)
     what = "torsh_kernels.sign_compress"
     xf = _flat_input(x, what, "x")
     rf = None
@@ -240,6 +267,25 @@ def sign_decompress(
     provider: str | None = None,
 ) -> torch.Tensor:
     """``+-alpha * scale`` per element from packed signs (plus ``out`` with ``accumulate``)."""
+    if (
+        out is None and dtype is _F32 and not accumulate and (alpha.__class__ is float or alpha.__class__ is int)
+        and alpha == 1.0 and type(bits) is _T and type(scale) is _T and bits.dtype is torch.uint8
+        and scale.dtype is _F32 and scale.dim() == 0 and bits.is_cpu and scale.is_cpu and bits.dim() == 1
+        and type(numel) is int and numel > 0 and not numel % 8 and bits.numel() * 8 == numel
+        and _eager.fast()
+        and _sign_unpack.select(_CPU, _F32, numel, provider or None) == "torch"
+    ):  # fmt: skip
+        # The common case, whole bytes on the CPU into a new fp32 tensor: the torch provider's unpacking
+        # with its shifts cached, the selected +-scale returned instead of copied into a new buffer.
+        g = _grad_enabled()
+        if g:
+            _set_grad(False)
+        try:
+            pos = ((bits.unsqueeze(1) >> _SHIFTS) & 1).view(-1).view(torch.bool)
+            return torch.where(pos, scale, -scale)
+        finally:
+            if g:
+                _set_grad(True)
     what = "torsh_kernels.sign_decompress"
     bits = _check_tensor(bits, what, "bits")
     if bits.dtype != torch.uint8:

@@ -46,6 +46,7 @@ from ._common import (
     _check_tensor,
     _counter,
     _decode_out,
+    _finite_sum,
     _flat_inout,
     _flat_input,
     _grid,
@@ -113,6 +114,13 @@ def topk_decompress_ref(values, indices, numel, *, out=None, accumulate=False, a
 
 _candidates = Op("topk_compress")
 _scatter = Op("topk_decompress")
+_T = torch.Tensor
+_F32 = torch.float32
+_I32 = torch.int32
+_I64 = torch.int64
+_CPU = torch.device("cpu")
+_grad_enabled = torch.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
 
 
 # candidates: (cval fp32 [cap], cidx [cap], cnt int64 [2] = (count, non-finite))
@@ -324,6 +332,29 @@ def topk_compress(
     was not sent (for each element, computed in fp32 and rounded once into the residual's dtype). See the
     module docstring for the approximate mode and ``exact``.
     """
+    if (
+        residual is None and type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous()
+        and ratio.__class__ is float and 0.0 < ratio <= 1.0 and (n := x.numel()) and n < 2**31
+        and _eager.fast()
+        and _candidates.select(_CPU, _F32, n, provider or None) == "torch"
+    ):  # fmt: skip
+        k = topk_count(n, ratio)
+        if exact or n // min(n, max(TOPK_MIN_SAMPLE, math.ceil(TOPK_SAMPLE_PER_K * n / k))) <= 1:
+            # The common small case, fp32 on the CPU without a residual, where the torch provider takes
+            # its exact path: the same top-k of |x|, its indices sorted and x gathered at them (the
+            # provider gathers then permutes: the same elements). A non-finite sum (NaN/Inf, or an
+            # overflow) is left to the general path, which counts and reports (or selects anyway).
+            g = _grad_enabled()
+            if g:
+                _set_grad(False)
+            try:
+                xf = x if x.dim() == 1 else x.view(-1)
+                if not check_finite or _finite_sum(xf):
+                    idx = torch.topk(xf.abs(), k, sorted=False).indices.sort().values
+                    return xf.index_select(0, idx), idx.to(_I32)
+            finally:
+                if g:
+                    _set_grad(True)
     what = "torsh_kernels.topk_compress"
     xf = _flat_input(x, what, "x")
     ratio = _check_ratio(ratio, what)
@@ -354,6 +385,28 @@ def topk_decompress(
     payloads of several ranks); without, ``out`` is zeroed first and a repeated index keeps one of its
     values (unspecified which). Indices outside [0, numel) raise ``ShapeError`` before anything is written.
     """
+    if (
+        out is None and not accumulate and type(values) is _T and type(indices) is _T and type(numel) is int
+        and numel > 0 and (dtype is None or dtype is _F32) and (alpha.__class__ is float or alpha.__class__ is int)
+        and alpha == 1.0 and values.dtype is _F32 and (indices.dtype is _I64 or indices.dtype is _I32)
+        and values.is_cpu and indices.is_cpu and values.dim() == 1 and indices.dim() == 1
+        and (k := values.numel()) and indices.numel() == k
+        and _eager.fast()
+        and _scatter.select(_CPU, _F32, numel, provider or None) == "torch"
+    ):  # fmt: skip
+        # The common case, fp32 on the CPU into a new tensor: the torch provider's zeroed buffer and
+        # scatter_. scatter_ checks every index against [0, numel) before it writes; one outside (a
+        # RuntimeError, in a tensor nobody else has seen) is left to the general path, which says which.
+        g = _grad_enabled()
+        if g:
+            _set_grad(False)
+        try:
+            return torch.zeros(numel).scatter_(0, indices.long(), values)
+        except RuntimeError:
+            pass
+        finally:
+            if g:
+                _set_grad(True)
     what = "torsh_kernels.topk_decompress"
     values = _check_tensor(values, what, "values")
     indices = _check_tensor(indices, what, "indices")

@@ -793,7 +793,7 @@ def _route_fast(logits: torch.Tensor, T: int, E: int, k: int, score: str, renorm
     order = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=E)
     rows = torch.empty(n, dtype=torch.int64).scatter_(0, order, _arange(n)).view(T, k)
-    tok = order // k
+    tok = torch.floor_divide(order, k)  # (order // k without the Python-level operator wrapper)
     return Routing(indices=idx, weights=w, scores=s, tokens_per_expert=counts, row_map=rows, token_index=tok,
                    dropped=rows < 0, num_experts=E, num_rows=n, capacity=None, score=score)  # fmt: skip
 

@@ -157,26 +157,29 @@ def _ortho_fast(m: torch.Tensor, rtol: float, check_finite: bool) -> bool:
     passes the Householder path's test: the same batched QR, norms and sign fix on the same [1, rows,
     cols] view, with the per-column test and the signs read on the host (cols numbers each; fp32
     arithmetic reproduced exactly: the product of two fp32 values is exact in a double and rounded once).
-    False, with nothing written, when the general path must run (a non-finite element, which it reports;
-    a column for the CholeskyQR path)."""
+    The finite check reads the column norms it needs anyway: a NaN/Inf element makes its column's norm
+    non-finite (so does an fp32 overflow of a square, which the general path's exact check then clears).
+    False, with nothing written, when the general path must run (a non-finite norm, which it checks and
+    reports; a column for the CholeskyQR path)."""
     g = torch.is_grad_enabled()
     if g:
         torch._C._set_grad_enabled(False)
     try:
-        if check_finite and not math.isfinite(m.sum(dtype=torch.float64).item()):
-            return False
         a = m.unsqueeze(0)
-        q, r = torch.linalg.qr(a)
-        d = torch.diagonal(r, dim1=-2, dim2=-1).tolist()[0]
         norms = torch.linalg.vector_norm(a, dim=1).tolist()[0]
+        if check_finite and not all(map(math.isfinite, norms)):
+            return False  # NaN/Inf (or an fp32 overflow of a square): the general path checks and reports
+        q, r = torch.linalg.qr(a)
+        rr = r.tolist()[0]
         t32 = float(_np.float32(rtol))
-        neg = False
-        for dj, nj in zip(d, norms):
+        signs = []
+        for j, nj in enumerate(norms):
+            dj = rr[j][j]
             if not (nj > 0 and abs(dj) > float(_np.float32(t32 * nj))):
                 return False
-            neg = neg or dj < 0
-        if neg:
-            torch.mul(q, torch.tensor([-1.0 if dj < 0 else 1.0 for dj in d]), out=a)
+            signs.append(-1.0 if dj < 0 else 1.0)
+        if -1.0 in signs:
+            torch.mul(q, torch.tensor(signs), out=a)
         else:
             a.copy_(q)  # (q * 1.0 is q)
         return True

@@ -161,7 +161,6 @@ def _(acc, approx, residual, out, provider):
 
 
 _RA_LAYOUTS = _Memo(64)
-_NO_GUARD = object()  # a layout validated on this call only (no C-level guard available)
 
 
 def _residual_add_fast_layout(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor, ptrs: tuple[int, int, int]) -> bool:
@@ -203,17 +202,16 @@ def residual_add(
         # check below is remembered per (addresses) and confirmed by a C-level guard on everything else
         # it read (type, dtype, device, shape, strides, requires_grad).
         key = (x.data_ptr(), residual.data_ptr(), out.data_ptr())
-        g = _RA_LAYOUTS.get(key)
-        if g is None or not g.check(x, residual, out):
-            g = None
+        hit = _RA_LAYOUTS.get(key)  # (guard, numel, any requires_grad): all fixed by what the guard checks
+        if hit is None or not hit[0].check(x, residual, out):
+            hit = None
             if _residual_add_fast_layout(x, residual, out, key):
-                g = _guards((x, residual, out))
-                if g is not None:
-                    _RA_LAYOUTS.put(key, g)
-                else:
-                    g = _NO_GUARD
-        if g is not None and _axpby.select(_CPU, _F32, x.numel(), provider or None) == "torch":
-            if x.requires_grad or residual.requires_grad or out.requires_grad:
+                hit = (_guards((x, residual, out)), x.numel(),
+                       x.requires_grad or residual.requires_grad or out.requires_grad)  # fmt: skip
+                if hit[0] is not None:
+                    _RA_LAYOUTS.put(key, hit)
+        if hit is not None and _axpby.select(_CPU, _F32, hit[1], provider or None) == "torch":
+            if hit[2]:
                 _add_nograd(x, residual, out)  # as the custom op ran: the result never requires grad
             else:
                 torch.add(x, residual, out=out)

@@ -845,24 +845,11 @@ def bucket_reduce(
             and _eager.fast()
             and _reduce.select(_CPU, _F32, n, provider or None) == "torch"
         ):  # fmt: skip
-            # The common case, fp32 buffers on the CPU: the torch provider's passes (the first two buffers
-            # in one, then one per buffer) into a new tensor, without the flattening views.
-            g = torch.is_grad_enabled()
-            if g:
-                torch._C._set_grad_enabled(False)
-            try:
-                acc = (torch.maximum if op == "max" else torch.add)(b0, buffers[1])
-                for b in buffers[2:]:
-                    if op == "max":
-                        torch.maximum(acc, b, out=acc)
-                    else:
-                        acc.add_(b)
-                if op == "avg":
-                    acc.div_(len(buffers))
-            finally:
-                if g:
-                    torch._C._set_grad_enabled(True)
-            return acc
+            # The common case, fp32 buffers on the CPU: the torch provider itself into a new tensor, without
+            # the flattening views and the custom op.
+            out = torch.empty_like(b0)
+            _eager.run(_reduce_torch, buffers, out, op)
+            return out
     what = "torsh_kernels.bucket_reduce"
     if isinstance(buffers, torch.Tensor):
         if buffers.dim() == 0:

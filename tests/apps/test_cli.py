@@ -113,12 +113,16 @@ def test_torsh_demo_trains_every_compressor_and_prints_one_table(tmp_path):
                         "--no-progress", "--json", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr
     for word in ("compressor", "bytes", "accuracy", "speedup", "none", "fp16", "topk", "quantize", "sign",
-                 "powersgd"):  # fmt: skip
+                 "powersgd", "auto", "pays off", "auto chose"):  # fmt: skip
         assert word in r.stdout, word
     rows = json.loads(out.read_text())["rows"]
-    assert [row["compressor"] for row in rows] == ["none", "fp16", "topk", "quantize", "sign", "powersgd"]
+    assert [row["compressor"] for row in rows] == ["none", "fp16", "topk", "quantize", "sign", "powersgd", "auto"]
     assert rows[0]["speedup"] == 1.0 and all(0 <= row["accuracy"] <= 1 for row in rows)
-    assert all(row["bytes_per_step"] < rows[0]["bytes_per_step"] for row in rows[1:])
+    assert all(row["bytes_per_step"] < rows[0]["bytes_per_step"] for row in rows[1:-1])
+    # auto: what it measured of each of the others, and its choice among them
+    auto = rows[-1]["auto"]
+    assert rows[-1]["chose"] == auto["choice"] and auto["choice"] in {c["compressor"] for c in auto["candidates"]}
+    assert len(auto["candidates"]) == 6 and all(c["compute_s"] > 0 and c["bytes_sent"] > 0 for c in auto["candidates"])
 
 
 def test_torsh_demo_link_without_root_falls_back_with_a_message(monkeypatch, capsys):

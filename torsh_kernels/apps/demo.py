@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
-from .bench import fmt_bytes, quantile
+from .bench import fmt_bytes, quantile, wide_console
 
 __all__ = ["COMPRESSORS", "DemoConfig", "load_digits_split", "main", "print_auto", "print_trace_summary", "run_rank"]
 
@@ -238,15 +238,14 @@ def print_table(rows: list[dict], *, title: str, console=None) -> None:
     console.print(t)
     auto = next((r["auto"] for r in rows if r.get("auto")), None)
     if auto is not None:
-        print_auto(auto, console=console)
+        print_auto(auto)
 
 
 def print_auto(auto: dict, *, console=None) -> None:
     """What ``compressor="auto"`` measured (``stats.auto`` of the hook or the synchronizer) and chose."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(width=max(100, Console().width))
+    console = console or wide_console(130)
     link = auto["link"]
     t = Table(
         title=f"compressor='auto' at the end of the warm-up: measured link {link['bandwidth_Bps'] * 8 / 1e9:.3g} "

@@ -36,8 +36,6 @@ from .registry import Op
 _T = torch.Tensor
 _F32 = torch.float32
 _CPU = torch.device("cpu")
-_grad_enabled = torch.is_grad_enabled
-_set_grad = torch._C._set_grad_enabled
 
 __all__ = ["error_update", "error_update_ref", "residual_add", "residual_add_ref"]
 
@@ -264,16 +262,10 @@ def error_update(
     ):  # fmt: skip
         # The common case, fp32 on the CPU: the torch provider's two calls, without the flattening views
         # and the custom op (equal shapes, contiguous: the same elements in the same order).
-        g = _grad_enabled()
-        if g:
-            _set_grad(False)
-        try:
+        with _eager.no_grad():
             torch.sub(acc, approx, out=residual)
             if out is not None:
                 out.copy_(approx)
-        finally:
-            if g:
-                _set_grad(True)
         return
     what = "torsh_kernels.error_update"
     af = _flat_input(acc, what, "acc")

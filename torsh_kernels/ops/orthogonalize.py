@@ -161,10 +161,7 @@ def _ortho_fast(m: torch.Tensor, rtol: float, check_finite: bool) -> bool:
     non-finite (so does an fp32 overflow of a square, which the general path's exact check then clears).
     False, with nothing written, when the general path must run (a non-finite norm, which it checks and
     reports; a column for the CholeskyQR path)."""
-    g = torch.is_grad_enabled()
-    if g:
-        torch._C._set_grad_enabled(False)
-    try:
+    with _eager.no_grad():
         a = m.unsqueeze(0)
         norms = torch.linalg.vector_norm(a, dim=1).tolist()[0]
         if check_finite and not all(map(math.isfinite, norms)):
@@ -183,9 +180,6 @@ def _ortho_fast(m: torch.Tensor, rtol: float, check_finite: bool) -> bool:
         else:
             a.copy_(q)  # (q * 1.0 is q)
         return True
-    finally:
-        if g:
-            torch._C._set_grad_enabled(True)
 
 
 def _as_batch(ms: list[torch.Tensor]) -> torch.Tensor | None:

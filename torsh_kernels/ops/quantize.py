@@ -166,8 +166,6 @@ _dequantize = Op("dequantize")
 _T = torch.Tensor
 _F32 = torch.float32
 _CPU = torch.device("cpu")
-_grad_enabled = torch.is_grad_enabled
-_set_grad = torch._C._set_grad_enabled
 
 
 def block_codes(
@@ -395,19 +393,13 @@ def quantize(
         # provider's arithmetic, minus what is a no-op when every block's maximum is finite (nan_to_num of
         # codes that cannot be NaN) and the copies into preallocated outputs. A non-finite block (or an
         # overflowing sum) is left to the general path, which computes and reports it.
-        g = _grad_enabled()
-        if g:
-            _set_grad(False)
-        try:
+        with _eager.no_grad():
             blocks = x.view(n // block, block)
             amax = blocks.abs().amax(dim=1)
             if math.isfinite(amax.sum().item()):
                 sc = amax.div_(127.0)
                 c = torch.div(blocks, torch.where(sc > 0, sc, 1.0).unsqueeze(1)).round_().clamp_(-127.0, 127.0)
                 return c.to(torch.int8).view(-1), sc
-        finally:
-            if g:
-                _set_grad(True)
     what = "torsh_kernels.quantize"
     xf = _flat_input(x, what, "x")
     bits, block = _check_quant_args(bits, block, what)
@@ -474,14 +466,8 @@ def dequantize(
         # The common case, int8 codes on the CPU in whole blocks, one slice, into a new fp32 tensor: the
         # torch provider's product (int8 -> fp32 is exact, so the mixed-dtype multiply is the same fp32
         # product), returned instead of copied into a preallocated buffer.
-        g = _grad_enabled()
-        if g:
-            _set_grad(False)
-        try:
+        with _eager.no_grad():
             return torch.mul(q.view(n // block, block), scales.unsqueeze(1)).view(-1)
-        finally:
-            if g:
-                _set_grad(True)
     what = "torsh_kernels.dequantize"
     q = _check_tensor(q, what, "q")
     scales = _check_tensor(scales, what, "scales")

@@ -78,8 +78,6 @@ _F32 = torch.float32
 _CPU = torch.device("cpu")
 _SHIFTS = torch.arange(8, dtype=torch.uint8)  # the CPU fast paths' bit positions (never written)
 _EXACT_INT = 1 << 53
-_grad_enabled = torch.is_grad_enabled
-_set_grad = torch._C._set_grad_enabled
 
 
 # sign: pass 1 -> (sum |v| as fp64 0-dim, non-finite count); pass 2 packs (and updates the residual)
@@ -235,17 +233,11 @@ def sign_compress(
         # The common case, fp32 on the CPU without a residual, whole bytes: the torch provider's two passes
         # with its constants cached. mean |x| is the fp64 sum (read once for the finite check anyway)
         # divided by n in fp64 and rounded to fp32, here in Python: the same IEEE operations.
-        g = _grad_enabled()
-        if g:
-            _set_grad(False)
-        try:
+        with _eager.no_grad():
             total = x.abs().sum(dtype=torch.float64).item()
             if math.isfinite(total):
                 bits = torch.sum(x.ge(0).view(torch.uint8).view(-1, 8) << _SHIFTS, dim=1, dtype=torch.uint8)
                 return bits, torch.tensor(total / n, dtype=_F32)
-        finally:
-            if g:
-                _set_grad(True)
     what = "torsh_kernels.sign_compress"
     xf = _flat_input(x, what, "x")
     rf = None
@@ -277,15 +269,9 @@ def sign_decompress(
     ):  # fmt: skip
         # The common case, whole bytes on the CPU into a new fp32 tensor: the torch provider's unpacking
         # with its shifts cached, the selected +-scale returned instead of copied into a new buffer.
-        g = _grad_enabled()
-        if g:
-            _set_grad(False)
-        try:
+        with _eager.no_grad():
             pos = ((bits.unsqueeze(1) >> _SHIFTS) & 1).view(-1).view(torch.bool)
             return torch.where(pos, scale, -scale)
-        finally:
-            if g:
-                _set_grad(True)
     what = "torsh_kernels.sign_decompress"
     bits = _check_tensor(bits, what, "bits")
     if bits.dtype != torch.uint8:

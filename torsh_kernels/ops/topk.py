@@ -119,8 +119,6 @@ _F32 = torch.float32
 _I32 = torch.int32
 _I64 = torch.int64
 _CPU = torch.device("cpu")
-_grad_enabled = torch.is_grad_enabled
-_set_grad = torch._C._set_grad_enabled
 
 
 # candidates: (cval fp32 [cap], cidx [cap], cnt int64 [2] = (count, non-finite))
@@ -344,17 +342,11 @@ def topk_compress(
             # its exact path: the same top-k of |x|, its indices sorted and x gathered at them (the
             # provider gathers then permutes: the same elements). A non-finite sum (NaN/Inf, or an
             # overflow) is left to the general path, which counts and reports (or selects anyway).
-            g = _grad_enabled()
-            if g:
-                _set_grad(False)
-            try:
+            with _eager.no_grad():
                 xf = x if x.dim() == 1 else x.view(-1)
                 if not check_finite or _finite_sum(xf):
                     idx = torch.topk(xf.abs(), k, sorted=False).indices.sort().values
                     return xf.index_select(0, idx), idx.to(_I32)
-            finally:
-                if g:
-                    _set_grad(True)
     what = "torsh_kernels.topk_compress"
     xf = _flat_input(x, what, "x")
     ratio = _check_ratio(ratio, what)
@@ -397,16 +389,11 @@ def topk_decompress(
         # The common case, fp32 on the CPU into a new tensor: the torch provider's zeroed buffer and
         # scatter_. scatter_ checks every index against [0, numel) before it writes; one outside (a
         # RuntimeError, in a tensor nobody else has seen) is left to the general path, which says which.
-        g = _grad_enabled()
-        if g:
-            _set_grad(False)
-        try:
-            return torch.zeros(numel).scatter_(0, indices.long(), values)
-        except RuntimeError:
-            pass
-        finally:
-            if g:
-                _set_grad(True)
+        with _eager.no_grad():
+            try:
+                return torch.zeros(numel).scatter_(0, indices.long(), values)
+            except RuntimeError:
+                pass
     what = "torsh_kernels.topk_decompress"
     values = _check_tensor(values, what, "values")
     indices = _check_tensor(indices, what, "indices")

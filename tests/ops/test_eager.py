@@ -197,6 +197,40 @@ def test_cached_validation_still_rejects_what_changed():
         tk.unflatten(flat, layout, d2)
 
 
+@pytest.mark.parametrize("provider", ["torch", "triton", "numba"])
+def test_flatten_plan_found_by_identity_rechecks_the_memory(provider):
+    """A plan is found by the tensors' identities; a tensor whose storage was swapped in place (same object,
+    same metadata) is read from its new memory, and an out that now overlaps it is still refused with the
+    typed error (torch.cat's own check on the torch path, the address check on the kernels' paths)."""
+    ts = [torch.randn(5), torch.randn(3)]
+    out = poison(8, torch.float32)
+    for _ in range(2):  # the second call is a cache hit
+        tk.flatten(ts, out=out, provider=provider)
+    assert torch.equal(out, torch.cat(ts))
+    ts[1].set_(torch.randn(3))  # same object and metadata, new memory
+    out.fill_(float("nan"))
+    tk.flatten(ts, out=out, provider=provider)
+    assert torch.equal(out, torch.cat(ts))
+    ts[1].set_(out.untyped_storage(), 2, (3,), (1,))  # now inside out
+    with pytest.raises(tk.ShapeError, match="overlaps tensors\\[1\\]"):
+        tk.flatten(ts, out=out, provider=provider)
+
+
+def test_flatten_plan_found_by_address_for_fresh_views(monkeypatch):
+    """New view objects over the same memory each call (as ``bucket.gradients()`` gives) reuse the plan."""
+    base = torch.randn(12)
+    out = torch.empty(12)
+    tk.flatten([base[:7], base[7:].view(5, 1)], out=out)
+    seen = []
+    real = bucket._check_tensor_list
+    monkeypatch.setattr(bucket, "_check_tensor_list", lambda *a: (seen.append(1), real(*a))[1])
+    for _ in range(3):
+        out.zero_()
+        tk.flatten([base[:7], base[7:].view(5, 1)], out=out)
+        assert torch.equal(out, base)
+    assert not seen  # no full validation
+
+
 def test_unflatten_cache_does_not_keep_the_bucket_alive():
     ts = [torch.randn(1000), torch.randn(24)]
     flat, layout = tk.flatten(ts)

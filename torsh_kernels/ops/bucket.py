@@ -38,7 +38,7 @@ from ..errors import (
 )
 from . import _eager
 from ._bucket_tables import NCOLS, _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable
-from ._common import _guards, _Memo, _numba_span, _on, _ptr_table, _ptrs, _Ranges
+from ._common import _guards, _ids, _Memo, _numba_span, _on, _ptr_table, _ptrs, _Ranges
 from .registry import Op, tuned_meta
 from .tuning import TuneSpace, register_space
 
@@ -576,6 +576,7 @@ def _reduce_into(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provid
 @dataclass(slots=True, eq=False)
 class _FlatPlan:
     guards: object
+    ptrs: tuple  # the tensors' addresses when it was validated
     layout: BucketLayout
     device: torch.device
     cat: bool  # every tensor of the flat dtype, so torch.cat(out=) writes the bucket exactly
@@ -612,18 +613,19 @@ def _new_flat_plan(key, tensors, out, layout, device) -> _FlatPlan | None:
         return None
     dt = layout.dtype
     plan = _FlatPlan(
-        guards=guards, layout=layout, device=device, cat=all(d == dt for d in layout.dtypes),
+        guards=guards, ptrs=_ptrs(tensors), layout=layout, device=device, cat=all(d == dt for d in layout.dtypes),
         cat_scaled=dt in (torch.float32, torch.float64), one_d=all(len(sh) == 1 for sh in layout.shapes),
         out_1d=out is None or out.dim() == 1, grad=any(t.requires_grad for t in tensors) or bool(
             out is not None and out.requires_grad),
     )  # fmt: skip
-    _FLAT_PLANS.put(key, plan)
+    _FLAT_PLANS.put(key, plan)  # found by the tensors' identities, and by their addresses
+    if plan.ptrs:
+        _FLAT_PLANS.put((plan.ptrs, *key[1:]), plan)
     return plan
 
 
-def _flatten_run(plan: _FlatPlan, tensors, out, scale: float, provider: str | None):
+def _flatten_run(plan: _FlatPlan, tensors, out, scale: float, name: str):
     layout = plan.layout
-    name = _flatten.select(plan.device, layout.dtype, layout.total, provider or None)
     if out is None:
         flat = torch.empty(layout.total, dtype=layout.dtype, device=plan.device)
     else:
@@ -702,13 +704,33 @@ def flatten(
     what = "torsh_kernels.flatten"
     key = None
     if _eager.unmoded():  # a validated layout: skip the per-tensor checks and the dispatcher
-        ptrs = _ptrs(tensors)
-        if ptrs and (out is None or type(out) in _eager._PLAIN):
-            key = (ptrs, None, dtype) if out is None else (ptrs, out.data_ptr(), None)
+        ids = _ids(tensors)
+        if ids and (out is None or type(out) in _eager._PLAIN):
+            key = (ids, None, dtype) if out is None else (ids, out.data_ptr(), None)
             plan = _FLAT_PLANS.get(key)
+            ptrs = None
+            if plan is None:  # new tensor objects over validated memory (fresh views each step): by address
+                ptrs = _ptrs(tensors)
+                plan = _FLAT_PLANS.get((ptrs, *key[1:])) if ptrs else None
             ok = plan is not None and (out is None or dtype is None or dtype == out.dtype)
             if ok and (plan.guards.check(*tensors) if out is None else plan.guards.check(*tensors, out)):
-                return _flatten_run(plan, tensors, out, _check_scale(scale, what), provider)
+                scale = _check_scale(scale, what)
+                name = _flatten.select(plan.device, plan.layout.dtype, plan.layout.total, provider or None)
+                if plan.device.type == "cpu" and name == "torch" and plan.cat and (scale == 1.0 or plan.cat_scaled):
+                    # torch.cat(out=) reads the addresses itself and refuses an out overlapping an input
+                    # (a RuntimeError before it writes): the full validation then says which one
+                    try:
+                        res = _flatten_run(plan, tensors, out, scale, name)
+                    except RuntimeError:
+                        res = None
+                elif (ptrs or _ptrs(tensors)) == plan.ptrs:  # the memory the validation checked
+                    res = _flatten_run(plan, tensors, out, scale, name)
+                else:
+                    res = None
+                if res is not None:
+                    if ptrs is not None:
+                        _FLAT_PLANS.put(key, plan)
+                    return res
     tensors = _check_tensor_list(tensors, what, "tensors")
     _check_floats(tensors, what, "tensors")
     device = _check_same_device(tensors, what, "tensors")
@@ -728,7 +750,9 @@ def flatten(
     if out is None:
         plan = _new_flat_plan(key, tensors, None, layout, device)
         if plan is not None:
-            return _flatten_run(plan, tensors, None, scale, provider)
+            return _flatten_run(
+                plan, tensors, None, scale, _flatten.select(device, layout.dtype, layout.total, provider or None)
+            )
         flat = _flatten_op(tensors, layout.dtype, scale, provider or "")
         return flat, layout
     if out.device != device:
@@ -745,7 +769,9 @@ def flatten(
         raise ShapeError(f"{what}: out overlaps tensors[{hits[0]}]; flatten cannot write over its own input")
     plan = _new_flat_plan(key, tensors, out, layout, device)
     if plan is not None:
-        return _flatten_run(plan, tensors, out, scale, provider)
+        return _flatten_run(
+            plan, tensors, out, scale, _flatten.select(device, layout.dtype, layout.total, provider or None)
+        )
     _flatten_out_op(tensors, out, scale, provider or "")
     return out.view(-1) if out.dim() != 1 else out, layout
 

@@ -125,9 +125,12 @@ def test_residual_add_and_error_update():
         K.error_update(acc, approx, approx, out=out)
 
 
+@pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("op", ["sum", "avg", "max"])
-def test_bucket_reduce(op):
-    bufs = [torch.randn(3, 7) for _ in range(3)]
+def test_bucket_reduce(op, k):
+    bufs = [torch.randn(3, 7) for _ in range(k)]
+    bufs[1][0, 0] = float("nan")  # "max" propagates NaN
+    bufs[0][1, 1] = float("inf")
     same(K.bucket_reduce(bufs, op=op), K.bucket_reduce([P(b) for b in bufs], op=op))
 
 

@@ -417,7 +417,13 @@ def _unflatten_numba(flat: torch.Tensor, tensors: list[torch.Tensor], scale: flo
 
 
 @_reduce.register("torch")
-def _reduce_torch(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> None:
+def _reduce_torch(buffers: list[torch.Tensor], out: torch.Tensor | None, op: str) -> torch.Tensor:
+    """Into ``out``; with ``out=None`` (fp32/fp64 buffers of one dtype, at least two), into a new tensor."""
+    if out is None:  # the direct path's case: the first two combined into a new tensor, no copy
+        acc = (torch.maximum if op == "max" else torch.add)(buffers[0], buffers[1])
+        for b in buffers[2:]:
+            torch.maximum(acc, b, out=acc) if op == "max" else acc.add_(b)
+        return acc.div_(len(buffers)) if op == "avg" else acc
     c = _compute_dtype(buffers[0].dtype, out.dtype)
     rest = buffers[1:]
     if out.dtype == c and not any(b.data_ptr() == out.data_ptr() for b in rest):
@@ -439,6 +445,7 @@ def _reduce_torch(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> No
         acc.div_(len(buffers))
     if acc is not out:
         out.copy_(acc)
+    return out
 
 
 @_reduce.register("triton")
@@ -873,9 +880,7 @@ def bucket_reduce(
         ):  # fmt: skip
             # The common case, fp32 buffers on the CPU: the torch provider itself into a new tensor, without
             # the flattening views and the custom op.
-            out = torch.empty_like(b0)
-            _eager.run(_reduce_torch, buffers, out, op)
-            return out
+            return _eager.run(_reduce_torch, buffers, None, op)
     what = "torsh_kernels.bucket_reduce"
     if isinstance(buffers, torch.Tensor):
         if buffers.dim() == 0:

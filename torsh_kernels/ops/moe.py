@@ -835,10 +835,12 @@ def moe_unpermute(
         and _select(_gather_rows, y_perm, provider or "", K) == "torch"
     ):  # fmt: skip
         # The common case, fp32 on the CPU without drops, one token block, no gradient: the torch
-        # provider's gathers and fp32 multiply-adds, into new tensors instead of its reused buffers.
-        a = torch.mul(y_perm.index_select(0, rows[:, 0]), w[:, 0:1])
+        # provider's fp32 multiply-adds, the K gathers done as one, into new tensors instead of its
+        # reused buffers.
+        v = y_perm.index_select(0, rows.reshape(-1)).view(T, K, H)
+        a = torch.mul(v[:, 0], w[:, 0:1])
         for j in range(1, K):
-            a.addcmul_(y_perm.index_select(0, rows[:, j]), w[:, j : j + 1])
+            a.addcmul_(v[:, j], w[:, j : j + 1])
         return a
     what = "torsh_kernels.moe_unpermute"
     routing = _check_routing(routing, what)

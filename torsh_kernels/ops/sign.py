@@ -76,7 +76,8 @@ _sign_unpack = Op("sign_decompress")
 _T = torch.Tensor
 _F32 = torch.float32
 _CPU = torch.device("cpu")
-_SHIFTS = torch.arange(8, dtype=torch.uint8)  # the CPU fast paths' bit positions (never written)
+_SHIFTS = torch.arange(8, dtype=torch.uint8)  # the CPU fast path's bit positions (never written)
+_ZERO = torch.zeros(())  # ... and its 0 (a tensor operand: no scalar wrapped per call)
 _EXACT_INT = 1 << 53
 
 
@@ -140,13 +141,25 @@ def _sign_pack_numba(x, r, bits, scale):
     K.sign_pack(x, r, bits, scale)
 
 
+_SIGN_TABLE: dict[torch.device, torch.Tensor] = {}  # per device: row b holds +-1.0 for the 8 bits of byte b
+
+
+def _signs(bits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``+-s`` (fp32) for every packed sign, ``8 * bits.numel()`` of them: one gather of a 256 x 8 table of
+    +-1 by byte, times ``s`` (exactly ``s`` or ``-s``)."""
+    tab = _SIGN_TABLE.get(bits.device)
+    if tab is None:
+        b = torch.arange(256, device=bits.device).unsqueeze(1)
+        tab = _SIGN_TABLE[bits.device] = torch.where((b >> torch.arange(8, device=bits.device)) & 1 == 1, 1.0, -1.0)
+    return torch.index_select(tab, 0, bits.int()).view(-1).mul_(s)
+
+
 @_sign_unpack.register("torch")
 def _sign_unpack_torch(bits, scale, out, alpha, accumulate):
     n = out.numel()
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    pos = ((bits[:, None] >> shifts) & 1).view(-1)[:n].view(torch.bool)
-    s = scale * alpha if alpha != 1.0 else scale
-    v = torch.where(pos, s, -s)
+    v = _signs(bits, scale * alpha if alpha != 1.0 else scale)
+    if n != v.numel():
+        v = v[:n]
     if accumulate:
         v = out.float() + v
     out.copy_(v)
@@ -236,8 +249,8 @@ def sign_compress(
         with _eager.no_grad():
             total = x.abs().sum(dtype=torch.float64).item()
             if math.isfinite(total):
-                bits = torch.sum(x.ge(0).view(torch.uint8).view(-1, 8) << _SHIFTS, dim=1, dtype=torch.uint8)
-                return bits, torch.tensor(total / n, dtype=_F32)
+                bits = torch.sum(x.ge(_ZERO).view(torch.uint8).view(-1, 8) << _SHIFTS, dim=1, dtype=torch.uint8)
+                return bits, torch.scalar_tensor(total / n, dtype=_F32)
     what = "torsh_kernels.sign_compress"
     xf = _flat_input(x, what, "x")
     rf = None
@@ -267,11 +280,10 @@ def sign_decompress(
         and _eager.fast()
         and _sign_unpack.select(_CPU, _F32, numel, provider or None) == "torch"
     ):  # fmt: skip
-        # The common case, whole bytes on the CPU into a new fp32 tensor: the torch provider's unpacking
-        # with its shifts cached, the selected +-scale returned instead of copied into a new buffer.
+        # The common case, whole bytes on the CPU into a new fp32 tensor: the torch provider's unpacking,
+        # its +-scale returned instead of copied into a new buffer.
         with _eager.no_grad():
-            pos = ((bits.unsqueeze(1) >> _SHIFTS) & 1).view(-1).view(torch.bool)
-            return torch.where(pos, scale, -scale)
+            return _signs(bits, scale)
     what = "torsh_kernels.sign_decompress"
     bits = _check_tensor(bits, what, "bits")
     if bits.dtype != torch.uint8:

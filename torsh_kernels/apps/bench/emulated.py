@@ -131,8 +131,9 @@ def run_on_emulated_hosts(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m torsh_kernels.apps.bench.emulated",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m torsh_kernels.apps.bench.emulated", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--rate", default="1gbit", help="tbf rate per direction (tc syntax: 1gbit, 100mbit)")
     ap.add_argument("--delay", default=None, help="netem delay per direction (e.g. 1ms)")
     ap.add_argument("--burst", default="512kb", help="tbf burst")

@@ -198,10 +198,11 @@ def test_cached_validation_still_rejects_what_changed():
 
 
 @pytest.mark.parametrize("provider", ["torch", "triton", "numba"])
-def test_flatten_plan_found_by_identity_rechecks_the_memory(provider):
-    """A plan is found by the tensors' identities; a tensor whose storage was swapped in place (same object,
-    same metadata) is read from its new memory, and an out that now overlaps it is still refused with the
-    typed error (torch.cat's own check on the torch path, the address check on the kernels' paths)."""
+def test_flatten_plan_found_by_the_list_rechecks_the_memory(provider):
+    """A plan is found by the list object; a tensor whose storage was swapped in place (same object, same
+    metadata) is read from its new memory, so is a list item replaced by another tensor, a replacement of
+    another shape gets a new layout, and an out that now overlaps an input is still refused with the typed
+    error (torch.cat's own check on the torch path, the address check on the kernels' paths)."""
     ts = [torch.randn(5), torch.randn(3)]
     out = poison(8, torch.float32)
     for _ in range(2):  # the second call is a cache hit
@@ -211,6 +212,14 @@ def test_flatten_plan_found_by_identity_rechecks_the_memory(provider):
     out.fill_(float("nan"))
     tk.flatten(ts, out=out, provider=provider)
     assert torch.equal(out, torch.cat(ts))
+    ts[0] = torch.randn(5)  # the same list holding another tensor
+    out.fill_(float("nan"))
+    tk.flatten(ts, out=out, provider=provider)
+    assert torch.equal(out, torch.cat(ts))
+    ts[0] = torch.randn(1, 5)  # ... of another shape
+    flat, layout = tk.flatten(ts, provider=provider)
+    assert layout.shapes == ((1, 5), (3,)) and torch.equal(flat, torch.cat([ts[0].view(-1), ts[1]]))
+    ts[0] = torch.randn(5)
     ts[1].set_(out.untyped_storage(), 2, (3,), (1,))  # now inside out
     with pytest.raises(tk.ShapeError, match="overlaps tensors\\[1\\]"):
         tk.flatten(ts, out=out, provider=provider)

@@ -212,15 +212,6 @@ def _ptrs(tensors: object) -> tuple[int, ...] | None:
         return None
 
 
-def _ids(tensors: object) -> tuple[int, ...] | None:
-    """The identities of a list or tuple's items (a C-level pass, cheaper than their addresses), or None
-    when it is not one. A key for a validated layout only together with a check of what the validation
-    read: the items' metadata (``_guards``) and, unless the operation itself checks them, their addresses."""
-    if type(tensors) is not list and type(tensors) is not tuple:
-        return None
-    return tuple(map(id, tensors))
-
-
 class _Memo:
     """A bounded map for validated layouts (oldest dropped first); lookups and stores are single dict
     operations, safe under the GIL from several threads."""

@@ -38,7 +38,7 @@ from ..errors import (
 )
 from . import _eager
 from ._bucket_tables import NCOLS, _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable
-from ._common import _guards, _ids, _Memo, _numba_span, _on, _ptr_table, _ptrs, _Ranges
+from ._common import _guards, _Memo, _numba_span, _on, _ptr_table, _ptrs, _Ranges
 from .registry import Op, tuned_meta
 from .tuning import TuneSpace, register_space
 
@@ -625,9 +625,9 @@ def _new_flat_plan(key, tensors, out, layout, device) -> _FlatPlan | None:
         out_1d=out is None or out.dim() == 1, grad=any(t.requires_grad for t in tensors) or bool(
             out is not None and out.requires_grad),
     )  # fmt: skip
-    _FLAT_PLANS.put(key, plan)  # found by the tensors' identities, and by their addresses
+    _FLAT_PLANS.put(key, plan)  # found by the list object, and by the tensors' addresses
     if plan.ptrs:
-        _FLAT_PLANS.put((plan.ptrs, *key[1:]), plan)
+        _FLAT_PLANS.put((plan.ptrs, *key[2:]), plan)
     return plan
 
 
@@ -710,34 +710,37 @@ def flatten(
     """
     what = "torsh_kernels.flatten"
     key = None
-    if _eager.unmoded():  # a validated layout: skip the per-tensor checks and the dispatcher
-        ids = _ids(tensors)
-        if ids and (out is None or type(out) in _eager._PLAIN):
-            key = (ids, None, dtype) if out is None else (ids, out.data_ptr(), None)
-            plan = _FLAT_PLANS.get(key)
-            ptrs = None
-            if plan is None:  # new tensor objects over validated memory (fresh views each step): by address
-                ptrs = _ptrs(tensors)
-                plan = _FLAT_PLANS.get((ptrs, *key[1:])) if ptrs else None
-            ok = plan is not None and (out is None or dtype is None or dtype == out.dtype)
-            if ok and (plan.guards.check(*tensors) if out is None else plan.guards.check(*tensors, out)):
-                scale = _check_scale(scale, what)
-                name = _flatten.select(plan.device, plan.layout.dtype, plan.layout.total, provider or None)
-                if plan.device.type == "cpu" and name == "torch" and plan.cat and (scale == 1.0 or plan.cat_scaled):
-                    # torch.cat(out=) reads the addresses itself and refuses an out overlapping an input
-                    # (a RuntimeError before it writes): the full validation then says which one
-                    try:
-                        res = _flatten_run(plan, tensors, out, scale, name)
-                    except RuntimeError:
-                        res = None
-                elif (ptrs or _ptrs(tensors)) == plan.ptrs:  # the memory the validation checked
+    tt = type(tensors)
+    if (tt is list or tt is tuple) and _eager.unmoded() and (out is None or type(out) in _eager._PLAIN):
+        # a validated layout: skip the per-tensor checks and the dispatcher. The plan is looked up by the
+        # list object (the same list passed each step), else by the tensors' addresses (fresh views over
+        # validated memory, as GradBucket.gradients() gives); either way confirmed by the guards.
+        tail = (None, dtype) if out is None else (out.data_ptr(), None)
+        key = (id(tensors), len(tensors), *tail)
+        plan = _FLAT_PLANS.get(key)
+        ptrs = None
+        if plan is None:
+            ptrs = _ptrs(tensors)
+            plan = _FLAT_PLANS.get((ptrs, *tail)) if ptrs else None
+        ok = plan is not None and (out is None or dtype is None or dtype == out.dtype)
+        if ok and (plan.guards.check(*tensors) if out is None else plan.guards.check(*tensors, out)):
+            scale = _check_scale(scale, what)
+            name = _flatten.select(plan.device, plan.layout.dtype, plan.layout.total, provider or None)
+            if plan.device.type == "cpu" and name == "torch" and plan.cat and (scale == 1.0 or plan.cat_scaled):
+                # torch.cat(out=) reads the addresses itself and refuses an out overlapping an input (a
+                # RuntimeError before it writes): the full validation then says which one
+                try:
                     res = _flatten_run(plan, tensors, out, scale, name)
-                else:
+                except RuntimeError:
                     res = None
-                if res is not None:
-                    if ptrs is not None:
-                        _FLAT_PLANS.put(key, plan)
-                    return res
+            elif (ptrs or _ptrs(tensors)) == plan.ptrs:  # the memory the validation checked
+                res = _flatten_run(plan, tensors, out, scale, name)
+            else:
+                res = None
+            if res is not None:
+                if ptrs is not None:
+                    _FLAT_PLANS.put(key, plan)
+                return res
     tensors = _check_tensor_list(tensors, what, "tensors")
     _check_floats(tensors, what, "tensors")
     device = _check_same_device(tensors, what, "tensors")

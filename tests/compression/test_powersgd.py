@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.helpers import DEVICE, rand
 from torsh_kernels.compression import PowerSGD, matrix_shape, roundtrip
+from torsh_kernels.errors import NonFiniteError
+from torsh_kernels.ops import orthogonalize
 
 
 def test_powersgd_start_iter_and_min_compression_rate(gen):
@@ -52,3 +55,25 @@ def test_schemes_are_the_p_and_q_all_reduces():
     assert PowerSGD(4, start_iter=7, min_compression_rate=3.0).warmup() == (7, 3.0)
     c = PowerSGD(4, start_iter=7).per_tensor(1.5)
     assert (c.start_iter, c.min_compression_rate, c.rank) == (0, 1.5, 4)
+
+
+def test_zero_columns_of_p_are_set_aside(gen):
+    # a zero column of P stays zero and leaves the others as the full orthogonalisation makes them (dead
+    # columns are common: with warm start a column that died stays dead); an all-zero P stays zero; a
+    # NaN still raises
+    c = PowerSGD(4)
+    for dead in ([1, 2, 3], [0], [0, 2], [], [0, 1, 2, 3]):
+        p = rand((97, 4), torch.float32, gen).cpu()
+        p[:, dead] = 0
+        full = orthogonalize(p.clone())
+        mine = p.clone()
+        c._orthogonalize(mine)
+        torch.testing.assert_close(mine, full, atol=1e-6, rtol=0)
+        assert not mine[:, dead].any()
+        live = [j for j in range(4) if j not in dead]
+        torch.testing.assert_close(mine[:, live].T @ mine[:, live], torch.eye(len(live)), atol=1e-5, rtol=0)
+    p = rand((97, 4), torch.float32, gen).cpu()
+    p[:, 1] = 0
+    p[5, 2] = float("nan")
+    with pytest.raises(NonFiniteError):
+        c._orthogonalize(p)

@@ -332,3 +332,76 @@ def test_fp16_hook_equals_pytorch_fp16_compress_hook_and_returns_the_collectives
         assert ctopk["all_reduce"] <= ctopk["buckets"]
         # PowerSGD has two rounds: the deterministic pipeline steps (waits) inside the hook
         assert cpsgd["wait"] > 0
+
+
+def _plain_rides_along_worker(comm):
+    """Every bucket one Linear layer (weight compressed, bias not): the collectives the hook issues per
+    bucket once the states are warm, and the averaged gradients against the per-parameter reference."""
+    from torsh_kernels.collectives.communicator import TorchCommunicator
+
+    counts = {"all_reduce": 0, "all_gather": 0, "broadcast": 0}
+    orig = {n: getattr(TorchCommunicator, n) for n in counts}
+
+    def counting(name):
+        def f(self, *a, **kw):
+            counts[name] += 1
+            return orig[name](self, *a, **kw)
+
+        return f
+
+    def net_of():
+        torch.manual_seed(7)
+        return nn.Sequential(nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 40))
+
+    out = {}
+    for name in ("topk", "powersgd"):
+        net = net_of()
+        # 1600 + 40 elements per layer: DDP closes a bucket once it reaches 1625, so one layer per bucket
+        ddp = DDP(net, bucket_cap_mb=1625 * 4 / 2**20)
+        state = CompressionHookState(compressor=make(name), min_numel=64)
+        ddp.register_comm_hook(state, compression_hook)
+        ref = net_of()
+        ref_states = {}
+        per_step = []
+        for step in range(3):
+            x, y = helpers.batch(step, comm.rank, rows=24, features=40, classes=40)
+            for k in counts:
+                counts[k] = 0
+            for n in counts:
+                setattr(TorchCommunicator, n, counting(n))
+            try:
+                ddp.zero_grad()
+                nn.functional.cross_entropy(ddp(x), y).backward()
+            finally:
+                for n in counts:
+                    setattr(TorchCommunicator, n, orig[n])
+            per_step.append(dict(counts, buckets=state.stats.buckets - sum(c["buckets"] for c in per_step)))
+            # the reference: each weight through compressed_all_reduce with its own state, biases plainly
+            ref.zero_grad()
+            nn.functional.cross_entropy(ref(x), y).backward()
+            for i, p in enumerate(ref.parameters()):
+                k = state._keys[id(list(net.parameters())[i])]
+                if state._engine.eligible(p.grad):
+                    st = ref_states.setdefault(k, state.compressor.new_state(seed=(comm.rank * 1_000_003 + k)))
+                    compressed_all_reduce(p.grad, comm, state.compressor, st)
+                else:
+                    compressed_all_reduce(p.grad, comm)
+            same = all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), ref.parameters()))
+            per_step[-1]["same"] = same
+        out[name] = per_step
+    return out
+
+
+def test_uncompressed_tensors_ride_in_the_compressed_collective():
+    # a bucket's bias travels in top-k's all-gather and in PowerSGD's P all-reduce: no collective of its
+    # own (one collective per bucket for top-k, two for PowerSGD); the results are those of averaging it
+    # on its own (bit for bit on 2 ranks). DDP's first iteration has one bucket, the rebuilt layout three.
+    out = run_local(_plain_rides_along_worker, 2, op_timeout=60)
+    for res in out:
+        assert [s["buckets"] for s in res["topk"]] == [1, 3, 3]
+        for s in res["topk"]:
+            assert s["same"] and (s["all_reduce"], s["all_gather"], s["broadcast"]) == (0, s["buckets"], 0)
+        assert [s["buckets"] for s in res["powersgd"]] == [1, 3, 3]
+        for i, s in enumerate(res["powersgd"]):
+            assert s["same"] and (s["all_reduce"], s["all_gather"]) == (2 * s["buckets"], 0)
+            assert s["broadcast"] == (i == 0)  # the fresh states' Q seeds, in one broadcast

@@ -218,6 +218,20 @@ _GLOO_REDUCE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, tor
                 torch.int32, torch.int64}  # fmt: skip
 _NCCL_REDUCE = _GLOO_REDUCE
 
+_ALLREDUCE_OPTS: dict[str, dist.AllreduceOptions] = {}
+
+
+def _allreduce_options(op: str) -> dist.AllreduceOptions:
+    """The (never mutated) options of an all-reduce with this op, made once."""
+    o = _ALLREDUCE_OPTS.get(op)
+    if o is None:
+        o = dist.AllreduceOptions()
+        o.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+                      "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}[op]  # fmt: skip
+        _ALLREDUCE_OPTS[op] = o
+    return o
+
+
 _OP_IDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "all_to_all": 5, "barrier": 6}
 
 
@@ -230,7 +244,8 @@ class TorchCommunicator:
     NCCL it is the only one (the watchdog aborts the communicator).
     """
 
-    __slots__ = ("_backend", "_check", "_device", "_group", "_rank", "_ranks", "_seq", "_wait_timeout", "_world")
+    __slots__ = ("_backend", "_check", "_device", "_group", "_pg", "_rank", "_ranks", "_seq", "_wait_timeout",
+                 "_world")  # fmt: skip
 
     def __init__(
         self,
@@ -257,6 +272,7 @@ class TorchCommunicator:
         if rank < 0:
             raise InvalidArgumentError("TorchCommunicator: this process is not a member of the given group")
         self._group = group
+        self._pg = group if group is not None else dist.group.WORLD  # what all_reduce calls directly
         self._rank = rank
         self._world = dist.get_world_size(group)
         self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self._world))
@@ -306,6 +322,11 @@ class TorchCommunicator:
     # -- validation ----------------------------------------------------------------------------------------
 
     def _check_tensor(self, t: object, what: str, name: str, *, reduce: bool = False, op: str = "sum") -> torch.Tensor:
+        if (
+            t.__class__ is torch.Tensor and t.is_cpu and self._device.type == "cpu" and t.is_contiguous()
+            and (not reduce or (t.dtype in _GLOO_REDUCE and op != "avg"))
+        ):  # fmt: skip
+            return t  # the common case on gloo, in a few attribute reads (each collective of a DDP hook)
         t = _tensor(t, what, name)
         dev = self._device
         if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
@@ -327,6 +348,8 @@ class TorchCommunicator:
         return t
 
     def _check_op(self, op: object, what: str) -> str:
+        if op.__class__ is str and op == "sum":
+            return op
         if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
             raise InvalidArgumentError(f"{what}: op must be one of {REDUCE_OPS}, got {op!r}")
         return op.lower()
@@ -401,8 +424,10 @@ class TorchCommunicator:
         t = self._check_tensor(tensor, what, "tensor", reduce=True, op=op)
         self._consistent(what, t.numel(), t.dtype)
         then = (lambda: t.div_(self._world)) if op == "avg" else None
-        return self._run(what, lambda: dist.all_reduce(t, self._torch_op(op), group=self._group, async_op=True),
-                         then, async_op, nbytes=t.nbytes)  # fmt: skip
+        # the process group's own call (what dist.all_reduce does for a real tensor, minus its wrappers: the
+        # tensor is checked above; this is the hot path of the DDP hooks, once per bucket)
+        opts = _allreduce_options(op)
+        return self._run(what, lambda: self._pg.allreduce([t], opts), then, async_op, nbytes=t.nbytes)
 
     def all_gather(
         self, output: torch.Tensor | list[torch.Tensor], input: torch.Tensor, *, async_op: bool = False

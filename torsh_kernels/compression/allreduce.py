@@ -18,7 +18,7 @@ Each rank keeps its own ``state`` per bucket (error-feedback residuals are per r
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -121,15 +121,17 @@ class CompressedReduction:
             pass
         return self.tensors
 
-    def future(self) -> torch.futures.Future | None:
+    def future(self, then: Callable[[], object] | None = None) -> torch.futures.Future | None:
         """For a ``single_round`` reduction: a ``torch.futures.Future`` of the averaged tensors whose
         decode runs in the completion callback of the round's collectives (on the backend's thread for
         gloo), so nobody blocks; None where a handle offers no future (``Handle.future()``) or the
         reduction has more rounds (those must be issued by the caller, in order). Do not ``step()`` a
-        reduction after taking its future."""
+        reduction after taking its future. ``then``: called after the decode, in the same callback; the
+        future's value is then what it returns (the DDP hook's statistics and bucket, without a further
+        ``.then`` layer)."""
         if self.done:
             f: torch.futures.Future = torch.futures.Future()
-            f.set_result(self.tensors)
+            f.set_result(self.tensors if then is None else then())
             return f
         if not self.single_round:
             return None
@@ -161,7 +163,7 @@ class CompressedReduction:
                     "CompressedReduction.future: the reduction issued a second round from a completion "
                     "callback; it was marked single_round wrongly"
                 )
-            return self.tensors
+            return self.tensors if then is None else then()
 
         return fut.then(finish)
 
@@ -254,9 +256,15 @@ def start_compressed_all_reduce(
 def issue(
     tensors: list[torch.Tensor], states: list[CompressionState], comm: Communicator, compressor: Compressor, *,
     quantize_mode: str = "auto", link: Link | None = None, single_round: bool = False,
+    plain: Sequence[torch.Tensor] = (),
 ) -> CompressedReduction:  # fmt: skip
     """:func:`start_compressed_all_reduce` without its checks, for callers that validated the tensors,
-    states and arguments once and reuse them every step (the bucket layer caches that per bucket)."""
+    states and arguments once and reuse them every step (the bucket layer caches that per bucket).
+    ``plain``: tensors averaged uncompressed in the first round's collective (only for a compressor
+    that ``carries_plain``, with non-empty ``tensors``)."""
+    if plain:
+        gen, alg = compressor.reduce(tensors, states, comm, scheme=quantize_mode, link=link, plain=plain)
+        return CompressedReduction([*tensors, *plain], gen, compressor.name, alg, single_round=single_round)
     if all(t.numel() for t in tensors):
         gen, alg = compressor.reduce(tensors, states, comm, scheme=quantize_mode, link=link)
     else:

@@ -250,16 +250,22 @@ class Compressor:
 
     # -- how it travels ----------------------------------------------------------------------------
 
+    carries_plain: bool = False
+    """``reduce`` takes ``plain=``: tensors averaged uncompressed in the first round's collective
+    (:func:`linear_rounds`, :func:`gathered_rounds`), so a bucket's 1-D and small tensors need no
+    collective of their own."""
+
     def reduce(
         self, tensors: list[torch.Tensor], states: list[CompressionState], comm: Communicator, *,
-        scheme: str = "auto", link=None,
+        scheme: str = "auto", link=None, plain: Sequence[torch.Tensor] = (),
     ) -> tuple[Rounds, str]:  # fmt: skip
         """The rounds that average ``tensors`` (non-empty, validated, one state each) over ``comm`` in
         place, and the scheme's name. ``scheme`` and ``link`` let a compressor with several schemes pick
-        one ("auto": by the cost model); the others ignore them."""
+        one ("auto": by the cost model); the others ignore them. ``plain``: see ``carries_plain`` (a
+        compressor that overrides ``reduce`` without it leaves ``carries_plain`` False)."""
         if self.is_linear:
-            return linear_rounds(tensors, states, comm, self), "all_reduce"
-        return gathered_rounds(tensors, states, comm, self), "all_gather"
+            return linear_rounds(tensors, states, comm, self, plain), "all_reduce"
+        return gathered_rounds(tensors, states, comm, self, plain), "all_gather"
 
     # -- what it costs -------------------------------------------------------------------------------
 
@@ -309,10 +315,13 @@ def lockstep(gens: Sequence[Rounds]) -> Rounds:
             yield handles, nbytes
 
 
-def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor) -> Rounds:
-    """Linear compressors: per round, every tensor's payload in one flat all-reduce per dtype."""
+def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor, plain=()) -> Rounds:
+    """Linear compressors: per round, every tensor's payload in one flat all-reduce per dtype. ``plain``
+    tensors (uncompressed, averaged in place) join the first round's all-reduce of their dtype."""
     ws = comm.world_size
     prescaled = compressor.prescale  # divided by ws before the sum so the payload dtype cannot overflow
+    if plain and prescaled:
+        raise InvalidArgumentError("linear_rounds: plain tensors cannot ride along a prescaled payload")
     payloads = [compressor.compress(t, s) for t, s in zip(tensors, states)]
     active = list(range(len(tensors)))
     while active:
@@ -320,6 +329,8 @@ def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor) -
         for i in active:
             for name, t in payloads[i].tensors.items():
                 groups.setdefault(t.dtype, []).append((i, name, t))
+        for t in plain:  # the first round only: index -1 marks them
+            groups.setdefault(t.dtype, []).append((-1, "", t))
         handles, bufs, nbytes = [], [], 0
         for items in groups.values():
             ts = [t for _, _, t in items]
@@ -327,6 +338,9 @@ def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor) -
                 flat, layout = ts[0], None
                 if prescaled:
                     flat.div_(ws)
+            elif plain:  # one dtype, no scale: a plain concatenation is the cheapest copy for a few tensors
+                flat = torch.cat([t.reshape(-1) for t in ts])
+                layout = [t.shape for t in ts]
             else:
                 flat, layout = flatten(ts, scale=1.0 / ws if prescaled else 1.0)
             nbytes += flat.numel() * flat.element_size()
@@ -335,8 +349,15 @@ def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor) -
         yield handles, nbytes
         for items, flat, layout in bufs:
             if layout is not None:
-                for (i, name, _), v in zip(items, layout.views(flat)):
-                    payloads[i].tensors[name] = v
+                views = _split(flat, layout) if isinstance(layout, list) else layout.views(flat)
+                for (i, name, t), v in zip(items, views):
+                    if i < 0:
+                        torch.div(v.view(t.shape), ws, out=t)  # as a plain all-reduce's average
+                    else:
+                        payloads[i].tensors[name] = v
+            elif items[0][0] < 0:
+                flat.div_(ws)  # a lone plain tensor, reduced in place
+        plain = ()
         nxt = []
         for i in active:
             if payloads[i].final:
@@ -347,9 +368,21 @@ def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor) -
         active = nxt
 
 
-def gathered_rounds(tensors, states, comm: Communicator, compressor: Compressor) -> Rounds:
+def _split(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    """Views of ``flat`` with these shapes, back to back."""
+    views, off = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        views.append(flat[off : off + n].view(shape))
+        off += n
+    return views
+
+
+def gathered_rounds(tensors, states, comm: Communicator, compressor: Compressor, plain=()) -> Rounds:
     """Non-linear compressors (top-k, gathered int8/int4): every tensor's payload packed into one byte
-    buffer, one all-gather, then each tensor decoded from every rank's segment."""
+    buffer, one all-gather, then each tensor decoded from every rank's segment. ``plain`` tensors (one
+    dtype, uncompressed, averaged in place) travel at the end of the same buffer; each rank sums the
+    ranks' copies in rank order."""
     ws = comm.world_size
     payloads = [compressor.compress(t, s) for t, s in zip(tensors, states)]
     if not all(p.final for p in payloads):
@@ -357,7 +390,14 @@ def gathered_rounds(tensors, states, comm: Communicator, compressor: Compressor)
             "compressed_all_reduce: a non-linear compressor with several rounds is not supported"
         )
     packs = [_pack(p) for p in payloads]
-    buf = packs[0][0] if len(packs) == 1 else torch.cat([b for b, _ in packs])
+    bufs = [b for b, _ in packs]
+    if plain:
+        flat = torch.cat([t.reshape(-1) for t in plain])
+        bufs.append(flat.view(torch.uint8))
+        pad = -flat.nbytes % 8  # so the ranks' segments stay aligned
+        if pad:
+            bufs.append(torch.zeros(pad, dtype=torch.uint8, device=flat.device))
+    buf = bufs[0] if len(bufs) == 1 else torch.cat(bufs)
     gathered = torch.empty(ws * buf.numel(), dtype=torch.uint8, device=buf.device)
     yield [comm.all_gather(gathered, buf, async_op=True)], buf.numel()
     seg = buf.numel()
@@ -366,6 +406,14 @@ def gathered_rounds(tensors, states, comm: Communicator, compressor: Compressor)
         parts = [_unpack(gathered[r * seg + off : r * seg + off + b.numel()], spec, p.numel) for r in range(ws)]
         compressor.decompress_sum(parts, s, t, alpha=1.0 / ws)
         off += b.numel()
+    if plain:
+        n = flat.nbytes
+        acc = gathered[off : off + n].view(flat.dtype).clone()
+        for r in range(1, ws):
+            acc += gathered[r * seg + off : r * seg + off + n].view(flat.dtype)
+        acc.div_(ws)  # as a plain all-reduce's average
+        for t, v in zip(plain, _split(acc, [t.shape for t in plain])):
+            t.copy_(v)
 
 
 def _pack(payload: Payload) -> tuple[torch.Tensor, list[tuple[str, torch.dtype, tuple[int, ...], int, int]]]:

@@ -58,6 +58,7 @@ class PowerSGD(Compressor):
 
     is_linear = True
     stateful = True  # the error-feedback residual and the warm-start Q
+    carries_plain = True
     passes = 7.0
 
     def __post_init__(self) -> None:
@@ -107,12 +108,30 @@ class PowerSGD(Compressor):
         p = payload.tensors.get("p")
         if p is None or "m" not in state.work:
             raise InvalidArgumentError("PowerSGD.advance: expects the reduced P payload of this state's compress()")
-        orthogonalize(p, check_finite=self.check_finite, provider=self.provider)
+        self._orthogonalize(p)
         m = state.work["m"]
         rows, cols = p.shape[0], m.numel() // p.shape[0]
         state.work["p"] = p
         # Q = M^T P, computed as (P^T M)^T: row-major M is read along its rows (several times faster on CPU)
         return Payload({"q": (p.t() @ m.view(rows, cols)).t().contiguous()}, payload.numel)
+
+    def _orthogonalize(self, p: torch.Tensor) -> None:
+        """Orthonormalise P's columns in place. On the host, zero columns are set aside first: a zero
+        column stays zero and changes no other column (the orthogonalisation leaves it out), and with
+        warm start a column that died stays dead (its Q column is zero from then on), which deep
+        networks with vanishing gradients show on most layers. The live columns alone then usually take
+        the fast Householder path instead of the per-column CholeskyQR fallback; an all-zero P is left
+        as it is. NaN/Inf count as live, so the check still reports them."""
+        if p.is_cpu and p.shape[1] > 1:
+            nonzero = torch.count_nonzero(p, dim=0).tolist()
+            if 0 in nonzero:
+                live = [j for j, n in enumerate(nonzero) if n]
+                if live:
+                    sub = p[:, live]  # a copy, contiguous
+                    orthogonalize(sub, check_finite=self.check_finite, provider=self.provider)
+                    p[:, live] = sub
+                return
+        orthogonalize(p, check_finite=self.check_finite, provider=self.provider)
 
     def decompress(self, payload, state, out, *, alpha=1.0, accumulate=False):
         o = check_out(out, payload.numel, "PowerSGD.decompress")
@@ -150,10 +169,10 @@ class PowerSGD(Compressor):
         rows, cols, r = plan
         return {"all_reduce": (Round("all_reduce", 4 * rows * r), Round("all_reduce", 4 * cols * r))}
 
-    def reduce(self, tensors, states, comm: Communicator, *, scheme="auto", link=None) -> tuple[Rounds, str]:
-        return self._rounds(tensors, states, comm), "all_reduce"
+    def reduce(self, tensors, states, comm: Communicator, *, scheme="auto", link=None, plain=()) -> tuple[Rounds, str]:
+        return self._rounds(tensors, states, comm, plain), "all_reduce"
 
-    def _rounds(self, tensors, states, comm: Communicator) -> Rounds:
+    def _rounds(self, tensors, states, comm: Communicator, plain=()) -> Rounds:
         fresh = [s for s in states if s.step == 0 and "q" not in s.tensors]
         if fresh:
             # P = sum_r M_r Q needs one Q on every rank: agree on rank 0's seeds once per fresh state
@@ -161,7 +180,7 @@ class PowerSGD(Compressor):
             yield [comm.broadcast(seeds, 0, async_op=True)], 0  # bookkeeping, not payload
             for s, v in zip(fresh, seeds.tolist()):
                 s.seed = int(v)
-        yield from linear_rounds(tensors, states, comm, self)
+        yield from linear_rounds(tensors, states, comm, self, plain)  # plain: with the P all-reduce
 
     # -- under the bucket layer ------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class TopK(Compressor):
     """Kernel provider (None: automatic)."""
 
     is_linear = False
+    carries_plain = True  # the base reduce: plain tensors ride in the all-gather
     passes = 6.0
 
     def __post_init__(self) -> None:

@@ -417,8 +417,10 @@ class BucketCompressor:
             return [self._whole(grads, flat, comm, c, plan.work)], None
         reductions: list[CompressedReduction] = []
         finish = None
-        if plan.plain:
-            reductions.append(self._whole([grads[i] for i in plan.plain], None, comm, self._plain_c))
+        plain: list[torch.Tensor] = [grads[i] for i in plan.plain]
+        if plain and not (plan.compressed and c.carries_plain and len({t.dtype for t in plain}) == 1):
+            reductions.append(self._whole(plain, None, comm, self._plain_c))
+            plain = []
         states = plan.states
         if states is None:
             states = plan.states = [self._state(k, comm.rank) for k in plan.state_keys]
@@ -427,7 +429,7 @@ class BucketCompressor:
             if states:
                 tensors = [grads[g[0]] for g in plan.compressed]
                 reductions.append(issue(tensors, states, comm, c, quantize_mode=self.quantize_mode,
-                                        single_round=plan.single_round))  # fmt: skip
+                                        single_round=plan.single_round, plain=plain))  # fmt: skip
         elif plan.compressed:
             members = [grads[i] for i in plan.compressed[0]]
             one = _as_one(members)
@@ -438,7 +440,7 @@ class BucketCompressor:
                     unflatten(one, layout, members)
 
             reductions.append(issue([one], states, comm, c, quantize_mode=self.quantize_mode,
-                                    single_round=plan.single_round))  # fmt: skip
+                                    single_round=plan.single_round, plain=plain))  # fmt: skip
         return reductions, finish
 
     def _whole(self, grads: list[torch.Tensor], flat: torch.Tensor | None, comm: Communicator,

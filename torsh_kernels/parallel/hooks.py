@@ -15,7 +15,9 @@ What a bucket goes through (``compression_hook(state, bucket)``):
 - before ``start_iter`` iterations (warm-up): one plain all-reduce of the bucket, as DDP would do;
 - afterwards, each gradient of the bucket is either compressed (2+ dims, at least ``min_numel``
   elements, compression rate at least ``min_compression_rate``) or sent as it is; the uncompressed ones
-  go in one batched all-reduce (the fused flatten/unflatten ops where they are not already contiguous);
+  travel in the compressed tensors' first collective where the compressor allows it (top-k's all-gather,
+  PowerSGD's P all-reduce: ``Compressor.carries_plain``), else in one batched all-reduce of their own
+  (the fused flatten/unflatten ops where they are not already contiguous);
 - ``policy="layerwise"`` (default) compresses each eligible gradient on its own, with its own state
   (PowerSGD: one P and one Q per matrix, as PyTorch's ``powerSGD_hook``), the payloads of a round
   sharing one collective where the compressor allows it; ``policy="bucket"`` compresses the bucket's
@@ -316,9 +318,12 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         before = buf.numel() * buf.element_size()
         fut = None
         if finish is None and all(r.single_round for r in reductions):
-            futs = [r.future() for r in reductions]
-            if all(f is not None for f in futs):
-                fut = _chain(futs, buf, reductions, before, turn, span)
+            if len(reductions) == 1:  # the common case: the statistics in the decode's own callback
+                fut = reductions[0].future(_recorder(buf, reductions[0], before, turn, span))
+            else:
+                futs = [r.future() for r in reductions]
+                if all(f is not None for f in futs):
+                    fut = _chain(futs, buf, reductions, before, turn, span)
         if fut is None:
             fut = torch.futures.Future(devices=[buf.device] if buf.device.type == "cuda" else None)
 
@@ -341,6 +346,19 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         state._turn = _Turn(state.stats)
         raise
     return fut
+
+
+def _recorder(buf: torch.Tensor, r, before: int, turn: _Turn, span):
+    """What runs once a one-round bucket with a single reduction is decoded (in its completion callback):
+    the statistics, then the bucket's buffer as the future's value."""
+
+    def finished() -> torch.Tensor:
+        turn.record(before, {"bytes_sent": r.bytes_sent, "compress_s": r.compute_s, "wait_s": r.wait_s}, True)
+        if span is not None:
+            span.end()
+        return buf
+
+    return finished
 
 
 def _chain(futs: list, buf: torch.Tensor, reductions: list, before: int, turn: _Turn, span):

@@ -59,8 +59,8 @@ def test_schemes_are_the_p_and_q_all_reduces():
 
 def test_zero_columns_of_p_are_set_aside(gen):
     # a zero column of P stays zero and leaves the others as the full orthogonalisation makes them (dead
-    # columns are common: with warm start a column that died stays dead); an all-zero P stays zero; a
-    # NaN still raises
+    # columns are common: with warm start a column that died stays dead); an all-zero P stays zero; tiny
+    # columns give the same result; a NaN still raises
     c = PowerSGD(4)
     for dead in ([1, 2, 3], [0], [0, 2], [], [0, 1, 2, 3]):
         p = rand((97, 4), torch.float32, gen).cpu()
@@ -72,6 +72,13 @@ def test_zero_columns_of_p_are_set_aside(gen):
         assert not mine[:, dead].any()
         live = [j for j in range(4) if j not in dead]
         torch.testing.assert_close(mine[:, live].T @ mine[:, live], torch.eye(len(live)), atol=1e-5, rtol=0)
+    for scale in (1e-25, 1e-40):  # vanishing columns (squares underflow in fp32): scaled up, same result
+        p = rand((97, 4), torch.float32, gen).cpu() * scale
+        p[:, 3] = 0
+        mine = p.clone()
+        c._orthogonalize(mine)
+        torch.testing.assert_close(mine, orthogonalize(p.clone()), atol=1e-6, rtol=0)
+        torch.testing.assert_close(mine[:, :3].T @ mine[:, :3], torch.eye(3), atol=1e-5, rtol=0)
     p = rand((97, 4), torch.float32, gen).cpu()
     p[:, 1] = 0
     p[5, 2] = float("nan")

@@ -22,6 +22,9 @@ from .base import Compressor, Payload, Rounds, check_input, check_out, decode_pl
 
 __all__ = ["PowerSGD", "matrix_shape"]
 
+_TINY = 2.0**-60
+"""Below this magnitude P is scaled up before its orthogonalisation (see ``PowerSGD._orthogonalize_live``)."""
+
 
 def matrix_shape(tensor: torch.Tensor) -> tuple[int, int]:
     """PowerSGD's matrix view: [shape[0], rest] for tensors of 2+ dims, a near-square padded one for
@@ -122,15 +125,28 @@ class PowerSGD(Compressor):
         networks with vanishing gradients show on most layers. The live columns alone then usually take
         the fast Householder path instead of the per-column CholeskyQR fallback; an all-zero P is left
         as it is. NaN/Inf count as live, so the check still reports them."""
-        if p.is_cpu and p.shape[1] > 1:
+        if not p.is_cpu:
+            orthogonalize(p, check_finite=self.check_finite, provider=self.provider)
+            return
+        if p.shape[1] > 1:
             nonzero = torch.count_nonzero(p, dim=0).tolist()
             if 0 in nonzero:
                 live = [j for j, n in enumerate(nonzero) if n]
                 if live:
                     sub = p[:, live]  # a copy, contiguous
-                    orthogonalize(sub, check_finite=self.check_finite, provider=self.provider)
+                    self._orthogonalize_live(sub)
                     p[:, live] = sub
                 return
+        self._orthogonalize_live(p)
+
+    def _orthogonalize_live(self, p: torch.Tensor) -> None:
+        # The result does not depend on the columns' scale. Columns so small that their squares underflow
+        # in fp32 (vanishing gradients) would fail the fast path's norm test and take the slow fp64 one:
+        # scale them up by a power of two first (exact) so the fast path applies.
+        top = float(p.abs().max())  # NaN: no scaling, the check below reports it
+        if 0.0 < top < _TINY:
+            k = -math.floor(math.log2(top))  # 2^k * top in [1, 2)
+            p.mul_(2.0 ** (k // 2)).mul_(2.0 ** (k - k // 2))  # two steps: 2^k alone may overflow fp32
         orthogonalize(p, check_finite=self.check_finite, provider=self.provider)
 
     def decompress(self, payload, state, out, *, alpha=1.0, accumulate=False):

@@ -405,3 +405,32 @@ def test_uncompressed_tensors_ride_in_the_compressed_collective():
         for i, s in enumerate(res["powersgd"]):
             assert s["same"] and (s["all_reduce"], s["all_gather"]) == (2 * s["buckets"], 0)
             assert s["broadcast"] == (i == 0)  # the fresh states' Q seeds, in one broadcast
+
+
+@pytest.mark.parametrize("name, ws, bias, rides", [
+    ("topk", 2, 20_000, True), ("topk", 4, 20_000, False), ("topk", 4, 1_000, True), ("topk", 64, 1_000, False),
+    ("powersgd", 64, 20_000, True),
+])  # fmt: skip
+def test_uncompressed_tensors_ride_in_an_all_gather_only_while_cheap(name, ws, bias, rides):
+    # an all-gather carries them to every rank: (ws - 2) x their bytes more than their own all-reduce, so they
+    # ride only below GATHER_PLAIN_BYTES of that; an all-reduce (PowerSGD's P) carries them at any size
+    from torsh_kernels.collectives.replica import ReplicaCommunicator
+    from torsh_kernels.parallel._engine import GATHER_PLAIN_BYTES, BucketCompressor
+
+    assert ((ws - 2) * 4 * bias <= GATHER_PLAIN_BYTES or ws <= 2 or name == "powersgd") == rides
+    eng = BucketCompressor(make_compressor(name), start_iter=0, min_numel=16)
+    gen = torch.Generator().manual_seed(ws + bias)
+    grads = [torch.randn(64, 32, generator=gen), torch.randn(bias, generator=gen)]
+    want = [g.clone() for g in grads]  # every replica holds this rank's values: the average is the value
+    for _ in range(2):  # the second step reuses the bucket's plan
+        comm = ReplicaCommunicator(ws)
+        reductions, finish = eng.start(grads, [0, 1], comm)
+        for r in reductions:
+            r.wait()
+        if finish is not None:
+            finish()
+        kinds = [r.collective for r in comm.rounds if r.nbytes]
+        assert kinds.count("all_gather") == (name == "topk")
+        assert kinds.count("all_reduce") == (2 if name == "powersgd" else 0) + (not rides)
+        torch.testing.assert_close(grads[1], want[1], rtol=1e-6, atol=0)
+        grads[1].copy_(want[1])

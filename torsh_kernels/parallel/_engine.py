@@ -150,6 +150,23 @@ class _BucketPlan:
     """Those states, looked up once (reset when the states change)."""
     work: CompressionState = dataclasses.field(default_factory=CompressionState)
     """The state a stateless compressor (a cast) gets for this bucket: it keeps the wire buffer."""
+    carry: bool | None = None
+    """The plain tensors ride in the compressed tensors' first collective (decided at the first step)."""
+
+
+GATHER_PLAIN_BYTES = 64 << 10
+"""Uncompressed tensors ride in an all-gather (top-k's) only while the extra bytes every rank receives
+over a plain all-reduce of them, about ``(world_size - 2) * their bytes``, stay below this: about a
+collective's latency on a 10 Gbit/s link, the cost of the all-reduce the ride saves. An all-reduce (PowerSGD's
+P) carries them at no extra cost at any world size."""
+
+
+def _carries(c: Compressor, plan: _BucketPlan, plain: list[torch.Tensor], world_size: int) -> bool:
+    if not (plan.compressed and c.carries_plain and len({t.dtype for t in plain}) == 1):
+        return False
+    if c.is_linear or world_size <= 2:
+        return True
+    return (world_size - 2) * sum(t.numel() * t.element_size() for t in plain) <= GATHER_PLAIN_BYTES
 
 
 class BucketCompressor:
@@ -418,9 +435,12 @@ class BucketCompressor:
         reductions: list[CompressedReduction] = []
         finish = None
         plain: list[torch.Tensor] = [grads[i] for i in plan.plain]
-        if plain and not (plan.compressed and c.carries_plain and len({t.dtype for t in plain}) == 1):
-            reductions.append(self._whole(plain, None, comm, self._plain_c))
-            plain = []
+        if plain:
+            if plan.carry is None:
+                plan.carry = _carries(c, plan, plain, comm.world_size)
+            if not plan.carry:
+                reductions.append(self._whole(plain, None, comm, self._plain_c))
+                plain = []
         states = plan.states
         if states is None:
             states = plan.states = [self._state(k, comm.rank) for k in plan.state_keys]

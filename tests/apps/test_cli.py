@@ -151,6 +151,30 @@ def test_bench_ddp_runs_every_case_and_writes_json(tmp_path):
     assert "speedup vs no hook" in r.stdout
 
 
+def test_bench_ddp_judges_auto_by_its_choice_s_own_case():
+    from torsh_kernels.apps.bench import ddp
+
+    # auto chooses among the run's other compressors; the verdict is the chosen case's median over the runs
+    # against the best case's median (here topk, 100 ms; auto chose powersgd in run 0 and topk in run 1)
+    assert [c.label() for c in ddp._auto_candidates(4, ["none", "topk", "auto"]) if c] == ["topk(0.01)"]
+    assert len(ddp._auto_candidates(4, ["auto"])) == len(ddp.OURS) - 1
+    rows = []
+    for rep, (psgd, topk, auto, chose) in enumerate([(130, 90, 95, "powersgd(rank=4)"), (100, 110, 300, "topk(0.01)")]):
+        for case, ms in (("no hook", 200), ("torsh none", 190), ("torsh powersgd", psgd), ("torsh topk", topk),
+                         ("torsh auto", auto)):  # fmt: skip
+            rows.append({"case": case, "step_ms": ms, "error": None, "repeat": rep,
+                         "chose": chose if case == "torsh auto" else None})  # fmt: skip
+    res = {"rows": rows}
+    ddp._auto_summary(res, 4)
+    got = res["auto_choice_vs_best"]
+    assert got["medians_ms"] == {"no hook": 200, "torsh none": 190, "torsh powersgd": 115, "torsh topk": 100}
+    assert [(c["case"], c["best_case"], c["ratio"]) for c in got["choices"]] == [
+        ("torsh powersgd", "torsh topk", 1.15),
+        ("torsh topk", "torsh topk", 1.0),
+    ]
+    assert [a["ratio"] for a in res["auto_vs_best"]] == [95 / 90, 300 / 100]
+
+
 def test_bench_moe_prints_tables_and_writes_json(tmp_path, capsys):
     out = tmp_path / "moe.json"
     rc = main(["bench", "moe", "--device", "cpu", "--providers", "torch", "--tokens", "257", "--hidden", "33",

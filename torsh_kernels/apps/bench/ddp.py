@@ -8,7 +8,7 @@ in turn on the same ranks:
 - ``torch fp16_compress_hook``;
 - ``torch powerSGD_hook`` at ``--rank`` with one bucket (``bucket_cap_mb`` above the model size): on gloo
   it fails with several buckets, which the last case shows;
-- ``torsh auto``: ``compressor="auto"`` choosing among the compressors below at the end of the warm-up
+- ``torsh auto``: ``compressor="auto"`` choosing among the other compressors of the run at the end of the warm-up
   (reported with its choice, its reason, and its step time over the best case it could have chosen, no
   hook or one of ours, measured in the same run);
 - ``torsh <compressor>`` for every compressor, through ``compression_hook`` with DDP's default 25 MB
@@ -65,9 +65,11 @@ OURS = {
 }
 
 
-def _auto_candidates(rank: int) -> tuple:
-    """What ``compressor="auto"`` chooses among here: every other compressor of this benchmark."""
-    return tuple(make(rank) for name, make in OURS.items() if name != "auto")
+def _auto_candidates(rank: int, names) -> tuple:
+    """What ``compressor="auto"`` chooses among here: every other compressor this run measures (all of
+    them when it measures auto alone)."""
+    names = [n for n in names if n != "auto"] or [n for n in OURS if n != "auto"]
+    return tuple(OURS[n](rank) for n in names)
 
 
 def _mlp(cfg: dict) -> torch.nn.Module:
@@ -107,7 +109,7 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
                                          start_powerSGD_iter=start, min_compression_rate=2)  # fmt: skip
         ddp.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
     elif kind == "torsh":
-        extra = {"auto_candidates": _auto_candidates(cfg["rank"])} if name == "auto" else {}
+        extra = {"auto_candidates": _auto_candidates(cfg["rank"], cfg["compressors"])} if name == "auto" else {}
         state = CompressionHookState(compressor=OURS[name](cfg["rank"]), start_iter=start, **extra)
         ddp.register_comm_hook(state, compression_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)

@@ -84,3 +84,21 @@ def test_zero_columns_of_p_are_set_aside(gen):
     p[5, 2] = float("nan")
     with pytest.raises(NonFiniteError):
         c._orthogonalize(p)
+
+
+def test_decompress_into_fp32_gives_the_bits_of_the_general_path(gen):
+    # an fp32 output without padding takes P Q^T straight into it and residual = M - it; any other output
+    # (here fp16) goes through error_update from a separate buffer: the same values (rounded once into the
+    # fp16 output) and the same residuals
+    c = PowerSGD(2)
+    for shape in ((37, 23), (6, 5, 8), (1000,)):  # 1-D: a padded near-square matrix, the general path
+        a, b = c.new_state(seed=3), c.new_state(seed=3)
+        for _ in range(3):
+            x = rand(shape, torch.float32, gen)
+            o32 = torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE)
+            o16 = torch.full(shape, float("nan"), dtype=torch.float16, device=DEVICE)
+            roundtrip(c, x, a, o32)
+            roundtrip(c, x, b, o16)
+            assert torch.equal(o16, o32.half())
+            assert torch.equal(a.tensors["residual"], b.tensors["residual"])
+        assert ("approx" in a.work) == (len(shape) == 1) and "approx" in b.work

@@ -160,10 +160,17 @@ class PowerSGD(Compressor):
         q = q * alpha if alpha != 1.0 else q.clone()  # owned by the state, not the caller's payload
         state.tensors["q"] = q  # the averaged Q: next step's warm start
         p, m = state.work["p"], state.work["m"]
+        n = payload.numel
+        res = state.residual(o)
+        if n == m.numel() and o.dtype == torch.float32 and o.is_contiguous() and not o.requires_grad:
+            # no padding and an fp32 output: P Q^T straight into it, then residual = M - it (what
+            # error_update computes from a separate approximation buffer, one pass over the matrix less)
+            torch.matmul(p, q.t(), out=o.view(p.shape[0], -1))
+            torch.sub(m, o.view(-1), out=res)
+            return out
         approx = state.buffer("approx", m.numel(), m.device)
         torch.matmul(p, q.t(), out=approx.view(p.shape[0], -1))
-        n = payload.numel
-        error_update(m[:n], approx[:n], state.residual(o), out=o, provider=self.provider)
+        error_update(m[:n], approx[:n], res, out=o, provider=self.provider)
         return out
 
     def decompress_sum(self, payloads, state, out, *, alpha=1.0):

@@ -240,6 +240,23 @@ def test_flatten_plan_found_by_address_for_fresh_views(monkeypatch):
     assert not seen  # no full validation
 
 
+def test_fresh_lists_of_many_layouts_keep_their_plans(monkeypatch):
+    """Fresh list objects each call, for 40 layouts in turn (a DDP job with 40 buckets): after the first
+    round every call finds its plan by address, and storing nothing new, evicts none."""
+    bases = [torch.randn(7 + i) for i in range(40)]
+    outs = [torch.empty(7 + i) for i in range(40)]
+    for b, o in zip(bases, outs):
+        tk.flatten([b[:3], b[3:]], out=o)
+    seen = []
+    real = bucket._check_tensor_list
+    monkeypatch.setattr(bucket, "_check_tensor_list", lambda *a: (seen.append(1), real(*a))[1])
+    for _ in range(4):
+        for b, o in zip(bases, outs):
+            tk.flatten([b[:3], b[3:]], out=o)
+            assert torch.equal(o, b)
+    assert not seen
+
+
 def test_unflatten_cache_does_not_keep_the_bucket_alive():
     ts = [torch.randn(1000), torch.randn(24)]
     flat, layout = tk.flatten(ts)

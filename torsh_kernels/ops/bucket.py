@@ -604,7 +604,7 @@ class _UnflatPlan:
     views: list | None = None
 
 
-_FLAT_PLANS = _Memo(64)
+_FLAT_PLANS = _Memo(128)  # each plan is stored under two keys (see flatten)
 _UNFLAT_PLANS = _Memo(32)
 
 
@@ -737,9 +737,7 @@ def flatten(
                 res = _flatten_run(plan, tensors, out, scale, name)
             else:
                 res = None
-            if res is not None:
-                if ptrs is not None:
-                    _FLAT_PLANS.put(key, plan)
+            if res is not None:  # (found by address: the list is new, likely a temporary; not stored)
                 return res
     tensors = _check_tensor_list(tensors, what, "tensors")
     _check_floats(tensors, what, "tensors")

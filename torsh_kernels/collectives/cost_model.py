@@ -236,7 +236,9 @@ def _probe_pairs(comm: Communicator, pairs: list[tuple[int, int]], small: int, l
         # time above the large one's would make the bandwidth estimate meaningless
         t_small = min(_pingpong(comm, peer, first, small, 4 * repeats))
         t_large = min(_pingpong(comm, peer, first, large, repeats))
-        beta = max(t_large - t_small, 1e-12) / (large - small)
+        # where load on a shared machine slowed every small exchange below the large one, the large one
+        # alone bounds the bandwidth from below (as if it had no latency), instead of a 1/0 estimate
+        beta = (t_large - t_small) / (large - small) if t_large > t_small else t_large / large
         res[0], res[1] = t_small - small * beta, beta
     comm.all_reduce(res, "max")  # the slowest pair's latency and inverse bandwidth
     return Link(latency=max(0.0, float(res[0])), bandwidth=1.0 / float(res[1]))

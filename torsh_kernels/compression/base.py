@@ -338,9 +338,6 @@ def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor, p
                 flat, layout = ts[0], None
                 if prescaled:
                     flat.div_(ws)
-            elif plain:  # one dtype, no scale: a plain concatenation is the cheapest copy for a few tensors
-                flat = torch.cat([t.reshape(-1) for t in ts])
-                layout = [t.shape for t in ts]
             else:
                 flat, layout = flatten(ts, scale=1.0 / ws if prescaled else 1.0)
             nbytes += flat.numel() * flat.element_size()
@@ -349,8 +346,7 @@ def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor, p
         yield handles, nbytes
         for items, flat, layout in bufs:
             if layout is not None:
-                views = _split(flat, layout) if isinstance(layout, list) else layout.views(flat)
-                for (i, name, t), v in zip(items, views):
+                for (i, name, t), v in zip(items, layout.views(flat)):
                     if i < 0:
                         torch.div(v.view(t.shape), ws, out=t)  # as a plain all-reduce's average
                     else:
@@ -368,16 +364,6 @@ def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor, p
         active = nxt
 
 
-def _split(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
-    """Views of ``flat`` with these shapes, back to back."""
-    views, off = [], 0
-    for shape in shapes:
-        n = math.prod(shape)
-        views.append(flat[off : off + n].view(shape))
-        off += n
-    return views
-
-
 def gathered_rounds(tensors, states, comm: Communicator, compressor: Compressor, plain=()) -> Rounds:
     """Non-linear compressors (top-k, gathered int8/int4): every tensor's payload packed into one byte
     buffer, one all-gather, then each tensor decoded from every rank's segment. ``plain`` tensors (one
@@ -392,7 +378,7 @@ def gathered_rounds(tensors, states, comm: Communicator, compressor: Compressor,
     packs = [_pack(p) for p in payloads]
     bufs = [b for b, _ in packs]
     if plain:
-        flat = torch.cat([t.reshape(-1) for t in plain])
+        flat, layout = flatten(plain)
         bufs.append(flat.view(torch.uint8))
         pad = -flat.nbytes % 8  # so the ranks' segments stay aligned
         if pad:
@@ -412,8 +398,7 @@ def gathered_rounds(tensors, states, comm: Communicator, compressor: Compressor,
         for r in range(1, ws):
             acc += gathered[r * seg + off : r * seg + off + n].view(flat.dtype)
         acc.div_(ws)  # as a plain all-reduce's average
-        for t, v in zip(plain, _split(acc, [t.shape for t in plain])):
-            t.copy_(v)
+        unflatten(acc, layout, plain)
 
 
 def _pack(payload: Payload) -> tuple[torch.Tensor, list[tuple[str, torch.dtype, tuple[int, ...], int, int]]]:

@@ -178,10 +178,11 @@ class _Ranges:
 
 
 # --------------------------------------------------------------------------------------------------
-# Validation cached per layout: an entry is found by the tensors' addresses and confirmed by a C-level
-# check of everything else the validation read (dynamo's TensorGuards: Python type, dtype, device, shape,
-# strides, requires_grad, dispatch keys), so a hit costs two passes over the tensors in C and no Python
-# per tensor. Where TensorGuards is missing (another torch), nothing is cached and every call validates.
+# Validation cached per layout: an entry is found by the tensors' addresses (flatten: first by the list
+# object) and confirmed by a C-level check of everything else the validation read (dynamo's TensorGuards:
+# Python type, dtype, device, shape, strides, requires_grad, dispatch keys), so a hit costs one or two
+# passes over the tensors in C and no Python per tensor. Where TensorGuards is missing (another torch),
+# nothing is cached and every call validates.
 
 try:
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards

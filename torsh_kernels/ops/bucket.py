@@ -631,6 +631,10 @@ def _new_flat_plan(key, tensors, out, layout, device) -> _FlatPlan | None:
     return plan
 
 
+def _flat_provider(plan: _FlatPlan, provider: str | None) -> str:
+    return _flatten.select(plan.device, plan.layout.dtype, plan.layout.total, provider or None)
+
+
 def _flatten_run(plan: _FlatPlan, tensors, out, scale: float, name: str):
     layout = plan.layout
     if out is None:
@@ -725,7 +729,7 @@ def flatten(
         ok = plan is not None and (out is None or dtype is None or dtype == out.dtype)
         if ok and (plan.guards.check(*tensors) if out is None else plan.guards.check(*tensors, out)):
             scale = _check_scale(scale, what)
-            name = _flatten.select(plan.device, plan.layout.dtype, plan.layout.total, provider or None)
+            name = _flat_provider(plan, provider)
             if plan.device.type == "cpu" and name == "torch" and plan.cat and (scale == 1.0 or plan.cat_scaled):
                 # torch.cat(out=) reads the addresses itself and refuses an out overlapping an input (a
                 # RuntimeError before it writes): the full validation then says which one
@@ -758,9 +762,7 @@ def flatten(
     if out is None:
         plan = _new_flat_plan(key, tensors, None, layout, device)
         if plan is not None:
-            return _flatten_run(
-                plan, tensors, None, scale, _flatten.select(device, layout.dtype, layout.total, provider or None)
-            )
+            return _flatten_run(plan, tensors, None, scale, _flat_provider(plan, provider))
         flat = _flatten_op(tensors, layout.dtype, scale, provider or "")
         return flat, layout
     if out.device != device:
@@ -777,9 +779,7 @@ def flatten(
         raise ShapeError(f"{what}: out overlaps tensors[{hits[0]}]; flatten cannot write over its own input")
     plan = _new_flat_plan(key, tensors, out, layout, device)
     if plan is not None:
-        return _flatten_run(
-            plan, tensors, out, scale, _flatten.select(device, layout.dtype, layout.total, provider or None)
-        )
+        return _flatten_run(plan, tensors, out, scale, _flat_provider(plan, provider))
     _flatten_out_op(tensors, out, scale, provider or "")
     return out.view(-1) if out.dim() != 1 else out, layout
 

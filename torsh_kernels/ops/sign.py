@@ -76,8 +76,7 @@ _sign_unpack = Op("sign_decompress")
 _T = torch.Tensor
 _F32 = torch.float32
 _CPU = torch.device("cpu")
-_SHIFTS = torch.arange(8, dtype=torch.uint8)  # the CPU fast path's bit positions (never written)
-_ZERO = torch.zeros(())  # ... and its 0 (a tensor operand: no scalar wrapped per call)
+_ZERO = torch.zeros(())  # the CPU fast path's 0 (a tensor operand: no scalar wrapped per call)
 _EXACT_INT = 1 << 53
 
 
@@ -114,12 +113,7 @@ def _abs_sum_numba(x, r):
 def _sign_pack_torch(x, r, bits, scale):
     v = _acc_torch(x, r)
     pos = v >= 0
-    n = v.numel()
-    p8 = pos.view(torch.uint8)
-    if n % 8:
-        p8 = torch.nn.functional.pad(p8, (0, bits.numel() * 8 - n))
-    shifts = torch.arange(8, dtype=torch.uint8, device=v.device)
-    torch.sum(p8.view(-1, 8) << shifts, dim=1, dtype=torch.uint8, out=bits)
+    _pack_signs(pos, bits)
     if r is not None:
         r.copy_(v - torch.where(pos, scale, -scale))
 
@@ -141,17 +135,33 @@ def _sign_pack_numba(x, r, bits, scale):
     K.sign_pack(x, r, bits, scale)
 
 
-_SIGN_TABLE: dict[torch.device, torch.Tensor] = {}  # per device: row b holds +-1.0 for the 8 bits of byte b
+_CONSTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device, never written: see _consts
+
+
+def _consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch provider's constants on ``device``: the bit positions 0..7 (uint8) and a 256 x 8 fp32
+    table whose row b holds +-1.0 for the 8 bits of byte b."""
+    c = _CONSTS.get(device)
+    if c is None:
+        shifts = torch.arange(8, dtype=torch.uint8, device=device)
+        b = torch.arange(256, device=device).unsqueeze(1)
+        c = _CONSTS[device] = (shifts, torch.where((b >> shifts) & 1 == 1, 1.0, -1.0))
+    return c
+
+
+def _pack_signs(pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Bytes of 8 signs (bit j of byte i: element 8i + j of the bool tensor ``pos``), into ``out`` or a
+    new tensor of ``ceil(n / 8)`` bytes."""
+    p8 = pos.view(torch.uint8)
+    if pos.numel() % 8:
+        p8 = torch.nn.functional.pad(p8, (0, -pos.numel() % 8))
+    return torch.sum(p8.view(-1, 8) << _consts(pos.device)[0], dim=1, dtype=torch.uint8, out=out)
 
 
 def _signs(bits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """``+-s`` (fp32) for every packed sign, ``8 * bits.numel()`` of them: one gather of a 256 x 8 table of
-    +-1 by byte, times ``s`` (exactly ``s`` or ``-s``)."""
-    tab = _SIGN_TABLE.get(bits.device)
-    if tab is None:
-        b = torch.arange(256, device=bits.device).unsqueeze(1)
-        tab = _SIGN_TABLE[bits.device] = torch.where((b >> torch.arange(8, device=bits.device)) & 1 == 1, 1.0, -1.0)
-    return torch.index_select(tab, 0, bits.int()).view(-1).mul_(s)
+    """``+-s`` (fp32) for every packed sign, ``8 * bits.numel()`` of them: one gather of the table of +-1
+    by byte, times ``s`` (exactly ``s`` or ``-s``)."""
+    return torch.index_select(_consts(bits.device)[1], 0, bits.int()).view(-1).mul_(s)
 
 
 @_sign_unpack.register("torch")
@@ -249,8 +259,7 @@ def sign_compress(
         with _eager.no_grad():
             total = x.abs().sum(dtype=torch.float64).item()
             if math.isfinite(total):
-                bits = torch.sum(x.ge(_ZERO).view(torch.uint8).view(-1, 8) << _SHIFTS, dim=1, dtype=torch.uint8)
-                return bits, torch.scalar_tensor(total / n, dtype=_F32)
+                return _pack_signs(x.ge(_ZERO).view(-1)), torch.scalar_tensor(total / n, dtype=_F32)
     what = "torsh_kernels.sign_compress"
     xf = _flat_input(x, what, "x")
     rf = None

@@ -5,6 +5,7 @@ knows of compressors: the compressed all-reduce and its planner live one layer u
 
 from __future__ import annotations
 
+from .coalesce import Coalescer
 from .communicator import REDUCE_OPS, Communicator, Handle, TorchCommunicator
 from .cost_model import (
     Link,
@@ -22,6 +23,7 @@ from .launch import init_from_env, run_local
 
 __all__ = [
     "REDUCE_OPS",
+    "Coalescer",
     "Communicator",
     "Handle",
     "Link",

@@ -78,6 +78,16 @@ class ReductionPipeline:
         self._inflight.append((reductions, on_done, span))
         self._reap()
 
+    def multi_round(self) -> bool:
+        """Whether a bucket in flight still has rounds to issue. The same on every rank at the same point of
+        the bucket sequence: a multi-round reduction finishes only in ``step()``, which the pipeline calls
+        in a rank-independent order (one-round buckets, polled by timing, issue nothing)."""
+        for rs, _, _ in self._inflight:
+            for r in rs:
+                if not r.done and not r.single_round:
+                    return True
+        return False
+
     def drain(self) -> None:
         """Advance every bucket, oldest first, round by round, until all are done."""
         while self._inflight:

@@ -49,6 +49,7 @@ non-finite values).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -58,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _trace
+from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import TorchCommunicator
 from ..compression import Compressor
 from ..errors import ArgumentTypeError
@@ -217,7 +219,7 @@ class CompressionHookState:
             what="CompressionHookState",
         )
         self._timeout = timeout
-        self._comm: TorchCommunicator | None = None
+        self._comm: Coalescer | None = None
         self._pipeline = ReductionPipeline()
         self._keys: dict[int, int] = {}
         self.stats = HookStats()
@@ -249,9 +251,9 @@ class CompressionHookState:
         """Iterations completed (DDP backward passes whose last bucket was reduced)."""
         return self._engine.iteration
 
-    def _communicator(self) -> TorchCommunicator:
+    def _communicator(self) -> Coalescer:
         if self._comm is None:
-            self._comm = TorchCommunicator(self.process_group, timeout=self._timeout)
+            self._comm = Coalescer(TorchCommunicator(self.process_group, timeout=self._timeout))
         return self._comm
 
     def _key(self, p: torch.Tensor) -> int:
@@ -308,32 +310,16 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     engine = state._engine
     turn = state._turn
     last = bucket.is_last()
+    # While older buckets have rounds to issue (PowerSGD's Q), this bucket's first round and theirs go
+    # out as one all-reduce: the collectives issued below depend only on the bucket sequence, so every
+    # rank coalesces the same ones (see parallel/_engine.py)
+    batch = comm.batch() if state._pipeline.multi_round() else contextlib.nullcontext()
     try:
         span = bucket_span(bucket.index(), bucket.gradients(), engine.compressor) if _trace.recorder else None
         with turn.lock:
             turn.pending += 1
-        reductions, finish = engine.start(bucket.gradients, keys, comm, flat=buf)
-        if engine.auto is not None and state.stats.auto is None and engine.auto.decision is not None:
-            state.stats.auto = engine.auto.decision.as_dict()
-        before = buf.numel() * buf.element_size()
-        fut = None
-        if finish is None and all(r.single_round for r in reductions):
-            if len(reductions) == 1:  # the common case: the statistics in the decode's own callback
-                fut = reductions[0].future(_recorder(buf, reductions[0], before, turn, span))
-            else:
-                futs = [r.future() for r in reductions]
-                if all(f is not None for f in futs):
-                    fut = _chain(futs, buf, reductions, before, turn, span)
-        if fut is None:
-            fut = torch.futures.Future(devices=[buf.device] if buf.device.type == "cuda" else None)
-
-            def done() -> None:
-                if finish is not None:
-                    finish()
-                turn.record(before, totals(reductions), False)
-                fut.set_result(buf)
-
-            state._pipeline.submit(reductions, done, span)
+        with batch:
+            fut = _start(state, bucket, engine, comm, keys, buf, turn, span)
         if last:
             state._pipeline.drain()
             engine.end_iteration()
@@ -345,6 +331,35 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         state._pipeline = ReductionPipeline()
         state._turn = _Turn(state.stats)
         raise
+    return fut
+
+
+def _start(state: CompressionHookState, bucket: dist.GradBucket, engine, comm: Coalescer, keys: list, buf, turn,
+           span):  # fmt: skip
+    """Start one bucket's reductions: a one-round bucket returns its collective's future; the others join
+    the pipeline, which advances the older buckets by one round."""
+    reductions, finish = engine.start(bucket.gradients, keys, comm, flat=buf)
+    if engine.auto is not None and state.stats.auto is None and engine.auto.decision is not None:
+        state.stats.auto = engine.auto.decision.as_dict()
+    before = buf.numel() * buf.element_size()
+    fut = None
+    if finish is None and all(r.single_round for r in reductions):
+        if len(reductions) == 1:  # the common case: the statistics in the decode's own callback
+            fut = reductions[0].future(_recorder(buf, reductions[0], before, turn, span))
+        else:
+            futs = [r.future() for r in reductions]
+            if all(f is not None for f in futs):
+                fut = _chain(futs, buf, reductions, before, turn, span)
+    if fut is None:
+        fut = torch.futures.Future(devices=[buf.device] if buf.device.type == "cuda" else None)
+
+        def done() -> None:
+            if finish is not None:
+                finish()
+            turn.record(before, totals(reductions), False)
+            fut.set_result(buf)
+
+        state._pipeline.submit(reductions, done, span)
     return fut
 
 

@@ -25,6 +25,7 @@ all-reduce per bucket.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -88,12 +89,14 @@ class ReductionPipeline:
                     return True
         return False
 
-    def drain(self) -> None:
-        """Advance every bucket, oldest first, round by round, until all are done."""
+    def drain(self, batch: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+        """Advance every bucket, oldest first, round by round, until all are done. ``batch``: a
+        ``Coalescer.batch`` under which each pass runs, so the rounds one pass issues go out together."""
         while self._inflight:
-            for rs, _, _ in list(self._inflight):
-                for r in rs:
-                    r.step()
+            with batch() if batch is not None and self.multi_round() else contextlib.nullcontext():
+                for rs, _, _ in list(self._inflight):
+                    for r in rs:
+                        r.step()
             self._reap()
 
     def _reap(self) -> None:

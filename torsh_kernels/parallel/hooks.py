@@ -321,7 +321,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         with batch:
             fut = _start(state, bucket, engine, comm, keys, buf, turn, span)
         if last:
-            state._pipeline.drain()
+            state._pipeline.drain(comm.batch)
             engine.end_iteration()
             state.stats.iterations += 1
             state._turn = _Turn(state.stats)

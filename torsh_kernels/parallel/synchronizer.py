@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import Communicator
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
@@ -163,6 +164,7 @@ class GradientSynchronizer:
             what=what,
         )
         self._pipeline = ReductionPipeline()
+        self._coalescer = Coalescer(comm)
         self._bucketing = True
         self._grad_fns: list[Callable] = []
         self._hooks: list = []
@@ -288,7 +290,16 @@ class GradientSynchronizer:
         self._launched = b + 1
         t0 = time.perf_counter()
         span = bucket_span(b, grads, self._engine.compressor)
-        reductions, finish = self._engine.start(grads, bucket.params, self.comm)
+        # as in the DDP hook: while older buckets have rounds to issue, this bucket's first round and theirs
+        # go out as one all-reduce (decided alike on every rank, see parallel/_engine.py)
+        if self._pipeline.multi_round():
+            with self._coalescer.batch():
+                self._start(b, bucket, grads, t0, span)
+        else:
+            self._start(b, bucket, grads, t0, span)
+
+    def _start(self, b: int, bucket, grads: list[torch.Tensor], t0: float, span) -> None:
+        reductions, finish = self._engine.start(grads, bucket.params, self._coalescer)
 
         def done() -> None:
             if finish is not None:
@@ -307,7 +318,7 @@ class GradientSynchronizer:
 
     def wait(self) -> None:
         """Complete every bucket already started (their gradients then hold the average)."""
-        self._pipeline.drain()
+        self._pipeline.drain(self._coalescer.batch)
 
     def sync_gradients(self) -> dict:
         """Start every bucket not yet started, wait for all, and leave the averaged gradients in
@@ -321,7 +332,7 @@ class GradientSynchronizer:
                     self._apply_grad_fns(i)
             while self._launched < len(self.buckets):
                 self._launch(self._launched)
-            self._pipeline.drain()
+            self._pipeline.drain(self._coalescer.batch)
             globally_unused: list[int] = []
             if self.find_unused_parameters:
                 used = torch.ones(len(self.params), dtype=torch.int32, device=self.comm.device)
@@ -376,7 +387,7 @@ class GradientSynchronizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (after the optimizer step) and the per-step bookkeeping."""
         if len(self._pipeline):
-            self._pipeline.drain()
+            self._pipeline.drain(self._coalescer.batch)
         for p in self.params:
             if p.grad is not None:
                 if set_to_none:

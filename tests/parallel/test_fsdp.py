@@ -1,0 +1,189 @@
+"""FSDP2 with torsh's quantized all-gather and reduce-scatter, on real gloo processes (world sizes 2 and 4).
+
+The comms on their own: every rank draws every rank's shard from seeded generators, so each can compute
+the exact reference (quantize each shard, dequantize, sum in fp32 in rank order) and compare bit for bit.
+Then training: a model under ``fully_shard`` with the quantized comms against the same model under plain
+FSDP2, step by step (bounds per format), with every rank's full parameters equal after every step.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torsh_kernels.collectives import run_local
+from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError
+from torsh_kernels.ops import dequantize, quantize
+from torsh_kernels.parallel.fsdp import (
+    RESIDUAL,
+    QuantizedAllGather,
+    QuantizedReduceScatter,
+    apply_quantized_comm,
+    wire_bytes,
+)
+
+
+def shard(case: int, rank: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(case * 7919 + rank)
+    return torch.randn(n, generator=g)
+
+
+def qd(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+    q, s = quantize(x, bits=bits, block=block)
+    return dequantize(q, s, block=block, numel=x.numel())
+
+
+def _comms_worker(comm) -> dict:
+    ws, me = comm.world_size, comm.rank
+    group = dist.group.WORLD
+    out: dict = {"ag": [], "rs": []}
+    ag_cases = [(1000, 8, 256, torch.float32), (37, 8, 16, torch.float32), (301, 4, 64, torch.float32),
+                (256, 8, 256, torch.bfloat16), (5, 4, 2, torch.float16)]  # fmt: skip
+    for case, (n, bits, block, dtype) in enumerate(ag_cases):
+        ag = QuantizedAllGather(bits=bits, block=block)
+        o = ag.allocate((ws * n,), dtype=dtype, device=torch.device("cpu"))
+        o.fill_(float("nan"))  # poisoned: every element must be written
+        inp = o.narrow(0, me * n, n)  # as FSDP2 passes it: a view of the output
+        inp.copy_(shard(case, me, n).to(dtype))
+        assert ag(output_tensor=o, input_tensor=inp, group=group) is None
+        ref = torch.cat([qd(shard(case, r, n).to(dtype).float(), bits, block).to(dtype) for r in range(ws)])
+        exact = torch.cat([shard(case, r, n).to(dtype) for r in range(ws)])
+        # at most half a code step per element, a code step being the block's absmax / 127 (int8) or / 7
+        bound = exact.float().abs().max().item() / (127 if bits == 8 else 7) / 2 * 1.01 + 0.02
+        out["ag"].append((torch.equal(o, ref), (o.float() - exact.float()).abs().max().item() <= bound,
+                          ag.bytes_sent == wire_bytes(n, bits, block)))  # fmt: skip
+        # async: a Work whose wait includes the dequantization
+        o2 = torch.full((ws * n,), float("nan"), dtype=dtype)
+        inp2 = o2.narrow(0, me * n, n)
+        inp2.copy_(shard(case, me, n).to(dtype))
+        work = ag(output_tensor=o2, input_tensor=inp2, group=group, async_op=True)
+        assert isinstance(work, dist.Work)
+        work.wait()
+        out["ag"][-1] += (torch.equal(o2, ref),)
+    rs_cases = [(300, 8, 64, dist.ReduceOp.AVG, True), (17, 4, 8, dist.ReduceOp.SUM, False),
+                (512, 8, 256, dist.ReduceOp.AVG, False), (9, 8, 4, dist._make_nccl_premul_sum(0.25), True)]  # fmt: skip
+    for case, (n, bits, block, op, ef) in enumerate(rs_cases):
+        rs = QuantizedReduceScatter(bits=bits, block=block, error_feedback=ef)
+        results = []
+        residuals = [torch.zeros(ws * n) for _ in range(ws)]
+        for step in range(2):
+            xs = [shard(100 + 10 * case + step, r, ws * n) for r in range(ws)]
+            o = torch.full((n,), float("nan"))
+            rs(output_tensor=o, input_tensor=xs[me].clone(), group=group, op=op)
+            # the reference, every rank's part computed here: (x + residual) chunks quantized, the
+            # chunks of this shard dequantized and summed in fp32 in rank order, then the op's factor
+            total = torch.zeros(n)
+            for r in range(ws):
+                acc = xs[r] + residuals[r] if ef else xs[r]
+                sent = [qd(c, bits, block) for c in acc.view(ws, n)]
+                total += sent[me]
+                if ef:
+                    residuals[r] = acc - torch.cat(sent)
+            scale = {dist.ReduceOp.AVG: 1.0 / ws, dist.ReduceOp.SUM: 1.0}.get(op, 0.25)
+            ref = total * scale if scale != 1.0 else total
+            exact = torch.stack(xs).sum(0).view(ws, n)[me] * scale
+            results.append((torch.equal(o, ref), (o - exact).abs().max().item() / exact.abs().max().item()))
+        out["rs"].append((results, ef and torch.equal(rs.residual, residuals[me])))
+    # bad input: typed errors, before anything goes on the wire
+    errs = []
+    for f in (lambda: QuantizedAllGather(bits=3), lambda: QuantizedReduceScatter(block=100),
+              lambda: QuantizedReduceScatter(error_feedback=1),
+              lambda: QuantizedAllGather()(torch.zeros(6), torch.zeros(2), group),
+              lambda: QuantizedReduceScatter()(torch.zeros(2), torch.zeros(2 * ws), group, dist.ReduceOp.MAX),
+              lambda: QuantizedReduceScatter()(torch.zeros(2), torch.zeros(2 * ws).view(2, ws).t(), group,
+                                               dist.ReduceOp.SUM)):  # fmt: skip
+        try:
+            f()
+            errs.append(None)
+        except (InvalidArgumentError, ArgumentTypeError) as e:
+            errs.append(type(e).__name__)
+    out["errs"] = errs
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_quantized_comms_match_the_reference(world_size):
+    for out in run_local(_comms_worker, world_size, op_timeout=60):
+        for same, within, nbytes, same_async in out["ag"]:
+            assert same and same_async and nbytes and within
+        for results, _ in out["rs"]:
+            for same, rel in results:
+                assert same and rel < 0.2
+        assert [r[1] for r in out["rs"]] == [True, False, False, True]  # the residuals where kept
+        assert out["errs"] == ["InvalidArgumentError", "InvalidArgumentError", "ArgumentTypeError",
+                               "InvalidArgumentError", "InvalidArgumentError", "InvalidArgumentError"]  # fmt: skip
+
+
+# -- training under fully_shard -------------------------------------------------------------------------
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 61), nn.ReLU(), nn.Linear(61, 33), nn.ReLU(), nn.Linear(33, 5))
+
+
+def _shard(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+
+
+def _train_worker(comm, weights, grads, steps) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.simplefilter("ignore", FutureWarning)
+    ws, me = comm.world_size, comm.rank
+    mesh = init_device_mesh("cpu", (ws,))
+    plain, quant = _shard(_model(), mesh), _shard(_model(), mesh)
+    changed = apply_quantized_comm(quant, weights=weights, grads=grads)
+    opt_p = torch.optim.SGD(plain.parameters(), lr=0.05)
+    opt_q = torch.optim.SGD(quant.parameters(), lr=0.05)
+    start = _full(plain)
+    gen = torch.Generator().manual_seed(1234 + me)
+    target = torch.randn(24, 5, generator=torch.Generator().manual_seed(99))  # a learnable task, shared
+    out = {"changed": len(changed), "loss_p": [], "loss_q": [], "param_diff": [], "replicas_equal": []}
+    for _ in range(steps):
+        x = torch.randn(16, 24, generator=gen)
+        y = torch.tanh(x @ target)
+        for model, opt, key in ((plain, opt_p, "loss_p"), (quant, opt_q, "loss_q")):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out[key].append(loss.item())
+        fp, fq = _full(plain), _full(quant)
+        # how far from plain FSDP2's parameters, relative to how far those moved from the start
+        out["param_diff"].append(((fp - fq).abs().max() / (fp - start).abs().max()).item())
+        gathered = [torch.empty_like(fq) for _ in range(ws)]
+        dist.all_gather(gathered, fq)
+        out["replicas_equal"].append(all(torch.equal(g, gathered[0]) for g in gathered))
+    sd = quant.state_dict()
+    out["residual_keys"] = sorted(k for k in sd if k.endswith(RESIDUAL))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world_size", "weights", "grads", "bound"),
+    [(2, "int8", "int8", 0.06), (2, None, "int4", 0.15), (4, "int8", None, 0.06), (4, "int4", "int4", 0.15)],
+)
+def test_fsdp2_training_with_quantized_comms(world_size, weights, grads, bound):
+    # SGD, so the parameters' distance from plain FSDP2's follows the gradients' (and the weights') error
+    for out in run_local(_train_worker, world_size, weights, grads, 6, op_timeout=120):
+        assert out["changed"] == 3  # the three Linear layers (the root holds no parameter of its own)
+        assert all(out["replicas_equal"])
+        assert max(out["param_diff"]) < bound, out["param_diff"]
+        for lq, lp in zip(out["loss_q"], out["loss_p"]):
+            assert abs(lq - lp) < 0.02 * lp
+        assert len(out["residual_keys"]) == (3 if grads else 0)

@@ -1,0 +1,351 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with ZeRO++-style quantized communication.
+
+FSDP2 lets a module replace its all-gather and reduce-scatter (``FSDPModule.set_custom_all_gather`` /
+``set_custom_reduce_scatter``, the ``AllGather`` / ``ReduceScatter`` interfaces of
+``torch.distributed.fsdp._fully_shard._fsdp_api``: ``allocate(size, *, dtype, device)`` and
+``__call__(output_tensor, input_tensor, group, [op,] async_op=False)``, flat 1-D buffers, the input
+``1 / world_size`` of the output). Here they are implemented on torsh's blockwise quantize/dequantize
+kernels, as DeepSpeed ZeRO++ does inside its own engine:
+
+- :class:`QuantizedAllGather` (qwZ): each rank quantizes its shard once per all-gather (absmax per block
+  of ``block`` elements, int8 or packed int4, one fp32 scale per block), the payloads (codes and scales
+  in one byte buffer per rank) are all-gathered, and every rank's segment is dequantized straight into
+  FSDP2's output buffer, its own included, so every rank computes with the same weights.
+- :class:`QuantizedReduceScatter` (qgZ): each rank adds its error-feedback residual to the gradient
+  (optional), quantizes the ``world_size`` chunks, sends chunk ``r`` to rank ``r`` in one all-to-all, and
+  sums the chunks it receives in fp32 (never in int8), then applies FSDP2's reduce op (sum, average, or
+  the pre-multiplied sum of a gradient divide factor). The residual (what quantizing lost, kept in fp32
+  per rank) is a buffer of the FSDP module, a ``DTensor`` sharded over the module's mesh, so it is in the
+  module's ``state_dict`` and checkpoints per rank through ``torch.distributed.checkpoint``.
+- :func:`apply_quantized_comm` installs them on every ``FSDPModule`` of a model.
+
+Bytes on the wire per element: int8 ``1 + 4 / block``, int4 ``0.5 + 4 / block`` against 4 (fp32) or 2
+(bf16) for FSDP2's own collectives. Inputs that are not floating point (FSDP2 all-gathers uint8 only
+when the parameters of one group have different dtypes) go through the plain collective, unchanged.
+
+Streams: on a GPU, FSDP2 calls the all-gather inside its all-gather stream and the reduce-scatter inside
+its reduce-scatter stream; the kernels here are launched on the current stream, so they order with the
+collectives and with FSDP2's own copies as its default collectives do. With ``async_op=True`` (FSDP2's
+``unshard(async_op=True)``) the all-gather returns a ``dist.Work`` whose completion includes the
+dequantization.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..ops import dequantize, quantize
+
+try:  # private in torch 2.13 (the public setters take instances of these)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGather
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
+except ImportError:  # pragma: no cover - a torch without FSDP2's comm interfaces
+    _AllGather = _ReduceScatter = object
+
+__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "apply_quantized_comm", "wire_bytes"]
+
+RESIDUAL = "torsh_rs_residual"
+"""Name of the error-feedback residual buffer :func:`apply_quantized_comm` registers on an FSDP module."""
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(bits: object, block: object, what: str, allowed: Sequence[int]) -> None:
+    if isinstance(bits, bool) or bits not in allowed:
+        raise InvalidArgumentError(f"{what}: bits must be one of {tuple(allowed)}, got {bits!r}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1):
+        raise InvalidArgumentError(f"{what}: block must be a power of two >= 2, got {block!r}")
+
+
+class _Wire:
+    """Where one rank's payload of ``n`` elements lies in its byte segment: codes, then fp32 scales at an
+    8-byte aligned offset; segments are 8-byte multiples so every rank's scales stay aligned."""
+
+    __slots__ = ("bits", "block", "n", "qbytes", "sc_off", "scales", "total")
+
+    def __init__(self, n: int, bits: int, block: int) -> None:
+        self.n, self.bits, self.block = n, bits, block
+        self.qbytes = n if bits == 8 else (n + 1) // 2
+        self.scales = -(-n // block)
+        self.sc_off = -(-self.qbytes // 8) * 8
+        self.total = -(-(self.sc_off + 4 * self.scales) // 8) * 8
+
+    def views(self, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = seg[: self.qbytes]
+        if self.bits == 8:
+            q = q.view(torch.int8)
+        return q, seg[self.sc_off : self.sc_off + 4 * self.scales].view(torch.float32)
+
+    def encode(self, x: torch.Tensor, seg: torch.Tensor) -> None:
+        quantize(x, bits=self.bits, block=self.block, out=self.views(seg))
+
+    def decode(self, seg: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0) -> None:
+        q, sc = self.views(seg)
+        dequantize(q, sc, block=self.block, numel=self.n, out=out, accumulate=accumulate, alpha=alpha)
+
+
+def wire_bytes(numel: int, bits: int = 8, block: int = 256) -> int:
+    """Bytes one rank's payload of ``numel`` elements takes on the wire (codes, scales, alignment)."""
+    return _Wire(numel, bits, block).total
+
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool):
+    f = getattr(dist, "all_gather_single", None)
+    if f is not None:
+        return f(out, x, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)  # pragma: no cover - older torch
+
+
+def _flat(t: object, what: str, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise InvalidArgumentError(f"{what}: {name} must be contiguous (FSDP2 passes flat buffers)")
+    return t.view(-1)
+
+
+class QuantizedAllGather(_AllGather):
+    """FSDP2's all-gather with blockwise int8 (or int4) weights; see the module docstring."""
+
+    def __init__(self, bits: int = 8, block: int = 256) -> None:
+        _check(bits, block, "QuantizedAllGather", (8, 4))
+        self.bits, self.block = bits, block
+        self.calls = 0
+        """All-gathers run (quantized or passed through)."""
+        self.bytes_sent = 0
+        """Bytes this rank put on the wire (its payload, once per call)."""
+
+    def __repr__(self) -> str:
+        return f"QuantizedAllGather(bits={self.bits}, block={self.block})"
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):  # fmt: skip
+        what = "QuantizedAllGather"
+        out = _flat(output_tensor, what, "output_tensor")
+        x = _flat(input_tensor, what, "input_tensor")
+        ws = dist.get_world_size(group)
+        n = x.numel()
+        if out.numel() != ws * n:
+            raise InvalidArgumentError(
+                f"{what}: output_tensor has {out.numel()} elements, expected world_size ({ws}) x input ({n})"
+            )
+        self.calls += 1
+        if x.dtype not in _FLOATS or out.dtype != x.dtype or n == 0:
+            self.bytes_sent += x.nbytes
+            return _all_gather(out, x, group, async_op)
+        w = _Wire(n, self.bits, self.block)
+        send = torch.empty(w.total, dtype=torch.uint8, device=x.device)
+        w.encode(x, send)  # before anything overwrites x (FSDP2's input is a view of the output)
+        recv = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
+        self.bytes_sent += w.total
+        rows = out.view(ws, n)
+
+        def decode() -> None:
+            for r in range(ws):
+                w.decode(recv[r * w.total : (r + 1) * w.total], rows[r])
+
+        if not async_op:
+            _all_gather(recv, send, group, False)
+            decode()
+            return None
+        work = _all_gather(recv, send, group, True)
+
+        def done(f: torch.futures.Future) -> None:
+            f.value()  # the collective's error, if any
+            decode()
+
+        return torch._C._distributed_c10d._create_work_from_future(work.get_future().then(done))
+
+
+class QuantizedReduceScatter(_ReduceScatter):
+    """FSDP2's reduce-scatter as quantized chunks through one all-to-all, reduced in fp32, with an
+    optional error-feedback residual; see the module docstring.
+
+    ``residual``: the fp32 tensor (of the reduce-scatter input's size) holding this rank's residual, or
+    None to allocate one at the first call. :func:`apply_quantized_comm` passes the local part of the
+    module buffer it registers, so the residual is checkpointed with the model."""
+
+    def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = True, *,
+                 residual: torch.Tensor | None = None) -> None:  # fmt: skip
+        _check(bits, block, "QuantizedReduceScatter", (8, 4))
+        if not isinstance(error_feedback, bool):
+            raise ArgumentTypeError(
+                f"QuantizedReduceScatter: error_feedback must be a bool, got {type(error_feedback).__name__}"
+            )
+        if residual is not None and (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32):
+            raise ArgumentTypeError("QuantizedReduceScatter: residual must be an fp32 torch.Tensor or None")
+        self.bits, self.block, self.error_feedback = bits, block, error_feedback
+        self.residual = residual
+        self.calls = 0
+        self.bytes_sent = 0
+        """Bytes this rank put on the wire (the chunks it sent to the other ranks)."""
+
+    def __repr__(self) -> str:
+        return f"QuantizedReduceScatter(bits={self.bits}, block={self.block}, error_feedback={self.error_feedback})"
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _scale(self, op, ws: int) -> float:
+        """The factor FSDP2's op applies to the sum: 1 (SUM), 1 / world_size (AVG), or PREMUL_SUM's."""
+        if op == dist.ReduceOp.SUM:
+            return 1.0
+        if op == dist.ReduceOp.AVG:
+            return 1.0 / ws
+        if op == dist.ReduceOp.PREMUL_SUM:
+            factor = getattr(op, "factor", None)
+            if isinstance(factor, (int, float)):
+                return float(factor)
+        raise InvalidArgumentError(
+            f"QuantizedReduceScatter: reduce op {op!r} is not supported (sum, avg and FSDP2's pre-multiplied "
+            "sum are; gradients are never reduced with max/min)"
+        )
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op,
+                 async_op: bool = False):  # fmt: skip
+        what = "QuantizedReduceScatter"
+        out = _flat(output_tensor, what, "output_tensor")
+        x = _flat(input_tensor, what, "input_tensor")
+        ws = dist.get_world_size(group)
+        n = out.numel()
+        if x.numel() != ws * n:
+            raise InvalidArgumentError(
+                f"{what}: input_tensor has {x.numel()} elements, expected world_size ({ws}) x output ({n})"
+            )
+        scale = self._scale(op, ws)
+        self.calls += 1
+        if n == 0:
+            return None
+        if x.dtype not in _FLOATS:
+            raise InvalidArgumentError(f"{what}: gradients must be fp32, bf16 or fp16, got {x.dtype}")
+        acc = x.float() if x.dtype != torch.float32 else x.clone()  # fp32, not FSDP2's buffer
+        res = None
+        if self.error_feedback:
+            res = self.residual
+            if res is None or res.numel() != acc.numel() or res.device != acc.device:
+                res = self.residual = torch.zeros(acc.numel(), dtype=torch.float32, device=acc.device)
+            acc += res.view(-1)
+        w = _Wire(n, self.bits, self.block)
+        send = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
+        chunks = acc.view(ws, n)
+        for r in range(ws):
+            w.encode(chunks[r], send[r * w.total : (r + 1) * w.total])
+        if res is not None:  # what quantizing lost: acc - dequantize(codes), for the next step
+            rv = res.view(ws, n)
+            rv.copy_(chunks)
+            for r in range(ws):
+                w.decode(send[r * w.total : (r + 1) * w.total], rv[r], accumulate=True, alpha=-1.0)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        self.bytes_sent += (ws - 1) * w.total
+        total = torch.zeros(n, dtype=torch.float32, device=x.device)
+        for r in range(ws):  # the ranks' chunks of this shard, summed in fp32 in rank order
+            w.decode(recv[r * w.total : (r + 1) * w.total], total, accumulate=True)
+        if scale != 1.0:
+            total.mul_(scale)
+        out.copy_(total)
+        return None
+
+
+def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError as e:  # pragma: no cover - torch without FSDP2
+        raise InvalidArgumentError(
+            "apply_quantized_comm: this torch has no FSDP2 (torch.distributed.fsdp.FSDPModule)"
+        ) from e
+    if not isinstance(module, nn.Module):
+        raise ArgumentTypeError(f"apply_quantized_comm: module must be an nn.Module, got {type(module).__name__}")
+    mods = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not mods:
+        raise InvalidArgumentError(
+            "apply_quantized_comm: no FSDPModule in this model; apply torch.distributed.fsdp.fully_shard to its "
+            "layers and to the root first (then call this)"
+        )
+    return mods
+
+
+def _managed(fsdp_mod: nn.Module) -> list[torch.Tensor]:
+    """The parameters one FSDP module shards: those of its subtree not under a nested FSDP module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out, stack = [], [fsdp_mod]
+    while stack:
+        m = stack.pop()
+        out += list(m.parameters(recurse=False))
+        stack += [c for c in m.children() if not isinstance(c, FSDPModule)]
+    return out
+
+
+def _residual_buffer(fsdp_mod: nn.Module, params: list[torch.Tensor]) -> torch.Tensor | None:
+    """Register (or reuse) the module's error-feedback residual: per rank, one fp32 element per element
+    of the reduce-scatter input (every parameter's dim 0 padded to a multiple of the shard group's size),
+    as a DTensor sharded over the parameters' mesh. Returns its local tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    dts = [p for p in params if isinstance(p, DTensor)]
+    if not dts:
+        return None
+    mesh = dts[0].device_mesh
+    shard_ws = mesh.size(-1)  # FSDP2 shards over the mesh's last dimension (HSDP: (replicate, shard))
+    numel = 0
+    for p in dts:
+        d0 = p.shape[0] if p.dim() else 1
+        numel += -(-d0 // shard_ws) * shard_ws * (math.prod(p.shape[1:]) if p.dim() > 1 else 1)
+    existing = getattr(fsdp_mod, RESIDUAL, None)
+    if isinstance(existing, DTensor) and existing.to_local().numel() == numel:
+        return existing.to_local()
+    local = torch.zeros(numel, dtype=torch.float32, device=dts[0].to_local().device)
+    buf = DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False)
+    fsdp_mod.register_buffer(RESIDUAL, buf, persistent=True)
+    return buf.to_local()
+
+
+_FORMATS = {"int8": 8, "int4": 4}
+
+
+def apply_quantized_comm(
+    module: nn.Module,
+    *,
+    weights: str | None = "int8",
+    grads: str | None = "int8",
+    block: int = 256,
+    error_feedback: bool = True,
+) -> list[nn.Module]:
+    """Install :class:`QuantizedAllGather` (``weights``: "int8", "int4" or None) and
+    :class:`QuantizedReduceScatter` (``grads``: "int8", "int4" or None) on every ``FSDPModule`` of
+    ``module`` (after ``fully_shard``, before training). With gradient quantization and
+    ``error_feedback``, each FSDP module gets a persistent buffer ``torsh_rs_residual`` (see
+    :class:`QuantizedReduceScatter`), so load checkpoints into a model prepared the same way. Returns
+    the FSDP modules it changed."""
+    what = "apply_quantized_comm"
+    for name, v in (("weights", weights), ("grads", grads)):
+        if v is not None and v not in _FORMATS:
+            raise InvalidArgumentError(f"{what}: {name} must be 'int8', 'int4' or None, got {v!r}")
+    _check(8, block, what, (8,))
+    if not isinstance(error_feedback, bool):
+        raise ArgumentTypeError(f"{what}: error_feedback must be a bool, got {type(error_feedback).__name__}")
+    mods = _fsdp_modules(module)
+    changed = []
+    for m in mods:
+        params = _managed(m)
+        if not params:
+            continue  # e.g. a root that only groups FSDP children: FSDP2 runs no collective for it
+        if weights is not None:
+            m.set_custom_all_gather(QuantizedAllGather(bits=_FORMATS[weights], block=block))
+        if grads is not None:
+            res = _residual_buffer(m, params) if error_feedback else None
+            m.set_custom_reduce_scatter(
+                QuantizedReduceScatter(bits=_FORMATS[grads], block=block, error_feedback=error_feedback, residual=res)
+            )
+        changed.append(m)
+    return changed

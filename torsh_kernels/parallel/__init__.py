@@ -1,7 +1,9 @@
 """Layer 4: where models, optimizers and communicators meet. DDP comm hooks that compress gradients
 (:func:`compression_hook`), the same compression and bucketing without DDP
 (:class:`GradientSynchronizer`), mixture-of-experts layers on one process and expert-parallel
-(:class:`MoELayer`, :class:`ExpertParallelMoE`)."""
+(:class:`MoELayer`, :class:`ExpertParallelMoE`), offload, and FSDP2 with quantized communication
+(:func:`apply_quantized_comm`, :mod:`torsh_kernels.parallel.fsdp`, imported on first use: importing FSDP2
+takes about a second)."""
 
 from __future__ import annotations
 
@@ -20,5 +22,18 @@ __all__ = [
     "MoELayer",
     "OffloadedOptimizer",
     "ParameterOffloader",
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "apply_quantized_comm",
     "compression_hook",
 ]
+
+_FSDP = {"QuantizedAllGather", "QuantizedReduceScatter", "apply_quantized_comm"}
+
+
+def __getattr__(name: str):
+    if name in _FSDP:
+        from . import fsdp
+
+        return getattr(fsdp, name)
+    raise AttributeError(f"module 'torsh_kernels.parallel' has no attribute {name!r}")

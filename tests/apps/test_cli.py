@@ -151,6 +151,26 @@ def test_bench_ddp_runs_every_case_and_writes_json(tmp_path):
     assert "speedup vs no hook" in r.stdout
 
 
+def test_bench_fsdp_runs_every_case_and_writes_json(tmp_path):
+    out = tmp_path / "fsdp.json"
+    r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "bench", "fsdp", "--width", "128",
+                        "--layers", "2", "--steps", "2", "--warmup", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert [row["case"] for row in data["rows"]] == ["plain", "int8 weights", "int4 grads", "int8 weights + int4 grads"]
+    s = {row["case"]: row for row in data["summary"]}
+    # 2 ranks, 2 layers of 128 x 128 + 128: per step every layer is all-gathered twice (forward, and again in
+    # backward) and reduce-scattered once; each rank sends its half once per collective (ring, 2 ranks)
+    params = 2 * (128 * 128 + 128)
+    assert data["rows"][0]["bytes_per_step"] == 3 * params // 2 * 4
+    # int8 weights + int4 grads: (2 x (1 + 4/256) + (0.5 + 4/256)) / (3 x 4) of the fp32 bytes, plus alignment
+    assert 0.2 < s["int8 weights + int4 grads"]["bytes_vs_plain"]["median"] < 0.23
+    assert 0.5 < s["int8 weights"]["bytes_vs_plain"]["median"] < 0.53
+    assert all(row["step_ms"] > 0 for row in data["rows"])
+    assert "speedup vs plain" in r.stdout
+
+
 def test_bench_ddp_judges_auto_by_its_choice_s_own_case():
     from torsh_kernels.apps.bench import ddp
 

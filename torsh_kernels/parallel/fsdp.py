@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ try:  # private in torch 2.13 (the public setters take instances of these)
 except ImportError:  # pragma: no cover - a torch without FSDP2's comm interfaces
     _AllGather = _ReduceScatter = object
 
-__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "apply_quantized_comm", "wire_bytes"]
+__all__ = ["Installed", "QuantizedAllGather", "QuantizedReduceScatter", "apply_quantized_comm", "wire_bytes"]
 
 RESIDUAL = "torsh_rs_residual"
 """Name of the error-feedback residual buffer :func:`apply_quantized_comm` registers on an FSDP module."""
@@ -119,7 +120,7 @@ class QuantizedAllGather(_AllGather):
         self.calls = 0
         """All-gathers run (quantized or passed through)."""
         self.bytes_sent = 0
-        """Bytes this rank put on the wire (its payload, once per call)."""
+        """Bytes this rank put on the wire: ``world_size - 1`` payloads per call (a ring all-gather's)."""
 
     def __repr__(self) -> str:
         return f"QuantizedAllGather(bits={self.bits}, block={self.block})"
@@ -140,13 +141,13 @@ class QuantizedAllGather(_AllGather):
             )
         self.calls += 1
         if x.dtype not in _FLOATS or out.dtype != x.dtype or n == 0:
-            self.bytes_sent += x.nbytes
+            self.bytes_sent += (ws - 1) * x.nbytes
             return _all_gather(out, x, group, async_op)
         w = _Wire(n, self.bits, self.block)
         send = torch.empty(w.total, dtype=torch.uint8, device=x.device)
         w.encode(x, send)  # before anything overwrites x (FSDP2's input is a view of the output)
         recv = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
-        self.bytes_sent += w.total
+        self.bytes_sent += (ws - 1) * w.total  # a ring all-gather: each rank sends ws - 1 segments
         rows = out.view(ws, n)
 
         def decode() -> None:
@@ -274,7 +275,7 @@ def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
     return mods
 
 
-def _managed(fsdp_mod: nn.Module) -> list[torch.Tensor]:
+def managed_parameters(fsdp_mod: nn.Module) -> list[torch.Tensor]:
     """The parameters one FSDP module shards: those of its subtree not under a nested FSDP module."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -313,6 +314,16 @@ def _residual_buffer(fsdp_mod: nn.Module, params: list[torch.Tensor]) -> torch.T
 _FORMATS = {"int8": 8, "int4": 4}
 
 
+@dataclass(frozen=True, slots=True)
+class Installed:
+    """What :func:`apply_quantized_comm` installed on one FSDP module (their ``bytes_sent`` and ``calls``
+    count its traffic)."""
+
+    module: nn.Module
+    all_gather: QuantizedAllGather | None
+    reduce_scatter: QuantizedReduceScatter | None
+
+
 def apply_quantized_comm(
     module: nn.Module,
     *,
@@ -320,13 +331,13 @@ def apply_quantized_comm(
     grads: str | None = "int8",
     block: int = 256,
     error_feedback: bool = True,
-) -> list[nn.Module]:
+) -> list[Installed]:
     """Install :class:`QuantizedAllGather` (``weights``: "int8", "int4" or None) and
     :class:`QuantizedReduceScatter` (``grads``: "int8", "int4" or None) on every ``FSDPModule`` of
     ``module`` (after ``fully_shard``, before training). With gradient quantization and
     ``error_feedback``, each FSDP module gets a persistent buffer ``torsh_rs_residual`` (see
     :class:`QuantizedReduceScatter`), so load checkpoints into a model prepared the same way. Returns
-    the FSDP modules it changed."""
+    what it installed per FSDP module that holds parameters (:class:`Installed`)."""
     what = "apply_quantized_comm"
     for name, v in (("weights", weights), ("grads", grads)):
         if v is not None and v not in _FORMATS:
@@ -337,15 +348,16 @@ def apply_quantized_comm(
     mods = _fsdp_modules(module)
     changed = []
     for m in mods:
-        params = _managed(m)
+        params = managed_parameters(m)
         if not params:
             continue  # e.g. a root that only groups FSDP children: FSDP2 runs no collective for it
+        ag = rs = None
         if weights is not None:
-            m.set_custom_all_gather(QuantizedAllGather(bits=_FORMATS[weights], block=block))
+            ag = QuantizedAllGather(bits=_FORMATS[weights], block=block)
+            m.set_custom_all_gather(ag)
         if grads is not None:
             res = _residual_buffer(m, params) if error_feedback else None
-            m.set_custom_reduce_scatter(
-                QuantizedReduceScatter(bits=_FORMATS[grads], block=block, error_feedback=error_feedback, residual=res)
-            )
-        changed.append(m)
+            rs = QuantizedReduceScatter(bits=_FORMATS[grads], block=block, error_feedback=error_feedback, residual=res)
+            m.set_custom_reduce_scatter(rs)
+        changed.append(Installed(m, ag, rs))
     return changed

@@ -1,9 +1,9 @@
 """`torsh bench [SUITE ...] [--json PATH] [--compare BASELINE.json --max-regression 10%]`: every suite
 through one harness.
 
-Runs the named suites (default: all of bucket, compression, collectives, ddp, moe, offload, trace, overhead), each with
-its own tables, then writes one JSON document: the environment (device, versions, date, git commit),
-each suite's full results, and a flat ``measurements`` map per suite (case -> median time in ms and
+Runs the named suites (default: all of bucket, compression, collectives, ddp, fsdp, moe, offload, trace,
+overhead), each with its own tables, then writes one JSON document: the environment (device, versions,
+date, git commit), each suite's full results, and a flat ``measurements`` map per suite (case -> median time in ms and
 whether it is ours or a peer's) that ``--compare`` reads. With ``--compare BASELINE.json`` (a document
 from this command, or one suite's own JSON), every measurement of ours present in both is compared; one
 slower than the baseline by more than ``--max-regression`` (default 10%) is a regression: the command
@@ -38,6 +38,7 @@ SUITES = {
     "compression": "compression ops and compressors against the torch peers",
     "collectives": "collectives and compressed all-reduce over real processes",
     "ddp": "DDP step time: PyTorch's hooks against torsh's compression_hook",
+    "fsdp": "FSDP2 step time and bytes on the wire: plain fully_shard against torsh's quantized comms",
     "moe": "MoE route + permute + unpermute against a Mixtral-style torch block",
     "offload": "pack/unpack to host against plain copies; AdamW against OffloadedOptimizer",
     "trace": "what the timeline instrumentation costs per call, with and without a recorder",
@@ -51,6 +52,7 @@ QUICK: dict[str, list[str]] = {
     "compression": ["--sizes", "1", "--ortho-batch", "8", "--ortho-rows", "256", "--reps", "5"],
     "collectives": ["--sizes", "64K,1M", "--compress-sizes", "1M", "--reps", "3"],
     "ddp": ["--width", "256", "--layers", "2", "--steps", "4", "--no-torch-powersgd-buckets"],
+    "fsdp": ["--width", "256", "--layers", "2", "--steps", "3"],
     "moe": ["--tokens", "2048", "--hidden", "512", "--reps", "5"],
     "offload": ["--sizes", "16", "--width", "512", "--layers", "4", "--steps", "3", "--reps", "5"],
     "trace": ["--calls", "50000", "--reps", "5"],
@@ -70,10 +72,13 @@ def measurements(suite: str, data: dict) -> dict[str, dict]:
     if isinstance(data.get("results"), list):  # bucket, compression, moe, offload
         for r in data["results"]:
             out[f"{r['case']} / {r['op']} / {r['impl']}"] = {"ms": r["timing"]["median_ms"], "kind": r["kind"]}
-    if isinstance(data.get("rows"), list):  # ddp
+    if isinstance(data.get("rows"), list):  # ddp, fsdp
         for r in data["rows"]:
             if r.get("step_ms") is not None:
-                kind = "ours" if str(r["case"]).startswith("torsh") else "peer"
+                if suite == "fsdp":
+                    kind = "peer" if r["case"] == "plain" else "ours"
+                else:
+                    kind = "ours" if str(r["case"]).startswith("torsh") else "peer"
                 out[f"{r['case']} / {r.get('buckets', '')}"] = {"ms": r["step_ms"], "kind": kind}
     for r in data.get("collectives") or []:  # collectives: the communicator's (ours)
         out[f"{r['op']} {r['size']} B {r.get('type', '')}".strip()] = {"ms": r["time_us"] / 1e3, "kind": "ours"}

@@ -1,0 +1,247 @@
+"""FSDP2 step time and bytes on the wire: plain ``fully_shard`` against torsh's quantized comms.
+
+One model (``--layers`` Linear layers of ``--width`` x ``--width``, ReLU between, each layer and the root
+under ``fully_shard``; by default 8 x [2048 x 2048], 33.6 M parameters, 134 MB in fp32: comm-bound on a
+slow link), the same batches, every case in turn on the same ranks:
+
+- ``plain``: FSDP2's own all-gather and reduce-scatter (its default implementations, with a byte
+  counter added around their one call);
+- ``int8 weights``: :class:`~torsh_kernels.parallel.fsdp.QuantizedAllGather`;
+- ``int4 grads`` (or ``--grads int8``): :class:`~torsh_kernels.parallel.fsdp.QuantizedReduceScatter`
+  with error feedback;
+- ``int8 weights + int4 grads``: both (:func:`~torsh_kernels.parallel.fsdp.apply_quantized_comm`).
+
+Per case: median step time (forward, backward with FSDP2's collectives, SGD step) of the slowest rank
+over ``--steps`` steps after ``--warmup``, p20-p80, the bytes this rank put on the wire per step (ring
+all-gathers and reduce-scatters and our all-to-all: ``world_size - 1`` segments per call), both as
+ratios to plain FSDP2, and the last loss. ``--repeat R`` interleaves the cases R times and reports
+medians with the spread of the runs. Launch like ``bench ddp``: local ranks on their own, one rank per
+process under torchrun or ``benchmarks/emulated_hosts.sh``.
+
+python benchmarks/bench_fsdp.py [--width 2048] [--layers 8] [--batch 64] [--steps 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ...collectives import TorchCommunicator, init_from_env, run_local
+from . import environment, quantile, wide_console
+
+CASES = {
+    "plain": (None, None),
+    "int8 weights": ("int8", None),
+    "{g} grads": (None, "{g}"),
+    "int8 weights + {g} grads": ("int8", "{g}"),
+}
+
+
+def _cases(grads: str) -> list[tuple[str, str | None, str | None]]:
+    return [(k.format(g=grads), w, g if g is None else g.format(g=grads)) for k, (w, g) in CASES.items()]
+
+
+def _counting_defaults():
+    """FSDP2's default all-gather and reduce-scatter, each call's bytes counted (ring collectives: each
+    rank sends world_size - 1 segments of its shard's size)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class CountingAllGather(DefaultAllGather):
+        bytes_sent = 0
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            self.bytes_sent += (dist.get_world_size(group) - 1) * input_tensor.nbytes
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    class CountingReduceScatter(DefaultReduceScatter):
+        bytes_sent = 0
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            self.bytes_sent += (dist.get_world_size(group) - 1) * output_tensor.nbytes
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    return CountingAllGather, CountingReduceScatter
+
+
+def _model(cfg: dict, mesh) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for i in range(cfg["layers"]):
+        mods.append(torch.nn.Linear(cfg["width"], cfg["width"]))
+        if i + 1 < cfg["layers"]:
+            mods.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*mods)
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
+    from ...parallel.fsdp import apply_quantized_comm, managed_parameters
+
+    model = _model(cfg, mesh)
+    installed = {id(i.module): i for i in apply_quantized_comm(model, weights=weights, grads=grads)}
+    ag_cls, rs_cls = _counting_defaults()
+    comms = []
+    for m in model.modules():
+        if not isinstance(m, FSDPModule) or not managed_parameters(m):
+            continue
+        i = installed.get(id(m))
+        ag = i.all_gather if i is not None and i.all_gather is not None else ag_cls()
+        rs = i.reduce_scatter if i is not None and i.reduce_scatter is not None else rs_cls()
+        m.set_custom_all_gather(ag)
+        m.set_custom_reduce_scatter(rs)
+        comms += [ag, rs]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1 + comm.rank)
+    target = torch.randn(cfg["width"], 16, generator=torch.Generator().manual_seed(7)) / cfg["width"] ** 0.5
+    times, sent, loss = [], [], None
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        x = torch.randn(cfg["batch"], cfg["width"], generator=g)
+        before = sum(c.bytes_sent for c in comms)
+        comm.barrier()
+        t0 = time.perf_counter()
+        out = model(x)
+        loss = torch.nn.functional.mse_loss(out[:, :16], torch.tanh(x @ target))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= cfg["warmup"]:
+            times.append(time.perf_counter() - t0)
+            sent.append(sum(c.bytes_sent for c in comms) - before)
+    t = torch.tensor(times, dtype=torch.float64)
+    comm.all_reduce(t, "max")  # the slowest rank's time per step
+    ts = t.tolist()
+    return {"case": name, "weights": weights, "grads": grads, "step_ms": 1e3 * statistics.median(ts),
+            "p20_ms": 1e3 * quantile(ts, 0.2), "p80_ms": 1e3 * quantile(ts, 0.8),
+            "bytes_per_step": statistics.median(sent), "loss": loss.item()}  # fmt: skip
+
+
+def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.simplefilter("ignore", FutureWarning)
+    torch.set_num_threads(cfg["threads"])
+    mesh = init_device_mesh(comm.device.type, (comm.world_size,))
+    rows = []
+    for rep in range(cfg["repeat"]):
+        for name, w, gq in _cases(cfg["grads"]):
+            r = _case(comm, mesh, cfg, name, w, gq)
+            r["repeat"] = rep
+            rows.append(r)
+            if comm.rank == 0 and cfg["progress"]:
+                print(f"  {name:<28} {r['step_ms']:9.1f} ms/step {r['bytes_per_step'] / 1e6:8.2f} MB/step",
+                      file=sys.stderr, flush=True)  # fmt: skip
+    if comm.rank != 0:
+        return None
+    return _report({"rows": rows, "world_size": comm.world_size, "backend": comm.backend}, cfg)
+
+
+def _spread(v: list[float]) -> dict:
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+
+
+def _report(res: dict, cfg: dict) -> dict:
+    env = environment(torch.device("cuda" if res["backend"] == "nccl" else "cpu"))
+    env["network"] = os.environ.get("TORSH_BENCH_NETWORK", "loopback" if res["backend"] == "gloo" else "local GPUs")
+    rows = res["rows"]
+    names = [n for n, _, _ in _cases(cfg["grads"])]
+    summary = []
+    for name in names:
+        rs = [r for r in rows if r["case"] == name]
+        ratios_t, ratios_b = [], []
+        for r in rs:
+            base = next(b for b in rows if b["case"] == "plain" and b["repeat"] == r["repeat"])
+            ratios_t.append(base["step_ms"] / r["step_ms"])
+            ratios_b.append(r["bytes_per_step"] / base["bytes_per_step"])
+        summary.append({"case": name, "step_ms": _spread([r["step_ms"] for r in rs]),
+                        "bytes_per_step": _spread([r["bytes_per_step"] for r in rs]),
+                        "speedup_vs_plain": _spread(ratios_t), "bytes_vs_plain": _spread(ratios_b),
+                        "loss": _spread([r["loss"] for r in rs])})  # fmt: skip
+    res["summary"] = summary
+    _print(res, env, cfg)
+    if cfg["json"]:
+        with open(cfg["json"], "w") as f:
+            json.dump({"suite": "fsdp", "environment": env, "config": cfg, **res}, f, indent=2)
+        print(f"wrote {cfg['json']}")
+    sys.stdout.flush()
+    return res
+
+
+def _print(res: dict, env: dict, cfg: dict) -> None:
+    from rich.table import Table
+
+    params = cfg["layers"] * (cfg["width"] ** 2 + cfg["width"])
+    t = Table(title=(f"FSDP2 step time, {res['world_size']} ranks ({res['backend']}, {env.get('network')}), "
+                     f"{cfg['layers']} x [{cfg['width']} x {cfg['width']}] linears ({params / 1e6:.1f} M parameters), "
+                     f"batch {cfg['batch']}/rank; medians over {cfg['repeat']} run(s) [min-max]"),
+              title_justify="left")  # fmt: skip
+    for col in ("case", "step (ms)", "speedup vs plain", "MB sent/step (this rank)", "bytes vs plain", "last loss"):
+        t.add_column(col, justify="left" if col == "case" else "right")
+
+    def f(d, digits=1, unit=""):
+        if d["n"] == 1:
+            return f"{d['median']:.{digits}f}{unit}"
+        return f"{d['median']:.{digits}f}{unit} [{d['min']:.{digits}f}-{d['max']:.{digits}f}]"
+
+    for s in res["summary"]:
+        mb = {k: v / 1e6 if k != "n" else v for k, v in s["bytes_per_step"].items()}
+        t.add_row(s["case"], f(s["step_ms"]), f(s["speedup_vs_plain"], 2, "x"), f(mb, 2),
+                  f(s["bytes_vs_plain"], 3, "x"), f"{s['loss']['median']:.4f}")  # fmt: skip
+    wide_console(160).print(t)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, default=2, help="local ranks when not under torchrun")
+    p.add_argument("--width", type=int, default=2048, help="width of each square Linear layer")
+    p.add_argument("--layers", type=int, default=8, help="Linear layers, each under its own fully_shard")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per case")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--grads", choices=("int8", "int4"), default="int4", help="gradient format of the grads cases")
+    p.add_argument("--repeat", type=int, default=1, help="run every case this many times, interleaved")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--json", default=None, help="write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("width", "layers", "batch", "steps", "repeat", "threads", "world_size"):
+        if getattr(args, name) < 1:
+            print(f"bench fsdp: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if args.warmup < 0:
+        print("bench fsdp: --warmup must be >= 0", file=sys.stderr)
+        return 2
+    cfg = {"width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
+           "warmup": args.warmup, "grads": args.grads, "repeat": args.repeat, "threads": args.threads,
+           "progress": True, "json": args.json}  # fmt: skip
+    if "RANK" in os.environ:
+        comm = init_from_env(timeout=600)
+        _worker(comm, cfg)
+        sys.stdout.flush()
+        return 0
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "gloo"
+    run_local(_worker, args.world_size, cfg, backend=backend, threads=args.threads, timeout=3600, op_timeout=600)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="bench_fsdp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(p)
+    return run(p.parse_args(argv))

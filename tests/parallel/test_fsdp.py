@@ -247,3 +247,67 @@ def test_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path, mixed):
     # torch.distributed.checkpoint with the model, so the resumed run is the uninterrupted one, bit for bit
     for out in run_local(_resume_worker, 2, str(tmp_path / "ckpt"), mixed, op_timeout=120):
         assert out["residuals_restored"] and out["same"]
+
+
+# -- DeviceMesh where a process group is taken; DTensors where plain tensors are needed -------------------
+
+
+def _mesh_worker(comm) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from torsh_kernels.collectives import TorchCommunicator
+    from torsh_kernels.parallel import CompressionHookState, ParameterOffloader
+
+    warnings.simplefilter("ignore", FutureWarning)
+    me = comm.rank
+    out = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for dim in ("dp", "tp", 0, 1):
+        c = TorchCommunicator(mesh, dim=dim)
+        x = torch.full((3,), float(me))
+        c.all_reduce(x)
+        out[f"sum_{dim}"] = x[0].item()
+        out[f"ranks_{dim}"] = c.global_ranks
+    flat = init_device_mesh("cpu", (4,))
+    out["flat_ws"] = TorchCommunicator(flat).world_size
+    errs = []
+    for f in (lambda: TorchCommunicator(mesh), lambda: TorchCommunicator(mesh, dim="pp"),
+              lambda: TorchCommunicator(mesh, dim=2), lambda: TorchCommunicator(dist.group.WORLD, dim="dp"),
+              lambda: TorchCommunicator("dp")):  # fmt: skip
+        try:
+            f()
+            errs.append(None)
+        except (InvalidArgumentError, ArgumentTypeError) as e:
+            errs.append(type(e).__name__)
+    out["errs"] = errs
+    st = CompressionHookState(mesh, mesh_dim="tp")
+    out["hook_group_size"] = dist.get_world_size(st.process_group)
+    dt = distribute_tensor(torch.arange(8.0), flat, [Shard(0)])
+    try:
+        TorchCommunicator(flat).all_reduce(dt)
+        out["dtensor"] = None
+    except ArgumentTypeError as e:
+        out["dtensor"] = str(e)
+    model = _shard(_model(), flat)
+    try:
+        ParameterOffloader(model)
+        out["offloader"] = None
+    except InvalidArgumentError as e:
+        out["offloader"] = str(e)
+    return out
+
+
+def test_device_mesh_is_accepted_and_dtensors_get_typed_errors():
+    res = run_local(_mesh_worker, 4, op_timeout=60)
+    for me, out in enumerate(res):
+        # mesh [[0, 1], [2, 3]]: "dp" groups ranks down a column, "tp" along a row
+        dp = [me % 2, me % 2 + 2]
+        tp = [me - me % 2, me - me % 2 + 1]
+        assert out["ranks_dp"] == out["ranks_0"] == dp and out["sum_dp"] == out["sum_0"] == sum(dp)
+        assert out["ranks_tp"] == out["ranks_1"] == tp and out["sum_tp"] == out["sum_1"] == sum(tp)
+        assert out["flat_ws"] == 4 and out["hook_group_size"] == 2
+        assert out["errs"] == ["InvalidArgumentError", "InvalidArgumentError", "InvalidArgumentError",
+                               "InvalidArgumentError", "ArgumentTypeError"]  # fmt: skip
+        assert "DTensor" in out["dtensor"] and "to_local()" in out["dtensor"]
+        assert "CPUOffloadPolicy" in out["offloader"]

@@ -10,6 +10,12 @@ rank sends per step, compression ratio, final test accuracy and speedup over unc
 ``auto`` measured: per compressor its compute cost per step, its bytes, its predicted step cost on the
 measured link and the link bandwidth below which it pays off against sending uncompressed, and its choice.
 
+``--fsdp`` trains the same model under FSDP2 instead (``fully_shard`` on each Linear and the root), once
+plain and once per quantized comm configuration of :func:`~torsh_kernels.parallel.apply_quantized_comm`
+(``w8``: int8 weights, ``g4``: int4 gradients, ``w8g4``: both, ...; ``--compressors`` picks among
+:data:`FSDP_CASES`), with the same table: step time, bytes this rank sends per step (counted on every
+all-gather and reduce-scatter), plain's bytes over them, test accuracy, speedup over plain.
+
 ``--link 1gbit`` runs two ranks on two emulated hosts joined by a link of that rate (network
 namespaces; needs root), where the bytes saved show up in the step time.
 
@@ -33,7 +39,16 @@ import torch
 from ..compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
 from .bench import fmt_bytes, quantile, wide_console
 
-__all__ = ["COMPRESSORS", "DemoConfig", "load_digits_split", "main", "print_auto", "print_trace_summary", "run_rank"]
+__all__ = [
+    "COMPRESSORS",
+    "FSDP_CASES",
+    "DemoConfig",
+    "load_digits_split",
+    "main",
+    "print_auto",
+    "print_trace_summary",
+    "run_rank",
+]
 
 
 def _compressors() -> dict[str, Compressor | str | None]:
@@ -49,6 +64,20 @@ def _compressors() -> dict[str, Compressor | str | None]:
 
 
 COMPRESSORS = tuple(_compressors())
+
+FSDP_CASES: dict[str, tuple[str | None, str | None]] = {
+    "plain": (None, None),
+    "w8": ("int8", None),
+    "w4": ("int4", None),
+    "g8": (None, "int8"),
+    "g4": (None, "int4"),
+    "w8g8": ("int8", "int8"),
+    "w8g4": ("int8", "int4"),
+    "w4g4": ("int4", "int4"),
+}
+"""``--fsdp`` cases: (weights, grads) for :func:`~torsh_kernels.parallel.apply_quantized_comm` (plain: FSDP2's
+own comms)."""
+FSDP_DEFAULT = ("plain", "w8", "g4", "w8g4")
 
 
 def _auto_candidates(names: list[str]) -> tuple[Compressor | None, ...]:
@@ -83,11 +112,15 @@ class DemoConfig:
     """Directory for the per-rank timeline traces (None: no tracing)."""
     trace_steps: int = 5
     """With ``trace``: record this many of each compressor's last steps."""
+    fsdp: bool = False
+    """Train under FSDP2 (``fully_shard``) instead of DDP; ``compressors`` are then :data:`FSDP_CASES`."""
 
     def __post_init__(self) -> None:
-        bad = [c for c in self.compressors if c not in COMPRESSORS]
+        known = FSDP_CASES if self.fsdp else COMPRESSORS
+        bad = [c for c in self.compressors if c not in known]
         if bad or not self.compressors:
-            raise ValueError(f"demo: unknown compressor(s) {bad}; choose from {list(COMPRESSORS)}")
+            what = "FSDP case(s)" if self.fsdp else "compressor(s)"
+            raise ValueError(f"unknown {what} {bad}; choose from {list(known)}")
         for name in ("steps", "hidden", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"demo: {name} must be >= 1, got {getattr(self, name)}")
@@ -126,6 +159,8 @@ def _mlp(hidden: int, seed: int) -> torch.nn.Module:
 
 def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
     """One rank's part: train once per compressor. Rank 0 returns a row per compressor."""
+    if cfg.fsdp:
+        return _fsdp_rank(comm, cfg)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ..parallel import CompressionHookState, compression_hook
@@ -218,6 +253,66 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
     return rows
 
 
+def _fsdp_rank(comm, cfg: DemoConfig) -> list[dict] | None:
+    """``--fsdp``: the same model, data and steps under ``fully_shard`` (each Linear and the root), once per
+    case of :data:`FSDP_CASES`, with the bytes this rank sent per step counted on every comm."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ..parallel.fsdp import apply_quantized_comm, count_traffic
+
+    warnings.simplefilter("ignore", FutureWarning)  # FSDP2's use of its deprecated collective names
+    dev = comm.device
+    xtr, ytr, xte, yte = (t.to(dev) for t in load_digits_split(cfg.seed))
+    me, ws = comm.rank, comm.world_size
+    mesh = init_device_mesh(dev.type, (ws,))
+    rows = []
+    for name in cfg.compressors:
+        weights, grads = FSDP_CASES[name]
+        net = _mlp(cfg.hidden, cfg.seed).to(dev)
+        for m in net:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        comms = count_traffic(net, apply_quantized_comm(net, weights=weights, grads=grads))
+        opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=0.9)
+        g = torch.Generator().manual_seed(cfg.seed + 1)
+        times, sent = [], 0
+        for _ in range(cfg.steps):
+            idx = torch.randint(0, len(ytr), (ws * cfg.batch,), generator=g)[me * cfg.batch : (me + 1) * cfg.batch]
+            idx = idx.to(dev)
+            before = sum(c.bytes_sent for c in comms)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(net(xtr[idx]), ytr[idx])
+            loss.backward()
+            opt.step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+            sent = sum(c.bytes_sent for c in comms) - before
+        with torch.no_grad():
+            acc = (net(xte).argmax(1) == yte).float().mean().item()  # every rank: the forward all-gathers
+        spec = "FSDP2's own comms" if weights is None and grads is None else " + ".join(
+            f"{v} {k}" for k, v in (("weights", weights), ("grads", grads)) if v
+        )  # fmt: skip
+        rows.append({"compressor": name, "chose": None, "spec": spec, "auto": None,
+                     "step_ms": 1e3 * statistics.median(times[cfg.warmup :]),
+                     "step_ms_p20": 1e3 * quantile(times[cfg.warmup :], 0.2),
+                     "step_ms_p80": 1e3 * quantile(times[cfg.warmup :], 0.8),
+                     "bytes_per_step": sent, "accuracy": acc, "final_loss": loss.item()})  # fmt: skip
+    if me != 0:
+        return None
+    plain = next((r for r in rows if r["compressor"] == "plain"), None)
+    for r in rows:
+        r["gradient_bytes"] = plain["bytes_per_step"] if plain else None
+        r["ratio"] = plain["bytes_per_step"] / max(1, r["bytes_per_step"]) if plain else None
+        r["speedup"] = plain["step_ms"] / r["step_ms"] if plain else None
+    return rows
+
+
 def print_table(rows: list[dict], *, title: str, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -226,14 +321,16 @@ def print_table(rows: list[dict], *, title: str, console=None) -> None:
     t = Table(title=title, title_justify="left")
     for col, just in (("compressor", "left"), ("step time (ms)", "right"), ("p20-p80 (ms)", "right"),
                       ("bytes sent / step", "right"), ("compression", "right"), ("test accuracy", "right"),
-                      ("speedup vs none", "right")):  # fmt: skip
+                      ("speedup vs " + ("plain" if any(r["compressor"] == "plain" for r in rows) else "none"),
+                       "right")):  # fmt: skip
         t.add_column(col, justify=just)
     for r in rows:
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         name = r["compressor"] + (f": {r['chose']}" if r.get("chose") else "")
         t.add_row(
             name, f"{r['step_ms']:.2f}", f"{r['step_ms_p20']:.2f}-{r['step_ms_p80']:.2f}",
-            fmt_bytes(r["bytes_per_step"]), f"{r['ratio']:.1f}x", f"{100 * r['accuracy']:.1f}%", sp,
+            fmt_bytes(r["bytes_per_step"]), "-" if r["ratio"] is None else f"{r['ratio']:.1f}x",
+            f"{100 * r['accuracy']:.1f}%", sp,
         )  # fmt: skip
     console.print(t)
     auto = next((r["auto"] for r in rows if r.get("auto")), None)
@@ -279,7 +376,7 @@ def _title(cfg: DemoConfig, ranks: int, backend: str, network: str, params: int)
         f"torsh demo: {ranks} ranks ({backend}, {network}), MLP 64-{cfg.hidden}-{cfg.hidden}-10 "
         f"({params:,} parameters, "
         f"{4 * params / 2**20:.2f} MiB of gradients) on sklearn digits, {cfg.steps} steps of {cfg.batch}/rank, "
-        f"DDP + torsh compression_hook"
+        + ("FSDP2 (fully_shard) + torsh quantized comms" if cfg.fsdp else "DDP + torsh compression_hook")
     )
 
 
@@ -338,8 +435,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hidden", type=int, default=d.hidden, help="hidden width of the MLP")
     ap.add_argument("--batch", type=int, default=d.batch, help="samples per rank per step")
     ap.add_argument(
-        "--compressors", default=",".join(COMPRESSORS), help="comma-separated, from: " + ", ".join(COMPRESSORS)
-    )
+        "--compressors", default=None,
+        help="comma-separated, from: " + ", ".join(COMPRESSORS) + " (default: all); with --fsdp, from: "
+        + ", ".join(FSDP_CASES) + f" (default: {','.join(FSDP_DEFAULT)})",
+    )  # fmt: skip
+    ap.add_argument("--fsdp", action="store_true",
+                    help="train under FSDP2 (fully_shard) with torsh's quantized all-gather / reduce-scatter: "
+                    "w8 = int8 weights, g4 = int4 gradients, ...")  # fmt: skip
     ap.add_argument("--link", default=None, metavar="RATE",
                     help="2 ranks on two emulated hosts with this link rate (1gbit, 100mbit); needs root")  # fmt: skip
     ap.add_argument("--delay", default=None, help="with --link: one-way delay per direction (e.g. 1ms)")
@@ -353,9 +455,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(a: argparse.Namespace) -> int:
     try:
-        cfg = DemoConfig(compressors=[c.strip() for c in a.compressors.split(",") if c.strip()], steps=a.steps,
+        names = a.compressors if a.compressors is not None else ",".join(FSDP_DEFAULT if a.fsdp else COMPRESSORS)
+        cfg = DemoConfig(compressors=[c.strip() for c in names.split(",") if c.strip()], steps=a.steps,
                          hidden=a.hidden, batch=a.batch, progress=not a.no_progress,
-                         trace=os.path.abspath(a.trace) if a.trace else None, trace_steps=a.trace_steps)  # fmt: skip
+                         trace=os.path.abspath(a.trace) if a.trace else None, trace_steps=a.trace_steps,
+                         fsdp=a.fsdp)  # fmt: skip
+        if cfg.fsdp and cfg.trace:
+            raise ValueError("--trace records the DDP demo; it is not wired into --fsdp")
     except ValueError as e:
         print(f"torsh demo: {e}", file=sys.stderr)
         return 2

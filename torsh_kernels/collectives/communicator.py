@@ -35,15 +35,19 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import threading
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from .. import _trace
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 from ..errors import (
     ArgumentTypeError,
     CollectiveError,
@@ -207,10 +211,53 @@ class _TorchHandle:
         return self._done or all(w is None or w.is_completed() for w in self._works)
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it: none exists before)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
 def _tensor(t: object, what: str, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if is_dtensor(t):
+        raise ArgumentTypeError(
+            f"{what}: {name} is a DTensor (placements {tuple(t.placements)} on {t.device_mesh}); collectives here "
+            f"move plain tensors: pass its local shard ({name}.to_local()) with a communicator of the mesh "
+            f"dimension to reduce over (TorchCommunicator(mesh, dim=...)), or {name}.full_tensor()"
+        )
     return t
+
+
+def resolve_group(group: object, dim: str | int | None, what: str) -> dist.ProcessGroup | None:
+    """The process group of ``group``: a ProcessGroup, None (the default group), or a DeviceMesh, whose
+    dimension ``dim`` (a name or an index; may be omitted for a 1-D mesh) gives the group."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        if dim is not None:
+            raise InvalidArgumentError(f"{what}: dim={dim!r} applies to a DeviceMesh, not to a process group")
+        return group
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without DeviceMesh
+        DeviceMesh = ()
+    if not isinstance(group, DeviceMesh):
+        raise ArgumentTypeError(
+            f"{what}: group must be a ProcessGroup, a DeviceMesh or None, got {type(group).__name__}"
+        )
+    names = group.mesh_dim_names
+    if dim is None:
+        if group.ndim != 1:
+            raise InvalidArgumentError(
+                f"{what}: a {group.ndim}-D DeviceMesh (dims {names}); pass dim= the name or index of the "
+                "dimension to communicate over"
+            )
+        return group.get_group()
+    if isinstance(dim, str):
+        if not names or dim not in names:
+            raise InvalidArgumentError(f"{what}: the mesh has no dimension named {dim!r} (its names: {names})")
+    elif isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < group.ndim:
+        raise InvalidArgumentError(f"{what}: dim must be a dimension name or an index below {group.ndim}, got {dim!r}")
+    return group.get_group(dim)
 
 
 # dtypes each backend can reduce (gloo has no int16; NCCL has no int16 and no bool)
@@ -239,9 +286,11 @@ class TorchCommunicator:
     """A :class:`Communicator` over a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
 
     ``group`` is any process group (``None``: the default one; subgroups from ``dist.new_group`` work,
-    ranks are then group ranks). ``timeout`` (seconds) bounds each wait on gloo, where ``Work.wait``
-    honours it; the group's own timeout (``init_process_group(timeout=...)``) applies as well, and for
-    NCCL it is the only one (the watchdog aborts the communicator).
+    ranks are then group ranks) or a ``DeviceMesh`` with ``dim`` naming the dimension to communicate over
+    (``TorchCommunicator(mesh, dim="dp")``; a 1-D mesh needs no ``dim``). ``timeout`` (seconds) bounds
+    each wait on gloo, where ``Work.wait`` honours it; the group's own timeout
+    (``init_process_group(timeout=...)``) applies as well, and for NCCL it is the only one (the watchdog
+    aborts the communicator).
     """
 
     __slots__ = ("_backend", "_check", "_device", "_group", "_pg", "_rank", "_ranks", "_seq", "_wait_timeout",
@@ -249,8 +298,9 @@ class TorchCommunicator:
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | DeviceMesh | None = None,
         *,
+        dim: str | int | None = None,
         timeout: float | None = None,
         check_consistency: bool | None = None,
     ) -> None:
@@ -260,10 +310,7 @@ class TorchCommunicator:
                 "torch.distributed.init_process_group(...) first (torchrun sets the environment it needs), "
                 "or launch local ranks with torsh_kernels.collectives.run_local"
             )
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise ArgumentTypeError(
-                f"TorchCommunicator: group must be a ProcessGroup or None, got {type(group).__name__}"
-            )
+        group = resolve_group(group, dim, "TorchCommunicator")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise InvalidArgumentError(
                 f"TorchCommunicator: timeout must be a positive number of seconds, got {timeout!r}"

@@ -49,7 +49,16 @@ try:  # private in torch 2.13 (the public setters take instances of these)
 except ImportError:  # pragma: no cover - a torch without FSDP2's comm interfaces
     _AllGather = _ReduceScatter = object
 
-__all__ = ["Installed", "QuantizedAllGather", "QuantizedReduceScatter", "apply_quantized_comm", "wire_bytes"]
+__all__ = [
+    "Installed",
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "apply_quantized_comm",
+    "count_traffic",
+    "counting_default_comms",
+    "managed_parameters",
+    "wire_bytes",
+]
 
 RESIDUAL = "torsh_rs_residual"
 """Name of the error-feedback residual buffer :func:`apply_quantized_comm` registers on an FSDP module."""
@@ -255,6 +264,60 @@ class QuantizedReduceScatter(_ReduceScatter):
             total.mul_(scale)
         out.copy_(total)
         return None
+
+
+def counting_default_comms() -> tuple[type, type]:
+    """FSDP2's own all-gather and reduce-scatter (its default implementations, unchanged) with the same
+    ``bytes_sent`` / ``calls`` counters as the quantized ones (ring collectives: each rank sends
+    ``world_size - 1`` segments of its shard per call), to measure plain FSDP2's traffic; install with
+    ``set_custom_all_gather(AllGather())`` / ``set_custom_reduce_scatter(ReduceScatter())``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class CountingAllGather(DefaultAllGather):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = self.bytes_sent = 0
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            self.calls += 1
+            self.bytes_sent += (dist.get_world_size(group) - 1) * input_tensor.nbytes
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    class CountingReduceScatter(DefaultReduceScatter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = self.bytes_sent = 0
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            self.calls += 1
+            self.bytes_sent += (dist.get_world_size(group) - 1) * output_tensor.nbytes
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    return CountingAllGather, CountingReduceScatter
+
+
+def count_traffic(module: nn.Module, installed: Sequence[Installed] = ()) -> list:
+    """Every comm that will run for ``module``'s FSDP modules, each with ``bytes_sent``: the quantized ones
+    ``installed`` by :func:`apply_quantized_comm`, and FSDP2's defaults with counters
+    (:func:`counting_default_comms`) installed wherever it left FSDP2's own. Sum their ``bytes_sent``
+    before and after a step for the bytes this rank sent."""
+    ag_cls, rs_cls = counting_default_comms()
+    by_mod = {id(i.module): i for i in installed}
+    comms = []
+    for m in _fsdp_modules(module):
+        if not managed_parameters(m):
+            continue
+        i = by_mod.get(id(m))
+        ag = i.all_gather if i is not None and i.all_gather is not None else None
+        rs = i.reduce_scatter if i is not None and i.reduce_scatter is not None else None
+        if ag is None:
+            ag = ag_cls()
+            m.set_custom_all_gather(ag)
+        if rs is None:
+            rs = rs_cls()
+            m.set_custom_reduce_scatter(rs)
+        comms += [ag, rs]
+    return comms
 
 
 def _fsdp_modules(module: nn.Module) -> list[nn.Module]:

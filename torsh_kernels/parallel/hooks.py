@@ -54,16 +54,20 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from .. import _trace
 from ..collectives.coalesce import Coalescer
-from ..collectives.communicator import TorchCommunicator
+from ..collectives.communicator import TorchCommunicator, resolve_group
 from ..compression import Compressor
 from ..errors import ArgumentTypeError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["CompressionHookState", "HookStats", "compression_hook"]
 
@@ -167,7 +171,9 @@ class CompressionHookState:
     """State of :func:`compression_hook`: tunables, per-parameter compressor states, statistics.
 
     Args:
-        process_group: the group DDP reduces over (None: the default group).
+        process_group: the group DDP reduces over (None: the default group), or a ``DeviceMesh`` whose
+            dimension ``mesh_dim`` (a name or index; not needed for a 1-D mesh) gives it.
+        mesh_dim: see ``process_group``.
         compressor: any :class:`~torsh_kernels.compression.Compressor` (None: uncompressed), or ``"auto"``:
             plain all-reduces for ``start_iter`` iterations (default 2), then the candidate that the
             measured link and the candidates' measured cost on this job's buckets make cheapest, the
@@ -191,9 +197,10 @@ class CompressionHookState:
 
     def __init__(
         self,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | DeviceMesh | None = None,
         compressor: Compressor | str | None = None,
         *,
+        mesh_dim: str | int | None = None,
         auto_candidates: Sequence[Compressor | None] | None = None,
         start_iter: int | None = None,
         min_compression_rate: float | None = None,
@@ -202,12 +209,7 @@ class CompressionHookState:
         quantize_mode: str = "auto",
         timeout: float | None = None,
     ) -> None:
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise ArgumentTypeError(
-                "CompressionHookState: process_group must be a ProcessGroup or None, "
-                f"got {type(process_group).__name__}"
-            )
-        self.process_group = process_group
+        self.process_group = resolve_group(process_group, mesh_dim, "CompressionHookState")
         self._engine = BucketCompressor(
             compressor,
             start_iter=start_iter,

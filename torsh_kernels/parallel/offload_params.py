@@ -5,12 +5,14 @@ parameters come to the device just before its forward and again before its backw
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import torch
 
 from .. import _trace
+from ..collectives.communicator import is_dtensor
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops import Packed, pack, packed_nbytes, unpack
 from .offload_optimizer import STATE_FORMATS
@@ -80,6 +82,13 @@ class ParameterOffloader:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InvalidArgumentError(f"{what}: prefetch={prefetch!r} must be an int >= 0")
         params = list(module.parameters())
+        if any(is_dtensor(p) for p in params) or _is_fsdp(module):
+            raise InvalidArgumentError(
+                f"{what}: this module is sharded by FSDP2 (fully_shard: its parameters are DTensors), which already "
+                "moves each shard where it is needed; to keep the shards in host memory use FSDP2's own offload, "
+                "fully_shard(module, offload_policy=torch.distributed.fsdp.CPUOffloadPolicy()), and for packed "
+                "optimizer state OffloadedOptimizer; ParameterOffloader is for modules that are not sharded"
+            )
         if device is None:
             device = params[0].device if params else torch.device("cpu")
         self.device = torch.device(device)
@@ -274,3 +283,10 @@ class ParameterOffloader:
         for ents in self._entries:
             for e in ents.values():
                 e.param.data = e.param.data.to(self.device)
+
+
+def _is_fsdp(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or one of its submodules is an FSDP2 ``FSDPModule`` (without importing FSDP2: none
+    exists before)."""
+    mod = sys.modules.get("torch.distributed.fsdp")
+    return mod is not None and any(isinstance(m, mod.FSDPModule) for m in module.modules())

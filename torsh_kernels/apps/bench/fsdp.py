@@ -32,7 +32,6 @@ import time
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from ...collectives import TorchCommunicator, init_from_env, run_local
 from . import environment, quantile, wide_console
@@ -47,28 +46,6 @@ CASES = {
 
 def _cases(grads: str) -> list[tuple[str, str | None, str | None]]:
     return [(k.format(g=grads), w, g if g is None else g.format(g=grads)) for k, (w, g) in CASES.items()]
-
-
-def _counting_defaults():
-    """FSDP2's default all-gather and reduce-scatter, each call's bytes counted (ring collectives: each
-    rank sends world_size - 1 segments of its shard's size)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-
-    class CountingAllGather(DefaultAllGather):
-        bytes_sent = 0
-
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            self.bytes_sent += (dist.get_world_size(group) - 1) * input_tensor.nbytes
-            return super().__call__(output_tensor, input_tensor, group, async_op)
-
-    class CountingReduceScatter(DefaultReduceScatter):
-        bytes_sent = 0
-
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            self.bytes_sent += (dist.get_world_size(group) - 1) * output_tensor.nbytes
-            return super().__call__(output_tensor, input_tensor, group, op, async_op)
-
-    return CountingAllGather, CountingReduceScatter
 
 
 def _model(cfg: dict, mesh) -> torch.nn.Module:
@@ -89,23 +66,10 @@ def _model(cfg: dict, mesh) -> torch.nn.Module:
 
 
 def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -> dict:
-    from torch.distributed.fsdp import FSDPModule
-
-    from ...parallel.fsdp import apply_quantized_comm, managed_parameters
+    from ...parallel.fsdp import apply_quantized_comm, count_traffic
 
     model = _model(cfg, mesh)
-    installed = {id(i.module): i for i in apply_quantized_comm(model, weights=weights, grads=grads)}
-    ag_cls, rs_cls = _counting_defaults()
-    comms = []
-    for m in model.modules():
-        if not isinstance(m, FSDPModule) or not managed_parameters(m):
-            continue
-        i = installed.get(id(m))
-        ag = i.all_gather if i is not None and i.all_gather is not None else ag_cls()
-        rs = i.reduce_scatter if i is not None and i.reduce_scatter is not None else rs_cls()
-        m.set_custom_all_gather(ag)
-        m.set_custom_reduce_scatter(rs)
-        comms += [ag, rs]
+    comms = count_traffic(model, apply_quantized_comm(model, weights=weights, grads=grads))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1 + comm.rank)
     target = torch.randn(cfg["width"], 16, generator=torch.Generator().manual_seed(7)) / cfg["width"] ** 0.5

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from .. import _trace
+from ..collectives.communicator import is_dtensor
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops import BucketLayout, Packed, flatten, pack, unflatten, unpack
 
@@ -64,10 +65,17 @@ def _cuda_device(params: list[torch.Tensor]) -> torch.device | None:
     return dev if dev.type == "cuda" else None
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters and gradients: the memory this rank holds and updates),
+    detached; any other tensor as it is."""
+    return t.to_local().detach() if is_dtensor(t) else t
+
+
 def _host_state(v: Any) -> Any:
     """A host copy of one state entry: tensors of a parameter's shape in fp32, scalars as they are."""
     if not isinstance(v, torch.Tensor):
         return v
+    v = _local(v)
     dtype = torch.float32 if v.is_floating_point() and v.dim() else v.dtype
     return v.detach().to("cpu", dtype, copy=True)
 
@@ -81,16 +89,17 @@ class _Chunk:
     def __init__(self, group: int, params: list[torch.nn.Parameter], pin: bool) -> None:
         self.group = group
         self.params = params
-        n = sum(p.numel() for p in params)
+        local = [_local(p) for p in params]  # a DTensor parameter (FSDP2): its shard, which this rank updates
+        n = sum(t.numel() for t in local)
         self.master_flat = torch.empty(n, dtype=torch.float32, pin_memory=pin)
         self.grad_flat = torch.empty(n, dtype=torch.float32, pin_memory=pin)
-        self.layout = BucketLayout.for_tensors(params, torch.float32)
+        self.layout = BucketLayout.for_tensors(local, torch.float32)
         self.masters = self.layout.views(self.master_flat)
         self.grad_views = self.layout.views(self.grad_flat)
         self.host_has = [False] * len(params)  # offload_gradients="backward": this step's gradient is on the host
         with torch.no_grad():
-            for m, p in zip(self.masters, params):
-                m.copy_(p.detach())
+            for m, t in zip(self.masters, local):
+                m.copy_(t.detach())
         self.inner: torch.optim.Optimizer | None = None
         self.h2d_done: torch.cuda.Event | None = None
 
@@ -148,11 +157,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             cur: list[torch.nn.Parameter] = []
             size = 0
             for p in g["params"]:
-                if cur and size + p.numel() > limit:
+                n = _local(p).numel()
+                if cur and size + n > limit:
                     self._chunks.append(_Chunk(gi, cur, pin))
                     cur, size = [], 0
                 cur.append(p)
-                size += p.numel()
+                size += n
             if cur:
                 self._chunks.append(_Chunk(gi, cur, pin))
         for c in self._chunks:
@@ -225,7 +235,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _gather_grads_now(self, c: _Chunk) -> tuple[list[bool], torch.cuda.Event | None]:
         has = [p.grad is not None for p in c.params]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in c.params]
+        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in c.params]
         self.stats["bytes_to_host"] += c.grad_flat.numel() * 4
         if self._cuda is None:
             flatten(grads, out=c.grad_flat)
@@ -246,7 +256,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._scatter_params_now(c)
 
     def _scatter_params_now(self, c: _Chunk) -> None:
-        params = [p.detach() for p in c.params]
+        params = [_local(p).detach() for p in c.params]  # (FSDP2: the shard, in FSDP2's own storage)
         self.stats["bytes_to_device"] += c.master_flat.numel() * 4
         if self._cuda is None:
             unflatten(c.master_flat, c.layout, params)
@@ -271,16 +281,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if h:
                 self._unpack_state(m, c.inner.state[m])
         c.inner.step()
-        for m, h in zip(c.masters, has):
+        for p, m, h in zip(c.params, c.masters, has):
             m.grad = None
             if h:
                 self._pack_state(m, c.inner.state[m])
+                # the state lives in the host optimizers; this entry only says it exists (what
+                # torch.distributed.checkpoint's get_state_dict looks at before it would run a step of its own)
+                self.state[p] = {"offloaded": self.state_format}
 
     @torch.no_grad()
     def _grad_ready(self, c: _Chunk, i: int, p: torch.Tensor) -> None:
         """offload_gradients="backward": move a gradient to the host as soon as backward produced it (adding
         to the one already there within this step) and free it on the device."""
-        view, g = c.grad_views[i], p.grad
+        view, g = c.grad_views[i], _local(p.grad)
         self.stats["bytes_to_host"] += g.numel() * 4
         if self._cuda is None:
             if c.host_has[i]:
@@ -351,6 +364,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 s = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in c.inner.state.get(m, {}).items()}
                 s.update(self._unpacked(m, keep=True))
                 s["master"] = m.detach().clone()
+                if is_dtensor(p):  # sharded like the parameter, so distributed checkpoints save every shard
+                    s = {k: _like(p, v) for k, v in s.items()}
                 state[index[id(p)]] = s
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
                   for g in self.param_groups]  # fmt: skip
@@ -375,15 +390,26 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         saved_state = state_dict.get("state", {})
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         self._packed.clear()
+        self.state.clear()
         for c in self._chunks:
             c.inner.state.clear()
             for p, m in zip(c.params, c.masters):
                 s = dict(saved_state.get(ids[position[id(p)]], {}))
                 with torch.no_grad():
                     master = s.pop("master", None)
-                    m.copy_(master if master is not None else p.detach())
+                    m.copy_(_local(master) if master is not None else _local(p).detach())
                 if s:  # host copies; tensor state in fp32 (a plain optimizer's may be on the device, in bf16)
                     st = {k: _host_state(v) for k, v in s.items()}
                     c.inner.state[m] = st
                     self._pack_state(m, st)
+                    self.state[p] = {"offloaded": self.state_format}
         self.stats["state_bytes"] = self._state_bytes()
+
+
+def _like(p: torch.Tensor, v: Any) -> Any:
+    """A state tensor of the shard's shape as a DTensor placed like parameter ``p``; anything else as it is."""
+    if not isinstance(v, torch.Tensor) or v.dim() == 0:
+        return v
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

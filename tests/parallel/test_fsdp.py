@@ -295,6 +295,19 @@ def _mesh_worker(comm) -> dict:
         out["offloader"] = None
     except InvalidArgumentError as e:
         out["offloader"] = str(e)
+    from torsh_kernels.compression import TopK, compressed_all_reduce
+    from torsh_kernels.parallel import GradientSynchronizer
+
+    try:
+        GradientSynchronizer(model, TorchCommunicator(flat))
+        out["sync"] = None
+    except InvalidArgumentError as e:
+        out["sync"] = str(e)
+    try:
+        compressed_all_reduce(dt, TorchCommunicator(flat), TopK(0.5), TopK(0.5).new_state())
+        out["car"] = None
+    except ArgumentTypeError as e:
+        out["car"] = str(e)
     return out
 
 
@@ -311,6 +324,8 @@ def test_device_mesh_is_accepted_and_dtensors_get_typed_errors():
                                "InvalidArgumentError", "ArgumentTypeError"]  # fmt: skip
         assert "DTensor" in out["dtensor"] and "to_local()" in out["dtensor"]
         assert "CPUOffloadPolicy" in out["offloader"]
+        assert "DTensor" in out["sync"] and "apply_quantized_comm" in out["sync"]
+        assert out["car"].startswith("compressed_all_reduce: tensor is a DTensor")
 
 
 # -- ZeRO-3 with the optimizer on the host: OffloadedOptimizer over FSDP2's shards -------------------------

@@ -217,15 +217,20 @@ def is_dtensor(t: object) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-def _tensor(t: object, what: str, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+def reject_dtensor(t: object, what: str, name: str) -> None:
+    """Raise ``ArgumentTypeError`` saying what to pass instead when ``t`` is a DTensor."""
     if is_dtensor(t):
         raise ArgumentTypeError(
             f"{what}: {name} is a DTensor (placements {tuple(t.placements)} on {t.device_mesh}); collectives here "
             f"move plain tensors: pass its local shard ({name}.to_local()) with a communicator of the mesh "
             f"dimension to reduce over (TorchCommunicator(mesh, dim=...)), or {name}.full_tensor()"
         )
+
+
+def _tensor(t: object, what: str, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    reject_dtensor(t, what, name)
     return t
 
 

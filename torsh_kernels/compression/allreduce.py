@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import _trace
-from ..collectives.communicator import Communicator
+from ..collectives.communicator import Communicator, reject_dtensor
 from ..collectives.cost_model import Link
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, ShapeError
 from ..ops import COMPRESS_DTYPES
@@ -216,6 +216,7 @@ def start_compressed_all_reduce(
         name = "tensor" if single else f"tensor[{i}]"
         if not isinstance(t, torch.Tensor):
             raise ArgumentTypeError(f"{what}: {name} is a {type(t).__name__}, expected a torch.Tensor")
+        reject_dtensor(t, what, name)
         if t.dtype not in COMPRESS_DTYPES:
             raise InvalidArgumentError(f"{what}: {name} dtype {t.dtype}; expected float32, float16 or bfloat16")
         if not t.is_contiguous():

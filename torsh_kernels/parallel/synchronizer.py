@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..collectives.coalesce import Coalescer
-from ..collectives.communicator import Communicator
+from ..collectives.communicator import Communicator, is_dtensor
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
@@ -132,6 +132,14 @@ class GradientSynchronizer:
                 raise InvalidArgumentError(f"{what}: {name} must be a number > 0, got {v!r}")
         if order not in ORDERS:
             raise InvalidArgumentError(f"{what}: order must be one of {ORDERS}, got {order!r}")
+        sharded = next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
+        if sharded is not None:
+            raise InvalidArgumentError(
+                f"{what}: parameter {sharded!r} is a DTensor: this model is sharded (FSDP2's fully_shard, or tensor "
+                "parallelism), and FSDP2 reduces its gradients itself (a reduce-scatter per layer). The synchronizer "
+                "averages replicated parameters, as DDP does; for compressed gradients under FSDP2 use "
+                "torsh_kernels.parallel.apply_quantized_comm, for a model not sharded pass it before fully_shard"
+            )
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise InvalidArgumentError(f"{what}: the model has no parameters that require gradients")

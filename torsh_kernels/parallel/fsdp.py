@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compression import Compressor, NoCompression, compressed_all_reduce
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops import dequantize, quantize
 
@@ -53,6 +54,7 @@ __all__ = [
     "Installed",
     "QuantizedAllGather",
     "QuantizedReduceScatter",
+    "ReplicaAllReduce",
     "apply_quantized_comm",
     "count_traffic",
     "counting_default_comms",
@@ -385,6 +387,45 @@ class Installed:
     module: nn.Module
     all_gather: QuantizedAllGather | None
     reduce_scatter: QuantizedReduceScatter | None
+    replica_all_reduce: ReplicaAllReduce | None = None
+
+
+class ReplicaAllReduce:
+    """FSDP2's all-reduce hook (``FSDPModule.set_all_reduce_hook``) that averages the reduce-scattered
+    gradient shard over the replicas of an HSDP job through any torsh compressor: FSDP2 shards over one
+    mesh dimension (its reduce-scatter averages over the shard group), and this hook averages the result
+    over the other (``comm``: the replicate dimension's communicator), compressed. One compression state
+    per FSDP module (error feedback where the compressor keeps it)."""
+
+    def __init__(self, comm, compressor) -> None:
+        if compressor is not None and not isinstance(compressor, Compressor):
+            raise ArgumentTypeError(
+                f"apply_quantized_comm: hsdp_grads must be a torsh Compressor, got {type(compressor).__name__}"
+            )
+        self.comm = comm
+        self.compressor = compressor
+        self.state = compressor.new_state(seed=comm.rank) if compressor is not None else None
+        self.calls = 0
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        self.calls += 1
+        compressed_all_reduce(reduce_output.view(-1), self.comm, self.compressor, self.state)
+
+
+def _replicate_comm(replicate):
+    from ..collectives import TorchCommunicator
+
+    if isinstance(replicate, tuple) and len(replicate) == 2:
+        return TorchCommunicator(replicate[0], dim=replicate[1])
+    if replicate is None or isinstance(replicate, dist.ProcessGroup) or type(replicate).__name__ == "DeviceMesh":
+        return TorchCommunicator(replicate)
+    for name in ("rank", "world_size", "all_reduce", "all_gather"):
+        if not hasattr(replicate, name):
+            raise ArgumentTypeError(
+                "apply_quantized_comm: replicate must be a Communicator, a ProcessGroup, a DeviceMesh or "
+                f"(mesh, dim), got {type(replicate).__name__}"
+            )
+    return replicate
 
 
 def apply_quantized_comm(
@@ -394,13 +435,23 @@ def apply_quantized_comm(
     grads: str | None = "int8",
     block: int = 256,
     error_feedback: bool = True,
+    hsdp_grads: object = None,
+    replicate: object = None,
 ) -> list[Installed]:
     """Install :class:`QuantizedAllGather` (``weights``: "int8", "int4" or None) and
     :class:`QuantizedReduceScatter` (``grads``: "int8", "int4" or None) on every ``FSDPModule`` of
     ``module`` (after ``fully_shard``, before training). With gradient quantization and
     ``error_feedback``, each FSDP module gets a persistent buffer ``torsh_rs_residual`` (see
     :class:`QuantizedReduceScatter`), so load checkpoints into a model prepared the same way. Returns
-    what it installed per FSDP module that holds parameters (:class:`Installed`)."""
+    what it installed per FSDP module that holds parameters (:class:`Installed`).
+
+    HSDP with a compressed replica all-reduce: shard the model over the shard dimension only
+    (``fully_shard(m, mesh=mesh["shard"])``) and pass ``replicate`` (a Communicator, a ProcessGroup, a
+    1-D DeviceMesh or ``(mesh, "replicate")``) with ``hsdp_grads``, a torsh compressor (``FP16()``,
+    ``TopK(0.01)``, ``Quantize(8)``, ...; ``NoCompression()`` for a plain all-reduce): each FSDP module's
+    reduce-scattered gradient is then averaged over the replicas through it, in FSDP2's all-reduce hook
+    (:class:`ReplicaAllReduce`). The compressors' states (error feedback) are not part of the
+    ``state_dict``."""
     what = "apply_quantized_comm"
     for name, v in (("weights", weights), ("grads", grads)):
         if v is not None and v not in _FORMATS:
@@ -408,6 +459,20 @@ def apply_quantized_comm(
     _check(8, block, what, (8,))
     if not isinstance(error_feedback, bool):
         raise ArgumentTypeError(f"{what}: error_feedback must be a bool, got {type(error_feedback).__name__}")
+    if (hsdp_grads is None) != (replicate is None):
+        raise InvalidArgumentError(
+            f"{what}: hsdp_grads and replicate go together: the compressor and the replicate dimension's "
+            "communicator (or (mesh, 'replicate'))"
+        )
+    rep = _replicate_comm(replicate) if replicate is not None else None
+    if rep is not None:
+        if isinstance(hsdp_grads, NoCompression):
+            hsdp_grads = None
+        elif not isinstance(hsdp_grads, Compressor):
+            raise ArgumentTypeError(
+                f"{what}: hsdp_grads must be a torsh Compressor (FP16(), TopK(0.01), ...), got "
+                f"{type(hsdp_grads).__name__}"
+            )
     mods = _fsdp_modules(module)
     changed = []
     for m in mods:
@@ -422,5 +487,9 @@ def apply_quantized_comm(
             res = _residual_buffer(m, params) if error_feedback else None
             rs = QuantizedReduceScatter(bits=_FORMATS[grads], block=block, error_feedback=error_feedback, residual=res)
             m.set_custom_reduce_scatter(rs)
-        changed.append(Installed(m, ag, rs))
+        hook = None
+        if rep is not None:
+            hook = ReplicaAllReduce(rep, hsdp_grads)
+            m.set_all_reduce_hook(hook)
+        changed.append(Installed(m, ag, rs, hook))
     return changed

@@ -21,7 +21,9 @@ from torsh_kernels.compression import BF16, FP16, Compressor, PowerSGD, Quantize
 GPU = torch.cuda.is_available() and os.environ.get("TORSH_TEST_INTERPRET", "0") != "1"
 """Whether the tests run the compiled kernels on a GPU (else Triton's interpreter and Numba's simulator)."""
 DEVICE = torch.device("cuda") if GPU else torch.device("cpu")
-PROVIDERS = ("triton", "numba", "torch")
+PROVIDERS = ("triton", "numba", "torch") if GPU else ("triton", "numba", "cpu", "torch")
+"""The providers every op test runs with. The cpu provider's kernels take CPU tensors: on a GPU machine,
+where the tests' tensors live on the GPU, the CPU run covers them."""
 
 # (dtype, atol, rtol): about two units in the last place of each dtype, so a wrong element or a missed
 # element (the outputs are poisoned with NaN) fails. A one-ulp rounding error passes these; rounding

@@ -168,4 +168,3 @@ def test_what_the_bucket_layer_and_the_planner_read():
         assert schemes and all(r.nbytes > 0 for rounds in schemes.values() for r in rounds)
     (r,) = FP16().schemes(1000, torch.float32, 4)["all_reduce"]
     assert r.nbytes == 2000 and NoCompression().schemes(1000, torch.bfloat16, 4)["all_reduce"][0].nbytes == 2000
-

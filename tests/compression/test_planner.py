@@ -46,6 +46,8 @@ def test_argument_errors():
         plan(10, 2, 1e9)
     with pytest.raises(ArgumentTypeError):
         plan(10, 2, LINK, compressors=("topk",))
+
+
 def test_plan_picks_the_cheapest():
     slow = Link.gbit(1)
     p = plan(32 << 20, 2, slow)
@@ -63,8 +65,6 @@ def test_plan_picks_the_cheapest():
     # with compute cost on a slow device, compression stops paying on a fast link
     p = plan(32 << 20, 2, Link.gbit(400), compute_bandwidth=5e9, compressors=(None, TopK(0.01)))
     assert p.compressor is None
-
-
 
 
 def test_measured_compute_decides_where_the_link_is_fast():

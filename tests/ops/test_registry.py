@@ -106,15 +106,35 @@ def test_can_run_explains_device_limits():
 
 def test_providers_report_lists_every_provider_with_reasons():
     report = tk.providers()
-    assert list(report) == ["triton", "numba", "torch"]
+    assert list(report) == ["triton", "numba", "cpu", "torch"]
     text = str(report)
-    for name in ("triton", "numba", "torch"):
+    for name in ("triton", "numba", "cpu", "torch"):
         assert name in text and report[name].version
+    assert "Numba's CPU target" in report["cpu"].mode and report["cpu"].cpu is None
+    assert "CPU tensors" in report["cpu"].cuda
     if DEVICE.type == "cpu":
         assert "interpreter" in report["triton"].mode and report["triton"].cpu is None
         assert "simulator" in report["numba"].mode and report["numba"].cpu is None
         assert report["torch"].cuda == "torch reports no usable CUDA device"
     assert all(info.available for info in report.values())
+
+
+def test_cpu_provider_is_the_cpu_default_and_ops_without_it_fall_back_to_torch(caplog):
+    assert registry.default_provider(torch.device("cpu")) == "cpu"
+    assert registry.default_provider(torch.device("cuda")) == "triton"
+    assert registry.can_run("cpu", torch.device("cpu")) is None
+    assert "CPU tensors" in registry.can_run("cpu", torch.device("cuda"))
+    op = registry.Op("test_only_torch")
+    op.register("torch")(lambda: None)
+    with caplog.at_level(logging.DEBUG, logger="torsh_kernels"):
+        assert op.select(torch.device("cpu"), torch.float32, 10, None) == "torch"
+    assert any("no cpu implementation" in r.getMessage() for r in caplog.records)
+    with pytest.raises(tk.ProviderUnavailableError, match="no cpu implementation"):
+        op.select(torch.device("cpu"), torch.float32, 10, "cpu")
+    # every op family has a cpu implementation (the bucket ops: torch's own, see docs/ops.md)
+    ops_with_impls = [o for m in list(sys.modules.values()) if (m.__name__ or "").startswith("torsh_kernels.ops.")
+                      for o in vars(m).values() if isinstance(o, registry.Op)]  # fmt: skip
+    assert len(ops_with_impls) >= 18 and all("cpu" in o.impls for o in ops_with_impls)
 
 
 def test_providers_without_interpreter_or_simulator_explain_how_to_enable_them():

@@ -104,6 +104,11 @@ def _check_int(v: object, what: str, name: str, lo: int | None = None) -> int:
     return v
 
 
+def _count(bad) -> int:
+    """A provider's count (a host int from the cpu provider, an int64 tensor from the others) as an int."""
+    return bad if type(bad) is int else int(bad.item())
+
+
 def _raise_nonfinite(bad: int, what: str, name: str) -> None:
     raise NonFiniteError(
         f"{what}: {name} holds {bad} non-finite element(s) (NaN or Inf); nothing was compressed and no "

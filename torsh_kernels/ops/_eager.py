@@ -14,11 +14,13 @@ skipped without changing what happens:
 
 Otherwise the public op calls the registered custom op, exactly as before. On the direct path an op
 without registered autograd runs its implementation under no-grad (what the dispatcher gave it: its
-outputs never require grad); an op with registered autograd (the MoE route, permute, unpermute) takes
-the direct path only when no gradient is needed and the custom op otherwise, so its backward is the
-registered one. Tensors a Triton or Numba kernel wrote are marked modified (their autograd version
-counter bumped, as ADInplaceOrView does); the torch provider writes through in-place torch ops, which
-do that themselves.
+outputs never require grad). An op with registered autograd (the MoE route, permute, unpermute) runs its
+implementation directly when no gradient is needed, and when one is, through :class:`_Direct`, a
+``torch.autograd.Function`` whose forward is the implementation and whose ``setup_context`` and backward
+are the ones registered with ``torch.library.register_autograd``: the same graph node's arithmetic
+without the dispatcher's chain (the field's practice: autograd in a Function outside the op). Tensors a
+Triton, Numba or cpu kernel wrote are marked modified (their autograd version counter bumped, as
+ADInplaceOrView does); the torch provider writes through in-place torch ops, which do that themselves.
 """
 
 from __future__ import annotations
@@ -90,6 +92,11 @@ def written(provider: str, *tensors: torch.Tensor | None) -> None:
         _bump(tuple(t for t in tensors if t is not None))
 
 
+def bump(*tensors: torch.Tensor | None) -> None:
+    """Mark tensors a fast path wrote through their memory (not through a torch op) as modified."""
+    _bump(tuple(t for t in tensors if t is not None))
+
+
 def _direct_args(args: tuple, autograd: bool) -> bool:
     if _is_compiling() or _dispatch_modes() or _function_mode() or _functorch_level() is not None:
         return False
@@ -121,13 +128,59 @@ def call(op, mutated: tuple[int, ...], *args):
     return out
 
 
+class _Direct(torch.autograd.Function):
+    """An op with registered autograd, run directly while a gradient is needed: forward is the op's
+    implementation, then its registered ``setup_context``; backward is its registered backward. One
+    subclass per op (:func:`_direct_fn`) carries the op, so the Function's inputs are exactly the op's
+    (``ctx.needs_input_grad`` lines up with the registered backward's view of them)."""
+
+    op = None
+
+    @classmethod
+    def forward(cls, ctx, *args):
+        ctx.set_materialize_grads(False)  # None for an unused output, as the registered backward expects
+        out = cls.op._init_fn(*args)
+        cls.op._setup_context_fn(ctx, args, out)
+        return out
+
+    @classmethod
+    def backward(cls, ctx, *grads):
+        return cls.op._backward_fn(ctx, *grads)
+
+
+_DIRECT: dict[object, type] = {}
+
+
+def _direct_fn(op) -> type:
+    f = _DIRECT.get(op)
+    if f is None:
+        f = _DIRECT[op] = type(f"_Direct_{getattr(op, '_name', 'op')}", (_Direct,), {"op": op})
+    return f
+
+
 def call_autograd(op, *args):
-    """Like :func:`call` for an op with registered autograd and no mutations: direct only when no
-    argument needs a gradient (then the registered backward is not needed)."""
+    """Like :func:`call` for an op with registered autograd and no mutations: its implementation directly
+    when no argument needs a gradient, through :class:`_Direct` when one does (no mode, no subclass)."""
     fn = getattr(op, "_init_fn", None)
-    if fn is None or not _direct_args(args, True):
+    if fn is None or not _direct_args(args, False):
         return op(*args)
-    return run(fn, *args)
+    if not _needs_grad_args(args):
+        return run(fn, *args)
+    if getattr(op, "_backward_fn", None) is None or getattr(op, "_setup_context_fn", None) is None:
+        return op(*args)
+    return _direct_fn(op).apply(*args)
+
+
+def _needs_grad_args(args: tuple) -> bool:
+    if not _grad_enabled():
+        return False
+    for a in args:
+        if type(a) in _PLAIN:
+            if a.requires_grad:
+                return True
+        elif (type(a) is list or type(a) is tuple) and any(t.requires_grad for t in a):
+            return True
+    return False
 
 
 def _mark(args: tuple, mutated: tuple[int, ...]) -> None:

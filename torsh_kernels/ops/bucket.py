@@ -489,6 +489,13 @@ def _reduce_numba(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> No
     )  # fmt: skip
 
 
+# The cpu provider's bucket ops are the torch provider's: on the CPU, torch.cat(out=), _foreach_copy_ and
+# the in-place adds are already one vectorised pass per tensor; a Numba loop would add nothing.
+for _op, _impl in ((_flatten, _flatten_torch), (_unflatten, _unflatten_torch), (_reduce, _reduce_torch)):
+    _op.register("cpu")(_impl)
+_TORCH_IMPL = ("torch", "cpu")  # provider names that run the torch implementations above
+
+
 # --------------------------------------------------------------------------------------------------
 # Custom ops (torch.library): opaque to torch.compile, with fake implementations for tracing.
 
@@ -642,7 +649,7 @@ def _flatten_run(plan: _FlatPlan, tensors, out, scale: float, name: str):
     else:
         flat = out if plan.out_1d else out.view(-1)
     if layout.total:
-        if name == "torch" and plan.cat and (scale == 1.0 or plan.cat_scaled):
+        if name in _TORCH_IMPL and plan.cat and (scale == 1.0 or plan.cat_scaled):
             if plan.grad:
                 _eager.run(_flatten, name, tensors, flat, scale, plan.one_d)
             else:
@@ -672,7 +679,7 @@ def _unflatten_run(plan: _UnflatPlan, key, flat, tensors, scale: float, accumula
     if total == 0:
         return
     name = _unflatten.select(plan.device, flat.dtype, total, provider or None)
-    if name == "torch" and plan.same and scale == 1.0 and not accumulate:
+    if name in _TORCH_IMPL and plan.same and scale == 1.0 and not accumulate:
         views = plan.views
         if views is None or plan.flat_ref() is not flat:
             views = plan.views = _storage_views(flat, plan.layout)
@@ -707,7 +714,7 @@ def flatten(
         scale: multiplier applied in fp32 (fp64 if an operand is fp64) before the cast.
         dtype: dtype of the flat buffer (e.g. torch.bfloat16 for the wire); defaults to ``out``'s
             dtype, else the promoted dtype of the inputs.
-        provider: "triton", "numba" or "torch"; None selects automatically (see ``providers()``).
+        provider: "triton", "numba", "cpu" or "torch"; None selects automatically (see ``providers()``).
 
     Returns:
         ``(flat, layout)``: the 1-D buffer and the :class:`BucketLayout` that ``unflatten`` takes.
@@ -730,7 +737,7 @@ def flatten(
         if ok and (plan.guards.check(*tensors) if out is None else plan.guards.check(*tensors, out)):
             scale = _check_scale(scale, what)
             name = _flat_provider(plan, provider)
-            if plan.device.type == "cpu" and name == "torch" and plan.cat and (scale == 1.0 or plan.cat_scaled):
+            if plan.device.type == "cpu" and name in _TORCH_IMPL and plan.cat and (scale == 1.0 or plan.cat_scaled):
                 # torch.cat(out=) reads the addresses itself and refuses an out overlapping an input (a
                 # RuntimeError before it writes): the full validation then says which one
                 try:
@@ -877,7 +884,7 @@ def bucket_reduce(
             and all(b.shape == b0.shape for b in buffers)
             and (n := b0.numel())
             and _eager.fast()
-            and _reduce.select(_CPU, _F32, n, provider or None) == "torch"
+            and _reduce.select(_CPU, _F32, n, provider or None) in _TORCH_IMPL
         ):  # fmt: skip
             # The common case, fp32 buffers on the CPU: the torch provider itself into a new tensor, without
             # the flattening views and the custom op.

@@ -19,6 +19,7 @@ from . import _eager
 from ._common import (
     BLOCK,
     WARPS,
+    _count,
     _counter,
     _flat_inout,
     _flat_input,
@@ -95,6 +96,13 @@ def _axpby_numba(x, y, out, beta, count_bad):
     return K.axpby(x, y, out, beta, count_bad)
 
 
+@_axpby.register("cpu")
+def _axpby_cpu(x, y, out, beta, count_bad):
+    from . import _error_feedback_cpu as K
+
+    return K.axpby(x, y, out, beta, count_bad)
+
+
 @_err_update.register("torch")
 def _err_update_torch(acc, approx, res, out):
     a = approx.float()
@@ -122,6 +130,13 @@ def _err_update_numba(acc, approx, res, out):
     K.error_update(acc, approx, res, out)
 
 
+@_err_update.register("cpu")
+def _err_update_cpu(acc, approx, res, out):
+    from . import _error_feedback_cpu as K
+
+    K.error_update(acc, approx, res, out)
+
+
 # --------------------------------------------------------------------------------------------------
 # Custom ops (torch.library): opaque to torch.compile, with fake implementations.
 
@@ -132,7 +147,7 @@ def _residual_add_op(x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
     name = _select(_axpby, x, provider)
     with _on(x.device):
         bad = _axpby(name, x.view(-1), residual.view(-1), out.view(-1), 1.0, check_finite)
-    if check_finite and (b := int(bad.item())):
+    if check_finite and (b := _count(bad)):
         _raise_nonfinite(b, "torsh_kernels.residual_add", "x + residual")
 
 
@@ -159,6 +174,15 @@ def _(acc, approx, residual, out, provider):
 
 
 _RA_LAYOUTS = _Memo(64)
+_kc = None  # the cpu provider's kernel module, once loaded (the fast paths call it directly)
+
+
+def _cpu_kernels():
+    global _kc
+    from . import _error_feedback_cpu
+
+    _kc = _error_feedback_cpu
+    return _kc
 
 
 def _residual_add_fast_layout(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor, ptrs: tuple[int, int, int]) -> bool:
@@ -208,7 +232,15 @@ def residual_add(
                        x.requires_grad or residual.requires_grad or out.requires_grad)  # fmt: skip
                 if hit[0] is not None:
                     _RA_LAYOUTS.put(key, hit)
-        if hit is not None and _axpby.select(_CPU, _F32, hit[1], provider or None) == "torch":
+        sel = _axpby.select(_CPU, _F32, hit[1], provider or None) if hit is not None else None
+        if sel == "cpu":  # its kernel straight on the tensors' memory (plain fp32 arrays: no grad semantics)
+            K = _kc or _cpu_kernels()
+            b = K.axpby_ptr(key[0], key[1], key[2], hit[1], 1.0, bool(check_finite))
+            _eager.bump(out)
+            if b:
+                _raise_nonfinite(b, "torsh_kernels.residual_add", "x + residual")
+            return out
+        if sel == "torch":
             if hit[2]:
                 _add_nograd(x, residual, out)  # as the custom op ran: the result never requires grad
             else:
@@ -258,8 +290,14 @@ def error_update(
         and _eager.disjoint(residual, approx, 4 * n) and _eager.disjoint_or_same(residual, acc, 4 * n)
         and (out is None or (_eager.disjoint(out, residual, 4 * n) and _eager.disjoint(out, acc, 4 * n)
                              and _eager.disjoint_or_same(out, approx, 4 * n)))
-        and _err_update.select(_CPU, _F32, n, provider or None) == "torch"
+        and (sel := _err_update.select(_CPU, _F32, n, provider or None)) in ("torch", "cpu")
     ):  # fmt: skip
+        if sel == "cpu":  # its kernel straight on the tensors' memory
+            K = _kc or _cpu_kernels()
+            K.error_update_ptr(acc.data_ptr(), approx.data_ptr(), residual.data_ptr(),
+                               out.data_ptr() if out is not None else 0, n, out is not None)  # fmt: skip
+            _eager.bump(residual, out)
+            return
         # The common case, fp32 on the CPU: the torch provider's two calls, without the flattening views
         # and the custom op (equal shapes, contiguous: the same elements in the same order).
         with _eager.no_grad():

@@ -45,6 +45,8 @@ The kernels live in ``_moe_triton.py`` and ``_moe_numba.py`` (imported on a prov
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import (
@@ -56,7 +58,7 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
-from ._common import _check_tensor, _on
+from ._common import _check_tensor, _count, _on
 from ._moe_routing import Routing, check_capacity_factor, expert_capacity
 from .registry import Op
 
@@ -315,6 +317,13 @@ def _topk_numba(logits, k, score, renorm):
     return M.route_topk(logits, k, score == "softmax", renorm)
 
 
+@_topk.register("cpu")
+def _topk_cpu(logits, k, score, renorm):
+    from . import _moe_cpu as M
+
+    return M.route_topk(logits, k, score, renorm)
+
+
 # assignment -> row: (indices [T, K], scores [T, K]) -> row_map [T*K] (-1 dropped), counts [E], token_index [N]
 @_assign.register("torch")
 def _assign_torch(idx, s, E, cap, policy):
@@ -386,6 +395,13 @@ def _assign_numba(idx, s, E, cap, policy):
     return _finish_rows("numba", idx, pos, counts, policy, idx.shape[1])
 
 
+@_assign.register("cpu")
+def _assign_cpu(idx, s, E, cap, policy):
+    from . import _moe_cpu as M
+
+    return M.route_assign(idx, s, E, cap, policy)
+
+
 # scatter rows: out[row_map[t, j]] = x[t] (* w[t, j]); tok = the inverse map (out[i] = x[tok[i]] * ...)
 @_scatter_rows.register("torch")
 def _scatter_rows_torch(x, rows, tok, w, out):
@@ -418,6 +434,16 @@ def _scatter_rows_numba(x, rows, tok, w, out):
     from . import _moe_numba as M
 
     M.scatter_rows(x, rows, w, out)
+
+
+@_scatter_rows.register("cpu")
+def _scatter_rows_cpu(x, rows, tok, w, out):
+    from . import _moe_cpu as M
+
+    if w is None or M.weighted_ok(x, w, out):
+        M.scatter_rows(x, rows, tok, w, out)
+    else:  # 16-bit rows with weights: torch's implementation (see _moe_cpu)
+        _scatter_rows_torch(x, rows, tok, w, out)
 
 
 # gather rows: out[t] = sum_j w[t, j] * y[row_map[t, j]]
@@ -471,6 +497,16 @@ def _gather_rows_numba(y, rows, w, out):
     M.gather_rows(y, rows, w, out)
 
 
+@_gather_rows.register("cpu")
+def _gather_rows_cpu(y, rows, w, out):
+    from . import _moe_cpu as M
+
+    if M.weighted_ok(y, w, out):
+        M.gather_rows(y, rows, w, out)
+    else:  # 16-bit rows: torch's implementation (see _moe_cpu)
+        _gather_rows_torch(y, rows, w, out)
+
+
 # unpermute backward: grad_y_perm rows and grad_w [T, K] fp32
 @_gather_rows_bwd.register("torch")
 def _gather_rows_bwd_torch(gy, y, rows, w, gyp):
@@ -503,6 +539,15 @@ def _gather_rows_bwd_numba(gy, y, rows, w, gyp):
     return M.row_dots(gy, y, rows)
 
 
+@_gather_rows_bwd.register("cpu")
+def _gather_rows_bwd_cpu(gy, y, rows, w, gyp):
+    from . import _moe_cpu as M
+
+    if M.weighted_ok(gy, y, w, gyp):
+        return M.gather_rows_bwd(gy, y, rows, w, gyp)
+    return _gather_rows_bwd_torch(gy, y, rows, w, gyp)  # 16-bit rows: torch's implementation
+
+
 # --------------------------------------------------------------------------------------------------
 # Custom ops (torch.library) with autograd
 
@@ -510,19 +555,30 @@ def _gather_rows_bwd_numba(gy, y, rows, w, gyp):
 def _select(op: Op, t: torch.Tensor, provider: str, k: int, num_experts: int = 0) -> str:
     """The provider for this call; the torch path past the kernels' limits on K and E (an explicitly
     requested kernel provider then raises instead)."""
+    name = op.select(t.device, t.dtype, t.numel(), provider or None)
+    if name == "torch" or name == "cpu":  # no register-file limits
+        return name
     limit = None
     if k > MAX_KERNEL_K:
         limit = f"up to k={MAX_KERNEL_K} choices per token, got k={k}"
     elif num_experts > MAX_KERNEL_EXPERTS:
         limit = f"up to {MAX_KERNEL_EXPERTS} experts, got E={num_experts}"
     if limit is None:
-        return op.select(t.device, t.dtype, t.numel(), provider or None)
-    if provider not in ("", "torch"):
+        return name
+    if provider:
         raise ShapeError(f"torsh_kernels.{op.name}: the {provider} kernels handle {limit}; use provider='torch'")
     return "torch"
 
 
 _POLICY = {"position": _CAP_POSITION, "probability": _CAP_PROBABILITY}
+
+
+def _raise_nan_scores(bad: int, T: int) -> None:
+    raise NonFiniteError(
+        f"torsh_kernels.moe_route: {bad} of {T} tokens have NaN router scores (NaN or +inf logits, or a "
+        "softmax row of all -inf); fix the router's input, or pass check_finite=False to route them "
+        "anyway (their NaN scores then rank below every real score)"
+    )
 
 
 @torch.library.custom_op("torsh::moe_route", mutates_args=())
@@ -539,12 +595,8 @@ def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, capac
     name = _select(_topk, logits, provider, k, E)
     with _on(logits.device):
         idx, w, s, bad = _topk(name, logits, k, score, renormalize)
-        if check_finite and (b := int(bad.item())):
-            raise NonFiniteError(
-                f"torsh_kernels.moe_route: {b} of {T} tokens have NaN router scores (NaN or +inf logits, or a "
-                "softmax row of all -inf); fix the router's input, or pass check_finite=False to route them "
-                "anyway (their NaN scores then rank below every real score)"
-            )
+        if check_finite and (b := _count(bad)):
+            _raise_nan_scores(b, T)
         policy = _NO_CAP if capacity < 0 else _POLICY[drop_policy]
         rows, counts, tok = _assign(name, idx, s, E, capacity, policy)
     return w, idx, s, counts, rows.view(T, k), tok
@@ -616,7 +668,8 @@ def _permute_setup(ctx, inputs, output):
 
 def _permute_backward(ctx, g):
     row_map, token_index = ctx.saved_tensors
-    return _unpermute_op(g.contiguous(), row_map, token_index, None, ctx.provider), None, None, None
+    gx = _eager.call_autograd(_unpermute_op, g.contiguous(), row_map, token_index, None, ctx.provider)
+    return gx, None, None, None
 
 
 torch.library.register_autograd("torsh::moe_permute", _permute_backward, setup_context=_permute_setup)
@@ -666,8 +719,11 @@ def _unpermute_backward(ctx, g):
     y_perm, row_map, token_index, weights = ctx.saved_tensors
     g = g.contiguous()
     if weights is None:
-        return _permute_op(g, row_map, token_index, ctx.provider), None, None, None, None
-    gyp, gw = _unpermute_bwd_op(g, y_perm, row_map, weights, ctx.provider)
+        return _eager.call_autograd(_permute_op, g, row_map, token_index, ctx.provider), None, None, None, None
+    if torch.is_grad_enabled():  # a double backward: the registered op (it has no autograd of its own)
+        gyp, gw = _unpermute_bwd_op(g, y_perm, row_map, weights, ctx.provider)
+    else:
+        gyp, gw = _eager.call(_unpermute_bwd_op, (), g, y_perm, row_map, weights, ctx.provider)
     return gyp, None, None, gw if ctx.needs_input_grad[3] else None, None
 
 
@@ -703,6 +759,32 @@ def moe_route(
         check_finite: raise :class:`NonFiniteError` when a token's scores are NaN (one host sync).
         provider: "triton", "numba" or "torch"; None selects automatically.
     """
+    if (
+        type(logits) is _T and logits.dtype is _F32 and logits.is_cpu and logits.dim() == 2
+        and logits.is_contiguous() and k.__class__ is int and 1 <= k <= (E := logits.shape[1])
+        and (T := logits.shape[0]) > 0 and (score == "softmax" or score == "sigmoid")
+        and (drop_policy == "probability" or drop_policy == "position")
+        and (capacity_factor is None or (capacity_factor.__class__ is float and 0.0 < capacity_factor < math.inf))
+        and not (logits.requires_grad and torch.is_grad_enabled())
+        and _eager.fast()
+        and _topk.select(_CPU, _F32, logits.numel(), provider or None) == "cpu"
+    ):  # fmt: skip
+        # The common case on the CPU with the cpu provider and no gradient: both steps of its route in one
+        # kernel call, on the tensors' memory.
+        M = _kc or _cpu_kernels()
+        cap = -1 if capacity_factor is None else expert_capacity(T, k, E, capacity_factor)
+        i64 = torch.int64
+        idx, w, s = torch.empty(T, k, dtype=i64), torch.empty(T, k), torch.empty(T, k)
+        rows = torch.empty(T, k, dtype=i64)
+        counts, tok, dropped = torch.empty(E, dtype=i64), torch.empty(T * k, dtype=i64), torch.empty(T, k, dtype=_BOOL)
+        bad, n = M.route_ptr(logits.data_ptr(), T, E, k, score == "softmax", bool(renormalize), cap,
+                             _NO_CAP if cap < 0 else _POLICY[drop_policy], idx.data_ptr(), w.data_ptr(), s.data_ptr(),
+                             rows.data_ptr(), counts.data_ptr(), tok.data_ptr(), dropped.data_ptr())  # fmt: skip
+        if bad and check_finite:
+            _raise_nan_scores(bad, T)
+        return Routing(indices=idx, weights=w, scores=s, tokens_per_expert=counts, row_map=rows,
+                       token_index=tok if n == T * k else tok[:n], dropped=dropped, num_experts=E, num_rows=n,
+                       capacity=None if cap < 0 else cap, score=score)  # fmt: skip
     if (
         capacity_factor is None and type(logits) is _T and logits.dtype is _F32 and logits.is_cpu
         and logits.dim() == 2 and logits.is_contiguous() and k.__class__ is int
@@ -751,6 +833,19 @@ def moe_route(
 
 _T = torch.Tensor
 _F32 = torch.float32
+_BOOL = torch.bool
+_CPU = torch.device("cpu")
+_kc = None  # the cpu provider's kernel module, once loaded (the fast paths call it directly)
+
+
+def _cpu_kernels():
+    global _kc
+    from . import _moe_cpu
+
+    _kc = _moe_cpu
+    return _kc
+
+
 _ARANGE: dict[int, torch.Tensor] = {}  # CPU 0..n-1 per n, for the fast path (read only, never returned)
 
 
@@ -808,11 +903,19 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
         and routing.token_index.is_cpu and routing.row_map.is_cpu
         and not (x.requires_grad and torch.is_grad_enabled())
         and _eager.fast()
-        and _select(_scatter_rows, x, provider or "", routing.row_map.shape[1]) == "torch"
+        and (sel := _select(_scatter_rows, x, provider or "", routing.row_map.shape[1])) in ("torch", "cpu")
     ):  # fmt: skip
-        # The common case on the CPU without a gradient: the torch provider's gather through the inverse
-        # map, into a new tensor instead of a preallocated one.
-        return x.index_select(0, routing.token_index)
+        # The common case on the CPU without a gradient: the provider's gather through the inverse map,
+        # into a new tensor instead of a preallocated one.
+        if sel == "torch":
+            return x.index_select(0, routing.token_index)
+        M = _kc or _cpu_kernels()
+        tok = routing.token_index
+        out = x.new_empty(routing.num_rows, x.shape[1])
+        if tok.is_contiguous() and tok.dtype is torch.int64 and tok.numel() == routing.num_rows and M.gather_copy_ptr(
+            x.data_ptr(), x.shape[0], x.shape[1], x.element_size(), tok.data_ptr(), tok.numel(), out.data_ptr()
+        ):  # fmt: skip
+            return out
     what = "torsh_kernels.moe_permute"
     routing = _check_routing(routing, what)
     x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")
@@ -824,6 +927,23 @@ def moe_unpermute(
 ) -> torch.Tensor:
     """Combine expert outputs ``y_perm [N, H]`` back to ``[T, H]`` in token order, weighted by
     ``routing.weights`` (unless ``weights=False``); differentiable in ``y_perm`` and the weights."""
+    if (
+        type(routing) is Routing and type(y_perm) is _T and y_perm.dtype is _F32 and y_perm.is_cpu
+        and y_perm.dim() == 2 and y_perm.is_contiguous() and y_perm.shape[1]
+        and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
+        and rows.shape[0] and y_perm.shape[0] == routing.num_rows
+        and not (torch.is_grad_enabled() and (y_perm.requires_grad or (weights and w.requires_grad)))
+        and _eager.fast()
+        and _select(_gather_rows, y_perm, provider or "", rows.shape[1]) == "cpu"
+    ):  # fmt: skip
+        # The common case on the CPU with the cpu provider and no gradient: its kernel into a new tensor.
+        M = _kc or _cpu_kernels()
+        out = torch.empty(rows.shape[0], y_perm.shape[1])
+        if rows.is_contiguous() and w.is_contiguous() and rows.dtype is torch.int64 and w.shape == rows.shape and (
+            M.gather_rows_ptr(y_perm.data_ptr(), y_perm.shape[0], y_perm.shape[1], rows.data_ptr(), rows.shape[0],
+                              rows.shape[1], w.data_ptr(), bool(weights), out.data_ptr())
+        ):  # fmt: skip
+            return out
     if (
         weights and type(routing) is Routing and type(y_perm) is _T and y_perm.dtype is _F32 and y_perm.is_cpu
         and y_perm.dim() == 2 and y_perm.is_contiguous() and (H := y_perm.shape[1])
@@ -851,11 +971,15 @@ def moe_unpermute(
     )
 
 
-def moe_aux_loss(logits_or_probs: torch.Tensor, routing: Routing, *, from_probs: bool = False) -> torch.Tensor:
+def moe_aux_loss(
+    logits_or_probs: torch.Tensor, routing: Routing, *, from_probs: bool = False, provider: str | None = None
+) -> torch.Tensor:
     """The load-balancing loss ``E * sum_e f_e * P_e`` (fp32 scalar, differentiable in the input).
 
     ``logits_or_probs`` is the [T, E] router logits (scored like the routing) or, with
-    ``from_probs=True``, probabilities the caller already computed."""
+    ``from_probs=True``, probabilities the caller already computed. ``provider``: "cpu" (one kernel
+    forward and one backward, CPU tensors) or "torch" (plain torch, which autograd differentiates and
+    ``torch.compile`` fuses); None selects automatically."""
     what = "torsh_kernels.moe_aux_loss"
     routing = _check_routing(routing, what)
     x = _check_tensor(logits_or_probs, what, "logits_or_probs")
@@ -865,10 +989,44 @@ def moe_aux_loss(logits_or_probs: torch.Tensor, routing: Routing, *, from_probs:
             f"{what}: logits_or_probs has shape {tuple(x.shape)}; the routing is for "
             f"[T={routing.num_tokens}, E={routing.num_experts}]"
         )
-    return moe_aux_loss_ref(x, routing, from_probs=from_probs)
+    name = _aux_loss.select(x.device, x.dtype, x.numel(), provider or None)
+    if name == "cpu" and not _loss_kernel_ok(x):
+        name = "torch"
+    return _aux_loss(name, x, routing, bool(from_probs))
 
 
-def moe_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """The router z-loss ``mean_t logsumexp(logits[t])**2`` (fp32 scalar, differentiable)."""
+def moe_z_loss(logits: torch.Tensor, *, provider: str | None = None) -> torch.Tensor:
+    """The router z-loss ``mean_t logsumexp(logits[t])**2`` (fp32 scalar, differentiable). ``provider`` as
+    for :func:`moe_aux_loss`."""
     logits = _check_logits(logits, "torsh_kernels.moe_z_loss")
-    return moe_z_loss_ref(logits)
+    name = _z_loss.select(logits.device, logits.dtype, logits.numel(), provider or None)
+    if name == "cpu" and not _loss_kernel_ok(logits):
+        name = "torch"
+    return _z_loss(name, logits)
+
+
+# The losses' providers: torch (the references: autograd differentiates them, torch.compile fuses them)
+# and, on the CPU, one kernel forward and one backward (an autograd Function; a backward that must itself be
+# differentiable, create_graph=True, runs the same gradient formula in torch ops). Under torch.compile, a
+# mode, or for a tensor subclass the torch formulas run.
+_aux_loss = Op("moe_aux_loss")
+_z_loss = Op("moe_z_loss")
+_aux_loss.register("torch")(lambda x, routing, from_probs: moe_aux_loss_ref(x, routing, from_probs=from_probs))
+_z_loss.register("torch")(moe_z_loss_ref)
+
+
+def _loss_kernel_ok(x: torch.Tensor) -> bool:
+    return type(x) in _eager._PLAIN and x.shape[0] > 0 and _eager.fast()
+
+
+@_aux_loss.register("cpu")
+def _aux_loss_cpu(x, routing, from_probs):
+    M = _kc or _cpu_kernels()
+    mode = M.PROBS if from_probs else M.SOFTMAX if routing.score == "softmax" else M.SIGMOID
+    return M.aux_loss(x.float().contiguous(), mode, routing.indices)
+
+
+@_z_loss.register("cpu")
+def _z_loss_cpu(x):
+    M = _kc or _cpu_kernels()
+    return M.z_loss(x.float().contiguous())

@@ -39,7 +39,7 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
-from .bucket import BucketLayout, flatten, unflatten
+from .bucket import _TORCH_IMPL, BucketLayout, flatten, unflatten
 from .bucket import _flatten as _flatten_op
 from .quantize import dequantize, quantize
 
@@ -155,8 +155,9 @@ def _check_buffer(out: object, nbytes: int, what: str, name: str) -> torch.Tenso
 
 
 def _torch_path(t: torch.Tensor, provider: str | None) -> bool:
-    """Whether the cast runs with the torch provider (then as one torch copy)."""
-    return _flatten_op.select(t.device, t.dtype, t.numel(), provider or None) == "torch"
+    """Whether the cast runs with the torch implementation (the torch provider, or the cpu provider, whose
+    bucket ops are torch's): then as one torch copy."""
+    return _flatten_op.select(t.device, t.dtype, t.numel(), provider or None) in _TORCH_IMPL
 
 
 def pack(

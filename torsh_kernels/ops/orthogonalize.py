@@ -212,6 +212,13 @@ def _ortho_numba(mats, rtol, iters):
     K.orthogonalize(mats, rtol, iters)
 
 
+@_ortho.register("cpu")
+def _ortho_cpu(mats, rtol, iters):
+    from . import _orthogonalize_cpu as K
+
+    K.orthogonalize(mats, rtol, iters)
+
+
 # --------------------------------------------------------------------------------------------------
 # Custom ops (torch.library): opaque to torch.compile, with fake implementations.
 
@@ -221,15 +228,14 @@ def _ortho_op(matrices: list[torch.Tensor], rtol: float, iters: int, provider: s
     """``matrices``: [m, r] matrices and/or [B, m, r] batches, one r."""
     m0 = matrices[0]
     requested = provider or None
-    if m0.shape[-1] > MAX_KERNEL_RANK and requested is None:
-        name = "torch"  # the kernels keep r x r in registers; wider matrices take the batched torch path
-    else:
-        name = _ortho.select(m0.device, m0.dtype, m0.numel(), requested)
-        if name != "torch" and m0.shape[-1] > MAX_KERNEL_RANK:
+    name = _ortho.select(m0.device, m0.dtype, m0.numel(), requested)
+    if name in ("triton", "numba") and m0.shape[-1] > MAX_KERNEL_RANK:
+        if requested is not None:
             raise ShapeError(
                 f"torsh_kernels.orthogonalize: the {name} kernel handles up to {MAX_KERNEL_RANK} columns, got "
                 f"{m0.shape[-1]}; use provider='torch' (or None) for wider matrices"
             )
+        name = "torch"  # the GPU kernels keep r x r in registers; wider matrices take the batched torch path
     with _on(m0.device):
         if name == "torch":
             _ortho(name, matrices, rtol, iters)
@@ -244,6 +250,16 @@ def _(matrices, rtol, iters, provider):
 
 # --------------------------------------------------------------------------------------------------
 # Public API
+
+_kc = None  # the cpu provider's kernel module, once loaded (the fast path calls it directly)
+
+
+def _cpu_kernels():
+    global _kc
+    from . import _orthogonalize_cpu
+
+    _kc = _orthogonalize_cpu
+    return _kc
 
 
 def orthogonalize(
@@ -270,9 +286,17 @@ def orthogonalize(
         and (rtol is None or (rtol.__class__ is float and 0.0 <= rtol < 1.0))
         and iters.__class__ is int and iters >= 1
         and _eager.fast()
-        and _ortho.select(_CPU, _F32, matrices.numel(), provider or None) == "torch"
+        and (sel := _ortho.select(_CPU, _F32, matrices.numel(), provider or None)) in ("torch", "cpu")
     ):  # fmt: skip
-        done = _ortho_fast(matrices, 1e-4 if rtol is None else rtol, check_finite)
+        tol = 1e-4 if rtol is None else rtol
+        if sel == "cpu":  # its kernel on the matrix's memory; False (nothing written) on a NaN/Inf
+            K = _kc or _cpu_kernels()
+            done = K.ortho_ptr(matrices.data_ptr(), matrices.shape[0], matrices.shape[1], tol * tol, iters,
+                               bool(check_finite))  # fmt: skip
+            if done:
+                _eager.bump(matrices)
+        else:
+            done = _ortho_fast(matrices, tol, check_finite)
         if done:
             return matrices
     what = "torsh_kernels.orthogonalize"

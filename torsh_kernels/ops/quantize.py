@@ -33,6 +33,7 @@ from ._common import (
     _check_alpha,
     _check_int,
     _check_tensor,
+    _count,
     _counter,
     _decode_out,
     _flat_input,
@@ -166,6 +167,7 @@ _dequantize = Op("dequantize")
 _T = torch.Tensor
 _F32 = torch.float32
 _CPU = torch.device("cpu")
+_INF = math.inf
 
 
 def block_codes(
@@ -246,6 +248,13 @@ def _quantize_numba(x, q, scales, bits, block, stochastic, key):
     return K.quantize(x, q, scales, bits, block, stochastic, key)
 
 
+@_quantize.register("cpu")
+def _quantize_cpu(x, q, scales, bits, block, stochastic, key):
+    from . import _quantize_cpu as K
+
+    return K.quantize(x, q, scales, bits, block, stochastic, key)
+
+
 @_dequantize.register("torch")
 def _dequantize_torch(q, scales, out, bits, block, alpha, accumulate):
     for a, b in _cpu_slices(out.numel(), block, out.device):
@@ -292,6 +301,13 @@ def _dequantize_numba(q, scales, out, bits, block, alpha, accumulate):
     K.dequantize(q, scales, out, bits, block, alpha, accumulate)
 
 
+@_dequantize.register("cpu")
+def _dequantize_cpu(q, scales, out, bits, block, alpha, accumulate):
+    from . import _quantize_cpu as K
+
+    K.dequantize(q, scales, out, bits, block, alpha, accumulate)
+
+
 # --------------------------------------------------------------------------------------------------
 # Custom ops (torch.library): opaque to torch.compile, with fake implementations.
 
@@ -301,7 +317,7 @@ def _quantize_into(x, q, scales, bits, block, stochastic, key, check_finite, pro
         name = _select(_quantize, x, provider)
         with _on(x.device):
             bad = _quantize(name, x.view(-1), q, scales, bits, block, stochastic, key)
-        if check_finite and (b := bad if isinstance(bad, int) else int(bad.item())):
+        if check_finite and (b := _count(bad)):
             _raise_nonfinite(b, "torsh_kernels.quantize", "x")
 
 
@@ -350,6 +366,16 @@ def _(q, scales, out, bits, block, alpha, accumulate, provider):
 # --------------------------------------------------------------------------------------------------
 # Public API
 
+_kc = None  # the cpu provider's kernel module, once loaded (the fast paths call it directly)
+
+
+def _cpu_kernels():
+    global _kc
+    from . import _quantize_cpu
+
+    _kc = _quantize_cpu
+    return _kc
+
 
 def _check_quant_args(bits, block, what) -> tuple[int, int]:
     bits = _check_int(bits, what, "bits")
@@ -381,6 +407,23 @@ def quantize(
     these contiguous tensors of exactly those dtypes and sizes on x's device (with ``check_finite``, a
     non-finite input raises after they were written).
     """
+    if (
+        out is None and type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous()
+        and bits.__class__ is int and (bits == 8 or bits == 4) and type(block) is int and 2 <= block <= 65536
+        and not block & (block - 1) and (n := x.numel())
+        and (seed is None if not stochastic else seed.__class__ is int)
+        and _eager.fast()
+        and _quantize.select(_CPU, _F32, n, provider or None) == "cpu"
+    ):  # fmt: skip
+        # The common case on the CPU with the cpu provider: its kernel straight on the tensors' memory.
+        K = _kc or _cpu_kernels()
+        q = torch.empty(n if bits == 8 else (n + 1) // 2, dtype=torch.int8 if bits == 8 else torch.uint8)
+        scales = torch.empty((n + block - 1) // block)
+        bad = K.quantize_ptr(x.data_ptr(), n, q.data_ptr(), scales.data_ptr(), bits, block, bool(stochastic),
+                             seed_key(seed) if stochastic else 0)  # fmt: skip
+        if bad and check_finite:
+            _raise_nonfinite(bad, "torsh_kernels.quantize", "x")
+        return q, scales
     if (
         out is None and bits.__class__ is int and bits == 8 and not stochastic and seed is None and type(x) is _T
         and x.dtype is _F32
@@ -452,6 +495,24 @@ def dequantize(
     ``q.numel()`` (int8) or ``2 * q.numel()`` (int4: pass the true count when it is odd); ``block`` must
     be the one ``quantize`` used (checked against the number of scales).
     """
+    if (
+        out is None and dtype is _F32 and not accumulate and type(q) is _T and type(scales) is _T
+        and ((bits := 8) if q.dtype is torch.int8 else (bits := 4) if q.dtype is torch.uint8 else 0)
+        and scales.dtype is _F32 and q.is_cpu and scales.is_cpu and q.dim() == 1 and scales.dim() == 1
+        and q.is_contiguous() and scales.is_contiguous()
+        and type(block) is int and 2 <= block <= 65536 and not block & (block - 1)
+        and (n := (q.numel() if bits == 8 else 2 * q.numel()) if numel is None else numel).__class__ is int
+        and n > 0 and q.numel() == (n if bits == 8 else (n + 1) // 2) and scales.numel() == (n + block - 1) // block
+        and (alpha.__class__ is float or alpha.__class__ is int) and -_INF < alpha < _INF
+        and _eager.fast()
+        and _dequantize.select(_CPU, _F32, n, provider or None) == "cpu"
+    ):  # fmt: skip
+        # The common case on the CPU with the cpu provider, into a new fp32 tensor: its kernel straight on
+        # the tensors' memory.
+        K = _kc or _cpu_kernels()
+        out = torch.empty(n)
+        K.dequantize_ptr(q.data_ptr(), scales.data_ptr(), out.data_ptr(), n, bits, block, float(alpha), False)
+        return out
     if (
         out is None and dtype is _F32 and not accumulate and (alpha.__class__ is float or alpha.__class__ is int)
         and alpha == 1.0 and type(q) is _T and type(scales) is _T and q.dtype is torch.int8

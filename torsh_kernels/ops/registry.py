@@ -1,17 +1,22 @@
 """Provider registry: which implementation of an op runs, and why.
 
-Every op registers up to three implementations, one per provider:
+Every op registers up to four implementations, one per provider:
 
 - ``triton``: Triton kernels. Compiled on CUDA tensors; under ``TRITON_INTERPRET=1`` (set before
   torsh_kernels is imported) they run in Triton's interpreter, on CPU tensors too.
 - ``numba``: Numba CUDA kernels. On CUDA tensors through ``__cuda_array_interface__``; under
   ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) in Numba's simulator, on CPU tensors.
+- ``cpu``: fused CPU kernels compiled by Numba's CPU target (``numba.njit``, machine code for this CPU,
+  cached on disk after the first compilation), on CPU tensors: one pass where the torch provider takes
+  several, and a few microseconds of host cost where a chain of torch calls takes tens. An op family
+  whose torch implementation is already one ATen kernel per pass (the bucket ops: ``torch.cat``,
+  ``_foreach_copy_``) registers that implementation as its cpu one (docs/ops.md lists what runs).
 - ``torch``: plain PyTorch, any device.
 
 Selection, strongest first (docs/ops.md): the explicit ``provider=`` argument; the environment variable
 ``TORSH_KERNELS_PROVIDER``; the autotuner's cached winner for (op, device, dtype, size), read from the
 tuning cache by :mod:`.tuning` (``set_tuned_lookup`` / ``set_tuned_meta`` override the source); the device
-default (CUDA: triton, otherwise torch). An explicitly requested provider that cannot run raises
+default (CUDA: triton; CPU: cpu); torch. An explicitly requested provider that cannot run raises
 :class:`ProviderUnavailableError`. An automatically chosen one that cannot run is skipped for the next
 candidate, with one debug log line per (op, provider, reason); ``torch`` runs everywhere and ends the chain.
 
@@ -60,7 +65,7 @@ __all__ = [
 
 log = logging.getLogger("torsh_kernels")
 
-PROVIDERS: tuple[str, ...] = ("triton", "numba", "torch")
+PROVIDERS: tuple[str, ...] = ("triton", "numba", "cpu", "torch")
 ENV_VAR = "TORSH_KERNELS_PROVIDER"
 
 _TRUE = ("1", "true", "on", "yes")
@@ -112,6 +117,16 @@ def _numba_state() -> tuple[str | None, bool, str | None]:
 
 
 @functools.cache
+def _numba_cpu_state() -> tuple[str | None, str | None]:
+    """(version, import error) of Numba's CPU target (``numba.njit``; numba.cuda is not imported)."""
+    try:
+        import numba  # noqa: F401
+    except Exception as exc:
+        return None, f"numba cannot be imported ({type(exc).__name__}: {exc})"
+    return package_version("numba"), None
+
+
+@functools.cache
 def _numba_cuda_error() -> str | None:
     """Why Numba cannot launch real CUDA kernels here, or None if it can (initialises the driver once)."""
     from numba import cuda
@@ -127,6 +142,13 @@ def _numba_cuda_error() -> str | None:
 def can_run(provider: str, device: torch.device) -> str | None:
     """None if ``provider`` can run an op on tensors of ``device`` here, else the reason it cannot."""
     if provider == "torch":
+        return None
+    if provider == "cpu":
+        err = _numba_cpu_state()[1]
+        if err:
+            return err
+        if device.type != "cpu":
+            return f"the cpu provider's kernels run on CPU tensors and got {device.type} tensors"
         return None
     if provider == "triton":
         _, interpreted, err = _triton_state()
@@ -169,7 +191,11 @@ def _check_name(name: str, source: str) -> str:
 
 
 def default_provider(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "torch"
+    """The device's default: triton on CUDA, cpu on the CPU (an op without that provider, or where it
+    cannot run, falls back to torch)."""
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if device.type == "cpu" else "torch"
 
 
 # The source of tuned winners: (op, device, dtype, size) -> provider name or None. By default the tuning
@@ -261,6 +287,9 @@ def _log_skip(op: str, name: str, source: str, reason: str) -> None:
         log.debug("torsh.%s: %s provider %r skipped: %s", op, source, name, reason)
 
 
+_OPS: dict[str, Op] = {}  # every Op by name
+
+
 class Op:
     """One op's implementations per provider, and the selection between them."""
 
@@ -269,6 +298,7 @@ class Op:
     def __init__(self, name: str) -> None:
         self.name = name
         self.impls: dict[str, Callable[..., object]] = {}
+        _OPS[name] = self
 
     def register(self, provider: str) -> Callable[[Callable[..., object]], Callable[..., object]]:
         _check_name(provider, "a registration")
@@ -327,12 +357,23 @@ class Op:
             return self.impls[provider](*args, **kwargs)
 
 
+def untuned_default(op: str, device: torch.device) -> str:
+    """The provider ``op`` runs on ``device`` by default (no provider argument, no environment variable, no
+    tuned winner): the device's default where the op has it and it can run here, else torch. For a name no
+    :class:`Op` carries, the device's default."""
+    o = _OPS.get(op)
+    name = default_provider(device)
+    if o is None:
+        return name
+    return name if o._reason(name, device) is None else "torch"
+
+
 @dataclass(frozen=True, slots=True)
 class ProviderInfo:
     """What one provider can do on this machine."""
 
     name: str
-    """The provider's name: triton, numba or torch."""
+    """The provider's name: triton, numba, cpu or torch."""
     version: str | None
     """Version of the package behind it, None when it is not installed."""
     mode: str
@@ -395,10 +436,13 @@ def providers() -> ProviderReport:
     else:
         nmode = "CUDA kernels through __cuda_array_interface__"
 
+    cv, cerr = _numba_cpu_state()
+    cmode = cerr or "fused kernels compiled for this CPU by Numba's CPU target (numba.njit), on CPU tensors"
     return ProviderReport(
         [
             ProviderInfo("triton", tv, tmode, no_cuda or can_run("triton", cuda_dev), can_run("triton", cpu_dev)),
             ProviderInfo("numba", nv, nmode, no_cuda or can_run("numba", cuda_dev), can_run("numba", cpu_dev)),
+            ProviderInfo("cpu", cv, cmode, can_run("cpu", cuda_dev), can_run("cpu", cpu_dev)),
             ProviderInfo("torch", package_version("torch"), "eager PyTorch ops (the reference path)", no_cuda, None),
         ]
     )

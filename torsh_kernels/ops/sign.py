@@ -23,6 +23,7 @@ from ._common import (
     _check_alpha,
     _check_int,
     _check_tensor,
+    _count,
     _counter,
     _decode_out,
     _flat_inout,
@@ -109,6 +110,13 @@ def _abs_sum_numba(x, r):
     return K.abs_sum(x, r)
 
 
+@_abs_sum.register("cpu")
+def _abs_sum_cpu(x, r):
+    from . import _sign_cpu as K
+
+    return K.abs_sum(x, r)
+
+
 @_sign_pack.register("torch")
 def _sign_pack_torch(x, r, bits, scale):
     v = _acc_torch(x, r)
@@ -131,6 +139,13 @@ def _sign_pack_triton(x, r, bits, scale):
 @_sign_pack.register("numba")
 def _sign_pack_numba(x, r, bits, scale):
     from . import _sign_numba as K
+
+    K.sign_pack(x, r, bits, scale)
+
+
+@_sign_pack.register("cpu")
+def _sign_pack_cpu(x, r, bits, scale):
+    from . import _sign_cpu as K
 
     K.sign_pack(x, r, bits, scale)
 
@@ -192,6 +207,13 @@ def _sign_unpack_numba(bits, scale, out, alpha, accumulate):
     K.sign_unpack(bits, scale, out, alpha, accumulate)
 
 
+@_sign_unpack.register("cpu")
+def _sign_unpack_cpu(bits, scale, out, alpha, accumulate):
+    from . import _sign_cpu as K
+
+    K.sign_unpack(bits, scale, out, alpha, accumulate)
+
+
 # --------------------------------------------------------------------------------------------------
 # Custom ops (torch.library): opaque to torch.compile, with fake implementations.
 
@@ -207,9 +229,10 @@ def _sign_op(x: torch.Tensor, residual: torch.Tensor | None, check_finite: bool,
     r = residual.view(-1) if residual is not None else None
     with _on(x.device):
         total, bad = _abs_sum(name, x.view(-1), r)
-        if check_finite and (b := bad if isinstance(bad, int) else int(bad.item())):
+        if check_finite and (b := _count(bad)):
             _raise_nonfinite(b, "torsh_kernels.sign_compress", "x + residual" if r is not None else "x")
-        scale = (total / n).to(torch.float32)
+        # mean |v|: the fp64 sum divided by n in fp64, rounded once to fp32 (a host float from the cpu provider)
+        scale = torch.scalar_tensor(total / n, dtype=_F32) if type(total) is float else (total / n).to(torch.float32)
         _sign_pack(name, x.view(-1), r, bits, scale)
     return bits, scale
 
@@ -236,6 +259,16 @@ def _(bits, scale, out, alpha, accumulate, provider):
 # --------------------------------------------------------------------------------------------------
 # Public API
 
+_kc = None  # the cpu provider's kernel module, once loaded (the fast paths call it directly)
+
+
+def _cpu_kernels():
+    global _kc
+    from . import _sign_cpu
+
+    _kc = _sign_cpu
+    return _kc
+
 
 def sign_compress(
     x: torch.Tensor,
@@ -247,6 +280,24 @@ def sign_compress(
     """1-bit compression of ``v = x + residual``: ``(bits, scale)``, bits uint8 [ceil(n/8)] (bit j of byte
     i is 1 where element 8i+j is >= 0), scale = mean |v| (fp32, 0-dim). With ``residual`` (updated in
     place): ``residual = v - scale * sign(v)``."""
+    if (
+        type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous() and (n := x.numel()) and n < _EXACT_INT
+        and (residual is None or (type(residual) is _T and residual.dtype is _F32 and residual.is_cpu
+                                  and residual.is_contiguous() and residual.numel() == n
+                                  and _eager.disjoint(x, residual, 4 * n)))
+        and _eager.fast()
+        and _abs_sum.select(_CPU, _F32, n, provider or None) == "cpu"
+    ):  # fmt: skip
+        # The common case on the CPU with the cpu provider: its two passes straight on the tensors' memory.
+        K = _kc or _cpu_kernels()
+        bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
+        scale, bad = K.compress_ptr(x.data_ptr(), residual.data_ptr() if residual is not None else 0,
+                                    residual is not None, n, bits.data_ptr(), bool(check_finite))  # fmt: skip
+        if bad and check_finite:
+            _raise_nonfinite(bad, "torsh_kernels.sign_compress", "x + residual" if residual is not None else "x")
+        if residual is not None:
+            _eager.bump(residual)
+        return bits, torch.scalar_tensor(scale, dtype=_F32)
     if (
         residual is None and type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous()
         and (n := x.numel()) and not n % 8 and n < _EXACT_INT
@@ -281,6 +332,20 @@ def sign_decompress(
     provider: str | None = None,
 ) -> torch.Tensor:
     """``+-alpha * scale`` per element from packed signs (plus ``out`` with ``accumulate``)."""
+    if (
+        out is None and dtype is _F32 and not accumulate and (alpha.__class__ is float or alpha.__class__ is int)
+        and -math.inf < alpha < math.inf and type(bits) is _T and type(scale) is _T and bits.dtype is torch.uint8
+        and scale.dtype is _F32 and scale.numel() == 1 and bits.is_cpu and scale.is_cpu and bits.dim() == 1
+        and bits.is_contiguous() and type(numel) is int and numel > 0 and bits.numel() == (numel + 7) // 8
+        and _eager.fast()
+        and _sign_unpack.select(_CPU, _F32, numel, provider or None) == "cpu"
+    ):  # fmt: skip
+        # The common case on the CPU with the cpu provider, into a new fp32 tensor: its kernel.
+        K = _kc or _cpu_kernels()
+        out = torch.empty(numel)
+        s = K.np.float32(scale.item())
+        K.unpack_ptr(bits.data_ptr(), s * K.np.float32(alpha) if alpha != 1.0 else s, out.data_ptr(), numel)
+        return out
     if (
         out is None and dtype is _F32 and not accumulate and (alpha.__class__ is float or alpha.__class__ is int)
         and alpha == 1.0 and type(bits) is _T and type(scale) is _T and bits.dtype is torch.uint8

@@ -44,6 +44,7 @@ from ._common import (
     _check_dtype,
     _check_int,
     _check_tensor,
+    _count,
     _counter,
     _decode_out,
     _finite_sum,
@@ -165,6 +166,13 @@ def _cand_numba(x, r, thr, cap, idx_dtype):
     return K.candidates(x, r, thr, cap, idx_dtype)
 
 
+@_candidates.register("cpu")
+def _cand_cpu(x, r, thr, cap, idx_dtype):
+    from . import _topk_cpu as K
+
+    return K.candidates(x, r, thr, cap, idx_dtype)
+
+
 # out[idx] (+)= alpha * values; ``unique`` promises no repeated index (no atomics needed)
 @_scatter.register("torch")
 def _scatter_torch(values, indices, out, alpha, accumulate, unique):
@@ -210,6 +218,13 @@ def _scatter_numba(values, indices, out, alpha, accumulate, unique):
     _scatter_with(K.scatter, values, indices, out, alpha, accumulate, unique)
 
 
+@_scatter.register("cpu")
+def _scatter_cpu(values, indices, out, alpha, accumulate, unique):
+    from . import _topk_cpu as K
+
+    K.scatter(values, indices, out, alpha, accumulate, unique)
+
+
 # --------------------------------------------------------------------------------------------------
 # Custom ops (torch.library): opaque to torch.compile, with fake implementations.
 
@@ -251,7 +266,7 @@ def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
         for _ in range(TOPK_REFINE):
             thr = _sample_threshold(x, r, stride, math.ceil(target))
             cval, cidx, cnt = _candidates(name, x, r, thr, cap, idt)
-            count, bad = cnt.tolist()
+            count, bad = cnt if type(cnt) is tuple else cnt.tolist()
             if bad and check_finite:
                 _raise_nonfinite(bad, what, "x + residual" if r is not None else "x")
             if k <= count <= cap:
@@ -265,6 +280,14 @@ def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
             if new < 1 or new > ns:
                 break
             target = new
+    if chosen is None and name == "cpu":  # the cpu kernel's exact selection (ties: the lower index)
+        from . import _topk_cpu as K
+
+        vals, idx, bad = K.exact(x, r, k, idt)
+        if not bad:
+            return vals.to(x.dtype), idx
+        if check_finite:
+            _raise_nonfinite(bad, what, "x + residual" if r is not None else "x")
     if chosen is None:  # exact path (also the fallback)
         if r is None and name == "torch":  # x itself in fp32 (a copy only for 16-bit x)
             acc = x.float()
@@ -272,7 +295,7 @@ def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
         else:
             acc = torch.empty(n, dtype=torch.float32, device=x.device)
             bad = _axpby(name, x, r if r is not None else torch.zeros_like(x), acc, 1.0, check_finite)
-        if check_finite and (b := int(bad.item())):
+        if check_finite and (b := _count(bad)):
             _raise_nonfinite(b, what, "x + residual" if r is not None else "x")
         sel = torch.topk(acc.abs(), k, sorted=False).indices
         chosen = sel.to(idt), acc.index_select(0, sel)
@@ -304,6 +327,16 @@ def _(values, indices, out, accumulate, alpha, provider):
 # --------------------------------------------------------------------------------------------------
 # Public API
 
+_kc = None  # the cpu provider's kernel module, once loaded (the fast paths call it directly)
+
+
+def _cpu_kernels():
+    global _kc
+    from . import _topk_cpu
+
+    _kc = _topk_cpu
+    return _kc
+
 
 def _check_ratio(ratio: object, what: str) -> float:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
@@ -330,6 +363,28 @@ def topk_compress(
     was not sent (for each element, computed in fp32 and rounded once into the residual's dtype). See the
     module docstring for the approximate mode and ``exact``.
     """
+    if (
+        type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous()
+        and ratio.__class__ is float and 0.0 < ratio <= 1.0 and (n := x.numel()) and n < 2**31
+        and (residual is None or (type(residual) is _T and residual.dtype is _F32 and residual.is_cpu
+                                  and residual.is_contiguous() and residual.numel() == n
+                                  and _eager.disjoint(x, residual, 4 * n)))
+        and _eager.fast()
+        and _candidates.select(_CPU, _F32, n, provider or None) == "cpu"
+        and (exact or n // min(n, max(TOPK_MIN_SAMPLE, math.ceil(TOPK_SAMPLE_PER_K * n / topk_count(n, ratio)))) <= 1)
+    ):  # fmt: skip
+        # The exact path on the CPU with the cpu provider (the small case, or exact=True): its kernel
+        # straight on the tensors' memory. NaN/Inf are left to the general path, which reports them (or,
+        # with check_finite=False, selects anyway).
+        K = _kc or _cpu_kernels()
+        k = topk_count(n, ratio)
+        values = torch.empty(k)
+        idx = torch.empty(k, dtype=_I32)
+        if not K.exact_ptr(x.data_ptr(), residual.data_ptr() if residual is not None else 0, residual is not None,
+                           n, k, _scratch(_CPU, n).data_ptr(), values.data_ptr(), idx.data_ptr()):  # fmt: skip
+            if residual is not None:
+                _eager.bump(residual)
+            return values, idx
     if (
         residual is None and type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous()
         and ratio.__class__ is float and 0.0 < ratio <= 1.0 and (n := x.numel()) and n < 2**31
@@ -377,6 +432,22 @@ def topk_decompress(
     payloads of several ranks); without, ``out`` is zeroed first and a repeated index keeps one of its
     values (unspecified which). Indices outside [0, numel) raise ``ShapeError`` before anything is written.
     """
+    if (
+        out is None and not accumulate and type(values) is _T and type(indices) is _T and type(numel) is int
+        and numel > 0 and (dtype is None or dtype is _F32) and (alpha.__class__ is float or alpha.__class__ is int)
+        and -math.inf < alpha < math.inf and values.dtype is _F32 and (indices.dtype is _I64 or indices.dtype is _I32)
+        and values.is_cpu and indices.is_cpu and values.dim() == 1 and indices.dim() == 1
+        and values.is_contiguous() and indices.is_contiguous() and indices.numel() == values.numel()
+        and _eager.fast()
+        and _scatter.select(_CPU, _F32, numel, provider or None) == "cpu"
+    ):  # fmt: skip
+        # The common case on the CPU with the cpu provider, into a new fp32 tensor: its kernel, which checks
+        # every index before writing; one outside [0, numel) is left to the general path, which says which.
+        K = _kc or _cpu_kernels()
+        out = torch.zeros(numel)
+        if K.scatter_ptr(values.data_ptr(), indices.data_ptr(), indices.dtype is _I64, values.numel(), out.data_ptr(),
+                         numel, float(alpha)) < 0:  # fmt: skip
+            return out
     if (
         out is None and not accumulate and type(values) is _T and type(indices) is _T and type(numel) is int
         and numel > 0 and (dtype is None or dtype is _F32) and (alpha.__class__ is float or alpha.__class__ is int)

@@ -228,7 +228,9 @@ class Tuner:
         size = 2**bucket  # the bucket's representative size
         env_key, env = environment_key(self.device)
         ekey = entry_key(space.op, dtype, bucket)
-        default = Candidate(registry.default_provider(self.device))
+        default = Candidate(registry.untuned_default(space.op, self.device))
+        if default.provider not in self.providers:  # not among the providers tuned: torch is the baseline
+            default = Candidate("torch")
         if not force:
             e = load_cache(self.path)["environments"].get(env_key, {}).get("entries", {}).get(ekey)
             if e is not None:

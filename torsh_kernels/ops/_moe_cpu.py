@@ -1,0 +1,618 @@
+"""CPU kernels (Numba's CPU target) of the MoE op family (see moe.py).
+
+Imported on the cpu provider's first launch. Shapes: ``# T tokens, E experts, K chosen, H hidden``.
+
+- route top-k: per token, the fp32 scores (softmax: max, exp, sum, divide; or sigmoid), K rounds of a
+  strict maximum (equal scores keep the lower expert; NaN scores rank below every real one), the chosen
+  scores and their renormalisation; counts the tokens with a NaN score.
+- route assign: a counting sort of the T*K assignments by expert (stable: token order inside each
+  expert); a capacity limit keeps each expert's first C in token order ("position") or its C highest
+  scores ("probability", compared by their fp32 bit patterns as the GPU kernels do: equal scores keep
+  the earlier token); then each kept assignment's row and the inverse map.
+- permute, unpermute and the unpermute's backward: per token, rows of H in fp32, the K terms added in
+  the order j = 0..K-1. The permute without weights copies bits (any dtype); the weighted forms take
+  fp32 rows (moe.py runs the torch implementation for 16-bit ones).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import ShapeError
+from ._cpu import carray, f32, jit, p_b, p_f32, p_f64, p_i16, p_i32, p_i64
+
+
+@jit
+def topk_arrays(x, k, softmax, renorm, idx, w, s):
+    """Scores of ``x`` [T, E] (fp32), the top ``k`` per token into idx, s and w [T, K]; returns the number
+    of tokens with a NaN score."""
+    T, E = x.shape
+    p = np.empty(E, np.float32)
+    bad = 0
+    for t in range(T):
+        row = x[t]
+        if softmax:
+            mx = np.float32(-np.inf)
+            for e in range(E):
+                v = row[e]
+                if v != v or v > mx:
+                    mx = v
+                if v != v:
+                    break
+            tot = np.float32(0.0)
+            for e in range(E):
+                ev = np.exp(row[e] - mx)
+                p[e] = ev
+                tot += ev
+            for e in range(E):
+                p[e] = p[e] / tot
+        else:
+            for e in range(E):
+                p[e] = np.float32(1.0) / (np.float32(1.0) + np.exp(-row[e]))
+        nan_row = False
+        for e in range(E):
+            if p[e] != p[e]:
+                nan_row = True
+        bad += nan_row
+        total = np.float32(0.0)
+        for j in range(k):
+            best = np.float32(-3.0)
+            pick = -1
+            for e in range(E):
+                taken = False
+                for i in range(j):
+                    if idx[t, i] == e:
+                        taken = True
+                if taken:
+                    continue
+                key = p[e] if p[e] == p[e] else np.float32(-1.0)
+                if key > best:  # strict: equal scores keep the lower expert
+                    best = key
+                    pick = e
+            idx[t, j] = pick
+            s[t, j] = p[pick]
+            total += p[pick]
+        for j in range(k):
+            w[t, j] = s[t, j] / total if renorm else s[t, j]
+    return bad
+
+
+@jit
+def assign_arrays(idx, s, E, cap, policy, k, rows, counts, tok):
+    """Rows of the T*K assignments (``idx``, ``s`` flat, token-major): ``rows`` (-1 dropped), ``counts``
+    [E] kept per expert, ``tok`` the token of each row; returns N, the number of rows. ``policy``: 0 no
+    limit, 1 position, 2 probability (``cap`` assignments per expert at most)."""
+    n = idx.size
+    total = np.zeros(E, np.int64)
+    for i in range(n):
+        total[idx[i]] += 1
+    keep = np.ones(n, np.bool_)
+    if policy == 1:
+        seen = np.zeros(E, np.int64)
+        for i in range(n):
+            e = idx[i]
+            keep[i] = seen[e] < cap
+            seen[e] += 1
+    elif policy == 2:
+        sb = s.view(np.int32)
+        start = np.zeros(E + 1, np.int64)
+        for e in range(E):
+            start[e + 1] = start[e] + total[e]
+        fill = start[:E].copy()
+        order = np.empty(n, np.int64)  # assignments grouped by expert, token order inside
+        for i in range(n):
+            e = idx[i]
+            order[fill[e]] = i
+            fill[e] += 1
+        for e in range(E):
+            m = total[e]
+            if m <= cap:
+                continue
+            seg = order[start[e] : start[e] + m]
+            b = np.empty(m, np.int32)
+            for a in range(m):
+                b[a] = sb[seg[a]]
+            thr = np.partition(b, m - cap)[m - cap]  # the cap-th highest score's bits
+            quota = cap
+            for a in range(m):
+                quota -= b[a] > thr
+            for a in range(m):  # token order: of the scores equal to thr, the earliest are kept
+                if b[a] > thr:
+                    continue
+                if b[a] == thr and quota > 0:
+                    quota -= 1
+                else:
+                    keep[seg[a]] = False
+    for e in range(E):
+        counts[e] = 0
+    for i in range(n):
+        if keep[i]:
+            counts[idx[i]] += 1
+    pos = np.empty(E, np.int64)
+    acc = 0
+    for e in range(E):
+        pos[e] = acc
+        acc += counts[e]
+    for i in range(n):
+        if keep[i]:
+            r = pos[idx[i]]
+            pos[idx[i]] = r + 1
+            rows[i] = r
+            tok[r] = i // k
+        else:
+            rows[i] = -1
+    return acc
+
+
+@jit
+def route_arrays(x, k, softmax, renorm, E, cap, policy, idx, w, s, rows, counts, tok):
+    """Both steps of the route in one call: (tokens with a NaN score, N)."""
+    bad = topk_arrays(x, k, softmax, renorm, idx, w, s)
+    n = assign_arrays(idx.reshape(-1), s.reshape(-1), E, cap, policy, k, rows.reshape(-1), counts, tok)
+    return bad, n
+
+
+@jit
+def _in_range(ix, n):
+    """Whether every index of ``ix`` is in [0, n) (-1, a dropped assignment, also passes when allowed)."""
+    for i in range(ix.size):  # noqa: SIM110 (a generator in all() does not compile)
+        if ix.flat[i] >= n or ix.flat[i] < -1:
+            return False
+    return True
+
+
+@jit
+def route_ptr(xp, T, E, k, softmax, renorm, cap, policy, ip, wp, sp, rp, cp, tp, dp):
+    """:func:`route_arrays` on addresses (fp32 logits [T, E]; idx, w, s, rows, dropped [T, K]; counts [E];
+    tok [T*K]), also writing ``dropped``; returns (tokens with a NaN score, N)."""
+    rows = carray(p_i64(rp), (T, k))
+    bad, n = route_arrays(carray(p_f32(xp), (T, E)), k, softmax, renorm, E, cap, policy, carray(p_i64(ip), (T, k)),
+                          carray(p_f32(wp), (T, k)), carray(p_f32(sp), (T, k)), rows, carray(p_i64(cp), (E,)),
+                          carray(p_i64(tp), (T * k,)))  # fmt: skip
+    d = carray(p_b(dp), (T, k))
+    for t in range(T):
+        for j in range(k):
+            d[t, j] = rows[t, j] < 0
+    return bad, n
+
+
+@jit
+def gather_copy_ptr(xp, T, H, isz, tp, N, op):
+    """:func:`gather_copy_arrays` on addresses: rows of H elements of ``isz`` (4 or 2) bytes, tok int64 [N]."""
+    tok = carray(p_i64(tp), (N,))
+    if isz == 4:
+        return gather_copy_arrays(carray(p_i32(xp), (T, H)), tok, carray(p_i32(op), (N, H)))
+    return gather_copy_arrays(carray(p_i16(xp), (T, H)), tok, carray(p_i16(op), (N, H)))
+
+
+@jit
+def gather_rows_ptr(yp, N, H, rp, T, K, wp, has_w, op):
+    """:func:`gather_rows_arrays` on addresses: fp32 y [N, H], rows int64 and fp32 w [T, K], out [T, H]."""
+    return gather_rows_arrays(carray(p_f32(yp), (N, H)), carray(p_i64(rp), (T, K)), carray(p_f32(wp), (T, K)), has_w,
+                              carray(p_f32(op), (T, H)))  # fmt: skip
+
+
+@jit
+def gather_copy_arrays(x, tok, out):
+    """``out[i] = x[tok[i]]``, rows of bits (any dtype viewed as integers); False (nothing written) when
+    an index is outside [0, T)."""
+    for i in range(tok.size):
+        if tok[i] < 0 or tok[i] >= x.shape[0]:
+            return False
+    for i in range(tok.size):
+        src = x[tok[i]]
+        dst = out[i]
+        for h in range(src.size):
+            dst[h] = src[h]
+    return True
+
+
+@jit
+def scatter_weighted_arrays(x, rows, w, out):
+    """``out[rows[t, j]] = x[t] * w[t, j]`` (fp32), dropped assignments skipped; False (nothing written)
+    when a row is outside [0, N)."""
+    if not _in_range(rows, out.shape[0]):
+        return False
+    T, K = rows.shape
+    H = x.shape[1]
+    for t in range(T):
+        src = x[t]
+        for j in range(K):
+            r = rows[t, j]
+            if r < 0:
+                continue
+            wj = w[t, j]
+            dst = out[r]
+            for h in range(H):
+                dst[h] = src[h] * wj
+    return True
+
+
+@jit
+def gather_rows_arrays(y, rows, w, has_w, out):
+    """``out[t] = sum_j w[t, j] * y[rows[t, j]]`` (fp32, j in order), dropped assignments adding nothing;
+    False (nothing written) when a row is outside [0, N)."""
+    if not _in_range(rows, y.shape[0]):
+        return False
+    T, K = rows.shape
+    H = y.shape[1]
+    for t in range(T):
+        dst = out[t]
+        for h in range(H):
+            dst[h] = 0.0
+        for j in range(K):
+            r = rows[t, j]
+            if r < 0:
+                continue
+            src = y[r]
+            if has_w:
+                wj = w[t, j]
+                if j == 0:
+                    for h in range(H):
+                        dst[h] = src[h] * wj
+                else:
+                    for h in range(H):
+                        dst[h] = dst[h] + src[h] * wj
+            else:
+                for h in range(H):
+                    dst[h] = dst[h] + src[h]
+    return True
+
+
+@jit
+def gather_rows_bwd_arrays(gy, y, rows, w, gyp, gw):
+    """The unpermute's backward: ``gyp[rows[t, j]] = gy[t] * w[t, j]`` and ``gw[t, j] = gy[t] . y[rows[t, j]]``
+    (fp32, 0 for a dropped assignment); False (nothing written) when a row is outside [0, N)."""
+    if not _in_range(rows, y.shape[0]):
+        return False
+    T, K = rows.shape
+    H = gy.shape[1]
+    for t in range(T):
+        g = gy[t]
+        for j in range(K):
+            r = rows[t, j]
+            if r < 0:
+                gw[t, j] = 0.0
+                continue
+            wj = w[t, j]
+            dst = gyp[r]
+            src = y[r]
+            dot = np.float32(0.0)
+            for h in range(H):
+                dst[h] = g[h] * wj
+                dot += g[h] * src[h]
+            gw[t, j] = dot
+    return True
+
+
+@jit
+def topk_ptr(xp, T, E, k, softmax, renorm, ip, wp, sp):
+    return topk_arrays(carray(p_f32(xp), (T, E)), k, softmax, renorm, carray(p_i64(ip), (T, k)),
+                       carray(p_f32(wp), (T, k)), carray(p_f32(sp), (T, k)))  # fmt: skip
+
+
+@jit
+def assign_ptr(ip, sp, n, E, cap, policy, k, rp, cp, tp):
+    return assign_arrays(carray(p_i64(ip), (n,)), carray(p_f32(sp), (n,)), E, cap, policy, k, carray(p_i64(rp), (n,)),
+                         carray(p_i64(cp), (E,)), carray(p_i64(tp), (n,)))  # fmt: skip
+
+
+@jit
+def scatter_weighted_ptr(xp, T, H, rp, K, wp, op, N):
+    return scatter_weighted_arrays(carray(p_f32(xp), (T, H)), carray(p_i64(rp), (T, K)), carray(p_f32(wp), (T, K)),
+                                   carray(p_f32(op), (N, H)))  # fmt: skip
+
+
+@jit
+def gather_rows_bwd_ptr(gp, T, H, yp, N, rp, K, wp, gyp, gwp):
+    return gather_rows_bwd_arrays(
+        carray(p_f32(gp), (T, H)),
+        carray(p_f32(yp), (N, H)),
+        carray(p_i64(rp), (T, K)),
+        carray(p_f32(wp), (T, K)),
+        carray(p_f32(gyp), (N, H)),
+        carray(p_f32(gwp), (T, K)),
+    )
+
+
+def _i64(t: torch.Tensor) -> torch.Tensor:
+    """An index tensor as contiguous int64 (itself when it is)."""
+    return t if t.dtype is torch.int64 and t.is_contiguous() else t.contiguous().long()
+
+
+def route_topk(logits: torch.Tensor, k: int, score: str, renorm: bool):
+    x = f32(logits).contiguous()
+    T, E = x.shape
+    idx = torch.empty(T, k, dtype=torch.int64)
+    w = torch.empty(T, k, dtype=torch.float32)
+    s = torch.empty(T, k, dtype=torch.float32)
+    bad = topk_ptr(x.data_ptr(), T, E, k, score == "softmax", bool(renorm), idx.data_ptr(), w.data_ptr(), s.data_ptr())
+    return idx, w, s, bad
+
+
+def route_assign(idx: torch.Tensor, s: torch.Tensor, E: int, cap: int, policy: int):
+    n, k = idx.numel(), idx.shape[1]
+    idx, s = _i64(idx), s.contiguous()
+    rows = torch.empty(n, dtype=torch.int64)
+    counts = torch.empty(E, dtype=torch.int64)
+    tok = torch.empty(n, dtype=torch.int64)
+    n_rows = assign_ptr(idx.data_ptr(), s.data_ptr(), n, E, cap, policy, k, rows.data_ptr(), counts.data_ptr(),
+                        tok.data_ptr())  # fmt: skip
+    return rows, counts, tok[:n_rows] if n_rows < n else tok
+
+
+def weighted_ok(*tensors: torch.Tensor | None) -> bool:
+    """Whether the weighted row kernels take these tensors (fp32 rows and weights)."""
+    return all(t is None or t.dtype is torch.float32 for t in tensors)
+
+
+def _out_of_range(what: str) -> ShapeError:
+    return ShapeError(f"torsh_kernels.{what}: the routing's row map or token index points outside the rows "
+                      "(nothing was written); pass the Routing that moe_route returned for these tokens")  # fmt: skip
+
+
+def scatter_rows(x, rows, tok, w, out) -> None:
+    x = x.contiguous()
+    if w is None:  # fp32 or 16-bit rows (validated): copied as 4- or 2-byte integers
+        tok = _i64(tok)
+        ok = gather_copy_ptr(x.data_ptr(), x.shape[0], x.shape[1], x.element_size(), tok.data_ptr(), tok.numel(),
+                             out.data_ptr())  # fmt: skip
+    else:
+        rows, w = _i64(rows), w.contiguous()
+        ok = scatter_weighted_ptr(x.data_ptr(), x.shape[0], x.shape[1], rows.data_ptr(), rows.shape[1], w.data_ptr(),
+                                  out.data_ptr(), out.shape[0])  # fmt: skip
+    if not ok:
+        raise _out_of_range("moe_permute")
+
+
+def gather_rows(y, rows, w, out) -> None:
+    y, rows = y.contiguous(), _i64(rows)
+    wt = w.contiguous() if w is not None else None
+    if not gather_rows_ptr(y.data_ptr(), y.shape[0], y.shape[1], rows.data_ptr(), rows.shape[0], rows.shape[1],
+                           wt.data_ptr() if wt is not None else 0, wt is not None, out.data_ptr()):  # fmt: skip
+        raise _out_of_range("moe_unpermute")
+
+
+def gather_rows_bwd(gy, y, rows, w, gyp) -> torch.Tensor:
+    gy, y, rows, w = gy.contiguous(), y.contiguous(), _i64(rows), w.contiguous()
+    T, K = rows.shape
+    gw = torch.empty(T, K, dtype=torch.float32)
+    if not gather_rows_bwd_ptr(gy.data_ptr(), T, gy.shape[1], y.data_ptr(), y.shape[0], rows.data_ptr(), K,
+                               w.data_ptr(), gyp.data_ptr(), gw.data_ptr()):  # fmt: skip
+        raise _out_of_range("moe_unpermute")
+    return gw
+
+
+# --------------------------------------------------------------------------------------------------
+# The router losses, forward and backward (fp32 logits [T, E]; sums in fp64, results rounded to fp32)
+
+SOFTMAX, SIGMOID, PROBS = 0, 1, 2  # what aux_loss reads: logits scored by softmax / sigmoid, or probabilities
+
+
+@jit
+def z_loss_arrays(x, lse):
+    """mean_t lse_t**2 with ``lse`` [T] written (a row's max shifts its exponentials; an infinite max
+    shifts by 0, as torch.logsumexp does)."""
+    T, E = x.shape
+    total = 0.0
+    for t in range(T):
+        row = x[t]
+        m = np.float32(-np.inf)
+        for e in range(E):
+            v = row[e]
+            if v != v or v > m:
+                m = v
+            if v != v:
+                break
+        sh = m if np.isfinite(m) else np.float32(0.0)
+        s = np.float32(0.0)
+        for e in range(E):
+            s += np.exp(row[e] - sh)
+        v = np.log(s) + sh
+        lse[t] = v
+        total += np.float64(v) * np.float64(v)
+    return np.float32(total / T)
+
+
+@jit
+def z_loss_bwd_arrays(x, lse, gscale, grad):
+    """d/dx of the z-loss times the incoming gradient: ``gscale * lse_t * softmax(x_t)`` with
+    ``gscale = g * 2 / T``."""
+    T, E = x.shape
+    for t in range(T):
+        c = np.float32(gscale) * lse[t]
+        lt = lse[t]
+        for e in range(E):
+            grad[t, e] = c * np.exp(x[t, e] - lt)
+
+
+@jit
+def _probs_row(row, mode, p):
+    """The row's probabilities into p: softmax, normalised sigmoid, or the row itself."""
+    E = row.size
+    if mode == 0:
+        m = np.float32(-np.inf)
+        for e in range(E):
+            v = row[e]
+            if v != v or v > m:
+                m = v
+            if v != v:
+                break
+        s = np.float32(0.0)
+        for e in range(E):
+            ev = np.exp(row[e] - m)
+            p[e] = ev
+            s += ev
+        for e in range(E):
+            p[e] = p[e] / s
+    elif mode == 1:
+        s = np.float32(0.0)
+        for e in range(E):
+            v = np.float32(1.0) / (np.float32(1.0) + np.exp(-row[e]))
+            p[e] = v
+            s += v
+        for e in range(E):
+            p[e] = p[e] / s
+    else:
+        for e in range(E):
+            p[e] = row[e]
+
+
+@jit
+def aux_loss_arrays(x, mode, idx, counts):
+    """(E * sum_e f_e * P_e, -1): ``counts`` [E] (fp64) receives the assignments per expert of ``idx``
+    [T*K]; (NaN, i) when idx[i] is not an expert (nothing counted)."""
+    T, E = x.shape
+    counts[:] = 0.0
+    for i in range(idx.size):
+        if idx[i] < 0 or idx[i] >= E:
+            return np.float32(np.nan), i
+    for i in range(idx.size):
+        counts[idx[i]] += 1.0
+    p = np.empty(E, np.float32)
+    psum = np.zeros(E)
+    for t in range(T):
+        _probs_row(x[t], mode, p)
+        for e in range(E):
+            psum[e] += p[e]
+    total = 0.0
+    for e in range(E):
+        total += counts[e] * psum[e]
+    return np.float32(E * total / (max(idx.size, 1) * T)), -1
+
+
+@jit
+def aux_loss_bwd_arrays(x, mode, counts, gscale, grad):
+    """d/dx of the aux loss times the incoming gradient, ``a_e = gscale * counts_e`` being d loss / d p_te
+    (``gscale = g * E / (T * K * T)``)."""
+    T, E = x.shape
+    a = np.empty(E, np.float32)
+    for e in range(E):
+        a[e] = np.float32(gscale * counts[e])
+    p = np.empty(E, np.float32)
+    for t in range(T):
+        row = x[t]
+        _probs_row(row, mode, p)
+        if mode == 2:
+            for e in range(E):
+                grad[t, e] = a[e]
+            continue
+        dot = np.float32(0.0)
+        for e in range(E):
+            dot += a[e] * p[e]
+        if mode == 0:
+            for e in range(E):
+                grad[t, e] = p[e] * (a[e] - dot)
+        else:
+            s = np.float32(0.0)
+            for e in range(E):
+                s += np.float32(1.0) / (np.float32(1.0) + np.exp(-row[e]))
+            for e in range(E):
+                sg = np.float32(1.0) / (np.float32(1.0) + np.exp(-row[e]))
+                grad[t, e] = (a[e] - dot) / s * sg * (np.float32(1.0) - sg)
+
+
+@jit
+def z_loss_ptr(xp, T, E, lp):
+    """:func:`z_loss_arrays` on addresses: fp32 logits [T, E], lse [T]."""
+    return z_loss_arrays(carray(p_f32(xp), (T, E)), carray(p_f32(lp), (T,)))
+
+
+@jit
+def z_loss_bwd_ptr(xp, T, E, lp, gscale, gp):
+    z_loss_bwd_arrays(carray(p_f32(xp), (T, E)), carray(p_f32(lp), (T,)), gscale, carray(p_f32(gp), (T, E)))
+
+
+@jit
+def aux_loss_ptr(xp, T, E, mode, ip, n, cp):
+    """:func:`aux_loss_arrays` on addresses: fp32 [T, E], int64 indices [n], fp64 counts [E]."""
+    return aux_loss_arrays(carray(p_f32(xp), (T, E)), mode, carray(p_i64(ip), (n,)), carray(p_f64(cp), (E,)))
+
+
+@jit
+def aux_loss_bwd_ptr(xp, T, E, mode, cp, gscale, gp):
+    aux_loss_bwd_arrays(carray(p_f32(xp), (T, E)), mode, carray(p_f64(cp), (E,)), gscale, carray(p_f32(gp), (T, E)))
+
+
+def _z_forward(x: torch.Tensor) -> tuple[float, torch.Tensor]:
+    lse = torch.empty(x.shape[0])
+    return z_loss_ptr(x.data_ptr(), x.shape[0], x.shape[1], lse.data_ptr()), lse
+
+
+def _aux_forward(x: torch.Tensor, mode: int, idx: torch.Tensor) -> tuple[float, torch.Tensor]:
+    idx = _i64(idx)
+    counts = torch.empty(x.shape[1], dtype=torch.float64)
+    loss, bad = aux_loss_ptr(x.data_ptr(), x.shape[0], x.shape[1], mode, idx.data_ptr(), idx.numel(),
+                             counts.data_ptr())  # fmt: skip
+    if bad >= 0:
+        raise ShapeError(
+            f"torsh_kernels.moe_aux_loss: routing.indices holds {int(idx.reshape(-1)[bad])}, not an expert of "
+            f"[0, {x.shape[1]}); pass the Routing that moe_route returned for these logits"
+        )
+    return loss, counts
+
+
+class ZLoss(torch.autograd.Function):
+    """The z-loss of fp32 CPU logits [T, E], forward and backward on the kernels above (a backward that
+    must itself be differentiable, ``create_graph=True``, is computed with torch ops instead)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        z, lse = _z_forward(x)
+        ctx.save_for_backward(x, lse)
+        return torch.scalar_tensor(z)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, lse = ctx.saved_tensors
+        T, E = x.shape
+        if torch.is_grad_enabled():  # create_graph: the same gradient in torch ops, differentiable again
+            return g * (2.0 / T) * torch.logsumexp(x, -1, keepdim=True) * torch.softmax(x, -1)
+        grad = torch.empty_like(x)
+        z_loss_bwd_ptr(x.data_ptr(), T, E, lse.data_ptr(), float(g) * 2.0 / T, grad.data_ptr())
+        return grad
+
+
+class AuxLoss(torch.autograd.Function):
+    """The load-balancing loss of fp32 CPU scores [T, E] (``mode``: SOFTMAX, SIGMOID or PROBS) and the
+    routing's chosen experts, forward and backward on the kernels above."""
+
+    @staticmethod
+    def forward(ctx, x, mode, idx):
+        loss, counts = _aux_forward(x, mode, idx)
+        ctx.save_for_backward(x, counts)
+        ctx.mode, ctx.n = mode, max(idx.numel(), 1)
+        return torch.scalar_tensor(loss)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, counts = ctx.saved_tensors
+        T, E = x.shape
+        if torch.is_grad_enabled():  # create_graph: the same gradient in torch ops, differentiable again
+            a = (g * (E / (ctx.n * T))) * counts.to(torch.float32)
+            if ctx.mode == PROBS:
+                return a.expand(T, E), None, None
+            if ctx.mode == SOFTMAX:
+                p = torch.softmax(x, -1)
+                return p * (a - (p * a).sum(-1, keepdim=True)), None, None
+            s = torch.sigmoid(x)
+            tot = s.sum(-1, keepdim=True)
+            return (a - (s / tot * a).sum(-1, keepdim=True)) / tot * s * (1.0 - s), None, None
+        grad = torch.empty_like(x)
+        aux_loss_bwd_ptr(x.data_ptr(), T, E, ctx.mode, counts.data_ptr(), float(g) * E / (ctx.n * T), grad.data_ptr())
+        return grad, None, None
+
+
+def z_loss(x: torch.Tensor) -> torch.Tensor:
+    """The z-loss of contiguous fp32 CPU logits: through the autograd Function when a gradient is needed."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return ZLoss.apply(x)
+    return torch.scalar_tensor(_z_forward(x)[0])
+
+
+def aux_loss(x: torch.Tensor, mode: int, idx: torch.Tensor) -> torch.Tensor:
+    """The aux loss of contiguous fp32 CPU scores: through the autograd Function when a gradient is needed."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return AuxLoss.apply(x, mode, idx)
+    return torch.scalar_tensor(_aux_forward(x, mode, idx)[0])

@@ -193,6 +193,23 @@ def test_bench_fsdp_runs_every_case_and_writes_json(tmp_path):
     assert "speedup vs plain" in r.stdout
 
 
+def test_bench_fsdp_offload_counts_what_each_optimizer_holds(tmp_path):
+    out = tmp_path / "offload.json"
+    r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "bench", "fsdp", "--offload", "--width",
+                        "64", "--layers", "2", "--steps", "1", "--warmup", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    s = {row["case"]: row for row in json.loads(out.read_text())["offload_summary"]}
+    # AdamW: exp_avg and exp_avg_sq in fp32, and a 4-byte step per parameter tensor (4 tensors, 4160
+    # elements a rank); bf16: half; int8: a byte and a 4-byte scale per 256, twice
+    adamw = 8.0 + 4 * 4 / 4160
+    assert s["AdamW"]["state_bytes_per_parameter"] == pytest.approx(adamw)
+    assert s["AdamW + CPUOffloadPolicy"]["state_bytes_per_parameter"] == pytest.approx(adamw)
+    assert s["OffloadedOptimizer bf16"]["state_bytes_per_parameter"] == pytest.approx(4.0 + 4 * 4 / 4160)
+    assert 2.0 < s["OffloadedOptimizer int8"]["state_bytes_per_parameter"] < 2.1
+    assert s["OffloadedOptimizer int8"]["host_copy_bytes_per_parameter"] == 8.0  # fp32 master and gradient
+
+
 def test_bench_ddp_judges_auto_by_its_choice_s_own_case():
     from torsh_kernels.apps.bench import ddp
 

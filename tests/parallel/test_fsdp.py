@@ -32,6 +32,18 @@ def shard(case: int, rank: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=g)
 
 
+def error_names(calls) -> list[str | None]:
+    """The typed error each call raises (its class name), or None where it raises none."""
+    out = []
+    for f in calls:
+        try:
+            f()
+            out.append(None)
+        except (InvalidArgumentError, ArgumentTypeError) as e:
+            out.append(type(e).__name__)
+    return out
+
+
 def qd(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     q, s = quantize(x, bits=bits, block=block)
     return dequantize(q, s, block=block, numel=x.numel())
@@ -89,19 +101,14 @@ def _comms_worker(comm) -> dict:
             results.append((torch.equal(o, ref), (o - exact).abs().max().item() / exact.abs().max().item()))
         out["rs"].append((results, ef and torch.equal(rs.residual, residuals[me])))
     # bad input: typed errors, before anything goes on the wire
-    errs = []
-    for f in (lambda: QuantizedAllGather(bits=3), lambda: QuantizedReduceScatter(block=100),
-              lambda: QuantizedReduceScatter(error_feedback=1),
-              lambda: QuantizedAllGather()(torch.zeros(6), torch.zeros(2), group),
-              lambda: QuantizedReduceScatter()(torch.zeros(2), torch.zeros(2 * ws), group, dist.ReduceOp.MAX),
-              lambda: QuantizedReduceScatter()(torch.zeros(2), torch.zeros(2 * ws).view(2, ws).t(), group,
-                                               dist.ReduceOp.SUM)):  # fmt: skip
-        try:
-            f()
-            errs.append(None)
-        except (InvalidArgumentError, ArgumentTypeError) as e:
-            errs.append(type(e).__name__)
-    out["errs"] = errs
+    out["errs"] = error_names([
+        lambda: QuantizedAllGather(bits=3), lambda: QuantizedReduceScatter(block=100),
+        lambda: QuantizedReduceScatter(error_feedback=1),
+        lambda: QuantizedAllGather()(torch.zeros(6), torch.zeros(2), group),
+        lambda: QuantizedReduceScatter()(torch.zeros(2), torch.zeros(2 * ws), group, dist.ReduceOp.MAX),
+        lambda: QuantizedReduceScatter()(torch.zeros(2), torch.zeros(2 * ws).view(2, ws).t(), group,
+                                         dist.ReduceOp.SUM),
+    ])  # fmt: skip
     return out
 
 
@@ -271,16 +278,11 @@ def _mesh_worker(comm) -> dict:
         out[f"ranks_{dim}"] = c.global_ranks
     flat = init_device_mesh("cpu", (4,))
     out["flat_ws"] = TorchCommunicator(flat).world_size
-    errs = []
-    for f in (lambda: TorchCommunicator(mesh), lambda: TorchCommunicator(mesh, dim="pp"),
-              lambda: TorchCommunicator(mesh, dim=2), lambda: TorchCommunicator(dist.group.WORLD, dim="dp"),
-              lambda: TorchCommunicator("dp")):  # fmt: skip
-        try:
-            f()
-            errs.append(None)
-        except (InvalidArgumentError, ArgumentTypeError) as e:
-            errs.append(type(e).__name__)
-    out["errs"] = errs
+    out["errs"] = error_names([
+        lambda: TorchCommunicator(mesh), lambda: TorchCommunicator(mesh, dim="pp"),
+        lambda: TorchCommunicator(mesh, dim=2), lambda: TorchCommunicator(dist.group.WORLD, dim="dp"),
+        lambda: TorchCommunicator("dp"),
+    ])  # fmt: skip
     st = CompressionHookState(mesh, mesh_dim="tp")
     out["hook_group_size"] = dist.get_world_size(st.process_group)
     dt = distribute_tensor(torch.arange(8.0), flat, [Shard(0)])
@@ -430,17 +432,12 @@ def _hsdp_worker(comm) -> dict:
             # the full parameters agree across all four ranks (both replicas of both shards)
             "replicas_equal": all(torch.equal(g, gathered[0]) for g in gathered),
         }
-    errs = []
     model = _shard(_model(), mesh["shard"])
-    for kw in ({"hsdp_grads": FP16()}, {"replicate": (mesh, "replicate")},
-               {"hsdp_grads": "fp16", "replicate": (mesh, "replicate")},
-               {"hsdp_grads": FP16(), "replicate": 3}):  # fmt: skip
-        try:
-            apply_quantized_comm(model, weights=None, grads=None, **kw)
-            errs.append(None)
-        except (InvalidArgumentError, ArgumentTypeError) as e:
-            errs.append(type(e).__name__)
-    out["errs"] = errs
+    out["errs"] = error_names(
+        (lambda kw=kw: apply_quantized_comm(model, weights=None, grads=None, **kw))
+        for kw in ({"hsdp_grads": FP16()}, {"replicate": (mesh, "replicate")},
+                   {"hsdp_grads": "fp16", "replicate": (mesh, "replicate")}, {"hsdp_grads": FP16(), "replicate": 3})
+    )  # fmt: skip
     out["comm_ok"] = TorchCommunicator(mesh, dim="replicate").world_size == 2
     return out
 

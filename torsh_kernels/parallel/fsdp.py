@@ -33,6 +33,7 @@ dequantization.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -122,7 +123,14 @@ def _flat(t: object, what: str, name: str) -> torch.Tensor:
     return t.view(-1)
 
 
-class QuantizedAllGather(_AllGather):
+class _Allocate:
+    """FSDP2's ``Comm.allocate``: the buffers it fills and passes to the comm, plain ``torch.empty``."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class QuantizedAllGather(_Allocate, _AllGather):
     """FSDP2's all-gather with blockwise int8 (or int4) weights; see the module docstring."""
 
     def __init__(self, bits: int = 8, block: int = 256) -> None:
@@ -135,9 +143,6 @@ class QuantizedAllGather(_AllGather):
 
     def __repr__(self) -> str:
         return f"QuantizedAllGather(bits={self.bits}, block={self.block})"
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):  # fmt: skip
@@ -178,7 +183,7 @@ class QuantizedAllGather(_AllGather):
         return torch._C._distributed_c10d._create_work_from_future(work.get_future().then(done))
 
 
-class QuantizedReduceScatter(_ReduceScatter):
+class QuantizedReduceScatter(_Allocate, _ReduceScatter):
     """FSDP2's reduce-scatter as quantized chunks through one all-to-all, reduced in fp32, with an
     optional error-feedback residual; see the module docstring.
 
@@ -203,9 +208,6 @@ class QuantizedReduceScatter(_ReduceScatter):
 
     def __repr__(self) -> str:
         return f"QuantizedReduceScatter(bits={self.bits}, block={self.block}, error_feedback={self.error_feedback})"
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def _scale(self, op, ws: int) -> float:
         """The factor FSDP2's op applies to the sum: 1 (SUM), 1 / world_size (AVG), or PREMUL_SUM's."""
@@ -244,6 +246,12 @@ class QuantizedReduceScatter(_ReduceScatter):
         if self.error_feedback:
             res = self.residual
             if res is None or res.numel() != acc.numel() or res.device != acc.device:
+                if res is not None:
+                    warnings.warn(
+                        f"{what}: the residual buffer holds {res.numel()} elements on {res.device}, the gradients "
+                        f"{acc.numel()} on {acc.device}; using a new residual, which the state_dict does not hold",
+                        stacklevel=2,
+                    )
                 res = self.residual = torch.zeros(acc.numel(), dtype=torch.float32, device=acc.device)
             acc += res.view(-1)
         w = _Wire(n, self.bits, self.block)

@@ -11,6 +11,12 @@ slow link), the same batches, every case in turn on the same ranks:
   with error feedback;
 - ``int8 weights + int4 grads``: both (:func:`~torsh_kernels.parallel.fsdp.apply_quantized_comm`).
 
+``--offload`` measures instead what the optimizer holds per rank under ZeRO-3 (the same model): AdamW on
+FSDP2's shards (fp32 state, 8 bytes per parameter), the same with FSDP2's ``CPUOffloadPolicy``, and
+:class:`~torsh_kernels.parallel.OffloadedOptimizer` with bf16 and int8 state; for it also the fp32 masters
+and gradient buffer it keeps on the host (8 bytes per parameter, the price of keeping the device free of
+them); the step time; and on a GPU the peak device memory.
+
 Per case: median step time (forward, backward with FSDP2's collectives, SGD step) of the slowest rank
 over ``--steps`` steps after ``--warmup``, p20-p80, the bytes this rank put on the wire per step (ring
 all-gathers and reduce-scatters and our all-to-all: ``world_size - 1`` segments per call), both as
@@ -95,6 +101,62 @@ def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -
             "bytes_per_step": statistics.median(sent), "loss": loss.item()}  # fmt: skip
 
 
+OFFLOAD_CASES = ("AdamW", "AdamW + CPUOffloadPolicy", "OffloadedOptimizer bf16", "OffloadedOptimizer int8")
+
+
+def _offload_case(comm: TorchCommunicator, mesh, cfg: dict, name: str) -> dict:
+    """ZeRO-3 with the optimizer's memory counted: what each rank's optimizer holds (its state, and for
+    OffloadedOptimizer the fp32 masters and gradient buffer it keeps on the host), and the step time."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from ...parallel import OffloadedOptimizer
+
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for i in range(cfg["layers"]):
+        mods.append(torch.nn.Linear(cfg["width"], cfg["width"]))
+        if i + 1 < cfg["layers"]:
+            mods.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*mods)
+    kw = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if "CPUOffload" in name else {}
+    for m in [*(m for m in model if isinstance(m, torch.nn.Linear)), model]:
+        fully_shard(m, mesh=mesh, **kw)
+    if name.startswith("OffloadedOptimizer"):
+        opt = OffloadedOptimizer(model.parameters(), torch.optim.AdamW, name.split()[-1], lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cuda = comm.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(comm.device)
+    g = torch.Generator().manual_seed(1 + comm.rank)
+    times = []
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        x = torch.randn(cfg["batch"], cfg["width"], generator=g).to(comm.device)
+        comm.barrier()
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize(comm.device)
+        if step >= cfg["warmup"]:
+            times.append(time.perf_counter() - t0)
+    copies = 0
+    if isinstance(opt, OffloadedOptimizer):
+        state = opt.stats["state_bytes"]
+        copies = sum(c.master_flat.nbytes + c.grad_flat.nbytes for c in opt._chunks)  # fp32, on the host
+    else:
+        state = sum(v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
+                    for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))  # fmt: skip
+    params = sum(p.to_local().numel() for p in model.parameters())
+    t = torch.tensor(times, dtype=torch.float64)
+    comm.all_reduce(t, "max")
+    return {"case": name, "step_ms": 1e3 * statistics.median(t.tolist()), "state_bytes": state,
+            "host_copy_bytes": copies, "state_bytes_per_parameter": state / params,
+            "host_copy_bytes_per_parameter": copies / params,
+            "peak_device_bytes": torch.cuda.max_memory_allocated(comm.device) if cuda else None}  # fmt: skip
+
+
 def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -102,6 +164,18 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
     torch.set_num_threads(cfg["threads"])
     mesh = init_device_mesh(comm.device.type, (comm.world_size,))
     rows = []
+    if cfg["offload"]:
+        for rep in range(cfg["repeat"]):
+            for name in OFFLOAD_CASES:
+                r = _offload_case(comm, mesh, cfg, name)
+                r["repeat"] = rep
+                rows.append(r)
+                if comm.rank == 0 and cfg["progress"]:
+                    print(f"  {name:<28} {r['step_ms']:9.1f} ms/step {r['state_bytes_per_parameter']:6.2f} B/param",
+                          file=sys.stderr, flush=True)  # fmt: skip
+        if comm.rank != 0:
+            return None
+        return _report_offload({"offload_rows": rows, "world_size": comm.world_size, "backend": comm.backend}, cfg)
     for rep in range(cfg["repeat"]):
         for name, w, gq in _cases(cfg["grads"]):
             r = _case(comm, mesh, cfg, name, w, gq)
@@ -146,6 +220,38 @@ def _report(res: dict, cfg: dict) -> dict:
     return res
 
 
+def _report_offload(res: dict, cfg: dict) -> dict:
+    from rich.table import Table
+
+    env = environment(torch.device("cuda" if res["backend"] == "nccl" else "cpu"))
+    rows = res["offload_rows"]
+    res["offload_summary"] = summary = []
+    for name in OFFLOAD_CASES:
+        rs = [r for r in rows if r["case"] == name]
+        summary.append({"case": name, "step_ms": _spread([r["step_ms"] for r in rs]),
+                        **{k: rs[0][k] for k in ("state_bytes", "host_copy_bytes", "state_bytes_per_parameter",
+                                                  "host_copy_bytes_per_parameter", "peak_device_bytes")}})  # fmt: skip
+    t = Table(title=(f"ZeRO-3 optimizer memory, {res['world_size']} ranks ({res['backend']}), {cfg['layers']} x "
+                     f"[{cfg['width']} x {cfg['width']}] linears under fully_shard; per rank; medians over "
+                     f"{cfg['repeat']} run(s)"), title_justify="left")  # fmt: skip
+    for col in ("case", "step (ms)", "optimizer state (MB)", "state B/param", "fp32 host copies B/param",
+                "peak device (MB)"):  # fmt: skip
+        t.add_column(col, justify="left" if col == "case" else "right")
+    for s in summary:
+        st = s["step_ms"]
+        t.add_row(s["case"], f"{st['median']:.1f} [{st['min']:.1f}-{st['max']:.1f}]",
+                  f"{s['state_bytes'] / 1e6:.2f}", f"{s['state_bytes_per_parameter']:.2f}",
+                  f"{s['host_copy_bytes_per_parameter']:.2f}",
+                  "-" if s["peak_device_bytes"] is None else f"{s['peak_device_bytes'] / 1e6:.1f}")  # fmt: skip
+    wide_console(160).print(t)
+    if cfg["json"]:
+        with open(cfg["json"], "w") as f:
+            json.dump({"suite": "fsdp", "environment": env, "config": cfg, **res}, f, indent=2)
+        print(f"wrote {cfg['json']}")
+    sys.stdout.flush()
+    return res
+
+
 def _print(res: dict, env: dict, cfg: dict) -> None:
     from rich.table import Table
 
@@ -179,6 +285,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grads", choices=("int8", "int4"), default="int4", help="gradient format of the grads cases")
     p.add_argument("--repeat", type=int, default=1, help="run every case this many times, interleaved")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--offload", action="store_true",
+                   help="instead: the optimizer's memory under ZeRO-3, AdamW (with and without FSDP2's "
+                   "CPUOffloadPolicy) against OffloadedOptimizer with bf16 and int8 state")  # fmt: skip
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -192,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cfg = {"width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
            "warmup": args.warmup, "grads": args.grads, "repeat": args.repeat, "threads": args.threads,
-           "progress": True, "json": args.json}  # fmt: skip
+           "progress": True, "json": args.json, "offload": args.offload}  # fmt: skip
     if "RANK" in os.environ:
         comm = init_from_env(timeout=600)
         _worker(comm, cfg)

@@ -40,6 +40,7 @@ from .ops import (
     topk_compress,
     topk_decompress,
     unflatten,
+    wire_cast,
 )
 
 if _os.environ.get("TORSH_TRACE", "").strip():
@@ -83,4 +84,5 @@ __all__ = [
     "topk_compress",
     "topk_decompress",
     "unflatten",
+    "wire_cast",
 ]

@@ -1,4 +1,4 @@
-"""flatten / unflatten / bucket_reduce: every provider against the torch reference."""
+"""flatten / unflatten / bucket_reduce / wire_cast: every provider against the torch reference."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 import torsh_kernels as tk
 from tests.helpers import DEVICE, DTYPE_TOLS, poison, rand
+from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
 from torsh_kernels.ops import _bucket_tables, _common
-from torsh_kernels.ops.bucket import BucketLayout, bucket_reduce_ref, flatten_ref, unflatten_ref
+from torsh_kernels.ops.bucket import BucketLayout, bucket_reduce_ref, flatten_ref, unflatten_ref, wire_cast_ref
 
 COUNTS = (1, 3, 130, 600)
 
@@ -474,7 +475,7 @@ def test_inputs_are_not_modified(provider, gen):
 # ------------------------------------------------------------------------------------------- opcheck
 
 
-@pytest.mark.parametrize("prov", ["torch", "triton", "numba"])
+@pytest.mark.parametrize("prov", ["torch", "triton", "numba", "cpu"])
 def test_opcheck(prov, gen):
     tensors = [rand((5, 3), torch.float32, gen), rand((7,), torch.bfloat16, gen), rand((2, 2), torch.float32, gen)]
     flat = rand((15 + 7 + 4,), torch.float32, gen)
@@ -488,6 +489,7 @@ def test_opcheck(prov, gen):
         (ops.unflatten.default, (flat, [rand(t.shape, t.dtype, gen) for t in tensors], 1.0, True, prov)),
         (ops.bucket_reduce.default, (buffers, "avg", prov)),
         (ops.bucket_reduce_out.default, (buffers, poison((11,), torch.float32), "max", prov)),
+        (ops.wire_cast.default, (buffers[0], poison((11,), torch.float16), 3.0, True, prov)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -524,3 +526,83 @@ def test_contiguous_clash_agrees_with_pairwise_check(spans):
     assert (clash is None) == (not pairs)
     if clash is not None:
         assert clash[0] < clash[1] and overlap(*clash)
+
+
+# ------------------------------------------------------------------------------------------- wire_cast
+
+# fp32 values at the edges of the wire formats: signed zeros, fp16 subnormals and their halfway points, the
+# largest fp16 and the values that round to it or overflow, bf16's range, thirds (inexact quotients)
+_EDGES = [0.0, -0.0, 1e-8, -1e-8, 5.96e-8, 2.98e-8, 2.99e-8, 6.1e-5, 6.09e-5, 65504.0, 65519.0, -65519.9, 1.0 / 3,
+          2.0**-24, 3 * 2.0**-26, 1e30, -3e38, 1.5, 2.5, -0.5]  # fmt: skip
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+_OVERFLOW = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the emulators' fp16 casts
+
+
+@_OVERFLOW
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16, torch.float16], ids=["x32", "xbf16", "x16"])
+@pytest.mark.parametrize("divisor", [1, 2.0, 3, 7.0])
+@pytest.mark.parametrize("n", [1, 1000, 4097])
+def test_wire_cast_matches_reference_bit_for_bit(provider, gen, wire, xdt, divisor, n):
+    x = torch.cat([torch.tensor(_EDGES), rand(n, torch.float32, gen, torch.device("cpu")) * 300])[:n].to(xdt)
+    x = x.to(DEVICE)
+    out = poison((n,), wire)
+    ref = wire_cast_ref(x.cpu(), wire, divisor)
+    overflow = not bool(torch.isfinite(ref).all())  # an fp16 overflow (of the wire or of a 16-bit x)
+    if overflow:
+        with pytest.raises(NonFiniteError, match=f"{int((~torch.isfinite(ref)).sum())} non-finite"):
+            tk.wire_cast(x, wire, divisor=divisor, out=out, provider=provider)
+    got = tk.wire_cast(x, wire, divisor=divisor, out=out, check_finite=not overflow, provider=provider)
+    assert got is out and got.dtype == wire
+    assert torch.equal(_bits(got.cpu()), _bits(ref)), "the same bits as x.to(wire).div_(divisor)"
+
+
+def test_wire_cast_is_pytorchs_fp16_compress_arithmetic(provider, gen):
+    """What torch.distributed's fp16_compress_hook sends: ``buffer.to(float16).div_(world_size)``."""
+    x = rand((3, 333), torch.float32, gen) * 1000
+    for ws in (2, 3, 8):
+        got = tk.wire_cast(x, divisor=ws, provider=provider)
+        assert got.shape == (999,) and torch.equal(_bits(got), _bits(x.reshape(-1).to(torch.float16).div_(ws)))
+
+
+@_OVERFLOW
+def test_wire_cast_counts_nonfinite_values(provider):
+    x = torch.tensor([1.0, float("nan"), 7e4, -7e4, float("inf"), 3.0], device=DEVICE)
+    with pytest.raises(NonFiniteError, match="4 non-finite"):
+        tk.wire_cast(x, provider=provider)  # NaN, inf, and two fp16 overflows
+    with pytest.raises(NonFiniteError, match="2 non-finite"):
+        tk.wire_cast(x, torch.bfloat16, provider=provider)  # bf16 holds 7e4: NaN and inf only
+    out = tk.wire_cast(x, provider=provider, check_finite=False)
+    assert out.float().isinf().sum() == 3 and out.float().isnan().sum() == 1
+
+
+def test_wire_cast_in_place_and_typed_errors(provider, gen):
+    x = rand(1000, torch.float32, gen)
+    ref = wire_cast_ref(x, torch.float32, 3.0)
+    assert tk.wire_cast(x, divisor=3, out=x, provider=provider) is x  # fp32 in place
+    assert torch.equal(x, ref)
+    y = torch.zeros(1000, device=DEVICE)
+    with pytest.raises(ShapeError, match="overlaps"):
+        tk.wire_cast(y, out=y.view(torch.float16)[:1000], provider=provider)
+    with pytest.raises(ShapeError, match="elements"):
+        tk.wire_cast(y, out=torch.empty(999, dtype=torch.float16, device=DEVICE), provider=provider)
+    with pytest.raises(DTypeError, match="float16"):
+        tk.wire_cast(y, torch.float16, out=torch.empty(1000, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(DTypeError):
+        tk.wire_cast(y, torch.float64)
+    with pytest.raises(DTypeError):
+        tk.wire_cast(y.long())
+    with pytest.raises(InvalidArgumentError, match="divisor"):
+        tk.wire_cast(y, divisor=0)
+    with pytest.raises(InvalidArgumentError, match="divisor"):
+        tk.wire_cast(y, divisor=float("inf"))
+    with pytest.raises(ArgumentTypeError, match="divisor"):
+        tk.wire_cast(y, divisor=True)
+    with pytest.raises(ShapeError, match="contiguous"):
+        tk.wire_cast(y, out=torch.empty(2000, dtype=torch.float16, device=DEVICE)[::2])
+    assert tk.wire_cast(torch.empty(0, device=DEVICE)).numel() == 0

@@ -4,10 +4,10 @@
 They are elementwise (``elementwise = True``): the value sent for an element depends on that element
 alone, so the bucket layer casts a whole bucket as one flat tensor (per-tensor policies and size rules
 mean nothing for a cast) and sends it in one all-reduce. Their rounds cast every tensor of a call into
-one wire buffer in one pass and divide it by the world size in the wire dtype (FP16):
-``fp16(fp16(x) / world_size)``, PyTorch's ``fp16_compress_hook``'s arithmetic, so the results are
-bitwise PyTorch's (on CPU a fused ``fp16(x / world_size)`` costs several times a cast: torch computes
-it in fp32 and copies)."""
+one wire buffer and divide it by the world size in the wire dtype (FP16): ``fp16(fp16(x) / world_size)``,
+PyTorch's ``fp16_compress_hook``'s arithmetic, so the results are bitwise PyTorch's. A DDP bucket (one
+contiguous tensor) goes through ``ops.wire_cast``: the cast, the division and the finite check in one
+pass; a list of tensors through the fused flatten, then the division and the check."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 
 from ..collectives.communicator import Communicator
-from ..ops import flatten, unflatten
+from ..errors import NonFiniteError
+from ..ops import flatten, unflatten, wire_cast
 from .base import (
     Compressor,
     Payload,
@@ -74,20 +75,24 @@ class _Cast(Compressor):
         ws = comm.world_size
         st = states[0]
         layout = None
-        if len(tensors) == 1 and tensors[0].is_contiguous():
+        if len(tensors) == 1 and tensors[0].is_contiguous():  # cast, prescale and finite check in one pass
             x = tensors[0].view(-1)
             data = st.work.pop("wire", None)
             if data is None or data.numel() != x.numel() or data.dtype != self.dtype or data.device != x.device:
                 data = torch.empty(x.numel(), dtype=self.dtype, device=x.device)
-            data.copy_(x)
+            try:
+                wire_cast(x, divisor=ws if self.prescale else 1, out=data, check_finite=self.check_finite,
+                          provider=self.provider)  # fmt: skip
+            except NonFiniteError as e:
+                raise NonFiniteError(f"{type(self).__name__}.compress: {e}") from None
         else:
             data, layout = flatten(tensors, dtype=self.dtype, provider=self.provider)
-        if self.prescale:
-            data.div_(ws)
-        if self.check_finite and data.numel():
-            lo, hi = torch.aminmax(data)  # NaN and +-Inf show in the extremes: one cheap pass
-            if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
-                raise_if_nonfinite(data, f"{type(self).__name__}.compress")
+            if self.prescale:
+                data.div_(ws)
+            if self.check_finite and data.numel():
+                lo, hi = torch.aminmax(data)  # NaN and +-Inf show in the extremes: one cheap pass
+                if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
+                    raise_if_nonfinite(data, f"{type(self).__name__}.compress")
         for s in states:
             s.step += 1
         yield [comm.all_reduce(data, "sum", async_op=True)], data.numel() * data.element_size()

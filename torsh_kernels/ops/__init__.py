@@ -1,6 +1,6 @@
-"""Layer 1: fused kernels, one module per op family, each with triton, numba and torch providers.
+"""Layer 1: fused kernels, one module per op family, each with triton, numba, cpu and torch providers.
 
-Families: ``bucket`` (flatten, unflatten, bucket_reduce), ``topk``, ``quantize``, ``sign``,
+Families: ``bucket`` (flatten, unflatten, bucket_reduce, wire_cast), ``topk``, ``quantize``, ``sign``,
 ``orthogonalize``, ``error_feedback`` (the compression ops), ``moe`` (routing, permute, unpermute, router
 losses) and ``offload`` (pack, unpack). Helpers they share live in ``_common``; provider selection in
 ``registry``; the tuning cache it reads in ``tuning``. Importing this package imports no Triton, no Numba
@@ -18,6 +18,8 @@ from .bucket import (
     flatten_ref,
     unflatten,
     unflatten_ref,
+    wire_cast,
+    wire_cast_ref,
 )
 from .error_feedback import error_update, error_update_ref, residual_add, residual_add_ref
 from .moe import (
@@ -95,4 +97,6 @@ __all__ = [
     "unflatten_ref",
     "unpack",
     "unpack_ref",
+    "wire_cast",
+    "wire_cast_ref",
 ]

@@ -11,7 +11,7 @@ import math
 from functools import cache
 
 import torch
-from numba import cuda
+from numba import cuda, float32
 
 from . import _numba as nb
 
@@ -109,5 +109,33 @@ def reduce_kernel(src: torch.dtype, dst: torch.dtype, op: int):
                 acc = acc / ctype(k_count)
             store(out, i, acc)
             i += cuda.blockDim.x
+
+    return kernel
+
+
+@cache
+def wire_cast_kernel(src: torch.dtype, dst: torch.dtype):
+    """out = dtype(dtype(x) / divisor), in fp32: the value stored once, read back rounded, divided and
+    stored again; counts the NaN/Inf it writes."""
+    load, store, load_out = nb.loader(src, "f32"), nb.storer(dst), nb.loader(dst, "f32")
+
+    @cuda.jit
+    def kernel(x, out, bad, n, divisor, divide):
+        d = float32(divisor)
+        start = cuda.blockIdx.x * nb.TILE
+        end = start + nb.TILE
+        if end > n:
+            end = n
+        nbad = 0
+        i = start + cuda.threadIdx.x
+        while i < end:
+            store(out, i, load(x, i))
+            if divide:
+                store(out, i, load_out(out, i) / d)
+            if nb._nonfinite(load_out(out, i)):
+                nbad += 1
+            i += cuda.blockDim.x
+        if nbad:
+            cuda.atomic.add(bad, 0, nbad)
 
     return kernel

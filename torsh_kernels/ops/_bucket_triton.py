@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton import _cast
+from ._triton import _cast, _nonfinite
 
 
 @triton.jit
@@ -123,3 +123,28 @@ def _bucket_reduce_kernel(
     if OP == 1:
         acc = acc / K
     tl.store(out_ptr + idx, _cast(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _wire_cast_kernel(
+    x_ptr,
+    out_ptr,
+    bad_ptr,
+    n,
+    divisor,
+    BLOCK: tl.constexpr,
+    DIVIDE: tl.constexpr,
+    COUNT_BAD: tl.constexpr,
+):
+    """out = dtype(dtype(x) / divisor): rounded to the wire dtype, then divided in fp32 and rounded again
+    (PyTorch's fp16_compress_hook arithmetic), counting the NaN/Inf it writes."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < n
+    h = _cast(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), out_ptr.dtype.element_ty)
+    if DIVIDE:
+        h = _cast(tl.math.div_rn(h.to(tl.float32), divisor), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, h, mask=mask)
+    if COUNT_BAD:
+        bad = tl.sum((_nonfinite(h.to(tl.float32)) & mask).to(tl.int64), axis=0)
+        tl.atomic_add(bad_ptr, bad)

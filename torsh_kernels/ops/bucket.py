@@ -1,4 +1,4 @@
-"""Gradient-bucket ops: flatten, unflatten, bucket_reduce.
+"""Gradient-bucket ops: flatten, unflatten, bucket_reduce, wire_cast.
 
 - ``flatten(tensors)`` copies N tensors (any shapes, contiguous or not) into one flat buffer, optionally
   scaling and casting in the same pass, and returns the buffer with its :class:`BucketLayout`.
@@ -6,6 +6,9 @@
   tensor's dtype.
 - ``bucket_reduce(buffers)`` reduces K same-size buffers elementwise (sum, avg, max) in fp32 (fp64 if
   any operand is fp64).
+- ``wire_cast(x, dtype, divisor=)`` casts a bucket to its wire dtype and divides it there, in one pass:
+  ``dtype(dtype(x) / divisor)``, two roundings, PyTorch's ``fp16_compress_hook`` arithmetic (so a hook
+  built on it gives PyTorch's bits), counting the NaN/Inf it writes (an fp16 overflow above 65504).
 
 The Triton kernels take all tensors of one dtype in one launch: a table in device memory holds, per
 tensor, its address, size, offset in the flat buffer, first tile and (for non-contiguous tensors) up to
@@ -34,11 +37,24 @@ from ..errors import (
     DTypeError,
     InvalidArgumentError,
     LayoutMismatchError,
+    NonFiniteError,
     ShapeError,
 )
 from . import _eager
 from ._bucket_tables import NCOLS, _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable
-from ._common import _guards, _Memo, _numba_span, _on, _ptr_table, _ptrs, _Ranges
+from ._common import (
+    _count,
+    _flat_inout,
+    _flat_input,
+    _guards,
+    _Memo,
+    _no_overlap,
+    _numba_span,
+    _on,
+    _ptr_table,
+    _ptrs,
+    _Ranges,
+)
 from .registry import Op, tuned_meta
 from .tuning import TuneSpace, register_space
 
@@ -50,7 +66,11 @@ __all__ = [
     "flatten_ref",
     "unflatten",
     "unflatten_ref",
+    "wire_cast",
+    "wire_cast_ref",
 ]
+
+WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 REDUCE_OPS = ("sum", "avg", "max")
@@ -489,6 +509,70 @@ def _reduce_numba(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> No
     )  # fmt: skip
 
 
+# wire cast: out = dtype(dtype(x) / divisor) (no division when divisor == 1); returns the NaN/Inf count
+# written (0 unless count_bad). x is contiguous and 1-D, out contiguous, 1-D, of x's size.
+_wire = Op("wire_cast")
+
+
+def wire_cast_ref(x: torch.Tensor, dtype: torch.dtype, divisor: float = 1.0) -> torch.Tensor:
+    """``dtype(dtype(x) / divisor)``: x rounded to dtype, divided (in fp32, torch's arithmetic for 16-bit
+    tensors) and rounded again; the elements of x in order, 1-D."""
+    v = x.reshape(-1).to(dtype, copy=True)
+    return v.div_(divisor) if divisor != 1.0 else v
+
+
+def _count_nonfinite_16(v: torch.Tensor) -> int:
+    """NaN/Inf in v: an extremes pass (cheaper than a 16-bit sum, which would overflow), an exact count
+    only when an extreme is not finite."""
+    if v.numel() == 0:
+        return 0
+    lo, hi = torch.aminmax(v)
+    if math.isfinite(lo.item()) and math.isfinite(hi.item()):
+        return 0
+    return int((~torch.isfinite(v)).sum())
+
+
+@_wire.register("torch")
+def _wire_torch(x, out, divisor, count_bad):
+    out.copy_(x)
+    if divisor != 1.0:
+        out.div_(divisor)
+    return _count_nonfinite_16(out) if count_bad else 0
+
+
+@_wire.register("triton")
+def _wire_triton(x, out, divisor, count_bad):
+    from . import _bucket_triton as K
+
+    bad = torch.zeros(1, dtype=torch.int64, device=x.device)
+    n = x.numel()
+    K._wire_cast_kernel[(max(1, -(-n // TRITON_BLOCK)),)](
+        x, out, bad, n, float(divisor), BLOCK=TRITON_BLOCK, DIVIDE=divisor != 1.0, COUNT_BAD=bool(count_bad),
+        num_warps=TRITON_WARPS,
+    )  # fmt: skip
+    return bad
+
+
+@_wire.register("numba")
+def _wire_numba(x, out, divisor, count_bad):
+    from . import _bucket_numba
+    from . import _numba as nb
+
+    bad = torch.zeros(1, dtype=torch.int64, device=x.device)
+    n = x.numel()
+    kernel = _bucket_numba.wire_cast_kernel(x.dtype, out.dtype)
+    nb.launch(kernel, max(1, -(-n // nb.TILE)), nb.THREADS, x.device, nb.as_array(x), nb.as_array(out),
+              nb.as_array(bad), n, float(divisor), divisor != 1.0)  # fmt: skip
+    return bad
+
+
+@_wire.register("cpu")
+def _wire_cpu(x, out, divisor, count_bad):
+    from . import _bucket_cpu as K
+
+    return K.wire_cast(x, out, divisor, count_bad)
+
+
 # The cpu provider's bucket ops are the torch provider's: on the CPU, torch.cat(out=), _foreach_copy_ and
 # the in-place adds are already one vectorised pass per tensor; a Numba loop would add nothing.
 for _op, _impl in ((_flatten, _flatten_torch), (_unflatten, _unflatten_torch), (_reduce, _reduce_torch)):
@@ -577,6 +661,29 @@ def _reduce_into(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provid
     name = _reduce.select(out.device, buffers[0].dtype, out.numel(), provider or None)
     with _on(out.device):
         _reduce(name, [b.contiguous().view(-1) for b in buffers], out.view(-1), op)
+
+
+@torch.library.custom_op("torsh::wire_cast", mutates_args=("out",))
+def _wire_op(x: torch.Tensor, out: torch.Tensor, divisor: float, check_finite: bool, provider: str) -> None:
+    if out.numel():
+        name = _wire.select(out.device, out.dtype, out.numel(), provider or None)
+        with _on(out.device):
+            bad = _wire(name, x, out, divisor, check_finite)
+        if check_finite and (b := _count(bad)):
+            _raise_wire_nonfinite(b, out.dtype)
+
+
+@_wire_op.register_fake
+def _(x, out, divisor, check_finite, provider):
+    return None
+
+
+def _raise_wire_nonfinite(bad: int, dtype: torch.dtype) -> None:
+    raise NonFiniteError(
+        f"torsh_kernels.wire_cast: the {str(dtype).removeprefix('torch.')} result holds {bad} non-finite "
+        "element(s) (NaN/Inf in the input, or an fp16 overflow above 65504; out was written); find the source "
+        "(a loss scale too high, a diverging step) or pass check_finite=False to cast anyway"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -932,6 +1039,86 @@ def bucket_reduce(
         return out
     _reduce_out_op(buffers, out, op, provider or "")
     return out
+
+
+def wire_cast(
+    x: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    *,
+    divisor: float = 1.0,
+    out: torch.Tensor | None = None,
+    check_finite: bool = True,
+    provider: str | None = None,
+) -> torch.Tensor:
+    """``x``'s elements cast to the wire dtype and divided there: ``dtype(dtype(x) / divisor)`` (the
+    division in fp32, then rounded again), in one pass: PyTorch's ``fp16_compress_hook`` arithmetic, bit
+    for bit.
+
+    ``dtype``: fp16 (default), bf16 or fp32; with ``out`` it defaults to ``out.dtype``. ``out``: a
+    contiguous tensor of x's element count on x's device (x itself when the dtypes match: in place);
+    returned, else a new 1-D tensor. ``divisor``: a finite, non-zero number (the world size, for a
+    pre-divided all-reduce). With ``check_finite``, NaN/Inf in the result (in the input, or an fp16
+    overflow above 65504) raise :class:`NonFiniteError` after ``out`` was written.
+    """
+    if (
+        type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous() and (n := x.numel())
+        and (divisor.__class__ is float or divisor.__class__ is int) and divisor != 0 and -math.inf < divisor < math.inf
+        and (out is None or (type(out) is _T and out.is_cpu and out.is_contiguous() and out.numel() == n
+                             and (dtype is None or dtype is out.dtype)))
+        and ((wire := out.dtype if out is not None else dtype or torch.float16) in _WIRE_SET)
+        and _eager.fast()
+        and _wire.select(_CPU, wire, n, provider or None) == "cpu"
+        and (out is None or _wire_out_ok(x, out, n))
+    ):  # fmt: skip
+        # The common case on the CPU with the cpu provider: its kernel straight on the tensors' memory.
+        K = _kc or _cpu_kernels()
+        if out is None:
+            out = torch.empty(n, dtype=wire)
+        bad = K.wire_cast_ptr(x.data_ptr(), out.data_ptr(), n, K._WIRE[wire], K.np.float32(divisor), divisor != 1)
+        _eager.bump(out)
+        if bad and check_finite:
+            _raise_wire_nonfinite(bad, wire)
+        return out
+    what = "torsh_kernels.wire_cast"
+    xf = _flat_input(x, what, "x")
+    if out is not None:
+        if dtype is not None and dtype != getattr(out, "dtype", dtype):
+            raise DTypeError(f"{what}: dtype={dtype} but out is {out.dtype}; pass one of them, or matching ones")
+        dtype = out.dtype if isinstance(out, torch.Tensor) else dtype
+    dtype = dtype or torch.float16
+    if dtype not in _WIRE_SET:
+        raise DTypeError(f"{what}: dtype={dtype}; expected float16, bfloat16 or float32")
+    if isinstance(divisor, bool) or not isinstance(divisor, (int, float)):
+        raise ArgumentTypeError(f"{what}: divisor must be a real number, got {type(divisor).__name__}")
+    if not math.isfinite(divisor) or divisor == 0:
+        raise InvalidArgumentError(f"{what}: divisor={divisor}; expected a finite, non-zero number")
+    if out is None:
+        out = torch.empty(xf.numel(), dtype=dtype, device=xf.device)
+    of = _flat_inout(out, what, "out", xf.numel(), xf.device)
+    _no_overlap(of, xf, what, "out", "x", same_ok=True)
+    if xf.numel():
+        _eager.call(_wire_op, (1,), xf, of, float(divisor), bool(check_finite), provider or "")
+    return out
+
+
+def _wire_out_ok(x: torch.Tensor, out: torch.Tensor, n: int) -> bool:
+    """``out`` shares no byte with fp32 ``x`` [n], or is x itself (fp32, in place)."""
+    px, po = x.data_ptr(), out.data_ptr()
+    if po == px and out.dtype is _F32:
+        return True
+    return po + out.element_size() * n <= px or px + 4 * n <= po
+
+
+_WIRE_SET = frozenset(WIRE_DTYPES)
+_kc = None  # the cpu provider's kernel module, once loaded (the fast path calls it directly)
+
+
+def _cpu_kernels():
+    global _kc
+    from . import _bucket_cpu
+
+    _kc = _bucket_cpu
+    return _kc
 
 
 # --------------------------------------------------------------------------------------------------

@@ -84,6 +84,9 @@ def cases(provider: str | None) -> list[tuple[str, str, Callable[[], object], st
     out.append(("unflatten", "1 tensor of 1 element", lambda: ops.unflatten(uflat, ulayout, udst, provider=p),
                 "torch._foreach_copy_ into the views", lambda: torch._foreach_copy_(udst, uviews),
                 "unflatten"))  # fmt: skip
+    wx = rnd(1024)
+    out.append(("wire_cast", "1024 fp32 -> fp16, / 2", lambda: ops.wire_cast(wx, torch.float16, divisor=2, provider=p),
+                "x.to(float16).div_(2)", lambda: wx.to(torch.float16).div_(2), "wire_cast"))  # fmt: skip
     b0, b1 = rnd(1024), rnd(1024)
     out.append(("bucket_reduce", "2 x 1024 fp32, sum", lambda: ops.bucket_reduce([b0, b1], provider=p),
                 "torch.add", lambda: torch.add(b0, b1), "bucket_reduce"))  # fmt: skip

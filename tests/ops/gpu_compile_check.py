@@ -58,6 +58,14 @@ def triton_variants():
                 {"ptrs_ptr": "*i64", "out_ptr": f"*{TL[out]}", "ref_ptr": f"*{TL[src]}", "numel": "i64", "K": "i32"},
                 {"BLOCK": bucket.TRITON_BLOCK, "OP": op, "COMPUTE_F64": src == torch.float64},
             )
+        if src != torch.float64:
+            for wire in bucket.WIRE_DTYPES:
+                yield (
+                    f"wire_cast {TL[src]}->{TL[wire]}",
+                    B._wire_cast_kernel,
+                    {"x_ptr": f"*{TL[src]}", "out_ptr": f"*{TL[wire]}", "bad_ptr": "*i64", "n": "i64", "divisor": "fp32"},
+                    {"BLOCK": bucket.TRITON_BLOCK, "DIVIDE": True, "COUNT_BAD": True},
+                )  # fmt: skip
 
 
 def compress_triton_variants():
@@ -202,6 +210,11 @@ def compile_numba(cc: tuple[int, int]) -> list[dict]:
                         (f"bucket_reduce {TL[src]}->{TL[dst]} op={op}", _bucket_numba.reduce_kernel(src, dst, op),
                          (int64[::1], nt[src][::1], nt[dst][::1], int64, int64))
                     )  # fmt: skip
+            if src != torch.float64 and dst in bucket.WIRE_DTYPES:
+                variants.append(
+                    (f"wire_cast {TL[src]}->{TL[dst]}", _bucket_numba.wire_cast_kernel(src, dst),
+                     (nt[src][::1], nt[dst][::1], int64[::1], int64, float64, boolean))
+                )  # fmt: skip
             for name, kernel, sig in variants:
                 results.append(_compile_ptx(cuda, name, kernel, sig, cc))
     for name, kernel, sig in [*compress_numba_variants(nt), *moe_numba_variants(nt)]:

@@ -1,9 +1,9 @@
 """CPU kernel (Numba's CPU target) of the orthogonalisation op (see orthogonalize.py).
 
-Imported on the cpu provider's first launch. CholeskyQR2 as the GPU kernels run it, row by row over the
-matrix in memory order: per iteration the fp64 Gram matrix G = A^T A (one pass), the upper-triangular T
-with T^T G T = I on the independent columns (Gram-Schmidt in the G inner product, twice, r x r work),
-then A = A T (a second pass). A column whose part orthogonal to the earlier ones is below ``rtol`` of its
+Imported on the cpu provider's first launch. CholeskyQR2 as the GPU kernels run it: per iteration the
+fp64 Gram matrix G = A^T A, the upper-triangular T with T^T G T = I on the independent columns
+(Gram-Schmidt in the G inner product, twice, r x r work), then A = A T; the two products are BLAS calls
+(Numba's ``np.dot``, through SciPy's BLAS) on an fp64 copy of the matrix. A column whose part orthogonal to the earlier ones is below ``rtol`` of its
 norm gets a zero column of T, so it becomes zero. fp32 and fp64 matrices are worked on in place; 16-bit
 ones through an fp32 copy. Many matrices go in one call, through one span of memory and their offsets.
 """
@@ -61,36 +61,29 @@ def _gram_factor(g, tm, r, rtol2):
 @jit
 def ortho_matrix(a, rtol2, iters, check_finite):
     """Orthonormalise the columns of ``a`` [m, r] in place; False (nothing written) when ``check_finite``
-    and an element is NaN/Inf (its column's squared norm in fp64 is then not finite)."""
+    and an element is NaN/Inf (its column's squared norm in fp64 is then not finite). The two products
+    per iteration are BLAS calls on an fp64 copy (G = B^T B, B = B T); the matrix is rounded to its
+    dtype after each iteration, as the GPU kernels store it."""
     m, r = a.shape
-    g = np.empty((r, r))
+    af = a.reshape(-1)
+    b = np.empty((m, r))
+    bf = b.reshape(-1)
+    for k in range(m * r):
+        bf[k] = af[k]
     tm = np.empty((r, r))
-    row = np.empty(r)
     for it in range(iters):
-        g[:, :] = 0.0
-        for i in range(m):
-            for p in range(r):
-                row[p] = a[i, p]
-            for p in range(r):
-                rp = row[p]
-                for q in range(p, r):
-                    g[p, q] += rp * row[q]
-        for p in range(r):
-            for q in range(p):
-                g[p, q] = g[q, p]
+        g = np.dot(b.T, b)
         if it == 0 and check_finite:
             for p in range(r):
                 if not np.isfinite(g[p, p]):
                     return False
         _gram_factor(g, tm, r, rtol2)
-        for i in range(m):
-            for p in range(r):
-                row[p] = a[i, p]
-            for q in range(r):
-                acc = 0.0
-                for p in range(q + 1):  # T is upper triangular
-                    acc += row[p] * tm[p, q]
-                a[i, q] = acc
+        b = np.dot(b, tm)
+        bf = b.reshape(-1)
+        for k in range(m * r):
+            af[k] = bf[k]
+            if it + 1 < iters:
+                bf[k] = af[k]
     return True
 
 

@@ -63,7 +63,8 @@ def triton_variants():
                 yield (
                     f"wire_cast {TL[src]}->{TL[wire]}",
                     B._wire_cast_kernel,
-                    {"x_ptr": f"*{TL[src]}", "out_ptr": f"*{TL[wire]}", "bad_ptr": "*i64", "n": "i64", "divisor": "fp32"},
+                    {"x_ptr": f"*{TL[src]}", "out_ptr": f"*{TL[wire]}", "bad_ptr": "*i64", "n": "i64",
+                     "divisor": "fp32"},
                     {"BLOCK": bucket.TRITON_BLOCK, "DIVIDE": True, "COUNT_BAD": True},
                 )  # fmt: skip
 

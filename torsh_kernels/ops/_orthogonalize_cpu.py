@@ -3,9 +3,10 @@
 Imported on the cpu provider's first launch. CholeskyQR2 as the GPU kernels run it: per iteration the
 fp64 Gram matrix G = A^T A, the upper-triangular T with T^T G T = I on the independent columns
 (Gram-Schmidt in the G inner product, twice, r x r work), then A = A T; the two products are BLAS calls
-(Numba's ``np.dot``, through SciPy's BLAS) on an fp64 copy of the matrix. A column whose part orthogonal to the earlier ones is below ``rtol`` of its
-norm gets a zero column of T, so it becomes zero. fp32 and fp64 matrices are worked on in place; 16-bit
-ones through an fp32 copy. Many matrices go in one call, through one span of memory and their offsets.
+(Numba's ``np.dot``, through SciPy's BLAS) on an fp64 copy of the matrix. A column whose part
+orthogonal to the earlier ones is below ``rtol`` of its norm gets a zero column of T, so it becomes
+zero. fp32 and fp64 matrices are worked on in place; 16-bit ones through an fp32 copy. Many matrices go
+in one call, through one span of memory and their offsets.
 """
 
 from __future__ import annotations

@@ -135,11 +135,12 @@ class _Direct(torch.autograd.Function):
     (``ctx.needs_input_grad`` lines up with the registered backward's view of them)."""
 
     op = None
+    impl = None  # another implementation of the op's forward (a fast path's kernel), or None: the op's own
 
     @classmethod
     def forward(cls, ctx, *args):
         ctx.set_materialize_grads(False)  # None for an unused output, as the registered backward expects
-        out = cls.op._init_fn(*args)
+        out = (cls.impl or cls.op._init_fn)(*args)
         cls.op._setup_context_fn(ctx, args, out)
         return out
 
@@ -148,14 +149,23 @@ class _Direct(torch.autograd.Function):
         return cls.op._backward_fn(ctx, *grads)
 
 
-_DIRECT: dict[object, type] = {}
+_DIRECT: dict[tuple, type] = {}
 
 
-def _direct_fn(op) -> type:
-    f = _DIRECT.get(op)
+def _direct_fn(op, impl=None) -> type:
+    f = _DIRECT.get((op, impl))
     if f is None:
-        f = _DIRECT[op] = type(f"_Direct_{getattr(op, '_name', 'op')}", (_Direct,), {"op": op})
+        name = f"_Direct_{getattr(op, '_name', 'op')}"
+        f = _DIRECT[(op, impl)] = type(name, (_Direct,), {"op": op, "impl": staticmethod(impl) if impl else None})
     return f
+
+
+def autograd_fast(op, impl, *args):
+    """A fast path of an op with registered autograd while a gradient is needed: ``impl`` (the same
+    outputs as the op's implementation, computed another way) as the forward of :class:`_Direct`, the op's
+    registered ``setup_context`` and backward around it. The caller has checked that nothing traces and
+    no mode is active (``fast()``) and that the tensors are plain."""
+    return _direct_fn(op, impl).apply(*args)
 
 
 def call_autograd(op, *args):

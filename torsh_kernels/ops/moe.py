@@ -757,7 +757,7 @@ def moe_route(
         drop_policy: which assignments an overfull expert keeps: "probability" (highest scores) or
             "position" (earliest tokens).
         check_finite: raise :class:`NonFiniteError` when a token's scores are NaN (one host sync).
-        provider: "triton", "numba" or "torch"; None selects automatically.
+        provider: "triton", "numba", "cpu" or "torch"; None selects automatically.
     """
     if (
         type(logits) is _T and logits.dtype is _F32 and logits.is_cpu and logits.dim() == 2
@@ -765,25 +765,23 @@ def moe_route(
         and (T := logits.shape[0]) > 0 and (score == "softmax" or score == "sigmoid")
         and (drop_policy == "probability" or drop_policy == "position")
         and (capacity_factor is None or (capacity_factor.__class__ is float and 0.0 < capacity_factor < math.inf))
-        and not (logits.requires_grad and torch.is_grad_enabled())
         and _eager.fast()
         and _topk.select(_CPU, _F32, logits.numel(), provider or None) == "cpu"
     ):  # fmt: skip
-        # The common case on the CPU with the cpu provider and no gradient: both steps of its route in one
-        # kernel call, on the tensors' memory.
-        M = _kc or _cpu_kernels()
+        # The common case on the CPU with the cpu provider: both steps of its route in one kernel call, on
+        # the tensors' memory; with a gradient needed, as the forward of the op's registered autograd.
         cap = -1 if capacity_factor is None else expert_capacity(T, k, E, capacity_factor)
-        i64 = torch.int64
-        idx, w, s = torch.empty(T, k, dtype=i64), torch.empty(T, k), torch.empty(T, k)
-        rows = torch.empty(T, k, dtype=i64)
-        counts, tok, dropped = torch.empty(E, dtype=i64), torch.empty(T * k, dtype=i64), torch.empty(T, k, dtype=_BOOL)
-        bad, n = M.route_ptr(logits.data_ptr(), T, E, k, score == "softmax", bool(renormalize), cap,
-                             _NO_CAP if cap < 0 else _POLICY[drop_policy], idx.data_ptr(), w.data_ptr(), s.data_ptr(),
-                             rows.data_ptr(), counts.data_ptr(), tok.data_ptr(), dropped.data_ptr())  # fmt: skip
-        if bad and check_finite:
-            _raise_nan_scores(bad, T)
-        return Routing(indices=idx, weights=w, scores=s, tokens_per_expert=counts, row_map=rows,
-                       token_index=tok if n == T * k else tok[:n], dropped=dropped, num_experts=E, num_rows=n,
+        if logits.requires_grad and torch.is_grad_enabled():
+            w, idx, s, counts, rows, tok = _eager.autograd_fast(
+                _route_op, _route_cpu_impl, logits, k, score, bool(renormalize), cap, drop_policy, bool(check_finite),
+                provider or "",
+            )  # fmt: skip
+            dropped, n = rows < 0, tok.shape[0]
+        else:
+            w, idx, s, counts, rows, tok, dropped, n = _route_cpu(logits, T, E, k, score, bool(renormalize), cap,
+                                                                  drop_policy, check_finite)  # fmt: skip
+        return Routing(indices=idx, weights=w, scores=s.detach(), tokens_per_expert=counts, row_map=rows,
+                       token_index=tok, dropped=dropped, num_experts=E, num_rows=n,
                        capacity=None if cap < 0 else cap, score=score)  # fmt: skip
     if (
         capacity_factor is None and type(logits) is _T and logits.dtype is _F32 and logits.is_cpu
@@ -849,6 +847,50 @@ def _cpu_kernels():
 _ARANGE: dict[int, torch.Tensor] = {}  # CPU 0..n-1 per n, for the fast path (read only, never returned)
 
 
+def _route_cpu(logits, T, E, k, score, renorm, cap, drop_policy, check_finite):
+    """The cpu provider's route in one kernel call on fp32 contiguous CPU logits: (w, idx, s, counts, rows,
+    tok, dropped, N)."""
+    M = _kc or _cpu_kernels()
+    i64 = torch.int64
+    idx, w, s = torch.empty(T, k, dtype=i64), torch.empty(T, k), torch.empty(T, k)
+    rows = torch.empty(T, k, dtype=i64)
+    counts, tok, dropped = torch.empty(E, dtype=i64), torch.empty(T * k, dtype=i64), torch.empty(T, k, dtype=_BOOL)
+    bad, n = M.route_ptr(logits.data_ptr(), T, E, k, score == "softmax", renorm, cap,
+                         _NO_CAP if cap < 0 else _POLICY[drop_policy], idx.data_ptr(), w.data_ptr(), s.data_ptr(),
+                         rows.data_ptr(), counts.data_ptr(), tok.data_ptr(), dropped.data_ptr())  # fmt: skip
+    if bad and check_finite:
+        _raise_nan_scores(bad, T)
+    return w, idx, s, counts, rows, tok if n == T * k else tok[:n], dropped, n
+
+
+def _route_cpu_impl(logits, k, score, renormalize, capacity, drop_policy, check_finite, provider):
+    """:func:`_route_cpu` with the custom op's signature and outputs (the forward of its autograd)."""
+    T, E = logits.shape
+    return _route_cpu(logits, T, E, k, score, renormalize, capacity, drop_policy, check_finite)[:6]
+
+
+def _permute_cpu_impl(x, row_map, token_index, provider):
+    """The cpu provider's permute on plain contiguous CPU rows (the custom op's signature and output)."""
+    M = _kc or _cpu_kernels()
+    out = x.new_empty(token_index.shape[0], x.shape[1])
+    if not M.gather_copy_ptr(x.data_ptr(), x.shape[0], x.shape[1], x.element_size(), token_index.data_ptr(),
+                             token_index.numel(), out.data_ptr()):  # fmt: skip
+        raise M._out_of_range("moe_permute")
+    return out
+
+
+def _unpermute_cpu_impl(y_perm, row_map, token_index, weights, provider):
+    """The cpu provider's unpermute on fp32 contiguous CPU rows and weights (the custom op's signature)."""
+    M = _kc or _cpu_kernels()
+    T, K = row_map.shape
+    out = torch.empty(T, y_perm.shape[1])
+    if not M.gather_rows_ptr(y_perm.data_ptr(), y_perm.shape[0], y_perm.shape[1], row_map.data_ptr(), T, K,
+                             weights.data_ptr() if weights is not None else 0, weights is not None,
+                             out.data_ptr()):  # fmt: skip
+        raise M._out_of_range("moe_unpermute")
+    return out
+
+
 def _arange(n: int) -> torch.Tensor:
     a = _ARANGE.get(n)
     if a is None:
@@ -900,22 +942,25 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
         type(routing) is Routing and type(x) is _T and x.is_cpu and x.dim() == 2 and x.is_contiguous()
         and (x.dtype is _F32 or x.dtype is torch.float16 or x.dtype is torch.bfloat16)
         and x.shape[0] == routing.indices.shape[0] and x.shape[1] and routing.num_rows
-        and routing.token_index.is_cpu and routing.row_map.is_cpu
-        and not (x.requires_grad and torch.is_grad_enabled())
+        and (tok := routing.token_index).is_cpu and routing.row_map.is_cpu
         and _eager.fast()
         and (sel := _select(_scatter_rows, x, provider or "", routing.row_map.shape[1])) in ("torch", "cpu")
     ):  # fmt: skip
-        # The common case on the CPU without a gradient: the provider's gather through the inverse map,
-        # into a new tensor instead of a preallocated one.
+        # The common case on the CPU: the provider's gather through the inverse map, into a new tensor
+        # instead of a preallocated one; the cpu provider's also when a gradient is needed (as the forward
+        # of the op's registered autograd).
+        grad = x.requires_grad and torch.is_grad_enabled()
         if sel == "torch":
-            return x.index_select(0, routing.token_index)
-        M = _kc or _cpu_kernels()
-        tok = routing.token_index
-        out = x.new_empty(routing.num_rows, x.shape[1])
-        if tok.is_contiguous() and tok.dtype is torch.int64 and tok.numel() == routing.num_rows and M.gather_copy_ptr(
-            x.data_ptr(), x.shape[0], x.shape[1], x.element_size(), tok.data_ptr(), tok.numel(), out.data_ptr()
-        ):  # fmt: skip
-            return out
+            if not grad:
+                return x.index_select(0, tok)
+        elif tok.is_contiguous() and tok.dtype is torch.int64 and tok.numel() == routing.num_rows:
+            if grad:
+                return _eager.autograd_fast(_permute_op, _permute_cpu_impl, x, routing.row_map, tok, provider or "")
+            M = _kc or _cpu_kernels()
+            out = x.new_empty(routing.num_rows, x.shape[1])
+            if M.gather_copy_ptr(x.data_ptr(), x.shape[0], x.shape[1], x.element_size(), tok.data_ptr(), tok.numel(),
+                                 out.data_ptr()):  # fmt: skip
+                return out
     what = "torsh_kernels.moe_permute"
     routing = _check_routing(routing, what)
     x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")
@@ -932,17 +977,19 @@ def moe_unpermute(
         and y_perm.dim() == 2 and y_perm.is_contiguous() and y_perm.shape[1]
         and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
         and rows.shape[0] and y_perm.shape[0] == routing.num_rows
-        and not (torch.is_grad_enabled() and (y_perm.requires_grad or (weights and w.requires_grad)))
+        and rows.is_contiguous() and w.is_contiguous() and rows.dtype is torch.int64 and w.shape == rows.shape
         and _eager.fast()
         and _select(_gather_rows, y_perm, provider or "", rows.shape[1]) == "cpu"
     ):  # fmt: skip
-        # The common case on the CPU with the cpu provider and no gradient: its kernel into a new tensor.
+        # The common case on the CPU with the cpu provider: its kernel into a new tensor; when a gradient is
+        # needed, as the forward of the op's registered autograd.
+        if torch.is_grad_enabled() and (y_perm.requires_grad or (weights and w.requires_grad)):
+            return _eager.autograd_fast(_unpermute_op, _unpermute_cpu_impl, y_perm, rows, routing.token_index,
+                                        w if weights else None, provider or "")  # fmt: skip
         M = _kc or _cpu_kernels()
         out = torch.empty(rows.shape[0], y_perm.shape[1])
-        if rows.is_contiguous() and w.is_contiguous() and rows.dtype is torch.int64 and w.shape == rows.shape and (
-            M.gather_rows_ptr(y_perm.data_ptr(), y_perm.shape[0], y_perm.shape[1], rows.data_ptr(), rows.shape[0],
-                              rows.shape[1], w.data_ptr(), bool(weights), out.data_ptr())
-        ):  # fmt: skip
+        if M.gather_rows_ptr(y_perm.data_ptr(), y_perm.shape[0], y_perm.shape[1], rows.data_ptr(), rows.shape[0],
+                             rows.shape[1], w.data_ptr(), bool(weights), out.data_ptr()):  # fmt: skip
             return out
     if (
         weights and type(routing) is Routing and type(y_perm) is _T and y_perm.dtype is _F32 and y_perm.is_cpu

@@ -177,3 +177,21 @@ def test_pointer_casts_view_the_tensor_memory():
     K = sys.modules["torsh_kernels.ops.error_feedback"]._cpu_kernels()
     assert K.axpby_ptr(x.data_ptr(), x.data_ptr(), out.data_ptr(), 10, 0.5, True) == 0
     assert torch.equal(out, x * 1.5)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("cf", [None, 0.8])
+def test_route_of_many_tokens_scores_in_torch_and_matches_the_reference(score, cf):
+    """From TORSH_SCORES_FROM scores on, the cpu route takes torch's scores: the same routing as the
+    reference (and as its own kernel-scored path would give, to fp32 rounding)."""
+    M_cpu = M._cpu_kernels()
+    T = M_cpu.TORCH_SCORES_FROM // 8 + 3
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(T, 8, generator=g) * 2
+    for grad in (False, True):
+        lg = logits.clone().requires_grad_(grad)
+        r = tk.moe_route(lg, k=2, score=score, capacity_factor=cf)
+        ref = M.moe_route_ref(logits, k=2, score=score, capacity_factor=cf)
+        assert torch.equal(r.indices, ref.indices) and torch.equal(r.row_map, ref.row_map)
+        assert torch.equal(r.token_index, ref.token_index) and torch.equal(r.tokens_per_expert, ref.tokens_per_expert)
+        torch.testing.assert_close(r.weights.detach(), ref.weights, atol=1e-6, rtol=1e-6)

@@ -10,8 +10,11 @@ Imported on the cpu provider's first launch. Shapes: ``# T tokens, E experts, K 
   scores ("probability", compared by their fp32 bit patterns as the GPU kernels do: equal scores keep
   the earlier token); then each kept assignment's row and the inverse map.
 - permute, unpermute and the unpermute's backward: per token, rows of H in fp32, the K terms added in
-  the order j = 0..K-1. The permute without weights copies bits (any dtype); the weighted forms take
-  fp32 rows (moe.py runs the torch implementation for 16-bit ones).
+  the order j = 0..K-1. The permute without weights is torch's ``index_select`` (a gather of whole rows
+  is one pass already, on torch's threads); the weighted forms take fp32 rows (moe.py runs the torch
+  implementation for 16-bit ones).
+- The route scores small inputs itself and takes torch's softmax / sigmoid for large ones
+  (:data:`TORCH_SCORES_FROM` scores and up: a vectorised exp on torch's threads beats a scalar one).
 """
 
 from __future__ import annotations
@@ -20,19 +23,26 @@ import numpy as np
 import torch
 
 from ..errors import ShapeError
-from ._cpu import carray, f32, jit, p_b, p_f32, p_f64, p_i16, p_i32, p_i64
+from ._cpu import carray, f32, jit, p_b, p_f32, p_f64, p_i64
+
+# What the route and the aux loss read: logits scored by softmax or by sigmoid, or the scores themselves.
+SOFTMAX, SIGMOID, PROBS = 0, 1, 2
 
 
 @jit
-def topk_arrays(x, k, softmax, renorm, idx, w, s):
-    """Scores of ``x`` [T, E] (fp32), the top ``k`` per token into idx, s and w [T, K]; returns the number
-    of tokens with a NaN score."""
+def topk_arrays(x, k, score, renorm, idx, w, s):
+    """Scores of ``x`` [T, E] (fp32; ``score``: SOFTMAX or SIGMOID of logits, or PROBS: x holds the
+    scores), the top ``k`` per token into idx, s and w [T, K]; returns the number of tokens with a NaN
+    score."""
     T, E = x.shape
     p = np.empty(E, np.float32)
     bad = 0
     for t in range(T):
         row = x[t]
-        if softmax:
+        if score == 2:
+            for e in range(E):
+                p[e] = row[e]
+        elif score == 0:
             mx = np.float32(-np.inf)
             for e in range(E):
                 v = row[e]
@@ -146,9 +156,9 @@ def assign_arrays(idx, s, E, cap, policy, k, rows, counts, tok):
 
 
 @jit
-def route_arrays(x, k, softmax, renorm, E, cap, policy, idx, w, s, rows, counts, tok):
+def route_arrays(x, k, score, renorm, E, cap, policy, idx, w, s, rows, counts, tok):
     """Both steps of the route in one call: (tokens with a NaN score, N)."""
-    bad = topk_arrays(x, k, softmax, renorm, idx, w, s)
+    bad = topk_arrays(x, k, score, renorm, idx, w, s)
     n = assign_arrays(idx.reshape(-1), s.reshape(-1), E, cap, policy, k, rows.reshape(-1), counts, tok)
     return bad, n
 
@@ -163,11 +173,11 @@ def _in_range(ix, n):
 
 
 @jit
-def route_ptr(xp, T, E, k, softmax, renorm, cap, policy, ip, wp, sp, rp, cp, tp, dp):
+def route_ptr(xp, T, E, k, score, renorm, cap, policy, ip, wp, sp, rp, cp, tp, dp):
     """:func:`route_arrays` on addresses (fp32 logits [T, E]; idx, w, s, rows, dropped [T, K]; counts [E];
     tok [T*K]), also writing ``dropped``; returns (tokens with a NaN score, N)."""
     rows = carray(p_i64(rp), (T, k))
-    bad, n = route_arrays(carray(p_f32(xp), (T, E)), k, softmax, renorm, E, cap, policy, carray(p_i64(ip), (T, k)),
+    bad, n = route_arrays(carray(p_f32(xp), (T, E)), k, score, renorm, E, cap, policy, carray(p_i64(ip), (T, k)),
                           carray(p_f32(wp), (T, k)), carray(p_f32(sp), (T, k)), rows, carray(p_i64(cp), (E,)),
                           carray(p_i64(tp), (T * k,)))  # fmt: skip
     d = carray(p_b(dp), (T, k))
@@ -178,34 +188,10 @@ def route_ptr(xp, T, E, k, softmax, renorm, cap, policy, ip, wp, sp, rp, cp, tp,
 
 
 @jit
-def gather_copy_ptr(xp, T, H, isz, tp, N, op):
-    """:func:`gather_copy_arrays` on addresses: rows of H elements of ``isz`` (4 or 2) bytes, tok int64 [N]."""
-    tok = carray(p_i64(tp), (N,))
-    if isz == 4:
-        return gather_copy_arrays(carray(p_i32(xp), (T, H)), tok, carray(p_i32(op), (N, H)))
-    return gather_copy_arrays(carray(p_i16(xp), (T, H)), tok, carray(p_i16(op), (N, H)))
-
-
-@jit
 def gather_rows_ptr(yp, N, H, rp, T, K, wp, has_w, op):
     """:func:`gather_rows_arrays` on addresses: fp32 y [N, H], rows int64 and fp32 w [T, K], out [T, H]."""
     return gather_rows_arrays(carray(p_f32(yp), (N, H)), carray(p_i64(rp), (T, K)), carray(p_f32(wp), (T, K)), has_w,
                               carray(p_f32(op), (T, H)))  # fmt: skip
-
-
-@jit
-def gather_copy_arrays(x, tok, out):
-    """``out[i] = x[tok[i]]``, rows of bits (any dtype viewed as integers); False (nothing written) when
-    an index is outside [0, T)."""
-    for i in range(tok.size):
-        if tok[i] < 0 or tok[i] >= x.shape[0]:
-            return False
-    for i in range(tok.size):
-        src = x[tok[i]]
-        dst = out[i]
-        for h in range(src.size):
-            dst[h] = src[h]
-    return True
 
 
 @jit
@@ -287,8 +273,8 @@ def gather_rows_bwd_arrays(gy, y, rows, w, gyp, gw):
 
 
 @jit
-def topk_ptr(xp, T, E, k, softmax, renorm, ip, wp, sp):
-    return topk_arrays(carray(p_f32(xp), (T, E)), k, softmax, renorm, carray(p_i64(ip), (T, k)),
+def topk_ptr(xp, T, E, k, score, renorm, ip, wp, sp):
+    return topk_arrays(carray(p_f32(xp), (T, E)), k, score, renorm, carray(p_i64(ip), (T, k)),
                        carray(p_f32(wp), (T, k)), carray(p_f32(sp), (T, k)))  # fmt: skip
 
 
@@ -321,13 +307,25 @@ def _i64(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype is torch.int64 and t.is_contiguous() else t.contiguous().long()
 
 
+# Above this many scores the route's scoring runs in torch (vectorised exp, torch's threads) and the kernel
+# takes the scores; below, the kernel scores them itself (no extra pass, no call).
+TORCH_SCORES_FROM = 1 << 15
+
+
+def scores_for_kernel(x: torch.Tensor, score: str) -> tuple[torch.Tensor, int]:
+    """(what the route kernel reads, the kernel's score mode) for fp32 contiguous logits [T, E]."""
+    if x.numel() >= TORCH_SCORES_FROM:
+        return (torch.softmax(x, -1) if score == "softmax" else torch.sigmoid(x)), PROBS
+    return x, SOFTMAX if score == "softmax" else SIGMOID
+
+
 def route_topk(logits: torch.Tensor, k: int, score: str, renorm: bool):
-    x = f32(logits).contiguous()
+    x, mode = scores_for_kernel(f32(logits).contiguous(), score)
     T, E = x.shape
     idx = torch.empty(T, k, dtype=torch.int64)
     w = torch.empty(T, k, dtype=torch.float32)
     s = torch.empty(T, k, dtype=torch.float32)
-    bad = topk_ptr(x.data_ptr(), T, E, k, score == "softmax", bool(renorm), idx.data_ptr(), w.data_ptr(), s.data_ptr())
+    bad = topk_ptr(x.data_ptr(), T, E, k, mode, bool(renorm), idx.data_ptr(), w.data_ptr(), s.data_ptr())
     return idx, w, s, bad
 
 
@@ -354,10 +352,12 @@ def _out_of_range(what: str) -> ShapeError:
 
 def scatter_rows(x, rows, tok, w, out) -> None:
     x = x.contiguous()
-    if w is None:  # fp32 or 16-bit rows (validated): copied as 4- or 2-byte integers
-        tok = _i64(tok)
-        ok = gather_copy_ptr(x.data_ptr(), x.shape[0], x.shape[1], x.element_size(), tok.data_ptr(), tok.numel(),
-                             out.data_ptr())  # fmt: skip
+    if w is None:  # a gather of whole rows: torch's index_select (one pass, its threads), which checks tok
+        try:
+            torch.index_select(x, 0, tok, out=out)
+        except (IndexError, RuntimeError):
+            raise _out_of_range("moe_permute") from None
+        return
     else:
         rows, w = _i64(rows), w.contiguous()
         ok = scatter_weighted_ptr(x.data_ptr(), x.shape[0], x.shape[1], rows.data_ptr(), rows.shape[1], w.data_ptr(),
@@ -387,7 +387,6 @@ def gather_rows_bwd(gy, y, rows, w, gyp) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # The router losses, forward and backward (fp32 logits [T, E]; sums in fp64, results rounded to fp32)
 
-SOFTMAX, SIGMOID, PROBS = 0, 1, 2  # what aux_loss reads: logits scored by softmax / sigmoid, or probabilities
 
 
 @jit

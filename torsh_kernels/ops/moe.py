@@ -855,7 +855,8 @@ def _route_cpu(logits, T, E, k, score, renorm, cap, drop_policy, check_finite):
     idx, w, s = torch.empty(T, k, dtype=i64), torch.empty(T, k), torch.empty(T, k)
     rows = torch.empty(T, k, dtype=i64)
     counts, tok, dropped = torch.empty(E, dtype=i64), torch.empty(T * k, dtype=i64), torch.empty(T, k, dtype=_BOOL)
-    bad, n = M.route_ptr(logits.data_ptr(), T, E, k, score == "softmax", renorm, cap,
+    x, mode = M.scores_for_kernel(logits, score)
+    bad, n = M.route_ptr(x.data_ptr(), T, E, k, mode, renorm, cap,
                          _NO_CAP if cap < 0 else _POLICY[drop_policy], idx.data_ptr(), w.data_ptr(), s.data_ptr(),
                          rows.data_ptr(), counts.data_ptr(), tok.data_ptr(), dropped.data_ptr())  # fmt: skip
     if bad and check_finite:
@@ -873,9 +874,7 @@ def _permute_cpu_impl(x, row_map, token_index, provider):
     """The cpu provider's permute on plain contiguous CPU rows (the custom op's signature and output)."""
     M = _kc or _cpu_kernels()
     out = x.new_empty(token_index.shape[0], x.shape[1])
-    if not M.gather_copy_ptr(x.data_ptr(), x.shape[0], x.shape[1], x.element_size(), token_index.data_ptr(),
-                             token_index.numel(), out.data_ptr()):  # fmt: skip
-        raise M._out_of_range("moe_permute")
+    M.scatter_rows(x, row_map, token_index, None, out)
     return out
 
 
@@ -953,14 +952,13 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
         if sel == "torch":
             if not grad:
                 return x.index_select(0, tok)
-        elif tok.is_contiguous() and tok.dtype is torch.int64 and tok.numel() == routing.num_rows:
+        elif tok.dtype is torch.int64 and tok.numel() == routing.num_rows:
             if grad:
                 return _eager.autograd_fast(_permute_op, _permute_cpu_impl, x, routing.row_map, tok, provider or "")
-            M = _kc or _cpu_kernels()
-            out = x.new_empty(routing.num_rows, x.shape[1])
-            if M.gather_copy_ptr(x.data_ptr(), x.shape[0], x.shape[1], x.element_size(), tok.data_ptr(), tok.numel(),
-                                 out.data_ptr()):  # fmt: skip
-                return out
+            try:  # (the cpu provider's permute is torch's index_select: one pass over whole rows)
+                return x.index_select(0, tok)
+            except (IndexError, RuntimeError):
+                pass  # an index out of range: the general path raises the typed error
     what = "torsh_kernels.moe_permute"
     routing = _check_routing(routing, what)
     x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")

@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._cpu import carray, f32, f32_bits, jit, p_f32, p_i16
+from ._cpu import bits_f32, carray, f32, f32_bits, jit, p_f32, p_i16
 
 F16, BF16, F32 = 0, 1, 2  # the wire dtypes, as the kernel takes them
 
@@ -37,16 +37,6 @@ def _f16_bits_to_f32(typingctx, b):
 
     def codegen(context, builder, signature, args):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits_to_f32(typingctx, b):
-    sig = types.float32(types.int32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
 
     return sig, codegen
 
@@ -84,7 +74,7 @@ def wire_cast_ptr(xp, op, n, wire, divisor, divide):
         for i in range(n):
             h = _to_bf16_bits(x[i])
             if divide:
-                h = _to_bf16_bits(_bits_to_f32(np.int32(h << 16)) / d)
+                h = _to_bf16_bits(bits_f32(np.int32(h << 16)) / d)
             o16[i] = h
             bad += (h & 0x7F80) == 0x7F80
     return bad

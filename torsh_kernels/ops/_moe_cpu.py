@@ -30,6 +30,42 @@ SOFTMAX, SIGMOID, PROBS = 0, 1, 2
 
 
 @jit
+def _row_max(row):
+    """The largest element of a row, NaN if one is NaN (as torch's max)."""
+    m = np.float32(-np.inf)
+    for e in range(row.size):
+        v = row[e]
+        if v != v:
+            return v
+        m = v if v > m else m
+    return m
+
+
+@jit
+def _softmax_row(row, p):
+    """p = softmax(row) in fp32 (the max subtracted; a NaN or +inf makes the row NaN, as torch's)."""
+    mx = _row_max(row)
+    tot = np.float32(0.0)
+    for e in range(row.size):
+        ev = np.exp(row[e] - mx)
+        p[e] = ev
+        tot += ev
+    for e in range(row.size):
+        p[e] = p[e] / tot
+
+
+@jit
+def _sigmoid_row(row, p):
+    """p = sigmoid(row) in fp32; returns the sum."""
+    tot = np.float32(0.0)
+    for e in range(row.size):
+        v = np.float32(1.0) / (np.float32(1.0) + np.exp(-row[e]))
+        p[e] = v
+        tot += v
+    return tot
+
+
+@jit
 def topk_arrays(x, k, score, renorm, idx, w, s):
     """Scores of ``x`` [T, E] (fp32; ``score``: SOFTMAX or SIGMOID of logits, or PROBS: x holds the
     scores), the top ``k`` per token into idx, s and w [T, K]; returns the number of tokens with a NaN
@@ -39,27 +75,13 @@ def topk_arrays(x, k, score, renorm, idx, w, s):
     bad = 0
     for t in range(T):
         row = x[t]
-        if score == 2:
+        if score == PROBS:
             for e in range(E):
                 p[e] = row[e]
-        elif score == 0:
-            mx = np.float32(-np.inf)
-            for e in range(E):
-                v = row[e]
-                if v != v or v > mx:
-                    mx = v
-                if v != v:
-                    break
-            tot = np.float32(0.0)
-            for e in range(E):
-                ev = np.exp(row[e] - mx)
-                p[e] = ev
-                tot += ev
-            for e in range(E):
-                p[e] = p[e] / tot
+        elif score == SOFTMAX:
+            _softmax_row(row, p)
         else:
-            for e in range(E):
-                p[e] = np.float32(1.0) / (np.float32(1.0) + np.exp(-row[e]))
+            _sigmoid_row(row, p)
         nan_row = False
         for e in range(E):
             if p[e] != p[e]:
@@ -388,7 +410,6 @@ def gather_rows_bwd(gy, y, rows, w, gyp) -> torch.Tensor:
 # The router losses, forward and backward (fp32 logits [T, E]; sums in fp64, results rounded to fp32)
 
 
-
 @jit
 def z_loss_arrays(x, lse):
     """mean_t lse_t**2 with ``lse`` [T] written (a row's max shifts its exponentials; an infinite max
@@ -397,13 +418,7 @@ def z_loss_arrays(x, lse):
     total = 0.0
     for t in range(T):
         row = x[t]
-        m = np.float32(-np.inf)
-        for e in range(E):
-            v = row[e]
-            if v != v or v > m:
-                m = v
-            if v != v:
-                break
+        m = _row_max(row)
         sh = m if np.isfinite(m) else np.float32(0.0)
         s = np.float32(0.0)
         for e in range(E):
@@ -429,32 +444,14 @@ def z_loss_bwd_arrays(x, lse, gscale, grad):
 @jit
 def _probs_row(row, mode, p):
     """The row's probabilities into p: softmax, normalised sigmoid, or the row itself."""
-    E = row.size
-    if mode == 0:
-        m = np.float32(-np.inf)
-        for e in range(E):
-            v = row[e]
-            if v != v or v > m:
-                m = v
-            if v != v:
-                break
-        s = np.float32(0.0)
-        for e in range(E):
-            ev = np.exp(row[e] - m)
-            p[e] = ev
-            s += ev
-        for e in range(E):
-            p[e] = p[e] / s
-    elif mode == 1:
-        s = np.float32(0.0)
-        for e in range(E):
-            v = np.float32(1.0) / (np.float32(1.0) + np.exp(-row[e]))
-            p[e] = v
-            s += v
-        for e in range(E):
-            p[e] = p[e] / s
+    if mode == SOFTMAX:
+        _softmax_row(row, p)
+    elif mode == SIGMOID:
+        tot = _sigmoid_row(row, p)
+        for e in range(row.size):
+            p[e] = p[e] / tot
     else:
-        for e in range(E):
+        for e in range(row.size):
             p[e] = row[e]
 
 
@@ -490,26 +487,29 @@ def aux_loss_bwd_arrays(x, mode, counts, gscale, grad):
     for e in range(E):
         a[e] = np.float32(gscale * counts[e])
     p = np.empty(E, np.float32)
+    sg = np.empty(E, np.float32)
     for t in range(T):
         row = x[t]
-        _probs_row(row, mode, p)
-        if mode == 2:
+        if mode == PROBS:
             for e in range(E):
                 grad[t, e] = a[e]
             continue
+        tot = np.float32(1.0)
+        if mode == SOFTMAX:
+            _softmax_row(row, p)
+        else:  # p = s / sum(s), s = sigmoid(row)
+            tot = _sigmoid_row(row, sg)
+            for e in range(E):
+                p[e] = sg[e] / tot
         dot = np.float32(0.0)
         for e in range(E):
             dot += a[e] * p[e]
-        if mode == 0:
+        if mode == SOFTMAX:
             for e in range(E):
                 grad[t, e] = p[e] * (a[e] - dot)
         else:
-            s = np.float32(0.0)
             for e in range(E):
-                s += np.float32(1.0) / (np.float32(1.0) + np.exp(-row[e]))
-            for e in range(E):
-                sg = np.float32(1.0) / (np.float32(1.0) + np.exp(-row[e]))
-                grad[t, e] = (a[e] - dot) / s * sg * (np.float32(1.0) - sg)
+                grad[t, e] = (a[e] - dot) / tot * sg[e] * (np.float32(1.0) - sg[e])
 
 
 @jit

@@ -163,30 +163,30 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
     warnings.simplefilter("ignore", FutureWarning)
     torch.set_num_threads(cfg["threads"])
     mesh = init_device_mesh(comm.device.type, (comm.world_size,))
-    rows = []
     if cfg["offload"]:
-        for rep in range(cfg["repeat"]):
-            for name in OFFLOAD_CASES:
-                r = _offload_case(comm, mesh, cfg, name)
-                r["repeat"] = rep
-                rows.append(r)
-                if comm.rank == 0 and cfg["progress"]:
-                    print(f"  {name:<28} {r['step_ms']:9.1f} ms/step {r['state_bytes_per_parameter']:6.2f} B/param",
-                          file=sys.stderr, flush=True)  # fmt: skip
+        cases = [(n, lambda n=n: _offload_case(comm, mesh, cfg, n)) for n in OFFLOAD_CASES]
+        rows = _repeat(comm, cfg, cases, lambda r: f"{r['state_bytes_per_parameter']:6.2f} B/param")
         if comm.rank != 0:
             return None
         return _report_offload({"offload_rows": rows, "world_size": comm.world_size, "backend": comm.backend}, cfg)
-    for rep in range(cfg["repeat"]):
-        for name, w, gq in _cases(cfg["grads"]):
-            r = _case(comm, mesh, cfg, name, w, gq)
-            r["repeat"] = rep
-            rows.append(r)
-            if comm.rank == 0 and cfg["progress"]:
-                print(f"  {name:<28} {r['step_ms']:9.1f} ms/step {r['bytes_per_step'] / 1e6:8.2f} MB/step",
-                      file=sys.stderr, flush=True)  # fmt: skip
+    cases = [(n, lambda n=n, w=w, gq=gq: _case(comm, mesh, cfg, n, w, gq)) for n, w, gq in _cases(cfg["grads"])]
+    rows = _repeat(comm, cfg, cases, lambda r: f"{r['bytes_per_step'] / 1e6:8.2f} MB/step")
     if comm.rank != 0:
         return None
     return _report({"rows": rows, "world_size": comm.world_size, "backend": comm.backend}, cfg)
+
+
+def _repeat(comm: TorchCommunicator, cfg: dict, cases: list, detail) -> list[dict]:
+    """Every case ``cfg["repeat"]`` times, interleaved; rank 0 prints a progress line per case."""
+    rows = []
+    for rep in range(cfg["repeat"]):
+        for name, run in cases:
+            r = run()
+            r["repeat"] = rep
+            rows.append(r)
+            if comm.rank == 0 and cfg["progress"]:
+                print(f"  {name:<28} {r['step_ms']:9.1f} ms/step {detail(r)}", file=sys.stderr, flush=True)
+    return rows
 
 
 def _spread(v: list[float]) -> dict:

@@ -54,7 +54,8 @@ def _cases(grads: str) -> list[tuple[str, str | None, str | None]]:
     return [(k.format(g=grads), w, g if g is None else g.format(g=grads)) for k, (w, g) in CASES.items()]
 
 
-def _model(cfg: dict, mesh) -> torch.nn.Module:
+def _model(cfg: dict, mesh, **shard_kw) -> torch.nn.Module:
+    """The comm-bound MLP, each linear and the whole under ``fully_shard(mesh=mesh, **shard_kw)``."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -66,8 +67,8 @@ def _model(cfg: dict, mesh) -> torch.nn.Module:
     model = torch.nn.Sequential(*mods)
     for m in model:
         if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(m, mesh=mesh, **shard_kw)
+    fully_shard(model, mesh=mesh, **shard_kw)
     return model
 
 
@@ -107,20 +108,12 @@ OFFLOAD_CASES = ("AdamW", "AdamW + CPUOffloadPolicy", "OffloadedOptimizer bf16",
 def _offload_case(comm: TorchCommunicator, mesh, cfg: dict, name: str) -> dict:
     """ZeRO-3 with the optimizer's memory counted: what each rank's optimizer holds (its state, and for
     OffloadedOptimizer the fp32 masters and gradient buffer it keeps on the host), and the step time."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
     from ...parallel import OffloadedOptimizer
 
-    torch.manual_seed(0)
-    mods: list[torch.nn.Module] = []
-    for i in range(cfg["layers"]):
-        mods.append(torch.nn.Linear(cfg["width"], cfg["width"]))
-        if i + 1 < cfg["layers"]:
-            mods.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*mods)
     kw = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if "CPUOffload" in name else {}
-    for m in [*(m for m in model if isinstance(m, torch.nn.Linear)), model]:
-        fully_shard(m, mesh=mesh, **kw)
+    model = _model(cfg, mesh, **kw)
     if name.startswith("OffloadedOptimizer"):
         opt = OffloadedOptimizer(model.parameters(), torch.optim.AdamW, name.split()[-1], lr=1e-4)
     else:

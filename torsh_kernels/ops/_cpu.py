@@ -19,8 +19,8 @@ Imported lazily (on the cpu provider's first launch), so ``import torsh_kernels`
   below), which costs 0.1 us a tensor where a NumPy view costs 0.7 us. The caller has checked each
   tensor (CPU, contiguous, of the kernel's dtype and size) before passing its address, and holds a
   reference to it until the call returns.
-- The helpers at the end are shared by the families' kernels: the fp32 <-> bits casts, the stochastic
-  rounding hash (the same bits as the torch reference's and the GPU kernels'), the non-finite test.
+- The helpers at the end are shared by the families' kernels: the fp32 <-> bits casts, the pointer
+  casts, the stochastic rounding hash (the same bits as the torch reference's and the GPU kernels').
 """
 
 from __future__ import annotations
@@ -151,9 +151,3 @@ def uniform(i, key):
     reference's ``uniform_noise``, bit for bit."""
     h = _lowbias32(_lowbias32(np.uint64(i) & _M32) ^ np.uint64(key))
     return np.float32(h >> np.uint64(8)) * np.float32(1.0 / 16777216.0)
-
-
-@njit(inline="always", cache=True)
-def nonfinite_bits(b):
-    """Whether an fp32 bit pattern (int32) is NaN or +-Inf."""
-    return (b & 0x7FFFFFFF) >= 0x7F800000

@@ -25,6 +25,8 @@ ADInplaceOrView does); the torch provider writes through in-place torch ops, whi
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
@@ -90,6 +92,20 @@ def written(provider: str, *tensors: torch.Tensor | None) -> None:
     """Mark tensors a non-torch provider wrote as modified (autograd's version counter)."""
     if provider != "torch":
         _bump(tuple(t for t in tensors if t is not None))
+
+
+def lazy_module(name: str):
+    """A loader for ``torsh_kernels.ops.<name>``: imported on the first call, the module itself after (a
+    fast path's kernels: ``K = _cpu_kernels()``, with nothing imported until a fast path runs)."""
+    mod = None
+
+    def load():
+        nonlocal mod
+        if mod is None:
+            mod = importlib.import_module(f"torsh_kernels.ops.{name}")
+        return mod
+
+    return load
 
 
 def bump(*tensors: torch.Tensor | None) -> None:

@@ -1071,7 +1071,7 @@ def wire_cast(
         and (out is None or _wire_out_ok(x, out, n))
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider: its kernel straight on the tensors' memory.
-        K = _kc or _cpu_kernels()
+        K = _cpu_kernels()
         if out is None:
             out = torch.empty(n, dtype=wire)
         bad = K.wire_cast_ptr(x.data_ptr(), out.data_ptr(), n, K._WIRE[wire], K.np.float32(divisor), divisor != 1)
@@ -1110,15 +1110,7 @@ def _wire_out_ok(x: torch.Tensor, out: torch.Tensor, n: int) -> bool:
 
 
 _WIRE_SET = frozenset(WIRE_DTYPES)
-_kc = None  # the cpu provider's kernel module, once loaded (the fast path calls it directly)
-
-
-def _cpu_kernels():
-    global _kc
-    from . import _bucket_cpu
-
-    _kc = _bucket_cpu
-    return _kc
+_cpu_kernels = _eager.lazy_module("_bucket_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 # --------------------------------------------------------------------------------------------------

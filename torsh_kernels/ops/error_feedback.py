@@ -174,15 +174,7 @@ def _(acc, approx, residual, out, provider):
 
 
 _RA_LAYOUTS = _Memo(64)
-_kc = None  # the cpu provider's kernel module, once loaded (the fast paths call it directly)
-
-
-def _cpu_kernels():
-    global _kc
-    from . import _error_feedback_cpu
-
-    _kc = _error_feedback_cpu
-    return _kc
+_cpu_kernels = _eager.lazy_module("_error_feedback_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 def _residual_add_fast_layout(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor, ptrs: tuple[int, int, int]) -> bool:
@@ -234,7 +226,7 @@ def residual_add(
                     _RA_LAYOUTS.put(key, hit)
         sel = _axpby.select(_CPU, _F32, hit[1], provider or None) if hit is not None else None
         if sel == "cpu":  # its kernel straight on the tensors' memory (plain fp32 arrays: no grad semantics)
-            K = _kc or _cpu_kernels()
+            K = _cpu_kernels()
             b = K.axpby_ptr(key[0], key[1], key[2], hit[1], 1.0, bool(check_finite))
             _eager.bump(out)
             if b:
@@ -293,7 +285,7 @@ def error_update(
         and (sel := _err_update.select(_CPU, _F32, n, provider or None)) in ("torch", "cpu")
     ):  # fmt: skip
         if sel == "cpu":  # its kernel straight on the tensors' memory
-            K = _kc or _cpu_kernels()
+            K = _cpu_kernels()
             K.error_update_ptr(acc.data_ptr(), approx.data_ptr(), residual.data_ptr(),
                                out.data_ptr() if out is not None else 0, n, out is not None)  # fmt: skip
             _eager.bump(residual, out)

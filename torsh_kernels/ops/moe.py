@@ -833,15 +833,7 @@ _T = torch.Tensor
 _F32 = torch.float32
 _BOOL = torch.bool
 _CPU = torch.device("cpu")
-_kc = None  # the cpu provider's kernel module, once loaded (the fast paths call it directly)
-
-
-def _cpu_kernels():
-    global _kc
-    from . import _moe_cpu
-
-    _kc = _moe_cpu
-    return _kc
+_cpu_kernels = _eager.lazy_module("_moe_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 _ARANGE: dict[int, torch.Tensor] = {}  # CPU 0..n-1 per n, for the fast path (read only, never returned)
@@ -850,7 +842,7 @@ _ARANGE: dict[int, torch.Tensor] = {}  # CPU 0..n-1 per n, for the fast path (re
 def _route_cpu(logits, T, E, k, score, renorm, cap, drop_policy, check_finite):
     """The cpu provider's route in one kernel call on fp32 contiguous CPU logits: (w, idx, s, counts, rows,
     tok, dropped, N)."""
-    M = _kc or _cpu_kernels()
+    M = _cpu_kernels()
     i64 = torch.int64
     idx, w, s = torch.empty(T, k, dtype=i64), torch.empty(T, k), torch.empty(T, k)
     rows = torch.empty(T, k, dtype=i64)
@@ -872,7 +864,7 @@ def _route_cpu_impl(logits, k, score, renormalize, capacity, drop_policy, check_
 
 def _permute_cpu_impl(x, row_map, token_index, provider):
     """The cpu provider's permute on plain contiguous CPU rows (the custom op's signature and output)."""
-    M = _kc or _cpu_kernels()
+    M = _cpu_kernels()
     out = x.new_empty(token_index.shape[0], x.shape[1])
     M.scatter_rows(x, row_map, token_index, None, out)
     return out
@@ -880,7 +872,7 @@ def _permute_cpu_impl(x, row_map, token_index, provider):
 
 def _unpermute_cpu_impl(y_perm, row_map, token_index, weights, provider):
     """The cpu provider's unpermute on fp32 contiguous CPU rows and weights (the custom op's signature)."""
-    M = _kc or _cpu_kernels()
+    M = _cpu_kernels()
     T, K = row_map.shape
     out = torch.empty(T, y_perm.shape[1])
     if not M.gather_rows_ptr(y_perm.data_ptr(), y_perm.shape[0], y_perm.shape[1], row_map.data_ptr(), T, K,
@@ -984,7 +976,7 @@ def moe_unpermute(
         if torch.is_grad_enabled() and (y_perm.requires_grad or (weights and w.requires_grad)):
             return _eager.autograd_fast(_unpermute_op, _unpermute_cpu_impl, y_perm, rows, routing.token_index,
                                         w if weights else None, provider or "")  # fmt: skip
-        M = _kc or _cpu_kernels()
+        M = _cpu_kernels()
         out = torch.empty(rows.shape[0], y_perm.shape[1])
         if M.gather_rows_ptr(y_perm.data_ptr(), y_perm.shape[0], y_perm.shape[1], rows.data_ptr(), rows.shape[0],
                              rows.shape[1], w.data_ptr(), bool(weights), out.data_ptr()):  # fmt: skip
@@ -1066,12 +1058,12 @@ def _loss_kernel_ok(x: torch.Tensor) -> bool:
 
 @_aux_loss.register("cpu")
 def _aux_loss_cpu(x, routing, from_probs):
-    M = _kc or _cpu_kernels()
+    M = _cpu_kernels()
     mode = M.PROBS if from_probs else M.SOFTMAX if routing.score == "softmax" else M.SIGMOID
     return M.aux_loss(x.float().contiguous(), mode, routing.indices)
 
 
 @_z_loss.register("cpu")
 def _z_loss_cpu(x):
-    M = _kc or _cpu_kernels()
+    M = _cpu_kernels()
     return M.z_loss(x.float().contiguous())

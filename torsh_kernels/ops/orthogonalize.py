@@ -251,15 +251,7 @@ def _(matrices, rtol, iters, provider):
 # --------------------------------------------------------------------------------------------------
 # Public API
 
-_kc = None  # the cpu provider's kernel module, once loaded (the fast path calls it directly)
-
-
-def _cpu_kernels():
-    global _kc
-    from . import _orthogonalize_cpu
-
-    _kc = _orthogonalize_cpu
-    return _kc
+_cpu_kernels = _eager.lazy_module("_orthogonalize_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 def orthogonalize(
@@ -290,7 +282,7 @@ def orthogonalize(
     ):  # fmt: skip
         tol = 1e-4 if rtol is None else rtol
         if sel == "cpu":  # its kernel on the matrix's memory; False (nothing written) on a NaN/Inf
-            K = _kc or _cpu_kernels()
+            K = _cpu_kernels()
             done = K.ortho_ptr(matrices.data_ptr(), matrices.shape[0], matrices.shape[1], tol * tol, iters,
                                bool(check_finite))  # fmt: skip
             if done:

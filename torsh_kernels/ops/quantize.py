@@ -366,15 +366,7 @@ def _(q, scales, out, bits, block, alpha, accumulate, provider):
 # --------------------------------------------------------------------------------------------------
 # Public API
 
-_kc = None  # the cpu provider's kernel module, once loaded (the fast paths call it directly)
-
-
-def _cpu_kernels():
-    global _kc
-    from . import _quantize_cpu
-
-    _kc = _quantize_cpu
-    return _kc
+_cpu_kernels = _eager.lazy_module("_quantize_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 def _check_quant_args(bits, block, what) -> tuple[int, int]:
@@ -416,7 +408,7 @@ def quantize(
         and _quantize.select(_CPU, _F32, n, provider or None) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider: its kernel straight on the tensors' memory.
-        K = _kc or _cpu_kernels()
+        K = _cpu_kernels()
         q = torch.empty(n if bits == 8 else (n + 1) // 2, dtype=torch.int8 if bits == 8 else torch.uint8)
         scales = torch.empty((n + block - 1) // block)
         bad = K.quantize_ptr(x.data_ptr(), n, q.data_ptr(), scales.data_ptr(), bits, block, bool(stochastic),
@@ -509,7 +501,7 @@ def dequantize(
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider, into a new fp32 tensor: its kernel straight on
         # the tensors' memory.
-        K = _kc or _cpu_kernels()
+        K = _cpu_kernels()
         out = torch.empty(n)
         K.dequantize_ptr(q.data_ptr(), scales.data_ptr(), out.data_ptr(), n, bits, block, float(alpha), False)
         return out

@@ -259,15 +259,7 @@ def _(bits, scale, out, alpha, accumulate, provider):
 # --------------------------------------------------------------------------------------------------
 # Public API
 
-_kc = None  # the cpu provider's kernel module, once loaded (the fast paths call it directly)
-
-
-def _cpu_kernels():
-    global _kc
-    from . import _sign_cpu
-
-    _kc = _sign_cpu
-    return _kc
+_cpu_kernels = _eager.lazy_module("_sign_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 def sign_compress(
@@ -289,7 +281,7 @@ def sign_compress(
         and _abs_sum.select(_CPU, _F32, n, provider or None) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider: its two passes straight on the tensors' memory.
-        K = _kc or _cpu_kernels()
+        K = _cpu_kernels()
         bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
         scale, bad = K.compress_ptr(x.data_ptr(), residual.data_ptr() if residual is not None else 0,
                                     residual is not None, n, bits.data_ptr(), bool(check_finite))  # fmt: skip
@@ -341,7 +333,7 @@ def sign_decompress(
         and _sign_unpack.select(_CPU, _F32, numel, provider or None) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider, into a new fp32 tensor: its kernel.
-        K = _kc or _cpu_kernels()
+        K = _cpu_kernels()
         out = torch.empty(numel)
         s = K.np.float32(scale.item())
         K.unpack_ptr(bits.data_ptr(), s * K.np.float32(alpha) if alpha != 1.0 else s, out.data_ptr(), numel)

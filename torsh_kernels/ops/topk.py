@@ -327,15 +327,7 @@ def _(values, indices, out, accumulate, alpha, provider):
 # --------------------------------------------------------------------------------------------------
 # Public API
 
-_kc = None  # the cpu provider's kernel module, once loaded (the fast paths call it directly)
-
-
-def _cpu_kernels():
-    global _kc
-    from . import _topk_cpu
-
-    _kc = _topk_cpu
-    return _kc
+_cpu_kernels = _eager.lazy_module("_topk_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 def _check_ratio(ratio: object, what: str) -> float:
@@ -376,7 +368,7 @@ def topk_compress(
         # The exact path on the CPU with the cpu provider (the small case, or exact=True): its kernel
         # straight on the tensors' memory. NaN/Inf are left to the general path, which reports them (or,
         # with check_finite=False, selects anyway).
-        K = _kc or _cpu_kernels()
+        K = _cpu_kernels()
         k = topk_count(n, ratio)
         values = torch.empty(k)
         idx = torch.empty(k, dtype=_I32)
@@ -443,7 +435,7 @@ def topk_decompress(
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider, into a new fp32 tensor: its kernel, which checks
         # every index before writing; one outside [0, numel) is left to the general path, which says which.
-        K = _kc or _cpu_kernels()
+        K = _cpu_kernels()
         out = torch.zeros(numel)
         if K.scatter_ptr(values.data_ptr(), indices.data_ptr(), indices.dtype is _I64, values.numel(), out.data_ptr(),
                          numel, float(alpha)) < 0:  # fmt: skip

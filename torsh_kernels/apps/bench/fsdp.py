@@ -205,6 +205,11 @@ def _report(res: dict, cfg: dict) -> dict:
                         "loss": _spread([r["loss"] for r in rs])})  # fmt: skip
     res["summary"] = summary
     _print(res, env, cfg)
+    return _write(res, env, cfg)
+
+
+def _write(res: dict, env: dict, cfg: dict) -> dict:
+    """The suite's JSON (with ``--json``), then ``res`` back."""
     if cfg["json"]:
         with open(cfg["json"], "w") as f:
             json.dump({"suite": "fsdp", "environment": env, "config": cfg, **res}, f, indent=2)
@@ -237,12 +242,7 @@ def _report_offload(res: dict, cfg: dict) -> dict:
                   f"{s['host_copy_bytes_per_parameter']:.2f}",
                   "-" if s["peak_device_bytes"] is None else f"{s['peak_device_bytes'] / 1e6:.1f}")  # fmt: skip
     wide_console(160).print(t)
-    if cfg["json"]:
-        with open(cfg["json"], "w") as f:
-            json.dump({"suite": "fsdp", "environment": env, "config": cfg, **res}, f, indent=2)
-        print(f"wrote {cfg['json']}")
-    sys.stdout.flush()
-    return res
+    return _write(res, env, cfg)
 
 
 def _print(res: dict, env: dict, cfg: dict) -> None:

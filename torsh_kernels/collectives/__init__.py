@@ -6,7 +6,7 @@ knows of compressors: the compressed all-reduce and its planner live one layer u
 from __future__ import annotations
 
 from .coalesce import Coalescer
-from .communicator import REDUCE_OPS, Communicator, Handle, TorchCommunicator
+from .communicator import REDUCE_OPS, Communicator, Handle, TorchCommunicator, as_communicator
 from .cost_model import (
     Link,
     Round,
@@ -33,6 +33,7 @@ __all__ = [
     "all_gather_time",
     "all_reduce_time",
     "all_to_all_time",
+    "as_communicator",
     "hierarchical_all_reduce",
     "init_from_env",
     "node_groups",

@@ -58,7 +58,7 @@ from ..errors import (
     ShapeError,
 )
 
-__all__ = ["REDUCE_OPS", "Communicator", "Handle", "TorchCommunicator"]
+__all__ = ["REDUCE_OPS", "Communicator", "Handle", "TorchCommunicator", "as_communicator"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -674,3 +674,35 @@ def _no_overlap(a: torch.Tensor, b: torch.Tensor, what: str, na: str, nb: str) -
     b1 = b0 + b.numel() * b.element_size()
     if a0 < b1 and b0 < a1:
         raise InvalidArgumentError(f"{what}: {na} and {nb} overlap in memory; use separate buffers")
+
+
+def _is_mesh(x: object) -> bool:
+    mod = sys.modules.get("torch.distributed.device_mesh")
+    return mod is not None and isinstance(x, mod.DeviceMesh)
+
+
+def as_communicator(
+    comm: object, what: str, *, dim: str | int | None = None, needs: Sequence[str] = ()
+) -> Communicator:
+    """``comm`` as a :class:`Communicator`, for APIs that take one: a Communicator is returned as it is; a
+    ``ProcessGroup``, a ``DeviceMesh`` (``dim``: the dimension to communicate over, may be omitted for a
+    1-D mesh) or a ``(mesh, dim)`` pair becomes a :class:`TorchCommunicator` over that group. ``needs``:
+    the methods a Communicator must have here (checked, with a typed error naming what may be passed)."""
+    if comm.__class__ is TorchCommunicator and dim is None:
+        return comm
+    if isinstance(comm, tuple) and len(comm) == 2 and _is_mesh(comm[0]):
+        if dim is not None:
+            raise InvalidArgumentError(f"{what}: the mesh dimension is given twice ({comm[1]!r} and {dim!r})")
+        comm, dim = comm
+    if isinstance(comm, dist.ProcessGroup) or _is_mesh(comm):
+        return TorchCommunicator(resolve_group(comm, dim, what))
+    if comm is not None and not isinstance(comm, (tuple, str)) and all(hasattr(comm, n) for n in needs):
+        if dim is not None:
+            raise InvalidArgumentError(
+                f"{what}: a mesh dimension ({dim!r}) applies to a DeviceMesh, not to a communicator"
+            )
+        return comm
+    raise ArgumentTypeError(
+        f"{what}: comm must be a Communicator (e.g. TorchCommunicator()), a ProcessGroup, a DeviceMesh or (mesh, dim), "
+        f"got {type(comm).__name__}"
+    )

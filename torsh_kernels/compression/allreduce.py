@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import _trace
-from ..collectives.communicator import Communicator, reject_dtensor
+from ..collectives.communicator import Communicator, as_communicator, reject_dtensor
 from ..collectives.cost_model import Link
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, ShapeError
 from ..ops import COMPRESS_DTYPES
@@ -177,9 +177,10 @@ def compressed_all_reduce(
     quantize_mode: str = "auto",
     link: Link | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
-    """Average ``tensor`` over the ranks of ``comm`` through ``compressor`` (None: uncompressed), in
-    place; returns ``tensor``. ``state`` is this rank's state for this tensor (bucket), from
-    ``compressor.new_state()``; it may be None only for stateless compressors (none, FP16, BF16).
+    """Average ``tensor`` over the ranks of ``comm`` (a Communicator, or a ProcessGroup, a 1-D DeviceMesh
+    or ``(mesh, dim)``) through ``compressor`` (None: uncompressed), in place; returns ``tensor``.
+    ``state`` is this rank's state for this tensor (bucket), from ``compressor.new_state()``; it may
+    be None only for stateless compressors (none, FP16, BF16).
     ``link`` (e.g. from ``probe``) informs ``quantize_mode="auto"``.
 
     ``tensor`` may also be a list of tensors with a list of states (one per tensor): each tensor is
@@ -211,6 +212,7 @@ def start_compressed_all_reduce(
         tensors = list(tensor)
     else:
         raise ArgumentTypeError(f"{what}: expected a torch.Tensor or a list of them, got {type(tensor).__name__}")
+    comm = as_communicator(comm, what, needs=("rank", "world_size", "device", "all_reduce", "all_gather"))
     dev = comm.device
     for i, t in enumerate(tensors):
         name = "tensor" if single else f"tensor[{i}]"

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..collectives.communicator import as_communicator
 from ..compression import Compressor, NoCompression, compressed_all_reduce
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops import dequantize, quantize
@@ -420,20 +421,33 @@ class ReplicaAllReduce:
         compressed_all_reduce(reduce_output.view(-1), self.comm, self.compressor, self.state)
 
 
-def _replicate_comm(replicate):
-    from ..collectives import TorchCommunicator
-
-    if isinstance(replicate, tuple) and len(replicate) == 2:
-        return TorchCommunicator(replicate[0], dim=replicate[1])
-    if replicate is None or isinstance(replicate, dist.ProcessGroup) or type(replicate).__name__ == "DeviceMesh":
-        return TorchCommunicator(replicate)
-    for name in ("rank", "world_size", "all_reduce", "all_gather"):
-        if not hasattr(replicate, name):
-            raise ArgumentTypeError(
-                "apply_quantized_comm: replicate must be a Communicator, a ProcessGroup, a DeviceMesh or "
-                f"(mesh, dim), got {type(replicate).__name__}"
-            )
-    return replicate
+def _hsdp_replicate(mods: list[nn.Module], replicate: object, what: str) -> object:
+    """The replicas' dimension for ``hsdp_grads``: ``replicate`` when given, else ``(root mesh, other dim)``
+    of a model sharded over one dimension of a 2-D named mesh; typed errors for FSDP2's native HSDP (its
+    own all-reduce would run as well) and for a mesh with no other dimension."""
+    mesh = next((p.device_mesh for m in mods for p in managed_parameters(m) if hasattr(p, "device_mesh")), None)
+    if mesh is None:
+        raise InvalidArgumentError(f"{what}: hsdp_grads: no sharded parameter found; apply fully_shard first")
+    if mesh.ndim != 1:
+        raise InvalidArgumentError(
+            f"{what}: hsdp_grads: this model is sharded on a {mesh.ndim}-D mesh {mesh.mesh_dim_names} (FSDP2's "
+            "native HSDP), which all-reduces over the replicate dimension itself, uncompressed, before any hook "
+            "runs. For a compressed replica all-reduce shard over the shard dimension only, "
+            "fully_shard(m, mesh=mesh['shard']), then pass hsdp_grads= (the replicas' dimension is the other one)"
+        )
+    if replicate is not None:
+        return replicate
+    get_root = getattr(mesh, "_get_root_mesh", None)  # private in torch 2.13: the mesh a sub-mesh was sliced from
+    root = get_root() if get_root is not None else mesh
+    names = mesh.mesh_dim_names or ()
+    others = [n for n in (root.mesh_dim_names or ()) if n not in names]
+    if root is mesh or len(others) != 1:
+        raise InvalidArgumentError(
+            f"{what}: hsdp_grads: the model's mesh {names or '(unnamed)'} is not one dimension of a 2-D named "
+            "mesh, so the replicas' dimension is unknown; pass replicate= (a communicator, a process group, "
+            "a 1-D DeviceMesh or (mesh, 'replicate'))"
+        )
+    return root, others[0]
 
 
 def apply_quantized_comm(
@@ -454,11 +468,14 @@ def apply_quantized_comm(
     what it installed per FSDP module that holds parameters (:class:`Installed`).
 
     HSDP with a compressed replica all-reduce: shard the model over the shard dimension only
-    (``fully_shard(m, mesh=mesh["shard"])``) and pass ``replicate`` (a Communicator, a ProcessGroup, a
-    1-D DeviceMesh or ``(mesh, "replicate")``) with ``hsdp_grads``, a torsh compressor (``FP16()``,
-    ``TopK(0.01)``, ``Quantize(8)``, ...; ``NoCompression()`` for a plain all-reduce): each FSDP module's
-    reduce-scattered gradient is then averaged over the replicas through it, in FSDP2's all-reduce hook
-    (:class:`ReplicaAllReduce`). The compressors' states (error feedback) are not part of the
+    (``fully_shard(m, mesh=mesh["shard"])`` of a 2-D mesh) and pass ``hsdp_grads``, a torsh compressor
+    (``FP16()``, ``TopK(0.01)``, ``Quantize(8)``, ...; ``NoCompression()`` for a plain all-reduce): each
+    FSDP module's reduce-scattered gradient is then averaged over the replicas through it, in FSDP2's
+    all-reduce hook (:class:`ReplicaAllReduce`). The replicas' dimension is the mesh's other one, or
+    ``replicate`` (a Communicator, a ProcessGroup, a 1-D DeviceMesh or ``(mesh, "replicate")``). FSDP2's
+    native HSDP (``fully_shard`` on the 2-D mesh) all-reduces uncompressed before any hook, so
+    ``hsdp_grads`` refuses it with a typed error; the quantized all-gather and reduce-scatter work
+    there (over the shard dimension). The compressors' states (error feedback) are not part of the
     ``state_dict``."""
     what = "apply_quantized_comm"
     for name, v in (("weights", weights), ("grads", grads)):
@@ -467,21 +484,22 @@ def apply_quantized_comm(
     _check(8, block, what, (8,))
     if not isinstance(error_feedback, bool):
         raise ArgumentTypeError(f"{what}: error_feedback must be a bool, got {type(error_feedback).__name__}")
-    if (hsdp_grads is None) != (replicate is None):
+    if hsdp_grads is None and replicate is not None:
         raise InvalidArgumentError(
-            f"{what}: hsdp_grads and replicate go together: the compressor and the replicate dimension's "
-            "communicator (or (mesh, 'replicate'))"
+            f"{what}: replicate= is the replicas' dimension of hsdp_grads; pass hsdp_grads= too (a torsh "
+            "compressor, NoCompression() for a plain all-reduce)"
         )
-    rep = _replicate_comm(replicate) if replicate is not None else None
-    if rep is not None:
+    if hsdp_grads is not None and not isinstance(hsdp_grads, Compressor):
+        raise ArgumentTypeError(
+            f"{what}: hsdp_grads must be a torsh Compressor (FP16(), TopK(0.01), ...), got {type(hsdp_grads).__name__}"
+        )
+    mods = _fsdp_modules(module)
+    rep = None
+    if hsdp_grads is not None:
+        replicate = _hsdp_replicate(mods, replicate, what)
+        rep = as_communicator(replicate, what, needs=("rank", "world_size", "device", "all_reduce", "all_gather"))
         if isinstance(hsdp_grads, NoCompression):
             hsdp_grads = None
-        elif not isinstance(hsdp_grads, Compressor):
-            raise ArgumentTypeError(
-                f"{what}: hsdp_grads must be a torsh Compressor (FP16(), TopK(0.01), ...), got "
-                f"{type(hsdp_grads).__name__}"
-            )
-    mods = _fsdp_modules(module)
     changed = []
     for m in mods:
         params = managed_parameters(m)

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..collectives.communicator import Communicator
+from ..collectives.communicator import Communicator, as_communicator
 from ..errors import ArgumentTypeError, InvalidArgumentError, ShapeError
 from ..ops.moe import (
     DROP_POLICIES,
@@ -233,7 +233,9 @@ class ExpertParallelMoE(_MoEBase):
     dispatched and combined with ``all_to_all``. Arguments as :class:`MoELayer`, plus:
 
     Args:
-        comm: the :class:`~torsh_kernels.collectives.Communicator` of the expert-parallel group.
+        comm: the :class:`~torsh_kernels.collectives.Communicator` of the expert-parallel group, or its
+            ``ProcessGroup``, ``DeviceMesh`` (``mesh_dim``: the expert-parallel dimension; a 1-D mesh needs
+            none) or ``(mesh, dim)``.
         broadcast_router: copy rank 0's router weights to every rank at construction.
 
     Every rank must call ``forward`` (and backward) the same number of times, in the same order, even
@@ -259,10 +261,12 @@ class ExpertParallelMoE(_MoEBase):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         broadcast_router: bool = True,
+        mesh_dim: str | int | None = None,
     ) -> None:
         what = "ExpertParallelMoE"
-        if not all(hasattr(comm, a) for a in ("rank", "world_size", "all_to_all", "broadcast", "all_reduce")):
-            raise ArgumentTypeError(f"{what}: comm must be a Communicator, got {type(comm).__name__}")
+        comm = as_communicator(
+            comm, what, dim=mesh_dim, needs=("rank", "world_size", "all_to_all", "broadcast", "all_reduce")
+        )
         W = comm.world_size
         _check_pos_int(num_experts, what, "num_experts")
         if num_experts % W:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..collectives.coalesce import Coalescer
-from ..collectives.communicator import Communicator, is_dtensor
+from ..collectives.communicator import Communicator, as_communicator, is_dtensor
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
@@ -87,7 +87,10 @@ class GradientSynchronizer:
 
     Args:
         model: the module whose parameters (those with ``requires_grad``) are synchronised.
-        comm: the communicator (e.g. from ``init_from_env()``); parameters must be on its device type.
+        comm: the communicator (e.g. from ``init_from_env()``), or a ``ProcessGroup``, a ``DeviceMesh``
+            (``mesh_dim``: the dimension to average over; a 1-D mesh needs none) or ``(mesh, dim)``, made
+            into a :class:`~torsh_kernels.collectives.TorchCommunicator`; parameters must be on its device
+            type.
         bucket_mb: bucket size cap in MiB.
         compressor: a :class:`~torsh_kernels.compression.Compressor` (None: uncompressed), or ``"auto"``
             (see :class:`~torsh_kernels.parallel.CompressionHookState`; the choice and why in
@@ -120,13 +123,14 @@ class GradientSynchronizer:
         min_numel: int = 1024,
         policy: str = "layerwise",
         quantize_mode: str = "auto",
+        mesh_dim: str | int | None = None,
     ) -> None:
         what = "GradientSynchronizer"
         if not isinstance(model, torch.nn.Module):
             raise ArgumentTypeError(f"{what}: model must be a torch.nn.Module, got {type(model).__name__}")
-        for name in ("rank", "world_size", "all_reduce", "all_gather", "broadcast"):
-            if not hasattr(comm, name):
-                raise ArgumentTypeError(f"{what}: comm must be a Communicator, got {type(comm).__name__}")
+        comm = as_communicator(
+            comm, what, dim=mesh_dim, needs=("rank", "world_size", "all_reduce", "all_gather", "broadcast")
+        )
         for name, v in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise InvalidArgumentError(f"{what}: {name} must be a number > 0, got {v!r}")

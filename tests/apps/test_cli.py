@@ -208,6 +208,13 @@ def test_bench_fsdp_offload_counts_what_each_optimizer_holds(tmp_path):
     assert s["OffloadedOptimizer bf16"]["state_bytes_per_parameter"] == pytest.approx(4.0 + 4 * 4 / 4160)
     assert 2.0 < s["OffloadedOptimizer int8"]["state_bytes_per_parameter"] < 2.1
     assert s["OffloadedOptimizer int8"]["host_copy_bytes_per_parameter"] == 8.0  # fp32 master and gradient
+    for row in s.values():  # each rank's resident host memory at its peak, above where the case started
+        assert row["peak_host_bytes"]["median"] > 0
+    # torchao's CPUOffloadOptimizer needs CUDA (and torchao): named, with why, not silently left out
+    skipped = json.loads(out.read_text())["skipped"]
+    why = skipped.pop("torchao CPUOffloadOptimizer")
+    assert not skipped and ("CUDA" in why or "not installed" in why)
+    assert "not run:" in r.stdout
 
 
 def test_bench_ddp_judges_auto_by_its_choice_s_own_case():

@@ -12,10 +12,13 @@ slow link), the same batches, every case in turn on the same ranks:
 - ``int8 weights + int4 grads``: both (:func:`~torsh_kernels.parallel.fsdp.apply_quantized_comm`).
 
 ``--offload`` measures instead what the optimizer holds per rank under ZeRO-3 (the same model): AdamW on
-FSDP2's shards (fp32 state, 8 bytes per parameter), the same with FSDP2's ``CPUOffloadPolicy``, and
-:class:`~torsh_kernels.parallel.OffloadedOptimizer` with bf16 and int8 state; for it also the fp32 masters
-and gradient buffer it keeps on the host (8 bytes per parameter, the price of keeping the device free of
-them); the step time; and on a GPU the peak device memory.
+FSDP2's shards (fp32 state, 8 bytes per parameter), the same with FSDP2's ``CPUOffloadPolicy``,
+:class:`~torsh_kernels.parallel.OffloadedOptimizer` with bf16 and int8 state, and on a GPU with torchao
+installed torchao's ``CPUOffloadOptimizer`` (written for one GPU: where it fails on FSDP2's shards, its
+error is the result); for the host optimizers also the fp32 masters and gradient buffers they keep on
+the host (8 bytes per parameter, the price of keeping the device free of them); the step time; the peak
+of each rank's resident host memory above where the case started (``/proc/self/clear_refs``); and on a
+GPU the peak device memory.
 
 Per case: median step time (forward, backward with FSDP2's collectives, SGD step) of the slowest rank
 over ``--steps`` steps after ``--warmup``, p20-p80, the bytes this rank put on the wire per step (ring
@@ -105,17 +108,50 @@ def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -
 OFFLOAD_CASES = ("AdamW", "AdamW + CPUOffloadPolicy", "OffloadedOptimizer bf16", "OffloadedOptimizer int8")
 
 
+def _host_peak_reset() -> int | None:
+    """Reset this process's peak resident set (Linux: ``/proc/self/clear_refs``) after handing freed
+    memory back (``malloc_trim``); returns the resident bytes now, or None where that cannot be done."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _proc_status("VmRSS")
+    except OSError:
+        return None
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return 1024 * int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {key}")
+
+
 def _offload_case(comm: TorchCommunicator, mesh, cfg: dict, name: str) -> dict:
-    """ZeRO-3 with the optimizer's memory counted: what each rank's optimizer holds (its state, and for
-    OffloadedOptimizer the fp32 masters and gradient buffer it keeps on the host), and the step time."""
+    """ZeRO-3 with the optimizer's memory counted: what each rank's optimizer holds (its state, and for the
+    host optimizers the fp32 masters and gradient buffers they keep on the host), the step time, the peak
+    of this rank's resident host memory above where the case started, and on a GPU the peak device
+    memory. A peer that fails on FSDP2's shards reports its error instead."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from ...parallel import OffloadedOptimizer
+    from .offload import TORCHAO, _state_bytes, torchao_offload
 
+    rss0 = _host_peak_reset()
     kw = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if "CPUOffload" in name else {}
     model = _model(cfg, mesh, **kw)
     if name.startswith("OffloadedOptimizer"):
         opt = OffloadedOptimizer(model.parameters(), torch.optim.AdamW, name.split()[-1], lr=1e-4)
+    elif name == TORCHAO:
+        try:  # written for one GPU; FSDP2's DTensor parameters may not suit it
+            opt = torchao_offload(comm.device)[0](model.parameters(), torch.optim.AdamW, lr=1e-4)
+        except Exception as e:  # a peer's failure is a result to report
+            return {"case": name, "error": f"{type(e).__name__}: {e}"}
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     cuda = comm.device.type == "cuda"
@@ -136,18 +172,26 @@ def _offload_case(comm: TorchCommunicator, mesh, cfg: dict, name: str) -> dict:
             times.append(time.perf_counter() - t0)
     copies = 0
     if isinstance(opt, OffloadedOptimizer):
-        state = opt.stats["state_bytes"]
         copies = sum(c.master_flat.nbytes + c.grad_flat.nbytes for c in opt._chunks)  # fp32, on the host
-    else:
-        state = sum(v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
-                    for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))  # fmt: skip
+    elif hasattr(opt, "param_d2h_map"):  # torchao: an fp32 host copy of each parameter and of its gradient
+        copies = sum(h.nbytes + h.grad.nbytes for h in opt.param_d2h_map.values())
+    state = _state_bytes(opt)
     params = sum(p.to_local().numel() for p in model.parameters())
     t = torch.tensor(times, dtype=torch.float64)
     comm.all_reduce(t, "max")
     return {"case": name, "step_ms": 1e3 * statistics.median(t.tolist()), "state_bytes": state,
             "host_copy_bytes": copies, "state_bytes_per_parameter": state / params,
             "host_copy_bytes_per_parameter": copies / params,
+            "peak_host_bytes": _proc_status("VmHWM") - rss0 if rss0 is not None else None,
             "peak_device_bytes": torch.cuda.max_memory_allocated(comm.device) if cuda else None}  # fmt: skip
+
+
+def _offload_cases(comm: TorchCommunicator) -> tuple[list[str], dict[str, str]]:
+    """The offload cases that can run here, and why the others cannot."""
+    from .offload import TORCHAO, torchao_offload
+
+    ao, why = torchao_offload(comm.device)
+    return list(OFFLOAD_CASES) + ([TORCHAO] if ao is not None else []), ({} if ao is not None else {TORCHAO: why})
 
 
 def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
@@ -157,11 +201,14 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
     torch.set_num_threads(cfg["threads"])
     mesh = init_device_mesh(comm.device.type, (comm.world_size,))
     if cfg["offload"]:
-        cases = [(n, lambda n=n: _offload_case(comm, mesh, cfg, n)) for n in OFFLOAD_CASES]
-        rows = _repeat(comm, cfg, cases, lambda r: f"{r['state_bytes_per_parameter']:6.2f} B/param")
+        names, skipped = _offload_cases(comm)
+        cases = [(n, lambda n=n: _offload_case(comm, mesh, cfg, n)) for n in names]
+        cases[0][1]()  # once unrecorded: the first case would also count what any first run allocates for good
+        rows = _repeat(comm, cfg, cases, lambda r: r.get("error") or f"{r['state_bytes_per_parameter']:6.2f} B/param")
         if comm.rank != 0:
             return None
-        return _report_offload({"offload_rows": rows, "world_size": comm.world_size, "backend": comm.backend}, cfg)
+        res = {"offload_rows": rows, "skipped": skipped, "world_size": comm.world_size, "backend": comm.backend}
+        return _report_offload(res, cfg, names)
     cases = [(n, lambda n=n, w=w, gq=gq: _case(comm, mesh, cfg, n, w, gq)) for n, w, gq in _cases(cfg["grads"])]
     rows = _repeat(comm, cfg, cases, lambda r: f"{r['bytes_per_step'] / 1e6:8.2f} MB/step")
     if comm.rank != 0:
@@ -178,7 +225,8 @@ def _repeat(comm: TorchCommunicator, cfg: dict, cases: list, detail) -> list[dic
             r["repeat"] = rep
             rows.append(r)
             if comm.rank == 0 and cfg["progress"]:
-                print(f"  {name:<28} {r['step_ms']:9.1f} ms/step {detail(r)}", file=sys.stderr, flush=True)
+                ms = f"{r['step_ms']:9.1f} ms/step" if "step_ms" in r else ""
+                print(f"  {name:<28} {ms} {detail(r)}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -218,30 +266,45 @@ def _write(res: dict, env: dict, cfg: dict) -> dict:
     return res
 
 
-def _report_offload(res: dict, cfg: dict) -> dict:
+def _report_offload(res: dict, cfg: dict, names: list[str]) -> dict:
     from rich.table import Table
 
     env = environment(torch.device("cuda" if res["backend"] == "nccl" else "cpu"))
     rows = res["offload_rows"]
     res["offload_summary"] = summary = []
-    for name in OFFLOAD_CASES:
+    keys = ("state_bytes", "host_copy_bytes", "state_bytes_per_parameter", "host_copy_bytes_per_parameter")
+    for name in names:
         rs = [r for r in rows if r["case"] == name]
-        summary.append({"case": name, "step_ms": _spread([r["step_ms"] for r in rs]),
-                        **{k: rs[0][k] for k in ("state_bytes", "host_copy_bytes", "state_bytes_per_parameter",
-                                                  "host_copy_bytes_per_parameter", "peak_device_bytes")}})  # fmt: skip
+        if "error" in rs[0]:
+            summary.append({"case": name, "error": rs[0]["error"]})
+            continue
+        hosts = [r["peak_host_bytes"] for r in rs if r["peak_host_bytes"] is not None]
+        devs = [r["peak_device_bytes"] for r in rs if r["peak_device_bytes"] is not None]
+        summary.append({"case": name, "step_ms": _spread([r["step_ms"] for r in rs]), **{k: rs[0][k] for k in keys},
+                        "peak_host_bytes": _spread(hosts) if hosts else None,
+                        "peak_device_bytes": _spread(devs) if devs else None})  # fmt: skip
     t = Table(title=(f"ZeRO-3 optimizer memory, {res['world_size']} ranks ({res['backend']}), {cfg['layers']} x "
                      f"[{cfg['width']} x {cfg['width']}] linears under fully_shard; per rank; medians over "
                      f"{cfg['repeat']} run(s)"), title_justify="left")  # fmt: skip
     for col in ("case", "step (ms)", "optimizer state (MB)", "state B/param", "fp32 host copies B/param",
-                "peak device (MB)"):  # fmt: skip
+                "peak host above start (MB)", "peak device (MB)"):  # fmt: skip
         t.add_column(col, justify="left" if col == "case" else "right")
+
+    def mb(d: dict | None) -> str:
+        return "-" if d is None else f"{d['median'] / 1e6:.1f}"
+
     for s in summary:
+        if "error" in s:
+            t.add_row(s["case"], f"failed: {s['error'][:100]}", *["-"] * 5)
+            continue
         st = s["step_ms"]
         t.add_row(s["case"], f"{st['median']:.1f} [{st['min']:.1f}-{st['max']:.1f}]",
                   f"{s['state_bytes'] / 1e6:.2f}", f"{s['state_bytes_per_parameter']:.2f}",
-                  f"{s['host_copy_bytes_per_parameter']:.2f}",
-                  "-" if s["peak_device_bytes"] is None else f"{s['peak_device_bytes'] / 1e6:.1f}")  # fmt: skip
-    wide_console(160).print(t)
+                  f"{s['host_copy_bytes_per_parameter']:.2f}", mb(s["peak_host_bytes"]),
+                  mb(s["peak_device_bytes"]))  # fmt: skip
+    for name, why in res["skipped"].items():
+        t.add_row(name, f"not run: {why}", *["-"] * 5)
+    wide_console(180).print(t)
     return _write(res, env, cfg)
 
 

@@ -16,9 +16,9 @@ user moves), so a format's GB/s can exceed the link's.
 Part 2, an optimizer step on an MLP stack of --layers x [--width x --width] (the 1B-parameter class
 scaled to the machine: the defaults give 0.2B on CUDA and 17M on the CPU): forward + backward + step with
 plain AdamW against ``OffloadedOptimizer`` (bf16 state; gradients moved at the step, or during
-backward), step time and the peak memory of the device
-(CUDA: ``torch.cuda.max_memory_allocated``; CPU: the optimizer state bytes, since host and device are
-the same memory there).
+backward) and, on CUDA where torchao is installed, torchao's ``CPUOffloadOptimizer``; step time and
+the peak memory of the device (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the optimizer state
+bytes, since host and device are the same memory there).
 """
 
 from __future__ import annotations
@@ -81,6 +81,34 @@ def run_pack_case(fmt: str, mib: float, device: torch.device, reps: int) -> list
     return results
 
 
+TORCHAO = "torchao CPUOffloadOptimizer"
+
+
+def torchao_offload(device: torch.device) -> tuple[type | None, str]:
+    """torchao's ``CPUOffloadOptimizer`` (the peer of :class:`OffloadedOptimizer`: AdamW's step on the host
+    with fp32 host copies of each parameter and gradient), or None and why it cannot run here: torchao is
+    not a dependency (it is in the ``cuda`` extra), and its optimizer asserts a CUDA or XPU device."""
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError as e:
+        return None, f"torchao is not installed ({e}); pip install torchao"
+    if device.type != "cuda":
+        return None, "torchao's CPUOffloadOptimizer runs on CUDA or XPU only (it asserts)"
+    return CPUOffloadOptimizer, ""
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of an optimizer's state tensors (local shards of DTensors), torchao's per-parameter host
+    optimizers and its on-device one included."""
+    if isinstance(opt, OffloadedOptimizer):
+        return opt.stats["state_bytes"]
+    opts = [opt]
+    if hasattr(opt, "optim_dict"):  # torchao: one host optimizer per offloaded parameter, d_opt for the small
+        opts = list(opt.optim_dict.values()) + ([opt.d_opt] if opt.d_opt is not None else [])
+    tensors = [v for o in opts for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return sum(v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes for v in tensors)
+
+
 def _mlp(width: int, layers: int, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
     mods = []
@@ -91,11 +119,19 @@ def _mlp(width: int, layers: int, device: torch.device) -> torch.nn.Module:
 
 def run_optimizer(width: int, layers: int, batch: int, steps: int, device: torch.device) -> list[dict]:
     out = []
-    for name in ("AdamW", "OffloadedOptimizer(bf16)", "OffloadedOptimizer(bf16, grads in backward)"):
+    ao, why = torchao_offload(device)
+    names = ["AdamW", "OffloadedOptimizer(bf16)", "OffloadedOptimizer(bf16, grads in backward)"]
+    if ao is None:
+        print(f"{TORCHAO}: not run: {why}")
+    else:
+        names.append(TORCHAO)
+    for name in names:
         model = _mlp(width, layers, device)
         n = sum(p.numel() for p in model.parameters())
         if name == "AdamW":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        elif name == TORCHAO:
+            opt = ao(model.parameters(), torch.optim.AdamW, lr=1e-4)
         else:
             grads = "backward" if "backward" in name else "step"
             opt = OffloadedOptimizer(model.parameters(), state_format="bf16", lr=1e-4, offload_gradients=grads)
@@ -118,12 +154,8 @@ def run_optimizer(width: int, layers: int, batch: int, steps: int, device: torch
             if i >= 2:
                 times.append((t2 - t0) * 1e3)
                 step_times.append((t2 - t1) * 1e3)
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-        else:  # host = device: what the optimizer's state occupies
-            peak = (opt.stats["state_bytes"] if name != "AdamW" else
-                    sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                        if isinstance(t, torch.Tensor)))  # fmt: skip
+        # on the CPU host = device: what the optimizer's state occupies
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _state_bytes(opt)
         out.append({"optimizer": name, "params": n, "train_step_ms": statistics.median(times),
                     "optimizer_step_ms": statistics.median(step_times), "peak_bytes": peak,
                     "peak_kind": "device memory" if device.type == "cuda" else "optimizer state"})  # fmt: skip

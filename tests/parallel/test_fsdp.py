@@ -100,6 +100,15 @@ def _comms_worker(comm) -> dict:
             exact = torch.stack(xs).sum(0).view(ws, n)[me] * scale
             results.append((torch.equal(o, ref), (o - exact).abs().max().item() / exact.abs().max().item()))
         out["rs"].append((results, ef and torch.equal(rs.residual, residuals[me])))
+        # async: a Work whose wait includes the fp32 reduction (the same codes: no residual this time)
+        plain = QuantizedReduceScatter(bits=bits, block=block, error_feedback=False)
+        xs = [shard(200 + case, r, ws * n) for r in range(ws)]
+        o_sync, o_async = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
+        plain(output_tensor=o_sync, input_tensor=xs[me].clone(), group=group, op=op)
+        work = plain(output_tensor=o_async, input_tensor=xs[me].clone(), group=group, op=op, async_op=True)
+        assert isinstance(work, dist.Work)
+        work.wait()
+        out.setdefault("rs_async", []).append(torch.equal(o_async, o_sync))
     # bad input: typed errors, before anything goes on the wire
     out["errs"] = error_names([
         lambda: QuantizedAllGather(bits=3), lambda: QuantizedReduceScatter(block=100),
@@ -121,6 +130,7 @@ def test_quantized_comms_match_the_reference(world_size):
             for same, rel in results:
                 assert same and rel < 0.2
         assert [r[1] for r in out["rs"]] == [True, False, False, True]  # the residuals where kept
+        assert out["rs_async"] == [True] * 4
         assert out["errs"] == ["InvalidArgumentError", "InvalidArgumentError", "ArgumentTypeError",
                                "InvalidArgumentError", "InvalidArgumentError", "InvalidArgumentError"]  # fmt: skip
 
@@ -133,13 +143,13 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(24, 61), nn.ReLU(), nn.Linear(61, 33), nn.ReLU(), nn.Linear(33, 5))
 
 
-def _shard(model: nn.Module, mesh) -> nn.Module:
+def _shard(model: nn.Module, mesh, **kw) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
 
 
@@ -500,6 +510,19 @@ def _hsdp_worker(comm) -> dict:
         "replicas_equal": all(torch.equal(g, gathered[0]) for g in gathered),
     }
     flat = init_device_mesh("cpu", (comm.world_size,))
+    # ZeRO++'s hpZ in FSDP2's terms: reshard after forward to groups of 2 (a node), so the backward
+    # all-gather runs within the pair; the quantized all-gather serves both groups
+    start_f, ref_f = run(_shard(_model(), flat))
+    model = _shard(_model(), flat, reshard_after_forward=2)
+    inst = apply_quantized_comm(model, weights="int8", grads="int4")
+    _, got = run(model)
+    gathered = [torch.empty_like(got) for _ in range(comm.world_size)]
+    dist.all_gather(gathered, got)
+    out["hpz"] = {
+        "rel": ((got - ref_f).abs().max() / (ref_f - start_f).abs().max()).item(),
+        "ag_calls": [i.all_gather.calls for i in inst],
+        "replicas_equal": all(torch.equal(g, gathered[0]) for g in gathered),
+    }
     model = _shard(_model(), mesh["shard"])
     out["errs"] = error_names(
         (lambda kw=kw, m=m: apply_quantized_comm(m, weights=None, grads=None, **kw))
@@ -527,5 +550,8 @@ def test_hsdp_replica_all_reduce_compressed_through_the_hook():
         q = out["native_q"]
         assert q["replicas_equal"] and 0 < q["rel"] < 0.06, q  # (measured: 0.019)
         assert q["rs_group"] == [4, 4, 4]  # one reduce-scatter per layer per step
+        h = out["hpz"]
+        assert h["replicas_equal"] and 0 < h["rel"] < 0.06, h
+        assert h["ag_calls"] == [8, 8, 8]  # forward over 4 ranks, backward over 2, per layer per step
         assert out["errs"] == ["InvalidArgumentError", "ArgumentTypeError", "ArgumentTypeError",
                                "InvalidArgumentError", "InvalidArgumentError"]  # fmt: skip

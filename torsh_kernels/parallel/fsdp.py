@@ -27,7 +27,7 @@ Streams: on a GPU, FSDP2 calls the all-gather inside its all-gather stream and t
 its reduce-scatter stream; the kernels here are launched on the current stream, so they order with the
 collectives and with FSDP2's own copies as its default collectives do. With ``async_op=True`` (FSDP2's
 ``unshard(async_op=True)``) the all-gather returns a ``dist.Work`` whose completion includes the
-dequantization.
+dequantization, and the reduce-scatter one whose completion includes the fp32 reduction.
 """
 
 from __future__ import annotations
@@ -266,15 +266,27 @@ class QuantizedReduceScatter(_Allocate, _ReduceScatter):
             for r in range(ws):
                 w.decode(send[r * w.total : (r + 1) * w.total], rv[r], accumulate=True, alpha=-1.0)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
         self.bytes_sent += (ws - 1) * w.total
-        total = torch.zeros(n, dtype=torch.float32, device=x.device)
-        for r in range(ws):  # the ranks' chunks of this shard, summed in fp32 in rank order
-            w.decode(recv[r * w.total : (r + 1) * w.total], total, accumulate=True)
-        if scale != 1.0:
-            total.mul_(scale)
-        out.copy_(total)
-        return None
+
+        def reduce() -> None:
+            total = torch.zeros(n, dtype=torch.float32, device=x.device)
+            for r in range(ws):  # the ranks' chunks of this shard, summed in fp32 in rank order
+                w.decode(recv[r * w.total : (r + 1) * w.total], total, accumulate=True)
+            if scale != 1.0:
+                total.mul_(scale)
+            out.copy_(total)
+
+        if not async_op:
+            dist.all_to_all_single(recv, send, group=group)
+            reduce()
+            return None
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+        def done(f: torch.futures.Future) -> None:
+            f.value()  # the collective's error, if any
+            reduce()
+
+        return torch._C._distributed_c10d._create_work_from_future(work.get_future().then(done))
 
 
 def counting_default_comms() -> tuple[type, type]:

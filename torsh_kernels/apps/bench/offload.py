@@ -88,12 +88,12 @@ def torchao_offload(device: torch.device) -> tuple[type | None, str]:
     """torchao's ``CPUOffloadOptimizer`` (the peer of :class:`OffloadedOptimizer`: AdamW's step on the host
     with fp32 host copies of each parameter and gradient), or None and why it cannot run here: torchao is
     not a dependency (it is in the ``cuda`` extra), and its optimizer asserts a CUDA or XPU device."""
+    if device.type != "cuda":  # checked first: installed or not, it cannot run here
+        return None, "torchao's CPUOffloadOptimizer runs on CUDA or XPU only (it asserts so on the CPU)"
     try:
         from torchao.optim import CPUOffloadOptimizer
     except ImportError as e:
-        return None, f"torchao is not installed ({e}); pip install torchao"
-    if device.type != "cuda":
-        return None, "torchao's CPUOffloadOptimizer runs on CUDA or XPU only (it asserts)"
+        return None, f"torchao is not installed ({e}); pip install torchao (in the cuda extra)"
     return CPUOffloadOptimizer, ""
 
 

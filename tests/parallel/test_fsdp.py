@@ -419,24 +419,28 @@ def _offload_worker(comm, path) -> dict:
     run(ref, ref_opt, range(4))
     run(mod, off, range(4))
     out["fp32_equal"] = torch.equal(_full(ref), _full(mod))
-    # bf16 state through torch.distributed.checkpoint: the resumed run is the uninterrupted one
-    a = _shard(_model(), mesh)
-    opt_a = OffloadedOptimizer(a.parameters(), torch.optim.AdamW, "bf16", lr=1e-2, chunk_mb=0.004)
-    run(a, opt_a, range(3))
-    msd, osd = get_state_dict(a, opt_a)
-    out["state_is_sharded"] = all(
-        type(v).__name__ == "DTensor" for s in osd["state"].values() for k, v in s.items() if k != "step"
-    )
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    run(a, opt_a, range(3, 6))
-    b = _shard(_model(), mesh)
-    opt_b = OffloadedOptimizer(b.parameters(), torch.optim.AdamW, "bf16", lr=1e-2, chunk_mb=0.004)
-    msd_b, osd_b = get_state_dict(b, opt_b)
-    st = {"model": msd_b, "optim": osd_b}
-    dcp.load(st, checkpoint_id=path)
-    set_state_dict(b, opt_b, model_state_dict=st["model"], optim_state_dict=st["optim"])
-    run(b, opt_b, range(3, 6))
-    out["resumed_equal"] = torch.equal(_full(a), _full(b))
+    # packed state through torch.distributed.checkpoint: the resumed run is the uninterrupted one
+    out["resumed"] = {}
+    for fmt in ("bf16", "int8"):
+        a = _shard(_model(), mesh)
+        opt_a = OffloadedOptimizer(a.parameters(), torch.optim.AdamW, fmt, lr=1e-2, chunk_mb=0.004)
+        run(a, opt_a, range(3))
+        msd, osd = get_state_dict(a, opt_a)
+        out["state_is_sharded"] = all(
+            type(v).__name__ == "DTensor" for s in osd["state"].values() for k, v in s.items() if k != "step"
+        )
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}-{fmt}")
+        at_save = _full(a)
+        run(a, opt_a, range(3, 6))
+        b = _shard(_model(), mesh)
+        opt_b = OffloadedOptimizer(b.parameters(), torch.optim.AdamW, fmt, lr=1e-2, chunk_mb=0.004)
+        msd_b, osd_b = get_state_dict(b, opt_b)
+        st = {"model": msd_b, "optim": osd_b}
+        dcp.load(st, checkpoint_id=f"{path}-{fmt}")
+        set_state_dict(b, opt_b, model_state_dict=st["model"], optim_state_dict=st["optim"])
+        run(b, opt_b, range(3, 6))
+        fa, fb = _full(a), _full(b)
+        out["resumed"][fmt] = (torch.equal(fa, fb), ((fa - fb).abs().max() / (fa - at_save).abs().max()).item())
     out["state_bytes"] = opt_b.stats["state_bytes"]
     return out
 
@@ -446,7 +450,9 @@ def test_offloaded_optimizer_on_fsdp2_shards(tmp_path):
         assert out["chunks"] > 1  # several chunks of shards, pipelined as on an unsharded model
         assert out["fp32_equal"], "fp32 state should equal AdamW on the same sharded model bit for bit"
         assert out["state_is_sharded"]
-        assert out["resumed_equal"]
+        assert out["resumed"]["bf16"][0]
+        # int8: re-quantizing the square root of a dequantized square may move a code by one
+        assert out["resumed"]["int8"][1] < 1e-3, out["resumed"]
         assert out["state_bytes"] > 0
 
 

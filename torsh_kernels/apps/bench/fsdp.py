@@ -140,7 +140,7 @@ def _offload_case(comm: TorchCommunicator, mesh, cfg: dict, name: str) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from ...parallel import OffloadedOptimizer
-    from .offload import TORCHAO, _state_bytes, torchao_offload
+    from .offload import TORCHAO, optimizer_state_bytes, torchao_offload
 
     rss0 = _host_peak_reset()
     kw = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if "CPUOffload" in name else {}
@@ -175,7 +175,7 @@ def _offload_case(comm: TorchCommunicator, mesh, cfg: dict, name: str) -> dict:
         copies = sum(c.master_flat.nbytes + c.grad_flat.nbytes for c in opt._chunks)  # fp32, on the host
     elif hasattr(opt, "param_d2h_map"):  # torchao: an fp32 host copy of each parameter and of its gradient
         copies = sum(h.nbytes + h.grad.nbytes for h in opt.param_d2h_map.values())
-    state = _state_bytes(opt)
+    state = optimizer_state_bytes(opt)
     params = sum(p.to_local().numel() for p in model.parameters())
     t = torch.tensor(times, dtype=torch.float64)
     comm.all_reduce(t, "max")

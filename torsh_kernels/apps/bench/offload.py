@@ -97,7 +97,7 @@ def torchao_offload(device: torch.device) -> tuple[type | None, str]:
     return CPUOffloadOptimizer, ""
 
 
-def _state_bytes(opt: torch.optim.Optimizer) -> int:
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of an optimizer's state tensors (local shards of DTensors), torchao's per-parameter host
     optimizers and its on-device one included."""
     if isinstance(opt, OffloadedOptimizer):
@@ -155,7 +155,7 @@ def run_optimizer(width: int, layers: int, batch: int, steps: int, device: torch
                 times.append((t2 - t0) * 1e3)
                 step_times.append((t2 - t1) * 1e3)
         # on the CPU host = device: what the optimizer's state occupies
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _state_bytes(opt)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else optimizer_state_bytes(opt)
         out.append({"optimizer": name, "params": n, "train_step_ms": statistics.median(times),
                     "optimizer_step_ms": statistics.median(step_times), "peak_bytes": peak,
                     "peak_kind": "device memory" if device.type == "cuda" else "optimizer state"})  # fmt: skip

@@ -10,7 +10,9 @@ kernels, as DeepSpeed ZeRO++ does inside its own engine:
 - :class:`QuantizedAllGather` (qwZ): each rank quantizes its shard once per all-gather (absmax per block
   of ``block`` elements, int8 or packed int4, one fp32 scale per block), the payloads (codes and scales
   in one byte buffer per rank) are all-gathered, and every rank's segment is dequantized straight into
-  FSDP2's output buffer, its own included, so every rank computes with the same weights.
+  FSDP2's output buffer, its own included, so every rank computes with the same weights. Under
+  ``reshard_after_forward=<int>`` (ZeRO++'s hpZ) the backward all-gathers within the smaller group move
+  the forward's dequantized weights unquantized (``shard_group_size``).
 - :class:`QuantizedReduceScatter` (qgZ): each rank adds its error-feedback residual to the gradient
   (optional), quantizes the ``world_size`` chunks, sends chunk ``r`` to rank ``r`` in one all-to-all, and
   sums the chunks it receives in fp32 (never in int8), then applies FSDP2's reduce op (sum, average, or
@@ -132,18 +134,32 @@ class _Allocate:
 
 
 class QuantizedAllGather(_Allocate, _AllGather):
-    """FSDP2's all-gather with blockwise int8 (or int4) weights; see the module docstring."""
+    """FSDP2's all-gather with blockwise int8 (or int4) weights; see the module docstring.
 
-    def __init__(self, bits: int = 8, block: int = 256) -> None:
+    ``shard_group_size``: the size of the group FSDP2 shards over (:func:`apply_quantized_comm` sets it).
+    All-gathers over a smaller group are FSDP2's post-forward ones under ``reshard_after_forward=<int>``
+    (ZeRO++'s hpZ: the backward all-gather within a node): those move the forward's weights, already
+    dequantized, as they are, so backward computes with exactly the weights forward used, and the fast
+    intra-node link carries them in full precision, as hpZ does. None: quantize every all-gather."""
+
+    def __init__(self, bits: int = 8, block: int = 256, *, shard_group_size: int | None = None) -> None:
         _check(bits, block, "QuantizedAllGather", (8, 4))
-        self.bits, self.block = bits, block
+        if shard_group_size is not None and (
+            isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1
+        ):
+            raise InvalidArgumentError(
+                f"QuantizedAllGather: shard_group_size must be a positive int or None, got {shard_group_size!r}"
+            )
+        self.bits, self.block, self.shard_group_size = bits, block, shard_group_size
         self.calls = 0
         """All-gathers run (quantized or passed through)."""
+        self.plain_calls = 0
+        """Of them, those passed through unquantized (non-float inputs, post-forward groups)."""
         self.bytes_sent = 0
         """Bytes this rank put on the wire: ``world_size - 1`` payloads per call (a ring all-gather's)."""
 
     def __repr__(self) -> str:
-        return f"QuantizedAllGather(bits={self.bits}, block={self.block})"
+        return f"QuantizedAllGather(bits={self.bits}, block={self.block}, shard_group_size={self.shard_group_size})"
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):  # fmt: skip
@@ -157,7 +173,9 @@ class QuantizedAllGather(_Allocate, _AllGather):
                 f"{what}: output_tensor has {out.numel()} elements, expected world_size ({ws}) x input ({n})"
             )
         self.calls += 1
-        if x.dtype not in _FLOATS or out.dtype != x.dtype or n == 0:
+        subgroup = self.shard_group_size is not None and ws < self.shard_group_size
+        if x.dtype not in _FLOATS or out.dtype != x.dtype or n == 0 or subgroup:
+            self.plain_calls += 1
             self.bytes_sent += (ws - 1) * x.nbytes
             return _all_gather(out, x, group, async_op)
         w = _Wire(n, self.bits, self.block)
@@ -373,6 +391,13 @@ def managed_parameters(fsdp_mod: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _shard_group_size(params: list[torch.Tensor]) -> int | None:
+    """How many ranks FSDP2 shards these parameters over: the last dimension of their mesh (HSDP's
+    ``(replicate, shard)`` included)."""
+    mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
+    return mesh.size(-1) if mesh is not None else None
+
+
 def _residual_buffer(fsdp_mod: nn.Module, params: list[torch.Tensor]) -> torch.Tensor | None:
     """Register (or reuse) the module's error-feedback residual: per rank, one fp32 element per element
     of the reduce-scatter input (every parameter's dim 0 padded to a multiple of the shard group's size),
@@ -383,7 +408,7 @@ def _residual_buffer(fsdp_mod: nn.Module, params: list[torch.Tensor]) -> torch.T
     if not dts:
         return None
     mesh = dts[0].device_mesh
-    shard_ws = mesh.size(-1)  # FSDP2 shards over the mesh's last dimension (HSDP: (replicate, shard))
+    shard_ws = _shard_group_size(dts)  # FSDP2 shards over the mesh's last dimension (HSDP: (replicate, shard))
     numel = 0
     for p in dts:
         d0 = p.shape[0] if p.dim() else 1
@@ -519,7 +544,7 @@ def apply_quantized_comm(
             continue  # e.g. a root that only groups FSDP children: FSDP2 runs no collective for it
         ag = rs = None
         if weights is not None:
-            ag = QuantizedAllGather(bits=_FORMATS[weights], block=block)
+            ag = QuantizedAllGather(bits=_FORMATS[weights], block=block, shard_group_size=_shard_group_size(params))
             m.set_custom_all_gather(ag)
         if grads is not None:
             res = _residual_buffer(m, params) if error_feedback else None

@@ -305,6 +305,9 @@ def _mesh_worker(comm) -> dict:
     ])  # fmt: skip
     st = CompressionHookState(mesh, mesh_dim="tp")
     out["hook_group_size"] = dist.get_world_size(st.process_group)
+    pair = CompressionHookState((mesh, "dp"))  # a (mesh, dim) pair where a group is taken
+    out["hook_pair_ranks"] = dist.get_process_group_ranks(pair.process_group)
+    out["pair_errs"] = error_names([lambda: TorchCommunicator((mesh, "dp"), dim="tp")])
     dt = distribute_tensor(torch.arange(8.0), flat, [Shard(0)])
     try:
         TorchCommunicator(flat).all_reduce(dt)
@@ -368,6 +371,7 @@ def test_device_mesh_is_accepted_and_dtensors_get_typed_errors():
         assert out["ranks_dp"] == out["ranks_0"] == dp and out["sum_dp"] == out["sum_0"] == sum(dp)
         assert out["ranks_tp"] == out["ranks_1"] == tp and out["sum_tp"] == out["sum_1"] == sum(tp)
         assert out["flat_ws"] == 4 and out["hook_group_size"] == 2
+        assert out["hook_pair_ranks"] == dp and out["pair_errs"] == ["InvalidArgumentError"]
         assert out["errs"] == ["InvalidArgumentError", "InvalidArgumentError", "InvalidArgumentError",
                                "InvalidArgumentError", "ArgumentTypeError"]  # fmt: skip
         assert "DTensor" in out["dtensor"] and "to_local()" in out["dtensor"]

@@ -234,9 +234,23 @@ def _tensor(t: object, what: str, name: str) -> torch.Tensor:
     return t
 
 
+def _is_mesh(x: object) -> bool:
+    mod = sys.modules.get("torch.distributed.device_mesh")
+    return mod is not None and isinstance(x, mod.DeviceMesh)
+
+
+def _is_mesh_dim(x: object) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and _is_mesh(x[0])
+
+
 def resolve_group(group: object, dim: str | int | None, what: str) -> dist.ProcessGroup | None:
-    """The process group of ``group``: a ProcessGroup, None (the default group), or a DeviceMesh, whose
-    dimension ``dim`` (a name or an index; may be omitted for a 1-D mesh) gives the group."""
+    """The process group of ``group``: a ProcessGroup, None (the default group), a DeviceMesh, whose
+    dimension ``dim`` (a name or an index; may be omitted for a 1-D mesh) gives the group, or a
+    ``(mesh, dim)`` pair."""
+    if _is_mesh_dim(group):
+        if dim is not None:
+            raise InvalidArgumentError(f"{what}: the mesh dimension is given twice ({group[1]!r} and {dim!r})")
+        group, dim = group
     if group is None or isinstance(group, dist.ProcessGroup):
         if dim is not None:
             raise InvalidArgumentError(f"{what}: dim={dim!r} applies to a DeviceMesh, not to a process group")
@@ -247,7 +261,7 @@ def resolve_group(group: object, dim: str | int | None, what: str) -> dist.Proce
         DeviceMesh = ()
     if not isinstance(group, DeviceMesh):
         raise ArgumentTypeError(
-            f"{what}: group must be a ProcessGroup, a DeviceMesh or None, got {type(group).__name__}"
+            f"{what}: group must be a ProcessGroup, a DeviceMesh, (mesh, dim) or None, got {type(group).__name__}"
         )
     names = group.mesh_dim_names
     if dim is None:
@@ -676,11 +690,6 @@ def _no_overlap(a: torch.Tensor, b: torch.Tensor, what: str, na: str, nb: str) -
         raise InvalidArgumentError(f"{what}: {na} and {nb} overlap in memory; use separate buffers")
 
 
-def _is_mesh(x: object) -> bool:
-    mod = sys.modules.get("torch.distributed.device_mesh")
-    return mod is not None and isinstance(x, mod.DeviceMesh)
-
-
 def as_communicator(
     comm: object, what: str, *, dim: str | int | None = None, needs: Sequence[str] = ()
 ) -> Communicator:
@@ -690,11 +699,7 @@ def as_communicator(
     the methods a Communicator must have here (checked, with a typed error naming what may be passed)."""
     if comm.__class__ is TorchCommunicator and dim is None:
         return comm
-    if isinstance(comm, tuple) and len(comm) == 2 and _is_mesh(comm[0]):
-        if dim is not None:
-            raise InvalidArgumentError(f"{what}: the mesh dimension is given twice ({comm[1]!r} and {dim!r})")
-        comm, dim = comm
-    if isinstance(comm, dist.ProcessGroup) or _is_mesh(comm):
+    if isinstance(comm, dist.ProcessGroup) or _is_mesh(comm) or _is_mesh_dim(comm):
         return TorchCommunicator(resolve_group(comm, dim, what))
     if comm is not None and not isinstance(comm, (tuple, str)) and all(hasattr(comm, n) for n in needs):
         if dim is not None:

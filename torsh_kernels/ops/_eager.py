@@ -56,13 +56,6 @@ def direct(*tensors: object) -> bool:
     return all(t is None or (type(t) in _PLAIN and not t.is_meta) for t in tensors)
 
 
-def needs_grad(*tensors: object) -> bool:
-    """Grad mode is on and one of the tensors requires grad (an op with autograd must then dispatch)."""
-    if not _grad_enabled():
-        return False
-    return any(t is not None and t.requires_grad for t in tensors)
-
-
 class no_grad:
     """``with no_grad():`` grad mode off for the block, as a custom op's implementation runs below autograd:
     ``torch.no_grad`` without its Python-level bookkeeping (a fraction of a microsecond, where the direct
@@ -113,18 +106,18 @@ def bump(*tensors: torch.Tensor | None) -> None:
     _bump(tuple(t for t in tensors if t is not None))
 
 
-def _direct_args(args: tuple, autograd: bool) -> bool:
+def _direct_args(args: tuple) -> bool:
+    """No mode or transform active, and every tensor argument (in lists too) plain and real."""
     if _is_compiling() or _dispatch_modes() or _function_mode() or _functorch_level() is not None:
         return False
-    grad = autograd and _grad_enabled()
     for a in args:
         ta = type(a)
         if ta in _PLAIN:
-            if a.is_meta or (grad and a.requires_grad):
+            if a.is_meta:
                 return False
         elif ta is list or ta is tuple:
             for t in a:
-                if type(t) not in _PLAIN or t.is_meta or (grad and t.requires_grad):
+                if type(t) not in _PLAIN or t.is_meta:
                     return False
         elif isinstance(a, torch.Tensor):  # a subclass
             return False
@@ -136,7 +129,7 @@ def call(op, mutated: tuple[int, ...], *args):
     (under no-grad; the tensors at positions ``mutated`` marked modified afterwards), else through the
     dispatcher."""
     fn = getattr(op, "_init_fn", None)
-    if fn is None or not _direct_args(args, False):
+    if fn is None or not _direct_args(args):
         return op(*args)
     out = run(fn, *args)
     if mutated:
@@ -188,7 +181,7 @@ def call_autograd(op, *args):
     """Like :func:`call` for an op with registered autograd and no mutations: its implementation directly
     when no argument needs a gradient, through :class:`_Direct` when one does (no mode, no subclass)."""
     fn = getattr(op, "_init_fn", None)
-    if fn is None or not _direct_args(args, False):
+    if fn is None or not _direct_args(args):
         return op(*args)
     if not _needs_grad_args(args):
         return run(fn, *args)

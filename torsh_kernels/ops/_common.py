@@ -356,16 +356,24 @@ def _scratch(device: torch.device, n: int) -> torch.Tensor:
     return b[:n]
 
 
+_HALF_FLOATS = (torch.float16, torch.bfloat16)
+
+
 def _finite_sum(v: torch.Tensor) -> bool:
-    """Whether the fp32 sum of v is finite: True whenever every element is (a False may also be an
-    overflowing sum; the caller then counts exactly). One pass, one host read."""
+    """The cheap check that every element of v is finite: True whenever every element is (a False may be
+    a false alarm; the caller then counts exactly). One pass, one or two host reads: the fp32 sum (an
+    overflowing sum is such a false alarm), or for 16-bit tensors the extremes (NaN and +-Inf show there),
+    which ``aminmax`` finds twice as fast as an upcasting sum on the CPU."""
+    if v.dtype in _HALF_FLOATS:
+        lo, hi = torch.aminmax(v)
+        return math.isfinite(lo.item()) and math.isfinite(hi.item())
     return math.isfinite((v.sum() if v.dtype is torch.float32 else v.sum(dtype=torch.float32)).item())
 
 
 def count_nonfinite(v: torch.Tensor) -> torch.Tensor:
-    """Number of NaN/Inf elements of v, as an int64 [1] tensor. A plain sum (one vectorised pass, no
-    temporary) is finite whenever every element is, so the exact count (a bool pass and a sum over it,
-    several times slower) only runs when the sum is not: NaN/Inf present, or a sum that overflowed."""
-    if v.numel() == 0 or math.isfinite(v.sum(dtype=torch.float32).item()):  # (isfinite of a 0-dim tensor: 6 us)
+    """Number of NaN/Inf elements of v, as an int64 [1] tensor. The exact count (a bool pass and a sum over
+    it, several times slower) only runs when the cheap check (:func:`_finite_sum`) fails: NaN/Inf present,
+    or a sum that overflowed."""
+    if v.numel() == 0 or _finite_sum(v):
         return _counter(v.device)
     return (~torch.isfinite(v)).sum().view(1)

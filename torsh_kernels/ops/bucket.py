@@ -54,6 +54,7 @@ from ._common import (
     _ptr_table,
     _ptrs,
     _Ranges,
+    count_nonfinite,
 )
 from .registry import Op, tuned_meta
 from .tuning import TuneSpace, register_space
@@ -521,23 +522,12 @@ def wire_cast_ref(x: torch.Tensor, dtype: torch.dtype, divisor: float = 1.0) -> 
     return v.div_(divisor) if divisor != 1.0 else v
 
 
-def _count_nonfinite_16(v: torch.Tensor) -> int:
-    """NaN/Inf in v: an extremes pass (cheaper than a 16-bit sum, which would overflow), an exact count
-    only when an extreme is not finite."""
-    if v.numel() == 0:
-        return 0
-    lo, hi = torch.aminmax(v)
-    if math.isfinite(lo.item()) and math.isfinite(hi.item()):
-        return 0
-    return int((~torch.isfinite(v)).sum())
-
-
 @_wire.register("torch")
 def _wire_torch(x, out, divisor, count_bad):
     out.copy_(x)
     if divisor != 1.0:
         out.div_(divisor)
-    return _count_nonfinite_16(out) if count_bad else 0
+    return count_nonfinite(out) if count_bad else 0
 
 
 @_wire.register("triton")

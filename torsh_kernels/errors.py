@@ -12,6 +12,7 @@ __all__ = [
     "ArgumentTypeError",
     "CollectiveError",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "DTypeError",
     "DeviceMismatchError",
     "InvalidArgumentError",
@@ -23,6 +24,7 @@ __all__ = [
     "ShapeError",
     "TorshKernelsError",
     "TraceFormatError",
+    "TransportUnavailableError",
 ]
 
 
@@ -68,6 +70,23 @@ class NonFiniteError(TorshKernelsError, FloatingPointError):
 
 class CollectiveError(TorshKernelsError, RuntimeError):
     """A collective failed on the network: a peer exited or raised, or the operation timed out."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective did not complete within its communicator's timeout (the transport was then aborted)."""
+
+
+class TransportUnavailableError(TorshKernelsError, RuntimeError):
+    """A communication transport cannot run here: its library is missing, or no device or port is usable.
+
+    ``reason`` says what is missing, ``fix`` the command or setting that would provide it."""
+
+    def __init__(self, message: str, *, reason: str = "", fix: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
+        """What is missing, in one line."""
+        self.fix = fix
+        """The command or setting that would make the transport available ('' where none would)."""
 
 
 class CollectiveMismatchError(CollectiveError):

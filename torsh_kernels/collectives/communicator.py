@@ -52,13 +52,14 @@ from ..errors import (
     ArgumentTypeError,
     CollectiveError,
     CollectiveMismatchError,
+    CollectiveTimeoutError,
     DeviceMismatchError,
     DTypeError,
     InvalidArgumentError,
     ShapeError,
 )
 
-__all__ = ["REDUCE_OPS", "Communicator", "Handle", "TorchCommunicator", "as_communicator"]
+__all__ = ["REDUCE_OPS", "Communicator", "CommunicatorBase", "Handle", "TorchCommunicator", "as_communicator"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -301,7 +302,181 @@ def _allreduce_options(op: str) -> dist.AllreduceOptions:
 _OP_IDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "all_to_all": 5, "barrier": 6}
 
 
-class TorchCommunicator:
+class CommunicatorBase:
+    """What every transport here shares: its identity (rank, world size, device, backend, global ranks)
+    and the argument checks each call makes before anything goes on the network, so that every
+    :class:`Communicator` of this package refuses the same bad input with the same typed error.
+    Subclasses set the slots in their ``__init__``; ``_reduce_dtypes`` holds the dtypes their
+    reductions accept."""
+
+    __slots__ = ("_backend", "_device", "_rank", "_ranks", "_reduce_dtypes", "_world")
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def global_ranks(self) -> list[int]:
+        """Global (default-group) rank of each rank of this communicator."""
+        return list(self._ranks)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self._rank}, world_size={self._world}, backend={self._backend!r})"
+
+    # -- validation ----------------------------------------------------------------------------------------
+
+    def _check_tensor(self, t: object, what: str, name: str, *, reduce: bool = False, op: str = "sum") -> torch.Tensor:
+        if (
+            t.__class__ is torch.Tensor and t.is_cpu and self._device.type == "cpu" and t.is_contiguous()
+            and (not reduce or (t.dtype in self._reduce_dtypes and op != "avg"))
+        ):  # fmt: skip
+            return t  # the common case on gloo, in a few attribute reads (each collective of a DDP hook)
+        t = _tensor(t, what, name)
+        dev = self._device
+        if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
+            raise DeviceMismatchError(
+                f"{what}: {name} is on {t.device}, this {self._backend} communicator moves tensors on {dev}; "
+                f"move it with .to('{dev}')"
+            )
+        if not t.is_contiguous():
+            raise ShapeError(f"{what}: {name} (shape {tuple(t.shape)}) is not contiguous; pass .contiguous()")
+        if reduce:
+            allowed = self._reduce_dtypes
+            if t.dtype not in allowed:
+                raise DTypeError(
+                    f"{what}: {self._backend} cannot reduce {t.dtype}; use one of "
+                    f"{sorted(str(d).replace('torch.', '') for d in allowed)}"
+                )
+            if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+                raise DTypeError(f"{what}: op='avg' needs a floating-point tensor, {name} is {t.dtype}")
+        return t
+
+    def _check_op(self, op: object, what: str) -> str:
+        if op.__class__ is str and op == "sum":
+            return op
+        if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
+            raise InvalidArgumentError(f"{what}: op must be one of {REDUCE_OPS}, got {op!r}")
+        return op.lower()
+
+    def _check_peer(self, peer: object, what: str, name: str) -> int:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self._world:
+            raise InvalidArgumentError(f"{what}: {name} must be a rank in [0, {self._world}), got {peer!r}")
+        if peer == self._rank and name != "src":
+            raise InvalidArgumentError(f"{what}: {name}={peer} is this rank; a rank cannot send to itself")
+        return peer
+
+    def _failure(self, what: str, e: BaseException) -> CollectiveError:
+        cls = CollectiveTimeoutError if isinstance(e, TimeoutError) else CollectiveError
+        return cls(
+            f"{what} failed on rank {self._rank} of {self._world} ({self._backend}, global ranks "
+            f"{self._ranks}): {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
+            "A peer most likely exited, raised before joining this collective, or issued a different one; "
+            "look at the other ranks' errors"
+        )
+
+    def _check_all_gather(self, output: object, input: object, what: str) -> tuple[object, torch.Tensor]:
+        """(the output tensor or list of tensors, the input), checked."""
+        x = self._check_tensor(input, what, "input")
+        if isinstance(output, (list, tuple)):
+            if len(output) != self._world:
+                raise ShapeError(f"{what}: output list has {len(output)} tensors, expected world_size={self._world}")
+            for i, o in enumerate(output):
+                o = self._check_tensor(o, what, f"output[{i}]")
+                if o.shape != x.shape or o.dtype != x.dtype:
+                    raise ShapeError(
+                        f"{what}: output[{i}] is {tuple(o.shape)} {o.dtype}, input is {tuple(x.shape)} {x.dtype}"
+                    )
+            return list(output), x
+        out = self._check_tensor(output, what, "output")
+        self._check_world_multiple(out, "output", x, "input", what, "")
+        return out, x
+
+    def _check_reduce_scatter(self, output: object, input: object, op: object,
+                              what: str) -> tuple[torch.Tensor, torch.Tensor, str]:  # fmt: skip
+        op = self._check_op(op, what)
+        x = self._check_tensor(input, what, "input", reduce=True, op=op)
+        out = self._check_tensor(output, what, "output", reduce=True, op=op)
+        self._check_world_multiple(x, "input", out, "output", what, "; pad the input to a multiple of the world size")
+        return out, x, op
+
+    def _check_all_to_all(self, output: object, input: object, output_splits, input_splits, what: str) -> tuple:
+        """(output, input, output splits, input splits), checked; a split list is None for even splits."""
+        x = self._check_tensor(input, what, "input")
+        out = self._check_tensor(output, what, "output")
+        if out.dtype != x.dtype:
+            raise DTypeError(f"{what}: output is {out.dtype}, input is {x.dtype}; they must match")
+        if out.dim() == 0 or x.dim() == 0 or out.shape[1:] != x.shape[1:]:
+            raise ShapeError(
+                f"{what}: input {tuple(x.shape)} and output {tuple(out.shape)} must be at least 1-D with the "
+                "same shape after dim 0 (rows are exchanged)"
+            )
+        ins = self._splits(input_splits, x.shape[0], what, "input")
+        outs = self._splits(output_splits, out.shape[0], what, "output")
+        _no_overlap(out, x, what, "output", "input")
+        return out, x, outs, ins
+
+    def _check_world_multiple(self, big: torch.Tensor, nbig: str, small: torch.Tensor, nsmall: str, what: str,
+                              hint: str) -> None:  # fmt: skip
+        """``big`` holds world_size times ``small``'s elements, same dtype, no shared memory."""
+        if big.dtype != small.dtype:
+            raise DTypeError(f"{what}: {nbig} is {big.dtype}, {nsmall} is {small.dtype}; they must match")
+        if big.numel() != self._world * small.numel():
+            raise ShapeError(
+                f"{what}: {nbig} has {big.numel()} elements, expected world_size * {nsmall} = {self._world} * "
+                f"{small.numel()} = {self._world * small.numel()}{hint}"
+            )
+        _no_overlap(big, small, what, nbig, nsmall)
+
+    def _splits(self, splits: Sequence[int] | None, rows: int, what: str, name: str) -> list[int] | None:
+        if splits is None:
+            if rows % self._world:
+                raise ShapeError(
+                    f"{what}: {name} has {rows} rows, not divisible by world_size={self._world}; pass "
+                    f"{name}_splits for uneven splits"
+                )
+            return None
+        s = list(splits)
+        if len(s) != self._world or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in s):
+            raise InvalidArgumentError(f"{what}: {name}_splits must be {self._world} ints >= 0, got {splits!r}")
+        if sum(s) != rows:
+            raise ShapeError(f"{what}: {name}_splits sum to {sum(s)}, {name} has {rows} rows")
+        return s
+
+    def _split_members(self, groups: object, what: str = "split") -> list[int]:
+        """The ranks of the group (of ``groups``, checked to be disjoint rank lists) holding this rank."""
+        if not isinstance(groups, (list, tuple)) or not groups:
+            raise ArgumentTypeError(f"{what}: groups must be a non-empty list of rank lists, got {groups!r}")
+        seen: set[int] = set()
+        mine = None
+        for g in groups:
+            if not isinstance(g, (list, tuple, range)) or not g:
+                raise ArgumentTypeError(f"{what}: each group must be a non-empty list of ranks, got {g!r}")
+            for r in g:
+                if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self._world:
+                    raise InvalidArgumentError(f"{what}: rank {r!r} is not in [0, {self._world})")
+                if r in seen:
+                    raise InvalidArgumentError(f"{what}: rank {r} appears in two groups; groups must be disjoint")
+                seen.add(r)
+            if self._rank in g:
+                mine = list(g)
+        if mine is None:
+            raise InvalidArgumentError(f"{what}: rank {self._rank} is in none of the groups {groups!r}")
+        return mine
+
+
+class TorchCommunicator(CommunicatorBase):
     """A :class:`Communicator` over a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
 
     ``group`` is any process group (``None``: the default one; subgroups from ``dist.new_group`` work,
@@ -312,8 +487,7 @@ class TorchCommunicator:
     aborts the communicator).
     """
 
-    __slots__ = ("_backend", "_check", "_device", "_group", "_pg", "_rank", "_ranks", "_seq", "_wait_timeout",
-                 "_world")  # fmt: skip
+    __slots__ = ("_check", "_group", "_pg", "_seq", "_wait_timeout")
 
     def __init__(
         self,
@@ -343,6 +517,7 @@ class TorchCommunicator:
         self._world = dist.get_world_size(group)
         self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self._world))
         self._backend = str(dist.get_backend(group)).lower()
+        self._reduce_dtypes = _NCCL_REDUCE if "nccl" in self._backend else _GLOO_REDUCE
         if "nccl" in self._backend:
             self._device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -354,86 +529,13 @@ class TorchCommunicator:
         self._check = bool(check_consistency)
         self._seq = 0
 
-    # -- properties --------------------------------------------------------------------------------------
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def backend(self) -> str:
-        return self._backend
-
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The wrapped process group (``None``: the default group)."""
         return self._group
 
-    @property
-    def global_ranks(self) -> list[int]:
-        """Global (default-group) rank of each rank of this communicator."""
-        return list(self._ranks)
-
     def __repr__(self) -> str:
         return f"TorchCommunicator(rank={self._rank}, world_size={self._world}, backend={self._backend!r})"
-
-    # -- validation ----------------------------------------------------------------------------------------
-
-    def _check_tensor(self, t: object, what: str, name: str, *, reduce: bool = False, op: str = "sum") -> torch.Tensor:
-        if (
-            t.__class__ is torch.Tensor and t.is_cpu and self._device.type == "cpu" and t.is_contiguous()
-            and (not reduce or (t.dtype in _GLOO_REDUCE and op != "avg"))
-        ):  # fmt: skip
-            return t  # the common case on gloo, in a few attribute reads (each collective of a DDP hook)
-        t = _tensor(t, what, name)
-        dev = self._device
-        if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
-            raise DeviceMismatchError(
-                f"{what}: {name} is on {t.device}, this {self._backend} communicator moves tensors on {dev}; "
-                f"move it with .to('{dev}')"
-            )
-        if not t.is_contiguous():
-            raise ShapeError(f"{what}: {name} (shape {tuple(t.shape)}) is not contiguous; pass .contiguous()")
-        if reduce:
-            allowed = _NCCL_REDUCE if "nccl" in self._backend else _GLOO_REDUCE
-            if t.dtype not in allowed:
-                raise DTypeError(
-                    f"{what}: {self._backend} cannot reduce {t.dtype}; use one of "
-                    f"{sorted(str(d).replace('torch.', '') for d in allowed)}"
-                )
-            if op == "avg" and not (t.is_floating_point() or t.is_complex()):
-                raise DTypeError(f"{what}: op='avg' needs a floating-point tensor, {name} is {t.dtype}")
-        return t
-
-    def _check_op(self, op: object, what: str) -> str:
-        if op.__class__ is str and op == "sum":
-            return op
-        if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
-            raise InvalidArgumentError(f"{what}: op must be one of {REDUCE_OPS}, got {op!r}")
-        return op.lower()
-
-    def _check_peer(self, peer: object, what: str, name: str) -> int:
-        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self._world:
-            raise InvalidArgumentError(f"{what}: {name} must be a rank in [0, {self._world}), got {peer!r}")
-        if peer == self._rank and name != "src":
-            raise InvalidArgumentError(f"{what}: {name}={peer} is this rank; a rank cannot send to itself")
-        return peer
-
-    def _failure(self, what: str, e: BaseException) -> CollectiveError:
-        return CollectiveError(
-            f"{what} failed on rank {self._rank} of {self._world} ({self._backend}, global ranks "
-            f"{self._ranks}): {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
-            "A peer most likely exited, raised before joining this collective, or issued a different one; "
-            "look at the other ranks' errors"
-        )
 
     def _torch_op(self, op: str):
         R = dist.ReduceOp
@@ -499,33 +601,18 @@ class TorchCommunicator:
         self, output: torch.Tensor | list[torch.Tensor], input: torch.Tensor, *, async_op: bool = False
     ) -> Handle | None:
         what = "all_gather"
-        x = self._check_tensor(input, what, "input")
-        if isinstance(output, (list, tuple)):
-            if len(output) != self._world:
-                raise ShapeError(f"{what}: output list has {len(output)} tensors, expected world_size={self._world}")
-            for i, o in enumerate(output):
-                o = self._check_tensor(o, what, f"output[{i}]")
-                if o.shape != x.shape or o.dtype != x.dtype:
-                    raise ShapeError(
-                        f"{what}: output[{i}] is {tuple(o.shape)} {o.dtype}, input is {tuple(x.shape)} {x.dtype}"
-                    )
-            self._consistent(what, x.numel(), x.dtype)
-            outs = list(output)
-            return self._run(what, lambda: dist.all_gather(outs, x, group=self._group, async_op=True), None, async_op,
-                             nbytes=x.nbytes)  # fmt: skip
-        out = self._check_tensor(output, what, "output")
-        self._check_world_multiple(out, "output", x, "input", what, "")
+        out, x = self._check_all_gather(output, input, what)
         self._consistent(what, x.numel(), x.dtype)
+        if isinstance(out, list):
+            return self._run(what, lambda: dist.all_gather(out, x, group=self._group, async_op=True), None, async_op,
+                             nbytes=x.nbytes)  # fmt: skip
         return self._run(what, lambda: _all_gather_single(out, x, self._group), None, async_op, nbytes=x.nbytes)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, async_op: bool = False
     ) -> Handle | None:
         what = "reduce_scatter"
-        op = self._check_op(op, what)
-        x = self._check_tensor(input, what, "input", reduce=True, op=op)
-        out = self._check_tensor(output, what, "output", reduce=True, op=op)
-        self._check_world_multiple(x, "input", out, "output", what, "; pad the input to a multiple of the world size")
+        out, x, op = self._check_reduce_scatter(output, input, op, what)
         self._consistent(what, out.numel(), out.dtype)
         then = (lambda: out.div_(self._world)) if op == "avg" else None
         rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -553,18 +640,7 @@ class TorchCommunicator:
         async_op: bool = False,
     ) -> Handle | None:
         what = "all_to_all"
-        x = self._check_tensor(input, what, "input")
-        out = self._check_tensor(output, what, "output")
-        if out.dtype != x.dtype:
-            raise DTypeError(f"{what}: output is {out.dtype}, input is {x.dtype}; they must match")
-        if out.dim() == 0 or x.dim() == 0 or out.shape[1:] != x.shape[1:]:
-            raise ShapeError(
-                f"{what}: input {tuple(x.shape)} and output {tuple(out.shape)} must be at least 1-D with the "
-                "same shape after dim 0 (rows are exchanged)"
-            )
-        ins = self._splits(input_splits, x.shape[0], what, "input")
-        outs = self._splits(output_splits, out.shape[0], what, "output")
-        _no_overlap(out, x, what, "output", "input")
+        out, x, outs, ins = self._check_all_to_all(output, input, output_splits, input_splits, what)
         self._consistent(what, x.numel() // max(1, x.shape[0]), x.dtype)
         return self._run(
             what,
@@ -573,33 +649,6 @@ class TorchCommunicator:
             async_op,
             nbytes=x.nbytes,
         )
-
-    def _check_world_multiple(self, big: torch.Tensor, nbig: str, small: torch.Tensor, nsmall: str, what: str,
-                              hint: str) -> None:  # fmt: skip
-        """``big`` holds world_size times ``small``'s elements, same dtype, no shared memory."""
-        if big.dtype != small.dtype:
-            raise DTypeError(f"{what}: {nbig} is {big.dtype}, {nsmall} is {small.dtype}; they must match")
-        if big.numel() != self._world * small.numel():
-            raise ShapeError(
-                f"{what}: {nbig} has {big.numel()} elements, expected world_size * {nsmall} = {self._world} * "
-                f"{small.numel()} = {self._world * small.numel()}{hint}"
-            )
-        _no_overlap(big, small, what, nbig, nsmall)
-
-    def _splits(self, splits: Sequence[int] | None, rows: int, what: str, name: str) -> list[int] | None:
-        if splits is None:
-            if rows % self._world:
-                raise ShapeError(
-                    f"{what}: {name} has {rows} rows, not divisible by world_size={self._world}; pass "
-                    f"{name}_splits for uneven splits"
-                )
-            return None
-        s = list(splits)
-        if len(s) != self._world or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in s):
-            raise InvalidArgumentError(f"{what}: {name}_splits must be {self._world} ints >= 0, got {splits!r}")
-        if sum(s) != rows:
-            raise ShapeError(f"{what}: {name}_splits sum to {sum(s)}, {name} has {rows} rows")
-        return s
 
     def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = False) -> Handle | None:
         what = "send"
@@ -625,23 +674,7 @@ class TorchCommunicator:
         """The communicator of the group holding this rank. ``groups`` partitions (or covers part of) this
         communicator's ranks; every member of the returned group must call with the same groups."""
         what = "split"
-        if not isinstance(groups, (list, tuple)) or not groups:
-            raise ArgumentTypeError(f"{what}: groups must be a non-empty list of rank lists, got {groups!r}")
-        seen: set[int] = set()
-        mine = None
-        for g in groups:
-            if not isinstance(g, (list, tuple, range)) or not g:
-                raise ArgumentTypeError(f"{what}: each group must be a non-empty list of ranks, got {g!r}")
-            for r in g:
-                if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self._world:
-                    raise InvalidArgumentError(f"{what}: rank {r!r} is not in [0, {self._world})")
-                if r in seen:
-                    raise InvalidArgumentError(f"{what}: rank {r} appears in two groups; groups must be disjoint")
-                seen.add(r)
-            if self._rank in g:
-                mine = list(g)
-        if mine is None:
-            raise InvalidArgumentError(f"{what}: rank {self._rank} is in none of the groups {groups!r}")
+        mine = self._split_members(groups, what)
         global_ranks = sorted(self._ranks[r] for r in mine)
         timeout = None if self._wait_timeout is None else self._wait_timeout.total_seconds()
         try:

@@ -1,0 +1,82 @@
+"""Out-of-band exchange of connection data through a ``torch.distributed`` store.
+
+Transports that are not a torch process group (NCCL through CuPy, RDMA through pyverbs) still need to
+agree on something before their first byte moves: NCCL's 128-byte unique id, RDMA's queue pair numbers,
+PSNs, GIDs, LIDs, addresses and keys. They exchange it through a store: the default process group's
+(``torchrun``'s TCP store), or any ``TCPStore``/``FileStore`` the caller gives. Each communicator gets a
+namespace of its own (``namespace``), so two communicators of the same ranks never read each other's
+keys, and every wait on the store is bounded by a timeout that ends in ``CollectiveTimeoutError``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable, Sequence
+
+import torch.distributed as dist
+
+from ..errors import ArgumentTypeError, CollectiveTimeoutError, InvalidArgumentError
+
+__all__ = ["all_gather_bytes", "broadcast_bytes", "default_store", "namespace"]
+
+_counters: dict[tuple, int] = {}
+_lock = threading.Lock()
+
+
+def default_store(what: str) -> dist.Store:
+    """The store of the default process group (what ``init_process_group``/torchrun set up)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidArgumentError(
+            f"{what}: no store given and torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group(...) first, or pass store=, rank= and world_size="
+        )
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def namespace(store: object, kind: str, ranks: Sequence[int], what: str) -> dist.PrefixStore:
+    """A prefix of ``store`` private to the ``n``-th communicator of ``kind`` over ``ranks`` made by this
+    process. Every member makes its communicators of those ranks in the same order (as with
+    ``dist.new_group``), so the members agree on ``n`` without talking."""
+    if not isinstance(store, dist.Store):
+        raise ArgumentTypeError(f"{what}: store must be a torch.distributed Store, got {type(store).__name__}")
+    key = (kind, tuple(ranks))
+    with _lock:
+        n = _counters.get(key, 0)
+        _counters[key] = n + 1
+    return dist.PrefixStore(f"torsh/{kind}/{','.join(map(str, ranks))}/{n}/", store)
+
+
+def _get(store: dist.Store, keys: list[str], timeout: float, what: str) -> list[bytes]:
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+        return [store.get(k) for k in keys]
+    except Exception as e:  # DistStoreError (a RuntimeError) on timeout or a store gone
+        raise CollectiveTimeoutError(
+            f"{what}: waited {timeout:g} s on the store for {keys[:4]}{'...' if len(keys) > 4 else ''} "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); a peer did not "
+            "publish its connection data: it exited, failed before connecting, or is not creating this communicator"
+        ) from e
+
+
+def broadcast_bytes(store: dist.Store, rank: int, root: int, make: Callable[[], bytes], *, timeout: float,
+                    what: str, key: str = "root") -> bytes:  # fmt: skip
+    """``make()`` on ``root``, published under ``key``; every rank returns those bytes."""
+    if rank == root:
+        value = make()
+        if not isinstance(value, (bytes, bytearray)):
+            raise ArgumentTypeError(f"{what}: the value to publish must be bytes, got {type(value).__name__}")
+        store.set(key, bytes(value))
+        return bytes(value)
+    return _get(store, [key], timeout, what)[0]
+
+
+def all_gather_bytes(store: dist.Store, rank: int, world_size: int, payload: bytes, *, timeout: float, what: str,
+                     key: str = "rank") -> list[bytes]:  # fmt: skip
+    """Each rank publishes ``payload`` under ``{key}{rank}``; every rank returns all of them, by rank."""
+    if not isinstance(payload, (bytes, bytearray)):
+        raise ArgumentTypeError(f"{what}: the payload must be bytes, got {type(payload).__name__}")
+    store.set(f"{key}{rank}", bytes(payload))
+    return _get(store, [f"{key}{r}" for r in range(world_size)], timeout, what)

@@ -31,6 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("providers", help="which kernel providers can run here, and why not")
+    from . import doctor
+
+    doctor.add_arguments(
+        sub.add_parser("doctor", help="providers, transports, CUDA/driver/NCCL, RDMA ports, namespaces: what runs "
+                       "here, why not, how to enable it", description=doctor.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    )  # fmt: skip
     from . import demo
 
     demo.add_arguments(
@@ -73,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(providers())
         return 0
+    if args.command == "doctor":
+        return doctor.run(args)
     if args.command == "demo":
         return demo.run(args)
     if args.command == "tune":

@@ -1,12 +1,13 @@
-"""Layer 2: collectives over a :class:`Communicator` (torch.distributed today; CuPy NCCL and RDMA fit the
-same protocol), hierarchical all-reduce, and the alpha-beta cost of plain collectives. Nothing here
+"""Layer 2: collectives over a :class:`Communicator` (torch.distributed, NCCL through CuPy, RDMA through
+pyverbs; :func:`make_communicator` picks one), hierarchical all-reduce, and the alpha-beta cost of plain
+collectives. Nothing here
 knows of compressors: the compressed all-reduce and its planner live one layer up, in
 :mod:`torsh_kernels.compression`."""
 
 from __future__ import annotations
 
 from .coalesce import Coalescer
-from .communicator import REDUCE_OPS, Communicator, Handle, TorchCommunicator, as_communicator
+from .communicator import REDUCE_OPS, Communicator, CommunicatorBase, Handle, TorchCommunicator, as_communicator
 from .cost_model import (
     Link,
     Round,
@@ -18,29 +19,38 @@ from .cost_model import (
     probe_topology,
     rounds_time,
 )
+from .cupy_nccl import CupyNcclCommunicator
 from .hierarchical import hierarchical_all_reduce, node_groups
 from .launch import init_from_env, run_local
+from .rdma import RdmaCommunicator
+from .transports import TransportStatus, make_communicator, transports
 
 __all__ = [
     "REDUCE_OPS",
     "Coalescer",
     "Communicator",
+    "CommunicatorBase",
+    "CupyNcclCommunicator",
     "Handle",
     "Link",
+    "RdmaCommunicator",
     "Round",
     "Topology",
     "TorchCommunicator",
+    "TransportStatus",
     "all_gather_time",
     "all_reduce_time",
     "all_to_all_time",
     "as_communicator",
     "hierarchical_all_reduce",
     "init_from_env",
+    "make_communicator",
     "node_groups",
     "probe",
     "probe_topology",
     "rounds_time",
     "run_local",
+    "transports",
 ]
 
 _MOVED = {

@@ -1,0 +1,133 @@
+"""What this machine can run, and for each thing it cannot, why and the command that would enable it.
+
+Sections: the software (Python, torch, its CUDA build, the GPU driver and NCCL), the kernel providers
+(triton, numba, cpu, torch) on CUDA and CPU tensors, the transports (torch.distributed, NCCL through
+CuPy, RDMA through pyverbs), the RDMA devices and ports the kernel exposes, and whether network
+namespaces (the two emulated hosts of ``benchmarks/emulated_hosts.sh``) can be made. Nothing is
+initialised or connected; the exit status is 0 whatever is missing.
+
+torsh doctor [--json [PATH]]     (--json alone: JSON on stdout)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _driver() -> tuple[str | None, str]:
+    """(the NVIDIA driver version, where it came from or why there is none)."""
+    p = Path("/proc/driver/nvidia/version")
+    if p.exists():
+        first = p.read_text().splitlines()[0] if p.read_text() else ""
+        for tok in first.split():
+            if tok[:1].isdigit() and "." in tok:
+                return tok, str(p)
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)  # fmt: skip
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0], "nvidia-smi"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None, "no NVIDIA driver (no /proc/driver/nvidia/version, no nvidia-smi)"
+
+
+def collect() -> dict:
+    """Everything the report shows, as plain data."""
+    import torch
+
+    from .. import __version__, providers
+    from ..collectives.rdma import sysfs_devices
+    from ..collectives.transports import namespaces_supported, transports
+
+    driver, driver_src = _driver()
+    gpus = []
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    nccl = None
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        v = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    software = {
+        "torsh_kernels": __version__, "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "torch_cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+        "gpus": gpus, "driver": driver, "driver_source": driver_src, "torch_nccl": nccl,
+    }  # fmt: skip
+    provs = []
+    for p in providers().values():
+        provs.append({"name": p.name, "version": p.version, "mode": p.mode, "cuda": p.cuda, "cpu": p.cpu,
+                      "available": p.available})  # fmt: skip
+    ok, why = namespaces_supported()
+    return {
+        "software": software,
+        "providers": provs,
+        "transports": [t.as_dict() for t in transports()],
+        "rdma_ports": sysfs_devices(),
+        "network_namespaces": {"available": ok, "detail": why},
+    }
+
+
+def print_report(d: dict) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    con = Console(width=max(100, Console().width))
+    s = d["software"]
+    con.print(f"[bold]torsh-kernels {s['torsh_kernels']}[/] on Python {s['python']}, {s['platform']}")
+    con.print(f"torch {s['torch']} (CUDA build: {s['torch_cuda_build'] or 'none, CPU only'}); GPUs: "
+              f"{', '.join(s['gpus']) or 'none'}; driver: {s['driver'] or s['driver_source']}; torch's NCCL: "
+              f"{s['torch_nccl'] or 'n/a'}")  # fmt: skip
+    t = Table(title="kernel providers", title_justify="left")
+    for col in ("provider", "version", "CUDA tensors", "CPU tensors", "mode"):
+        t.add_column(col, overflow="fold")
+    for p in d["providers"]:
+        t.add_row(p["name"], p["version"] or "not installed",
+                  escape("yes" if p["cuda"] is None else f"no: {p['cuda']}"),
+                  escape("yes" if p["cpu"] is None else f"no: {p['cpu']}"), escape(p["mode"]))  # fmt: skip
+    con.print(t)
+    t = Table(title="transports", title_justify="left")
+    for col in ("transport", "available", "what was found / why not", "to enable"):
+        t.add_column(col, overflow="fold")
+    for tr in d["transports"]:
+        t.add_row(tr["name"], "yes" if tr["available"] else "no", escape(tr["detail"]), escape(tr["fix"] or "-"))
+    con.print(t)
+    if d["rdma_ports"]:
+        t = Table(title="RDMA ports (/sys/class/infiniband)", title_justify="left")
+        for col in ("device", "port", "state", "physical", "link layer", "rate"):
+            t.add_column(col)
+        for p in d["rdma_ports"]:
+            t.add_row(p["device"], str(p["port"]), p["state"], p["phys_state"], p["link_layer"], p["rate"])
+        con.print(t)
+    else:
+        con.print("RDMA ports: none (/sys/class/infiniband lists no device)")
+    ns = d["network_namespaces"]
+    con.print(f"network namespaces (emulated hosts): {'yes' if ns['available'] else 'no'}: {escape(ns['detail'])}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the report as JSON to PATH (stdout when no PATH is given)")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    d = collect()
+    if args.json == "-":
+        print(json.dumps(d, indent=1))
+        return 0
+    print_report(d)
+    if args.json:
+        path = Path(args.json)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(d, indent=1) + "\n")
+        except OSError as e:
+            print(f"torsh doctor: cannot write {path}: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {path}")
+    return 0

@@ -28,7 +28,7 @@ from torsh_kernels.errors import (
 SIZES = (1, 7, 1001)
 
 
-def data(case: int, rank: int, shape, dtype=torch.float32) -> torch.Tensor:
+def _data(case: int, rank: int, shape, dtype=torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(case * 7919 + rank)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=g).to(dtype)
@@ -40,7 +40,13 @@ def _close(a, b, msg=""):
 
 
 def _collectives_worker(comm: TorchCommunicator, seed: int) -> int:
-    ws, me = comm.world_size, comm.rank
+    """Every collective against its single-process reference, on the communicator's device (so the same
+    worker runs any transport: tests/collectives/test_cupy_nccl_gpu.py runs it on NCCL through CuPy)."""
+    ws, me, dev = comm.world_size, comm.rank, comm.device
+
+    def data(case, rank, shape, dtype=torch.float32):
+        return _data(case, rank, shape, dtype).to(dev)
+
     checks = 0
     case = seed
     # all_reduce: every op, float and int, odd sizes, sync and async
@@ -74,10 +80,10 @@ def _collectives_worker(comm: TorchCommunicator, seed: int) -> int:
     for n in SIZES:
         case += 1
         xs = [data(case, r, (n, 3)) for r in range(ws)]
-        out = torch.full((ws * n, 3), float("nan"))
+        out = torch.full((ws * n, 3), float("nan"), device=dev)
         comm.all_gather(out, xs[me])
         _close(out, torch.cat(xs), "all_gather tensor")
-        outs = [torch.full((n, 3), float("nan")) for _ in range(ws)]
+        outs = [torch.full((n, 3), float("nan"), device=dev) for _ in range(ws)]
         comm.all_gather(outs, xs[me], async_op=True).wait()
         for r in range(ws):
             _close(outs[r], xs[r], "all_gather list")
@@ -87,7 +93,7 @@ def _collectives_worker(comm: TorchCommunicator, seed: int) -> int:
         for op in ("sum", "max", "avg"):
             case += 1
             xs = [data(case, r, (ws * n,)) for r in range(ws)]
-            out = torch.full((n,), float("nan"))
+            out = torch.full((n,), float("nan"), device=dev)
             comm.reduce_scatter(out, xs[me], op)
             stack = torch.stack(xs)
             full = {"sum": stack.sum(0), "max": stack.amax(0), "avg": stack.double().mean(0).float()}[op]
@@ -97,7 +103,7 @@ def _collectives_worker(comm: TorchCommunicator, seed: int) -> int:
     for src in range(ws):
         case += 1
         x = data(case, src, (1001,))
-        t = x.clone() if me == src else torch.full((1001,), float("nan"))
+        t = x.clone() if me == src else torch.full((1001,), float("nan"), device=dev)
         comm.broadcast(t, src)
         _close(t, x, "broadcast")
         checks += 1
@@ -107,29 +113,30 @@ def _collectives_worker(comm: TorchCommunicator, seed: int) -> int:
     splits = torch.randint(0, 5, (ws, ws), generator=g)  # splits[s, d]: rows s sends to d
     splits[0, ws - 1] = 0
     xs = [data(case, s, (int(splits[s].sum()), 2)) for s in range(ws)]
-    out = torch.full((int(splits[:, me].sum()), 2), float("nan"))
+    out = torch.full((int(splits[:, me].sum()), 2), float("nan"), device=dev)
     comm.all_to_all(out, xs[me], splits[:, me].tolist(), splits[me].tolist())
     parts = [xs[s][int(splits[s, :me].sum()) : int(splits[s, : me + 1].sum())] for s in range(ws)]
     _close(out, torch.cat(parts), "all_to_all uneven")
     case += 1
     xs = [data(case, s, (ws * 3,)) for s in range(ws)]
-    out = torch.empty(ws * 3)
+    out = torch.empty(ws * 3, device=dev)
     comm.all_to_all(out, xs[me], async_op=True).wait()
     _close(out, torch.cat([xs[s][me * 3 : me * 3 + 3] for s in range(ws)]), "all_to_all even")
     checks += 2
-    # send / recv around the ring, async sends
+    # send / recv around the ring, async sends (no peer at world size 1)
     case += 1
-    nxt, prv = (me + 1) % ws, (me - 1) % ws
-    x = data(case, me, (1001,))
-    got = torch.full((1001,), float("nan"))
-    h = comm.send(x, nxt, async_op=True)
-    comm.recv(got, prv)
-    h.wait()
-    _close(got, data(case, prv, (1001,)), "send/recv")
+    if ws > 1:
+        nxt, prv = (me + 1) % ws, (me - 1) % ws
+        x = data(case, me, (1001,))
+        got = torch.full((1001,), float("nan"), device=dev)
+        h = comm.send(x, nxt, async_op=True)
+        comm.recv(got, prv)
+        h.wait()
+        _close(got, data(case, prv, (1001,)), "send/recv")
+        checks += 1
     comm.barrier()
-    checks += 1
     # subgroups: split into evens and odds, all-reduce inside each
-    groups = [list(range(0, ws, 2)), list(range(1, ws, 2))]
+    groups = [g for g in (list(range(0, ws, 2)), list(range(1, ws, 2))) if g]
     sub = comm.split(groups)
     mine = groups[me % 2]
     assert sub.world_size == len(mine) and sub.rank == mine.index(me)
@@ -140,7 +147,7 @@ def _collectives_worker(comm: TorchCommunicator, seed: int) -> int:
     _close(t, sum(data(case, r, (1001,)) for r in mine), "subgroup all_reduce")
     if sub.world_size > 1:
         x = data(case, me, (5,))
-        got = torch.empty(5)
+        got = torch.empty(5, device=dev)
         peer = (sub.rank + 1) % sub.world_size
         h = sub.send(x, peer, async_op=True)
         sub.recv(got, (sub.rank - 1) % sub.world_size)
@@ -150,10 +157,11 @@ def _collectives_worker(comm: TorchCommunicator, seed: int) -> int:
     return checks
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_collectives_match_single_process_reference(world_size):
     counts = run_local(_collectives_worker, world_size, 1000 + world_size, op_timeout=60)
-    assert counts == [61 + world_size] * world_size  # every check ran on every rank
+    # every check ran on every rank (world size 1 has no peer to send to)
+    assert counts == [61 + world_size - (world_size == 1)] * world_size
 
 
 def _validation_worker(comm: TorchCommunicator) -> list[str]:

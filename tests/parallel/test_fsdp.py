@@ -556,3 +556,68 @@ def test_hsdp_replica_all_reduce_compressed_through_the_hook():
         assert h["ag_calls"] == [(8, 4)] * 3
         assert out["errs"] == ["InvalidArgumentError", "ArgumentTypeError", "ArgumentTypeError",
                                "InvalidArgumentError", "InvalidArgumentError"]  # fmt: skip
+
+
+# -- the quantized comms over a torsh Communicator instead of FSDP2's group ---------------------------------------
+
+
+def _comm_transport_worker(comm) -> dict:
+    """The payload through a Communicator object (here the gloo TorchCommunicator, through the same
+    generic path CupyNcclCommunicator and RdmaCommunicator take) gives what FSDP2's group gives, bit for
+    bit, sync and async; FSDP2 training with apply_quantized_comm(comm=) matches it step for step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torsh_kernels.collectives import TorchCommunicator
+
+    warnings.simplefilter("ignore", FutureWarning)
+    ws, me = comm.world_size, comm.rank
+    group = dist.group.WORLD
+    c = TorchCommunicator()
+    out = {}
+    n = 301
+    for via in (None, c):
+        ag = QuantizedAllGather(bits=8, block=64, comm=via)
+        o = torch.full((ws * n,), float("nan"))
+        o.narrow(0, me * n, n).copy_(shard(7, me, n))
+        ag(o, o.narrow(0, me * n, n), group)
+        o2 = torch.full((ws * n,), float("nan"))
+        o2.narrow(0, me * n, n).copy_(shard(7, me, n))
+        work = ag(o2, o2.narrow(0, me * n, n), group, async_op=True)
+        assert isinstance(work, dist.Work)
+        work.wait()
+        rs = QuantizedReduceScatter(bits=4, block=8, error_feedback=True, comm=via)
+        r1, r2 = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
+        rs(r1, shard(8, me, ws * n), group, dist.ReduceOp.AVG)
+        rs(r2, shard(9, me, ws * n), group, dist.ReduceOp.AVG, async_op=True).wait()
+        out["group" if via is None else "comm"] = (o, o2, r1, r2, rs.residual.clone())
+    out["same"] = all(torch.equal(a, b) for a, b in zip(out.pop("group"), out.pop("comm")))
+    mesh = init_device_mesh("cpu", (ws,))
+    a, b = _shard(_model(), mesh), _shard(_model(), mesh)
+    apply_quantized_comm(a, weights="int8", grads="int4")
+    apply_quantized_comm(b, weights="int8", grads="int4", comm=c)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.05), torch.optim.SGD(b.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(5 + me)
+    for _ in range(3):
+        x = torch.randn(8, 24, generator=gen)
+        for m, opt in ((a, oa), (b, ob)):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    out["train_same"] = torch.equal(_full(a), _full(b))
+    # a communicator of another size is refused before anything moves (and before the residual changes)
+    other = type("Other", (), {"world_size": ws + 1, "all_gather": None, "all_to_all": None})()
+    rs = QuantizedReduceScatter(comm=other, residual=torch.zeros(2 * ws))
+    out["errs"] = error_names([
+        lambda: QuantizedAllGather(comm="nccl"),
+        lambda: QuantizedReduceScatter(comm=3),
+        lambda: rs(torch.zeros(2), torch.ones(2 * ws), group, dist.ReduceOp.SUM),
+    ])  # fmt: skip
+    out["residual_kept"] = torch.equal(rs.residual, torch.zeros(2 * ws))
+    return out
+
+
+def test_quantized_comms_over_a_given_communicator():
+    for out in run_local(_comm_transport_worker, 2, op_timeout=60):
+        assert out["same"] and out["train_same"]
+        assert out["errs"] == ["ArgumentTypeError", "ArgumentTypeError", "InvalidArgumentError"]
+        assert out["residual_kept"]

@@ -435,3 +435,27 @@ def test_uncompressed_tensors_ride_in_an_all_gather_only_while_cheap(name, ws, b
         assert kinds.count("all_reduce") == (2 if name == "powersgd" else 0) + (not rides)
         torch.testing.assert_close(grads[1], want[1], rtol=1e-6, atol=0)
         grads[1].copy_(want[1])
+
+
+def _given_comm_worker(comm) -> bool:
+    """CompressionHookState given a Communicator object (the generic path CupyNcclCommunicator and
+    RdmaCommunicator take; here gloo's TorchCommunicator) trains exactly as one given the group."""
+    from torsh_kernels.collectives import TorchCommunicator
+
+    grads = []
+    for given in (None, TorchCommunicator()):
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(40, 60), nn.ReLU(), nn.Linear(60, 3)))
+        model.register_comm_hook(CompressionHookState(given, TopK(0.1), min_numel=0), compression_hook)
+        gen = torch.Generator().manual_seed(comm.rank)
+        for _ in range(3):
+            model.zero_grad()
+            model(torch.randn(8, 40, generator=gen)).square().mean().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    with pytest.raises(InvalidArgumentError):
+        CompressionHookState(TorchCommunicator(), mesh_dim="dp")
+    return torch.equal(grads[0], grads[1])
+
+
+def test_hook_over_a_given_communicator():
+    assert run_local(_given_comm_worker, 2, op_timeout=60) == [True, True]

@@ -118,6 +118,52 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool):
     return dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)  # pragma: no cover - older torch
 
 
+class _Transport:
+    """Where a quantized comm's payload travels: FSDP2's process group (``comm`` None), or a torsh
+    Communicator of the same ranks (NCCL through CuPy, RDMA, from ``make_communicator``)."""
+
+    comm = None
+
+    def _set_comm(self, comm: object, what: str) -> None:
+        if comm is not None and not all(hasattr(comm, m) for m in ("all_gather", "all_to_all", "world_size")):
+            raise ArgumentTypeError(
+                f"{what}: comm must be a torsh Communicator (CupyNcclCommunicator, RdmaCommunicator, ...) or None, "
+                f"got {type(comm).__name__}"
+            )
+        self.comm = comm
+
+    def _check_ranks(self, group, what: str) -> None:
+        ws = dist.get_world_size(group)
+        if self.comm is not None and self.comm.world_size != ws:
+            raise InvalidArgumentError(
+                f"{what}: comm has {self.comm.world_size} ranks, FSDP2's group {ws}; pass a communicator over the "
+                "ranks FSDP2 shards over (the shard mesh dimension)"
+            )
+
+    def _wire_all_gather(self, recv: torch.Tensor, send: torch.Tensor, group, async_op: bool):
+        if self.comm is None:
+            return _all_gather(recv, send, group, async_op)
+        return _as_work(self.comm.all_gather(recv, send, async_op=async_op), async_op)
+
+    def _wire_all_to_all(self, recv: torch.Tensor, send: torch.Tensor, group, async_op: bool):
+        if self.comm is None:
+            return dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+        return _as_work(self.comm.all_to_all(recv, send, async_op=async_op), async_op)
+
+
+def _as_work(handle, async_op: bool):
+    """A torsh handle as the ``dist.Work`` FSDP2 expects (None for a blocking call)."""
+    if not async_op:
+        return None
+    get = getattr(handle, "future", None)
+    fut = get() if get is not None else None
+    if fut is None:
+        handle.wait()
+        fut = torch.futures.Future()
+        fut.set_result(None)
+    return torch._C._distributed_c10d._create_work_from_future(fut)
+
+
 def _flat(t: object, what: str, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -133,17 +179,22 @@ class _Allocate:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class QuantizedAllGather(_Allocate, _AllGather):
+class QuantizedAllGather(_Allocate, _Transport, _AllGather):
     """FSDP2's all-gather with blockwise int8 (or int4) weights; see the module docstring.
 
     ``shard_group_size``: the size of the group FSDP2 shards over (:func:`apply_quantized_comm` sets it).
     All-gathers over a smaller group are FSDP2's post-forward ones under ``reshard_after_forward=<int>``
     (ZeRO++'s hpZ: the backward all-gather within a node): those move the forward's weights, already
     dequantized, as they are, so backward computes with exactly the weights forward used, and the fast
-    intra-node link carries them in full precision, as hpZ does. None: quantize every all-gather."""
+    intra-node link carries them in full precision, as hpZ does. None: quantize every all-gather.
 
-    def __init__(self, bits: int = 8, block: int = 256, *, shard_group_size: int | None = None) -> None:
+    ``comm``: a torsh Communicator over FSDP2's shard ranks to carry the quantized payload instead of
+    FSDP2's process group (``make_communicator("cupy-nccl")``, ...); None: FSDP2's group."""
+
+    def __init__(self, bits: int = 8, block: int = 256, *, shard_group_size: int | None = None,
+                 comm: object = None) -> None:  # fmt: skip
         _check(bits, block, "QuantizedAllGather", (8, 4))
+        self._set_comm(comm, "QuantizedAllGather")
         if shard_group_size is not None and (
             isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1
         ):
@@ -178,6 +229,7 @@ class QuantizedAllGather(_Allocate, _AllGather):
             self.plain_calls += 1
             self.bytes_sent += (ws - 1) * x.nbytes
             return _all_gather(out, x, group, async_op)
+        self._check_ranks(group, what)
         w = _Wire(n, self.bits, self.block)
         send = torch.empty(w.total, dtype=torch.uint8, device=x.device)
         w.encode(x, send)  # before anything overwrites x (FSDP2's input is a view of the output)
@@ -190,10 +242,10 @@ class QuantizedAllGather(_Allocate, _AllGather):
                 w.decode(recv[r * w.total : (r + 1) * w.total], rows[r])
 
         if not async_op:
-            _all_gather(recv, send, group, False)
+            self._wire_all_gather(recv, send, group, False)
             decode()
             return None
-        work = _all_gather(recv, send, group, True)
+        work = self._wire_all_gather(recv, send, group, True)
 
         def done(f: torch.futures.Future) -> None:
             f.value()  # the collective's error, if any
@@ -202,7 +254,7 @@ class QuantizedAllGather(_Allocate, _AllGather):
         return torch._C._distributed_c10d._create_work_from_future(work.get_future().then(done))
 
 
-class QuantizedReduceScatter(_Allocate, _ReduceScatter):
+class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
     """FSDP2's reduce-scatter as quantized chunks through one all-to-all, reduced in fp32, with an
     optional error-feedback residual; see the module docstring.
 
@@ -211,8 +263,9 @@ class QuantizedReduceScatter(_Allocate, _ReduceScatter):
     module buffer it registers, so the residual is checkpointed with the model."""
 
     def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = True, *,
-                 residual: torch.Tensor | None = None) -> None:  # fmt: skip
+                 residual: torch.Tensor | None = None, comm: object = None) -> None:  # fmt: skip
         _check(bits, block, "QuantizedReduceScatter", (8, 4))
+        self._set_comm(comm, "QuantizedReduceScatter")
         if not isinstance(error_feedback, bool):
             raise ArgumentTypeError(
                 f"QuantizedReduceScatter: error_feedback must be a bool, got {type(error_feedback).__name__}"
@@ -249,6 +302,7 @@ class QuantizedReduceScatter(_Allocate, _ReduceScatter):
         out = _flat(output_tensor, what, "output_tensor")
         x = _flat(input_tensor, what, "input_tensor")
         ws = dist.get_world_size(group)
+        self._check_ranks(group, what)
         n = out.numel()
         if x.numel() != ws * n:
             raise InvalidArgumentError(
@@ -295,10 +349,10 @@ class QuantizedReduceScatter(_Allocate, _ReduceScatter):
             out.copy_(total)
 
         if not async_op:
-            dist.all_to_all_single(recv, send, group=group)
+            self._wire_all_to_all(recv, send, group, False)
             reduce()
             return None
-        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        work = self._wire_all_to_all(recv, send, group, True)
 
         def done(f: torch.futures.Future) -> None:
             f.value()  # the collective's error, if any
@@ -496,6 +550,7 @@ def apply_quantized_comm(
     error_feedback: bool = True,
     hsdp_grads: object = None,
     replicate: object = None,
+    comm: object = None,
 ) -> list[Installed]:
     """Install :class:`QuantizedAllGather` (``weights``: "int8", "int4" or None) and
     :class:`QuantizedReduceScatter` (``grads``: "int8", "int4" or None) on every ``FSDPModule`` of
@@ -513,7 +568,10 @@ def apply_quantized_comm(
     native HSDP (``fully_shard`` on the 2-D mesh) all-reduces uncompressed before any hook, so
     ``hsdp_grads`` refuses it with a typed error; the quantized all-gather and reduce-scatter work
     there (over the shard dimension). The compressors' states (error feedback) are not part of the
-    ``state_dict``."""
+    ``state_dict``.
+
+    ``comm``: a torsh Communicator over the ranks FSDP2 shards over, to carry the quantized weights and
+    gradients instead of FSDP2's process group (``make_communicator("cupy-nccl")``, ...); None: FSDP2's."""
     what = "apply_quantized_comm"
     for name, v in (("weights", weights), ("grads", grads)):
         if v is not None and v not in _FORMATS:
@@ -544,11 +602,13 @@ def apply_quantized_comm(
             continue  # e.g. a root that only groups FSDP children: FSDP2 runs no collective for it
         ag = rs = None
         if weights is not None:
-            ag = QuantizedAllGather(bits=_FORMATS[weights], block=block, shard_group_size=_shard_group_size(params))
+            ag = QuantizedAllGather(bits=_FORMATS[weights], block=block, shard_group_size=_shard_group_size(params),
+                                    comm=comm)  # fmt: skip
             m.set_custom_all_gather(ag)
         if grads is not None:
             res = _residual_buffer(m, params) if error_feedback else None
-            rs = QuantizedReduceScatter(bits=_FORMATS[grads], block=block, error_feedback=error_feedback, residual=res)
+            rs = QuantizedReduceScatter(bits=_FORMATS[grads], block=block, error_feedback=error_feedback, residual=res,
+                                        comm=comm)  # fmt: skip
             m.set_custom_reduce_scatter(rs)
         hook = None
         if rep is not None:

@@ -63,7 +63,7 @@ from .. import _trace
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import TorchCommunicator, resolve_group
 from ..compression import Compressor
-from ..errors import ArgumentTypeError
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
 
 if TYPE_CHECKING:
@@ -172,7 +172,10 @@ class CompressionHookState:
 
     Args:
         process_group: the group DDP reduces over (None: the default group), or a ``DeviceMesh`` whose
-            dimension ``mesh_dim`` (a name or index; not needed for a 1-D mesh) gives it.
+            dimension ``mesh_dim`` (a name or index; not needed for a 1-D mesh) gives it, or any
+            :class:`~torsh_kernels.collectives.Communicator` of the same ranks to carry the hook's traffic
+            instead (``CupyNcclCommunicator``, ``RdmaCommunicator``, from ``make_communicator``); it must
+            hold DDP's ranks in DDP's order.
         mesh_dim: see ``process_group``.
         compressor: any :class:`~torsh_kernels.compression.Compressor` (None: uncompressed), or ``"auto"``:
             plain all-reduces for ``start_iter`` iterations (default 2), then the candidate that the
@@ -193,7 +196,7 @@ class CompressionHookState:
         timeout: seconds a collective may take before it fails with ``CollectiveError``.
     """
 
-    __slots__ = ("_comm", "_engine", "_keys", "_pipeline", "_timeout", "_turn", "process_group", "stats")
+    __slots__ = ("_comm", "_engine", "_given", "_keys", "_pipeline", "_timeout", "_turn", "process_group", "stats")
 
     def __init__(
         self,
@@ -209,6 +212,13 @@ class CompressionHookState:
         quantize_mode: str = "auto",
         timeout: float | None = None,
     ) -> None:
+        self._given = None  # a Communicator the caller gave instead of a group
+        if _is_communicator(process_group):
+            if mesh_dim is not None:
+                raise InvalidArgumentError(
+                    "CompressionHookState: mesh_dim applies to a DeviceMesh, not to a communicator"
+                )
+            self._given, process_group = process_group, None
         self.process_group = resolve_group(process_group, mesh_dim, "CompressionHookState")
         self._engine = BucketCompressor(
             compressor,
@@ -255,7 +265,8 @@ class CompressionHookState:
 
     def _communicator(self) -> Coalescer:
         if self._comm is None:
-            self._comm = Coalescer(TorchCommunicator(self.process_group, timeout=self._timeout))
+            inner = self._given or TorchCommunicator(self.process_group, timeout=self._timeout)
+            self._comm = Coalescer(inner)
         return self._comm
 
     def _key(self, p: torch.Tensor) -> int:
@@ -281,6 +292,7 @@ class CompressionHookState:
 
     def __setstate__(self, d: dict) -> None:
         self.process_group = None
+        self._given = None
         self._engine = d["engine"]
         self._timeout = d["timeout"]
         self.stats = d["stats"]
@@ -363,6 +375,14 @@ def _start(state: CompressionHookState, bucket: dist.GradBucket, engine, comm: C
 
         state._pipeline.submit(reductions, done, span)
     return fut
+
+
+def _is_communicator(x: object) -> bool:
+    """A Communicator object (not a group, a mesh, a (mesh, dim) pair or None)."""
+    return (
+        x is not None and not isinstance(x, (dist.ProcessGroup, tuple, str)) and hasattr(x, "all_reduce")
+        and hasattr(x, "world_size") and hasattr(x, "all_gather")
+    )  # fmt: skip
 
 
 def _recorder(buf: torch.Tensor, r, before: int, turn: _Turn, span):

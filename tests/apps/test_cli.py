@@ -98,11 +98,20 @@ def test_bench_collectives_runs_real_ranks_and_writes_json(tmp_path, capsys):
     names = [r["compressor"] for r in data["compressed"]]
     assert names == ["none", "topk", "powersgd"]  # the uncompressed baseline is always measured first
     assert data["link"]["bandwidth_GBps"] > 0
+    # the other transports are columns where they run, and otherwise named with the reason
+    ran = {r["transport"] for r in data["collectives"]}
+    assert "torch" in ran and ran | set(data["transports_skipped"]) == {"torch", "cupy-nccl", "rdma"}
+    for name, why in data["transports_skipped"].items():
+        assert why and f"transport {name}: not run here" in text
+    if not torch.cuda.is_available():
+        assert "cupy-nccl" in data["transports_skipped"]
 
 
 def test_bench_collectives_rejects_bad_arguments(capsys):
     assert main(["bench", "collectives", "--ops", "all_reduce,scan"]) == 2
     assert "unknown op" in capsys.readouterr().err
+    assert main(["bench", "collectives", "--transports", "torch,ucx"]) == 2
+    assert "ucx" in capsys.readouterr().err
     assert main(["bench", "collectives", "--sizes", "1T"]) == 2
 
 
@@ -367,3 +376,21 @@ def test_bench_overhead_times_every_public_op_beside_torch(tmp_path, capsys):
             assert isinstance(r["extra"]["met"], bool) or r["case"].endswith("with grad")
     assert any("2000 x 4 KiB" in r["case"] for r in data["results"])
     assert main(["bench", "overhead", "--calls", "0"]) == 2
+
+
+def test_torsh_doctor_reports_every_transport_with_reasons(tmp_path, capsys):
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    for needle in ("kernel providers", "transports", "torch", "cupy-nccl", "rdma", "network namespaces"):
+        assert needle in text, needle
+    assert main(["doctor", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert {t["name"] for t in d["transports"]} == {"torch", "cupy-nccl", "rdma"}
+    for t in d["transports"]:
+        assert t["detail"] and (t["available"] or t["fix"]), t
+    assert {p["name"] for p in d["providers"]} >= {"triton", "numba", "torch"}
+    assert d["software"]["torch"] == torch.__version__ and isinstance(d["rdma_ports"], list)
+    assert set(d["network_namespaces"]) == {"available", "detail"}
+    out = tmp_path / "sub" / "doctor.json"
+    assert main(["doctor", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["transports"] == d["transports"]

@@ -1,11 +1,13 @@
 """Collectives and compressed all-reduce over real processes, with the cost model's predictions.
 
-Per collective and size: nccl-tests columns (size in bytes, element count, time, algbw = size / time,
-busbw = algbw * the collective's bus factor: 2(n-1)/n for all-reduce, (n-1)/n for all-gather,
-reduce-scatter and all-to-all, 1 for broadcast), and the alpha-beta model's prediction from a
-ping-pong probe of the link made at the start of the same run. Per compressor and size:
-``compressed_all_reduce`` end to end (compression, traffic, decompression), its speedup over the
-uncompressed all-reduce of the same buffer, and the bytes each rank sends.
+Per transport (``--transports``: torch.distributed, NCCL through CuPy, RDMA through pyverbs; those this
+machine cannot run are listed with the reason), collective and size: nccl-tests columns (size in
+bytes, element count, time, algbw = size / time, busbw = algbw * the collective's bus factor: 2(n-1)/n
+for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for broadcast), the time of
+torch's over this transport's ("vs torch", same op and size, same run), and for torch.distributed the
+alpha-beta model's prediction from a ping-pong probe of the link made at the start of the same run.
+Per compressor and size: ``compressed_all_reduce`` end to end (compression, traffic, decompression),
+its speedup over the uncompressed all-reduce of the same buffer, and the bytes each rank sends.
 
 Launch: on its own it spawns ``--world-size`` local ranks (gloo; NCCL where there are enough GPUs).
 Under torchrun, or the two-host helper ``benchmarks/emulated_hosts.sh`` (``RANK``/``WORLD_SIZE`` set),
@@ -28,12 +30,14 @@ from pathlib import Path
 import torch
 
 from ... import compression as cz
-from ...collectives import Link, TorchCommunicator, init_from_env, probe, run_local
+from ...collectives import Link, TorchCommunicator, init_from_env, make_communicator, probe, run_local
 from ...collectives.cost_model import all_gather_time, all_reduce_time, all_to_all_time
 from ...compression import compressed_all_reduce, compressed_time
+from ...errors import TransportUnavailableError
 from . import environment, fmt_bytes, wide_console
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+TRANSPORTS = ("torch", "cupy-nccl", "rdma")
 COMPRESSORS = {
     "none": lambda: None,
     "fp16": lambda: cz.FP16(),
@@ -89,39 +93,72 @@ def _predict(op: str, nbytes: int, p: int, link: Link) -> float:
     return (p - 1) * link.time(nbytes)
 
 
+def _transports(comm: TorchCommunicator, names: list[str]) -> tuple[dict, dict]:
+    """(name -> communicator, name -> why it cannot run here) for the transports asked for."""
+    comms, skipped = {}, {}
+    for name in names:
+        if name == "torch":
+            comms[name] = comm
+            continue
+        try:
+            comms[name] = make_communicator(name, timeout=600)
+        except TransportUnavailableError as e:
+            skipped[name] = f"{e.reason} (to enable: {e.fix})" if e.fix else e.reason
+    return comms, skipped
+
+
+def _op_case(c, op: str, size: int):
+    """(element count, bytes, the timed call) of one collective of about ``size`` bytes over ``c``."""
+    p, dev = c.world_size, c.device
+    count = size // 4
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        count = count // p * p
+    if count == 0:
+        return 0, 0, None
+    x = torch.randn(count, device=dev)
+    if op == "all_reduce":
+        fn = lambda: c.all_reduce(x)
+    elif op == "all_gather":
+        src = x[: count // p].clone()
+        fn = lambda: c.all_gather(x, src)
+    elif op == "reduce_scatter":
+        out = torch.empty(count // p, device=dev)
+        fn = lambda: c.reduce_scatter(out, x)
+    elif op == "broadcast":
+        fn = lambda: c.broadcast(x, 0)
+    else:
+        out = torch.empty_like(x)
+        fn = lambda: c.all_to_all(out, x)
+    return count, 4 * count, fn
+
+
 def _worker(comm: TorchCommunicator, cfg: dict) -> dict:
     p, dev = comm.world_size, comm.device
     reps, warmup = cfg["reps"], cfg["warmup"]
-    link = probe(comm, large_bytes=cfg["probe_bytes"], repeats=5)
+    link = probe(comm, large_bytes=cfg["probe_bytes"], repeats=5) if p > 1 else None
+    comms, skipped = _transports(comm, cfg.get("transports", ["torch"]))
     rows, crow = [], []
-    for op in cfg["ops"]:
-        for size in cfg["sizes"]:
-            count = size // 4
-            if op in ("all_gather", "reduce_scatter", "all_to_all"):
-                count = count // p * p
-            if count == 0:
-                continue
-            nbytes = 4 * count
-            x = torch.randn(count, device=dev)
-            if op == "all_reduce":
-                fn = lambda x=x: comm.all_reduce(x)
-            elif op == "all_gather":
-                src = x[: count // p].clone()
-                fn = lambda src=src, x=x: comm.all_gather(x, src)
-            elif op == "reduce_scatter":
-                out = torch.empty(count // p, device=dev)
-                fn = lambda out=out, x=x: comm.reduce_scatter(out, x)
-            elif op == "broadcast":
-                fn = lambda x=x: comm.broadcast(x, 0)
-            else:
-                out = torch.empty_like(x)
-                fn = lambda out=out, x=x: comm.all_to_all(out, x)
-            t = _timed(comm, fn, reps, warmup)
-            algbw = nbytes / t
-            pred = _predict(op, nbytes, p, link)
-            rows.append({"op": op, "size": nbytes, "count": count, "type": "float32", "time_us": t * 1e6,
-                         "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * _bus_factor(op, p) / 1e9,
-                         "predicted_us": pred * 1e6, "measured_over_predicted": t / pred})  # fmt: skip
+    for tname, c in comms.items():
+        for op in cfg["ops"]:
+            for size in cfg["sizes"]:
+                count, nbytes, fn = _op_case(c, op, size)
+                if fn is None:
+                    continue
+                t = _timed(c, fn, reps, warmup)
+                algbw = nbytes / t
+                pred = _predict(op, nbytes, p, link) if tname == "torch" and link is not None else None
+                rows.append({"transport": tname, "backend": c.backend, "op": op, "size": nbytes, "count": count,
+                             "type": "float32", "time_us": t * 1e6, "algbw_GBps": algbw / 1e9,
+                             "busbw_GBps": algbw * _bus_factor(op, p) / 1e9,
+                             "predicted_us": pred * 1e6 if pred is not None else None,
+                             "measured_over_predicted": t / pred if pred else None})  # fmt: skip
+    torch_t = {(r["op"], r["size"]): r["time_us"] for r in rows if r["transport"] == "torch"}
+    for r in rows:
+        ref = torch_t.get((r["op"], r["size"]))
+        r["torch_over_this"] = ref / r["time_us"] if ref else None
+    for name, c in comms.items():
+        if name != "torch" and hasattr(c, "close"):
+            c.close()
     for size in cfg["compress_sizes"]:
         count = size // 4
         base = None
@@ -141,12 +178,13 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict:
             if name == "none":
                 base = t
             wire = (c or cz.NoCompression()).payload_nbytes(shape)
-            algo, pred = compressed_time(c, shape, p, link)
+            algo, pred = compressed_time(c, shape, p, link) if link is not None else ("-", float("nan"))
             crow.append({"compressor": name, "size": 4 * count, "shape": list(shape), "time_us": t * 1e6,
                          "speedup_vs_none": (base / t) if base else None, "wire_bytes_per_rank": wire,
                          "algorithm": algo, "predicted_comm_us": pred * 1e6})  # fmt: skip
-    return {"link": {"latency_us": link.latency * 1e6, "bandwidth_GBps": link.bandwidth / 1e9}, "collectives": rows,
-            "compressed": crow, "world_size": p, "backend": comm.backend}  # fmt: skip
+    return {"link": {"latency_us": link.latency * 1e6, "bandwidth_GBps": link.bandwidth / 1e9} if link else None,
+            "collectives": rows, "compressed": crow, "world_size": p, "backend": comm.backend,
+            "transports_skipped": skipped}  # fmt: skip
 
 
 def _matrix(count: int) -> tuple[int, ...]:
@@ -158,23 +196,30 @@ def _matrix(count: int) -> tuple[int, ...]:
 
 
 def print_report(res: dict, env: dict) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     con = wide_console(160)
     link = res["link"]
-    con.print(
-        f"[bold]collectives[/] on {env['device']}, {res['world_size']} ranks, {res['backend']}; probed link: "
-        f"latency {link['latency_us']:.1f} us, bandwidth {link['bandwidth_GBps'] * 8:.3g} Gbit/s "
-        f"({link['bandwidth_GBps'] * 1e3:.4g} MB/s)"
-    )
+    probed = (
+        f"probed link: latency {link['latency_us']:.1f} us, bandwidth {link['bandwidth_GBps'] * 8:.3g} Gbit/s "
+        f"({link['bandwidth_GBps'] * 1e3:.4g} MB/s)" if link else "no link to probe (one rank)"
+    )  # fmt: skip
+    con.print(f"[bold]collectives[/] on {env['device']}, {res['world_size']} ranks, {res['backend']}; {probed}")
+    for name, why in res.get("transports_skipped", {}).items():
+        con.print(f"transport {name}: not run here: {escape(why)}")
     if res["collectives"]:
-        t = Table(title="collectives (nccl-tests columns; predicted: alpha-beta model from the probed link)")
-        for col in ("op", "size", "count", "type", "time", "algbw GB/s", "busbw GB/s", "predicted", "meas/pred"):
-            t.add_column(col, justify="left" if col in ("op", "type") else "right")
+        t = Table(title="collectives (nccl-tests columns; vs torch: torch.distributed's time over this one's; "
+                  "predicted: alpha-beta model from the probed link)")  # fmt: skip
+        for col in ("transport", "op", "size", "count", "time", "algbw GB/s", "busbw GB/s", "vs torch", "predicted",
+                    "meas/pred"):  # fmt: skip
+            t.add_column(col, justify="left" if col in ("transport", "op") else "right")
         for r in res["collectives"]:
-            t.add_row(r["op"], fmt_bytes(r["size"]), f"{r['count']:,}", r["type"], _fmt_us(r["time_us"]),
-                      f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}", _fmt_us(r["predicted_us"]),
-                      f"{r['measured_over_predicted']:.2f}")  # fmt: skip
+            pred, ratio, vs = r["predicted_us"], r["measured_over_predicted"], r.get("torch_over_this")
+            t.add_row(r.get("transport", "torch"), r["op"], fmt_bytes(r["size"]), f"{r['count']:,}",
+                      _fmt_us(r["time_us"]), f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
+                      f"{vs:.2f}x" if vs is not None and r.get("transport") != "torch" else "-",
+                      _fmt_us(pred) if pred is not None else "-", f"{ratio:.2f}" if ratio else "-")  # fmt: skip
         con.print(t)
     if res["compressed"]:
         t = Table(title="compressed_all_reduce (end to end: compress + traffic + decompress)")
@@ -194,6 +239,9 @@ def _fmt_us(us: float) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
+    p.add_argument("--transports", default=",".join(TRANSPORTS),
+                   help=f"transports to time, side by side (default: {','.join(TRANSPORTS)}; those that cannot run "
+                   "here are listed with the reason)")  # fmt: skip
     p.add_argument("--sizes", default="4K,64K,1M,8M,32M", help="collective sizes (bytes; K/M/G suffixes)")
     p.add_argument("--ops", default=",".join(OPS), help=f"collectives to time (default: {','.join(OPS)})")
     p.add_argument("--compress-sizes", default="1M,32M", help="buffer sizes of the compressed all-reduce cases")
@@ -215,17 +263,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     comps = [c.strip() for c in args.compressors.split(",") if c.strip()]
+    trs = [t.strip() for t in args.transports.split(",") if t.strip()]
     bad = [o for o in ops if o not in OPS] + [c for c in comps if c not in COMPRESSORS]
+    bad += [t for t in trs if t not in TRANSPORTS]
     if bad:
-        print(f"{prog}: unknown op/compressor {bad}; ops: {OPS}, compressors: {tuple(COMPRESSORS)}", file=sys.stderr)
+        print(f"{prog}: unknown op/compressor/transport {bad}; ops: {OPS}, compressors: {tuple(COMPRESSORS)}, "
+              f"transports: {TRANSPORTS}", file=sys.stderr)  # fmt: skip
         return 2
+    if "torch" not in trs:
+        trs.insert(0, "torch")  # the reference every other transport is compared with
     if csizes and comps and comps[0] != "none":
         comps = ["none", *[c for c in comps if c != "none"]]  # the baseline first
-    if args.reps < 1 or args.warmup < 0 or args.world_size < 2:
-        print(f"{prog}: need --reps >= 1, --warmup >= 0, --world-size >= 2", file=sys.stderr)
+    if args.reps < 1 or args.warmup < 0 or args.world_size < 1:
+        print(f"{prog}: need --reps >= 1, --warmup >= 0, --world-size >= 1", file=sys.stderr)
         return 2
     cfg = {"sizes": sizes, "ops": ops, "compress_sizes": csizes, "compressors": comps, "reps": args.reps,
-           "warmup": args.warmup, "probe_bytes": probe_bytes}  # fmt: skip
+           "warmup": args.warmup, "probe_bytes": probe_bytes, "transports": trs}  # fmt: skip
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / emulated hosts: this process is one rank
         torch.set_num_threads(max(1, int(os.environ.get("TORSH_BENCH_THREADS", "1"))))
         comm = init_from_env(timeout=600)

@@ -80,8 +80,10 @@ def measurements(suite: str, data: dict) -> dict[str, dict]:
                 else:
                     kind = "ours" if str(r["case"]).startswith("torsh") else "peer"
                 out[f"{r['case']} / {r.get('buckets', '')}"] = {"ms": r["step_ms"], "kind": kind}
-    for r in data.get("collectives") or []:  # collectives: the communicator's (ours)
-        out[f"{r['op']} {r['size']} B {r.get('type', '')}".strip()] = {"ms": r["time_us"] / 1e3, "kind": "ours"}
+    for r in data.get("collectives") or []:  # collectives: the communicators' (ours); other transports named
+        tr = r.get("transport", "torch")
+        key = f"{'' if tr == 'torch' else tr + ' '}{r['op']} {r['size']} B {r.get('type', '')}".strip()
+        out[key] = {"ms": r["time_us"] / 1e3, "kind": "ours"}
     for r in data.get("compressed") or []:
         out[f"compressed all-reduce {r['compressor']} {r['size']} B"] = {"ms": r["time_us"] / 1e3, "kind": "ours"}
     return out

@@ -19,7 +19,9 @@ How it works:
   Send-side buffers are registered once per buffer and cached (:class:`RegistrationCache`).
 - **Collectives**: send/recv; all-reduce as a ring reduce-scatter then a ring all-gather
   (:func:`ring_plan`); all-gather and reduce-scatter as one ring phase each; broadcast as a ring pass;
-  all-to-all as pairwise exchanges. Reductions run in torch on the received chunks.
+  all-to-all as pairwise exchanges. Reductions run in torch on the received chunks. Every call runs
+  to completion on the calling thread, polling the CQ; ``async_op=True`` returns an already completed
+  handle (the protocol's form, without overlap with computation).
 - **Failures**: a missing library, no device, a port down raise
   :class:`~torsh_kernels.errors.TransportUnavailableError` with the reason and the fix; a completion
   with an error status (a peer gone: retry exceeded, flushed) raises ``CollectiveError``; no progress
@@ -732,7 +734,7 @@ class RdmaCommunicator(CommunicatorBase):
         t = self._check_tensor(tensor, what, "tensor")
         src = self._check_peer(src, what, "src")
         flat = t.view(-1)
-        # a pipelined ring pass: src sends, each rank forwards what it received to its right neighbour
+        # a ring pass: src sends to its right neighbour, each rank forwards what it received (store and forward)
         pos = (self._rank - src) % self._world
         right, left = (self._rank + 1) % self._world, (self._rank - 1) % self._world
         sends = [(right, flat, 0, flat.numel())] if pos < self._world - 1 else []
@@ -749,7 +751,9 @@ class RdmaCommunicator(CommunicatorBase):
         what = "all_to_all"
         out, x, outs, ins = self._check_all_to_all(output, input, output_splits, input_splits, what)
         w = self._world
-        row = x[0].numel() if x.shape[0] else max(1, out[0].numel() if out.shape[0] else 1)
+        row = 1
+        for d in x.shape[1:]:
+            row *= d
         ins = ins or [x.shape[0] // w] * w
         outs = outs or [out.shape[0] // w] * w
         xo = [sum(ins[:p]) for p in range(w)]

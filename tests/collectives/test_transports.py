@@ -459,6 +459,45 @@ def test_real_pyverbs_reports_no_device(tmp_path):
     assert "REASON no RDMA device" in p.stdout and "rdma_rxe" in p.stdout
 
 
+@pytest.mark.skipif(not SYSTEM_PYVERBS.is_dir(), reason="needs Debian's python3-pyverbs")
+def test_verbs_objects_built_with_the_real_pyverbs(tmp_path):
+    """The queue-pair attributes and work requests the communicator posts, built with rdma-core's own
+    pyverbs (no device is needed to build them) and read back field by field."""
+    (tmp_path / "pyverbs").symlink_to(SYSTEM_PYVERBS)
+    code = textwrap.dedent("""
+        from torsh_kernels.collectives import rdma
+        v = rdma.load_verbs()
+        e = v.enums
+        gid = bytes.fromhex("fe800000000000000202c9fffe000001")
+        remote = rdma.Endpoint(0x1234, 0xABCDE, 7, 3, gid, 0x7F0000001000, 0x55, 1 << 21)
+        me = rdma.Endpoint(0x99, 0x42, 8, 3, gid, 0x7F0000002000, 0x66, 1 << 21)
+        a = rdma.init_attributes(v, 1)
+        assert a.port_num == 1 and a.pkey_index == 0
+        assert a.qp_access_flags == e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+        r = rdma.rtr_attributes(v, 1, e.IBV_MTU_4096, 3, remote)
+        assert (r.dest_qp_num, r.rq_psn, r.path_mtu) == (0x1234, 0xABCDE, e.IBV_MTU_4096)
+        ah = r.ah_attr
+        assert (ah.dlid, ah.is_global, ah.port_num, ah.sgid_index) == (7, 1, 1, 3), ah
+        assert str(ah.dgid) == remote.gid_str, (str(ah.dgid), remote.gid_str)
+        local = rdma.rtr_attributes(v, 1, e.IBV_MTU_1024, 0, rdma.Endpoint(1, 2, 9, 0, bytes(16), 0, 0, 0))
+        assert local.ah_attr.is_global == 0 and local.ah_attr.dlid == 9  # InfiniBand: by LID, no GRH
+        t = rdma.rts_attributes(v, me)
+        assert (t.sq_psn, t.timeout, t.retry_cnt, t.rnr_retry) == (0x42, 14, 7, 7)
+        w = rdma.write_request(v, 3, 0x1000, 4096, 0x11, 5, 0x55, 0x7F0000001000)
+        assert (w.wr_id, w.num_sge, w.opcode, w.imm_data) == (3, 1, e.IBV_WR_RDMA_WRITE_WITH_IMM, 5)
+        assert w.send_flags == e.IBV_SEND_SIGNALED
+        # (pyverbs does not expose a WR's SGE list for reading: the address, length and key are not checked)
+        c = rdma.credit_request(v, 2, 0x2000, 0x12)
+        assert (c.opcode, c.imm_data) == (e.IBV_WR_SEND_WITH_IMM, rdma._IMM_CREDIT)
+        rr = rdma.recv_request(v, 4, 0x3000, 64, 0x13)
+        assert (rr.wr_id, rr.num_sge) == (4, 1)
+        print("OK")
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stdout + p.stderr
+
+
 class _FakeVerbs:
     """A stand-in for pyverbs' device listing only, to reach the port checks of _open_device (which a
     machine without a NIC cannot reach with the real library)."""

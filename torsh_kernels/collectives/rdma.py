@@ -69,6 +69,7 @@ __all__ = [
     "sysfs_devices",
 ]
 
+_IMM_CREDIT = 0x80000000  # immediate value of a credit (a slot freed); data chunks carry their 31-bit number
 _REDUCIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
                         torch.int16, torch.int32, torch.int64})  # fmt: skip
 SYSFS = Path("/sys/class/infiniband")
@@ -345,9 +346,67 @@ def _no_device_fix() -> str:
     )
 
 
-# -- the communicator --------------------------------------------------------------------------------------------
+# -- verbs objects: queue-pair attributes and work requests (pyverbs objects, built without a device) ---------
 
-_IMM_CREDIT = 0x80000000  # immediate value of a credit (a slot freed); data chunks carry their 31-bit number
+
+def init_attributes(v, port: int):
+    """RESET -> INIT: the port, partition key 0, local and remote write access."""
+    attr = v.qp.QPAttr()
+    attr.qp_access_flags = v.enums.IBV_ACCESS_LOCAL_WRITE | v.enums.IBV_ACCESS_REMOTE_WRITE
+    attr.port_num = port
+    attr.pkey_index = 0
+    return attr
+
+
+def rtr_attributes(v, port: int, mtu: int, gid_index: int, remote: Endpoint):
+    """INIT -> RTR: the path MTU and the peer's queue pair number, PSN and address (LID; a global route
+    to its GID where it has one, as RoCE always does)."""
+    attr = init_attributes(v, port)
+    attr.path_mtu = mtu
+    attr.dest_qp_num = remote.qp_num
+    attr.rq_psn = remote.psn
+    attr.max_dest_rd_atomic = 1
+    attr.min_rnr_timer = 12
+    is_global = int(any(remote.gid))
+    gr = v.addr.GlobalRoute(dgid=v.addr.GID(remote.gid_str), sgid_index=gid_index) if is_global else None
+    attr.ah_attr = v.addr.AHAttr(dlid=remote.lid, is_global=is_global, port_num=port, gr=gr)
+    return attr
+
+
+def rts_attributes(v, me: Endpoint):
+    """RTR -> RTS: this side's starting PSN, 67 ms ack timeout (4.096 us * 2^14), 7 retries, 7 RNR retries."""
+    attr = v.qp.QPAttr()
+    attr.sq_psn = me.psn
+    attr.timeout = 14
+    attr.retry_cnt = 7
+    attr.rnr_retry = 7
+    attr.max_rd_atomic = 1
+    return attr
+
+
+def write_request(v, wr_id: int, addr: int, nbytes: int, lkey: int, imm: int, rkey: int, remote_addr: int):
+    """A signalled RDMA WRITE WITH IMMEDIATE of ``nbytes`` at ``addr`` to ``remote_addr`` (``rkey``)."""
+    e = v.enums
+    wr = v.wr.SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[v.wr.SGE(addr, nbytes, lkey)],
+                     send_flags=e.IBV_SEND_SIGNALED, imm_data=imm)  # fmt: skip
+    wr.set_wr_rdma(rkey, remote_addr)
+    return wr
+
+
+def credit_request(v, wr_id: int, addr: int, lkey: int):
+    """A signalled zero-byte SEND WITH IMMEDIATE: a slot of the peer's is free again."""
+    e = v.enums
+    return v.wr.SendWR(wr_id=wr_id, opcode=e.IBV_WR_SEND_WITH_IMM, num_sge=1, sg=[v.wr.SGE(addr, 0, lkey)],
+                       send_flags=e.IBV_SEND_SIGNALED, imm_data=_IMM_CREDIT)  # fmt: skip
+
+
+def recv_request(v, wr_id: int, addr: int, length: int, lkey: int):
+    """A receive for one incoming immediate (a written chunk or a credit); the data lands in the control
+    region (credits carry none; written chunks land where they were written)."""
+    return v.wr.RecvWR(wr_id=wr_id, num_sge=1, sg=[v.wr.SGE(addr, length, lkey)])
+
+
+# -- the communicator --------------------------------------------------------------------------------------------
 
 
 class _Peer:
@@ -493,31 +552,13 @@ class RdmaCommunicator(CommunicatorBase):
 
     def _connect(self, peer: _Peer, me: Endpoint) -> None:
         """RESET -> INIT -> RTR -> RTS with the peer's queue pair number, PSN, LID and GID."""
-        v, e, remote = self._v, self._v.enums, peer.ep
-        attr = v.qp.QPAttr()
-        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-        attr.port_num = self._port
-        attr.pkey_index = 0
+        v = self._v
         peer.state.advance("INIT")
-        peer.qp.to_init(attr)
-        attr.path_mtu = self._mtu
-        attr.dest_qp_num = remote.qp_num
-        attr.rq_psn = remote.psn
-        attr.max_dest_rd_atomic = 1
-        attr.min_rnr_timer = 12
-        is_global = int(any(remote.gid))
-        gr = v.addr.GlobalRoute(dgid=v.addr.GID(remote.gid_str), sgid_index=self._gid_index) if is_global else None
-        ah = v.addr.AHAttr(dlid=remote.lid, is_global=is_global, port_num=self._port, gr=gr)
-        attr.ah_attr = ah
+        peer.qp.to_init(init_attributes(v, self._port))
         peer.state.advance("RTR")
-        peer.qp.to_rtr(attr)
-        attr.sq_psn = me.psn
-        attr.timeout = 14  # 4.096 us * 2^14 = 67 ms per retry
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        attr.max_rd_atomic = 1
+        peer.qp.to_rtr(rtr_attributes(v, self._port, self._mtu, self._gid_index, peer.ep))
         peer.state.advance("RTS")
-        peer.qp.to_rts(attr)
+        peer.qp.to_rts(rts_attributes(v, me))
 
     def close(self) -> None:
         """Release the queue pairs, regions, CQ, PD and device context."""
@@ -544,34 +585,24 @@ class RdmaCommunicator(CommunicatorBase):
     def _post_recv(self, peer: _Peer) -> None:
         v = self._v
         peer.state.check_can_receive()
-        sge = v.wr.SGE(self._ctl.data_ptr(), self._ctl.nbytes, self._ctl_mr.lkey)
-        peer.qp.post_recv(v.wr.RecvWR(wr_id=peer.index, num_sge=1, sg=[sge]))
+        peer.qp.post_recv(recv_request(v, peer.index, self._ctl.data_ptr(), self._ctl.nbytes, self._ctl_mr.lkey))
 
     def _write_chunk(self, peer: _Peer, src: torch.Tensor, off: int, nbytes: int) -> None:
         """RDMA-write ``nbytes`` at byte ``off`` of ``src`` into the peer's next slot, with its number."""
-        v, e = self._v, self._v.enums
         peer.state.check_can_send()
         slot = peer.send_seq % 2
         if nbytes:
             mr, _ = self._cache.lookup(src)
-            sge = v.wr.SGE(src.data_ptr() + off, nbytes, mr.lkey)
+            addr, lkey = src.data_ptr() + off, mr.lkey
         else:
-            sge = v.wr.SGE(self._ctl.data_ptr(), 0, self._ctl_mr.lkey)
-        wr = v.wr.SendWR(wr_id=peer.index, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[sge],
-                         send_flags=e.IBV_SEND_SIGNALED)  # fmt: skip
-        wr.imm_data = peer.send_seq & 0x7FFFFFFF
-        wr.set_wr_rdma(peer.ep.rkey, peer.ep.addr + slot * self._chunk)
-        peer.qp.post_send(wr)
+            addr, lkey = self._ctl.data_ptr(), self._ctl_mr.lkey
+        peer.qp.post_send(write_request(self._v, peer.index, addr, nbytes, lkey, peer.send_seq & 0x7FFFFFFF,
+                                        peer.ep.rkey, peer.ep.addr + slot * self._chunk))  # fmt: skip
         peer.credits -= 1
         peer.send_seq += 1
 
     def _credit(self, peer: _Peer) -> None:
-        v, e = self._v, self._v.enums
-        sge = v.wr.SGE(self._ctl.data_ptr(), 0, self._ctl_mr.lkey)
-        wr = v.wr.SendWR(wr_id=peer.index, opcode=e.IBV_WR_SEND_WITH_IMM, num_sge=1, sg=[sge],
-                         send_flags=e.IBV_SEND_SIGNALED)  # fmt: skip
-        wr.imm_data = _IMM_CREDIT
-        peer.qp.post_send(wr)
+        peer.qp.post_send(credit_request(self._v, peer.index, self._ctl.data_ptr(), self._ctl_mr.lkey))
 
     def _poll(self, what: str, deadline: float) -> bool:
         """Take what the CQ holds: credits and arrived chunks go to their peers. False if nothing came."""

@@ -28,6 +28,8 @@ from torsh_kernels.collectives.cupy_nccl import (
     byte_ranges,
     nccl_datatype,
     reducible_dtypes,
+    uid_from_bytes,
+    uid_to_bytes,
     version_tuple,
 )
 from torsh_kernels.collectives.rdma import (
@@ -122,6 +124,20 @@ def test_nccl_datatype_matches_cupys_constants():
             from torsh_kernels.collectives.cupy_nccl import _NCCL_OPS
 
             assert _NCCL_OPS[op] == getattr(nccl, name)
+
+
+def test_unique_id_forms_round_trip():
+    """CuPy 14's ids are bytes, CuPy 13's tuples of 128 signed chars: both travel as the same bytes."""
+    raw = bytes(range(128))
+    as_tuple = tuple(x - 256 if x > 127 else x for x in os.urandom(128))
+    assert uid_to_bytes(raw) == raw and uid_from_bytes(raw, False) == raw
+    assert uid_from_bytes(uid_to_bytes(as_tuple), True) == as_tuple
+    assert all(-128 <= x < 128 for x in uid_from_bytes(bytes(range(128, 256)) * 1, True))
+    for bad in (b"short", (1,) * 127, "x" * 128, (300,) * 128):
+        with pytest.raises((InvalidArgumentError, ArgumentTypeError)):
+            uid_to_bytes(bad)
+    with pytest.raises(InvalidArgumentError):
+        uid_from_bytes(b"x", True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int16, torch.complex64])
@@ -374,7 +390,7 @@ def _exchange_worker(comm: TorchCommunicator) -> dict:
     try:
         from cupy.cuda import nccl
 
-        make = nccl.get_unique_id if nccl.available else None
+        make = (lambda: uid_to_bytes(nccl.get_unique_id())) if nccl.available else None
     except Exception:
         make = None
     source = "cupy" if make is not None else "urandom"

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 
 from ..errors import ArgumentTypeError, CollectiveTimeoutError, InvalidArgumentError
+from .communicator import resolve_group
 
-__all__ = ["all_gather_bytes", "broadcast_bytes", "default_store", "namespace"]
+__all__ = ["all_gather_bytes", "broadcast_bytes", "default_store", "identity", "namespace"]
 
 _counters: dict[tuple, int] = {}
 _lock = threading.Lock()
@@ -80,3 +81,33 @@ def all_gather_bytes(store: dist.Store, rank: int, world_size: int, payload: byt
         raise ArgumentTypeError(f"{what}: the payload must be bytes, got {type(payload).__name__}")
     store.set(f"{key}{rank}", bytes(payload))
     return _get(store, [f"{key}{r}" for r in range(world_size)], timeout, what)
+
+
+def identity(group: object, mesh_dim, store: object, rank: object, world_size: object, what: str) -> tuple:
+    """(rank, world size, global ranks, the store to exchange through) of a transport made from a process
+    group (or DeviceMesh dimension; its store is the default group's) or from a bare store with ``rank=``
+    and ``world_size=``; argument errors are typed and come before anything else."""
+    if store is not None:
+        if group is not None or mesh_dim is not None:
+            raise InvalidArgumentError(f"{what}: pass either a group (or mesh) or a store, not both")
+        if not isinstance(store, dist.Store):
+            raise ArgumentTypeError(f"{what}: store must be a torch.distributed Store, got {type(store).__name__}")
+        for name, val in (("rank", rank), ("world_size", world_size)):
+            if isinstance(val, bool) or not isinstance(val, int):
+                raise InvalidArgumentError(f"{what}: with store=, {name} must be an int, got {val!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise InvalidArgumentError(f"{what}: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        return rank, world_size, list(range(world_size)), store
+    if rank is not None or world_size is not None:
+        raise InvalidArgumentError(f"{what}: rank= and world_size= go with store=; a group has its own")
+    pg = resolve_group(group, mesh_dim, what)
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidArgumentError(
+            f"{what}: torch.distributed is not initialised; call init_process_group first, or pass store=, rank= "
+            "and world_size="
+        )
+    r, w = dist.get_rank(pg), dist.get_world_size(pg)
+    if r < 0:
+        raise InvalidArgumentError(f"{what}: this process is not a member of the given group")
+    ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(w))
+    return r, w, ranks, default_store(what)

@@ -377,6 +377,14 @@ class CommunicatorBase:
             raise InvalidArgumentError(f"{what}: {name}={peer} is this rank; a rank cannot send to itself")
         return peer
 
+    def _check_no_tag(self, tag: object, what: str) -> None:
+        """For transports whose point-to-point messages have no tags (NCCL, RDMA here)."""
+        if tag != 0:
+            raise InvalidArgumentError(
+                f"{what}: {self._backend} point-to-point has no tags (got tag={tag!r}); messages between two ranks "
+                "match in the order they are issued: pass tag=0"
+            )
+
     def _failure(self, what: str, e: BaseException) -> CollectiveError:
         cls = CollectiveTimeoutError if isinstance(e, TimeoutError) else CollectiveError
         return cls(

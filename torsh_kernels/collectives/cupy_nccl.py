@@ -50,9 +50,17 @@ from ..errors import (
     TransportUnavailableError,
 )
 from . import bootstrap
-from .communicator import CommunicatorBase, resolve_group
+from .communicator import CommunicatorBase
 
-__all__ = ["CupyNcclCommunicator", "load_nccl", "nccl_datatype", "reducible_dtypes", "version_tuple"]
+__all__ = [
+    "CupyNcclCommunicator",
+    "load_nccl",
+    "nccl_datatype",
+    "reducible_dtypes",
+    "uid_from_bytes",
+    "uid_to_bytes",
+    "version_tuple",
+]
 
 # ncclDataType_t (nccl.h); bfloat16 since NCCL 2.10, the float8 types since 2.19
 _NCCL_DTYPES = {
@@ -95,6 +103,28 @@ def nccl_datatype(dtype: torch.dtype, version: tuple[int, int, int], what: str =
             f"{sorted(str(d).replace('torch.', '') for d in reducible_dtypes(version))}"
         )
     return _NCCL_DTYPES[dtype]
+
+
+def uid_to_bytes(uid: object) -> bytes:
+    """NCCL's 128-byte unique id as bytes: CuPy 14 returns bytes, CuPy 13 a tuple of 128 signed chars."""
+    if isinstance(uid, (bytes, bytearray)):
+        b = bytes(uid)
+    elif isinstance(uid, tuple) and all(isinstance(x, int) and -128 <= x < 256 for x in uid):
+        b = bytes(x % 256 for x in uid)
+    else:
+        raise ArgumentTypeError(
+            f"uid_to_bytes: an NCCL unique id is bytes or a tuple of ints, got {type(uid).__name__}"
+        )
+    if len(b) != 128:
+        raise InvalidArgumentError(f"uid_to_bytes: an NCCL unique id is 128 bytes, got {len(b)}")
+    return b
+
+
+def uid_from_bytes(b: bytes, tuple_form: bool) -> bytes | tuple[int, ...]:
+    """The id back in the form this CuPy's ``NcclCommunicator`` takes (a tuple of signed chars for CuPy 13)."""
+    if len(b) != 128:
+        raise InvalidArgumentError(f"uid_from_bytes: an NCCL unique id is 128 bytes, got {len(b)}")
+    return tuple(x - 256 if x > 127 else x for x in b) if tuple_form else bytes(b)
 
 
 def _load():
@@ -200,31 +230,9 @@ class CupyNcclCommunicator(CommunicatorBase):
         what = "CupyNcclCommunicator"
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidArgumentError(f"{what}: timeout must be a positive number of seconds, got {timeout!r}")
-        if store is not None:
-            if group is not None or mesh_dim is not None:
-                raise InvalidArgumentError(f"{what}: pass either a group (or mesh) or a store, not both")
-            for name, v in (("rank", rank), ("world_size", world_size)):
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise InvalidArgumentError(f"{what}: with store=, {name} must be an int, got {v!r}")
-            if world_size < 1 or not 0 <= rank < world_size:
-                raise InvalidArgumentError(f"{what}: need 0 <= rank < world_size, got rank={rank}, "
-                                           f"world_size={world_size}")  # fmt: skip
-            ranks = list(_global_ranks) if _global_ranks is not None else list(range(world_size))
-            root_store = store
-        else:
-            if rank is not None or world_size is not None:
-                raise InvalidArgumentError(f"{what}: rank= and world_size= go with store=; a group has its own")
-            pg = resolve_group(group, mesh_dim, what)
-            if not dist.is_available() or not dist.is_initialized():
-                raise InvalidArgumentError(
-                    f"{what}: torch.distributed is not initialised; call init_process_group first, or pass "
-                    "store=, rank= and world_size="
-                )
-            rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
-            if rank < 0:
-                raise InvalidArgumentError(f"{what}: this process is not a member of the given group")
-            ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(world_size))
-            root_store = bootstrap.default_store(what)
+        rank, world_size, ranks, root_store = bootstrap.identity(group, mesh_dim, store, rank, world_size, what)
+        if _global_ranks is not None:
+            ranks = list(_global_ranks)
         cupy, nccl = _load()
         if not torch.cuda.is_available():
             raise TransportUnavailableError(
@@ -253,10 +261,14 @@ class CupyNcclCommunicator(CommunicatorBase):
         self._watchdog: threading.Thread | None = None
         self._nccl = None
         ns = bootstrap.namespace(root_store, "cupy-nccl", ranks, what)
-        uid = bootstrap.broadcast_bytes(ns, rank, 0, nccl.get_unique_id, timeout=self._timeout, what=what, key="uid")
+        uid = bootstrap.broadcast_bytes(ns, rank, 0, lambda: uid_to_bytes(nccl.get_unique_id()), timeout=self._timeout,
+                                        what=what, key="uid")  # fmt: skip
         try:
             with cupy.cuda.Device(device.index):
-                self._nccl = nccl.NcclCommunicator(world_size, uid, rank)
+                try:
+                    self._nccl = nccl.NcclCommunicator(world_size, uid_from_bytes(uid, False), rank)
+                except TypeError:  # CuPy 13 takes the id as a tuple (refused before NCCL is called)
+                    self._nccl = nccl.NcclCommunicator(world_size, uid_from_bytes(uid, True), rank)
         except Exception as e:
             raise self._failure(f"{what} (ncclCommInitRank)", e) from e
         self._side = torch.cuda.Stream(device)
@@ -450,7 +462,7 @@ class CupyNcclCommunicator(CommunicatorBase):
         what = "send"
         t = self._check_tensor(tensor, what, "tensor")
         dst = self._check_peer(dst, what, "dst")
-        _no_tags(tag, what)
+        self._check_no_tag(tag, what)
         ptr, nb = t.data_ptr(), t.nbytes
         return self._launch(what, lambda c, s: c.send(ptr, nb, NCCL_UINT8, dst, s), async_op, [t], nbytes=nb)
 
@@ -458,7 +470,7 @@ class CupyNcclCommunicator(CommunicatorBase):
         what = "recv"
         t = self._check_tensor(tensor, what, "tensor")
         src = self._check_peer(src, what, "source")
-        _no_tags(tag, what)
+        self._check_no_tag(tag, what)
         ptr, nb = t.data_ptr(), t.nbytes
         return self._launch(what, lambda c, s: c.recv(ptr, nb, NCCL_UINT8, src, s), async_op, [t])
 
@@ -499,11 +511,3 @@ def byte_ranges(splits: Sequence[int] | None, t: torch.Tensor, world: int) -> li
         out.append((off, r * row))
         off += r * row
     return out
-
-
-def _no_tags(tag: object, what: str) -> None:
-    if tag != 0:
-        raise InvalidArgumentError(
-            f"{what}: NCCL point-to-point has no tags (got tag={tag!r}); messages between two ranks match in the "
-            "order they are issued: pass tag=0"
-        )

@@ -49,14 +49,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import (
-    ArgumentTypeError,
     CollectiveError,
     CollectiveTimeoutError,
     InvalidArgumentError,
     TransportUnavailableError,
 )
 from . import bootstrap
-from .communicator import CommunicatorBase, CompletedHandle, resolve_group
+from .communicator import CommunicatorBase, CompletedHandle
 
 __all__ = [
     "Endpoint",
@@ -468,7 +467,7 @@ class RdmaCommunicator(CommunicatorBase):
             gid_index = int(os.environ.get("TORSH_RDMA_GID_INDEX", "0"))
         if isinstance(gid_index, bool) or not isinstance(gid_index, int) or gid_index < 0:
             raise InvalidArgumentError(f"{what}: gid_index must be an int >= 0, got {gid_index!r}")
-        rank, world_size, ranks, root_store = _identity(group, mesh_dim, store, rank, world_size, what)
+        rank, world_size, ranks, root_store = bootstrap.identity(group, mesh_dim, store, rank, world_size, what)
         v = load_verbs()
         self._v = v
         self._rank, self._world, self._ranks = rank, world_size, ranks
@@ -803,7 +802,7 @@ class RdmaCommunicator(CommunicatorBase):
         what = "send"
         t = self._check_tensor(tensor, what, "tensor")
         dst = self._check_peer(dst, what, "dst")
-        _no_tags(tag, what)
+        self._check_no_tag(tag, what)
         self._transfer(what, [(dst, t.view(-1), 0, t.numel())], [])
         return self._done(async_op)
 
@@ -811,7 +810,7 @@ class RdmaCommunicator(CommunicatorBase):
         what = "recv"
         t = self._check_tensor(tensor, what, "tensor")
         src = self._check_peer(src, what, "source")
-        _no_tags(tag, what)
+        self._check_no_tag(tag, what)
         flat = t.view(-1)
         self._transfer(what, [], [(src, flat.numel(), flat.element_size(), _copier(flat))])
         return self._done(async_op)
@@ -837,14 +836,6 @@ def _reduce_into(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
         dst.mul_(src)
 
 
-def _no_tags(tag: object, what: str) -> None:
-    if tag != 0:
-        raise InvalidArgumentError(
-            f"{what}: RDMA point-to-point here has no tags (got tag={tag!r}); messages between two ranks match in "
-            "the order they are issued: pass tag=0"
-        )
-
-
 def _copier(flat: torch.Tensor, base: int = 0) -> Callable[[torch.Tensor, int], None]:
     """What a receive does with a chunk of bytes landing at element ``eoff`` of a message placed at element
     ``base`` of ``flat``: copy it there."""
@@ -859,34 +850,6 @@ def _copier(flat: torch.Tensor, base: int = 0) -> Callable[[torch.Tensor, int], 
 def _close(obj) -> None:
     with contextlib.suppress(Exception):
         obj.close()
-
-
-def _identity(group, mesh_dim, store, rank, world_size, what: str):
-    """(rank, world size, global ranks, root store) from a group or from a store with rank/world_size."""
-    if store is not None:
-        if group is not None or mesh_dim is not None:
-            raise InvalidArgumentError(f"{what}: pass either a group (or mesh) or a store, not both")
-        if not isinstance(store, dist.Store):
-            raise ArgumentTypeError(f"{what}: store must be a torch.distributed Store, got {type(store).__name__}")
-        for name, val in (("rank", rank), ("world_size", world_size)):
-            if isinstance(val, bool) or not isinstance(val, int):
-                raise InvalidArgumentError(f"{what}: with store=, {name} must be an int, got {val!r}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise InvalidArgumentError(f"{what}: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        return rank, world_size, list(range(world_size)), store
-    if rank is not None or world_size is not None:
-        raise InvalidArgumentError(f"{what}: rank= and world_size= go with store=; a group has its own")
-    pg = resolve_group(group, mesh_dim, what)
-    if not dist.is_available() or not dist.is_initialized():
-        raise InvalidArgumentError(
-            f"{what}: torch.distributed is not initialised; call init_process_group first, or pass store=, rank= "
-            "and world_size="
-        )
-    r, w = dist.get_rank(pg), dist.get_world_size(pg)
-    if r < 0:
-        raise InvalidArgumentError(f"{what}: this process is not a member of the given group")
-    ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(w))
-    return r, w, ranks, bootstrap.default_store(what)
 
 
 def _open_device(v, name: str | None, port: int, what: str):

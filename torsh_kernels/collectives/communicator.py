@@ -542,9 +542,6 @@ class TorchCommunicator(CommunicatorBase):
         """The wrapped process group (``None``: the default group)."""
         return self._group
 
-    def __repr__(self) -> str:
-        return f"TorchCommunicator(rank={self._rank}, world_size={self._world}, backend={self._backend!r})"
-
     def _torch_op(self, op: str):
         R = dist.ReduceOp
         return {"sum": R.SUM, "max": R.MAX, "min": R.MIN, "product": R.PRODUCT, "avg": R.SUM}[op]
@@ -731,6 +728,15 @@ def _no_overlap(a: torch.Tensor, b: torch.Tensor, what: str, na: str, nb: str) -
         raise InvalidArgumentError(f"{what}: {na} and {nb} overlap in memory; use separate buffers")
 
 
+def is_communicator(x: object, needs: Sequence[str] = ()) -> bool:
+    """Whether ``x`` is a Communicator object having the methods in ``needs`` (not None, a process group,
+    a DeviceMesh, a ``(mesh, dim)`` pair or a string)."""
+    return (
+        x is not None and not isinstance(x, (dist.ProcessGroup, tuple, str)) and not _is_mesh(x)
+        and all(hasattr(x, n) for n in needs)
+    )  # fmt: skip
+
+
 def as_communicator(
     comm: object, what: str, *, dim: str | int | None = None, needs: Sequence[str] = ()
 ) -> Communicator:
@@ -742,7 +748,7 @@ def as_communicator(
         return comm
     if isinstance(comm, dist.ProcessGroup) or _is_mesh(comm) or _is_mesh_dim(comm):
         return TorchCommunicator(resolve_group(comm, dim, what))
-    if comm is not None and not isinstance(comm, (tuple, str)) and all(hasattr(comm, n) for n in needs):
+    if is_communicator(comm, needs):
         if dim is not None:
             raise InvalidArgumentError(
                 f"{what}: a mesh dimension ({dim!r}) applies to a DeviceMesh, not to a communicator"

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives.communicator import as_communicator
+from ..collectives.communicator import as_communicator, is_communicator
 from ..compression import Compressor, NoCompression, compressed_all_reduce
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops import dequantize, quantize
@@ -125,7 +125,7 @@ class _Transport:
     comm = None
 
     def _set_comm(self, comm: object, what: str) -> None:
-        if comm is not None and not all(hasattr(comm, m) for m in ("all_gather", "all_to_all", "world_size")):
+        if comm is not None and not is_communicator(comm, ("all_gather", "all_to_all", "world_size")):
             raise ArgumentTypeError(
                 f"{what}: comm must be a torsh Communicator (CupyNcclCommunicator, RdmaCommunicator, ...) or None, "
                 f"got {type(comm).__name__}"

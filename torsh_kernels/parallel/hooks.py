@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from .. import _trace
 from ..collectives.coalesce import Coalescer
-from ..collectives.communicator import TorchCommunicator, resolve_group
+from ..collectives.communicator import TorchCommunicator, is_communicator, resolve_group
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
@@ -213,7 +213,7 @@ class CompressionHookState:
         timeout: float | None = None,
     ) -> None:
         self._given = None  # a Communicator the caller gave instead of a group
-        if _is_communicator(process_group):
+        if is_communicator(process_group, ("all_reduce", "all_gather", "world_size")):
             if mesh_dim is not None:
                 raise InvalidArgumentError(
                     "CompressionHookState: mesh_dim applies to a DeviceMesh, not to a communicator"
@@ -375,14 +375,6 @@ def _start(state: CompressionHookState, bucket: dist.GradBucket, engine, comm: C
 
         state._pipeline.submit(reductions, done, span)
     return fut
-
-
-def _is_communicator(x: object) -> bool:
-    """A Communicator object (not a group, a mesh, a (mesh, dim) pair or None)."""
-    return (
-        x is not None and not isinstance(x, (dist.ProcessGroup, tuple, str)) and hasattr(x, "all_reduce")
-        and hasattr(x, "world_size") and hasattr(x, "all_gather")
-    )  # fmt: skip
 
 
 def _recorder(buf: torch.Tensor, r, before: int, turn: _Turn, span):

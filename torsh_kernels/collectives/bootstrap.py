@@ -19,10 +19,16 @@ import torch.distributed as dist
 from ..errors import ArgumentTypeError, CollectiveTimeoutError, InvalidArgumentError
 from .communicator import resolve_group
 
-__all__ = ["all_gather_bytes", "broadcast_bytes", "default_store", "identity", "namespace"]
+__all__ = ["all_gather_bytes", "broadcast_bytes", "check_timeout", "default_store", "identity", "namespace"]
 
 _counters: dict[tuple, int] = {}
 _lock = threading.Lock()
+
+
+def check_timeout(timeout: object, what: str) -> None:
+    """A transport's ``timeout``: a positive number of seconds (a typed error otherwise)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidArgumentError(f"{what}: timeout must be a positive number of seconds, got {timeout!r}")
 
 
 def default_store(what: str) -> dist.Store:

@@ -71,6 +71,10 @@ for _name, _code in (("uint32", 3), ("uint64", 5)):
     if hasattr(torch, _name):
         _NCCL_DTYPES[getattr(torch, _name)] = _code
 NCCL_UINT8 = 1
+NO_GPU_FIX = (
+    "run on a machine with an NVIDIA GPU and a CUDA build of torch (pip install torch --index-url "
+    "https://download.pytorch.org/whl/cu128)"
+)
 # ncclRedOp_t; avg since NCCL 2.10
 _NCCL_OPS = {"sum": 0, "product": 1, "max": 2, "min": 3, "avg": 4}
 _V2_10 = (2, 10, 0)
@@ -228,8 +232,7 @@ class CupyNcclCommunicator(CommunicatorBase):
         _global_ranks: Sequence[int] | None = None,
     ) -> None:
         what = "CupyNcclCommunicator"
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise InvalidArgumentError(f"{what}: timeout must be a positive number of seconds, got {timeout!r}")
+        bootstrap.check_timeout(timeout, what)
         rank, world_size, ranks, root_store = bootstrap.identity(group, mesh_dim, store, rank, world_size, what)
         if _global_ranks is not None:
             ranks = list(_global_ranks)
@@ -238,8 +241,7 @@ class CupyNcclCommunicator(CommunicatorBase):
             raise TransportUnavailableError(
                 f"{what}: torch sees no CUDA device (torch {torch.__version__}, CUDA build: {torch.version.cuda})",
                 reason="no CUDA device visible to torch",
-                fix="run on a machine with an NVIDIA GPU and a CUDA build of torch (pip install torch "
-                "--index-url https://download.pytorch.org/whl/cu128)",
+                fix=NO_GPU_FIX,
             )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())

@@ -338,11 +338,13 @@ def sysfs_devices(root: Path = SYSFS) -> list[dict]:
     return out
 
 
-def _no_device_fix() -> str:
-    return (
-        "load the NIC's RDMA driver (mlx5_ib, ...), or soft-RoCE over an Ethernet interface: modprobe rdma_rxe "
-        "&& rdma link add rxe0 type rxe netdev <interface> (needs the rdma_rxe kernel module)"
-    )
+PORT_DOWN_FIX = (
+    "check the cable and the subnet manager (ibstat; opensm for InfiniBand) or the netdev's link (ip link) for RoCE"
+)
+NO_DEVICE_FIX = (
+    "load the NIC's RDMA driver (mlx5_ib, ...), or soft-RoCE over an Ethernet interface: modprobe rdma_rxe && rdma "
+    "link add rxe0 type rxe netdev <interface> (needs the rdma_rxe kernel module)"
+)
 
 
 # -- verbs objects: queue-pair attributes and work requests (pyverbs objects, built without a device) ---------
@@ -457,8 +459,7 @@ class RdmaCommunicator(CommunicatorBase):
         timeout: float = 300.0,
     ) -> None:
         what = "RdmaCommunicator"
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise InvalidArgumentError(f"{what}: timeout must be a positive number of seconds, got {timeout!r}")
+        bootstrap.check_timeout(timeout, what)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 64:
             raise InvalidArgumentError(f"{what}: chunk_bytes must be an int >= 64, got {chunk_bytes!r}")
         if isinstance(port, bool) or not isinstance(port, int) or port < 1:
@@ -867,7 +868,7 @@ def _open_device(v, name: str | None, port: int, what: str):
             f"{what}: no RDMA device{cause}; /sys/class/infiniband "
             f"{'lists ' + str([d['device'] for d in sysfs_devices()]) if SYSFS.is_dir() else 'does not exist'}",
             reason="no RDMA device",
-            fix=_no_device_fix(),
+            fix=NO_DEVICE_FIX,
         )
     if name is not None and name not in names:
         raise TransportUnavailableError(f"{what}: no RDMA device named {name!r}; devices here: {names}",
@@ -891,6 +892,5 @@ def _open_device(v, name: str | None, port: int, what: str):
     raise TransportUnavailableError(
         f"{what}: port {port} is not ACTIVE on {states}",
         reason=f"port {port} down ({', '.join(f'{k}: {s}' for k, s in states.items())})",
-        fix="check the cable and the subnet manager (ibstat; opensm for InfiniBand) or the netdev's link (ip link) "
-        "for RoCE",
+        fix=PORT_DOWN_FIX,
     )

@@ -61,7 +61,7 @@ def _torch_status() -> TransportStatus:
 
 
 def _cupy_status() -> TransportStatus:
-    from .cupy_nccl import load_nccl
+    from .cupy_nccl import NO_GPU_FIX, load_nccl
 
     try:
         _, version = load_nccl()
@@ -74,13 +74,13 @@ def _cupy_status() -> TransportStatus:
         return TransportStatus(
             name="cupy-nccl", available=False, detail=f"{found}, but torch sees no CUDA device "
             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})",
-            fix="a machine with an NVIDIA GPU and a CUDA build of torch",
+            fix=NO_GPU_FIX,
         )  # fmt: skip
     return TransportStatus(name="cupy-nccl", available=True, detail=f"{found}, {torch.cuda.device_count()} GPU(s)")
 
 
 def _rdma_status() -> TransportStatus:
-    from .rdma import SYSFS, load_verbs, sysfs_devices
+    from .rdma import NO_DEVICE_FIX, PORT_DOWN_FIX, SYSFS, load_verbs, sysfs_devices
 
     ports = sysfs_devices()
     active = [p for p in ports if p["state"] == "ACTIVE"]
@@ -94,15 +94,14 @@ def _rdma_status() -> TransportStatus:
         return TransportStatus(
             name="rdma", available=False, detail=f"pyverbs imports, but there is no RDMA device ({SYSFS} "
             f"{'is empty' if SYSFS.is_dir() else 'does not exist'})",
-            fix="load the NIC's RDMA driver (mlx5_ib, ...), or soft-RoCE: modprobe rdma_rxe && rdma link add rxe0 "
-            "type rxe netdev <interface> (needs the rdma_rxe kernel module)",
+            fix=NO_DEVICE_FIX,
         )  # fmt: skip
     if not active:
         return TransportStatus(
             name="rdma",
             available=False,
             detail=f"no port is ACTIVE: {listing}",
-            fix="check the link (ibstat, ip link) and, for InfiniBand, the subnet manager",
+            fix=PORT_DOWN_FIX,
         )
     return TransportStatus(name="rdma", available=True, detail=f"pyverbs; ports: {listing}")
 

@@ -99,7 +99,7 @@ def nccl_datatype(dtype: torch.dtype, version: tuple[int, int, int], what: str =
     """NCCL's ``ncclDataType_t`` value for reducing ``dtype`` (a typed error where NCCL has none)."""
     if not isinstance(dtype, torch.dtype):
         raise ArgumentTypeError(f"{what}: dtype must be a torch.dtype, got {type(dtype).__name__}")
-    if dtype not in reducible_dtypes(version):
+    if dtype not in _NCCL_DTYPES or (dtype is torch.bfloat16 and tuple(version) < _V2_10):
         v = ".".join(map(str, version))
         hint = "; bfloat16 needs NCCL >= 2.10" if dtype is torch.bfloat16 else ""
         raise DTypeError(
@@ -391,15 +391,18 @@ class CupyNcclCommunicator(CommunicatorBase):
 
     # -- collectives -----------------------------------------------------------------------------------------
 
+    def _reduction(self, result: torch.Tensor, op: str) -> tuple[int, int, Callable[[], None] | None]:
+        """(NCCL datatype, NCCL op, what runs after) of a reduction into ``result`` (its dtype already
+        checked against this NCCL's reducible ones): ``avg`` before NCCL 2.10 is a sum, then a division."""
+        if op == "avg" and self._version < _V2_10:
+            return _NCCL_DTYPES[result.dtype], _NCCL_OPS["sum"], lambda: result.div_(self._world)
+        return _NCCL_DTYPES[result.dtype], _NCCL_OPS[op], None
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False) -> _NcclHandle | None:
         what = "all_reduce"
         op = self._check_op(op, what)
         t = self._check_tensor(tensor, what, "tensor", reduce=True, op=op)
-        dt = nccl_datatype(t.dtype, self._version, what)
-        then = None
-        code = _NCCL_OPS[op]
-        if op == "avg" and self._version < _V2_10:
-            code, then = _NCCL_OPS["sum"], (lambda: t.div_(self._world))
+        dt, code, then = self._reduction(t, op)
         ptr, n = t.data_ptr(), t.numel()
         return self._launch(what, lambda c, s: c.allReduce(ptr, ptr, n, dt, code, s), async_op, [t], then,
                             nbytes=t.nbytes)  # fmt: skip
@@ -424,10 +427,7 @@ class CupyNcclCommunicator(CommunicatorBase):
                        async_op: bool = False) -> _NcclHandle | None:  # fmt: skip
         what = "reduce_scatter"
         out, x, op = self._check_reduce_scatter(output, input, op, what)
-        dt = nccl_datatype(x.dtype, self._version, what)
-        code, then = _NCCL_OPS[op], None
-        if op == "avg" and self._version < _V2_10:
-            code, then = _NCCL_OPS["sum"], (lambda: out.div_(self._world))
+        dt, code, then = self._reduction(out, op)
         src, dst, n = x.data_ptr(), out.data_ptr(), out.numel()
         return self._launch(what, lambda c, s: c.reduceScatter(src, dst, n, dt, code, s), async_op, [x, out], then,
                             nbytes=x.nbytes)  # fmt: skip

@@ -264,6 +264,27 @@ def test_ring_reduce_scatter_and_all_gather_plans(world):
         assert torch.equal(gathered[r], ref)
 
 
+@pytest.mark.parametrize("op", [None, "sum", "avg", "max", "min", "product"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_receive_side_consumes_chunks_as_bytes(op, dtype):
+    """What the RDMA receive path does with each chunk landing in a staging slot (raw bytes): copy or
+    reduce it into place at the message's offset; nothing outside the message is touched."""
+    from torsh_kernels.collectives.rdma import _copier
+
+    g = torch.Generator().manual_seed(7)
+    flat = (torch.randn(50, generator=g) * 10).to(dtype)
+    before = flat.clone()
+    msg = (torch.randn(23, generator=g) * 10).to(dtype)
+    consume = _copier(flat, 11, op)
+    for eoff, n in chunk_spans(23, msg.element_size(), 24):
+        consume(msg[eoff : eoff + n].clone().view(torch.uint8), eoff)  # the bytes a slot holds
+    part = before[11:34]
+    ref = {None: msg, "sum": part + msg, "avg": part + msg, "max": torch.maximum(part, msg),
+           "min": torch.minimum(part, msg), "product": part * msg}[op]  # fmt: skip
+    assert torch.equal(flat[11:34], ref)
+    assert torch.equal(flat[:11], before[:11]) and torch.equal(flat[34:], before[34:])
+
+
 def test_ring_plan_arguments():
     with pytest.raises(InvalidArgumentError):
         ring_plan(3, 3)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import os
 import struct
 import threading
@@ -518,7 +519,6 @@ class RdmaCommunicator(CommunicatorBase):
         self._cache = RegistrationCache(
             lambda addr, n: v.mr.MR(self._pd, n, e.IBV_ACCESS_LOCAL_WRITE, address=addr), lambda mr: mr.close()
         )
-        rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
         mine: list[Endpoint | None] = []
         for p in range(self._world):
             if p == self._rank:
@@ -530,7 +530,7 @@ class RdmaCommunicator(CommunicatorBase):
             self._peers[p] = peer
             self._qpn_peer[peer.qp.qp_num] = p
             slot = self._slot_index(p)
-            psn = int(torch.randint(0, 1 << 24, (1,), generator=rng))
+            psn = int.from_bytes(os.urandom(3), "little")  # a random 24-bit starting PSN
             mine.append(Endpoint(peer.qp.qp_num, psn, lid, self._gid_index, gid,
                                  self._staging.data_ptr() + slot * 2 * self._chunk, self._staging_mr.rkey,
                                  2 * self._chunk))  # fmt: skip
@@ -694,7 +694,7 @@ class RdmaCommunicator(CommunicatorBase):
 
     def _work(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A scratch buffer of ``numel`` elements, the same registered memory call after call."""
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if self._scratch.numel() < nbytes:
             if self._cache is not None and self._scratch.numel():
                 self._cache.drop(self._scratch)
@@ -711,16 +711,7 @@ class RdmaCommunicator(CommunicatorBase):
         for st in ring_plan(self._world, self._rank, phases):
             so, sn = segs[st.send]
             ro, rn = segs[st.recv]
-            dst = flat[ro : ro + rn]
-
-            def consume(chunk, eoff, dst=dst, reduce=st.reduce):
-                vals = chunk.view(flat.dtype)
-                part = dst[eoff : eoff + vals.numel()]
-                if reduce:
-                    _reduce_into(part, vals, op)
-                else:
-                    part.copy_(vals)
-
+            consume = _copier(flat, ro, op if st.reduce else None)
             self._transfer(what, [(right, flat, so, sn)], [(left, rn, isz, consume)])
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False):
@@ -768,23 +759,17 @@ class RdmaCommunicator(CommunicatorBase):
         # a ring pass: src sends to its right neighbour, each rank forwards what it received (store and forward)
         pos = (self._rank - src) % self._world
         right, left = (self._rank + 1) % self._world, (self._rank - 1) % self._world
-        sends = [(right, flat, 0, flat.numel())] if pos < self._world - 1 else []
-        recvs = []
         if pos > 0:
-            recvs = [(left, flat.numel(), flat.element_size(), _copier(flat))]
-        if pos > 0:
-            self._transfer(what, [], recvs)
-        if sends:
-            self._transfer(what, sends, [])
+            self._transfer(what, [], [(left, flat.numel(), flat.element_size(), _copier(flat))])
+        if pos < self._world - 1:
+            self._transfer(what, [(right, flat, 0, flat.numel())], [])
         return self._done(async_op)
 
     def all_to_all(self, output, input, output_splits=None, input_splits=None, *, async_op: bool = False):
         what = "all_to_all"
         out, x, outs, ins = self._check_all_to_all(output, input, output_splits, input_splits, what)
         w = self._world
-        row = 1
-        for d in x.shape[1:]:
-            row *= d
+        row = math.prod(x.shape[1:])
         ins = ins or [x.shape[0] // w] * w
         outs = outs or [out.shape[0] // w] * w
         xo = [sum(ins[:p]) for p in range(w)]
@@ -826,24 +811,23 @@ class RdmaCommunicator(CommunicatorBase):
         )
 
 
-def _reduce_into(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
-    if op in ("sum", "avg"):
-        dst.add_(src)
-    elif op == "max":
-        torch.maximum(dst, src, out=dst)
-    elif op == "min":
-        torch.minimum(dst, src, out=dst)
-    else:
-        dst.mul_(src)
-
-
-def _copier(flat: torch.Tensor, base: int = 0) -> Callable[[torch.Tensor, int], None]:
+def _copier(flat: torch.Tensor, base: int = 0, op: str | None = None) -> Callable[[torch.Tensor, int], None]:
     """What a receive does with a chunk of bytes landing at element ``eoff`` of a message placed at element
-    ``base`` of ``flat``: copy it there."""
+    ``base`` of ``flat``: copy it there, or with ``op`` reduce it into what is there."""
 
     def consume(chunk: torch.Tensor, eoff: int) -> None:
         vals = chunk.view(flat.dtype)
-        flat[base + eoff : base + eoff + vals.numel()].copy_(vals)
+        dst = flat[base + eoff : base + eoff + vals.numel()]
+        if op is None:
+            dst.copy_(vals)
+        elif op in ("sum", "avg"):
+            dst.add_(vals)
+        elif op == "max":
+            torch.maximum(dst, vals, out=dst)
+        elif op == "min":
+            torch.minimum(dst, vals, out=dst)
+        else:
+            dst.mul_(vals)
 
     return consume
 

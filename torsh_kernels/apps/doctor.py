@@ -23,8 +23,8 @@ def _driver() -> tuple[str | None, str]:
     """(the NVIDIA driver version, where it came from or why there is none)."""
     p = Path("/proc/driver/nvidia/version")
     if p.exists():
-        first = p.read_text().splitlines()[0] if p.read_text() else ""
-        for tok in first.split():
+        lines = p.read_text().splitlines()
+        for tok in (lines[0] if lines else "").split():
             if tok[:1].isdigit() and "." in tok:
                 return tok, str(p)
     try:
@@ -43,16 +43,13 @@ def collect() -> dict:
 
     from .. import __version__, providers
     from ..collectives.rdma import sysfs_devices
-    from ..collectives.transports import namespaces_supported, transports
+    from ..collectives.transports import namespaces_supported, torch_nccl_version, transports
 
     driver, driver_src = _driver()
     gpus = []
     if torch.cuda.is_available():
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    nccl = None
-    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
-        v = torch.cuda.nccl.version()
-        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    nccl = torch_nccl_version()
     software = {
         "torsh_kernels": __version__, "python": platform.python_version(), "platform": platform.platform(),
         "torch": torch.__version__, "torch_cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..errors import InvalidArgumentError, TransportUnavailableError
 from .communicator import Communicator, TorchCommunicator
 
-__all__ = ["KINDS", "TransportStatus", "make_communicator", "transports"]
+__all__ = ["KINDS", "TransportStatus", "make_communicator", "torch_nccl_version", "transports"]
 
 KINDS = ("auto", "torch", "cupy-nccl", "rdma")
 
@@ -46,15 +46,21 @@ class TransportStatus:
         return dataclasses.asdict(self)
 
 
+def torch_nccl_version() -> str | None:
+    """The version of the NCCL torch's own NCCL backend uses ("2.21.5"), None without CUDA or NCCL."""
+    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+        return None
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 def _torch_status() -> TransportStatus:
     if not dist.is_available():
         return TransportStatus(name="torch", available=False, detail=f"torch {torch.__version__} was built without "
                                "torch.distributed", fix="install a torch build with distributed support")  # fmt: skip
     backends = [b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())) if ok]
-    nccl = ""
-    if dist.is_nccl_available() and torch.cuda.is_available():
-        v = torch.cuda.nccl.version()
-        nccl = f", NCCL {'.'.join(map(str, v)) if isinstance(v, tuple) else v}"
+    v = torch_nccl_version()
+    nccl = f", NCCL {v}" if v else ""
     return TransportStatus(name="torch", available=bool(backends),
                            detail=f"torch.distributed backends: {', '.join(backends) or 'none'}{nccl}",
                            fix="" if backends else "install a torch build with gloo")  # fmt: skip

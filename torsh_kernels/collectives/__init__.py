@@ -23,6 +23,7 @@ from .cupy_nccl import CupyNcclCommunicator
 from .hierarchical import hierarchical_all_reduce, node_groups
 from .launch import init_from_env, run_local
 from .rdma import RdmaCommunicator
+from .sparse import all_reduce_sparse
 from .transports import TransportStatus, make_communicator, transports
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "TorchCommunicator",
     "TransportStatus",
     "all_gather_time",
+    "all_reduce_sparse",
     "all_reduce_time",
     "all_to_all_time",
     "as_communicator",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import math
 from collections import deque
@@ -45,10 +46,12 @@ from ..compression import (
 )
 from ..compression.allreduce import issue
 from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError
-from ..ops import COMPRESS_DTYPES, flatten, unflatten
+from ..ops import COMPRESS_DTYPES, count_nonfinite, flatten, unflatten
 from .auto import AUTO, AutoSelector
 
 POLICIES = ("layerwise", "bucket")
+NONFINITE = ("auto", "propagate", "raise")
+"""What the bucket layer does with NaN/Inf gradients (see :class:`BucketCompressor`)."""
 AUTO_START_ITER = 2
 """``compressor="auto"``'s default warm-up: DDP rebuilds its buckets after the first iteration, so the
 second one shows the layout the job keeps; the choice is made as the third begins."""
@@ -191,15 +194,23 @@ class BucketCompressor:
 
     __slots__ = (
         "_auto_rate",
+        "_created",
+        "_mode",
         "_plain_c",
         "_plans",
+        "_saved",
+        "_skip",
+        "_snapshots",
         "_stateless",
+        "_unchecked",
         "_used",
         "auto",
         "compressor",
         "iteration",
         "min_compression_rate",
         "min_numel",
+        "nonfinite",
+        "nonfinite_steps",
         "policy",
         "quantize_mode",
         "shapes",
@@ -217,6 +228,7 @@ class BucketCompressor:
         policy: str = "layerwise",
         quantize_mode: str = "auto",
         auto_candidates: Sequence[Compressor | None] | None = None,
+        nonfinite: str = "auto",
         what: str = "BucketCompressor",
     ) -> None:
         auto = isinstance(compressor, str)
@@ -250,8 +262,18 @@ class BucketCompressor:
             raise InvalidArgumentError(f"{what}: policy must be one of {POLICIES}, got {policy!r}")
         if quantize_mode not in QUANTIZE_MODES:
             raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
+        if nonfinite not in NONFINITE:
+            raise InvalidArgumentError(f"{what}: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         # the warm-up and the size rule are decided here, per tensor; the compressor must not repeat them
         self.compressor = compressor.per_tensor(min_compression_rate)
+        self._unchecked = _unchecked(self.compressor)
+        self.nonfinite = nonfinite
+        self._mode = None if nonfinite == "auto" else nonfinite  # "auto" is resolved at the first bucket
+        self.nonfinite_steps = 0
+        self._skip = False  # a bucket of this iteration held NaN/Inf on some rank ("propagate")
+        self._snapshots: dict[tuple[int, ...], tuple[int, int, dict[str, torch.Tensor]]] = {}
+        self._saved: set[tuple[int, ...]] = set()  # states saved this iteration
+        self._created: set[tuple[int, ...]] = set()  # states first made this iteration
         self.start_iter = start_iter
         self.min_compression_rate = float(min_compression_rate)
         self.min_numel = min_numel
@@ -272,7 +294,8 @@ class BucketCompressor:
     def _candidate_engine(self, c: Compressor | None) -> BucketCompressor:
         """The engine a candidate of ``auto`` would run in: this one's size rules, no warm-up."""
         return BucketCompressor(c, start_iter=0, min_compression_rate=self._auto_rate, min_numel=self.min_numel,
-                                policy=self.policy, quantize_mode=self.quantize_mode)  # fmt: skip
+                                policy=self.policy, quantize_mode=self.quantize_mode,
+                                nonfinite=self.nonfinite)  # fmt: skip
 
     def _apply_auto(self, compressor: Compressor | None) -> None:
         rate = self._auto_rate
@@ -305,9 +328,11 @@ class BucketCompressor:
         if not isinstance(compressor, Compressor):
             raise ArgumentTypeError(f"set_compressor: expected a Compressor or None, got {type(compressor).__name__}")
         self.compressor = compressor.per_tensor(self.min_compression_rate)
+        self._unchecked = _unchecked(self.compressor)
         self.states = {}
         self._plans = {}
         self._used = set()
+        self._snapshots = {}
 
     # -- which tensors ------------------------------------------------------------------------------
 
@@ -374,6 +399,67 @@ class BucketCompressor:
                     "load a state saved from the same model"
                 )
 
+    # -- non-finite gradients -------------------------------------------------------------------------
+
+    def mode(self) -> str:
+        """The non-finite policy in force: "propagate" or "raise" ("auto" resolved at the first call)."""
+        if self._mode is None:
+            self._mode = "propagate" if grad_scaler_in_use() else "raise"
+        return self._mode
+
+    def screen(self, tensors: Sequence[torch.Tensor], comm: Communicator) -> bool:
+        """Whether a bucket about to be reduced holds NaN/Inf on any rank. Under "propagate" with a stateful
+        compressor: a count on this rank, then one all-reduce of a flag that every rank waits for (the
+        same collective on every rank for every bucket, so the order of collectives does not change), before
+        any state is touched. Otherwise False without communicating: under "raise" the compressors' own
+        check raises; a stateless compressor (uncompressed, the casts) passes NaN/Inf through unchecked."""
+        if not self.compressor.stateful or self.mode() != "propagate":
+            return False
+        bad = 0
+        for t in tensors:
+            bad += int(count_nonfinite(t.reshape(-1)))
+        flag = torch.tensor([1.0 if bad else 0.0], device=comm.device)
+        comm.all_reduce(flag, "max")
+        return bool(flag.item())
+
+    def _save(self, key: tuple[int, ...], st: CompressionState) -> None:
+        """Under "propagate": keep what a compress step changes in ``st`` (once per iteration), so that
+        an iteration where some bucket held NaN/Inf can be undone."""
+        if key in self._saved:
+            return
+        self._saved.add(key)
+        old = self._snapshots.get(key)
+        keep = {}
+        for name, t in st.tensors.items():
+            b = old[2].get(name) if old is not None else None
+            if b is not None and b.shape == t.shape and b.dtype == t.dtype and b.device == t.device:
+                keep[name] = b.copy_(t)
+            else:
+                keep[name] = t.clone()
+        self._snapshots[key] = (st.step, st.seed, keep)
+
+    def _restore(self) -> None:
+        """Put every state touched this iteration back as it was before it (the step is skipped)."""
+        for key in self._created:
+            self.states.pop(key, None)
+        for key in self._saved - self._created:
+            st = self.states.get(key)
+            step, seed, saved = self._snapshots[key]
+            if st is None:
+                continue
+            st.step, st.seed = step, seed
+            for name in [n for n in st.tensors if n not in saved]:
+                del st.tensors[name]
+            for name, b in saved.items():
+                t = st.tensors.get(name)
+                if t is not None and t.shape == b.shape and t.dtype == b.dtype and t.device == b.device:
+                    t.copy_(b)
+                else:
+                    st.tensors[name] = b.clone()
+        if self._created:
+            for plan in self._plans.values():  # they may hold the dropped states
+                plan.states = None
+
     # -- states ---------------------------------------------------------------------------------------
 
     def _state(self, key: tuple[int, ...], rank: int) -> CompressionState:
@@ -383,6 +469,7 @@ class BucketCompressor:
             if len(key) > 1 or any(len(k) > 1 for k in self.states):
                 self._carry_residuals(key, st)
             self.states[key] = st
+            self._created.add(key)
         self._used.add(key)
         return st
 
@@ -418,7 +505,7 @@ class BucketCompressor:
 
     def start(
         self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator, *,
-        flat: torch.Tensor | None = None,
+        flat: torch.Tensor | None = None, nonfinite: bool = False,
     ) -> tuple[list[CompressedReduction], Callable[[], None] | None]:  # fmt: skip
         """Start averaging one bucket's gradients (in place). Returns the reductions to pipeline and a
         function to call when they are done (copies back from temporary flat buffers), or None.
@@ -426,10 +513,18 @@ class BucketCompressor:
         reduced as one tensor where the whole bucket travels alike (uncompressed, or a cast); ``grads``
         may then be a function returning them, called only when needed (the first time a layout is seen,
         or when the bucket is compressed tensor by tensor). Each
-        reduction's ``single_round`` says whether its decode may run from its collective's callback."""
+        reduction's ``single_round`` says whether its decode may run from its collective's callback.
+        ``nonfinite``: :meth:`screen` found NaN/Inf in this bucket on some rank: it is averaged uncompressed
+        (so every rank receives the NaN/Inf) and the iteration is undone when it ends."""
+        if nonfinite:
+            self._skip = True
+            if callable(grads) and flat is None:
+                grads = grads()
+            return [self._whole([] if flat is not None else list(grads), flat, comm, self._plain_c)], None
         if self.auto is not None and self.auto.decision is None:
             grads = self._auto_turn(grads, keys, comm, flat)
-        c = self.compressor
+        propagate = self.mode() == "propagate"
+        c = self._unchecked if propagate else self.compressor
         if flat is not None:  # the whole bucket may travel as it is: no need to look at its gradients
             plan = self._plans.get((tuple(keys), flat.dtype, comm.world_size))
             if plan is not None and (self.iteration < self.start_iter or c.identity):
@@ -458,6 +553,9 @@ class BucketCompressor:
         if states is None:
             states = plan.states = [self._state(k, comm.rank) for k in plan.state_keys]
         self._used.update(plan.state_keys)
+        if propagate and c.stateful:
+            for k, st in zip(plan.state_keys, states):
+                self._save(k, st)
         if self.policy == "layerwise":
             if states:
                 tensors = [grads[g[0]] for g in plan.compressed]
@@ -487,8 +585,17 @@ class BucketCompressor:
         st = st or self._stateless
         return issue(tensors, [st] * len(tensors), comm, c, single_round=True)
 
-    def end_iteration(self) -> None:
-        """Count a finished iteration; forget groups the current bucket layout no longer uses."""
+    def end_iteration(self) -> bool:
+        """Count a finished iteration; forget groups the current bucket layout no longer uses. An iteration
+        where some bucket held NaN/Inf ("propagate") is undone instead: every state as before it, the
+        iteration not counted. Returns whether it was undone."""
+        if self._skip:
+            self._restore()
+            self._skip = False
+            self._saved, self._created, self._used = set(), set(), set()
+            self.nonfinite_steps += 1
+            return True
+        self._saved, self._created = set(), set()
         if self.auto is not None and self.auto.decision is None:
             self.auto.end_iteration()
         if self._used:
@@ -500,6 +607,7 @@ class BucketCompressor:
                 del self._plans[sig]
         self._used = set()
         self.iteration += 1
+        return False
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
@@ -544,3 +652,24 @@ class BucketCompressor:
         self.states = states
         self._plans = {}
         self._used = set()
+        self._snapshots, self._saved, self._created, self._skip = {}, set(), set(), False
+
+
+def _unchecked(c: Compressor) -> Compressor:
+    """``c`` without its NaN/Inf check (under "propagate" the bucket layer has screened the input)."""
+    if getattr(c, "check_finite", False):
+        return dataclasses.replace(c, check_finite=False)
+    return c
+
+
+def grad_scaler_in_use() -> bool:
+    """Whether this process holds an enabled ``torch.amp.GradScaler`` (or a subclass's instance): what
+    ``nonfinite="auto"`` resolves to "propagate" by. One look at the objects that refer to the scaler
+    classes (their instances), made once per hook state or synchronizer."""
+    base = torch.amp.GradScaler
+    classes, todo = [], [base]
+    while todo:
+        k = todo.pop()
+        classes.append(k)
+        todo.extend(k.__subclasses__())
+    return any(isinstance(o, base) and o.is_enabled() for o in gc.get_referrers(*classes))

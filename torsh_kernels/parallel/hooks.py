@@ -41,10 +41,21 @@ residuals, PowerSGD's Q memory and the iteration count; a fresh process that loa
 reproduces the uninterrupted run exactly (``policy="layerwise"``: the grouping does not depend on the
 bucket layout, which a fresh DDP rebuilds).
 
-Non-finite gradients in a compressed tensor raise :class:`~torsh_kernels.errors.NonFiniteError` before
-its state changes (the compressors' check); PyTorch's AMP ``GradScaler`` relies on inf passing through
-the all-reduce, so use ``check_finite=False`` compressors only with care (the residual would keep the
-non-finite values).
+Non-finite gradients (``nonfinite=``): PyTorch's AMP ``GradScaler`` relies on NaN/Inf passing through
+the all-reduce so that it skips the step. Under ``"propagate"`` (the default while an enabled GradScaler
+exists) a bucket holding NaN/Inf on any rank is averaged uncompressed, so every rank receives it, and
+the iteration is undone in the hook's state (residuals, PowerSGD's Q, step and iteration counts as
+before it); under ``"raise"`` (the default otherwise) the compressor raises
+:class:`~torsh_kernels.errors.NonFiniteError` before its state changes.
+
+Sparse gradients (``nn.Embedding(sparse=True)``, which DDP puts in buckets of their own) are averaged
+uncompressed, as DDP does (``stats.sparse_buckets`` counts them).
+
+Two call forms: DDP's C++ reducer passes a ``GradBucket`` (also under ``torch.compile`` with
+``optimize_ddp``'s default mode); its python reducer (compiled autograd with
+``optimize_ddp="python_reducer"``) passes ``(param.grad, param)`` and ignores the result, so the hook
+then averages that gradient in place before returning, one parameter at a time (see
+:func:`compression_hook`).
 """
 
 from __future__ import annotations
@@ -62,6 +73,7 @@ import torch.distributed as dist
 from .. import _trace
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import TorchCommunicator, is_communicator, resolve_group
+from ..collectives.sparse import all_reduce_sparse
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
@@ -94,6 +106,12 @@ class HookStats:
     in the step time)."""
     async_buckets: int = 0
     """Buckets returned as the collective's own future (one round: no wait in the hook)."""
+    sparse_buckets: int = 0
+    """Buckets of sparse gradients (``nn.Embedding(sparse=True)``): averaged uncompressed, as DDP does
+    (:func:`~torsh_kernels.collectives.all_reduce_sparse`), never compressed."""
+    nonfinite_steps: int = 0
+    """Iterations where some rank's gradients held NaN/Inf under ``nonfinite="propagate"``: delivered to
+    every rank uncompressed, and undone in the hook's state (the GradScaler skips them)."""
     auto: dict | None = None
     """With ``compressor="auto"``, once it has chosen: the choice and why (``AutoDecision.as_dict()``:
     the probed link, each candidate's measured compute, bytes, predicted wire time and break-even
@@ -107,6 +125,7 @@ class HookStats:
 
     def reset(self) -> None:
         self.iterations = self.buckets = self.bytes_before = self.bytes_after = self.async_buckets = 0
+        self.sparse_buckets = self.nonfinite_steps = 0
         self.compress_s = self.wait_s = 0.0
         self.per_iteration.clear()
 
@@ -120,6 +139,8 @@ class HookStats:
             "compress_s": self.compress_s,
             "wait_s": self.wait_s,
             "async_buckets": self.async_buckets,
+            "sparse_buckets": self.sparse_buckets,
+            "nonfinite_steps": self.nonfinite_steps,
             "auto": self.auto,
         }
 
@@ -194,9 +215,18 @@ class CompressionHookState:
         quantize_mode: for :class:`~torsh_kernels.compression.Quantize`: ``"auto"``, ``"all_gather"``
             or ``"shared_scale"`` (see ``compressed_all_reduce``).
         timeout: seconds a collective may take before it fails with ``CollectiveError``.
+        nonfinite: what a NaN/Inf gradient does. ``"propagate"``: every rank's gradient receives it (the bucket
+            is averaged uncompressed), so ``torch.amp.GradScaler`` skips the step, and the hook's state
+            (residuals, PowerSGD's Q, step counts, the iteration count) is left exactly as before that
+            iteration; with a stateful compressor each bucket costs one more all-reduce of a flag, and each
+            compressor state one copy per step. ``"raise"``: the compressor raises ``NonFiniteError`` on the
+            rank that holds it. ``"auto"`` (default): ``"propagate"`` when the process holds an enabled
+            ``torch.amp.GradScaler`` at the first bucket (create the scaler before the first backward),
+            else ``"raise"``.
     """
 
-    __slots__ = ("_comm", "_engine", "_given", "_keys", "_pipeline", "_timeout", "_turn", "process_group", "stats")
+    __slots__ = ("_comm", "_engine", "_expected", "_given", "_keys", "_pipeline", "_seen", "_timeout", "_turn",
+                 "process_group", "stats")  # fmt: skip
 
     def __init__(
         self,
@@ -211,6 +241,7 @@ class CompressionHookState:
         policy: str = "layerwise",
         quantize_mode: str = "auto",
         timeout: float | None = None,
+        nonfinite: str = "auto",
     ) -> None:
         self._given = None  # a Communicator the caller gave instead of a group
         if is_communicator(process_group, ("all_reduce", "all_gather", "world_size")):
@@ -228,12 +259,15 @@ class CompressionHookState:
             policy=policy,
             quantize_mode=quantize_mode,
             auto_candidates=auto_candidates,
+            nonfinite=nonfinite,
             what="CompressionHookState",
         )
         self._timeout = timeout
         self._comm: Coalescer | None = None
         self._pipeline = ReductionPipeline()
         self._keys: dict[int, int] = {}
+        self._seen: set[int] = set()  # called per parameter: the parameters of the iteration so far
+        self._expected: int | None = None  # ... and how many an iteration has (known after the first)
         self.stats = HookStats()
         self._turn = _Turn(self.stats)
 
@@ -257,6 +291,11 @@ class CompressionHookState:
     @property
     def policy(self) -> str:
         return self._engine.policy
+
+    @property
+    def nonfinite(self) -> str:
+        """The non-finite policy as given ("auto", "propagate" or "raise")."""
+        return self._engine.nonfinite
 
     @property
     def iteration(self) -> int:
@@ -299,6 +338,8 @@ class CompressionHookState:
         self._comm = None
         self._pipeline = ReductionPipeline()
         self._keys = {}
+        self._seen = set()
+        self._expected = None
         self._turn = _Turn(self.stats)
 
     def __repr__(self) -> str:
@@ -306,40 +347,52 @@ class CompressionHookState:
         return (
             f"CompressionHookState(compressor={e.compressor!r}, start_iter={e.start_iter}, "
             f"min_compression_rate={e.min_compression_rate}, min_numel={e.min_numel}, policy={e.policy!r}, "
-            f"iteration={e.iteration}, states={len(e.states)})"
+            f"nonfinite={e.nonfinite!r}, iteration={e.iteration}, states={len(e.states)})"
         )
 
 
-def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def compression_hook(
+    state: CompressionHookState, bucket: dist.GradBucket | tuple[torch.Tensor, torch.Tensor]
+) -> torch.futures.Future[torch.Tensor] | torch.Tensor:
     """DDP communication hook: average ``bucket`` over the process group through ``state.compressor``.
-    Register with ``ddp.register_comm_hook(state, compression_hook)``."""
+    Register with ``ddp.register_comm_hook(state, compression_hook)``.
+
+    DDP calls it with a ``GradBucket`` (its C++ reducer, also under ``torch.compile`` with
+    ``optimize_ddp``'s default mode), or with ``(param.grad, param)`` under compiled autograd with
+    ``torch._dynamo.config.optimize_ddp = "python_reducer"``: the gradient is then averaged in place before
+    the hook returns (that reducer ignores what a hook returns and has no end-of-backward callback), one
+    parameter at a time, each with its own compressor state as under ``policy="layerwise"``; the
+    hook runs eagerly there (``torch.compiler.disable``)."""
     if not isinstance(state, CompressionHookState):
         raise ArgumentTypeError(
             f"compression_hook: state must be a CompressionHookState, got {type(state).__name__}; "
             "register with ddp.register_comm_hook(CompressionHookState(...), compression_hook)"
         )
+    if isinstance(bucket, tuple):
+        return _parameter_hook(state, bucket)
     comm = state._communicator()
     buf = bucket.buffer()
     keys = [state._key(p) for p in bucket.parameters()]
     engine = state._engine
     turn = state._turn
     last = bucket.is_last()
-    # While older buckets have rounds to issue (PowerSGD's Q), this bucket's first round and theirs go
-    # out as one all-reduce: the collectives issued below depend only on the bucket sequence, so every
-    # rank coalesces the same ones (see parallel/_engine.py)
-    batch = comm.batch() if state._pipeline.multi_round() else contextlib.nullcontext()
     try:
-        span = bucket_span(bucket.index(), bucket.gradients(), engine.compressor) if _trace.recorder else None
         with turn.lock:
             turn.pending += 1
-        with batch:
-            fut = _start(state, bucket, engine, comm, keys, buf, turn, span)
+        if buf.layout != torch.strided:  # a sparse gradient: its own bucket, averaged uncompressed
+            fut = torch.futures.Future()
+            fut.set_result(_sparse(state, buf, comm, turn))
+        else:
+            span = bucket_span(bucket.index(), bucket.gradients(), engine.compressor) if _trace.recorder else None
+            nonfinite = engine.screen([buf], comm)
+            # While older buckets have rounds to issue (PowerSGD's Q), this bucket's first round and theirs
+            # go out as one all-reduce: the collectives issued below depend only on the bucket sequence, so
+            # every rank coalesces the same ones (see parallel/_engine.py)
+            with comm.batch() if state._pipeline.multi_round() else contextlib.nullcontext():
+                fut = _start(state, bucket, engine, comm, keys, buf, turn, span, nonfinite)
         if last:
             state._pipeline.drain(comm.batch)
-            engine.end_iteration()
-            state.stats.iterations += 1
-            state._turn = _Turn(state.stats)
-            turn.close()
+            _end_iteration(state, turn)
     except BaseException:
         # the collectives of this iteration are out of step with the other ranks: start over cleanly
         state._pipeline = ReductionPipeline()
@@ -348,11 +401,80 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     return fut
 
 
+def _end_iteration(state: CompressionHookState, turn: _Turn) -> None:
+    if state._engine.end_iteration():
+        state.stats.nonfinite_steps += 1
+    state.stats.iterations += 1
+    state._turn = _Turn(state.stats)
+    turn.close()
+
+
+def _sparse(state: CompressionHookState, grad: torch.Tensor, comm: Coalescer, turn: _Turn) -> torch.Tensor:
+    """A sparse gradient, averaged uncompressed (and synchronously: the result's size depends on every rank)."""
+    t0 = time.perf_counter()
+    out, sent = all_reduce_sparse(comm, grad)
+    state.stats.sparse_buckets += 1
+    before = grad._indices().nbytes + grad._values().nbytes
+    turn.record(before, {"bytes_sent": sent, "compress_s": 0.0, "wait_s": time.perf_counter() - t0}, False)
+    return out
+
+
+@torch.compiler.disable
+def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
+    """``compression_hook(state, (param.grad, param))``: DDP's python reducer (compiled autograd) calls it
+    once per gradient and ignores the result, so the average is complete in ``param.grad`` on return.
+
+    An iteration ends when every parameter seen in the first one has been reduced (or, in the first,
+    when a parameter comes round again); the compressor states, warm-up and statistics then advance as
+    with buckets."""
+    if len(pair) != 2 or not isinstance(pair[0], torch.Tensor) or not isinstance(pair[1], torch.Tensor):
+        raise ArgumentTypeError(
+            "compression_hook: expected a GradBucket or a (gradient, parameter) pair of tensors, got a tuple of "
+            f"{[type(x).__name__ for x in pair]}"
+        )
+    grad, param = pair
+    key = state._key(param)
+    if key in state._seen:  # the first iteration ended with the previous call
+        _close_parameter_iteration(state)
+    state._seen.add(key)
+    comm = state._communicator()
+    turn = state._turn
+    engine = state._engine
+    with turn.lock:
+        turn.pending += 1
+    try:
+        if grad.layout != torch.strided:
+            param.grad = grad = _sparse(state, grad, comm, turn)
+        else:
+            span = bucket_span(key, [grad], engine.compressor) if _trace.recorder else None
+            nonfinite = engine.screen([grad], comm)
+            flat = grad.view(-1) if grad.is_contiguous() else None
+            reductions, finish = engine.start([grad], [key], comm, flat=flat, nonfinite=nonfinite)
+            pipeline = ReductionPipeline()
+            pipeline.submit(reductions, finish, span)
+            pipeline.drain(comm.batch)
+            turn.record(grad.numel() * grad.element_size(), totals(reductions), False)
+    except BaseException:
+        state._seen = set()
+        state._turn = _Turn(state.stats)
+        raise
+    if state._expected is not None and len(state._seen) >= state._expected:
+        _close_parameter_iteration(state)
+    return grad
+
+
+def _close_parameter_iteration(state: CompressionHookState) -> None:
+    if state._expected is None:
+        state._expected = len(state._seen)
+    state._seen = set()
+    _end_iteration(state, state._turn)
+
+
 def _start(state: CompressionHookState, bucket: dist.GradBucket, engine, comm: Coalescer, keys: list, buf, turn,
-           span):  # fmt: skip
+           span, nonfinite: bool):  # fmt: skip
     """Start one bucket's reductions: a one-round bucket returns its collective's future; the others join
     the pipeline, which advances the older buckets by one round."""
-    reductions, finish = engine.start(bucket.gradients, keys, comm, flat=buf)
+    reductions, finish = engine.start(bucket.gradients, keys, comm, flat=buf, nonfinite=nonfinite)
     if engine.auto is not None and state.stats.auto is None and engine.auto.decision is not None:
         state.stats.auto = engine.auto.decision.as_dict()
     before = buf.numel() * buf.element_size()
@@ -411,7 +533,8 @@ def _chain(futs: list, buf: torch.Tensor, reductions: list, before: int, turn: _
     return f.then(finished)
 
 
-# DDP checks the hook's annotations by identity; with postponed evaluation they would be strings
+# DDP checks the hook's annotations by identity (the bucket's and the return's); with postponed evaluation
+# they would be strings
 compression_hook.__annotations__ = {
     "state": CompressionHookState,
     "bucket": dist.GradBucket,

@@ -41,10 +41,24 @@ def test_powersgd_rank_recovers_low_rank_matrices(gen):
     assert ((out - x).norm() / x.norm()).item() < 1e-4
 
 
-def test_flat_tensors_use_a_near_square_matrix():
+def test_flat_tensors_use_a_near_square_matrix_and_others_shape0_by_rest():
     assert matrix_shape(torch.empty(1000)) == (32, 32)
     assert matrix_shape(torch.empty(10, 3, 3)) == (10, 9)
-    assert matrix_shape(torch.empty(1, 50)) == (8, 7)
+    # as PyTorch's powerSGD_hook (tensor.view(shape[0], -1)), whatever the sizes
+    assert matrix_shape(torch.empty(1, 50)) == (1, 50)
+    assert matrix_shape(torch.empty(50, 1)) == (50, 1)
+    assert matrix_shape(torch.empty(7, 1, 1)) == (7, 1)
+    assert matrix_shape(torch.empty(0, 5)) == (1, 1)  # empty: the flat view
+
+
+def test_rank_one_of_a_column_or_a_row_is_exact(gen):
+    # the [shape[0], rest] view of an [n, 1] or [1, n] tensor has rank 1: one PowerSGD step recovers it
+    for shape in ((37, 1), (1, 41)):
+        x = torch.randn(shape, generator=gen)
+        c = PowerSGD(1, min_compression_rate=0.0)
+        out, payloads = roundtrip(c, x, c.new_state())
+        assert len(payloads) == 2  # P then Q: it was compressed
+        torch.testing.assert_close(out, x, atol=1e-5, rtol=1e-5)
 
 
 def test_schemes_are_the_p_and_q_all_reduces():

@@ -27,10 +27,11 @@ _TINY = 2.0**-60
 
 
 def matrix_shape(tensor: torch.Tensor) -> tuple[int, int]:
-    """PowerSGD's matrix view: [shape[0], rest] for tensors of 2+ dims, a near-square padded one for
-    flat tensors (as PyTorch's batched PowerSGD does)."""
+    """PowerSGD's matrix view: [shape[0], rest] for tensors of 2+ dims, as PyTorch's ``powerSGD_hook``
+    (``[n, 1]`` and ``[1, n]`` included: a rank-1 approximation of them is exact); a near-square padded
+    one for flat tensors (as PyTorch's batched PowerSGD does) and empty ones."""
     n = tensor.numel()
-    if tensor.dim() >= 2 and tensor.shape[0] > 1 and n // tensor.shape[0] > 1:
+    if tensor.dim() >= 2 and n > 0:
         return tensor.shape[0], n // tensor.shape[0]
     side = max(1, math.ceil(math.sqrt(n)))
     return side, max(1, -(-n // side))

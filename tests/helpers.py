@@ -101,3 +101,25 @@ class MLP(nn.Module):
             if i + 1 < len(self.names):
                 h = self.act(h)
         return h + self.side(x) if side else h
+
+
+class SparseNet(nn.Module):
+    """Sparse embeddings (``Embedding`` and ``EmbeddingBag`` with ``sparse=True``) beside dense layers, as a
+    recommendation model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(99)
+        self.emb = nn.Embedding(301, 24, sparse=True)
+        self.bag = nn.EmbeddingBag(157, 24, mode="sum", sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 40), nn.ReLU(), nn.Linear(40, 10))
+
+    def forward(self, ids, bag_ids):
+        return self.mlp(torch.cat([self.emb(ids).mean(1), self.bag(bag_ids)], dim=1))
+
+
+def sparse_batch(step: int, rank: int):
+    """(ids [16, 5], bag ids [16, 3], labels [16]) for :class:`SparseNet`, different per step and rank."""
+    g = torch.Generator().manual_seed(7919 * step + 31 * rank)
+    return (torch.randint(0, 301, (16, 5), generator=g), torch.randint(0, 157, (16, 3), generator=g),
+            torch.randint(0, 10, (16,), generator=g))  # fmt: skip

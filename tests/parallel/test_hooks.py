@@ -459,3 +459,255 @@ def _given_comm_worker(comm) -> bool:
 
 def test_hook_over_a_given_communicator():
     assert run_local(_given_comm_worker, 2, op_timeout=60) == [True, True]
+
+
+# -- where PyTorch users are: compiled autograd, sparse gradients, AMP, PowerSGD's matrix view ---------------
+
+
+def _compiled_worker(comm, names, mode):
+    """Each compressor under torch.compile: ``mode="python_reducer"`` with compiled autograd (the hook gets
+    ``(param.grad, param)``), ``"ddp_optimizer"`` (the default: the C++ reducer, GradBuckets); against the
+    eager reference loop."""
+    import torch._dynamo
+
+    torch._dynamo.config.optimize_ddp = mode
+    out = {}
+    for name in names:
+        torch._dynamo.reset()
+        net = model()
+        # (DDPOptimizer wants the first bucket no larger than the others: DDP's default caps here)
+        ddp = DDP(net, bucket_cap_mb=CAP_MB) if mode == "python_reducer" else DDP(net)
+        state = CompressionHookState(compressor=make(name), min_numel=64)
+        ddp.register_comm_hook(state, compression_hook)
+        compiled = torch.compile(ddp, backend="eager")
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        for step in range(STEPS):
+            x, y = batch(step, comm.rank)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(compiled(x), y)
+            if mode == "python_reducer":
+                with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+                    loss.backward()
+            else:
+                loss.backward()
+            opt.step()
+        ref = train_reference(comm, state, list(net.parameters()), STEPS)
+        diff = max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters()))
+        moved = max((a - b).abs().max().item() for a, b in zip(net.parameters(), model().parameters()))
+        params = [p.detach().clone() for p in net.parameters()]
+        out[name] = (diff, moved, state.stats.iterations, state.iteration, params)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["python_reducer", "ddp_optimizer"])
+def test_every_compressor_under_torch_compile_and_compiled_autograd(mode):
+    out = run_local(_compiled_worker, 2, ALL, mode, op_timeout=120)
+    for name in ALL:
+        diff, moved, iterations, iteration, params = out[0][name]
+        assert moved > 1e-3, f"{name}: training did not move the parameters"
+        # the same per-parameter compression as the eager reference loop (a compiled forward and backward may
+        # round differently from the eager one: float tolerance, scaled by how far training moved)
+        assert diff <= 1e-4 * max(1.0, moved), f"{name} under {mode}: differs from the reference by {diff}"
+        assert all(torch.equal(a, b) for a, b in zip(params, out[1][name][4])), f"{name}: replicas differ"
+        if mode == "python_reducer":
+            # the last iteration ends with its last parameter (the first one ended when a parameter came round)
+            assert (iterations, iteration) == (STEPS, STEPS)
+
+
+def test_parameter_call_form_rejects_what_is_not_a_gradient_and_its_parameter():
+    st = CompressionHookState(compressor=TopK(0.1))
+    with pytest.raises(ArgumentTypeError, match=r"GradBucket or a \(gradient, parameter\) pair"):
+        compression_hook(st, (torch.zeros(3),))
+    with pytest.raises(ArgumentTypeError, match=r"GradBucket or a \(gradient, parameter\) pair"):
+        compression_hook(st, (torch.zeros(3), "w"))
+
+
+def _sparse_train(comm, name, steps):
+    net = helpers.SparseNet()
+    ddp = DDP(net, bucket_cap_mb=CAP_MB)
+    state = None
+    if name != "plain":
+        state = CompressionHookState(compressor=make(name), min_numel=64)
+        ddp.register_comm_hook(state, compression_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(steps):
+        ids, bag, y = helpers.sparse_batch(step, comm.rank)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(ids, bag), y).backward()
+        opt.step()
+    return net, state
+
+
+def _sparse_worker(comm, names):
+    out = {}
+    one_plain, _ = _sparse_train(comm, "plain", 1)
+    for name in names:
+        one, state = _sparse_train(comm, name, 1)
+        # after one step the embeddings' gradients depend only on the initial weights: equal to plain DDP's
+        sparse_equal = torch.equal(one.emb.weight, one_plain.emb.weight) and torch.equal(
+            one.bag.weight, one_plain.bag.weight
+        )
+        net, state = _sparse_train(comm, name, 4)
+        out[name] = (sparse_equal, [p.detach().clone() for p in net.parameters()], state.stats.as_dict())
+    return out
+
+
+def test_sparse_gradients_go_through_uncompressed_for_every_compressor():
+    names = [n for n in ALL if n != "none"]
+    out = run_local(_sparse_worker, 2, names, op_timeout=120)
+    for name in names:
+        sparse_equal, params, stats = out[0][name]
+        assert sparse_equal, f"{name}: the sparse embeddings differ from plain DDP's after one step"
+        assert all(torch.equal(a, b) for a, b in zip(params, out[1][name][1])), f"{name}: replicas diverged"
+        assert stats["sparse_buckets"] == 2 * 4, stats  # two sparse parameters, four steps
+        assert stats["iterations"] == 4
+
+
+def _powersgd_versus_torch_worker(comm):
+    """PyTorch's powerSGD_hook and ours, rank 1, no size rule, on [n, 1] and [1, n] weights: a rank-1
+    approximation of those views is exact, so both follow plain DDP (the old padded near-square view lost it)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    from torsh_kernels.compression import PowerSGD
+
+    def net():
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Linear(1, 96, bias=False), nn.Tanh(), nn.Linear(96, 1, bias=False))
+
+    def run(hook, state):
+        m = net()
+        ddp = DDP(m)
+        if hook is not None:
+            ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        for step in range(5):
+            g = torch.Generator().manual_seed(step * 13 + comm.rank)
+            x = torch.randn(32, 1, generator=g)
+            opt.zero_grad()
+            ((ddp(x) - torch.sin(3 * x)) ** 2).mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in m.parameters()]
+
+    plain = run(None, None)
+    theirs = run(psgd.powerSGD_hook, psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                         start_powerSGD_iter=2, min_compression_rate=0))  # fmt: skip
+    ours_state = CompressionHookState(compressor=PowerSGD(1, min_compression_rate=0.0), start_iter=2, min_numel=0)
+    ours = run(compression_hook, ours_state)
+    # both weights went through P and Q (more bytes than the tensor for [n, 1]: the size rule is off)
+    compressed = sorted(tuple(s["tensors"]["q"].shape) for s in ours_state.state_dict()["states"].values())
+    return plain, theirs, ours, compressed
+
+
+def test_powersgd_views_column_and_row_weights_as_pytorch_does():
+    out = run_local(_powersgd_versus_torch_worker, 2, op_timeout=60)
+    plain, theirs, ours, compressed = out[0]
+    assert compressed == [(1, 1), (96, 1)]  # Q of the [96, 1] view is 1 x 1, of the [1, 96] view 96 x 1
+    assert [tuple(p.shape) for p in ours] == [(96, 1), (1, 96)]
+    for a, b, c in zip(ours, theirs, plain):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-4)
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    """Two hook state_dicts hold the same iteration count and bit-identical compressor states."""
+    if a["iteration"] != b["iteration"] or a["states"].keys() != b["states"].keys():
+        return False
+    for k, sa in a["states"].items():
+        sb = b["states"][k]
+        if (sa["step"], sa["seed"]) != (sb["step"], sb["seed"]) or sa["tensors"].keys() != sb["tensors"].keys():
+            return False
+        if not all(torch.equal(t, sb["tensors"][n]) for n, t in sa["tensors"].items()):
+            return False
+    return True
+
+
+AMP_STEPS = 9
+POISONED_STEP = 5  # rank 1 alone gets an inf input: only its gradients overflow
+
+
+def _amp_train(comm, hook, state):
+    """fp16 autocast + GradScaler; the first steps overflow (a huge initial scale), and one step overflows on
+    rank 1 only. Returns the parameters, per step whether the scaler skipped it and whether the hook's state
+    was left as it was."""
+    net = model()
+    ddp = DDP(net, bucket_cap_mb=CAP_MB)
+    ddp.register_comm_hook(state, hook)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    skipped, kept = [], []
+    for step in range(AMP_STEPS):
+        x, y = batch(step, comm.rank)
+        if step == POISONED_STEP and comm.rank == 1:
+            x[3, 5] = float("inf")
+        before = state.state_dict() if isinstance(state, CompressionHookState) else None
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(ddp(x), y)
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < scale)
+        if before is not None:
+            kept.append(_same_state(before, state.state_dict()))
+    return [p.detach().clone() for p in net.parameters()], skipped, kept
+
+
+def _amp_worker(comm, names):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from torsh_kernels.parallel._engine import BucketCompressor
+
+    out = {"auto_without_scaler": BucketCompressor(TopK(0.1)).mode()}
+    out["torch_fp16"] = _amp_train(comm, default_hooks.fp16_compress_hook, None)
+    for name in names:
+        state = CompressionHookState(compressor=make(name), min_numel=64)
+        params, skipped, kept = _amp_train(comm, compression_hook, state)
+        out[name] = (params, skipped, kept, state._engine.mode(), state.stats.as_dict(), state.iteration)
+    return out
+
+
+def test_amp_grad_scaler_skips_overflow_steps_and_the_hook_state_is_left_as_before():
+    names = ["fp16", "bf16", "topk", "int8", "int4", "sign", "powersgd"]
+    out = run_local(_amp_worker, 2, names, op_timeout=120)
+    assert out[0]["auto_without_scaler"] == "raise"
+    torch_params, torch_skipped, _ = out[0]["torch_fp16"]
+    assert torch_skipped[0] and torch_skipped[POISONED_STEP] and not all(torch_skipped), torch_skipped
+    for name in names:
+        params, skipped, kept, mode, stats, iteration = out[0][name]
+        assert mode == "propagate"  # nonfinite="auto" with an enabled GradScaler
+        # every rank received the overflow, so the scaler skipped the same steps as with PyTorch's hook
+        assert skipped == torch_skipped == out[1][name][1], f"{name}: skipped {skipped}, torch {torch_skipped}"
+        assert all(torch.equal(a, b) for a, b in zip(params, out[1][name][0])), f"{name}: replicas differ"
+        stateful = name not in ("fp16", "bf16")
+        if stateful:
+            # a skipped step leaves residuals, PowerSGD's Q, step counts and the iteration count as they were
+            assert [k for k, s in zip(kept, skipped) if s] == [True] * sum(skipped), f"{name}: state changed"
+            assert stats["nonfinite_steps"] == sum(skipped) and iteration == AMP_STEPS - sum(skipped)
+            assert not all(kept), f"{name}: the state never changed"
+        if name == "fp16":  # the same parameters as PyTorch's fp16 hook through the same overflow steps
+            for a, b in zip(params, torch_params):
+                torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+def _raise_worker(comm):
+    state = CompressionHookState(compressor=TopK(0.05), min_numel=64, nonfinite="raise")
+    net = model()
+    ddp = DDP(net, bucket_cap_mb=CAP_MB)
+    ddp.register_comm_hook(state, compression_hook)
+    x, y = batch(0, comm.rank)
+    x[0, 0] = float("nan")
+    try:
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    except Exception as e:  # DDP re-raises the hook's error as it finds it
+        return type(e).__name__, "non-finite" in str(e)
+    return None
+
+
+def test_nonfinite_raise_keeps_the_typed_error():
+    from torsh_kernels.errors import NonFiniteError
+
+    out = run_local(_raise_worker, 2, op_timeout=60)
+    assert out == [(NonFiniteError.__name__, True)] * 2
+    with pytest.raises(InvalidArgumentError, match="nonfinite"):
+        CompressionHookState(compressor=TopK(0.1), nonfinite="ignore")

@@ -237,3 +237,74 @@ def test_multi_round_buckets_coalesce_their_rounds(world_size):
         for c, b, d in later:
             assert c == b + 1, res  # the first compressed step too: its Q seeds go by broadcast
             assert d <= tol, d
+
+
+def _dense(g):
+    return None if g is None else (g.to_dense() if g.layout != torch.strided else g)
+
+
+def _sparse_worker(comm, overlap, compressed):
+    ddp_net, net = helpers.SparseNet(), helpers.SparseNet()
+    ddp = DDP(ddp_net, bucket_cap_mb=0.004)
+    comp = TopK(0.05) if compressed else None
+    if compressed:
+        ddp.register_comm_hook(CompressionHookState(compressor=comp, min_numel=64), compression_hook)
+    sync = GradientSynchronizer(net, comm, bucket_mb=0.004, compressor=comp, overlap=overlap, min_numel=64)
+    out = []
+    for step in range(3):
+        ids, bag, y = helpers.sparse_batch(step, comm.rank)
+        ddp_net.zero_grad()
+        nn.functional.cross_entropy(ddp(ids, bag), y).backward()
+        sync.zero_grad()
+        nn.functional.cross_entropy(net(ids, bag), y).backward()
+        stats = sync.sync_gradients()
+        layouts = {n: p.grad.layout for n, p in net.named_parameters()}
+        want, got = grads(ddp_net), grads(net)
+        out.append(max((_dense(want[n]) - _dense(got[n])).abs().max().item() for n in want))
+        # the same update as DDP's, applied to both copies, keeps them comparable step after step
+        for a, b in zip(ddp_net.parameters(), net.parameters()):
+            a.data.add_(_dense(a.grad), alpha=-0.1)
+            b.data.add_(_dense(b.grad), alpha=-0.1)
+    sparse_buckets = [b for b in stats["buckets"] if b.get("sparse")]
+    return out, len(sparse_buckets), layouts, [b["sparse"] for b in sync.get_bucket_info()]
+
+
+@pytest.mark.parametrize(("overlap", "compressed"), [(True, False), (False, True), (True, True)])
+def test_sparse_gradients_are_averaged_uncompressed_as_ddp_does(overlap, compressed):
+    out = run_local(_sparse_worker, 2, overlap, compressed, op_timeout=60)
+    diffs, n_sparse, layouts, bucket_sparse = out[0]
+    assert max(diffs) <= (1e-6 if not compressed else 1e-5), diffs
+    assert n_sparse == 2 and bucket_sparse.count(True) == 2
+    assert layouts["emb.weight"] == torch.sparse_coo and layouts["bag.weight"] == torch.sparse_coo
+    assert out[0][0] == out[1][0]
+
+
+def _nonfinite_worker(comm):
+    scaler = torch.amp.GradScaler("cpu")  # its presence makes nonfinite="auto" propagate
+    net = Net()
+    sync = GradientSynchronizer(net, comm, bucket_mb=0.004, compressor=TopK(0.05), min_numel=64)
+    out = []
+    for step in range(4):
+        x, y = batch(step, comm.rank)
+        if step == 2 and comm.rank == 1:
+            x[0, 0] = float("inf")
+        before = sync.state_dict()
+        sync.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        stats = sync.sync_gradients()
+        after = sync.state_dict()
+        same = before["iteration"] == after["iteration"] and all(
+            torch.equal(before["states"][k]["tensors"]["residual"], after["states"][k]["tensors"]["residual"])
+            for k in after["states"]
+        ) and before["states"].keys() == after["states"].keys()  # fmt: skip
+        finite = all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None)
+        out.append((stats["nonfinite"], same, finite))
+    return out, scaler.is_enabled()
+
+
+def test_nonfinite_gradients_reach_every_rank_and_the_step_is_undone():
+    out = run_local(_nonfinite_worker, 2, op_timeout=60)
+    assert out[0] == out[1]
+    steps, _ = out[0]
+    # step 0 makes the states (so they differ from the empty ones before it); step 2 is rank 1's inf
+    assert steps == [(False, False, True), (False, False, True), (True, True, False), (False, False, True)]

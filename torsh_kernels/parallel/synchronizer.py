@@ -26,6 +26,13 @@ Unused parameters. A parameter without a gradient at ``sync_gradients()`` contri
 waits for it, nothing hangs) and is reported in ``get_sync_stats()["unused_parameters"]``. With
 ``find_unused_parameters=True`` the ranks also agree (one small all-reduce per step) on which
 parameters no rank used; those keep ``grad=None`` like DDP, the others receive the average.
+
+Sparse gradients. The weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` get sparse
+gradients: as in DDP, each such parameter has a bucket of its own, averaged uncompressed
+(:func:`~torsh_kernels.collectives.all_reduce_sparse`; ``"sparse": True`` in its bucket statistics).
+
+Non-finite gradients: ``nonfinite=`` as for :class:`~torsh_kernels.parallel.CompressionHookState`; a step
+undone under ``"propagate"`` shows as ``"nonfinite": True`` in ``sync_gradients()``'s statistics.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import torch
 
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import Communicator, as_communicator, is_dtensor
+from ..collectives.sparse import all_reduce_sparse
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
@@ -68,6 +76,8 @@ class _Bucket:
     """Positions in the synchronizer's parameter list."""
     numel: int
     dtype: torch.dtype
+    sparse: bool = False
+    """One parameter whose gradients are sparse (an embedding with ``sparse=True``)."""
 
 
 class _GradHookHandle:
@@ -101,8 +111,8 @@ class GradientSynchronizer:
             (largest first).
         broadcast_parameters: copy rank 0's parameters and buffers to every rank at construction.
         find_unused_parameters: agree across ranks on parameters no rank used (they keep ``grad=None``).
-        auto_candidates, start_iter, min_compression_rate, min_numel, policy, quantize_mode: as for
-            :class:`~torsh_kernels.parallel.CompressionHookState`.
+        auto_candidates, start_iter, min_compression_rate, min_numel, policy, quantize_mode, nonfinite: as
+            for :class:`~torsh_kernels.parallel.CompressionHookState`.
     """
 
     def __init__(
@@ -124,6 +134,7 @@ class GradientSynchronizer:
         policy: str = "layerwise",
         quantize_mode: str = "auto",
         mesh_dim: str | int | None = None,
+        nonfinite: str = "auto",
     ) -> None:
         what = "GradientSynchronizer"
         if not isinstance(model, torch.nn.Module):
@@ -160,6 +171,10 @@ class GradientSynchronizer:
         self.comm = comm
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        # as DDP's expect_sparse_gradient: decided from the modules, so every rank agrees whatever it holds
+        embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+        sparse_weights = {id(m.weight) for m in model.modules() if isinstance(m, embeddings) and m.sparse}
+        self._sparse = [id(p) in sparse_weights for p in self.params]
         self.bucket_mb = float(bucket_mb)
         self.first_bucket_mb = float(first_bucket_mb)
         self.order = order
@@ -173,6 +188,7 @@ class GradientSynchronizer:
             policy=policy,
             quantize_mode=quantize_mode,
             auto_candidates=auto_candidates,
+            nonfinite=nonfinite,
             what=what,
         )
         self._pipeline = ReductionPipeline()
@@ -224,8 +240,12 @@ class GradientSynchronizer:
         cur: list[int] = []
         cur_bytes = 0
         cur_dtype = None
+        sparse = []
         for i in idx:
             p = self.params[i]
+            if self._sparse[i]:
+                sparse.append(i)
+                continue
             nb = p.numel() * p.element_size()
             cap = (self.first_bucket_mb if not buckets else self.bucket_mb) * 2**20
             if cur and (not self._bucketing or p.dtype != cur_dtype or cur_bytes + nb > cap):
@@ -236,6 +256,9 @@ class GradientSynchronizer:
             cur_dtype = p.dtype
         if cur:
             buckets.append(self._bucket(len(buckets), cur))
+        for i in sparse:  # each in a bucket of its own, after the dense ones (DDP's order differs; any fixed one does)
+            buckets.append(self._bucket(len(buckets), [i]))
+            buckets[-1].sparse = True
         self.buckets = buckets
         self._bucket_of = {i: b.index for b in buckets for i in b.params}
 
@@ -290,28 +313,59 @@ class GradientSynchronizer:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
+        if bucket.sparse:
+            self._launch_sparse(b, bucket)
+            return
         grads = []
         for i in bucket.params:
             p = self.params[i]
             if p.grad is None:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 self._zero_filled.append(i)
+            elif p.grad.layout != torch.strided:
+                raise InvalidArgumentError(
+                    f"GradientSynchronizer: parameter {self.names[i]!r} has a {p.grad.layout} gradient; only the "
+                    "weights of nn.Embedding / nn.EmbeddingBag with sparse=True may have sparse gradients"
+                )
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
             grads.append(p.grad)
         self._launched = b + 1
         t0 = time.perf_counter()
         span = bucket_span(b, grads, self._engine.compressor)
+        nonfinite = self._engine.screen(grads, self._coalescer)
         # as in the DDP hook: while older buckets have rounds to issue, this bucket's first round and theirs
         # go out as one all-reduce (decided alike on every rank, see parallel/_engine.py)
         if self._pipeline.multi_round():
             with self._coalescer.batch():
-                self._start(b, bucket, grads, t0, span)
+                self._start(b, bucket, grads, t0, span, nonfinite)
         else:
-            self._start(b, bucket, grads, t0, span)
+            self._start(b, bucket, grads, t0, span, nonfinite)
 
-    def _start(self, b: int, bucket, grads: list[torch.Tensor], t0: float, span) -> None:
-        reductions, finish = self._engine.start(grads, bucket.params, self._coalescer)
+    def _launch_sparse(self, b: int, bucket: _Bucket) -> None:
+        """A sparse gradient's bucket: averaged uncompressed, at once (its result's size depends on every rank)."""
+        i = bucket.params[0]
+        p = self.params[i]
+        g = p.grad
+        if g is None:
+            g = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64, device=p.device),
+                                        p.new_empty((0, *p.shape[1:])), p.shape)  # fmt: skip
+            self._zero_filled.append(i)
+        elif g.layout != torch.sparse_coo:
+            raise InvalidArgumentError(
+                f"GradientSynchronizer: parameter {self.names[i]!r} belongs to a sparse embedding but has a "
+                f"{g.layout} gradient; every rank must give it sparse gradients"
+            )
+        self._launched = b + 1
+        t0 = time.perf_counter()
+        p.grad, sent = all_reduce_sparse(self._coalescer, g)
+        self._bucket_stats.append(
+            {"bucket": b, "params": 1, "mb": g._values().nbytes / 2**20, "seconds": time.perf_counter() - t0,
+             "bytes_sent": sent, "compress_s": 0.0, "wait_s": time.perf_counter() - t0, "sparse": True}
+        )  # fmt: skip
+
+    def _start(self, b: int, bucket, grads: list[torch.Tensor], t0: float, span, nonfinite: bool) -> None:
+        reductions, finish = self._engine.start(grads, bucket.params, self._coalescer, nonfinite=nonfinite)
 
         def done() -> None:
             if finish is not None:
@@ -358,7 +412,7 @@ class GradientSynchronizer:
             self._pipeline = ReductionPipeline()
             self._reset_step()
             raise
-        self._engine.end_iteration()
+        undone = self._engine.end_iteration()
         self._syncs += 1
         filled = set(self._zero_filled)
         with_grad = [i for i in range(len(self.params)) if i not in filled]  # this rank's own gradients
@@ -380,6 +434,8 @@ class GradientSynchronizer:
             "unused_parameters": unused,
             "globally_unused_parameters": [self.names[i] for i in globally_unused],
             "iteration": self._engine.iteration,
+            "nonfinite": undone,
+            "nonfinite_steps": self._engine.nonfinite_steps,
         }
         wire = self._last["bytes_on_wire"]
         self._last["compression_ratio"] = self._last["bytes_before"] / wire if wire else 1.0
@@ -427,7 +483,7 @@ class GradientSynchronizer:
         info = []
         for b in self.buckets:
             names = [self.names[i] for i in b.params]
-            comp = [self.names[i] for i in b.params if self._engine.eligible(self.params[i])]
+            comp = [] if b.sparse else [self.names[i] for i in b.params if self._engine.eligible(self.params[i])]
             comp_set = set(comp)
             info.append(
                 {
@@ -438,6 +494,7 @@ class GradientSynchronizer:
                     "dtype": str(b.dtype).replace("torch.", ""),
                     "compressed": comp,
                     "uncompressed": [n for n in names if n not in comp_set],
+                    "sparse": b.sparse,
                 }
             )
         return info

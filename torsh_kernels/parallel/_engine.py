@@ -295,7 +295,7 @@ class BucketCompressor:
         """The engine a candidate of ``auto`` would run in: this one's size rules, no warm-up."""
         return BucketCompressor(c, start_iter=0, min_compression_rate=self._auto_rate, min_numel=self.min_numel,
                                 policy=self.policy, quantize_mode=self.quantize_mode,
-                                nonfinite=self.nonfinite)  # fmt: skip
+                                nonfinite=self.mode())  # fmt: skip
 
     def _apply_auto(self, compressor: Compressor | None) -> None:
         rate = self._auto_rate

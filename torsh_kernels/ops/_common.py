@@ -34,6 +34,8 @@ from .registry import Op
 
 COMPRESS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+_is_compiling = torch.compiler.is_compiling
+
 # Kernel geometry of the compression families' elementwise passes (memory-bound).
 BLOCK = 4096
 WARPS = 8
@@ -370,10 +372,18 @@ def _finite_sum(v: torch.Tensor) -> bool:
     return math.isfinite((v.sum() if v.dtype is torch.float32 else v.sum(dtype=torch.float32)).item())
 
 
-def count_nonfinite(v: torch.Tensor) -> torch.Tensor:
+def _count_nonfinite(v: torch.Tensor) -> torch.Tensor:
     """Number of NaN/Inf elements of v, as an int64 [1] tensor. The exact count (a bool pass and a sum over
     it, several times slower) only runs when the cheap check (:func:`_finite_sum`) fails: NaN/Inf present,
-    or a sum that overflowed."""
+    or a sum that overflowed. (The providers' count; they run on real tensors, never while dynamo traces.)"""
     if v.numel() == 0 or _finite_sum(v):
         return _counter(v.device)
     return (~torch.isfinite(v)).sum().view(1)
+
+
+def count_nonfinite(v: torch.Tensor) -> torch.Tensor:
+    """Number of NaN/Inf elements of v, as an int64 [1] tensor (see :func:`_count_nonfinite`). While
+    ``torch.compile`` traces, the exact count as graph operations (the cheap check reads a host value)."""
+    if _is_compiling():
+        return (~torch.isfinite(v)).sum().view(1)
+    return _count_nonfinite(v)

@@ -38,6 +38,13 @@ _grad_enabled = torch.is_grad_enabled
 _set_grad = torch._C._set_grad_enabled
 _bump = torch._C._increment_version
 
+compiling = _is_compiling
+"""Whether dynamo is tracing (``torch.compiler.is_compiling``; a constant True while ``torch.compile`` traces).
+A public op's validation then keeps to what the tensors' metadata says (shapes, dtypes, devices, strides)
+and leaves the checks that read their memory (overlaps, addresses) or values (an index range, NaN/Inf)
+to its custom op, which runs them at run time on the real tensors (the op's ``traced`` argument): the
+same errors, raised by the compiled call. The eager path reads this flag once, on the general path only."""
+
 
 def unmoded() -> bool:
     """No tracing, no dispatch or function mode, no functorch transform active."""

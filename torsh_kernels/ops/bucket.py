@@ -44,6 +44,7 @@ from . import _eager
 from ._bucket_tables import NCOLS, _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable
 from ._common import (
     _count,
+    _count_nonfinite,
     _flat_inout,
     _flat_input,
     _guards,
@@ -54,7 +55,6 @@ from ._common import (
     _ptr_table,
     _ptrs,
     _Ranges,
-    count_nonfinite,
 )
 from .registry import Op, tuned_meta
 from .tuning import TuneSpace, register_space
@@ -527,7 +527,7 @@ def _wire_torch(x, out, divisor, count_bad):
     out.copy_(x)
     if divisor != 1.0:
         out.div_(divisor)
-    return count_nonfinite(out) if count_bad else 0
+    return _count_nonfinite(out) if count_bad else 0
 
 
 @_wire.register("triton")
@@ -587,13 +587,25 @@ def _(tensors, dtype, scale, provider):
 
 
 @torch.library.custom_op("torsh::flatten_out", mutates_args=("out",))
-def _flatten_out_op(tensors: list[torch.Tensor], out: torch.Tensor, scale: float, provider: str) -> None:
+def _flatten_out_op(tensors: list[torch.Tensor], out: torch.Tensor, scale: float, provider: str,
+                    traced: bool = False) -> None:  # fmt: skip
+    """``traced``: the public function was traced (torch.compile) and left the memory check to run here."""
+    if traced:
+        _check_out_clear(tensors, out)
     _flatten_into(tensors, out, scale, provider)
 
 
 @_flatten_out_op.register_fake
-def _(tensors, out, scale, provider):
+def _(tensors, out, scale, provider, traced=False):
     return None
+
+
+def _check_out_clear(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    hits = np.flatnonzero(_Ranges.of(tensors).overlapping(out))
+    if hits.size:
+        raise ShapeError(
+            f"torsh_kernels.flatten: out overlaps tensors[{hits[0]}]; flatten cannot write over its own input"
+        )
 
 
 def _flatten_into(tensors: list[torch.Tensor], out: torch.Tensor, scale: float, provider: str) -> None:
@@ -605,7 +617,10 @@ def _flatten_into(tensors: list[torch.Tensor], out: torch.Tensor, scale: float, 
 
 
 def _unflatten_impl(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool,
-                    provider: str) -> None:  # fmt: skip
+                    provider: str, traced: bool = False) -> None:  # fmt: skip
+    """``traced``: the public function was traced (torch.compile) and left the memory checks to run here."""
+    if traced:
+        _check_unflatten_memory(flat, tensors, _Ranges.of(tensors))
     if flat.numel() == 0:
         return
     name = _unflatten.select(flat.device, flat.dtype, flat.numel(), provider or None)
@@ -617,8 +632,30 @@ _unflatten_op = torch.library.custom_op("torsh::unflatten", _unflatten_impl, mut
 
 
 @_unflatten_op.register_fake
-def _(flat, tensors, scale, accumulate, provider):
+def _(flat, tensors, scale, accumulate, provider, traced=False):
     return None
+
+
+def _check_unflatten_memory(flat: torch.Tensor, tensors: Sequence[torch.Tensor], ranges: _Ranges) -> None:
+    """The destinations share no memory with each other, nor with ``flat`` unless as exactly its own slice."""
+    what = "torsh_kernels.unflatten"
+    clash = ranges.contiguous_clash()
+    if clash is not None:
+        raise ShapeError(
+            f"{what}: tensors[{clash[0]}] and tensors[{clash[1]}] share memory; writing both would race. "
+            "Pass each destination once."
+        )
+    hits = np.flatnonzero(ranges.overlapping(flat))
+    if hits.size:
+        fptr, fsz = flat.data_ptr(), flat.element_size()
+        offsets = _offsets(tensors)
+        for i in hits.tolist():
+            t = tensors[i]
+            exact = t.dtype == flat.dtype and t.is_contiguous() and t.data_ptr() == fptr + offsets[i] * fsz
+            if not exact:
+                raise ShapeError(
+                    f"{what}: tensors[{i}] overlaps flat other than as its own slice; the result would be undefined"
+                )
 
 
 def _reduce_impl(buffers: list[torch.Tensor], op: str, provider: str) -> torch.Tensor:
@@ -636,13 +673,28 @@ def _(buffers, op, provider):
 
 
 @torch.library.custom_op("torsh::bucket_reduce_out", mutates_args=("out",))
-def _reduce_out_op(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provider: str) -> None:
+def _reduce_out_op(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provider: str,
+                   traced: bool = False) -> None:  # fmt: skip
+    """``traced``: the public function was traced (torch.compile) and left the memory check to run here."""
+    if traced:
+        _check_reduce_out(buffers, out)
     _reduce_into(buffers, out, op, provider)
 
 
 @_reduce_out_op.register_fake
-def _(buffers, out, op, provider):
+def _(buffers, out, op, provider, traced=False):
     return None
+
+
+def _check_reduce_out(buffers: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """``out`` shares no memory with a buffer, unless it is that buffer (an in-place reduction)."""
+    for i, (b, hit) in enumerate(zip(buffers, _Ranges.of(buffers).overlapping(out))):
+        same = b.data_ptr() == out.data_ptr() and b.dtype == out.dtype and b.is_contiguous()
+        if hit and not same:
+            raise ShapeError(
+                f"torsh_kernels.bucket_reduce: out overlaps buffers[{i}] without being the same tensor; the result "
+                "would be undefined"
+            )
 
 
 def _reduce_into(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provider: str) -> None:
@@ -654,7 +706,11 @@ def _reduce_into(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provid
 
 
 @torch.library.custom_op("torsh::wire_cast", mutates_args=("out",))
-def _wire_op(x: torch.Tensor, out: torch.Tensor, divisor: float, check_finite: bool, provider: str) -> None:
+def _wire_op(x: torch.Tensor, out: torch.Tensor, divisor: float, check_finite: bool, provider: str,
+             traced: bool = False) -> None:  # fmt: skip
+    """``traced``: the public function was traced (torch.compile) and left the memory check to run here."""
+    if traced:
+        _no_overlap(out, x, "torsh_kernels.wire_cast", "out", "x", same_ok=True)
     if out.numel():
         name = _wire.select(out.device, out.dtype, out.numel(), provider or None)
         with _on(out.device):
@@ -664,7 +720,7 @@ def _wire_op(x: torch.Tensor, out: torch.Tensor, divisor: float, check_finite: b
 
 
 @_wire_op.register_fake
-def _(x, out, divisor, check_finite, provider):
+def _(x, out, divisor, check_finite, provider, traced=False):
     return None
 
 
@@ -878,9 +934,10 @@ def flatten(
         )
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous (it is written as one flat range)")
-    hits = np.flatnonzero(_Ranges.of(tensors).overlapping(out))
-    if hits.size:
-        raise ShapeError(f"{what}: out overlaps tensors[{hits[0]}]; flatten cannot write over its own input")
+    if _eager.compiling():  # the memory check runs in the op, at run time
+        _flatten_out_op(tensors, out, scale, provider or "", True)
+        return out.view(-1) if out.dim() != 1 else out, layout
+    _check_out_clear(tensors, out)
     plan = _new_flat_plan(key, tensors, out, layout, device)
     if plan is not None:
         return _flatten_run(plan, tensors, out, scale, _flat_provider(plan, provider))
@@ -925,6 +982,15 @@ def unflatten(
             f"{what}: tensors[{i}] has shape {tuple(tensors[i].shape)}, the layout says {layout.shapes[i]}"
         )
     _check_floats(tensors, what, "tensors")
+    if _eager.compiling():  # strides only (no addresses); the memory checks run in the op, at run time
+        for i, t in enumerate(tensors):
+            if _has_internal_overlap(t):
+                raise ShapeError(f"{what}: tensors[{i}] is expanded (a stride-0 dimension); it cannot be written")
+        if tensors[0].device != flat.device:
+            raise DeviceMismatchError(f"{what}: flat is on {flat.device} but tensors[0] is on {tensors[0].device}")
+        _check_same_device(tensors, what, "tensors")
+        _unflatten_op(flat, tensors, _check_scale(scale, what), bool(accumulate), provider or "", True)
+        return
     ranges = _Ranges.of(tensors)
     for i in np.flatnonzero(~ranges.contig).tolist():  # a contiguous tensor cannot be expanded
         if _has_internal_overlap(tensors[i]):
@@ -933,22 +999,7 @@ def unflatten(
         raise DeviceMismatchError(f"{what}: flat is on {flat.device} but tensors[0] is on {tensors[0].device}")
     _check_same_device(tensors, what, "tensors")
     scale = _check_scale(scale, what)
-    clash = ranges.contiguous_clash()
-    if clash is not None:
-        raise ShapeError(
-            f"{what}: tensors[{clash[0]}] and tensors[{clash[1]}] share memory; writing both would race. "
-            "Pass each destination once."
-        )
-    hits = np.flatnonzero(ranges.overlapping(flat))
-    if hits.size:
-        fptr, fsz = flat.data_ptr(), flat.element_size()
-        for i in hits.tolist():
-            t = tensors[i]
-            exact = t.dtype == flat.dtype and t.is_contiguous() and t.data_ptr() == fptr + layout.offsets[i] * fsz
-            if not exact:
-                raise ShapeError(
-                    f"{what}: tensors[{i}] overlaps flat other than as its own slice; the result would be undefined"
-                )
+    _check_unflatten_memory(flat, tensors, ranges)
     if key is not None and _plain_all(tensors) and not flat.is_meta:
         guards = _guards([flat, *tensors])
         if guards is not None:
@@ -1018,10 +1069,10 @@ def bucket_reduce(
         raise ShapeError(f"{what}: out has shape {tuple(out.shape)}, the buffers {tuple(b0.shape)}")
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous")
-    for b, n, hit in zip(buffers, names, _Ranges.of(buffers).overlapping(out)):
-        same = b.data_ptr() == out.data_ptr() and b.dtype == out.dtype and b.is_contiguous()
-        if hit and not same:
-            raise ShapeError(f"{what}: out overlaps {n} without being the same tensor; the result would be undefined")
+    if _eager.compiling():  # the memory check runs in the op, at run time
+        _reduce_out_op(buffers, out, op, provider or "", True)
+        return out
+    _check_reduce_out(buffers, out)
     if _eager.direct(*buffers, out):
         _eager.run(_reduce_into, buffers, out, op, provider or "")
         if out.numel():
@@ -1085,9 +1136,11 @@ def wire_cast(
     if out is None:
         out = torch.empty(xf.numel(), dtype=dtype, device=xf.device)
     of = _flat_inout(out, what, "out", xf.numel(), xf.device)
-    _no_overlap(of, xf, what, "out", "x", same_ok=True)
+    traced = _eager.compiling()  # the memory check then runs in the op, at run time
+    if not traced:
+        _no_overlap(of, xf, what, "out", "x", same_ok=True)
     if xf.numel():
-        _eager.call(_wire_op, (1,), xf, of, float(divisor), bool(check_finite), provider or "")
+        _eager.call(_wire_op, (1,), xf, of, float(divisor), bool(check_finite), provider or "", traced)
     return out
 
 

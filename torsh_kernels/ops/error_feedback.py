@@ -20,6 +20,7 @@ from ._common import (
     BLOCK,
     WARPS,
     _count,
+    _count_nonfinite,
     _counter,
     _flat_inout,
     _flat_input,
@@ -30,7 +31,6 @@ from ._common import (
     _on,
     _raise_nonfinite,
     _select,
-    count_nonfinite,
 )
 from .registry import Op
 
@@ -76,7 +76,7 @@ def _axpby_torch(x, y, out, beta, count_bad):
     else:
         v = x.float() + y.float() * beta if beta != 1.0 else x.float() + y.float()
         out.copy_(v)
-    return count_nonfinite(v) if count_bad else None
+    return _count_nonfinite(v) if count_bad else None
 
 
 @_axpby.register("triton")
@@ -143,7 +143,10 @@ def _err_update_cpu(acc, approx, res, out):
 
 @torch.library.custom_op("torsh::residual_add", mutates_args=("out",))
 def _residual_add_op(x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, check_finite: bool,
-                     provider: str) -> None:  # fmt: skip
+                     provider: str, traced: bool = False) -> None:  # fmt: skip
+    """``traced``: the public function was traced (torch.compile) and left the memory checks to run here."""
+    if traced:
+        _residual_add_overlaps(x.view(-1), residual.view(-1), out.view(-1))
     name = _select(_axpby, x, provider)
     with _on(x.device):
         bad = _axpby(name, x.view(-1), residual.view(-1), out.view(-1), 1.0, check_finite)
@@ -152,21 +155,40 @@ def _residual_add_op(x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
 
 
 @_residual_add_op.register_fake
-def _(x, residual, out, check_finite, provider):
+def _(x, residual, out, check_finite, provider, traced=False):
     return None
+
+
+def _residual_add_overlaps(xf: torch.Tensor, rf: torch.Tensor, of: torch.Tensor) -> None:
+    for t, nm in ((xf, "x"), (rf, "residual")):
+        _no_overlap(of, t, "torsh_kernels.residual_add", "out", nm, same_ok=True)
 
 
 @torch.library.custom_op("torsh::error_update", mutates_args=("residual", "out"))
 def _error_update_op(acc: torch.Tensor, approx: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None,
-                     provider: str) -> None:  # fmt: skip
+                     provider: str, traced: bool = False) -> None:  # fmt: skip
+    """``traced``: the public function was traced (torch.compile) and left the memory checks to run here."""
+    if traced:
+        of = out.view(-1) if out is not None else None
+        _error_update_overlaps(acc.view(-1), approx.view(-1), residual.view(-1), of)
     name = _select(_err_update, acc, provider)
     with _on(acc.device):
         _err_update(name, acc.view(-1), approx.view(-1), residual.view(-1), out.view(-1) if out is not None else None)
 
 
 @_error_update_op.register_fake
-def _(acc, approx, residual, out, provider):
+def _(acc, approx, residual, out, provider, traced=False):
     return None
+
+
+def _error_update_overlaps(af: torch.Tensor, pf: torch.Tensor, rf: torch.Tensor, of: torch.Tensor | None) -> None:
+    what = "torsh_kernels.error_update"
+    _no_overlap(rf, pf, what, "residual", "approx")
+    _no_overlap(rf, af, what, "residual", "acc", same_ok=True)
+    if of is not None:
+        _no_overlap(of, rf, what, "out", "residual")
+        _no_overlap(of, af, what, "out", "acc")
+        _no_overlap(of, pf, what, "out", "approx", same_ok=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,10 +270,12 @@ def residual_add(
     if out is None:
         out = torch.empty(x.shape, dtype=torch.float32, device=xf.device)
     of = _flat_inout(out, what, "out", xf.numel(), xf.device)
-    for t, nm in ((xf, "x"), (rf, "residual")):
-        _no_overlap(of, t, what, "out", nm, same_ok=True)
+    traced = _eager.compiling()  # the memory checks then run in the op, at run time
+    if not traced:
+        for t, nm in ((xf, "x"), (rf, "residual")):
+            _no_overlap(of, t, what, "out", nm, same_ok=True)
     if xf.numel():
-        _eager.call(_residual_add_op, (2,), xf, rf, of, bool(check_finite), provider or "")
+        _eager.call(_residual_add_op, (2,), xf, rf, of, bool(check_finite), provider or "", traced)
     return out
 
 
@@ -307,11 +331,8 @@ def error_update(
         raise DeviceMismatchError(f"{what}: approx is on {pf.device}, acc on {dev}")
     rf = _flat_inout(residual, what, "residual", n, dev)
     of = _flat_inout(out, what, "out", n, dev) if out is not None else None
-    _no_overlap(rf, pf, what, "residual", "approx")
-    _no_overlap(rf, af, what, "residual", "acc", same_ok=True)
-    if of is not None:
-        _no_overlap(of, rf, what, "out", "residual")
-        _no_overlap(of, af, what, "out", "acc")
-        _no_overlap(of, pf, what, "out", "approx", same_ok=True)
+    traced = _eager.compiling()  # the memory checks then run in the op, at run time
+    if not traced:
+        _error_update_overlaps(af, pf, rf, of)
     if n:
-        _eager.call(_error_update_op, (2, 3), af, pf, rf, of, provider or "")
+        _eager.call(_error_update_op, (2, 3), af, pf, rf, of, provider or "", traced)

@@ -191,9 +191,14 @@ def moe_route_ref(
     pos = (torch.cumsum(kept, 0) - 1).gather(1, flat[:, None]).squeeze(1)
     starts = torch.cumsum(counts, 0) - counts
     rows = torch.where(keep, starts[flat] + pos, -1)
-    n = int(counts.sum())
-    token_index = torch.empty(n, dtype=torch.int64, device=logits.device)
-    token_index[rows[keep]] = torch.arange(flat.numel(), device=logits.device)[keep] // k
+    if capacity is None:  # every assignment kept: N = T * K, known without reading the counts
+        n = flat.numel()
+        token_index = torch.empty(n, dtype=torch.int64, device=logits.device)
+        token_index[rows] = torch.arange(n, device=logits.device) // k
+    else:
+        n = int(counts.sum())
+        token_index = torch.empty(n, dtype=torch.int64, device=logits.device)
+        token_index[rows[keep]] = torch.arange(flat.numel(), device=logits.device)[keep] // k
     return Routing(
         indices=indices,
         weights=weights,
@@ -238,7 +243,9 @@ def moe_aux_loss_ref(logits_or_probs: torch.Tensor, routing: Routing, *, from_pr
     else:
         s = torch.sigmoid(logits_or_probs.float())
         p = s / s.sum(-1, keepdim=True)
-    f = torch.bincount(routing.indices.reshape(-1), minlength=E).float() / max(T * K, 1)
+    idx = routing.indices.reshape(-1)  # (a count per expert of static shape [E]: bincount's size depends on the data)
+    f = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx)).float()
+    f = f / max(T * K, 1)
     return E * (f * p.mean(0)).sum()
 
 
@@ -932,9 +939,9 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
     if (
         type(routing) is Routing and type(x) is _T and x.is_cpu and x.dim() == 2 and x.is_contiguous()
         and (x.dtype is _F32 or x.dtype is torch.float16 or x.dtype is torch.bfloat16)
+        and _eager.fast()  # (before the row count, a data-dependent size while torch.compile traces)
         and x.shape[0] == routing.indices.shape[0] and x.shape[1] and routing.num_rows
         and (tok := routing.token_index).is_cpu and routing.row_map.is_cpu
-        and _eager.fast()
         and (sel := _select(_scatter_rows, x, provider or "", routing.row_map.shape[1])) in ("torch", "cpu")
     ):  # fmt: skip
         # The common case on the CPU: the provider's gather through the inverse map, into a new tensor
@@ -964,11 +971,11 @@ def moe_unpermute(
     ``routing.weights`` (unless ``weights=False``); differentiable in ``y_perm`` and the weights."""
     if (
         type(routing) is Routing and type(y_perm) is _T and y_perm.dtype is _F32 and y_perm.is_cpu
-        and y_perm.dim() == 2 and y_perm.is_contiguous() and y_perm.shape[1]
+        and y_perm.dim() == 2 and _eager.fast()  # (before the sizes: data-dependent while torch.compile traces)
+        and y_perm.is_contiguous() and y_perm.shape[1]
         and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
         and rows.shape[0] and y_perm.shape[0] == routing.num_rows
         and rows.is_contiguous() and w.is_contiguous() and rows.dtype is torch.int64 and w.shape == rows.shape
-        and _eager.fast()
         and _select(_gather_rows, y_perm, provider or "", rows.shape[1]) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider: its kernel into a new tensor; when a gradient is
@@ -983,12 +990,12 @@ def moe_unpermute(
             return out
     if (
         weights and type(routing) is Routing and type(y_perm) is _T and y_perm.dtype is _F32 and y_perm.is_cpu
-        and y_perm.dim() == 2 and y_perm.is_contiguous() and (H := y_perm.shape[1])
+        and y_perm.dim() == 2 and _eager.fast()  # (before the sizes: data-dependent while torch.compile traces)
+        and y_perm.is_contiguous() and (H := y_perm.shape[1])
         and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
         and (T := rows.shape[0]) and y_perm.shape[0] == routing.num_rows == T * (K := rows.shape[1])
         and max(16, (1 << 21) // (4 * H)) >= T
         and not (torch.is_grad_enabled() and (y_perm.requires_grad or w.requires_grad))
-        and _eager.fast()
         and _select(_gather_rows, y_perm, provider or "", K) == "torch"
     ):  # fmt: skip
         # The common case, fp32 on the CPU without drops, one token block, no gradient: the torch
@@ -1026,20 +1033,14 @@ def moe_aux_loss(
             f"{what}: logits_or_probs has shape {tuple(x.shape)}; the routing is for "
             f"[T={routing.num_tokens}, E={routing.num_experts}]"
         )
-    name = _aux_loss.select(x.device, x.dtype, x.numel(), provider or None)
-    if name == "cpu" and not _loss_kernel_ok(x):
-        name = "torch"
-    return _aux_loss(name, x, routing, bool(from_probs))
+    return _aux_loss(_loss_provider(_aux_loss, x, provider), x, routing, bool(from_probs))
 
 
 def moe_z_loss(logits: torch.Tensor, *, provider: str | None = None) -> torch.Tensor:
     """The router z-loss ``mean_t logsumexp(logits[t])**2`` (fp32 scalar, differentiable). ``provider`` as
     for :func:`moe_aux_loss`."""
     logits = _check_logits(logits, "torsh_kernels.moe_z_loss")
-    name = _z_loss.select(logits.device, logits.dtype, logits.numel(), provider or None)
-    if name == "cpu" and not _loss_kernel_ok(logits):
-        name = "torch"
-    return _z_loss(name, logits)
+    return _z_loss(_loss_provider(_z_loss, logits, provider), logits)
 
 
 # The losses' providers: torch (the references: autograd differentiates them, torch.compile fuses them)
@@ -1054,6 +1055,14 @@ _z_loss.register("torch")(moe_z_loss_ref)
 
 def _loss_kernel_ok(x: torch.Tensor) -> bool:
     return type(x) in _eager._PLAIN and x.shape[0] > 0 and _eager.fast()
+
+
+def _loss_provider(op, x: torch.Tensor, provider: str | None) -> str:
+    if _eager.compiling():  # the torch formula, which dynamo traces; no selection state read while tracing
+        op.check_traced(x.device, provider)
+        return "torch"
+    name = op.select(x.device, x.dtype, x.numel(), provider or None)
+    return "torch" if name == "cpu" and not _loss_kernel_ok(x) else name
 
 
 @_aux_loss.register("cpu")

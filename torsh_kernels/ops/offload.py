@@ -149,9 +149,45 @@ def _check_buffer(out: object, nbytes: int, what: str, name: str) -> torch.Tenso
             f"packed_nbytes(numel, fmt, block) = {nbytes} bytes (pinned: torch.empty({nbytes}, dtype=torch.uint8, "
             "pin_memory=True))"
         )
-    if out.data_ptr() % 4:
+    # (while torch.compile traces there are no addresses: the views of the codes and the scales as their own
+    # dtypes, which need their storage offsets to be whole elements, are the check then)
+    if not _eager.compiling() and out.data_ptr() % 4:
         raise ShapeError(f"{what}: {name} must start at a 4-byte aligned address (the scales are fp32)")
     return out
+
+
+def _check_fp16_range(x: torch.Tensor, what: str) -> None:
+    """No finite magnitude of ``x`` beyond fp16's largest (it would become inf): NonFiniteError."""
+    lo, hi = torch.aminmax(x)  # one pass, no temporary
+    amax = max(-float(lo), float(hi))
+    if math.isnan(amax):  # NaN hides the finite extremes: look again without NaN and Inf
+        amax = float(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).abs().max())
+    if math.isfinite(amax) and amax > FP16_MAX:
+        raise NonFiniteError(
+            f"{what}: x holds a finite magnitude of {amax:.6g}, beyond fp16's largest {FP16_MAX:g}; it "
+            "would become inf. Use fmt='bf16' (fp32's range) or pass check_finite=False"
+        )
+
+
+def _cast_into(x: torch.Tensor, codes: torch.Tensor, provider: str | None) -> None:
+    """``codes`` (fp16/bf16, 1-D) = ``x`` rounded to nearest even."""
+    if _torch_path(x, provider):  # one cast-copy, without the bucket op's per-call overhead
+        codes.copy_(x.reshape(-1))
+    else:
+        flatten([x], out=codes, provider=provider)
+
+
+@torch.library.custom_op("torsh::pack_cast", mutates_args=("codes",))
+def _pack_cast_op(x: torch.Tensor, codes: torch.Tensor, check_range: bool, provider: str) -> None:
+    """A traced pack's fp16/bf16 cast, with (``check_range``) the fp16 range check that reads x's values."""
+    if check_range:
+        _check_fp16_range(x, "torsh_kernels.pack")
+    _cast_into(x, codes, provider or None)
+
+
+@_pack_cast_op.register_fake
+def _(x, codes, check_range, provider):
+    return None
 
 
 def _torch_path(t: torch.Tensor, provider: str | None) -> bool:
@@ -197,26 +233,20 @@ def pack(
     else:
         out = _check_buffer(out, nbytes, what, "out")
     with _stream_ctx(stream, (x.device, out.device), what):
-        if check_finite and fmt == "fp16" and x.dtype != torch.float16 and n:
-            lo, hi = torch.aminmax(x.detach())  # one pass, no temporary
-            amax = max(-float(lo), float(hi))
-            if math.isnan(amax):  # NaN hides the finite extremes: look again without NaN and Inf
-                amax = float(torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0).abs().max())
-            if math.isfinite(amax) and amax > FP16_MAX:
-                raise NonFiniteError(
-                    f"{what}: x holds a finite magnitude of {amax:.6g}, beyond fp16's largest {FP16_MAX:g}; it "
-                    "would become inf. Use fmt='bf16' (fp32's range) or pass check_finite=False"
-                )
+        check_range = check_finite and fmt == "fp16" and x.dtype != torch.float16 and n
+        traced = fmt != "int8" and _eager.compiling()  # the range check and the cast then run in one op
+        if check_range and not traced:
+            _check_fp16_range(x.detach(), what)
         stage = out if out.device == x.device else torch.empty(nbytes, dtype=torch.uint8, device=x.device)
         dst = Packed(data=stage, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block)
         if n:
             if fmt == "int8":
                 quantize(x.detach(), bits=8, block=block, check_finite=check_finite, out=(dst.codes, dst.scales),
                          provider=provider)  # fmt: skip
-            elif _torch_path(x, provider):  # one cast-copy, without the bucket op's per-call overhead
-                dst.codes.copy_(x.detach().reshape(-1))
+            elif traced:
+                _pack_cast_op(x.detach(), dst.codes, bool(check_range), provider or "")
             else:
-                flatten([x.detach()], out=dst.codes, provider=provider)
+                _cast_into(x.detach(), dst.codes, provider)
         if stage is not out:  # only the packed bytes cross the bus
             out[:nbytes].copy_(stage, non_blocking=True)
             if stage.device.type == "cuda":
@@ -269,6 +299,9 @@ def unpack(
         if packed.fmt == "int8":
             dequantize(src.codes, src.scales, block=src.block, numel=n, out=flat, accumulate=accumulate,
                        provider=provider)  # fmt: skip
+        elif _eager.compiling():  # the bucket op, which selects its provider at run time (the same roundings)
+            unflatten(src.codes, BucketLayout.for_tensors([flat], src.codes.dtype), [flat], accumulate=accumulate,
+                      provider=provider)  # fmt: skip
         elif _torch_path(flat, provider):
             if not accumulate:
                 flat.copy_(src.codes)

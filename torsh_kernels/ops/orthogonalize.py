@@ -79,8 +79,7 @@ def orthogonalize_ref(matrices, *, rtol: float | None = None):
                 for i in range(j):
                     v -= (q[:, i] @ v) * q[:, i]
             nv = torch.linalg.vector_norm(v)
-            if n0 > 0 and nv > tol * n0:
-                q[:, j] = v / nv
+            q[:, j] = torch.where((n0 > 0) & (nv > tol * n0), v / nv, 0.0)  # (else the zero column it was)
         m.copy_(q)
     return matrices
 
@@ -224,8 +223,14 @@ def _ortho_cpu(mats, rtol, iters):
 
 
 @torch.library.custom_op("torsh::orthogonalize", mutates_args=("matrices",))
-def _ortho_op(matrices: list[torch.Tensor], rtol: float, iters: int, provider: str) -> None:
-    """``matrices``: [m, r] matrices and/or [B, m, r] batches, one r."""
+def _ortho_op(matrices: list[torch.Tensor], rtol: float, iters: int, provider: str, traced: bool = False,
+              check_finite: bool = False) -> None:  # fmt: skip
+    """``matrices``: [m, r] matrices and/or [B, m, r] batches, one r. ``traced``: the public function was
+    traced (torch.compile) and left the memory check and (with ``check_finite``) the NaN/Inf check to run
+    here, before anything is written."""
+    if traced:  # (the list as the caller passed it: the indices in a message are the caller's)
+        _ortho_checks(matrices, check_finite)
+        matrices = [m for m in matrices if m.numel()]
     m0 = matrices[0]
     requested = provider or None
     name = _ortho.select(m0.device, m0.dtype, m0.numel(), requested)
@@ -244,8 +249,23 @@ def _ortho_op(matrices: list[torch.Tensor], rtol: float, iters: int, provider: s
 
 
 @_ortho_op.register_fake
-def _(matrices, rtol, iters, provider):
+def _(matrices, rtol, iters, provider, traced=False, check_finite=False):
     return None
+
+
+def _ortho_checks(mats: list[torch.Tensor], check_finite: bool) -> None:
+    """The public function's checks that read memory and values, for a traced call: no two of ``mats``
+    share memory; with ``check_finite``, no NaN/Inf (the same errors and messages)."""
+    what = "torsh_kernels.orthogonalize"
+    if len(mats) > 1:
+        clash = _Ranges.of(mats).contiguous_clash()
+        if clash is not None:
+            raise ShapeError(f"{what}: matrices[{clash[0]}] and matrices[{clash[1]}] share memory")
+    # (as orthogonalize checks: the fp64 sum, then the exact count where it is not finite)
+    if check_finite and not math.isfinite(float(sum(m.sum(dtype=torch.float64) for m in mats))):
+        bad = sum(int((~torch.isfinite(m)).sum()) for m in mats)
+        if bad:
+            raise NonFiniteError(f"{what}: the matrices hold {bad} non-finite element(s); nothing was written")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,7 +332,8 @@ def orthogonalize(
             raise ShapeError(f"{what}: matrices[{i}] has {m.shape[-1]} columns, matrices[0] has {m0.shape[-1]}")
         if not m.is_contiguous():
             raise ShapeError(f"{what}: matrices[{i}] must be contiguous (it is orthogonalised in place)")
-    if len(mats) > 1:
+    traced = _eager.compiling()  # the memory and NaN/Inf checks then run in the op, at run time
+    if len(mats) > 1 and not traced:
         clash = _Ranges.of(mats).contiguous_clash()
         if clash is not None:
             raise ShapeError(f"{what}: matrices[{clash[0]}] and matrices[{clash[1]}] share memory")
@@ -320,9 +341,13 @@ def orthogonalize(
     tol = default_rtol(m0.dtype) if rtol is None else rtol
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (0.0 <= tol < 1.0):
         raise InvalidArgumentError(f"{what}: rtol must be a number in [0, 1), got {rtol!r}")
-    mats = [m for m in mats if m.numel()]
-    if not mats or m0.shape[-1] == 0:
+    live = [m for m in mats if m.numel()]
+    if not live or m0.shape[-1] == 0:
         return matrices
+    if traced:
+        _ortho_op([m.detach() for m in mats], float(tol), iters, provider or "", True, bool(check_finite))
+        return matrices
+    mats = live
     if check_finite:
         whole = matrices if isinstance(matrices, torch.Tensor) else None
         total = sum(m.sum(dtype=torch.float64) for m in mats) if whole is None else whole.sum(dtype=torch.float64)

@@ -323,7 +323,10 @@ def _quantize_into(x, q, scales, bits, block, stochastic, key, check_finite, pro
 
 @torch.library.custom_op("torsh::quantize", mutates_args=())
 def _quantize_op(x: torch.Tensor, bits: int, block: int, stochastic: bool, key: int, check_finite: bool,
-                 provider: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 provider: str, seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``seed``: a traced call's seed, drawn in the graph (``key`` is then derived from it here)."""
+    if seed is not None:
+        key = seed_key(int(seed.item()))
     n = x.numel()
     q = torch.empty(n if bits == 8 else -(-n // 2), dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device)
     scales = torch.empty(-(-n // block), dtype=torch.float32, device=x.device)
@@ -333,17 +336,21 @@ def _quantize_op(x: torch.Tensor, bits: int, block: int, stochastic: bool, key: 
 
 @torch.library.custom_op("torsh::quantize_out", mutates_args=("q", "scales"))
 def _quantize_out_op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int, block: int, stochastic: bool,
-                     key: int, check_finite: bool, provider: str) -> None:  # fmt: skip
+                     key: int, check_finite: bool, provider: str,
+                     seed: torch.Tensor | None = None) -> None:  # fmt: skip
+    """``seed``: as for ``torsh::quantize``."""
+    if seed is not None:
+        key = seed_key(int(seed.item()))
     _quantize_into(x, q, scales, bits, block, stochastic, key, check_finite, provider)
 
 
 @_quantize_out_op.register_fake
-def _(x, q, scales, bits, block, stochastic, key, check_finite, provider):
+def _(x, q, scales, bits, block, stochastic, key, check_finite, provider, seed=None):
     return None
 
 
 @_quantize_op.register_fake
-def _(x, bits, block, stochastic, key, check_finite, provider):
+def _(x, bits, block, stochastic, key, check_finite, provider, seed=None):
     n = x.numel()
     q = x.new_empty(n if bits == 8 else -(-n // 2), dtype=torch.int8 if bits == 8 else torch.uint8)
     return q, x.new_empty(-(-n // block), dtype=torch.float32)
@@ -439,14 +446,20 @@ def quantize(
     xf = _flat_input(x, what, "x")
     bits, block = _check_quant_args(bits, block, what)
     key = 0
+    drawn = None  # a traced call's seed: drawn in the graph from the same generator, read by the op at run time
     if stochastic:
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-        seed = _check_int(seed, what, "seed")
-        key = seed_key(seed)
+        if seed is None and _eager.compiling():
+            drawn = torch.randint(0, 2**62, (1,))
+        else:
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,)).item())
+            seed = _check_int(seed, what, "seed")
+            key = seed_key(seed)
     elif seed is not None:
         _check_int(seed, what, "seed")
     if out is None:
+        if drawn is not None:
+            return _quantize_op(xf, bits, block, True, 0, bool(check_finite), provider or "", drawn)
         return _eager.call(_quantize_op, (), xf, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise ArgumentTypeError(f"{what}: out must be a (q, scales) pair of tensors, got {type(out).__name__}")
@@ -463,6 +476,9 @@ def quantize(
         if t.device != xf.device:
             raise DeviceMismatchError(f"{what}: {name} is on {t.device}, x on {xf.device}")
     q, scales = out[0].view(-1), out[1].view(-1)
+    if drawn is not None:
+        _quantize_out_op(xf, q, scales, bits, block, True, 0, bool(check_finite), provider or "", drawn)
+        return out[0], out[1]
     _eager.call(
         _quantize_out_op, (1, 2), xf, q, scales, bits, block, bool(stochastic), key, bool(check_finite), provider or ""
     )

@@ -320,10 +320,7 @@ class Op:
             _check_name(requested, "the provider argument")
             reason = self._reason(requested, device)
             if reason is not None:
-                raise ProviderUnavailableError(
-                    f"torsh.{self.name}: provider {requested!r} was requested but cannot run on "
-                    f"{device.type} tensors here: {reason}. Pass provider=None for automatic selection."
-                )
+                self._unavailable(requested, device, reason)
             return requested
         env = _env_value()
         key = (self.name, device, dtype, (size - 1).bit_length() if size > 1 else 0, env)
@@ -331,6 +328,21 @@ class Op:
         if name is None:
             name = _SELECTED[key] = self._resolve(device, dtype, size, env)
         return name
+
+    def _unavailable(self, requested: str, device: torch.device, reason: str) -> None:
+        raise ProviderUnavailableError(
+            f"torsh.{self.name}: provider {requested!r} was requested but cannot run on "
+            f"{device.type} tensors here: {reason}. Pass provider=None for automatic selection."
+        )
+
+    def check_traced(self, device: torch.device, requested: str | None) -> None:
+        """While torch.compile traces a call that runs the torch implementation whatever was asked (the MoE
+        losses): an explicit provider must still be a known name this op has (the errors :meth:`select`
+        raises for those); the selection state (caches, environment, tuning cache) is not read."""
+        if requested:
+            _check_name(requested, "the provider argument")
+            if requested not in self.impls:
+                self._unavailable(requested, device, f"torsh.{self.name} has no {requested} implementation")
 
     def _resolve(self, device: torch.device, dtype: torch.dtype, size: int, env: str | None) -> str:
         candidates: list[tuple[str, str]] = []

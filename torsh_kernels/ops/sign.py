@@ -220,7 +220,10 @@ def _sign_unpack_cpu(bits, scale, out, alpha, accumulate):
 
 @torch.library.custom_op("torsh::sign_compress", mutates_args=("residual",))
 def _sign_op(x: torch.Tensor, residual: torch.Tensor | None, check_finite: bool,
-             provider: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+             provider: str, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``traced``: the public function was traced (torch.compile) and left the memory check to run here."""
+    if traced and residual is not None:
+        _no_overlap(residual.view(-1), x.view(-1), "torsh_kernels.sign_compress", "residual", "x")
     n = x.numel()
     bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=x.device)
     if n == 0:
@@ -238,7 +241,7 @@ def _sign_op(x: torch.Tensor, residual: torch.Tensor | None, check_finite: bool,
 
 
 @_sign_op.register_fake
-def _(x, residual, check_finite, provider):
+def _(x, residual, check_finite, provider, traced=False):
     return x.new_empty(-(-x.numel() // 8), dtype=torch.uint8), x.new_empty((), dtype=torch.float32)
 
 
@@ -275,9 +278,9 @@ def sign_compress(
     if (
         type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous() and (n := x.numel()) and n < _EXACT_INT
         and (residual is None or (type(residual) is _T and residual.dtype is _F32 and residual.is_cpu
-                                  and residual.is_contiguous() and residual.numel() == n
-                                  and _eager.disjoint(x, residual, 4 * n)))
-        and _eager.fast()
+                                  and residual.is_contiguous() and residual.numel() == n))
+        and _eager.fast()  # (before anything reads addresses: false while torch.compile traces)
+        and (residual is None or _eager.disjoint(x, residual, 4 * n))
         and _abs_sum.select(_CPU, _F32, n, provider or None) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider: its two passes straight on the tensors' memory.
@@ -305,11 +308,13 @@ def sign_compress(
                 return _pack_signs(x.ge(_ZERO).view(-1)), torch.scalar_tensor(total / n, dtype=_F32)
     what = "torsh_kernels.sign_compress"
     xf = _flat_input(x, what, "x")
-    rf = None
+    rf, traced = None, False
     if residual is not None:
         rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
-        _no_overlap(rf, xf, what, "residual", "x")
-    return _eager.call(_sign_op, (1,), xf, rf, bool(check_finite), provider or "")
+        traced = _eager.compiling()  # the memory check then runs in the op, at run time
+        if not traced:
+            _no_overlap(rf, xf, what, "residual", "x")
+    return _eager.call(_sign_op, (1,), xf, rf, bool(check_finite), provider or "", traced)
 
 
 def sign_decompress(

@@ -45,6 +45,7 @@ from ._common import (
     _check_int,
     _check_tensor,
     _count,
+    _count_nonfinite,
     _counter,
     _decode_out,
     _finite_sum,
@@ -56,7 +57,6 @@ from ._common import (
     _raise_nonfinite,
     _scratch,
     _select,
-    count_nonfinite,
 )
 from .error_feedback import _axpby
 from .registry import Op
@@ -90,7 +90,9 @@ def topk_compress_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of |x + residual| by torch.topk, indices ascending; residual keeps what was not sent."""
     acc = _acc_ref(x, residual)
-    if not torch.isfinite(acc).all():
+    if torch.compiler.is_compiling():  # no host read while tracing: a run-time assertion (a RuntimeError)
+        torch._assert_async(torch.isfinite(acc).all(), "topk_compress_ref: non-finite input")
+    elif not torch.isfinite(acc).all():
         raise NonFiniteError("topk_compress_ref: non-finite input")
     k = topk_count(acc.numel(), ratio)
     idx = torch.topk(acc.abs(), k, sorted=False).indices.sort().values
@@ -134,7 +136,7 @@ def _cand_torch(x, r, thr, cap, idx_dtype):
         torch.add(x, r, out=a)
     else:
         a.copy_(_acc_torch(x, r))
-    bad = count_nonfinite(a)
+    bad = _count_nonfinite(a)
     a.abs_()
     sel = a >= thr  # NaN compares false
     if bool(bad):
@@ -231,14 +233,17 @@ def _scatter_cpu(values, indices, out, alpha, accumulate, unique):
 
 @torch.library.custom_op("torsh::topk_compress", mutates_args=("residual",))
 def _topk_op(x: torch.Tensor, residual: torch.Tensor | None, k: int, exact: bool, check_finite: bool,
-             provider: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+             provider: str, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``traced``: the public function was traced (torch.compile) and left the memory check to run here."""
+    if traced and residual is not None:
+        _no_overlap(residual.view(-1), x.view(-1), "torsh_kernels.topk_compress", "residual", "x")
     name = _select(_candidates, x, provider)
     with _on(x.device):
         return _topk_run(name, x.view(-1), residual.view(-1) if residual is not None else None, k, exact, check_finite)
 
 
 @_topk_op.register_fake
-def _(x, residual, k, exact, check_finite, provider):
+def _(x, residual, k, exact, check_finite, provider, traced=False):
     return x.new_empty(k), x.new_empty(k, dtype=index_dtype(x.numel()))
 
 
@@ -291,7 +296,7 @@ def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
     if chosen is None:  # exact path (also the fallback)
         if r is None and name == "torch":  # x itself in fp32 (a copy only for 16-bit x)
             acc = x.float()
-            bad = count_nonfinite(acc) if check_finite else None
+            bad = _count_nonfinite(acc) if check_finite else None
         else:
             acc = torch.empty(n, dtype=torch.float32, device=x.device)
             bad = _axpby(name, x, r if r is not None else torch.zeros_like(x), acc, 1.0, check_finite)
@@ -310,7 +315,12 @@ def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
 
 @torch.library.custom_op("torsh::topk_decompress", mutates_args=("out",))
 def _topk_decompress_op(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, accumulate: bool,
-                        alpha: float, provider: str) -> None:  # fmt: skip
+                        alpha: float, provider: str, traced: bool = False) -> None:  # fmt: skip
+    """``traced``: the public function was traced (torch.compile) and left the index range and memory checks
+    to run here, before anything is written."""
+    if traced:
+        _check_index_range(indices, out.numel())
+        _decompress_overlaps(out, values, indices)
     name = _select(_scatter, out, provider)
     with _on(out.device):
         if not accumulate:
@@ -320,8 +330,24 @@ def _topk_decompress_op(values: torch.Tensor, indices: torch.Tensor, out: torch.
 
 
 @_topk_decompress_op.register_fake
-def _(values, indices, out, accumulate, alpha, provider):
+def _(values, indices, out, accumulate, alpha, provider, traced=False):
     return None
+
+
+def _check_index_range(indices: torch.Tensor, numel: int) -> None:
+    """Every index in [0, numel) (one pass and a host read), else ShapeError naming one outside."""
+    if indices.numel():
+        lo, hi = torch.aminmax(indices)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= numel:
+            bad = lo if lo < 0 else hi
+            raise ShapeError(f"torsh_kernels.topk_decompress: index {bad} is outside [0, {numel}); nothing was written")
+
+
+def _decompress_overlaps(of: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> None:
+    what = "torsh_kernels.topk_decompress"
+    _no_overlap(of, values, what, "out", "values")
+    _no_overlap(of, indices, what, "out", "indices")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,9 +385,9 @@ def topk_compress(
         type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous()
         and ratio.__class__ is float and 0.0 < ratio <= 1.0 and (n := x.numel()) and n < 2**31
         and (residual is None or (type(residual) is _T and residual.dtype is _F32 and residual.is_cpu
-                                  and residual.is_contiguous() and residual.numel() == n
-                                  and _eager.disjoint(x, residual, 4 * n)))
-        and _eager.fast()
+                                  and residual.is_contiguous() and residual.numel() == n))
+        and _eager.fast()  # (before anything reads addresses: false while torch.compile traces)
+        and (residual is None or _eager.disjoint(x, residual, 4 * n))
         and _candidates.select(_CPU, _F32, n, provider or None) == "cpu"
         and (exact or n // min(n, max(TOPK_MIN_SAMPLE, math.ceil(TOPK_SAMPLE_PER_K * n / topk_count(n, ratio)))) <= 1)
     ):  # fmt: skip
@@ -399,12 +425,14 @@ def topk_compress(
     ratio = _check_ratio(ratio, what)
     if xf.numel() == 0:
         raise ShapeError(f"{what}: x is empty; there is nothing to select")
-    rf = None
+    rf, traced = None, False
     if residual is not None:
         rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
-        _no_overlap(rf, xf, what, "residual", "x")
+        traced = _eager.compiling()  # the memory check then runs in the op, at run time
+        if not traced:
+            _no_overlap(rf, xf, what, "residual", "x")
     k = topk_count(xf.numel(), ratio)
-    return _eager.call(_topk_op, (1,), xf, rf, k, bool(exact), bool(check_finite), provider or "")
+    return _eager.call(_topk_op, (1,), xf, rf, k, bool(exact), bool(check_finite), provider or "", traced)
 
 
 def topk_decompress(
@@ -473,14 +501,10 @@ def topk_decompress(
     numel = _check_int(numel, what, "numel", 0)
     alpha = _check_alpha(alpha, what)
     out, of = _decode_out(out, numel, dtype or values.dtype, values.device, what)
-    if indices.numel():
-        lo, hi = torch.aminmax(indices)
-        lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= numel:
-            bad = lo if lo < 0 else hi
-            raise ShapeError(f"{what}: index {bad} is outside [0, {numel}); nothing was written")
-    _no_overlap(of, values, what, "out", "values")
-    _no_overlap(of, indices, what, "out", "indices")
+    traced = _eager.compiling()  # the index range and memory checks then run in the op, at run time
+    if not traced:
+        _check_index_range(indices, numel)
+        _decompress_overlaps(of, values, indices)
     _eager.call(
         _topk_decompress_op,
         (2,),
@@ -490,5 +514,6 @@ def topk_decompress(
         bool(accumulate),
         alpha,
         provider or "",
+        traced,
     )
     return out

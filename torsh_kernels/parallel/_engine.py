@@ -609,6 +609,11 @@ class BucketCompressor:
         self.iteration += 1
         return False
 
+    def abandon_iteration(self) -> None:
+        """Forget what this iteration noted (a collective or a compressor failed mid-iteration): the next
+        one saves its states afresh."""
+        self._saved, self._created, self._skip = set(), set(), False
+
     # -- checkpoints ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:

@@ -397,6 +397,7 @@ def compression_hook(
         # the collectives of this iteration are out of step with the other ranks: start over cleanly
         state._pipeline = ReductionPipeline()
         state._turn = _Turn(state.stats)
+        engine.abandon_iteration()
         raise
     return fut
 
@@ -457,6 +458,7 @@ def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
     except BaseException:
         state._seen = set()
         state._turn = _Turn(state.stats)
+        engine.abandon_iteration()
         raise
     if state._expected is not None and len(state._seen) >= state._expected:
         _close_parameter_iteration(state)

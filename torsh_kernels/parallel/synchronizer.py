@@ -411,6 +411,7 @@ class GradientSynchronizer:
         except BaseException:
             self._pipeline = ReductionPipeline()
             self._reset_step()
+            self._engine.abandon_iteration()
             raise
         undone = self._engine.end_iteration()
         self._syncs += 1

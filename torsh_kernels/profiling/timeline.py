@@ -55,16 +55,15 @@ import torch
 
 from .. import _trace
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from .traces import TORSH_OPS
 
 __all__ = ["ENV_VAR", "SCHEMA", "Recorder", "current", "record", "start_from_env", "step"]
 
 ENV_VAR = "TORSH_TRACE"
 SCHEMA = "torsh-trace/1"
 
-# ops whose launches count as compression (the rest are "op")
-COMPRESSION_OPS = frozenset({"residual_add", "error_update", "topk_compress", "topk_decompress", "quantize",
-                             "dequantize", "sign_compress", "sign_compress.pack", "sign_decompress",
-                             "orthogonalize"})  # fmt: skip
+# ops whose launches are recorded as compression (the rest are "op"; the loader classifies those by TORSH_OPS)
+COMPRESSION_OPS = frozenset(name for name, cls in TORSH_OPS.items() if cls == "compression")
 
 
 # bytes each rank puts on the wire per byte of its input, ring algorithms (what NCCL and gloo use for

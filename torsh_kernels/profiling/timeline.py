@@ -30,6 +30,9 @@ What is recorded while a recorder is active (each event's ``cat``):
 - ``wait``: a thread blocked on a collective;
 - ``user`` and ``step``: :func:`record` and :func:`step`.
 
+While a torch.profiler records, the spans on threads are also ``record_function`` ranges in its trace
+(see :mod:`torsh_kernels._trace`).
+
 Lanes (``tid``) never hold partially overlapping complete events, so Perfetto accepts the file: spans
 on one thread nest; spans that outlive their caller (collectives and buckets in flight) are packed
 into ``comm N`` / ``bucket N`` lanes where each is free; GPU spans (CUDA events, read back when the
@@ -88,29 +91,37 @@ def _now() -> int:
 
 
 class _Span:
-    """A complete event on the calling thread (and, with a CUDA device, on its current stream)."""
+    """A complete event on the thread that opens it (and, with a CUDA device, on its current stream); while
+    a torch profiler records, also a ``record_function`` range."""
 
-    __slots__ = ("args", "cat", "dev", "ev0", "name", "rec", "t0")
+    __slots__ = ("args", "cat", "dev", "ev0", "lane", "name", "rec", "rf", "st", "t0")
 
     def __init__(self, rec: Recorder, name: str, cat: str, args: dict | None, dev) -> None:
         self.rec, self.name, self.cat, self.args, self.dev = rec, name, cat, args, dev
-        self.ev0 = None
+        self.ev0 = self.rf = None
 
     def __enter__(self) -> _Span:
         rec = self.rec
-        rec._stack().append(self)
+        self.st = st = rec._stack()
+        st.append(self)
+        self.lane = rec._thread_lane()
         if self.dev is not None:
             self.ev0 = rec._cuda_event(self.dev)
+        if _trace.profiler._is_profiler_enabled:
+            self.rf = _trace.range_enter(self.name, self.cat)
         self.t0 = _now()
         return self
 
     def __exit__(self, *exc: object) -> bool:
         t1 = _now()
         rec = self.rec
-        st = rec._stack()
+        st = self.st
         if st and st[-1] is self:
             st.pop()
-        rec._add(("X", self.name, self.cat, self.t0, t1, rec._thread_lane(), self.args))
+        if self.rf is not None:
+            _trace.range_exit(self.rf)
+            self.rf = None
+        rec._add(("X", self.name, self.cat, self.t0, t1, self.lane, self.args))
         if self.ev0 is not None:
             rec._gpu_span(self.name, self.cat, self.ev0, self.dev, self.args)
         return False
@@ -209,7 +220,7 @@ class Recorder:
         cur = _trace.recorder
         if cur is self:
             return self
-        if cur is not None:
+        if cur is not None and not isinstance(cur, _trace.Bridge):  # the bridge steps aside: we mirror
             raise InvalidArgumentError(
                 "Recorder.start: another recorder is already active in this process; stop() it first "
                 f"(it writes to {cur.directory})"
@@ -221,7 +232,7 @@ class Recorder:
     def stop(self) -> None:
         """Stop recording (events so far are kept; ``start()`` resumes)."""
         if _trace.recorder is self:
-            _trace.recorder = None
+            _trace.recorder = _trace.Bridge() if _trace.profiler._is_profiler_enabled else None
 
     def __enter__(self) -> Recorder:
         return self.start()
@@ -516,8 +527,9 @@ def _dist_info(dist) -> dict:
 
 
 def current() -> Recorder | None:
-    """The active recorder, or None."""
-    return _trace.recorder
+    """The active recorder, or None (also while only a torch profiler's bridge occupies the slot)."""
+    r = _trace.recorder
+    return r if isinstance(r, Recorder) else None
 
 
 def record(name: str, **args: object):
@@ -546,7 +558,7 @@ def step(n: int, **args: object):
 def start_from_env() -> Recorder | None:
     """Start a recorder writing to ``$TORSH_TRACE`` (if set and none is active); it writes at exit."""
     d = os.environ.get(ENV_VAR, "").strip()
-    if not d or _trace.recorder is not None:
+    if not d or (_trace.recorder is not None and not isinstance(_trace.recorder, _trace.Bridge)):
         return None
     rec = Recorder(d)
     rec.from_env = True

@@ -156,7 +156,7 @@ def _recorded(comm, d: str) -> None:
     ddp.register_comm_hook(CompressionHookState(compressor=PowerSGD(2), start_iter=0, min_numel=16),
                            compression_hook)  # fmt: skip
     g = torch.Generator().manual_seed(comm.rank)
-    with timeline.Recorder(d):
+    with timeline.Recorder(d, model=ddp):
         for i in range(3):
             with timeline.step(i):
                 ddp(torch.randn(8, 24, generator=g)).sum().backward()
@@ -181,7 +181,7 @@ def test_hta_finds_both_ranks_of_a_torsh_trace(tmp_path):
     assert sorted(ta.t.traces) == [0, 1]
     for r, df in ta.t.traces.items():
         names = set(ta.t.symbol_table.sym_table[i] for i in df["name"].unique())
-        assert {"PowerSGD round 1", "step 0"} <= names
+        assert {"forward", "backward", "PowerSGD round 1", "step 0"} <= names
         assert len(df) == counts[r]
     # without distributedInfo (the files torsh wrote before) HTA takes every file for rank 0
     old = tmp_path / "old"

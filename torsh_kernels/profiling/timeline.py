@@ -28,7 +28,11 @@ What is recorded while a recorder is active (each event's ``cat``):
 - ``bucket``: a DDP hook's or GradientSynchronizer's bucket from submission to completion;
 - ``compression``: compressing, issuing and decompressing one round of a compressed all-reduce;
 - ``wait``: a thread blocked on a collective;
-- ``user`` and ``step``: :func:`record` and :func:`step`.
+- ``user`` and ``step``: :func:`record` and :func:`step`;
+- ``module``: with ``Recorder(model=net)`` (or :meth:`Recorder.watch`), the model's forward (``forward``)
+  and backward (``backward``, from the first gradient reaching the model's output to the end of that
+  backward pass), and the forward of its submodules down to ``module_depth`` (``forward a.b``), from
+  module and autograd hooks installed while recording and removed when it stops.
 
 While a torch.profiler records, the spans on threads are also ``record_function`` ranges in its trace
 (see :mod:`torsh_kernels._trace`).
@@ -167,7 +171,9 @@ class Recorder:
     initialised (else ``RANK``/``WORLD_SIZE``, else 0/1). ``cuda``: time GPU work with CUDA events
     (default: when CUDA is available). ``max_events``: recording stops adding events past this many
     (the trace then says how many were dropped) so a forgotten recorder cannot exhaust memory.
-    One recorder is active per process at a time; ``start()``/``stop()`` may alternate to record
+    ``model``: a module (or several) whose forward and backward the recorder records itself
+    (:meth:`watch`); ``module_depth``: also the forward of submodules that many levels down (0: the model
+    only). One recorder is active per process at a time; ``start()``/``stop()`` may alternate to record
     several windows into one trace.
     """
 
@@ -179,6 +185,8 @@ class Recorder:
         world_size: int | None = None,
         cuda: bool | None = None,
         max_events: int = 2_000_000,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+        module_depth: int = 0,
     ) -> None:
         for name, v, lo in (("rank", rank, 0), ("world_size", world_size, 1)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
@@ -208,6 +216,12 @@ class Recorder:
         # timestamps count from midnight UTC of that day: small numbers keep nanoseconds exact in a double
         self._base_ns = self._origin_wall_ns - self._origin_wall_ns % (86_400 * 10**9)
         self._dist: dict | None = None  # torch.distributed's backend and process groups, once seen
+        self._watched: list = []  # profiling.modules.ModuleSpans, installed while active
+        if model is not None:
+            for m in model if isinstance(model, (list, tuple)) else (model,):
+                self.watch(m, depth=module_depth)
+        elif isinstance(module_depth, bool) or not isinstance(module_depth, int) or module_depth != 0:
+            raise InvalidArgumentError(f"Recorder: module_depth={module_depth!r} without a model; pass model= too")
 
     # -- activation ---------------------------------------------------------------------------------
 
@@ -216,7 +230,7 @@ class Recorder:
         return _trace.recorder is self
 
     def start(self) -> Recorder:
-        """Make this the process's active recorder."""
+        """Make this the process's active recorder (and install its module hooks)."""
         cur = _trace.recorder
         if cur is self:
             return self
@@ -227,12 +241,28 @@ class Recorder:
             )
         self._resolve_rank()
         _trace.recorder = self
+        for w in self._watched:
+            w.install()
         return self
 
     def stop(self) -> None:
-        """Stop recording (events so far are kept; ``start()`` resumes)."""
+        """Stop recording (events so far are kept; ``start()`` resumes); the module hooks are removed."""
         if _trace.recorder is self:
+            for w in self._watched:
+                w.remove()
             _trace.recorder = _trace.Bridge() if _trace.profiler._is_profiler_enabled else None
+
+    def watch(self, model: torch.nn.Module, *, depth: int = 0) -> Recorder:
+        """Record ``model``'s forward and backward (and its submodules' forward down to ``depth`` levels)
+        while this recorder is active: hooks installed at ``start()`` (now, if active) and removed at
+        ``stop()``. See :mod:`~torsh_kernels.profiling.modules`."""
+        from .modules import ModuleSpans
+
+        w = ModuleSpans(self, model, depth=depth)
+        self._watched.append(w)
+        if self.active:
+            w.install()
+        return self
 
     def __enter__(self) -> Recorder:
         return self.start()

@@ -19,7 +19,9 @@ it, never as host stalls (those are suggested only for GPU idle time on ranks me
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import math
 import re
 import statistics
 import sys
@@ -162,7 +164,9 @@ _OFFLOAD = re.compile(r"offload|memcpy|memset|\bcopy\b|HtoD|DtoH", re.IGNORECASE
 
 
 def _in(wins: A.Intervals, t: float) -> bool:
-    return any(a <= t < b for a, b in wins)
+    """Whether ``t`` lies in one of ``wins`` (merged and sorted, as :func:`analysis.union` makes them)."""
+    i = bisect.bisect_right(wins, (t, math.inf)) - 1
+    return i >= 0 and wins[i][0] <= t < wins[i][1]
 
 
 def facts(trace: Trace, wins: dict[int, A.Intervals]) -> dict:
@@ -177,6 +181,7 @@ def facts(trace: Trace, wins: dict[int, A.Intervals]) -> dict:
     backward: dict[int, A.Intervals] = {}
     comm_starts: list[tuple[int, float]] = []
     memory: dict[str, float] = {}
+    wins = {r: A.union(w) for r, w in wins.items()}
     for s in trace.spans:
         w = wins.get(s.rank, [])
         if not _in(w, s.start):

@@ -39,10 +39,25 @@ def test_report_numbers_and_straggler(trace_dir):
 
 def test_thresholds_drive_suggestions(trace_dir):
     tr = load(trace_dir)
-    ids = [g["id"] for g in build(tr, thresholds=Thresholds(comm_share=0.2, idle=0.05))["suggestions"]]
-    assert ids == ["communication", "idle", "straggler"]
-    ids = [g["id"] for g in build(tr, thresholds=Thresholds(overlap=0.9, compression=0.05))["suggestions"]]
-    assert ids == ["overlap", "compression", "straggler"]
+    rep = build(tr, thresholds=Thresholds(comm_share=0.2, unrecorded=0.05))
+    assert [g["id"] for g in rep["suggestions"]] == ["communication", "unrecorded", "straggler"]
+    # the trace shows TopK rounds: the job compresses, so no "compress with compression_hook"; compression
+    # (10% of the step) costs more than the exposed communication (7.5%): no "compress harder" either
+    comm = rep["suggestions"][0]["message"]
+    assert "already compresses (TopK)" in comm and "compression_hook" not in comm
+    assert "raise the compression" not in comm
+    # the 7.5% no span covers is unrecorded host time, not idle: advice to record it, never host stalls
+    unrec = rep["suggestions"][1]["message"]
+    assert "7.5% of the step is covered by no recorded span" in unrec and "stall" not in unrec
+    assert rep["summary"]["gpu_idle_share"] is None and rep["summary"]["host_unrecorded_share"] == pytest.approx(0.075)
+    assert "idle" not in [g["id"] for g in build(tr, thresholds=Thresholds(idle=0.0))["suggestions"]]
+    rep = build(tr, thresholds=Thresholds(overlap=0.9, compression=0.05))
+    assert [g["id"] for g in rep["suggestions"]] == ["overlap", "compression", "straggler"]
+    # the all-reduce starts inside backward [30, 80]: the job already overlaps, so no "start buckets during backward"
+    assert rep["facts"]["comm_during_backward"] is True
+    assert "already start during backward" in rep["suggestions"][0]["message"]
+    assert "GradientSynchronizer(overlap=True)" not in rep["suggestions"][0]["message"]
+    assert "switch to a cheaper compressor (FP16 or BF16 or Quantize)" in rep["suggestions"][1]["message"]
     # no straggler when the ranks are in step
     rep = build(load(write_trace(trace_dir.parent / "even", shift=0.0)))
     assert rep["suggestions"] == [] and not any(d["straggler"] for d in rep["stragglers"])

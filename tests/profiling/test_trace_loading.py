@@ -62,7 +62,7 @@ def test_torch_profiler_traces_load(kineto_dir):
     for r in (0, 1):
         b = A.breakdown(tr, r, A.windows(tr, r))
         assert b.steps == 3 and b.window_ms > 0 and 0 < b.comm_share <= 1 and b.compute_ms > 0
-        parts = b.compute_ms + b.compression_ms + b.memory_ms + b.communication_ms + b.idle_ms
+        parts = b.compute_ms + b.compression_ms + b.memory_ms + b.communication_ms + b.unrecorded_ms
         assert parts == pytest.approx(b.window_ms, rel=1e-9)
     rep = build(tr)
     assert rep["summary"]["steps_per_rank"] == 3 and len(rep["stragglers"]) == 2

@@ -66,7 +66,7 @@ def test_lanes_at_fixed_width(trace_dir, capsys):
     assert set(main0[30:35]) == {"-"}  # the wait [60, 70] inside backward
     assert set(main0[35:40]) == {"█"}
     assert set(main0[40:45]) == {"▓"}  # compression [80, 90]
-    assert main0[45:50] == "     "  # idle [90, 100]
+    assert main0[45:50] == "     "  # unrecorded [90, 100]
     comm0 = _lane(out, "r0 comm 0")
     assert set(comm0[20:37]) == {"▒"} and comm0[:20].strip() == ""  # all_reduce [40, 75]
     assert set(comm0[92:97]) == {"▒"}  # [185, 195]
@@ -86,7 +86,7 @@ def test_totals_and_top_table(trace_dir, capsys):
     assert "per-rank totals over its steps" in out
     for r in ("0", "1"):
         row = _row(out, r)
-        # rank, time, compute, compress, memory, comm exp, idle, in flight, comm share, overlap, colls, wire
+        # rank, time, compute, compress, memory, comm exp, unrecorded, in flight, comm share, overlap, colls, wire
         assert row[1:12] == ["200.000", "150.000", "20.000", "0.000", "15.000", "15.000", "45.000", "22.5%", "66.7%",
                              "2", "8.0 KiB"]  # fmt: skip
     assert _row(out, "backward")[1:7] == ["compute", "4", "200.000", "50.000", "50.000", "0,1"]

@@ -8,7 +8,7 @@ Rank 0, in ms (rank 1: the same, 8 ms later, so its collectives start 8 ms after
                        all_reduce in flight [185, 195]
 
 Over its steps (200 ms): compute 150 (forward 60 + backward 100 - wait 10), compression 20, exposed
-communication 15 ([60, 70] and [190, 195]), idle 15 ([90, 100] and [195, 200]); communication in flight
+communication 15 ([60, 70] and [190, 195]), unrecorded 15 ([90, 100] and [195, 200]); communication in flight
 45 ms: share 22.5%; overlapped by compute or compression: 25 + 5 = 30 ms, 66.7%.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-EXPECTED = {"compute_ms": 150.0, "compression_ms": 20.0, "communication_ms": 15.0, "idle_ms": 15.0,
+EXPECTED = {"compute_ms": 150.0, "compression_ms": 20.0, "communication_ms": 15.0, "unrecorded_ms": 15.0,
             "memory_ms": 0.0, "comm_ms": 45.0, "comm_share": 0.225, "overlap": 30 / 45, "window_ms": 200.0}  # fmt: skip
 SHIFT_MS = 8.0
 BASE_US = 1_000_000.0  # ts of time 0, in microseconds after the file's base_unix_us

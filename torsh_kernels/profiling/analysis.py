@@ -8,10 +8,14 @@ The breakdown of one rank over a set of windows (its steps, or a ``--window``):
    windows, not work. Communication spans count whole, with what they nest (issuing a collective
    includes flattening its buffer), and so do in-flight lanes (torsh's ``comm N``).
 2. A rank whose trace has GPU lanes is measured on its GPU lanes (and in-flight collectives) only, as
-   Holistic Trace Analysis does: host threads then only launch work.
+   Holistic Trace Analysis does: host threads then only launch work (``measured_on`` "device"; else
+   "host").
 3. Per class, the union of those segments; then exclusively, in this order: ``compute``, ``compression``
    (not under compute), ``memory``, ``communication`` (in flight while nothing above runs: *exposed*),
-   ``idle`` (the rest). The five add up to the window.
+   ``unrecorded`` (the rest: time no span covers). The five add up to the window. Unrecorded is not
+   idle: on a host-measured rank it is whatever ran without a span (Python between recorded calls, a
+   forward or backward nobody recorded, data loading, or truly nothing); on a device-measured rank it is
+   time when no kernel, copy or collective ran on the GPU, which is GPU idle time.
 4. ``comm share`` = time with any collective in flight / window; ``overlap`` = the part of that time
    during which compute, compression or memory work runs / time with a collective in flight.
 """
@@ -24,7 +28,8 @@ from dataclasses import asdict, dataclass
 
 from .traces import Span, Trace
 
-__all__ = ["Breakdown", "breakdown", "class_intervals", "step_number", "stragglers", "top_spans", "windows"]
+__all__ = ["Breakdown", "breakdown", "class_intervals", "measured_on_device", "step_number", "stragglers", "top_spans",
+           "windows"]  # fmt: skip
 
 Intervals = list[tuple[float, float]]
 BUSY = ("compute", "compression", "memory")
@@ -109,13 +114,23 @@ def _rank_lanes(trace: Trace, rank: int) -> tuple[dict[int, list[Span]], bool]:
     for s in trace.spans:
         if s.rank == rank and s.cls != "step" and s.cat != "Trace":
             by_lane.setdefault(s.lane, []).append(s)
-    device = any(trace.lanes[i].kind == "device" and any(s.cls in ("compute", "communication") for s in ss)
+    device = any(trace.lanes[i].kind == "device" and any(s.cls in ("compute", "communication", "compression",
+                                                                   "memory") for s in ss)
                  for i, ss in by_lane.items())  # fmt: skip
     return by_lane, device
 
 
+def measured_on_device(trace: Trace, rank: int) -> bool:
+    """Whether ``rank`` is measured on its GPU lanes (step 2 of the module docstring)."""
+    return _rank_lanes(trace, rank)[1]
+
+
 def class_intervals(trace: Trace, rank: int) -> dict[str, Intervals]:
     """Class -> merged intervals of one rank (steps 1-2 of the module docstring)."""
+    return _class_intervals(trace, rank)[0]
+
+
+def _class_intervals(trace: Trace, rank: int) -> tuple[dict[str, Intervals], bool]:
     by_lane, device = _rank_lanes(trace, rank)
     segs: dict[str, Intervals] = {}
     for i, ss in by_lane.items():
@@ -130,7 +145,7 @@ def class_intervals(trace: Trace, rank: int) -> dict[str, Intervals]:
                 segs.setdefault(c, []).append((a, b))
             # a collective call counts whole as communication, with what it nests (flattening, waiting)
             segs.setdefault("communication", []).extend((s.start, s.end) for s in ss if s.cls == "communication")
-    return {c: union(v) for c, v in segs.items()}
+    return {c: union(v) for c, v in segs.items()}, device
 
 
 def step_number(s: Span) -> int | None:
@@ -178,8 +193,9 @@ class Breakdown:
     """Copies not under compute or compression."""
     communication_ms: float
     """Exposed communication: a collective in flight and nothing above running."""
-    idle_ms: float
-    """Nothing running and nothing in flight."""
+    unrecorded_ms: float
+    """Time no span covers (nothing recorded running, nothing in flight): not necessarily idle; see the
+    module docstring."""
     comm_ms: float
     """Time with any collective in flight."""
     comm_share: float
@@ -190,6 +206,8 @@ class Breakdown:
     """Bytes on the wire of the collectives that started in the windows (torsh traces)."""
     collectives: int
     """Collectives (communication spans on in-flight lanes, or all, for other traces) starting in the windows."""
+    measured_on: str = "host"
+    """``device``: measured on GPU lanes (unrecorded time is GPU idle time); ``host``: on host threads."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -202,7 +220,8 @@ def breakdown(trace: Trace, rank: int, wins: Intervals) -> Breakdown:
     """The breakdown of ``rank`` over ``wins`` (ms)."""
     wins = union(wins)
     total = length(wins)
-    ci = {c: intersect(v, wins) for c, v in class_intervals(trace, rank).items()}
+    cls_iv, device = _class_intervals(trace, rank)
+    ci = {c: intersect(v, wins) for c, v in cls_iv.items()}
     taken: Intervals = []
     excl = {}
     for c in (*BUSY, "communication"):
@@ -226,9 +245,10 @@ def breakdown(trace: Trace, rank: int, wins: Intervals) -> Breakdown:
                 wire += w
     return Breakdown(
         rank=rank, window_ms=total, steps=nsteps, compute_ms=excl["compute"], compression_ms=excl["compression"],
-        memory_ms=excl["memory"], communication_ms=excl["communication"], idle_ms=max(0.0, total - length(taken)),
-        comm_ms=comm_ms, comm_share=comm_ms / total if total else 0.0,
+        memory_ms=excl["memory"], communication_ms=excl["communication"],
+        unrecorded_ms=max(0.0, total - length(taken)), comm_ms=comm_ms, comm_share=comm_ms / total if total else 0.0,
         overlap=length(intersect(comm, busy)) / comm_ms if comm_ms else None, wire_bytes=wire, collectives=count,
+        measured_on="device" if device else "host",
     )  # fmt: skip
 
 

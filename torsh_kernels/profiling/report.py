@@ -1,19 +1,28 @@
 """``torsh report TRACE_OR_DIR``: where the step time goes, and what to change.
 
 Per rank, over its steps (step markers; else its recorded extent; or ``--step N`` / ``--window``): the
-exclusive breakdown into compute, compression, memory, exposed communication and idle time, the
+exclusive breakdown into compute, compression, memory, exposed communication and unrecorded time, the
 communication share (time with a collective in flight / step time) and the overlap (share of that time
 hidden behind work), the same numbers ``torsh timeline`` prints (both call
 :func:`~torsh_kernels.profiling.analysis.breakdown` on the same windows). Steps carrying a ``label``
 (``timeline.step(i, label="powersgd")``; the demo labels each compressor's steps) get one row per label.
 Then stragglers (a rank whose collectives start last, consistently and by a margin) and suggestions
-driven by :class:`Thresholds`. ``--json`` prints the same content as JSON.
+driven by :class:`Thresholds` and by what the trace shows the job already does (:func:`facts`: whether it
+compresses and with what, on which providers, whether its collectives start during backward, what its
+copies are). A suggestion never proposes what the job already does, and no two contradict each other:
+"compress harder" and "compress more cheaply" are exclusive (the larger of the exposed communication and
+the compression time decides), and time no span covers is reported as unrecorded, with advice to record
+it, never as host stalls (those are suggested only for GPU idle time on ranks measured on their GPU).
+``--json`` prints the same content as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import math
+import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -22,7 +31,7 @@ from ..errors import InvalidArgumentError, TraceFormatError
 from . import analysis as A
 from .traces import Trace, load
 
-__all__ = ["Thresholds", "add_arguments", "build", "print_report", "run", "suggestions"]
+__all__ = ["Thresholds", "add_arguments", "build", "facts", "print_report", "run", "suggestions"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,24 +39,28 @@ class Thresholds:
     """When the report suggests a change (fractions of the measured step time unless stated)."""
 
     comm_share: float = 0.30
-    """Communication in flight above this share of the step: compress, bigger buckets, hierarchical."""
+    """Communication in flight above this share of the step: compress (or compress harder), bigger buckets,
+    hierarchical."""
     overlap: float = 0.50
     """Overlap below this (with comm_share above ``overlap_min_comm``): overlap communication with backward."""
     overlap_min_comm: float = 0.10
     """The overlap rule applies only when communication is at least this share of the step."""
     compression: float = 0.15
-    """Compression above this share of the step: cheaper compressor or faster kernels."""
+    """Compression above this share of the step: faster kernels (or a cheaper compressor)."""
     idle: float = 0.20
-    """Idle above this share: host stalls between work."""
+    """GPU idle above this share, on ranks measured on their GPU (unrecorded time there: no kernel, copy or
+    collective ran): host stalls between work."""
+    unrecorded: float = 0.20
+    """Unrecorded time above this share, on ranks measured on host threads: record more of the step."""
     memory: float = 0.20
-    """Exposed copies above this share: prefetch earlier, pin host memory."""
+    """Exposed copies above this share: prefetch earlier, pin host memory, or cheaper bucket copies."""
     small_bucket_bytes: int = 1 << 20
     """Median bucket below this many bytes with more than ``many_buckets`` buckets per step: raise bucket size."""
     many_buckets: int = 8
     """See ``small_bucket_bytes``."""
 
     def __post_init__(self) -> None:
-        for k in ("comm_share", "overlap", "overlap_min_comm", "compression", "idle", "memory"):
+        for k in ("comm_share", "overlap", "overlap_min_comm", "compression", "idle", "unrecorded", "memory"):
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise InvalidArgumentError(f"Thresholds: {k} must be a fraction in [0, 1], got {v!r}")
@@ -90,12 +103,16 @@ def build(trace: Trace, *, step: int | None = None, window: tuple[float, float] 
         "comm_share_max": max((b.comm_share for b in measured), default=0.0),
         "overlap": _mean_overlap(measured),
         "compression_share": statistics.fmean(b.share("compression") for b in measured) if measured else 0.0,
-        "idle_share": statistics.fmean(b.share("idle") for b in measured) if measured else 0.0,
+        "unrecorded_share": statistics.fmean(b.share("unrecorded") for b in measured) if measured else 0.0,
+        "measured_on": sorted({b.measured_on for b in measured}),
+        "gpu_idle_share": _mean_share(measured, "unrecorded", "device"),
+        "host_unrecorded_share": _mean_share(measured, "unrecorded", "host"),
         "memory_share": statistics.fmean(b.share("memory") for b in measured) if measured else 0.0,
         "exposed_comm_share": statistics.fmean(b.share("communication") for b in measured) if measured else 0.0,
     }
     buckets = _bucket_stats(trace, wins)
     rep = {
+        "facts": facts(trace, wins),
         "window": {
             "step": step,
             "window_ms": list(window) if window else None,
@@ -110,6 +127,12 @@ def build(trace: Trace, *, step: int | None = None, window: tuple[float, float] 
     }
     rep["suggestions"] = suggestions(rep, trace, th)
     return rep
+
+
+def _mean_share(bds: list[A.Breakdown], name: str, measured_on: str) -> float | None:
+    """The mean share of ``name`` over the ranks measured on ``measured_on`` (None: no such rank)."""
+    sel = [b.share(name) for b in bds if b.measured_on == measured_on]
+    return statistics.fmean(sel) if sel else None
 
 
 def _mean_overlap(bds: list[A.Breakdown]) -> float | None:
@@ -135,45 +158,169 @@ def _bucket_stats(trace: Trace, wins: dict[int, A.Intervals]) -> dict | None:
             "compressors": compressors}  # fmt: skip
 
 
+_BACKWARD = re.compile(r"^(?:backward\b|autograd::engine::evaluate_function: )")
+_ROUND = re.compile(r"^(\w+) round \d+$")
+_OFFLOAD = re.compile(r"offload|memcpy|memset|\bcopy\b|HtoD|DtoH", re.IGNORECASE)
+
+
+def _in(wins: A.Intervals, t: float) -> bool:
+    """Whether ``t`` lies in one of ``wins`` (merged and sorted, as :func:`analysis.union` makes them)."""
+    i = bisect.bisect_right(wins, (t, math.inf)) - 1
+    return i >= 0 and wins[i][0] <= t < wins[i][1]
+
+
+def facts(trace: Trace, wins: dict[int, A.Intervals]) -> dict:
+    """What the trace shows the job already does, over the ranks' windows: the compressors it uses (the
+    ``compressor`` of its buckets, collectives and compression rounds) and whether any compression work
+    runs (torsh compression ops, also in Kineto traces); the providers of its compression ops; whether
+    backward is recorded and whether collectives start during it; what its exposed copies are (ms by
+    name, the largest first). The suggestions read these so as never to propose what the job does."""
+    compressors: set[str] = set()
+    providers: set[str] = set()
+    compression_ms = 0.0
+    backward: dict[int, A.Intervals] = {}
+    comm_starts: list[tuple[int, float]] = []
+    memory: dict[str, float] = {}
+    wins = {r: A.union(w) for r, w in wins.items()}
+    for s in trace.spans:
+        w = wins.get(s.rank, [])
+        if not _in(w, s.start):
+            continue
+        c = s.args.get("compressor") if isinstance(s.args, dict) else None
+        if isinstance(c, str) and c.lower() != "none":
+            compressors.add(c)
+        if s.cls == "compression":
+            compression_ms += s.dur
+            m = _ROUND.match(s.name)  # a compression round, also where its args did not survive (Kineto)
+            if m and m.group(1).lower() != "none":
+                compressors.add(m.group(1))
+            p = s.args.get("provider")
+            if isinstance(p, str):
+                providers.add(p)
+        elif s.cls == "communication":
+            comm_starts.append((s.rank, s.start))
+        elif s.cls == "memory":
+            memory[s.name] = memory.get(s.name, 0.0) + s.dur
+        if _BACKWARD.match(s.name) and trace.lanes[s.lane].kind == "thread":
+            backward.setdefault(s.rank, []).append((s.start, s.end))
+    bw = {r: A.union(v) for r, v in backward.items()}
+    during = any(_in(bw.get(r, []), t) for r, t in comm_starts)
+    return {
+        "compressors": sorted(compressors),
+        "compressing": bool(compressors) or compression_ms > 0,
+        "compression_providers": sorted(providers),
+        "backward_recorded": bool(bw),
+        "comm_during_backward": during if bw else None,
+        "memory_ms_by_name": dict(sorted(memory.items(), key=lambda kv: -kv[1])),
+        "sources": sorted({m.get("source", "?") for m in trace.ranks.values()}),
+    }
+
+
+# cheaper compressors, cheapest first: what "switch to a cheaper compressor" may propose
+_CHEAP = ("FP16", "BF16", "Quantize")
+
+
 def suggestions(rep: dict, trace: Trace, th: Thresholds) -> list[dict]:
-    """Concrete changes, each with the metric and threshold that triggered it."""
+    """Concrete changes, each with the metric and threshold that triggered it, consistent with each other
+    and with :func:`facts` (see the module docstring)."""
     out = []
     s = rep["summary"]
     b = rep.get("buckets") or {}
-    comp = [c for c in b.get("compressors", []) if c != "none"]
+    f = rep.get("facts") or facts(trace, {r: A.windows(trace, r) for r in trace.ranks})
+    comp = f["compressors"]
+    using = ", ".join(comp) if comp else "torsh's compression ops"
+    exposed, compression = s["exposed_comm_share"], s["compression_share"]
+    # the larger cost decides: compress harder (less exposed communication) or more cheaply (less compression)
+    compression_dominates = compression > exposed
 
     def add(id_: str, metric: str, value: float, threshold: float, msg: str) -> None:
         out.append({"id": id_, "metric": metric, "value": value, "threshold": threshold, "message": msg})
 
     if s["comm_share_max"] > th.comm_share:
         worst = max(rep["ranks"], key=lambda r: r["comm_share"])
-        already = f" (already compressing with {', '.join(comp)}: raise its compression rate)" if comp else ""
+        if not f["compressing"]:
+            how = ("compress gradients with compression_hook / GradientSynchronizer(compressor=PowerSGD(4) or TopK "
+                   "or Quantize(8)); ")  # fmt: skip
+        elif not compression_dominates:
+            how = (f"the job already compresses ({using}): raise the compression rate (a lower PowerSGD rank, a "
+                   "smaller TopK ratio, fewer Quantize bits) to cut the exposed communication; ")  # fmt: skip
+        else:
+            how = (f"the job already compresses ({using}) and compressing costs more of the step "
+                   f"({_pct(compression)}) than the communication it leaves exposed ({_pct(exposed)}), so "
+                   "compressing harder would not pay; ")  # fmt: skip
         add("communication", "comm_share", s["comm_share_max"], th.comm_share,
             f"Communication is in flight for {_pct(worst['comm_share'])} of rank {worst['rank']}'s step (over "
-            f"{_pct(th.comm_share)}): compress gradients with compression_hook / GradientSynchronizer(compressor="
-            f"PowerSGD(4) or TopK or Quantize(8)){already}; use larger buckets (bucket_mb / DDP bucket_cap_mb) to "
-            "cut per-message latency; across nodes, hierarchical_all_reduce keeps most bytes on the fast links.",
-        )  # fmt: skip
+            f"{_pct(th.comm_share)}): {how}use larger buckets (bucket_mb / DDP bucket_cap_mb) to cut per-message "
+            "latency; across nodes, hierarchical_all_reduce keeps most bytes on the fast links.")  # fmt: skip
     ov = s["overlap"]
     if ov is not None and ov < th.overlap and s["comm_share"] >= th.overlap_min_comm:
-        add("overlap", "overlap", ov, th.overlap,
-            f"Only {_pct(ov)} of communication overlaps work (below {_pct(th.overlap)}): start buckets during "
-            "backward (GradientSynchronizer(overlap=True) or a DDP comm hook instead of an all-reduce after "
-            "backward), with a small first bucket (first_bucket_mb) so communication starts early.")  # fmt: skip
-    if s["compression_share"] > th.compression:
-        add("compression", "compression_share", s["compression_share"], th.compression,
-            f"Compression takes {_pct(s['compression_share'])} of the step (over {_pct(th.compression)}): run the "
-            "compression kernels on the GPU (triton provider), switch to a cheaper compressor (FP16/BF16 or "
-            "Quantize), or compress only large tensors (min_numel, min_compression_rate).")  # fmt: skip
-    if s["idle_share"] > th.idle:
-        add("idle", "idle_share", s["idle_share"], th.idle,
-            f"Ranks are idle for {_pct(s['idle_share'])} of the step (over {_pct(th.idle)}): look at the gaps in "
-            "`torsh timeline` for host stalls (data loading, .item() or .cpu() synchronisations, logging).",
-        )  # fmt: skip
+        head = f"Only {_pct(ov)} of communication overlaps work (below {_pct(th.overlap)}): "
+        if f["comm_during_backward"]:
+            msg = (
+                "collectives already start during backward, so the exposed part comes after it: a smaller first "
+                "bucket (first_bucket_mb) starts communication earlier, and work that does not need the reduced "
+                "gradients (the next batch's loading, logging) can run while the last buckets are in flight."
+            )
+        elif f["comm_during_backward"] is None:
+            msg = (
+                "backward is not recorded, so the report cannot tell whether collectives start during it; record "
+                "it (Recorder(model=net)). If they start only after backward, start buckets during backward "
+                "(GradientSynchronizer(overlap=True) or a DDP comm hook), with a small first bucket "
+                "(first_bucket_mb) so communication starts early."
+            )
+        else:
+            msg = (
+                "collectives start only after backward: start buckets during backward "
+                "(GradientSynchronizer(overlap=True) or a DDP comm hook instead of an all-reduce after backward), "
+                "with a small first bucket (first_bucket_mb) so communication starts early."
+            )
+        add("overlap", "overlap", ov, th.overlap, head + msg)
+    if compression > th.compression:
+        ways = []
+        if f["compression_providers"] != ["triton"]:
+            ways.append("run the compression kernels on the GPU (triton provider)")
+        if compression_dominates:
+            in_use = {c.split("(")[0] for c in comp}
+            cheaper = [c for c in _CHEAP if c not in in_use]
+            if cheaper and not in_use & {"FP16", "BF16"}:
+                ways.append(f"switch to a cheaper compressor ({' or '.join(cheaper)})")
+        ways.append("compress only large tensors (min_numel, min_compression_rate)")
+        add("compression", "compression_share", compression, th.compression,
+            f"Compression takes {_pct(compression)} of the step (over {_pct(th.compression)}): "
+            + ", ".join(ways[:-1]) + (", or " if len(ways) > 1 else "") + ways[-1] + ".")  # fmt: skip
+    gpu_idle, unrec = s["gpu_idle_share"], s["host_unrecorded_share"]
+    if gpu_idle is not None and gpu_idle > th.idle:
+        add("idle", "gpu_idle_share", gpu_idle, th.idle,
+            f"The GPU is idle for {_pct(gpu_idle)} of the step (no kernel, copy or collective on it; over "
+            f"{_pct(th.idle)}): it waits for the host; look at the gaps in `torsh timeline` for host stalls (data "
+            "loading, .item() or .cpu() synchronisations, logging).")  # fmt: skip
+    if unrec is not None and unrec > th.unrecorded:
+        if "torsh" in f["sources"]:
+            how = (
+                "pass the model to the recorder (Recorder(dir, model=net)) to record forward and backward, and "
+                "wrap the rest (data loading, the optimizer step) in timeline.record(...)"
+                if not f["backward_recorded"]
+                else "wrap the unrecorded work (data loading, the optimizer step, logging) in timeline.record(...)"
+            )
+        else:
+            how = "profile with with_stack=True to see the Python that runs between the recorded ops"
+        add("unrecorded", "host_unrecorded_share", unrec, th.unrecorded,
+            f"{_pct(unrec)} of the step is covered by no recorded span (over {_pct(th.unrecorded)}): the trace "
+            f"cannot say what ran then, or whether anything did; {how}.")  # fmt: skip
     if s["memory_share"] > th.memory:
+        by_name = f["memory_ms_by_name"]
+        top = list(by_name)[:3]
+        offload = sum(v for k, v in by_name.items() if _OFFLOAD.search(k))
+        if offload >= sum(by_name.values()) / 2:
+            how = "prefetch offloaded state earlier (ParameterOffloader prefetch) and keep host buffers pinned"
+        else:
+            how = (
+                "these are copies into and out of buckets or expert order, not transfers: the triton provider "
+                "fuses each into one launch per bucket, and larger buckets mean fewer of them"
+            )
         add("memory", "memory_share", s["memory_share"], th.memory,
-            f"Copies are exposed for {_pct(s['memory_share'])} of the step (over {_pct(th.memory)}): prefetch "
-            "offloaded state earlier (ParameterOffloader prefetch) and keep host buffers pinned.")  # fmt: skip
+            f"Copies are exposed for {_pct(s['memory_share'])} of the step (over {_pct(th.memory)}), mostly "
+            f"{', '.join(top) or 'copies'}: {how}.")  # fmt: skip
     for r in rep["stragglers"]:
         if r["straggler"]:
             add("straggler", "median_late_ms", r["median_late_ms"], r["threshold_ms"],
@@ -194,7 +341,7 @@ def print_labels(rep: dict, console) -> None:
     if not rep["labels"]:
         return
     tl = Table(title="by step label (mean over ranks)", title_justify="left")
-    for c in ("label", "steps/rank", "ms/step", "compute", "compression", "comm exposed", "idle", "comm share",
+    for c in ("label", "steps/rank", "ms/step", "compute", "compression", "comm exposed", "unrecorded", "comm share",
               "overlap", "wire bytes/step"):  # fmt: skip
         tl.add_column(c, justify="left" if c == "label" else "right")
     for lab, rows in rep["labels"].items():
@@ -207,7 +354,7 @@ def print_labels(rep: dict, console) -> None:
         ov = sum((r["overlap"] or 0) * r["comm_ms"] for r in rows) / comm if comm else None
         tl.add_row(lab, f"{n:.0f}", f"{w / len(rows) / n:.3f}", _pct(sum(r["compute_ms"] for r in rows) / w),
                    _pct(sum(r["compression_ms"] for r in rows) / w),
-                   _pct(sum(r["communication_ms"] for r in rows) / w), _pct(sum(r["idle_ms"] for r in rows) / w),
+                   _pct(sum(r["communication_ms"] for r in rows) / w), _pct(sum(r["unrecorded_ms"] for r in rows) / w),
                    _pct(comm / w), "-" if ov is None else _pct(ov),
                    f"{statistics.fmean(r['wire_bytes'] for r in rows) / n / 1024:.1f} KiB")  # fmt: skip
     console.print(tl)
@@ -224,7 +371,7 @@ def print_report(rep: dict, console) -> None:
     if s["step_ms_median"] is not None:
         title += f"; median step {s['step_ms_median']:.3f} ms"
     t = Table(title=title, title_justify="left")
-    cols = ("rank", "time ms", "steps", "compute", "compression", "memory", "comm exposed", "idle", "comm share",
+    cols = ("rank", "time ms", "steps", "compute", "compression", "memory", "comm exposed", "unrecorded", "comm share",
             "overlap", "collectives")  # fmt: skip
     for c in cols:
         t.add_column(c, justify="left" if c == "rank" else "right")
@@ -232,7 +379,7 @@ def print_report(rep: dict, console) -> None:
         w = b["window_ms"] or 1.0
         t.add_row(str(b["rank"]), f"{b['window_ms']:.3f}", str(b["steps"]), _pct(b["compute_ms"] / w),
                   _pct(b["compression_ms"] / w), _pct(b["memory_ms"] / w), _pct(b["communication_ms"] / w),
-                  _pct(b["idle_ms"] / w), _pct(b["comm_share"]),
+                  _pct(b["unrecorded_ms"] / w), _pct(b["comm_share"]),
                   "-" if b["overlap"] is None else _pct(b["overlap"]), str(b["collectives"]))  # fmt: skip
     console.print(t)
     print_labels(rep, console)
@@ -247,7 +394,8 @@ def print_report(rep: dict, console) -> None:
     console.print(f"communication share {_pct(s['comm_share'])} of step time (mean over ranks; max "
                   f"{_pct(s['comm_share_max'])}), overlap {'-' if s['overlap'] is None else _pct(s['overlap'])}, "
                   f"exposed communication {_pct(s['exposed_comm_share'])}, compression "
-                  f"{_pct(s['compression_share'])}, idle {_pct(s['idle_share'])}")  # fmt: skip
+                  f"{_pct(s['compression_share'])}, unrecorded {_pct(s['unrecorded_share'])}"
+                  + ("" if s["gpu_idle_share"] is None else f" (GPU idle {_pct(s['gpu_idle_share'])})"))  # fmt: skip
     if rep["suggestions"]:
         console.print("[bold]suggestions[/bold]")
         for i, sg in enumerate(rep["suggestions"], 1):

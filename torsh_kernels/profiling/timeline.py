@@ -28,7 +28,14 @@ What is recorded while a recorder is active (each event's ``cat``):
 - ``bucket``: a DDP hook's or GradientSynchronizer's bucket from submission to completion;
 - ``compression``: compressing, issuing and decompressing one round of a compressed all-reduce;
 - ``wait``: a thread blocked on a collective;
-- ``user`` and ``step``: :func:`record` and :func:`step`.
+- ``user`` and ``step``: :func:`record` and :func:`step`;
+- ``module``: with ``Recorder(model=net)`` (or :meth:`Recorder.watch`), the model's forward (``forward``)
+  and backward (``backward``, from the first gradient reaching the model's output to the end of that
+  backward pass), and the forward of its submodules down to ``module_depth`` (``forward a.b``), from
+  module and autograd hooks installed while recording and removed when it stops.
+
+While a torch.profiler records, the spans on threads are also ``record_function`` ranges in its trace
+(see :mod:`torsh_kernels._trace`).
 
 Lanes (``tid``) never hold partially overlapping complete events, so Perfetto accepts the file: spans
 on one thread nest; spans that outlive their caller (collectives and buckets in flight) are packed
@@ -38,11 +45,15 @@ microseconds on one axis for all ranks: a monotonic clock (``time.perf_counter_n
 wall clock once, when the recorder is created, counted from midnight UTC of that day
 (``otherData.clock.base_unix_us``; readers add it to align ranks). Ranks on one host share the clock;
 across hosts the alignment is as good as the hosts' clock synchronisation (NTP/PTP).
+
+The file's first entry is ``distributedInfo`` (backend, rank, world size, process groups), in the form
+Kineto writes it and with the spacing Holistic Trace Analysis looks for, so HTA tells the ranks apart.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import platform
@@ -55,16 +66,15 @@ import torch
 
 from .. import _trace
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from .traces import TORSH_OPS
 
 __all__ = ["ENV_VAR", "SCHEMA", "Recorder", "current", "record", "start_from_env", "step"]
 
 ENV_VAR = "TORSH_TRACE"
 SCHEMA = "torsh-trace/1"
 
-# ops whose launches count as compression (the rest are "op")
-COMPRESSION_OPS = frozenset({"residual_add", "error_update", "topk_compress", "topk_decompress", "quantize",
-                             "dequantize", "sign_compress", "sign_compress.pack", "sign_decompress",
-                             "orthogonalize"})  # fmt: skip
+# ops whose launches are recorded as compression (the rest are "op"; the loader classifies those by TORSH_OPS)
+COMPRESSION_OPS = frozenset(name for name, cls in TORSH_OPS.items() if cls == "compression")
 
 
 # bytes each rank puts on the wire per byte of its input, ring algorithms (what NCCL and gloo use for
@@ -85,29 +95,37 @@ def _now() -> int:
 
 
 class _Span:
-    """A complete event on the calling thread (and, with a CUDA device, on its current stream)."""
+    """A complete event on the thread that opens it (and, with a CUDA device, on its current stream); while
+    a torch profiler records, also a ``record_function`` range."""
 
-    __slots__ = ("args", "cat", "dev", "ev0", "name", "rec", "t0")
+    __slots__ = ("args", "cat", "dev", "ev0", "lane", "name", "rec", "rf", "st", "t0")
 
     def __init__(self, rec: Recorder, name: str, cat: str, args: dict | None, dev) -> None:
         self.rec, self.name, self.cat, self.args, self.dev = rec, name, cat, args, dev
-        self.ev0 = None
+        self.ev0 = self.rf = None
 
     def __enter__(self) -> _Span:
         rec = self.rec
-        rec._stack().append(self)
+        self.st = st = rec._stack()
+        st.append(self)
+        self.lane = rec._thread_lane()
         if self.dev is not None:
             self.ev0 = rec._cuda_event(self.dev)
+        if _trace.profiler._is_profiler_enabled:
+            self.rf = _trace.range_enter(self.name, self.cat)
         self.t0 = _now()
         return self
 
     def __exit__(self, *exc: object) -> bool:
         t1 = _now()
         rec = self.rec
-        st = rec._stack()
+        st = self.st
         if st and st[-1] is self:
             st.pop()
-        rec._add(("X", self.name, self.cat, self.t0, t1, rec._thread_lane(), self.args))
+        if self.rf is not None:
+            _trace.range_exit(self.rf)
+            self.rf = None
+        rec._add(("X", self.name, self.cat, self.t0, t1, self.lane, self.args))
         if self.ev0 is not None:
             rec._gpu_span(self.name, self.cat, self.ev0, self.dev, self.args)
         return False
@@ -153,7 +171,9 @@ class Recorder:
     initialised (else ``RANK``/``WORLD_SIZE``, else 0/1). ``cuda``: time GPU work with CUDA events
     (default: when CUDA is available). ``max_events``: recording stops adding events past this many
     (the trace then says how many were dropped) so a forgotten recorder cannot exhaust memory.
-    One recorder is active per process at a time; ``start()``/``stop()`` may alternate to record
+    ``model``: a module (or several) whose forward and backward the recorder records itself
+    (:meth:`watch`); ``module_depth``: also the forward of submodules that many levels down (0: the model
+    only). One recorder is active per process at a time; ``start()``/``stop()`` may alternate to record
     several windows into one trace.
     """
 
@@ -165,6 +185,8 @@ class Recorder:
         world_size: int | None = None,
         cuda: bool | None = None,
         max_events: int = 2_000_000,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+        module_depth: int = 0,
     ) -> None:
         for name, v, lo in (("rank", rank, 0), ("world_size", world_size, 1)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
@@ -193,6 +215,13 @@ class Recorder:
         self._origin_ns = _now()
         # timestamps count from midnight UTC of that day: small numbers keep nanoseconds exact in a double
         self._base_ns = self._origin_wall_ns - self._origin_wall_ns % (86_400 * 10**9)
+        self._dist: dict | None = None  # torch.distributed's backend and process groups, once seen
+        self._watched: list = []  # profiling.modules.ModuleSpans, installed while active
+        if model is not None:
+            for m in model if isinstance(model, (list, tuple)) else (model,):
+                self.watch(m, depth=module_depth)
+        elif isinstance(module_depth, bool) or not isinstance(module_depth, int) or module_depth != 0:
+            raise InvalidArgumentError(f"Recorder: module_depth={module_depth!r} without a model; pass model= too")
 
     # -- activation ---------------------------------------------------------------------------------
 
@@ -201,23 +230,39 @@ class Recorder:
         return _trace.recorder is self
 
     def start(self) -> Recorder:
-        """Make this the process's active recorder."""
+        """Make this the process's active recorder (and install its module hooks)."""
         cur = _trace.recorder
         if cur is self:
             return self
-        if cur is not None:
+        if cur is not None and not isinstance(cur, _trace.Bridge):  # the bridge steps aside: we mirror
             raise InvalidArgumentError(
                 "Recorder.start: another recorder is already active in this process; stop() it first "
                 f"(it writes to {cur.directory})"
             )
         self._resolve_rank()
         _trace.recorder = self
+        for w in self._watched:
+            w.install()
         return self
 
     def stop(self) -> None:
-        """Stop recording (events so far are kept; ``start()`` resumes)."""
+        """Stop recording (events so far are kept; ``start()`` resumes); the module hooks are removed."""
         if _trace.recorder is self:
-            _trace.recorder = None
+            for w in self._watched:
+                w.remove()
+            _trace.recorder = _trace.Bridge() if _trace.profiler._is_profiler_enabled else None
+
+    def watch(self, model: torch.nn.Module, *, depth: int = 0) -> Recorder:
+        """Record ``model``'s forward and backward (and its submodules' forward down to ``depth`` levels)
+        while this recorder is active: hooks installed at ``start()`` (now, if active) and removed at
+        ``stop()``. See :mod:`~torsh_kernels.profiling.modules`."""
+        from .modules import ModuleSpans
+
+        w = ModuleSpans(self, model, depth=depth)
+        self._watched.append(w)
+        if self.active:
+            w.install()
+        return self
 
     def __enter__(self) -> Recorder:
         return self.start()
@@ -229,10 +274,12 @@ class Recorder:
         return False
 
     def _resolve_rank(self) -> None:
-        if self.rank is not None and self.world_size is not None:
-            return
         import torch.distributed as dist
 
+        if self._dist is None and dist.is_available() and dist.is_initialized():
+            self._dist = _dist_info(dist)
+        if self.rank is not None and self.world_size is not None:
+            return
         if dist.is_available() and dist.is_initialized():
             r, w = dist.get_rank(), dist.get_world_size()
         elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -435,7 +482,11 @@ class Recorder:
         for tid, name in sorted(lane_names.items()):
             meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
             meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        dist_info = self._dist or {}  # Kineto's order: backend, rank, world size, then the process groups
+        di = {"backend": dist_info.get("backend"), "rank": rank, "world_size": world,
+              **{k: v for k, v in dist_info.items() if k != "backend"}}  # fmt: skip
         return {
+            "distributedInfo": di,
             "traceEvents": meta + events,
             "displayTimeUnit": "ms",
             "otherData": {
@@ -475,14 +526,40 @@ class Recorder:
         path = d / f"rank{data['otherData']['rank']}.json"
         tmp = path.with_suffix(f".json.tmp{os.getpid()}")
         with open(tmp, "w") as f:
-            json.dump(data, f, separators=(",", ":"))
+            f.write(dumps(data))
         os.replace(tmp, path)  # a reader never sees a half-written file
         return path
 
 
+def dumps(data: dict) -> str:
+    """A trace as JSON text: compact, but ``distributedInfo`` first and spaced as Kineto writes it
+    (``"rank": 0``): Holistic Trace Analysis finds a file's rank as the first match of ``"rank":\\s+(\\d+)``."""
+    rest = {k: v for k, v in data.items() if k != "distributedInfo"}
+    body = json.dumps(rest, separators=(",", ":"))
+    if "distributedInfo" not in data:
+        return body
+    head = '{"distributedInfo": ' + json.dumps(data["distributedInfo"])
+    return head + ("," + body[1:] if len(body) > 2 else "}")
+
+
+def _dist_info(dist) -> dict:
+    """What Kineto writes as ``distributedInfo`` (``torch.profiler.profile._get_distributed_info``), less
+    the rank and world size the recorder fills in."""
+    info: dict = {"backend": None}
+    with contextlib.suppress(Exception):  # private helpers of other torch versions: the backend is what matters
+        info["backend"] = str(dist.get_backend())
+        info["pg_count"] = dist.get_pg_count()
+        info["pg_config"] = dist.distributed_c10d._get_all_pg_configs()
+    if info["backend"] == "nccl":
+        with contextlib.suppress(Exception):
+            info["nccl_version"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+    return info
+
+
 def current() -> Recorder | None:
-    """The active recorder, or None."""
-    return _trace.recorder
+    """The active recorder, or None (also while only a torch profiler's bridge occupies the slot)."""
+    r = _trace.recorder
+    return r if isinstance(r, Recorder) else None
 
 
 def record(name: str, **args: object):
@@ -511,7 +588,7 @@ def step(n: int, **args: object):
 def start_from_env() -> Recorder | None:
     """Start a recorder writing to ``$TORSH_TRACE`` (if set and none is active); it writes at exit."""
     d = os.environ.get(ENV_VAR, "").strip()
-    if not d or _trace.recorder is not None:
+    if not d or (_trace.recorder is not None and not isinstance(_trace.recorder, _trace.Bridge)):
         return None
     rec = Recorder(d)
     rec.from_env = True

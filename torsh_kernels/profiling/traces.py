@@ -8,15 +8,26 @@ earliest event of any rank. Each span gets a *class*, what the breakdown counts 
 ==================  ==================================================================================
 class               spans
 ==================  ==================================================================================
-``compute``         torsh op launches and user spans; Kineto kernels and CPU ops that are not collectives
+``compute``         user and module spans, torsh ops not listed below; Kineto kernels and CPU ops that are
+                    not collectives
 ``communication``   collectives in flight (torsh ``collective``), host time issuing them (torsh ``issue``);
                     NCCL kernels; ``gloo:``/``c10d::`` ops
-``compression``     torsh compression rounds and compression kernels
-``memory``          host/device copies (Kineto ``gpu_memcpy``/``gpu_memset``)
+``compression``     torsh compression rounds; the compression ops of :data:`TORSH_OPS`
+``memory``          offload transfers (torsh ``offload``); the copy ops of :data:`TORSH_OPS` (bucket
+                    flatten/unflatten, offload packing, MoE permutations); Kineto ``gpu_memcpy``/``gpu_memset``
 ``wait``            a thread blocked on a collective (torsh ``wait``)
 ``step``            step markers (torsh ``step N``; Kineto ``ProfilerStep#N``)
 ``other``           everything else (buckets in flight, runtime calls, Python frames, annotations)
 ==================  ==================================================================================
+
+torsh's ops are classified by one table, :data:`TORSH_OPS`, wherever they appear: as ``op`` spans in
+torsh's traces and as ``torsh::NAME`` CPU ops in Kineto traces. In Kineto traces, torsh's own spans
+arrive as ``record_function`` ranges (``user_annotation``) with their torsh names; the trace's
+top-level ``torsh`` entry (see :mod:`torsh_kernels._trace`) gives each name's torsh category.
+Work nested inside a torsh span of class compression, memory or communication that would otherwise count
+as plain compute (the ``aten::`` ops under ``torsh::orthogonalize``, untabled torsh ops inside a
+compression round, and in Kineto traces the GPU kernels those CPU ops launched, found by their
+``External id``) takes that span's class.
 
 :func:`validate` checks a file against the format (:class:`TraceFormatError` names the problem):
 required fields, numeric microsecond timestamps, for torsh traces the metadata and no partially
@@ -34,7 +45,7 @@ from pathlib import Path
 
 from ..errors import TraceFormatError
 
-__all__ = ["CLASSES", "Lane", "Span", "Trace", "classify", "load", "read_json", "validate"]
+__all__ = ["CLASSES", "TORSH_OPS", "Lane", "Span", "Trace", "classify", "load", "read_json", "validate"]
 
 CLASSES = ("compute", "communication", "compression", "memory", "wait", "step", "other")
 
@@ -45,7 +56,41 @@ _COMM = re.compile(
 )
 _STEP = re.compile(r"^(?:ProfilerStep#|step )(\d+)$")
 _TORSH_CLASSES = {"collective": "communication", "issue": "communication", "compression": "compression",
-                  "op": "compute", "user": "compute", "wait": "wait", "step": "step", "offload": "memory"}  # fmt: skip
+                  "op": "compute", "user": "compute", "module": "compute", "wait": "wait", "step": "step",
+                  "offload": "memory"}  # fmt: skip
+
+TORSH_OPS: dict[str, str] = {
+    # compression: encoding and decoding payloads, error feedback, the wire casts of FP16/BF16
+    "topk_compress": "compression", "topk_decompress": "compression", "quantize": "compression",
+    "quantize_out": "compression", "dequantize": "compression", "sign_compress": "compression",
+    "sign_compress.pack": "compression", "sign_decompress": "compression", "orthogonalize": "compression",
+    "residual_add": "compression", "error_update": "compression", "wire_cast": "compression",
+    # memory: copies into and out of buckets, offload packing (pack/unpack: not registered ops yet), MoE row
+    # permutations
+    "flatten": "memory", "flatten_out": "memory", "unflatten": "memory", "pack": "memory", "unpack": "memory",
+    "moe_permute": "memory", "moe_unpermute": "memory", "moe_unpermute_backward": "memory",
+    "moe_unpermute.backward": "memory",
+    # compute: local arithmetic (a reduction of same-shape buffers, MoE routing and its losses)
+    "bucket_reduce": "compute", "bucket_reduce_out": "compute", "moe_route": "compute",
+    "moe_route.assign": "compute", "moe_aux_loss": "compute", "moe_z_loss": "compute",
+}  # fmt: skip
+"""torsh op -> class: the ``torsh::NAME`` custom ops (``torch.library.custom_op`` in ``torsh_kernels/ops``)
+and the names the provider registry records their launches under. No torsh op is a collective: torsh's
+communication is its collectives (``collective`` and ``issue`` spans; ``c10d::``/``gloo:``/NCCL in Kineto)."""
+INHERITED = ("compression", "memory", "communication")
+"""Classes that plain compute nested inside a torsh span of that class takes on (see the module docstring)."""
+
+
+def torsh_op_class(name: str) -> str | None:
+    """The class of a torsh op (``flatten``, ``torsh::flatten``, ``torsh::flatten.default``), None if unknown."""
+    if name.startswith("torsh::"):
+        name = name[7:]
+    c = TORSH_OPS.get(name)
+    if c is None and "." in name:
+        c = TORSH_OPS.get(name.split(".", 1)[0])
+    return c
+
+
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
 # nesting tolerance: torsh writes nanosecond-rounded microseconds; sums of two such doubles differ by < 1e-3 us
 EPS_US = 1e-3
@@ -115,12 +160,34 @@ class Trace:
         return [s for s in self.spans if s.cls == "step" and (rank is None or s.rank == rank)]
 
 
-def classify(cat: str, name: str, source: str) -> str:
-    """The class of an event (see the module docstring)."""
+def classify(cat: str, name: str, source: str, torsh_spans: dict | None = None) -> str:
+    """The class of an event (see the module docstring). ``torsh_spans``: a Kineto trace's map of torsh span
+    names to their torsh categories (its top-level ``torsh.categories``)."""
+    return _classify(cat, name, source, torsh_spans)[0]
+
+
+def _classify(cat: str, name: str, source: str, torsh_spans: dict | None) -> tuple[str, bool]:
+    """(class, whether torsh named it): torsh's categories and op table, as opposed to the generic rules."""
     if source == "torsh":
-        return _TORSH_CLASSES.get(cat, "other")
+        if cat == "op":
+            c = torsh_op_class(name)
+            return (c, True) if c is not None else ("compute", False)
+        return _TORSH_CLASSES.get(cat, "other"), True
     if _STEP.match(name):
-        return "step"
+        return "step", False
+    if name.startswith("torsh::") and cat in ("cpu_op", "user_annotation", ""):
+        c = torsh_op_class(name)
+        if c is not None:
+            return c, True
+    if torsh_spans and cat in ("user_annotation", "gpu_user_annotation"):
+        tc = torsh_spans.get(name)
+        if isinstance(tc, str):
+            c = torsh_op_class(name) if tc == "op" else None
+            return c or _TORSH_CLASSES.get(tc, "other"), True
+    return _generic(cat, name, source), False
+
+
+def _generic(cat: str, name: str, source: str) -> str:
     if cat in ("gpu_memcpy", "gpu_memset") or (source == "chrome" and "memcpy" in name.lower()):
         return "memory"
     if cat in ("kernel", "cpu_op", "user_annotation", "gpu_user_annotation") or source == "chrome":
@@ -324,7 +391,7 @@ def load(target: str | Path) -> Trace:
     for rank, f, data, source, base in raw:
         meta = _rank_meta(data, source, f)
         ranks[rank] = meta
-        _convert(rank, _events(data, f), source, base - origin, lanes, spans, counters, f)
+        _convert(rank, _events(data, f), source, base - origin, lanes, spans, counters, f, torsh_span_categories(data))
     spans.sort(key=lambda s: (s.start, -s.dur))
     if not spans:
         raise TraceFormatError(f"{target}: the trace holds no complete events to show")
@@ -338,16 +405,30 @@ def _rank_meta(data: dict | list, source: str, f: Path) -> dict:
             od = data["otherData"]
             meta.update({k: od.get(k) for k in ("world_size", "device", "versions", "host", "wire_bytes",
                                                 "dropped_events")})  # fmt: skip
+            di = data.get("distributedInfo")
+            meta["backend"] = di.get("backend") if isinstance(di, dict) else None
         else:
             di = data.get("distributedInfo") or {}
             meta["world_size"] = di.get("world_size")
             props = data.get("deviceProperties") or []
             meta["device"] = props[0].get("name") if props and isinstance(props[0], dict) else None
+            meta["backend"] = di.get("backend")
+            meta["torsh_spans"] = bool(torsh_span_categories(data))
     return meta
 
 
+def torsh_span_categories(data: dict | list) -> dict[str, str]:
+    """A Kineto trace's map of torsh span names to torsh categories (its top-level ``torsh.categories``,
+    written while a torch.profiler recorded torsh's spans); empty when absent."""
+    t = data.get("torsh") if isinstance(data, dict) else None
+    cats = t.get("categories") if isinstance(t, dict) else None
+    if not isinstance(cats, dict):
+        return {}
+    return {k: v for k, v in cats.items() if isinstance(k, str) and isinstance(v, str)}
+
+
 def _convert(rank: int, events: list, source: str, shift_us: float, lanes: list[Lane], spans: list[Span],
-             counters: list, f: Path) -> None:  # fmt: skip
+             counters: list, f: Path, torsh_spans: dict | None = None) -> None:  # fmt: skip
     names: dict[tuple, str] = {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "thread_name" and isinstance(e.get("args"), dict):
@@ -369,23 +450,65 @@ def _convert(rank: int, events: list, source: str, shift_us: float, lanes: list[
             lanes.append(Lane(rank=rank, name=name, kind=kind, key=key))
         return i
 
+    mine: list[tuple[Span, bool]] = []  # this file's spans, and whether torsh named their class
+
+    def add(name: str, cat: str, key: tuple, ts: float, dur: float, args: dict) -> None:
+        cls, named = _classify(cat, name, source, torsh_spans)
+        s = Span(rank, lane(key, cat), name, cat, cls, (ts + shift_us) / 1e3, dur / 1e3, args)
+        spans.append(s)
+        mine.append((s, named))
+
     open_b: dict[tuple, list[dict]] = {}
     for e in events:
         ph = e.get("ph")
         if ph == "X":
-            name, cat = e["name"], str(e.get("cat", ""))
-            ln = lane((e["pid"], e["tid"]), cat)
-            spans.append(Span(rank, ln, name, cat, classify(cat, name, source), (e["ts"] + shift_us) / 1e3,
-                              e["dur"] / 1e3, e.get("args") or {}))  # fmt: skip
+            add(e["name"], str(e.get("cat", "")), (e["pid"], e["tid"]), e["ts"], e["dur"], e.get("args") or {})
         elif ph == "B":
             open_b.setdefault((e.get("pid"), e.get("tid")), []).append(e)
         elif ph == "E":
             st = open_b.get((e.get("pid"), e.get("tid")))
             if st:
                 b = st.pop()
-                name, cat = b["name"], str(b.get("cat", ""))
-                ln = lane((b.get("pid"), b.get("tid")), cat)
-                spans.append(Span(rank, ln, name, cat, classify(cat, name, source), (b["ts"] + shift_us) / 1e3,
-                                  max(0.0, e["ts"] - b["ts"]) / 1e3, b.get("args") or {}))  # fmt: skip
+                add(b["name"], str(b.get("cat", "")), (b.get("pid"), b.get("tid")), b["ts"],
+                    max(0.0, e["ts"] - b["ts"]), b.get("args") or {})  # fmt: skip
         elif ph == "C" and isinstance(e.get("args"), dict):
             counters.append((rank, e["name"], (e["ts"] + shift_us) / 1e3, e["args"]))
+    if source == "torsh" or torsh_spans or any(named for _, named in mine):
+        _inherit(mine, lanes)
+
+
+def _inherit(mine: list[tuple[Span, bool]], lanes: list[Lane]) -> None:
+    """Plain compute nested in a torsh span of an :data:`INHERITED` class takes that class, on thread lanes;
+    then device spans take the class of the CPU op that launched them (Kineto's ``External id``)."""
+    by_lane: dict[int, list[tuple[Span, bool]]] = {}
+    for s, named in mine:
+        if lanes[s.lane].kind == "thread" and s.cls != "step":
+            by_lane.setdefault(s.lane, []).append((s, named))
+    launched: dict[object, str] = {}  # External id -> class, for the CPU ops under a torsh span
+    for items in by_lane.values():
+        items.sort(key=lambda x: (x[0].start, -x[0].dur))
+        stack: list[tuple[float, str | None]] = []  # (end, the class its children inherit)
+        for s, named in items:
+            while stack and stack[-1][0] <= s.start + EPS_US / 1e3:
+                stack.pop()
+            up = stack[-1][1] if stack else None
+            if named:
+                eff = s.cls if s.cls in INHERITED else None
+            elif s.cls == "compute":
+                if up is not None:
+                    s.cls = up
+                eff = up
+            else:
+                eff = None
+            stack.append((s.end, eff))
+            if eff is not None:
+                x = s.args.get("External id")
+                if x is not None:
+                    launched[x] = eff
+    if not launched:
+        return
+    for s, named in mine:
+        if not named and s.cls == "compute" and lanes[s.lane].kind == "device":
+            c = launched.get(s.args.get("External id"))
+            if c is not None:
+                s.cls = c

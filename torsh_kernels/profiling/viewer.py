@@ -238,7 +238,7 @@ def render_lanes(trace: Trace, view: View, console, *, source: str = "") -> int:
     for c, (g, style) in GLYPHS.items():
         legend.append(g * 2, style=style)
         legend.append(f" {c}  ")
-    legend.append("(blank: idle)")
+    legend.append("(blank: unrecorded, no span)")
     console.print(legend)
     return shown_lanes
 
@@ -260,14 +260,14 @@ def render_tables(trace: Trace, view: View, console) -> dict:
     bds = [A.breakdown(trace, r, wins[r]) for r in ranks]
     over = "the window" if explicit else ("its steps" if trace.steps() else "its recorded extent")
     title = (f"per-rank totals over {over}, ms (exclusive: compute > compression > memory > exposed communication "
-             "(comm exp) > idle; in flight: any collective in flight)")  # fmt: skip
+             "(comm exp) > unrecorded (no span, not always idle); in flight: any collective in flight)")  # fmt: skip
     tt = Table(title=title, title_justify="left")
-    for col in ("rank", "time", "compute", "compress", "memory", "comm exp", "idle", "in flight", "comm share",
+    for col in ("rank", "time", "compute", "compress", "memory", "comm exp", "unrecorded", "in flight", "comm share",
                 "overlap", "colls", "wire"):  # fmt: skip
         tt.add_column(col, justify="left" if col == "rank" else "right")
     for b in bds:
         tt.add_row(str(b.rank), f"{b.window_ms:.3f}", f"{b.compute_ms:.3f}", f"{b.compression_ms:.3f}",
-                   f"{b.memory_ms:.3f}", f"{b.communication_ms:.3f}", f"{b.idle_ms:.3f}", f"{b.comm_ms:.3f}",
+                   f"{b.memory_ms:.3f}", f"{b.communication_ms:.3f}", f"{b.unrecorded_ms:.3f}", f"{b.comm_ms:.3f}",
                    f"{100 * b.comm_share:.1f}%", "-" if b.overlap is None else f"{100 * b.overlap:.1f}%",
                    str(b.collectives), _fmt_bytes(b.wire_bytes))  # fmt: skip
     console.print(tt)

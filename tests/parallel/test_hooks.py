@@ -495,7 +495,8 @@ def _compiled_worker(comm, names, mode):
         diff = max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters()))
         moved = max((a - b).abs().max().item() for a, b in zip(net.parameters(), model().parameters()))
         params = [p.detach().clone() for p in net.parameters()]
-        out[name] = (diff, moved, state.stats.iterations, state.iteration, params)
+        iteration = state.iteration  # (closes the per-parameter form's last backward pass)
+        out[name] = (diff, moved, state.stats.iterations, iteration, params)
     return out
 
 
@@ -509,9 +510,9 @@ def test_every_compressor_under_torch_compile_and_compiled_autograd(mode):
         # round differently from the eager one: float tolerance, scaled by how far training moved)
         assert diff <= 1e-4 * max(1.0, moved), f"{name} under {mode}: differs from the reference by {diff}"
         assert all(torch.equal(a, b) for a, b in zip(params, out[1][name][4])), f"{name}: replicas differ"
-        if mode == "python_reducer":
-            # the last iteration ends with its last parameter (the first one ended when a parameter came round)
-            assert (iterations, iteration) == (STEPS, STEPS)
+        # per parameter (python_reducer): an iteration is a backward pass, closed by the next one or by reading
+        # state.iteration between passes
+        assert (iterations, iteration) == (STEPS, STEPS)
 
 
 def test_parameter_call_form_rejects_what_is_not_a_gradient_and_its_parameter():
@@ -711,3 +712,29 @@ def test_nonfinite_raise_keeps_the_typed_error():
     assert out == [(NonFiniteError.__name__, True)] * 2
     with pytest.raises(InvalidArgumentError, match="nonfinite"):
         CompressionHookState(compressor=TopK(0.1), nonfinite="ignore")
+
+
+def _auto_propagate_worker(comm):
+    state = CompressionHookState(compressor="auto", auto_candidates=[TopK(0.1)], start_iter=1, min_numel=64,
+                                 nonfinite="propagate")  # fmt: skip
+    net = model()
+    ddp = DDP(net, bucket_cap_mb=CAP_MB)
+    ddp.register_comm_hook(state, compression_hook)
+    for step in range(3):
+        x, y = batch(step, comm.rank)
+        if step == 1 and comm.rank == 1:  # the step where "auto" makes its choice
+            x[2, 2] = float("nan")
+        net.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        if step == 1:
+            nonfinite_grads = any(not torch.isfinite(p.grad).all() for p in net.parameters())
+    sd = state.state_dict()
+    finite = all(torch.isfinite(t).all() for s in sd["states"].values() for t in s["tensors"].values())
+    return state.stats.nonfinite_steps, nonfinite_grads, finite, len(sd["states"]), sd["iteration"]
+
+
+def test_auto_choice_and_propagate_screen_the_bucket_where_the_choice_is_made():
+    out = run_local(_auto_propagate_worker, 2, op_timeout=60)
+    assert out[0] == out[1]
+    nonfinite_steps, nonfinite_grads, finite, states, iteration = out[0]
+    assert nonfinite_steps == 1 and nonfinite_grads and finite and states > 0 and iteration == 2

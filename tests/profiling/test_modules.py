@@ -5,6 +5,7 @@ processes), and what they change in the report: time no span covers is unrecorde
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -112,6 +113,7 @@ def _ddp_job(comm, d: str, with_model: bool) -> None:
             rec.start()
         with timeline.step(i):
             opt.zero_grad()
+            time.sleep(0.01)  # "loading data": host time no span covers, whatever the machine's speed
             x, y = torch.randn(1024, 32, generator=g), torch.randint(0, 10, (1024,), generator=g)
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
@@ -143,8 +145,7 @@ def test_module_spans_under_ddp_and_unrecorded_time(tmp_path):
     # without the model's spans nothing computes in the trace: forward and backward are unrecorded (or show as
     # exposed communication), and the report says how to record them; with them, they are compute
     assert all(r["compute_ms"] == 0 for r in plain["ranks"])
-    compute = sum(r["compute_ms"] for r in model["ranks"]) / sum(r["window_ms"] for r in model["ranks"])
-    assert compute > 0.08
+    assert all(r["compute_ms"] > 0 for r in model["ranks"])
     msg = {
         rep is model: next(g["message"] for g in rep["suggestions"] if g["id"] == "unrecorded") for rep in reps.values()
     }

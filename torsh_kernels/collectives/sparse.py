@@ -19,7 +19,12 @@ import torch
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from .communicator import Communicator
 
-__all__ = ["all_reduce_sparse"]
+__all__ = ["all_reduce_sparse", "sparse_nbytes"]
+
+
+def sparse_nbytes(t: torch.Tensor) -> int:
+    """Bytes a sparse COO tensor holds: its indices and values (what its statistics count, not its dense size)."""
+    return t._indices().nbytes + t._values().nbytes
 
 
 def all_reduce_sparse(comm: Communicator, tensor: torch.Tensor, *, average: bool = True) -> tuple[torch.Tensor, int]:
@@ -39,7 +44,7 @@ def all_reduce_sparse(comm: Communicator, tensor: torch.Tensor, *, average: bool
     if average and ws > 1:
         val = val / ws
     if ws == 1:
-        return torch.sparse_coo_tensor(idx, val, t.shape, is_coalesced=True), 0
+        return torch.sparse_coo_tensor(idx.clone(), val.clone(), t.shape, is_coalesced=True), 0
     dev = val.device
     nnz = torch.tensor([idx.shape[1]], dtype=torch.int64, device=dev)
     counts = torch.empty(ws, dtype=torch.int64, device=dev)
@@ -47,7 +52,7 @@ def all_reduce_sparse(comm: Communicator, tensor: torch.Tensor, *, average: bool
     counts = counts.tolist()
     top = max(counts)
     if top == 0:
-        return torch.sparse_coo_tensor(idx, val, t.shape, is_coalesced=True), nnz.nbytes
+        return torch.sparse_coo_tensor(idx.clone(), val.clone(), t.shape, is_coalesced=True), nnz.nbytes
     pad = top - idx.shape[1]
     # rows of indices ([top, sparse_dim]) and of values ([top, *dense dims]), this rank's first, padding after
     my_idx = torch.nn.functional.pad(idx.t(), (0, 0, 0, pad)).contiguous()

@@ -295,7 +295,7 @@ class BucketCompressor:
         """The engine a candidate of ``auto`` would run in: this one's size rules, no warm-up."""
         return BucketCompressor(c, start_iter=0, min_compression_rate=self._auto_rate, min_numel=self.min_numel,
                                 policy=self.policy, quantize_mode=self.quantize_mode,
-                                nonfinite=self.mode())  # fmt: skip
+                                nonfinite=self.mode(None))  # fmt: skip
 
     def _apply_auto(self, compressor: Compressor | None) -> None:
         rate = self._auto_rate
@@ -401,24 +401,38 @@ class BucketCompressor:
 
     # -- non-finite gradients -------------------------------------------------------------------------
 
-    def mode(self) -> str:
-        """The non-finite policy in force: "propagate" or "raise" ("auto" resolved at the first call)."""
+    def mode(self, comm: Communicator | None = None) -> str:
+        """The non-finite policy in force: "propagate" or "raise". ``"auto"`` is resolved at the first call
+        with a communicator (the first bucket, on every rank): "propagate" if any rank holds an enabled
+        GradScaler (one all-reduce, so every rank resolves alike), else "raise"."""
         if self._mode is None:
-            self._mode = "propagate" if grad_scaler_in_use() else "raise"
+            if comm is None:
+                return "propagate" if grad_scaler_in_use() else "raise"
+            flag = torch.tensor([1.0 if grad_scaler_in_use() else 0.0], device=comm.device)
+            comm.all_reduce(flag, "max")
+            self._mode = "propagate" if flag.item() else "raise"
         return self._mode
 
     def screen(self, tensors: Sequence[torch.Tensor], comm: Communicator) -> bool:
         """Whether a bucket about to be reduced holds NaN/Inf on any rank. Under "propagate" with a stateful
         compressor: a count on this rank, then one all-reduce of a flag that every rank waits for (the
         same collective on every rank for every bucket, so the order of collectives does not change), before
-        any state is touched. Otherwise False without communicating: under "raise" the compressors' own
-        check raises; a stateless compressor (uncompressed, the casts) passes NaN/Inf through unchecked."""
-        if not self.compressor.stateful or self.mode() != "propagate":
+        any state is touched. That wait also waits for the collectives already in flight (they complete
+        in order), so under "propagate" a stateful compressor's buckets no longer overlap each other's
+        communication. Otherwise False without communicating: under "raise" the compressors' own check
+        raises; a stateless compressor (uncompressed, the casts) passes NaN/Inf through unchecked.
+        Call it before :meth:`start` for every bucket: with ``compressor="auto"`` the choice is made here
+        when it is due, so that the bucket is screened for the chosen compressor."""
+        mode = self.mode(comm)
+        if self.auto is not None and self.auto.decision is None and self.iteration >= self.start_iter \
+                and self.auto.ready:  # fmt: skip
+            self._apply_auto(self.auto.decide(comm).compressor)
+        if not self.compressor.stateful or mode != "propagate":
             return False
-        bad = 0
+        bad = torch.zeros(1, dtype=torch.int64, device=comm.device)
         for t in tensors:
-            bad += int(count_nonfinite(t.reshape(-1)))
-        flag = torch.tensor([1.0 if bad else 0.0], device=comm.device)
+            bad += count_nonfinite(t.reshape(-1))  # on the device: one host read below
+        flag = (bad > 0).to(torch.float32)
         comm.all_reduce(flag, "max")
         return bool(flag.item())
 
@@ -521,9 +535,9 @@ class BucketCompressor:
             if callable(grads) and flat is None:
                 grads = grads()
             return [self._whole([] if flat is not None else list(grads), flat, comm, self._plain_c)], None
+        propagate = self.mode(comm) == "propagate"
         if self.auto is not None and self.auto.decision is None:
             grads = self._auto_turn(grads, keys, comm, flat)
-        propagate = self.mode() == "propagate"
         c = self._unchecked if propagate else self.compressor
         if flat is not None:  # the whole bucket may travel as it is: no need to look at its gradients
             plan = self._plans.get((tuple(keys), flat.dtype, comm.world_size))

@@ -73,7 +73,7 @@ import torch.distributed as dist
 from .. import _trace
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import TorchCommunicator, is_communicator, resolve_group
-from ..collectives.sparse import all_reduce_sparse
+from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
@@ -225,7 +225,7 @@ class CompressionHookState:
             else ``"raise"``.
     """
 
-    __slots__ = ("_comm", "_engine", "_expected", "_given", "_keys", "_pipeline", "_seen", "_timeout", "_turn",
+    __slots__ = ("_comm", "_engine", "_given", "_keys", "_pipeline", "_seen", "_task", "_timeout", "_turn",
                  "process_group", "stats")  # fmt: skip
 
     def __init__(
@@ -267,7 +267,7 @@ class CompressionHookState:
         self._pipeline = ReductionPipeline()
         self._keys: dict[int, int] = {}
         self._seen: set[int] = set()  # called per parameter: the parameters of the iteration so far
-        self._expected: int | None = None  # ... and how many an iteration has (known after the first)
+        self._task: int | None = None  # ... and the autograd graph task (the backward pass) they came from
         self.stats = HookStats()
         self._turn = _Turn(self.stats)
 
@@ -300,6 +300,7 @@ class CompressionHookState:
     @property
     def iteration(self) -> int:
         """Iterations completed (DDP backward passes whose last bucket was reduced)."""
+        _close_parameter_iteration(self)
         return self._engine.iteration
 
     def _communicator(self) -> Coalescer:
@@ -319,6 +320,7 @@ class CompressionHookState:
     def state_dict(self) -> dict:
         """Iteration count and every compressor state (error-feedback residuals, PowerSGD's Q memory,
         step counts, seeds), cloned; for ``torch.save`` beside the model and optimizer."""
+        _close_parameter_iteration(self)
         return self._engine.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
@@ -339,7 +341,7 @@ class CompressionHookState:
         self._pipeline = ReductionPipeline()
         self._keys = {}
         self._seen = set()
-        self._expected = None
+        self._task = None
         self._turn = _Turn(self.stats)
 
     def __repr__(self) -> str:
@@ -415,7 +417,7 @@ def _sparse(state: CompressionHookState, grad: torch.Tensor, comm: Coalescer, tu
     t0 = time.perf_counter()
     out, sent = all_reduce_sparse(comm, grad)
     state.stats.sparse_buckets += 1
-    before = grad._indices().nbytes + grad._values().nbytes
+    before = sparse_nbytes(grad)
     turn.record(before, {"bytes_sent": sent, "compress_s": 0.0, "wait_s": time.perf_counter() - t0}, False)
     return out
 
@@ -425,9 +427,10 @@ def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
     """``compression_hook(state, (param.grad, param))``: DDP's python reducer (compiled autograd) calls it
     once per gradient and ignores the result, so the average is complete in ``param.grad`` on return.
 
-    An iteration ends when every parameter seen in the first one has been reduced (or, in the first,
-    when a parameter comes round again); the compressor states, warm-up and statistics then advance as
-    with buckets."""
+    An iteration is one backward pass (autograd's graph task), whatever parameters it reaches: it is
+    closed when a gradient of the next pass arrives, or when ``state_dict()`` or ``iteration`` is read
+    between passes; the compressor states, warm-up and statistics then advance as with buckets (an
+    iteration that held NaN/Inf is undone then, before anything of the next one)."""
     if len(pair) != 2 or not isinstance(pair[0], torch.Tensor) or not isinstance(pair[1], torch.Tensor):
         raise ArgumentTypeError(
             "compression_hook: expected a GradBucket or a (gradient, parameter) pair of tensors, got a tuple of "
@@ -435,8 +438,10 @@ def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
         )
     grad, param = pair
     key = state._key(param)
-    if key in state._seen:  # the first iteration ended with the previous call
+    task = torch._C._current_graph_task_id()  # -1 outside a backward pass (a direct call)
+    if state._seen and (task != state._task or (task == -1 and key in state._seen)):
         _close_parameter_iteration(state)
+    state._task = task
     state._seen.add(key)
     comm = state._communicator()
     turn = state._turn
@@ -460,15 +465,15 @@ def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
         state._turn = _Turn(state.stats)
         engine.abandon_iteration()
         raise
-    if state._expected is not None and len(state._seen) >= state._expected:
-        _close_parameter_iteration(state)
     return grad
 
 
 def _close_parameter_iteration(state: CompressionHookState) -> None:
-    if state._expected is None:
-        state._expected = len(state._seen)
+    """End the iteration the per-parameter call form has open, if any (never inside a backward pass)."""
+    if not state._seen or (state._task == torch._C._current_graph_task_id() != -1):
+        return
     state._seen = set()
+    state._task = None
     _end_iteration(state, state._turn)
 
 

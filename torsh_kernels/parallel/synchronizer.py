@@ -47,7 +47,7 @@ import torch
 
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import Communicator, as_communicator, is_dtensor
-from ..collectives.sparse import all_reduce_sparse
+from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
@@ -360,8 +360,9 @@ class GradientSynchronizer:
         t0 = time.perf_counter()
         p.grad, sent = all_reduce_sparse(self._coalescer, g)
         self._bucket_stats.append(
-            {"bucket": b, "params": 1, "mb": g._values().nbytes / 2**20, "seconds": time.perf_counter() - t0,
-             "bytes_sent": sent, "compress_s": 0.0, "wait_s": time.perf_counter() - t0, "sparse": True}
+            {"bucket": b, "params": 1, "mb": sparse_nbytes(g) / 2**20, "seconds": time.perf_counter() - t0,
+             "bytes_sent": sent, "compress_s": 0.0, "wait_s": time.perf_counter() - t0, "sparse": True,
+             "bytes_before": sparse_nbytes(g)}
         )  # fmt: skip
 
     def _start(self, b: int, bucket, grads: list[torch.Tensor], t0: float, span, nonfinite: bool) -> None:
@@ -430,7 +431,8 @@ class GradientSynchronizer:
             "total_mb": sum(self.params[i].numel() * self.params[i].element_size() for i in with_grad) / 2**20,
             "buckets": sorted(self._bucket_stats, key=lambda d: d["bucket"]),
             "bytes_on_wire": sum(d["bytes_sent"] for d in self._bucket_stats),
-            "bytes_before": sum(b.numel * self.params[b.params[0]].element_size() for b in self.buckets),
+            "bytes_before": sum(b.numel * self.params[b.params[0]].element_size() for b in self.buckets if not b.sparse)
+            + sum(d["bytes_before"] for d in self._bucket_stats if d.get("sparse")),
             "seconds_after_backward": time.perf_counter() - t0,
             "unused_parameters": unused,
             "globally_unused_parameters": [self.names[i] for i in globally_unused],

@@ -65,9 +65,9 @@ TORSH_OPS: dict[str, str] = {
     "quantize_out": "compression", "dequantize": "compression", "sign_compress": "compression",
     "sign_compress.pack": "compression", "sign_decompress": "compression", "orthogonalize": "compression",
     "residual_add": "compression", "error_update": "compression", "wire_cast": "compression",
-    # memory: copies into and out of buckets, offload packing (pack/unpack: not registered ops yet), MoE row
-    # permutations
-    "flatten": "memory", "flatten_out": "memory", "unflatten": "memory", "pack": "memory", "unpack": "memory",
+    # memory: copies into and out of buckets, offload packing, MoE row permutations
+    "flatten": "memory", "flatten_out": "memory", "unflatten": "memory", "pack": "memory", "pack_cast": "memory",
+    "unpack": "memory",
     "moe_permute": "memory", "moe_unpermute": "memory", "moe_unpermute_backward": "memory",
     "moe_unpermute.backward": "memory",
     # compute: local arithmetic (a reduction of same-shape buffers, MoE routing and its losses)

@@ -51,6 +51,7 @@ def _kineto_trace(with_metadata: bool = True) -> dict:
         _x("torsh::flatten", "cpu_op", 30, 40, **{"External id": 3}),
         _x("aten::cat", "cpu_op", 31, 39, **{"External id": 4}),
         _x("PowerSGD round 1", "user_annotation", 40, 60),
+        _x("hooks.py(420): _start", "python_function", 40.5, 45.5),  # with_stack=True: Python frames between
         _x("aten::mul", "cpu_op", 41, 45, **{"External id": 5}),
         _x("c10d::allreduce_", "cpu_op", 45, 50, **{"External id": 6}),
         _x("forward", "user_annotation", 60, 72),
@@ -77,6 +78,7 @@ def test_kineto_torsh_ops_spans_and_kernels(tmp_path):
     cls = {s.name: s.cls for s in tr.spans}
     assert cls["torsh::orthogonalize"] == "compression" and cls["aten::mm"] == "compression"  # nested: inherited
     assert cls["torsh::flatten"] == "memory" and cls["aten::cat"] == "memory"
+    # (through the Python frame between them)
     assert cls["PowerSGD round 1"] == "compression" and cls["aten::mul"] == "compression"
     assert cls["c10d::allreduce_"] == "communication"  # a collective inside a compression round stays one
     assert cls["forward"] == "compute" and cls["aten::relu"] == "compute"

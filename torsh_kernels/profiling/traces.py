@@ -494,12 +494,11 @@ def _inherit(mine: list[tuple[Span, bool]], lanes: list[Lane]) -> None:
             up = stack[-1][1] if stack else None
             if named:
                 eff = s.cls if s.cls in INHERITED else None
-            elif s.cls == "compute":
-                if up is not None:
+            else:  # plain compute takes the class; other unnamed spans (Python frames with with_stack=True,
+                # user annotations) pass it through to what they hold
+                if s.cls == "compute" and up is not None:
                     s.cls = up
                 eff = up
-            else:
-                eff = None
             stack.append((s.end, eff))
             if eff is not None:
                 x = s.args.get("External id")

@@ -254,18 +254,29 @@ def _(matrices, rtol, iters, provider, traced=False, check_finite=False):
 
 
 def _ortho_checks(mats: list[torch.Tensor], check_finite: bool) -> None:
-    """The public function's checks that read memory and values, for a traced call: no two of ``mats``
-    share memory; with ``check_finite``, no NaN/Inf (the same errors and messages)."""
-    what = "torsh_kernels.orthogonalize"
+    """The checks that read memory and values (the public function's, run here for a traced call): no
+    two of ``mats`` share memory; with ``check_finite``, no NaN/Inf."""
+    _check_clash(mats)
+    if check_finite:
+        _check_finite(mats)
+
+
+def _check_clash(mats: list[torch.Tensor]) -> None:
     if len(mats) > 1:
         clash = _Ranges.of(mats).contiguous_clash()
         if clash is not None:
-            raise ShapeError(f"{what}: matrices[{clash[0]}] and matrices[{clash[1]}] share memory")
-    # (as orthogonalize checks: the fp64 sum, then the exact count where it is not finite)
-    if check_finite and not math.isfinite(float(sum(m.sum(dtype=torch.float64) for m in mats))):
+            raise ShapeError(f"torsh_kernels.orthogonalize: matrices[{clash[0]}] and matrices[{clash[1]}] share memory")
+
+
+def _check_finite(mats: list[torch.Tensor]) -> None:
+    """NonFiniteError for NaN/Inf: the fp64 sum (finite inputs cannot overflow it), then the exact count
+    where it is not finite."""
+    if not math.isfinite(float(sum(m.sum(dtype=torch.float64) for m in mats))):
         bad = sum(int((~torch.isfinite(m)).sum()) for m in mats)
         if bad:
-            raise NonFiniteError(f"{what}: the matrices hold {bad} non-finite element(s); nothing was written")
+            raise NonFiniteError(
+                f"torsh_kernels.orthogonalize: the matrices hold {bad} non-finite element(s); nothing was written"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,10 +344,8 @@ def orthogonalize(
         if not m.is_contiguous():
             raise ShapeError(f"{what}: matrices[{i}] must be contiguous (it is orthogonalised in place)")
     traced = _eager.compiling()  # the memory and NaN/Inf checks then run in the op, at run time
-    if len(mats) > 1 and not traced:
-        clash = _Ranges.of(mats).contiguous_clash()
-        if clash is not None:
-            raise ShapeError(f"{what}: matrices[{clash[0]}] and matrices[{clash[1]}] share memory")
+    if not traced:
+        _check_clash(mats)
     iters = _check_int(iters, what, "iters", 1)
     tol = default_rtol(m0.dtype) if rtol is None else rtol
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (0.0 <= tol < 1.0):
@@ -349,12 +358,6 @@ def orthogonalize(
         return matrices
     mats = live
     if check_finite:
-        whole = matrices if isinstance(matrices, torch.Tensor) else None
-        total = sum(m.sum(dtype=torch.float64) for m in mats) if whole is None else whole.sum(dtype=torch.float64)
-        bad = 0
-        if not math.isfinite(float(total)):  # a NaN/Inf element (finite inputs cannot overflow fp64)
-            bad = sum(int((~torch.isfinite(m)).sum()) for m in mats)
-        if bad:
-            raise NonFiniteError(f"{what}: the matrices hold {bad} non-finite element(s); nothing was written")
+        _check_finite(mats)
     _eager.call(_ortho_op, (0,), [m.detach() for m in mats], float(tol), iters, provider or "")
     return matrices

@@ -61,6 +61,7 @@ then averages that gradient in place before returning, one parameter at a time (
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -371,7 +372,7 @@ def compression_hook(
             "register with ddp.register_comm_hook(CompressionHookState(...), compression_hook)"
         )
     if isinstance(bucket, tuple):
-        return _parameter_hook(state, bucket)
+        return _eager(_parameter_hook)(state, bucket)
     comm = state._communicator()
     buf = bucket.buffer()
     keys = [state._key(p) for p in bucket.parameters()]
@@ -422,7 +423,14 @@ def _sparse(state: CompressionHookState, grad: torch.Tensor, comm: Coalescer, tu
     return out
 
 
-@torch.compiler.disable
+@functools.cache
+def _eager(fn):
+    """``fn`` as a ``torch.compiler.disable`` region, made on first use: the decorator imports torch._dynamo
+    (and Triton with it), which importing the package must not; the per-parameter call form only occurs
+    under compiled autograd, where dynamo is loaded anyway."""
+    return torch.compiler.disable(fn)
+
+
 def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
     """``compression_hook(state, (param.grad, param))``: DDP's python reducer (compiled autograd) calls it
     once per gradient and ignores the result, so the average is complete in ``param.grad`` on return.

@@ -397,12 +397,19 @@ def compression_hook(
             state._pipeline.drain(comm.batch)
             _end_iteration(state, turn)
     except BaseException:
-        # the collectives of this iteration are out of step with the other ranks: start over cleanly
-        state._pipeline = ReductionPipeline()
-        state._turn = _Turn(state.stats)
-        engine.abandon_iteration()
+        _start_over(state)
         raise
     return fut
+
+
+def _start_over(state: CompressionHookState) -> None:
+    """After a failure: the collectives of this iteration are out of step with the other ranks, so the
+    next call starts a fresh iteration (nothing in flight, nothing noted)."""
+    state._pipeline = ReductionPipeline()
+    state._turn = _Turn(state.stats)
+    state._seen = set()
+    state._task = None
+    state._engine.abandon_iteration()
 
 
 def _end_iteration(state: CompressionHookState, turn: _Turn) -> None:
@@ -469,9 +476,7 @@ def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
             pipeline.drain(comm.batch)
             turn.record(grad.numel() * grad.element_size(), totals(reductions), False)
     except BaseException:
-        state._seen = set()
-        state._turn = _Turn(state.stats)
-        engine.abandon_iteration()
+        _start_over(state)
         raise
     return grad
 

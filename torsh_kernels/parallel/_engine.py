@@ -295,7 +295,7 @@ class BucketCompressor:
         """The engine a candidate of ``auto`` would run in: this one's size rules, no warm-up."""
         return BucketCompressor(c, start_iter=0, min_compression_rate=self._auto_rate, min_numel=self.min_numel,
                                 policy=self.policy, quantize_mode=self.quantize_mode,
-                                nonfinite=self.mode(None))  # fmt: skip
+                                nonfinite=self.mode())  # fmt: skip
 
     def _apply_auto(self, compressor: Compressor | None) -> None:
         rate = self._auto_rate
@@ -401,16 +401,14 @@ class BucketCompressor:
 
     # -- non-finite gradients -------------------------------------------------------------------------
 
-    def mode(self, comm: Communicator | None = None) -> str:
+    def mode(self) -> str:
         """The non-finite policy in force: "propagate" or "raise". ``"auto"`` is resolved at the first call
-        with a communicator (the first bucket, on every rank): "propagate" if any rank holds an enabled
-        GradScaler (one all-reduce, so every rank resolves alike), else "raise"."""
+        (the first bucket): "propagate" if this process holds an enabled GradScaler, else "raise". Every
+        rank must resolve alike (a GradScaler on every rank or on none; else pass the policy): the ranks
+        would otherwise issue different collectives. Resolving it costs no collective, so the first bucket
+        issues what every other bucket issues."""
         if self._mode is None:
-            if comm is None:
-                return "propagate" if grad_scaler_in_use() else "raise"
-            flag = torch.tensor([1.0 if grad_scaler_in_use() else 0.0], device=comm.device)
-            comm.all_reduce(flag, "max")
-            self._mode = "propagate" if flag.item() else "raise"
+            self._mode = "propagate" if grad_scaler_in_use() else "raise"
         return self._mode
 
     def screen(self, tensors: Sequence[torch.Tensor], comm: Communicator) -> bool:
@@ -423,7 +421,7 @@ class BucketCompressor:
         raises; a stateless compressor (uncompressed, the casts) passes NaN/Inf through unchecked.
         Call it before :meth:`start` for every bucket: with ``compressor="auto"`` the choice is made here
         when it is due, so that the bucket is screened for the chosen compressor."""
-        mode = self.mode(comm)
+        mode = self.mode()
         if self.auto is not None and self.auto.decision is None and self.iteration >= self.start_iter \
                 and self.auto.ready:  # fmt: skip
             self._apply_auto(self.auto.decide(comm).compressor)
@@ -535,7 +533,7 @@ class BucketCompressor:
             if callable(grads) and flat is None:
                 grads = grads()
             return [self._whole([] if flat is not None else list(grads), flat, comm, self._plain_c)], None
-        propagate = self.mode(comm) == "propagate"
+        propagate = self.mode() == "propagate"
         if self.auto is not None and self.auto.decision is None:
             grads = self._auto_turn(grads, keys, comm, flat)
         c = self._unchecked if propagate else self.compressor

@@ -222,8 +222,8 @@ class CompressionHookState:
             iteration; with a stateful compressor each bucket costs one more all-reduce of a flag, and each
             compressor state one copy per step. ``"raise"``: the compressor raises ``NonFiniteError`` on the
             rank that holds it. ``"auto"`` (default): ``"propagate"`` when the process holds an enabled
-            ``torch.amp.GradScaler`` at the first bucket (create the scaler before the first backward),
-            else ``"raise"``.
+            ``torch.amp.GradScaler`` at the first bucket (create the scaler before the first backward, on
+            every rank alike), else ``"raise"``.
     """
 
     __slots__ = ("_comm", "_engine", "_given", "_keys", "_pipeline", "_seen", "_task", "_timeout", "_turn",

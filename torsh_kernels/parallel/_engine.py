@@ -429,7 +429,7 @@ class BucketCompressor:
             return False
         bad = torch.zeros(1, dtype=torch.int64, device=comm.device)
         for t in tensors:
-            bad += count_nonfinite(t.reshape(-1))  # on the device: one host read below
+            bad += count_nonfinite(t.reshape(-1))  # (its cheap all-finite check reads a host value per tensor)
         flag = (bad > 0).to(torch.float32)
         comm.all_reduce(flag, "max")
         return bool(flag.item())

@@ -359,10 +359,10 @@ class GradientSynchronizer:
         self._launched = b + 1
         t0 = time.perf_counter()
         p.grad, sent = all_reduce_sparse(self._coalescer, g)
+        took, nbytes = time.perf_counter() - t0, sparse_nbytes(g)
         self._bucket_stats.append(
-            {"bucket": b, "params": 1, "mb": sparse_nbytes(g) / 2**20, "seconds": time.perf_counter() - t0,
-             "bytes_sent": sent, "compress_s": 0.0, "wait_s": time.perf_counter() - t0, "sparse": True,
-             "bytes_before": sparse_nbytes(g)}
+            {"bucket": b, "params": 1, "mb": nbytes / 2**20, "seconds": took, "bytes_sent": sent,
+             "compress_s": 0.0, "wait_s": took, "sparse": True, "bytes_before": nbytes}
         )  # fmt: skip
 
     def _start(self, b: int, bucket, grads: list[torch.Tensor], t0: float, span, nonfinite: bool) -> None:

@@ -738,3 +738,41 @@ def test_auto_choice_and_propagate_screen_the_bucket_where_the_choice_is_made():
     assert out[0] == out[1]
     nonfinite_steps, nonfinite_grads, finite, states, iteration = out[0]
     assert nonfinite_steps == 1 and nonfinite_grads and finite and states > 0 and iteration == 2
+
+
+def _wire_worker(comm, name, tmp):
+    from torsh_kernels.profiling import timeline
+    from torsh_kernels.profiling.report import build
+    from torsh_kernels.profiling.traces import load
+
+    torch.manual_seed(0)
+    net = model()
+    ddp = DDP(net, bucket_cap_mb=0.001)
+    state = CompressionHookState(compressor=make(name), start_iter=1)
+    ddp.register_comm_hook(state, compression_hook)
+    rec = timeline.Recorder(tmp, rank=comm.rank, world_size=comm.world_size)
+    for i in range(4):
+        if i == 2:
+            rec.start()
+        with timeline.step(i, label=name):
+            ddp(torch.randn(6, 37)).square().sum().backward()
+    rec.stop()
+    rec.write()
+    comm.barrier()
+    its = state.stats.per_iteration
+    return [it["wire_bytes"] for it in its], [it["bytes_after"] for it in its], build(load(tmp))
+
+
+@pytest.mark.parametrize("name", ["none", "sign", "powersgd"])
+def test_hook_counts_wire_bytes_as_the_timeline_does(tmp_path, name):
+    """Two paths to one figure at world 3, where an all-reduce's wire bytes (4/3 of its payload) and an
+    all-to-all's (2/3) differ from the payload: the hook reads its communicator's Traffic counters, the
+    trace sums its collective spans; both use collectives.wire_bytes."""
+    out = run_local(_wire_worker, 3, name, str(tmp_path), op_timeout=60)
+    wire, payload, rep = out[0]
+    # every rank sends alike in the traced steps (PowerSGD's first compressed step also broadcasts its
+    # seeds from rank 0, which only rank 0 sends)
+    assert [o[0][2:] for o in out] == [wire[2:]] * 3
+    assert rep["by_label"][name]["wire_bytes_per_step"] == sum(wire[2:]) / 2 and wire[-1] > 0
+    if name == "none":  # all-reduces only: 4/3 of the payload, each bucket's share rounded down
+        assert 4 * payload[-1] / 3 - 16 <= wire[-1] <= 4 * payload[-1] / 3

@@ -7,7 +7,15 @@ knows of compressors: the compressed all-reduce and its planner live one layer u
 from __future__ import annotations
 
 from .coalesce import Coalescer
-from .communicator import REDUCE_OPS, Communicator, CommunicatorBase, Handle, TorchCommunicator, as_communicator
+from .communicator import (
+    REDUCE_OPS,
+    Communicator,
+    CommunicatorBase,
+    Handle,
+    TorchCommunicator,
+    Traffic,
+    as_communicator,
+)
 from .cost_model import (
     Link,
     Round,
@@ -18,6 +26,7 @@ from .cost_model import (
     probe,
     probe_topology,
     rounds_time,
+    wire_bytes,
 )
 from .cupy_nccl import CupyNcclCommunicator
 from .hierarchical import hierarchical_all_reduce, node_groups
@@ -38,6 +47,7 @@ __all__ = [
     "Round",
     "Topology",
     "TorchCommunicator",
+    "Traffic",
     "TransportStatus",
     "all_gather_time",
     "all_reduce_sparse",
@@ -53,6 +63,7 @@ __all__ = [
     "rounds_time",
     "run_local",
     "transports",
+    "wire_bytes",
 ]
 
 _MOVED = {

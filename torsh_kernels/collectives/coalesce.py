@@ -144,6 +144,11 @@ class Coalescer:
     def __repr__(self) -> str:
         return f"Coalescer({self.inner!r})"
 
+    @property
+    def traffic(self):
+        """The inner communicator's :class:`~torsh_kernels.collectives.Traffic` counters (None if it keeps none)."""
+        return getattr(self.inner, "traffic", None)
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Coalesce the asynchronous all-reduces issued inside the block; they are sent when it ends (also

@@ -58,8 +58,11 @@ from ..errors import (
     InvalidArgumentError,
     ShapeError,
 )
+from .cost_model import wire_bytes
 
-__all__ = ["REDUCE_OPS", "Communicator", "CommunicatorBase", "Handle", "TorchCommunicator", "as_communicator"]
+__all__ = [
+    "REDUCE_OPS", "Communicator", "CommunicatorBase", "Handle", "TorchCommunicator", "Traffic", "as_communicator",
+]  # fmt: skip
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -302,14 +305,43 @@ def _allreduce_options(op: str) -> dist.AllreduceOptions:
 _OP_IDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "all_to_all": 5, "barrier": 6}
 
 
-class CommunicatorBase:
-    """What every transport here shares: its identity (rank, world size, device, backend, global ranks)
-    and the argument checks each call makes before anything goes on the network, so that every
-    :class:`Communicator` of this package refuses the same bad input with the same typed error.
-    Subclasses set the slots in their ``__init__``; ``_reduce_dtypes`` holds the dtypes their
-    reductions accept."""
+class Traffic:
+    """What a communicator has sent since it was made: collectives issued, their input bytes (payload)
+    and the bytes this rank put on the wire for them (:func:`~torsh_kernels.collectives.wire_bytes`, the
+    same figure the timeline records per collective). Read it before and after a step for that step's
+    traffic (``comm.traffic.wire_bytes - before``)."""
 
-    __slots__ = ("_backend", "_device", "_rank", "_ranks", "_reduce_dtypes", "_world")
+    __slots__ = ("collectives", "payload_bytes", "wire_bytes")
+
+    def __init__(self) -> None:
+        self.collectives = 0
+        self.payload_bytes = 0
+        self.wire_bytes = 0
+
+    def add(self, op: str, nbytes: int, world: int) -> None:
+        self.collectives += 1
+        self.payload_bytes += nbytes
+        self.wire_bytes += wire_bytes(op, nbytes, world)
+
+    def __repr__(self) -> str:
+        return (f"Traffic(collectives={self.collectives}, payload_bytes={self.payload_bytes}, "
+                f"wire_bytes={self.wire_bytes})")  # fmt: skip
+
+
+class CommunicatorBase:
+    """What every transport here shares: its identity (rank, world size, device, backend, global ranks),
+    its :class:`Traffic` counters, and the argument checks each call makes before anything goes on the
+    network, so that every :class:`Communicator` of this package refuses the same bad input with the same
+    typed error. Subclasses set the slots in their ``__init__`` (``_traffic = Traffic()``) and count each
+    collective they issue with ``_traffic.add(op, input bytes, world)``; ``_reduce_dtypes`` holds the
+    dtypes their reductions accept."""
+
+    __slots__ = ("_backend", "_device", "_rank", "_ranks", "_reduce_dtypes", "_traffic", "_world")
+
+    @property
+    def traffic(self) -> Traffic:
+        """Collectives, payload bytes and wire bytes this rank has sent through this communicator."""
+        return self._traffic
 
     @property
     def rank(self) -> int:
@@ -520,6 +552,7 @@ class TorchCommunicator(CommunicatorBase):
         if rank < 0:
             raise InvalidArgumentError("TorchCommunicator: this process is not a member of the given group")
         self._group = group
+        self._traffic = Traffic()
         self._pg = group if group is not None else dist.group.WORLD  # what all_reduce calls directly
         self._rank = rank
         self._world = dist.get_world_size(group)
@@ -567,6 +600,7 @@ class TorchCommunicator(CommunicatorBase):
 
     def _run(self, what: str, launch: Callable[[], object], then: Callable[[], None] | None = None,
              async_op: bool = False, *, nbytes: int = 0, op: str | None = None) -> _TorchHandle | None:  # fmt: skip
+        self._traffic.add(op or what, nbytes, self._world)
         rec = _trace.recorder
         span = None
         if rec is not None:

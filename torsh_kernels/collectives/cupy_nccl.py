@@ -50,7 +50,7 @@ from ..errors import (
     TransportUnavailableError,
 )
 from . import bootstrap
-from .communicator import CommunicatorBase
+from .communicator import CommunicatorBase, Traffic
 
 __all__ = [
     "CupyNcclCommunicator",
@@ -253,6 +253,7 @@ class CupyNcclCommunicator(CommunicatorBase):
         self._cupy, self._nccl_mod = cupy, nccl
         self._version = version_tuple(int(nccl.get_version()))
         self._rank, self._world, self._ranks, self._device = rank, world_size, ranks, device
+        self._traffic = Traffic()
         self._backend = "cupy-nccl"
         self._reduce_dtypes = reducible_dtypes(self._version)
         self._timeout = float(timeout)
@@ -365,6 +366,7 @@ class CupyNcclCommunicator(CommunicatorBase):
         if async_op:
             stream = self._side
             stream.wait_stream(cur)
+        self._traffic.add(op or what, nbytes, self._world)
         rec = _trace.recorder
         span = rec.collective(op or what, group=self._ranks, nbytes=nbytes, device=self._device) if rec else None
         try:

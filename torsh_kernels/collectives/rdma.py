@@ -56,7 +56,7 @@ from ..errors import (
     TransportUnavailableError,
 )
 from . import bootstrap
-from .communicator import CommunicatorBase, CompletedHandle
+from .communicator import CommunicatorBase, CompletedHandle, Traffic
 
 __all__ = [
     "Endpoint",
@@ -473,6 +473,7 @@ class RdmaCommunicator(CommunicatorBase):
         v = load_verbs()
         self._v = v
         self._rank, self._world, self._ranks = rank, world_size, ranks
+        self._traffic = Traffic()
         self._device = torch.device("cpu")
         self._backend = "rdma"
         self._reduce_dtypes = _REDUCIBLE
@@ -718,6 +719,7 @@ class RdmaCommunicator(CommunicatorBase):
         what = "all_reduce"
         op = self._check_op(op, what)
         t = self._check_tensor(tensor, what, "tensor", reduce=True, op=op)
+        self._traffic.add(what, t.nbytes, self._world)
         if self._world > 1 and t.numel():
             self._ring(what, t.view(-1), "all_reduce", op)
         if op == "avg":
@@ -727,6 +729,7 @@ class RdmaCommunicator(CommunicatorBase):
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, async_op: bool = False):
         what = "reduce_scatter"
         out, x, op = self._check_reduce_scatter(output, input, op, what)
+        self._traffic.add(what, x.nbytes, self._world)
         work = self._work(x.numel(), x.dtype)  # the ring reduces in place; the input stays as given
         work.copy_(x.view(-1))
         n = out.numel()
@@ -741,6 +744,7 @@ class RdmaCommunicator(CommunicatorBase):
     def all_gather(self, output, input: torch.Tensor, *, async_op: bool = False):
         what = "all_gather"
         out, x = self._check_all_gather(output, input, what)
+        self._traffic.add(what, x.nbytes, self._world)
         flat = self._work(self._world * x.numel(), x.dtype) if isinstance(out, list) else out.view(-1)
         n = x.numel()
         flat[self._rank * n : (self._rank + 1) * n].copy_(x.view(-1))
@@ -755,6 +759,7 @@ class RdmaCommunicator(CommunicatorBase):
         what = "broadcast"
         t = self._check_tensor(tensor, what, "tensor")
         src = self._check_peer(src, what, "src")
+        self._traffic.add(what, t.nbytes if src == self._rank else 0, self._world)
         flat = t.view(-1)
         # a ring pass: src sends to its right neighbour, each rank forwards what it received (store and forward)
         pos = (self._rank - src) % self._world
@@ -768,6 +773,7 @@ class RdmaCommunicator(CommunicatorBase):
     def all_to_all(self, output, input, output_splits=None, input_splits=None, *, async_op: bool = False):
         what = "all_to_all"
         out, x, outs, ins = self._check_all_to_all(output, input, output_splits, input_splits, what)
+        self._traffic.add(what, x.nbytes, self._world)
         w = self._world
         row = math.prod(x.shape[1:])
         ins = ins or [x.shape[0] // w] * w
@@ -789,6 +795,7 @@ class RdmaCommunicator(CommunicatorBase):
         t = self._check_tensor(tensor, what, "tensor")
         dst = self._check_peer(dst, what, "dst")
         self._check_no_tag(tag, what)
+        self._traffic.add(what, t.nbytes, self._world)
         self._transfer(what, [(dst, t.view(-1), 0, t.numel())], [])
         return self._done(async_op)
 

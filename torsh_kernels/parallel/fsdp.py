@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..collectives.communicator import as_communicator, is_communicator
+from ..collectives.cost_model import wire_bytes as _on_wire
 from ..compression import Compressor, NoCompression, compressed_all_reduce
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops import dequantize, quantize
@@ -227,14 +228,14 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
         subgroup = self.shard_group_size is not None and ws < self.shard_group_size
         if x.dtype not in _FLOATS or out.dtype != x.dtype or n == 0 or subgroup:
             self.plain_calls += 1
-            self.bytes_sent += (ws - 1) * x.nbytes
+            self.bytes_sent += _on_wire("all_gather", x.nbytes, ws)
             return _all_gather(out, x, group, async_op)
         self._check_ranks(group, what)
         w = _Wire(n, self.bits, self.block)
         send = torch.empty(w.total, dtype=torch.uint8, device=x.device)
         w.encode(x, send)  # before anything overwrites x (FSDP2's input is a view of the output)
         recv = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
-        self.bytes_sent += (ws - 1) * w.total  # a ring all-gather: each rank sends ws - 1 segments
+        self.bytes_sent += _on_wire("all_gather", w.total, ws)  # a ring all-gather: ws - 1 segments sent
         rows = out.view(ws, n)
 
         def decode() -> None:
@@ -338,7 +339,7 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
             for r in range(ws):
                 w.decode(send[r * w.total : (r + 1) * w.total], rv[r], accumulate=True, alpha=-1.0)
         recv = torch.empty_like(send)
-        self.bytes_sent += (ws - 1) * w.total
+        self.bytes_sent += _on_wire("all_to_all", send.numel(), ws)  # ws - 1 of its ws segments
 
         def reduce() -> None:
             total = torch.zeros(n, dtype=torch.float32, device=x.device)
@@ -375,7 +376,7 @@ def counting_default_comms() -> tuple[type, type]:
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             self.calls += 1
-            self.bytes_sent += (dist.get_world_size(group) - 1) * input_tensor.nbytes
+            self.bytes_sent += _on_wire("all_gather", input_tensor.nbytes, dist.get_world_size(group))
             return super().__call__(output_tensor, input_tensor, group, async_op)
 
     class CountingReduceScatter(DefaultReduceScatter):
@@ -385,7 +386,7 @@ def counting_default_comms() -> tuple[type, type]:
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             self.calls += 1
-            self.bytes_sent += (dist.get_world_size(group) - 1) * output_tensor.nbytes
+            self.bytes_sent += _on_wire("reduce_scatter", input_tensor.nbytes, dist.get_world_size(group))
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
     return CountingAllGather, CountingReduceScatter

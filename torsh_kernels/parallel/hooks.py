@@ -96,7 +96,13 @@ class HookStats:
     bytes_before: int = 0
     """Bytes of the gradient buckets handed to the hook."""
     bytes_after: int = 0
-    """Payload bytes this rank put on the wire for them."""
+    """Payload bytes this rank handed to collectives for them (each collective's input; the compression
+    ratio is ``bytes_before / bytes_after``)."""
+    wire_bytes: int = 0
+    """Bytes this rank put on the wire, every collective of the hook counted (payload rounds, PowerSGD's
+    seed broadcast, non-finite flags) by :func:`~torsh_kernels.collectives.wire_bytes`, the figure the
+    timeline and ``torsh report`` show as wire bytes. 0 with a communicator that keeps no
+    :class:`~torsh_kernels.collectives.Traffic` counters."""
     compress_s: float = 0.0
     """Seconds spent compressing and decompressing (wall clock, this rank). For one-round buckets the
     decode runs in the collective's completion callback (gloo's thread) and is counted there."""
@@ -118,7 +124,7 @@ class HookStats:
     the probed link, each candidate's measured compute, bytes, predicted wire time and break-even
     bandwidth). Kept by ``reset()``."""
     per_iteration: list[dict] = field(default_factory=list)
-    """Per iteration: bytes before/after, compress and wait seconds (the last 100)."""
+    """Per iteration: bytes before/after, wire bytes, compress and wait seconds (the last 100)."""
 
     @property
     def compression_ratio(self) -> float:
@@ -126,6 +132,7 @@ class HookStats:
 
     def reset(self) -> None:
         self.iterations = self.buckets = self.bytes_before = self.bytes_after = self.async_buckets = 0
+        self.wire_bytes = 0
         self.sparse_buckets = self.nonfinite_steps = 0
         self.compress_s = self.wait_s = 0.0
         self.per_iteration.clear()
@@ -136,6 +143,7 @@ class HookStats:
             "buckets": self.buckets,
             "bytes_before": self.bytes_before,
             "bytes_after": self.bytes_after,
+            "wire_bytes": self.wire_bytes,
             "compression_ratio": self.compression_ratio,
             "compress_s": self.compress_s,
             "wait_s": self.wait_s,
@@ -151,14 +159,23 @@ class _Turn:
     completion thread; appended to ``stats.per_iteration`` once the last bucket was handed to the hook and
     every bucket has finished."""
 
-    __slots__ = ("closed", "figures", "lock", "pending", "stats")
+    __slots__ = ("closed", "figures", "lock", "pending", "stats", "traffic", "wire0")
 
     def __init__(self, stats: HookStats) -> None:
         self.stats = stats
         self.lock = threading.Lock()
         self.pending = 0
         self.closed = False
-        self.figures = {"bytes_before": 0, "bytes_after": 0, "compress_s": 0.0, "wait_s": 0.0}
+        self.figures = {"bytes_before": 0, "bytes_after": 0, "wire_bytes": 0, "compress_s": 0.0, "wait_s": 0.0}
+        self.traffic = None  # the communicator's Traffic counters, and where they stood when the iteration began
+        self.wire0 = 0
+
+    def begin(self, comm) -> None:
+        """A bucket starts (before any of its collectives)."""
+        with self.lock:
+            self.pending += 1
+            if self.traffic is None and (t := getattr(comm, "traffic", None)) is not None:
+                self.traffic, self.wire0 = t, t.wire_bytes
 
     def record(self, before: int, cost: dict, one_round: bool) -> None:
         st = self.stats
@@ -184,6 +201,10 @@ class _Turn:
 
     def _flush(self) -> None:
         if self.closed and self.pending == 0:
+            if self.traffic is not None:  # every collective of the iteration was issued and has completed
+                wire = self.traffic.wire_bytes - self.wire0
+                self.figures["wire_bytes"] = wire
+                self.stats.wire_bytes += wire
             self.stats.per_iteration.append(dict(self.figures))
             del self.stats.per_iteration[:-100]
             self.closed = False  # once
@@ -380,8 +401,7 @@ def compression_hook(
     turn = state._turn
     last = bucket.is_last()
     try:
-        with turn.lock:
-            turn.pending += 1
+        turn.begin(comm)
         if buf.layout != torch.strided:  # a sparse gradient: its own bucket, averaged uncompressed
             fut = torch.futures.Future()
             fut.set_result(_sparse(state, buf, comm, turn))
@@ -461,8 +481,7 @@ def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
     comm = state._communicator()
     turn = state._turn
     engine = state._engine
-    with turn.lock:
-        turn.pending += 1
+    turn.begin(comm)
     try:
         if grad.layout != torch.strided:
             param.grad = grad = _sparse(state, grad, comm, turn)

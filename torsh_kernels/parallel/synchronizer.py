@@ -274,6 +274,7 @@ class GradientSynchronizer:
         self._t_launch: dict[int, float] = {}
         self._bucket_stats: list[dict] = []
         self._zero_filled: list[int] = []
+        self._wire0: int | None = None  # the communicator's wire-byte count when this step's first bucket started
 
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
@@ -312,6 +313,8 @@ class GradientSynchronizer:
                 p.grad = g
 
     def _launch(self, b: int) -> None:
+        if self._wire0 is None and (t := getattr(self.comm, "traffic", None)) is not None:
+            self._wire0 = t.wire_bytes
         bucket = self.buckets[b]
         if bucket.sparse:
             self._launch_sparse(b, bucket)
@@ -430,7 +433,10 @@ class GradientSynchronizer:
             "parameters": len(self.params),
             "total_mb": sum(self.params[i].numel() * self.params[i].element_size() for i in with_grad) / 2**20,
             "buckets": sorted(self._bucket_stats, key=lambda d: d["bucket"]),
-            "bytes_on_wire": sum(d["bytes_sent"] for d in self._bucket_stats),
+            "payload_bytes": sum(d["bytes_sent"] for d in self._bucket_stats),
+            # every collective of the step (payload rounds, flags, the unused-parameter count), by the one
+            # definition of wire bytes (collectives.wire_bytes) that the timeline and `torsh report` use
+            "bytes_on_wire": self.comm.traffic.wire_bytes - self._wire0 if self._wire0 is not None else None,
             "bytes_before": sum(b.numel * self.params[b.params[0]].element_size() for b in self.buckets if not b.sparse)
             + sum(d["bytes_before"] for d in self._bucket_stats if d.get("sparse")),
             "seconds_after_backward": time.perf_counter() - t0,
@@ -440,8 +446,8 @@ class GradientSynchronizer:
             "nonfinite": undone,
             "nonfinite_steps": self._engine.nonfinite_steps,
         }
-        wire = self._last["bytes_on_wire"]
-        self._last["compression_ratio"] = self._last["bytes_before"] / wire if wire else 1.0
+        sent = self._last["payload_bytes"]
+        self._last["compression_ratio"] = self._last["bytes_before"] / sent if sent else 1.0
         self._reset_step()
         return dict(self._last)
 

@@ -65,6 +65,7 @@ from pathlib import Path
 import torch
 
 from .. import _trace
+from ..collectives.cost_model import wire_bytes
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from .traces import TORSH_OPS
 
@@ -75,19 +76,6 @@ SCHEMA = "torsh-trace/1"
 
 # ops whose launches are recorded as compression (the rest are "op"; the loader classifies those by TORSH_OPS)
 COMPRESSION_OPS = frozenset(name for name, cls in TORSH_OPS.items() if cls == "compression")
-
-
-# bytes each rank puts on the wire per byte of its input, ring algorithms (what NCCL and gloo use for
-# large messages): all_reduce 2(W-1)/W, all_gather (W-1) (of the input), reduce_scatter (W-1)/W (of the
-# input), all_to_all (W-1)/W, broadcast 1 (pipelined ring), send 1
-def wire_bytes(op: str, nbytes: int, world: int) -> int:
-    """Estimated bytes this rank sends for ``op`` on ``nbytes`` of input over ``world`` ranks."""
-    if world <= 1:
-        return 0
-    ring = (world - 1) / world
-    f = {"all_reduce": 2 * ring, "all_gather": world - 1, "reduce_scatter": ring, "all_to_all": ring,
-         "broadcast": 1.0, "send": 1.0, "barrier": 2 * ring}  # fmt: skip
-    return int(nbytes * f.get(op, 0.0))
 
 
 def _now() -> int:

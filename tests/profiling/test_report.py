@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tests.profiling.trace_fixtures import EXPECTED, write_trace
+from torsh_kernels._env import fmt_bytes
 from torsh_kernels.apps.cli import main as cli
 from torsh_kernels.errors import InvalidArgumentError
 from torsh_kernels.profiling.report import Thresholds, build
@@ -121,7 +122,8 @@ def _independent_comm_share(path) -> tuple[float, set]:
 def test_demo_timeline_and_report_agree(tmp_path, capsys):
     d = tmp_path / "demo"
     rc = cli(["demo", "--steps", "16", "--compressors", "none,powersgd", "--hidden", "48", "--batch", "8",
-              "--trace", str(d), "--trace-steps", "4", "--no-progress"])  # fmt: skip
+              "--trace", str(d), "--trace-steps", "4", "--no-progress",
+              "--json", str(tmp_path / "demo.json")])  # fmt: skip
     assert rc == 0
     demo_out = capsys.readouterr().out
     assert sorted(p.name for p in d.iterdir()) == ["rank0.json", "rank1.json"]
@@ -145,3 +147,22 @@ def test_demo_timeline_and_report_agree(tmp_path, capsys):
             row = next(line for line in out.splitlines() if line.startswith(f"│ {r} "))
             assert f"{100 * share:.1f}%" in row.split("│")[9]
     assert "powersgd" in demo_out and "PowerSGD round 1" in tl_out
+    # one source of truth: the demo's table (and JSON) shows each compressor's traced steps as the report
+    # computes them; the hook's own count of wire bytes (its communicator's Traffic counters) and the
+    # trace's (the recorder's collective spans) are two separate paths that agree to the byte
+    rows = json.loads((tmp_path / "demo.json").read_text())["rows"]
+    for row in rows:
+        f = rep["by_label"][row["compressor"]]
+        assert row["figures_from"] == "trace"
+        assert row["step_ms"] == f["step_ms_median"] and row["bytes_per_step"] == f["wire_bytes_per_step"]
+        assert row["hook_bytes_per_step"] == row["bytes_per_step"] > 0
+        # the demo's own timer over all its timed steps against the traced steps' median: the same
+        # quantity in the same unit (noise on a shared machine allows a wide band, not a unit slip)
+        assert 0.2 < row["timer_step_ms"] / row["step_ms"] < 5
+        table_row = next(line for line in demo_out.splitlines() if line.startswith(f"│ {row['compressor']} "))
+        label_row = next(line for line in demo_out.splitlines()[::-1] if line.startswith(f"│ {row['compressor']} "))
+        assert f"{row['step_ms']:.2f}" in table_row and f"{row['step_ms']:.3f}" in label_row
+        assert fmt_bytes(row["bytes_per_step"]) in table_row and fmt_bytes(row["bytes_per_step"]) in label_row
+    none, psgd = rows
+    assert none["bytes_per_step"] == none["payload_bytes_per_step"]  # 2 ranks: an all-reduce sends its payload
+    assert psgd["ratio"] == pytest.approx(none["payload_bytes_per_step"] / psgd["payload_bytes_per_step"], rel=1e-3)

@@ -110,8 +110,10 @@ class DemoConfig:
     """Show a progress bar on rank 0."""
     trace: str | None = None
     """Directory for the per-rank timeline traces (None: no tracing)."""
-    trace_steps: int = 5
-    """With ``trace``: record this many of each compressor's last steps."""
+    trace_steps: int | None = None
+    """With ``trace``: record this many of each compressor's last steps (None: 20, or every timed step if
+    fewer). The table then shows the traced steps' figures, read from the traces as ``torsh report``
+    reads them."""
     fsdp: bool = False
     """Train under FSDP2 (``fully_shard``) instead of DDP; ``compressors`` are then :data:`FSDP_CASES`."""
 
@@ -126,6 +128,8 @@ class DemoConfig:
                 raise ValueError(f"demo: {name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"demo: warmup must be in [0, steps), got {self.warmup} with steps={self.steps}")
+        if self.trace_steps is None:
+            self.trace_steps = min(20, self.steps - self.warmup)
         if self.trace and not 1 <= self.trace_steps <= self.steps - self.warmup:
             raise ValueError(
                 f"demo: trace_steps must be in [1, steps - warmup] = [1, {self.steps - self.warmup}], got "
@@ -219,7 +223,11 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
                     progress.update(task, advance=1)
             with torch.no_grad():
                 acc = (net(xte).argmax(1) == yte).float().mean().item()
-            steady = state.stats.per_iteration[-1]
+            # the timed steps' figures (the hook keeps its last 100 iterations): wire bytes as the timeline
+            # and `torsh report` count them (collectives.wire_bytes), payload as the compressor counts it
+            timed = state.stats.per_iteration[-min(cfg.steps - cfg.warmup, 100) :]
+            gradient = timed[-1]["bytes_before"]
+            payload = statistics.fmean(it["bytes_after"] for it in timed)
             auto = state.stats.auto
             rows.append(
                 {
@@ -230,9 +238,17 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
                     "step_ms": 1e3 * statistics.median(times[cfg.warmup :]),
                     "step_ms_p20": 1e3 * quantile(times[cfg.warmup :], 0.2),
                     "step_ms_p80": 1e3 * quantile(times[cfg.warmup :], 0.8),
-                    "bytes_per_step": steady["bytes_after"],
-                    "gradient_bytes": steady["bytes_before"],
-                    "ratio": steady["bytes_before"] / max(1, steady["bytes_after"]),
+                    "bytes_per_step": statistics.fmean(it["wire_bytes"] for it in timed),
+                    "payload_bytes_per_step": payload,
+                    "gradient_bytes": gradient,
+                    "ratio": gradient / payload if payload else None,
+                    "figures_from": "timer and hook",
+                    # the hook's wire bytes over the traced steps alone (from_trace checks them against the traces)
+                    "hook_traced_bytes_per_step": statistics.fmean(
+                        it["wire_bytes"] for it in state.stats.per_iteration[-min(cfg.trace_steps, 100) :]
+                    )
+                    if rec is not None
+                    else None,
                     "accuracy": acc,
                     "final_loss": loss.item(),
                 }
@@ -320,7 +336,7 @@ def print_table(rows: list[dict], *, title: str, console=None) -> None:
     console = console or Console(width=max(100, Console().width))
     t = Table(title=title, title_justify="left")
     for col, just in (("compressor", "left"), ("step time (ms)", "right"), ("p20-p80 (ms)", "right"),
-                      ("bytes sent / step", "right"), ("compression", "right"), ("test accuracy", "right"),
+                      ("wire bytes / step", "right"), ("compression", "right"), ("test accuracy", "right"),
                       ("speedup vs " + ("plain" if any(r["compressor"] == "plain" for r in rows) else "none"),
                        "right")):  # fmt: skip
         t.add_column(col, justify=just)
@@ -380,9 +396,41 @@ def _title(cfg: DemoConfig, ranks: int, backend: str, network: str, params: int)
     )
 
 
+def from_trace(rows: list[dict], directory: str) -> None:
+    """With ``--trace``: each row's step time and wire bytes per step become those of its traced steps, as
+    ``torsh report`` computes them from the traces (:func:`~torsh_kernels.profiling.report.label_figures`:
+    median step over every rank, wire bytes per step by ``collectives.wire_bytes``), so the table, the trace
+    summary and the report show one set of figures. The demo's own measurements stay in the row:
+    ``timer_step_ms`` (its timer, every timed step) and ``hook_bytes_per_step`` (the hook's wire bytes over
+    the traced steps, counted by its communicator rather than by the recorder)."""
+    from ..profiling.report import build
+    from ..profiling.traces import load
+
+    trace = load(directory)
+    rep = build(trace)
+    durs: dict[str, list[float]] = {}
+    for s in trace.steps():
+        durs.setdefault(s.args.get("label"), []).append(s.dur)
+    for r in rows:
+        f = rep["by_label"].get(r["compressor"])
+        if f is None or f["step_ms_median"] is None:
+            continue
+        r["timer_step_ms"], r["hook_bytes_per_step"] = r["step_ms"], r.pop("hook_traced_bytes_per_step", None)
+        d = durs[r["compressor"]]
+        r.update(step_ms=f["step_ms_median"], step_ms_p20=quantile(d, 0.2), step_ms_p80=quantile(d, 0.8),
+                 bytes_per_step=f["wire_bytes_per_step"], figures_from="trace")  # fmt: skip
+    base = next((r["step_ms"] for r in rows if r["compressor"] == "none"), None)
+    for r in rows:
+        r["speedup"] = base / r["step_ms"] if base else None
+
+
 def _finish(rows: list[dict], cfg: DemoConfig, ranks: int, backend: str, network: str, json_path: str | None) -> None:
     params = sum(p.numel() for p in _mlp(cfg.hidden, cfg.seed).parameters())
-    print_table(rows, title=_title(cfg, ranks, backend, network, params))
+    title = _title(cfg, ranks, backend, network, params)
+    if cfg.trace:
+        from_trace(rows, cfg.trace)
+        title += f"; figures of the {cfg.trace_steps} traced steps of each, from the traces"
+    print_table(rows, title=title)
     if json_path:
         from .bench import environment
 
@@ -449,8 +497,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--trace", default=None, metavar="DIR", help="record timeline traces (rank{R}.json) into DIR")
-    ap.add_argument("--trace-steps", type=int, default=d.trace_steps,
-                    help=f"with --trace: the last N steps of each compressor (default {d.trace_steps})")  # fmt: skip
+    ap.add_argument("--trace-steps", type=int, default=None,
+                    help="with --trace: the last N steps of each compressor (default 20, or every timed step if "
+                    "fewer); the table then shows those steps, as the traces hold them")  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> int:

@@ -87,10 +87,8 @@ def build(trace: Trace, *, step: int | None = None, window: tuple[float, float] 
             lab = s.args.get("label")
             if isinstance(lab, str):
                 first[lab] = min(first.get(lab, s.start), s.start)
-        names = sorted(first, key=first.get)
-        if len(names) > 1:
-            for lab in names:
-                labels[lab] = [A.breakdown(trace, r, A.windows(trace, r, label=lab)).as_dict() for r in ranks]
+        for lab in sorted(first, key=first.get):
+            labels[lab] = [A.breakdown(trace, r, A.windows(trace, r, label=lab)).as_dict() for r in ranks]
     step_ms = [s.dur for s in steps if step is None or A.step_number(s) == step]
     strag = A.stragglers(trace)
     measured = [b for b in bds.values() if b.window_ms > 0]
@@ -99,6 +97,7 @@ def build(trace: Trace, *, step: int | None = None, window: tuple[float, float] 
         "sources": sorted({m.get("source", "?") for m in trace.ranks.values()}),
         "steps_per_rank": max((b.steps for b in measured), default=0),
         "step_ms_median": statistics.median(step_ms) if step_ms else None,
+        "wire_bytes_per_step": _wire_per_step([b.as_dict() for b in measured]),
         "comm_share": statistics.fmean(b.comm_share for b in measured) if measured else 0.0,
         "comm_share_max": max((b.comm_share for b in measured), default=0.0),
         "overlap": _mean_overlap(measured),
@@ -120,6 +119,7 @@ def build(trace: Trace, *, step: int | None = None, window: tuple[float, float] 
         },
         "ranks": [bds[r].as_dict() for r in ranks],
         "labels": labels,
+        "by_label": {lab: label_figures(trace, lab, rows) for lab, rows in labels.items()},
         "summary": summary,
         "buckets": buckets,
         "stragglers": strag,
@@ -127,6 +127,38 @@ def build(trace: Trace, *, step: int | None = None, window: tuple[float, float] 
     }
     rep["suggestions"] = suggestions(rep, trace, th)
     return rep
+
+
+def _wire_per_step(rows: list[dict]) -> float | None:
+    """Wire bytes per step: each measured rank's wire bytes over its steps, averaged over the ranks."""
+    per = [r["wire_bytes"] / r["steps"] for r in rows if r["window_ms"] > 0 and r["steps"]]
+    return statistics.fmean(per) if per else None
+
+
+def label_figures(trace: Trace, label: str, rows: list[dict]) -> dict:
+    """One step label's figures (``rows``: its per-rank breakdowns): the median and mean of its steps'
+    durations over every rank, wire bytes per step (:func:`_wire_per_step`) and the time shares. The
+    per-label table, the JSON report and ``torsh demo --trace``'s table all read these, so they agree."""
+    durs = [s.dur for s in trace.steps() if s.args.get("label") == label]
+    rows = [r for r in rows if r["window_ms"] > 0]
+    w = sum(r["window_ms"] for r in rows)
+    comm = sum(r["comm_ms"] for r in rows)
+
+    def share(key: str) -> float | None:
+        return sum(r[key] for r in rows) / w if w else None
+
+    return {
+        "steps_per_rank": statistics.fmean(r["steps"] for r in rows) if rows else 0,
+        "step_ms_median": statistics.median(durs) if durs else None,
+        "step_ms_mean": statistics.fmean(durs) if durs else None,
+        "wire_bytes_per_step": _wire_per_step(rows),
+        "compute": share("compute_ms"),
+        "compression": share("compression_ms"),
+        "comm_exposed": share("communication_ms"),
+        "unrecorded": share("unrecorded_ms"),
+        "comm_share": comm / w if w else None,
+        "overlap": sum((r["overlap"] or 0) * r["comm_ms"] for r in rows) / comm if comm else None,
+    }
 
 
 def _mean_share(bds: list[A.Breakdown], name: str, measured_on: str) -> float | None:
@@ -335,28 +367,25 @@ def suggestions(rep: dict, trace: Trace, th: Thresholds) -> list[dict]:
 
 
 def print_labels(rep: dict, console) -> None:
-    """The per-label table (steps grouped by their ``label``), when the steps carry several labels."""
+    """The per-label table (steps grouped by their ``label``), when the steps carry several labels (the
+    figures of each label are in ``rep["by_label"]`` whenever steps carry labels)."""
     from rich.table import Table
 
-    if not rep["labels"]:
+    from .._env import fmt_bytes
+
+    if len(rep["by_label"]) < 2:
         return
-    tl = Table(title="by step label (mean over ranks)", title_justify="left")
-    for c in ("label", "steps/rank", "ms/step", "compute", "compression", "comm exposed", "unrecorded", "comm share",
-              "overlap", "wire bytes/step"):  # fmt: skip
+    tl = Table(title="by step label (steps of every rank)", title_justify="left")
+    for c in ("label", "steps/rank", "median ms/step", "compute", "compression", "comm exposed", "unrecorded",
+              "comm share", "overlap", "wire bytes/step"):  # fmt: skip
         tl.add_column(c, justify="left" if c == "label" else "right")
-    for lab, rows in rep["labels"].items():
-        rows = [r for r in rows if r["window_ms"] > 0]
-        if not rows:
+    for lab, f in rep["by_label"].items():
+        if f["step_ms_median"] is None or f["compute"] is None:
             continue
-        n = statistics.fmean(r["steps"] for r in rows) or 1
-        w = sum(r["window_ms"] for r in rows)
-        comm = sum(r["comm_ms"] for r in rows)
-        ov = sum((r["overlap"] or 0) * r["comm_ms"] for r in rows) / comm if comm else None
-        tl.add_row(lab, f"{n:.0f}", f"{w / len(rows) / n:.3f}", _pct(sum(r["compute_ms"] for r in rows) / w),
-                   _pct(sum(r["compression_ms"] for r in rows) / w),
-                   _pct(sum(r["communication_ms"] for r in rows) / w), _pct(sum(r["unrecorded_ms"] for r in rows) / w),
-                   _pct(comm / w), "-" if ov is None else _pct(ov),
-                   f"{statistics.fmean(r['wire_bytes'] for r in rows) / n / 1024:.1f} KiB")  # fmt: skip
+        wire = "-" if f["wire_bytes_per_step"] is None else fmt_bytes(f["wire_bytes_per_step"])
+        tl.add_row(lab, f"{f['steps_per_rank']:.0f}", f"{f['step_ms_median']:.3f}", _pct(f["compute"]),
+                   _pct(f["compression"]), _pct(f["comm_exposed"]), _pct(f["unrecorded"]), _pct(f["comm_share"]),
+                   "-" if f["overlap"] is None else _pct(f["overlap"]), wire)  # fmt: skip
     console.print(tl)
 
 

@@ -304,6 +304,19 @@ def test_offloaded_optimizer_from_zero_offload_steps_like_adamw():
         from_deepspeed({}).build_optimizer([nn.Parameter(torch.zeros(1))])
 
 
+def test_parameter_offloader_and_quantized_comm_builders():
+    cfg = {"fp16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    m = from_deepspeed(cfg)
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    off = m.offload_parameters(net)
+    assert off.fmt == "fp16" and net(torch.randn(3, 4)).shape == (3, 2)
+    off.remove()
+    with pytest.raises(InvalidArgumentError, match="quantize no FSDP communication"):
+        m.apply_quantized_comm(net)
+    with pytest.raises(InvalidArgumentError, match="do not offload parameters"):
+        from_deepspeed({}).offload_parameters(net)
+
+
 # -- Megatron-Core --------------------------------------------------------------------------------------
 
 
@@ -381,6 +394,26 @@ def test_megatron_defaults_are_megatrons_and_said():
         none.moe_layer()
     with pytest.raises(InvalidArgumentError, match="give no hidden"):
         from_megatron({"num_moe_experts": 4, "add_bias_linear": False}).moe_layer()
+
+
+class _OneRank:
+    """A Communicator of one rank (the methods ExpertParallelMoE needs; none is called here)."""
+
+    rank, world_size = 0, 1
+
+    def all_to_all(self, *a, **k): ...
+
+    def broadcast(self, *a, **k): ...
+
+    def all_reduce(self, *a, **k): ...
+
+
+def test_expert_parallel_size_is_checked_against_the_communicator():
+    m = from_megatron(_TransformerConfig())  # expert_model_parallel_size=2
+    with pytest.raises(InvalidArgumentError, match="has 1 rank; the megatron settings spread the experts over 2"):
+        m.expert_parallel_moe(_OneRank())
+    one = from_megatron(_TransformerConfig(expert_model_parallel_size=1))
+    assert one.expert_parallel_moe(_OneRank(), provider="torch").local_experts == 6
 
 
 def test_megatron_error_names_every_unmappable_key():

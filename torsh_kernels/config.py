@@ -176,8 +176,9 @@ class Migration:
         )
         if self.expert_parallel_size is not None and comm.world_size != self.expert_parallel_size:
             raise InvalidArgumentError(
-                f"{what}: the communicator has {comm.world_size} ranks; the {self.source} settings spread the "
-                f"experts over {self.expert_parallel_size} (expert_model_parallel_size)"
+                f"{what}: the communicator has {comm.world_size} rank{'s' if comm.world_size != 1 else ''}; the "
+                f"{self.source} settings spread the experts over {self.expert_parallel_size} "
+                "(expert_model_parallel_size)"
             )
         return ExpertParallelMoE(comm=comm, **kwargs)
 
@@ -261,7 +262,11 @@ def _show(v: Any) -> str:
 
 
 def _auto(v: Any) -> str:
-    return " ('auto' is filled in by Hugging Face's Trainer: give the value itself)" if v == "auto" else ""
+    return (
+        " ('auto' is filled in by Hugging Face's Trainer: give the value itself)"
+        if isinstance(v, str) and v == "auto"
+        else ""
+    )
 
 
 def _bool(w: _Walk, key: str, v: Any) -> Any:

@@ -107,6 +107,7 @@ def test_zero_offload_config_maps_every_key():
 def test_optimizer_follows_deepspeeds_choice_and_defaults(optimizer, cls, kwargs):
     m = from_deepspeed({"optimizer": optimizer})
     assert m.optimizer is cls and m.optimizer_kwargs == kwargs
+    assert _accounted(m) == _leaves({"optimizer": optimizer}, descend=("optimizer", "optimizer.params"))
     if kwargs.get("weight_decay") == 0.0 and "weight_decay" not in optimizer.get("params", {}):
         assert "0.01" in m.notes["optimizer.params.weight_decay"]  # said why 0 is passed
     assert m.offload_optimizer is None
@@ -124,6 +125,7 @@ def test_onebit_adam_maps_to_sign_after_freeze_step():
     assert m.optimizer is torch.optim.AdamW and m.optimizer_kwargs == {"lr": 1e-4, "weight_decay": 0.01}
     assert "momentum" in m.notes["optimizer.type"]  # the difference is said
     assert {"optimizer.params.cuda_aware", "optimizer.params.comm_backend_name"} <= set(m.ignored)
+    assert _accounted(m) == _leaves(cfg, descend=("optimizer", "optimizer.params"))
     state = m.hook_state()
     assert state.start_iter == 400 and state.min_numel == 0 and isinstance(state.compressor, Sign)
     default = from_deepspeed({"optimizer": {"type": "OneBitAdam"}})
@@ -266,6 +268,10 @@ def test_offload_param_and_zeropp_under_stage_3():
     assert "stage 3" in lower.ignored["zero_optimization.zero_quantized_weights"]
     off = from_deepspeed({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
     assert off.offload_optimizer is None and "stage 0" in off.ignored["zero_optimization.offload_optimizer.device"]
+    both = from_deepspeed(
+        {"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "none"}}}
+    )
+    assert both.offload_optimizer is None and "also given" in both.ignored["zero_optimization.cpu_offload"]
     deprecated = from_deepspeed({"zero_optimization": {"stage": 2, "cpu_offload": True}})
     assert deprecated.offload_optimizer == {"state_format": "fp32"} and "zero_optimization.cpu_offload" in (
         deprecated.mapped
@@ -375,6 +381,7 @@ def test_megatron_config_namespace_dict_and_object_map_alike():
 
     as_object = from_megatron(Plain())
     assert as_args.moe == as_dict.moe == as_object.moe == MOE_KWARGS
+    assert _accounted(as_args) == set(vars(argparse.Namespace(num_experts=6, swiglu=True, **ns)))
     assert as_args.mapped["swiglu"] == "moe['activation'] = 'swiglu'"
     layer = as_config.moe_layer(provider="torch")
     assert isinstance(layer, MoELayer) and (layer.num_experts, layer.k, layer.hidden) == (6, 2, 16)

@@ -638,23 +638,18 @@ def _ds_zero(w: _Walk, cfg: dict, m: Migration, fp16: bool, bf16: bool) -> int:
         if s is not _BAD:
             stage = s
             w.skip(f"{key}.stage", _stage_reason(s))
-    offload_opt = offload_param = None
+    sections: dict[str, tuple[str, Any]] = {}  # offload_optimizer / offload_param -> (dotted key, section)
+    deprecated: dict[str, str] = {}
     for k, v in z.items():
         dk = f"{key}.{k}"
         if k == "stage" or not w.take(z, k, dk):
             continue
-        if k == "offload_optimizer":
-            offload_opt = (dk, v)
-        elif k == "offload_param":
-            offload_param = (dk, v)
+        if k in ("offload_optimizer", "offload_param"):
+            sections[k] = (dk, v)
         elif k in ("cpu_offload", "cpu_offload_param"):  # deprecated spellings of {device: "cpu"}
             on = _bool(w, dk, v)
             if on is True:
-                sec = (dk, {"device": "cpu"})
-                if k == "cpu_offload":
-                    offload_opt = offload_opt or sec
-                else:
-                    offload_param = offload_param or sec
+                deprecated["offload_optimizer" if k == "cpu_offload" else "offload_param"] = dk
             elif on is False:
                 w.skip(dk, "false: no offload")
         elif k == "cpu_offload_use_pin_memory":
@@ -680,10 +675,15 @@ def _ds_zero(w: _Walk, cfg: dict, m: Migration, fp16: bool, bf16: bool) -> int:
             w.skip(dk, _ZERO_IGNORED[k])
         else:
             w.bad(dk, _unknown(dk, "a ZeRO setting"))
-    if offload_opt is not None:
-        _ds_offload_optimizer(w, *offload_opt, stage, m)
-    if offload_param is not None:
-        _ds_offload_param(w, *offload_param, stage, m, fp16, bf16)
+    for new_key, dk in deprecated.items():
+        if new_key in sections:
+            w.skip(dk, f"the deprecated spelling of {new_key}, which is also given and used")
+        else:
+            sections[new_key] = (dk, {"device": "cpu"})
+    if "offload_optimizer" in sections:
+        _ds_offload_optimizer(w, *sections["offload_optimizer"], stage, m)
+    if "offload_param" in sections:
+        _ds_offload_param(w, *sections["offload_param"], stage, m, fp16, bf16)
     _ds_zeropp(w, key, z, stage, m)
     return stage
 
@@ -700,7 +700,9 @@ def _stage_reason(stage: int) -> str:
 
 def _offload_device(w: _Walk, key: str, sec: Mapping) -> Any:
     dk = f"{key}.device"
-    dev = _choice(w, dk, sec.get("device", "none"), ("none", "cpu", "nvme"), lower=True)
+    if not w.take(sec, "device", dk):
+        return "none"  # DeepSpeed's default (or left out with ignore=)
+    dev = _choice(w, dk, sec["device"], ("none", "cpu", "nvme"), lower=True)
     if dev == "nvme":
         return w.bad(dk, "'nvme': torsh offloads to host memory ('cpu') only")
     return dev
@@ -735,7 +737,11 @@ def _ds_offload_optimizer(w: _Walk, key: str, sec: Any, stage: int, m: Migration
             w.bad(dk, _unknown(dk, "an offload_optimizer setting"))
     if dev is _BAD:
         return
-    dk = f"{key}.device" if "device" in sec and not key.endswith("cpu_offload") else key
+    dk = (
+        f"{key}.device"
+        if "device" in sec and f"{key}.device" not in w.ignored and not key.endswith("cpu_offload")
+        else key
+    )
     if dev == "none":
         w.skip(dk, "'none': no optimizer offload")
     elif stage == 0:
@@ -769,7 +775,11 @@ def _ds_offload_param(w: _Walk, key: str, sec: Any, stage: int, m: Migration, fp
             w.bad(dk, _unknown(dk, "an offload_param setting"))
     if dev is _BAD:
         return
-    dk = f"{key}.device" if "device" in sec and not key.endswith("cpu_offload_param") else key
+    dk = (
+        f"{key}.device"
+        if "device" in sec and f"{key}.device" not in w.ignored and not key.endswith("cpu_offload_param")
+        else key
+    )
     if dev == "none":
         w.skip(dk, "'none': no parameter offload")
     elif stage != 3:
@@ -872,7 +882,9 @@ def _ds_optimizer(w: _Walk, cfg: dict, m: Migration, stage: int) -> bool:
         return False
     pk = f"{key}.params"
     params: dict[str, Any] = {}
-    if w.take(sec, "params", pk) and sec["params"] is not None:
+    if w.take(sec, "params", pk) and sec["params"] is None:
+        w.skip(pk, "null: the optimizer's defaults")
+    elif pk not in w.ignored and "params" in sec:
         if _dict(w, pk, sec["params"]) is _BAD:
             return False
         params = {k: v for k, v in sec["params"].items() if w.take(sec["params"], k, f"{pk}.{k}")}
@@ -911,7 +923,7 @@ def _ds_optimizer(w: _Walk, cfg: dict, m: Migration, stage: int) -> bool:
         m.optimizer, m.optimizer_kwargs = cls, kwargs
         w.map(f"{key}.type", f"optimizer=torch.optim.{cls.__name__}")
         for k in kwargs:
-            if f"{pk}.{k}" in w.notes or k in params:
+            if k in params:  # (a default made explicit is in the notes, not an input key)
                 w.map(f"{pk}.{k}", f"optimizer_kwargs[{k!r}]")
     return onebit
 

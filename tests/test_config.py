@@ -448,6 +448,25 @@ def test_megatron_error_names_every_unmappable_key():
         from_megatron(42)
 
 
+@dataclasses.dataclass
+class _NewerConfig(_TransformerConfig):
+    moe_some_new_fusion: bool = True  # a Megatron-Core field torsh does not know
+    glu_linear_offset: float = 0.0
+
+
+def test_megatron_unknown_field_at_its_default_and_the_other_spelling():
+    m = from_megatron(_NewerConfig())  # a newer TransformerConfig: its unknown field sits at its default
+    assert "at its default" in m.ignored["moe_some_new_fusion"] and m.moe == MOE_KWARGS
+    assert _accounted(m) == {f.name for f in dataclasses.fields(_NewerConfig)}
+    with pytest.raises(ConfigMappingError) as e:  # changed from its default, or in a dict (defaults unknown)
+        from_megatron(_NewerConfig(moe_some_new_fusion=False, glu_linear_offset=1.0))
+    assert set(e.value.keys) == {"moe_some_new_fusion", "glu_linear_offset"}
+    with pytest.raises(ConfigMappingError):
+        from_megatron(dataclasses.asdict(_NewerConfig()))
+    both = from_megatron({**dataclasses.asdict(_TransformerConfig()), "num_experts": None})
+    assert both.moe == MOE_KWARGS and "other spelling" in both.ignored["num_experts"]
+
+
 def _megatron_routing_probs(logits, topk, score, pre_softmax):
     """Megatron-Core's topk_routing_with_score_function (no groups, no bias, no scaling): [T, E] probabilities
     of the chosen experts, 0 elsewhere."""

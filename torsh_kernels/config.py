@@ -1048,6 +1048,7 @@ _M_IGNORED = {
             "moe_router_padding_for_quantization",
             "moe_router_padding_for_fp8",
             "moe_extended_tp",
+            "moe_permute_fusion_into_hybridep",
         ),
         _M_PERF,
     ),
@@ -1081,6 +1082,9 @@ _M_OFF = {  # MoE settings torsh has no equivalent for: the value that turns the
     "moe_router_force_load_balancing": (False, "benchmark-only random routing"),
     "moe_router_force_biased": (None, "benchmark-only random routing bias"),
     "moe_enable_routing_replay": (False, "routing replay"),
+    # the experts' activation, beyond its name
+    "glu_linear_offset": (0.0, "an offset in the gated unit, act(x W1) * (x W3 + offset)"),
+    "activation_func_clamp_value": (None, "clamping the experts' first projection"),
 }
 _M_HANDLED = frozenset(
     (
@@ -1111,14 +1115,17 @@ _M_HANDLED = frozenset(
 )
 
 
-def _attributes(args: Any) -> dict[str, Any]:
-    """The settings of a dict, an argparse.Namespace, a dataclass (TransformerConfig) or any object."""
+def _attributes(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The settings of a dict, an argparse.Namespace, a dataclass (TransformerConfig) or any object, and the
+    dataclass's field defaults (empty for the others: their defaults are not known here)."""
     if isinstance(args, Mapping):
-        return dict(args)
+        return dict(args), {}
     if dataclasses.is_dataclass(args) and not isinstance(args, type):
-        return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+        fields = dataclasses.fields(args)
+        defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+        return {f.name: getattr(args, f.name) for f in fields}, defaults
     if hasattr(args, "__dict__") and not isinstance(args, type):
-        return {k: v for k, v in vars(args).items() if not k.startswith("_")}
+        return {k: v for k, v in vars(args).items() if not k.startswith("_")}, {}
     raise ArgumentTypeError(
         "from_megatron: args must be Megatron's argparse.Namespace, a TransformerConfig, a dict or an object with "
         f"attributes, got {type(args).__name__}"
@@ -1138,22 +1145,16 @@ def from_megatron(args: Any, *, ignore: Iterable[str] = ()) -> Migration:
     unless it is off; kernel, fusion and dispatch settings are ignored with the reason, and so is every setting
     that is not the MoE layer's. A MoE setting the input leaves out takes Megatron-Core's default (noted)."""
     w = _Walk("from_megatron", ignore)
-    a = _attributes(args)
+    a, defaults = _attributes(args)
     m = Migration(source="megatron")
     shared = a.get("moe_shared_expert_intermediate_size")
     for key, v in a.items():
         if not isinstance(key, str):
             w.bad(repr(key), "keys must be strings")
-        elif not w.take(a, key) or key in _M_HANDLED:
-            continue
+        elif not w.take(a, key) or key in _M_HANDLED or key in _M_OFF:
+            continue  # (in _m_moe, once the number of experts is known)
         elif key in _M_IGNORED:
             w.skip(key, _M_IGNORED[key])
-        elif key in _M_OFF:
-            off, what = _M_OFF[key]
-            if v == off and type(v) is type(off):
-                w.skip(key, f"{v!r}: {what} is off")
-            else:
-                w.bad(key, f"{_show(v)}: {what} has no torsh equivalent (only {off!r} maps)")
         elif key.startswith(_M_PERF_PREFIXES):
             w.skip(key, _M_PERF)
         elif key.startswith("moe_shared_expert_"):
@@ -1162,6 +1163,12 @@ def from_megatron(args: Any, *, ignore: Iterable[str] = ()) -> Migration:
                 "a shared-expert setting"
                 + (", and there are no shared experts" if shared is None else " (shared experts do not map)"),
             )
+        elif key.startswith("moe_") and key in defaults and _same(v, defaults[key]):
+            w.skip(
+                key,
+                "a MoE setting torsh does not know, at its default in this config (Megatron-Core's standard "
+                "behaviour, which is what torsh maps)",
+            )
         elif key.startswith("moe_"):
             w.bad(key, _unknown(key, "a Megatron-Core MoE setting"))
         else:
@@ -1169,6 +1176,13 @@ def from_megatron(args: Any, *, ignore: Iterable[str] = ()) -> Migration:
     _m_moe(w, a, m)
     w.finish(m)
     return m
+
+
+def _same(v: Any, default: Any) -> bool:
+    try:
+        return type(v) is type(default) and bool(v == default)
+    except Exception:  # a value whose == is not a bool (a tensor)
+        return False
 
 
 def _get(w: _Walk, a: dict, key: str) -> Any:
@@ -1182,20 +1196,35 @@ def _get(w: _Walk, a: dict, key: str) -> Any:
 
 def _m_moe(w: _Walk, a: dict, m: Migration) -> None:
     experts = None
+    unset = []
     for key in ("num_moe_experts", "num_experts"):
-        if w.take(a, key) and a[key] is not None:
-            e = _int(w, key, a[key], 1)
-            if e is not _BAD and experts is not None and e != experts:
-                w.bad(key, f"{e} contradicts the other number of experts, {experts}")
-            elif e is not _BAD:
-                experts = e
-                w.map(key, "moe['num_experts']")
-    if experts is None:
+        if not w.take(a, key):
+            continue
+        if a[key] is None:
+            unset.append(key)
+            continue
+        e = _int(w, key, a[key], 1)
+        if e is not _BAD and experts is not None and e != experts:
+            w.bad(key, f"{e} contradicts the other number of experts, {experts}")
+        elif e is not _BAD:
+            experts = e
+            w.map(key, "moe['num_experts']")
+    if experts is not None:
+        for key in unset:
+            w.skip(key, "None; the number of experts is the other spelling's")
+    else:
         why = "no MoE layer: the number of experts (num_moe_experts, or num_experts) is not set"
-        for key in sorted(_M_HANDLED & set(a)):
+        for key in sorted((_M_HANDLED | set(_M_OFF)) & set(a)):
             if key not in w.ignored and key not in w.errors:
                 w.skip(key, why)
         return
+    for key, (off, what) in _M_OFF.items():
+        if w.take(a, key):
+            v = a[key]
+            if _same(v, off) or (isinstance(off, float) and _same(v, int(off))):
+                w.skip(key, f"{v!r}: {what} is off")
+            else:
+                w.bad(key, f"{_show(v)}: {what} has no torsh equivalent (only {off!r} maps)")
     kw: dict[str, Any] = {"num_experts": experts}
     k = _int(w, "moe_router_topk", _get(w, a, "moe_router_topk"), 1)
     if k is not _BAD and k > experts:

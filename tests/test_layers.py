@@ -13,8 +13,9 @@ import torsh_kernels
 
 PACKAGE = Path(torsh_kernels.__file__).parent
 # floor of each part of the package; the neutral modules sit under every layer
+# (config maps settings from elsewhere onto parallel's and compression's objects: above them, below profiling)
 LAYERS = {"_trace": 0, "errors": 0, "_env": 0, "ops": 1, "collectives": 2, "compression": 3, "parallel": 4,
-          "profiling": 5, "apps": 6}  # fmt: skip
+          "config": 4.5, "profiling": 5, "apps": 6}  # fmt: skip
 
 
 def _part(module: str) -> str | None:
@@ -69,7 +70,7 @@ def test_every_part_of_the_package_has_a_floor():
 
 def test_importing_the_package_loads_no_triton_numba_or_profiling():
     heavy = "('triton', 'numba', 'torsh_kernels.profiling')"
-    code = ("import torsh_kernels, torsh_kernels.compression, torsh_kernels.parallel, sys; "
+    code = ("import torsh_kernels, torsh_kernels.compression, torsh_kernels.parallel, torsh_kernels.config, sys; "
             f"print([m for m in sys.modules if m.startswith({heavy})])")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TORSH_TRACE"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)

@@ -13,6 +13,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "ConfigMappingError",
     "DTypeError",
     "DeviceMismatchError",
     "InvalidArgumentError",
@@ -106,3 +107,15 @@ class RankFailedError(CollectiveError):
 
 class TraceFormatError(TorshKernelsError, ValueError):
     """A trace file is malformed, truncated or not a trace; the message names the file and the problem."""
+
+
+class ConfigMappingError(TorshKernelsError, ValueError):
+    """A configuration from elsewhere (DeepSpeed, Megatron-Core, a PyTorch comm hook) holds settings torsh
+    cannot map: unknown keys, values torsh has no equivalent for, wrong types. Raised once the whole
+    configuration was examined; ``keys`` names every offending one."""
+
+    def __init__(self, message: str, *, keys: dict[str, str] | None = None):
+        super().__init__(message)
+        self.keys = dict(keys or {})
+        """Each offending dotted key (``"zero_optimization.offload_optimizer.device"``) and why it cannot be
+        mapped, in the order they were found."""

@@ -1,7 +1,7 @@
 """What `pip install .` gets: the wheel and the sdist built from this tree hold the demo's data and its
 provenance, the PEP 561 marker, LICENSE and NOTICE, and metadata with pyproject's version, the SPDX
 licence and no scikit-learn or SciPy. Built without build isolation (no download) from a copy of the tree,
-so the tree itself is left as it was. (scripts/wheel_check.sh installs the wheel in a fresh venv and runs
+so the tree itself is left as it was. (.ci/wheel_check.sh installs the wheel in a fresh venv and runs
 `torsh demo`.)"""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Convergence on scikit-learn's digits: DDP with each compressor (error feedback where the compressor
+"""Convergence on the bundled digits data set: DDP with each compressor (error feedback where the compressor
 has it; compressor="auto" with whatever it chooses) ends within 2 accuracy points of uncompressed DDP.
 This is ``torsh demo``'s training run, on 2 real gloo ranks, with its default settings."""
 

@@ -1,7 +1,7 @@
 """``torsh demo``: compressed data parallelism end to end, in one command.
 
 N local ranks (default 2; gloo on CPU, NCCL with the Triton kernels where CUDA is present) train the same
-small MLP on scikit-learn's bundled digits data set under PyTorch's DistributedDataParallel, once per
+small MLP on the digits data set bundled with the package under PyTorch's DistributedDataParallel, once per
 compressor (none, fp16, topk, quantize, sign, powersgd) through :func:`~torsh_kernels.parallel.compression_hook`,
 for a fixed number of steps from the same initial weights and the same batches, and once with
 ``compressor="auto"``, which measures the link and each of those compressors on this model's buckets at
@@ -138,12 +138,15 @@ class DemoConfig:
 
 
 def load_digits_split(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """scikit-learn's digits (1797 8x8 images, 10 classes) scaled to [0, 1]; a fixed 80/20 split."""
-    from sklearn.datasets import load_digits
+    """The digits data set (1797 8x8 images, 10 classes; UCI's optdigits test set, the copy scikit-learn
+    bundles, shipped in this package as ``apps/data/digits.npz``) scaled to [0, 1]; a fixed 80/20 split."""
+    from importlib.resources import files
 
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.int64)
+    import numpy as np
+
+    with files("torsh_kernels.apps").joinpath("data", "digits.npz").open("rb") as f, np.load(f) as d:
+        x = torch.from_numpy(d["images"]).to(torch.float32) / 16.0
+        y = torch.from_numpy(d["target"]).to(torch.int64)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     n_test = len(y) // 5
     te, tr = perm[:n_test], perm[n_test:]
@@ -391,7 +394,7 @@ def _title(cfg: DemoConfig, ranks: int, backend: str, network: str, params: int)
     return (
         f"torsh demo: {ranks} ranks ({backend}, {network}), MLP 64-{cfg.hidden}-{cfg.hidden}-10 "
         f"({params:,} parameters, "
-        f"{4 * params / 2**20:.2f} MiB of gradients) on sklearn digits, {cfg.steps} steps of {cfg.batch}/rank, "
+        f"{4 * params / 2**20:.2f} MiB of gradients) on UCI digits, {cfg.steps} steps of {cfg.batch}/rank, "
         + ("FSDP2 (fully_shard) + torsh quantized comms" if cfg.fsdp else "DDP + torsh compression_hook")
     )
 

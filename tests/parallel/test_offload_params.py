@@ -113,3 +113,18 @@ def test_arguments():
         ParameterOffloader(nn.Linear(2, 2), fmt="int4")
     with pytest.raises(InvalidArgumentError, match="prefetch"):
         ParameterOffloader(nn.Linear(2, 2), prefetch=-1)
+
+
+def test_repr_is_one_line_of_counters():
+    m = _make()
+    o = ParameterOffloader(m, fmt="bf16", prefetch=1)
+    for _ in range(3):
+        m(torch.randn(3, 8)).sum().backward()
+    st = o.get_stats()
+    r = repr(o)
+    assert len(r) <= 220 and "\n" not in r, r
+    units = sum(1 for x in m.modules() if any(True for _ in x.parameters(recurse=False)))
+    for fig in (f"units={units}", "fmt='bf16'", "prefetch=1", f"fetches={st['fetches']}",
+                f"prefetch_hits={st['prefetch_hits']}", f"moved {st['bytes_moved'] / 2**10:.4g} KiB"):  # fmt: skip
+        assert fig in r, (fig, r)
+    assert st["fetches"] > 3  # the counters the repr shows did count

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .. import _trace
+from .._env import fmt_bytes
 from ..collectives.communicator import is_dtensor
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops import Packed, pack, packed_nbytes, unpack
@@ -267,6 +268,14 @@ class ParameterOffloader:
         self.stats.update(bytes_moved=0, fetches=0, prefetch_hits=0, stall_s=0.0, peak_bytes=self._live_bytes)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def __repr__(self) -> str:
+        st = self.stats
+        return (
+            f"ParameterOffloader(units={len(self.units)}, fmt={self.fmt!r}, prefetch={self.prefetch}, "
+            f"device={self.device}, fetches={st['fetches']}, prefetch_hits={st['prefetch_hits']}, "
+            f"moved {fmt_bytes(st['bytes_moved'])}, stall {st['stall_s']:.3g} s, peak {fmt_bytes(st['peak_bytes'])})"
+        )
 
     def get_stats(self) -> dict[str, float]:
         s = dict(self.stats)

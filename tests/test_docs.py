@@ -54,25 +54,34 @@ class Block:
     """The reason given by a ``<!-- not run: REASON -->`` line directly above the fence."""
 
 
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
+
 def parse(path: Path) -> tuple[list[Block], list[str]]:
-    """The fenced blocks of a Markdown file, and the problems with its ``not run`` markers."""
+    """The fenced blocks of a Markdown file, and the problems with its ``not run`` markers (a marker needs a
+    reason and must be the line directly above a ```python fence; lines inside blocks are not markers)."""
+    name = _rel(path)
     lines = path.read_text(encoding="utf-8").splitlines()
     blocks: list[Block] = []
     problems: list[str] = []
-    markers: dict[int, str] = {}  # line index of the marker -> its reason
-    for i, s in enumerate(lines):
-        m = _MARKER.match(s)
-        if m:
-            rest = m.group("rest").strip()
-            reason = rest[1:].strip() if rest.startswith(":") else ""
-            if not reason:
-                problems.append(f"{path.name}:{i + 1}: a not-run marker needs a reason: <!-- not run: REASON -->")
-            markers[i] = reason
-    used: set[int] = set()
+    marker: tuple[int, str] | None = None  # (line number, reason) of a marker on the line before
     i = 0
     while i < len(lines):
         m = _FENCE.match(lines[i])
         if not m:
+            if marker is not None:
+                problems.append(
+                    f"{name}:{marker[0]}: a not-run marker must be the line directly above a ```python fence"
+                )
+            marker = None
+            mk = _MARKER.match(lines[i])
+            if mk:
+                rest = mk.group("rest").strip()
+                reason = rest[1:].strip() if rest.startswith(":") else ""
+                if not reason:
+                    problems.append(f"{name}:{i + 1}: a not-run marker needs a reason: <!-- not run: REASON -->")
+                marker = (i + 1, reason)
             i += 1
             continue
         indent, fence = len(m.group("indent")), m.group("fence")
@@ -85,20 +94,14 @@ def parse(path: Path) -> tuple[list[Block], list[str]]:
                 break
             body.append(s[indent:] if s[:indent].strip() == "" else s.lstrip())
             j += 1
-        reason = markers.get(i - 1)
-        if i - 1 in markers:
-            used.add(i - 1)
-            if lang not in RUN:
-                problems.append(f"{path.name}:{i}: a not-run marker above a {lang or 'plain'} block (those never run)")
-        blocks.append(Block(i + 2, lang, "\n".join(body) + "\n", reason))
+        if marker is not None and lang not in RUN:
+            problems.append(f"{name}:{marker[0]}: a not-run marker above a {lang or 'plain'} block (those never run)")
+        blocks.append(Block(i + 2, lang, "\n".join(body) + "\n", marker[1] if marker is not None else None))
+        marker = None
         i = j + 1
-    for k in sorted(set(markers) - used):
-        problems.append(f"{path.name}:{k + 1}: a not-run marker must be the line directly above a ```python fence")
+    if marker is not None:
+        problems.append(f"{name}:{marker[0]}: a not-run marker must be the line directly above a ```python fence")
     return blocks, problems
-
-
-def _rel(path: Path) -> str:
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 def _free_port() -> int:
@@ -209,11 +212,12 @@ def test_parse_reads_the_convention(tmp_path: Path) -> None:
         "# t\n\n```python\na = 1\n```\n\n<!-- not run: needs two GPUs -->\n```python\nb = 2\n```\n"
         "```bash\nls\n```\n- item\n\n  ```python\n  if a:\n      c = 3\n  ```\n"
         "<!-- not run: -->\n```py\nd = 4\n```\n\n<!-- not run: dangling -->\n\ntext\n"
+        "```markdown\n<!-- not run: an example inside a block is no marker -->\n```\n"
     )
     blocks, problems = parse(md)
     assert [(b.line, b.lang, b.not_run) for b in blocks] == [
         (4, "python", None), (9, "python", "needs two GPUs"), (12, "bash", None), (17, "python", None),
-        (22, "py", ""),
+        (22, "py", ""), (29, "markdown", None),
     ]  # fmt: skip
     assert blocks[3].code == "if a:\n    c = 3\n"
     assert problems == [

@@ -368,3 +368,25 @@ def test_a_new_compressor_needs_no_change_outside_its_module():
     assert algo in ("ring", "tree", "rabenseifner") and t == pytest.approx(all_reduce_time(4000, 4, link, algo))
     p = plan(4 << 20, 4, link, compressors=(None, RandK(k=1000)))
     assert p.candidates[0][0] == "randk" and isinstance(p.compressor, RandK)
+
+
+def test_reduction_and_payload_print_sizes_not_values():
+    from torsh_kernels.collectives.replica import ReplicaCommunicator
+
+    c = PowerSGD(rank=4, provider="torch")
+    grads = [torch.randn(512, 256), torch.randn(300, 200)]
+    r = start_compressed_all_reduce(grads, ReplicaCommunicator(2), c, [c.new_state(), c.new_state()])
+    first = repr(r)
+    r.wait()
+    last = repr(r)
+    for s in (first, last):
+        assert len(s) <= 200 and "\n" not in s and "tensor(" not in s, s
+    assert "rounds=1, done=False, sent 0 B" in first, first  # fresh states: rank 0's seeds broadcast first
+    assert "rounds=3, done=True" in last and f"tensors={len(grads)}" in last, last  # the seeds, P, Q
+    assert "PowerSGD, all_reduce" in last and f"sent {r.bytes_sent / 2**10:.4g} KiB" in last, last
+
+    p = c.compress(torch.randn(512, 256), c.new_state())
+    s = repr(p)
+    assert s == f"Payload(tensors={{'p': (512, 4) float32}}, numel={512 * 256}, final=False, nbytes={512 * 4 * 4})", s
+    big = Payload({"data": torch.randn(1 << 16)}, 1 << 16)
+    assert len(repr(big)) <= 120, repr(big)

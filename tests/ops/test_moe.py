@@ -405,3 +405,13 @@ def test_kernel_limits_fall_back_to_torch_or_raise(gen):
         M.moe_permute(rand((3, 4), torch.float32, gen), r, provider="numba")
     with pytest.raises(ShapeError, match="1024 experts"):
         M.moe_route(rand((2, 1025), torch.float32, gen), k=1, provider="triton")
+
+
+def test_routing_prints_sizes_not_tensors():
+    T, E, K = 4096, 16, 2
+    r = M.moe_route(torch.randn(T, E), k=K, capacity_factor=0.5, provider="torch")
+    s = repr(r)
+    assert len(s) <= 160 and "\n" not in s and "tensor(" not in s, s
+    assert s == (f"Routing(tokens={T}, experts={E}, k={K}, rows={r.num_rows}, dropped={T * K - r.num_rows}, "
+                 f"capacity={math.ceil(T * K * 0.5 / E)}, score='softmax', device=cpu)")  # fmt: skip
+    assert 0 < r.num_rows < T * K

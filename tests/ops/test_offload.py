@@ -4,6 +4,8 @@ the staged copy to pinned host memory (CUDA only)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -85,8 +87,11 @@ def test_noncontiguous_source(provider, gen):
 def test_buffer_errors(gen):
     x = rand(1000, torch.float32, gen)
     need = O.packed_nbytes(1000, "int8")
-    with pytest.raises(ShapeError, match=f"needs {need}"):
+    with pytest.raises(ShapeError, match=f"needs {need}") as e:
         O.pack(x, "int8", out=torch.empty(need - 1, dtype=torch.uint8))
+    suggested = re.search(r"torch\.empty\(.*\)\)", str(e.value)).group(0)[:-1]
+    buf = eval(suggested, {"torch": torch})  # the allocation the message suggests runs here (no CUDA: unpinned)
+    assert O.pack(x, "int8", out=buf).data.data_ptr() == buf.data_ptr()
     with pytest.raises(ShapeError, match="uint8"):
         O.pack(x, "bf16", out=torch.empty(2000, dtype=torch.float16))
     with pytest.raises(ShapeError, match="aligned"):

@@ -155,3 +155,16 @@ def test_auto_arguments():
         CompressionHookState(compressor="auto", auto_candidates=(None, FP16())).load_state_dict(saved)
     with pytest.raises(InvalidArgumentError, match="compressor='auto'"):
         CompressionHookState(compressor=None).load_state_dict(saved)
+
+
+def test_decision_repr_is_one_line_and_str_the_table():
+    from torsh_kernels.parallel.auto import AutoDecision, CandidateCost
+
+    cands = [CandidateCost(f"c{i}", 0.001 * i, 1000 * i, 2, 0.002, math.inf) for i in range(8)]
+    d = AutoDecision("c0", None, Link(latency=50e-6, bandwidth=1.25e9), 4, 3, 12_000_000, cands, 1.25)
+    r = repr(d)
+    assert len(r) <= 200 and "\n" not in r, r
+    for fig in ("choice='c0' of 8 candidates", "link 10 Gbit/s 50 us", "world_size=4", "buckets=3", "measure_s=1.25"):
+        assert fig in r, (fig, r)
+    table = str(d).splitlines()
+    assert table[0].startswith("auto chose c0") and len(table) == 2 + len(cands)

@@ -621,3 +621,23 @@ def test_quantized_comms_over_a_given_communicator():
         assert out["same"] and out["train_same"]
         assert out["errs"] == ["ArgumentTypeError", "ArgumentTypeError", "InvalidArgumentError"]
         assert out["residual_kept"]
+
+
+def test_what_apply_installs_prints_short():
+    """Installed names its module by class (not its whole tree); the comms print their traffic counters."""
+    from torsh_kernels.collectives.replica import ReplicaCommunicator
+    from torsh_kernels.compression import FP16
+    from torsh_kernels.parallel.fsdp import Installed, ReplicaAllReduce
+
+    ag, rs = QuantizedAllGather(bits=4), QuantizedReduceScatter(bits=8)
+    ag.calls, ag.plain_calls, ag.bytes_sent = 12, 4, 3 * 2**20
+    rs.calls, rs.bytes_sent = 6, 5 * 2**10
+    rep = ReplicaAllReduce(ReplicaCommunicator(2), FP16())
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(100)])
+    inst = Installed(model, ag, rs, rep)
+    r = repr(inst)
+    assert len(repr(model)) > 5000 and len(r) <= 400 and "\n" not in r, r
+    assert r.startswith("Installed(module=Sequential, all_gather=QuantizedAllGather(bits=4"), r
+    for fig in ("calls=12, plain_calls=4, sent 3 MiB", "QuantizedReduceScatter(bits=8", "calls=6, sent 5 KiB",
+                "ReplicaAllReduce(compressor=FP16(", "world_size=2, calls=0"):  # fmt: skip
+        assert fig in r, (fig, r)

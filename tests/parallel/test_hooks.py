@@ -776,3 +776,30 @@ def test_hook_counts_wire_bytes_as_the_timeline_does(tmp_path, name):
     assert rep["by_label"][name]["wire_bytes_per_step"] == sum(wire[2:]) / 2 and wire[-1] > 0
     if name == "none":  # all-reduces only: 4/3 of the payload, each bucket's share rounded down
         assert 4 * payload[-1] / 3 - 16 <= wire[-1] <= 4 * payload[-1] / 3
+
+
+def test_hook_stats_print_one_line_of_totals():
+    """print(state.stats) is a short summary whatever the number of iterations; the history stays an attribute."""
+    from torsh_kernels.parallel import HookStats
+
+    st = HookStats()
+    lengths = []
+    for it in range(1, 301):
+        st.iterations, st.buckets, st.async_buckets, st.sparse_buckets = it, 3 * it, 2 * it, it // 7
+        st.bytes_before, st.bytes_after, st.wire_bytes = 40_000_000 * it, 1_300_000 * it, 1_700_000 * it
+        st.compress_s, st.wait_s, st.nonfinite_steps = 0.0123 * it, 0.0045 * it, it // 50
+        st.per_iteration.append(
+            {"bytes_before": 40_000_000, "bytes_after": 1_300_000, "compress_s": 0.01, "wait_s": 0.0}
+        )
+        del st.per_iteration[:-100]
+        lengths.append(len(repr(st)))
+    st.auto = {"choice": "powersgd(rank=4)", "reason": "x" * 500, "candidates": [{"compressor": "none"}] * 8}
+    r = repr(st)
+    assert max(lengths) <= 220 and len(r) <= 240 and "\n" not in r, r
+    sent = f"payload {1_300_000 * 300 / 2**20:.4g} MiB of {40_000_000 * 300 / 2**30:.4g} GiB ({40 / 1.3:.3g}x)"
+    for fig in ("iterations=300", "buckets=900 (600 async, 42 sparse)", sent, f"wire {1_700_000 * 300 / 2**20:.4g} MiB",
+                f"compress {0.0123 * 300:.3g} s", f"wait {0.0045 * 300:.3g} s", "nonfinite_steps=6",
+                "auto='powersgd(rank=4)'"):  # fmt: skip
+        assert fig in r, (fig, r)
+    assert len(st.per_iteration) == 100 and st.as_dict()["iterations"] == 300  # the data is all still there
+    assert str(st) == r

@@ -81,6 +81,24 @@ def test_forward_backward_equal_plain_module_through_updates(fmt, prefetch):
     assert (s["prefetch_hits"] > 0) == (prefetch > 0)
 
 
+def test_a_container_never_called_itself_still_prefetches():
+    """ParameterOffloader(model.blocks): an nn.ModuleList has no forward of its own; the forward order comes from
+    its units' hooks, so prefetching works as with the model itself (it used to record no order: no prefetch)."""
+    plain, off = _make(), _make()
+    o = ParameterOffloader(off.blocks, fmt="fp32", prefetch=1)
+    for step in range(2):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        y1, y2 = plain(x), off(x)
+        assert torch.equal(y1, y2)
+        y1.sum().backward()
+        y2.sum().backward()
+        for (n, a), b in zip(plain.named_parameters(), off.parameters()):
+            assert torch.equal(a.grad, b.grad), n
+    st = o.get_stats()
+    assert st["prefetch_hits"] > 0 and st["prefetch_hits"] < st["fetches"], st
+    assert next(off.blocks.parameters()).device.type == "cpu" and off.inp.weight.grad is not None
+
+
 def test_packed_formats_move_fewer_bytes():
     moved = {}
     for fmt in ("fp32", "bf16", "int8"):
@@ -113,3 +131,18 @@ def test_arguments():
         ParameterOffloader(nn.Linear(2, 2), fmt="int4")
     with pytest.raises(InvalidArgumentError, match="prefetch"):
         ParameterOffloader(nn.Linear(2, 2), prefetch=-1)
+
+
+def test_repr_is_one_line_of_counters():
+    m = _make()
+    o = ParameterOffloader(m, fmt="bf16", prefetch=1)
+    for _ in range(3):
+        m(torch.randn(3, 8)).sum().backward()
+    st = o.get_stats()
+    r = repr(o)
+    assert len(r) <= 220 and "\n" not in r, r
+    units = sum(1 for x in m.modules() if any(True for _ in x.parameters(recurse=False)))
+    for fig in (f"units={units}", "fmt='bf16'", "prefetch=1", f"fetches={st['fetches']}",
+                f"prefetch_hits={st['prefetch_hits']}", f"moved {st['bytes_moved'] / 2**10:.4g} KiB"):  # fmt: skip
+        assert fig in r, (fig, r)
+    assert st["fetches"] > 3  # the counters the repr shows did count

@@ -312,3 +312,40 @@ def test_nonfinite_gradients_reach_every_rank_and_the_step_is_undone():
     steps, _ = out[0]
     # step 0 makes the states (so they differ from the empty ones before it); step 2 is rank 1's inf
     assert steps == [(False, False, True), (False, False, True), (True, True, False), (False, False, True)]
+
+
+def test_sync_stats_are_a_dict_that_prints_one_line():
+    """sync_gradients() / get_sync_stats() return every figure as before (a dict), printed as one short line
+    whatever the number of buckets; GradientConsistency prints its verdict, not the checksum table."""
+    import json
+
+    from torsh_kernels.collectives.replica import ReplicaCommunicator
+    from torsh_kernels.parallel import GradientConsistency, SyncStats
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(30)])
+    sync = GradientSynchronizer(model, ReplicaCommunicator(2), compressor=TopK(0.1, provider="torch"), min_numel=16)
+    sync.set_bucketing(False)  # 60 buckets
+    assert repr(sync.get_sync_stats()) == "SyncStats(no sync yet, syncs=0)"
+    for _ in range(3):
+        model(torch.randn(4, 64)).sum().backward()
+        st = sync.sync_gradients()
+        sync.zero_grad()
+    full = sync.get_sync_stats()
+    for s in (st, full):
+        assert isinstance(s, SyncStats) and isinstance(s, dict)
+        assert len(s["buckets"]) == 60 and len(repr(dict(s))) > 3000  # what print() used to show
+        r = repr(s)
+        assert len(r) <= 320 and "\n" not in r and str(s) == r, r
+        ratio = s["bytes_before"] / s["payload_bytes"]
+        wire = "wire -" if s["bytes_on_wire"] is None else f"wire {s['bytes_on_wire'] / 2**10:.4g} KiB"
+        for fig in ("iteration=3", "parameters=60/60 with gradients", "buckets=60", f"({ratio:.3g}x)", wire,
+                    "unused=0", "nonfinite_steps=0"):  # fmt: skip
+            assert fig in r, (fig, r)
+    assert "syncs=3" in repr(full) and "compressor=TopK(" in repr(full)
+    assert json.loads(json.dumps(st)) == dict(st)  # still plain data
+
+    many = [f"layers.{i}.weight" for i in range(500)]
+    gc = GradientConsistency(False, many, [[i] * 500 for i in range(4)])
+    r = repr(gc)
+    assert len(r) <= 150 and "mismatched=500 ['layers.0.weight'" in r and "4 ranks x 500 parameters" in r, r

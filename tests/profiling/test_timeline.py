@@ -254,3 +254,24 @@ def test_parameter_offloader_units_are_memory_spans(tmp_path):
     spans = [s for s in load(tmp_path).spans if s.name == "offload unit to device"]
     assert spans and all(s.cls == "memory" and s.args["format"] == "bf16" for s in spans)
     assert {s.args["unit"] for s in spans} == {0, 1}  # both Linear layers were brought to the device
+
+
+def test_recorder_and_loaded_trace_print_counts(tmp_path):
+    """Neither the recorder nor a loaded Trace prints its events: counts, one line."""
+    rec = timeline.Recorder(tmp_path, rank=0, world_size=1, max_events=1000)
+    assert (
+        repr(rec) == f"Recorder(directory={str(tmp_path)!r}, rank=0, world_size=1, active=False, events=0, dropped=0)"
+    )
+    with rec:
+        for i in range(5):
+            with timeline.step(i):
+                for j in range(300):
+                    with timeline.record(f"s{j}"):
+                        pass
+        live = repr(rec)
+    assert live == f"Recorder(directory={str(tmp_path)!r}, rank=0, world_size=1, active=True, events=1000, dropped=505)"
+    t = load(tmp_path)
+    r = repr(t)
+    assert len(t.spans) == 1000 and len(r) <= 150 and "\n" not in r, r
+    assert r.startswith(f"Trace(ranks=[0], spans=1000, lanes={len(t.lanes)}, steps={len(t.steps())}, "), r
+    assert r.endswith(f"{t.end:.3f} ms)"), r

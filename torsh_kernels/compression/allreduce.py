@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import _trace
+from .._env import fmt_bytes
 from ..collectives.communicator import Communicator, as_communicator, reject_dtensor
 from ..collectives.cost_model import Link
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, ShapeError
@@ -68,6 +69,13 @@ class CompressedReduction:
         self._pending: list = []
         self._trace_args = (compressor, algorithm)
         self._resume()
+
+    def __repr__(self) -> str:
+        c, alg = self._trace_args
+        return (
+            f"CompressedReduction({c}, {alg}, tensors={len(self.tensors)}, rounds={self.rounds}, done={self.done}, "
+            f"sent {fmt_bytes(self.bytes_sent)}, compute {self.compute_s:.3g} s, wait {self.wait_s:.3g} s)"
+        )
 
     def _resume(self) -> None:
         rec = _trace.recorder

@@ -86,6 +86,11 @@ class Payload:
         """Bytes on the wire for this rank."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def __repr__(self) -> str:
+        """The tensors' shapes and dtypes, not their values."""
+        ts = ", ".join(f"{k!r}: {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for k, t in self.tensors.items())
+        return f"Payload(tensors={{{ts}}}, numel={self.numel}, final={self.final}, nbytes={self.nbytes})"
+
 
 class CompressionState:
     """Per-bucket compressor state: persistent tensors (residual, PowerSGD's Q), step count, seed.

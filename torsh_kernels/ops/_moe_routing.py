@@ -59,6 +59,13 @@ class Routing:
         """T*K - N: assignments dropped by the capacity limit."""
         return self.num_tokens * self.k - self.num_rows
 
+    def __repr__(self) -> str:
+        """The sizes, not the [T, K] tensors (they are attributes)."""
+        return (
+            f"Routing(tokens={self.num_tokens}, experts={self.num_experts}, k={self.k}, rows={self.num_rows}, "
+            f"dropped={self.num_dropped}, capacity={self.capacity}, score={self.score!r}, device={self.indices.device})"
+        )
+
     def expert_offsets(self) -> torch.Tensor:
         """[E + 1] int64: the first permuted row of each expert's group, then N."""
         c = self.tokens_per_expert

@@ -146,8 +146,8 @@ def _check_buffer(out: object, nbytes: int, what: str, name: str) -> torch.Tenso
     if out.numel() < nbytes:
         raise ShapeError(
             f"{what}: {name} holds {out.numel()} bytes but the packed tensor needs {nbytes}; allocate "
-            f"packed_nbytes(numel, fmt, block) = {nbytes} bytes (pinned: torch.empty({nbytes}, dtype=torch.uint8, "
-            "pin_memory=True))"
+            f"packed_nbytes(numel, fmt, block) = {nbytes} bytes (pinned where CUDA is: torch.empty({nbytes}, "
+            "dtype=torch.uint8, pin_memory=torch.cuda.is_available()))"
         )
     # (while torch.compile traces there are no addresses: the views of the codes and the scales as their own
     # dtypes, which need their storage offsets to be whole elements, are the check then)

@@ -11,7 +11,7 @@ from .hooks import CompressionHookState, HookStats, compression_hook
 from .moe import ExpertParallelMoE, MoELayer
 from .offload_optimizer import OffloadedOptimizer
 from .offload_params import ParameterOffloader
-from .synchronizer import GradientConsistency, GradientSynchronizer
+from .synchronizer import GradientConsistency, GradientSynchronizer, SyncStats
 
 __all__ = [
     "CompressionHookState",
@@ -24,6 +24,7 @@ __all__ = [
     "ParameterOffloader",
     "QuantizedAllGather",
     "QuantizedReduceScatter",
+    "SyncStats",
     "apply_quantized_comm",
     "compression_hook",
 ]

@@ -111,10 +111,19 @@ class AutoDecision:
     """Buckets per step it was measured on."""
     gradient_bytes: int
     """Gradient bytes per step."""
-    candidates: list[CandidateCost] = field(default_factory=list)
+    candidates: list[CandidateCost] = field(default_factory=list, repr=False)
     """Every candidate, cheapest first."""
     measure_s: float = 0.0
     """Seconds the decision took (probe and measurements)."""
+
+    def __repr__(self) -> str:
+        """One line; ``str()`` is the table of every candidate."""
+        gbit = self.link.bandwidth * 8 / 1e9
+        return (
+            f"AutoDecision(choice={self.choice!r} of {len(self.candidates)} candidates, link {gbit:.3g} Gbit/s "
+            f"{self.link.latency * 1e6:.0f} us, world_size={self.world_size}, buckets={self.buckets}, "
+            f"gradient_bytes={self.gradient_bytes}, measure_s={self.measure_s:.3g})"
+        )
 
     @property
     def reason(self) -> str:

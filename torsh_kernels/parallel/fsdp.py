@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._env import fmt_bytes
 from ..collectives.communicator import as_communicator, is_communicator
 from ..collectives.cost_model import wire_bytes as _on_wire
 from ..compression import Compressor, NoCompression, compressed_all_reduce
@@ -211,7 +212,10 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
         """Bytes this rank put on the wire: ``world_size - 1`` payloads per call (a ring all-gather's)."""
 
     def __repr__(self) -> str:
-        return f"QuantizedAllGather(bits={self.bits}, block={self.block}, shard_group_size={self.shard_group_size})"
+        return (
+            f"QuantizedAllGather(bits={self.bits}, block={self.block}, shard_group_size={self.shard_group_size}, "
+            f"calls={self.calls}, plain_calls={self.plain_calls}, sent {fmt_bytes(self.bytes_sent)})"
+        )
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):  # fmt: skip
@@ -280,7 +284,10 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
         """Bytes this rank put on the wire (the chunks it sent to the other ranks)."""
 
     def __repr__(self) -> str:
-        return f"QuantizedReduceScatter(bits={self.bits}, block={self.block}, error_feedback={self.error_feedback})"
+        return (
+            f"QuantizedReduceScatter(bits={self.bits}, block={self.block}, error_feedback={self.error_feedback}, "
+            f"calls={self.calls}, sent {fmt_bytes(self.bytes_sent)})"
+        )
 
     def _scale(self, op, ws: int) -> float:
         """The factor FSDP2's op applies to the sum: 1 (SUM), 1 / world_size (AVG), or PREMUL_SUM's."""
@@ -490,6 +497,13 @@ class Installed:
     reduce_scatter: QuantizedReduceScatter | None
     replica_all_reduce: ReplicaAllReduce | None = None
 
+    def __repr__(self) -> str:
+        """The module by its class name (not its whole tree), then what was installed on it."""
+        return (
+            f"Installed(module={type(self.module).__name__}, all_gather={self.all_gather!r}, "
+            f"reduce_scatter={self.reduce_scatter!r}, replica_all_reduce={self.replica_all_reduce!r})"
+        )
+
 
 class ReplicaAllReduce:
     """FSDP2's all-reduce hook (``FSDPModule.set_all_reduce_hook``) that averages the reduce-scattered
@@ -507,6 +521,11 @@ class ReplicaAllReduce:
         self.compressor = compressor
         self.state = compressor.new_state(seed=comm.rank) if compressor is not None else None
         self.calls = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplicaAllReduce(compressor={self.compressor!r}, world_size={self.comm.world_size}, calls={self.calls})"
+        )
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         self.calls += 1

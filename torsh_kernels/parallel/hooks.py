@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _trace
+from .._env import fmt_bytes
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import TorchCommunicator, is_communicator, resolve_group
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
@@ -119,16 +120,27 @@ class HookStats:
     nonfinite_steps: int = 0
     """Iterations where some rank's gradients held NaN/Inf under ``nonfinite="propagate"``: delivered to
     every rank uncompressed, and undone in the hook's state (the GradScaler skips them)."""
-    auto: dict | None = None
+    auto: dict | None = field(default=None, repr=False)
     """With ``compressor="auto"``, once it has chosen: the choice and why (``AutoDecision.as_dict()``:
     the probed link, each candidate's measured compute, bytes, predicted wire time and break-even
     bandwidth). Kept by ``reset()``."""
-    per_iteration: list[dict] = field(default_factory=list)
+    per_iteration: list[dict] = field(default_factory=list, repr=False)
     """Per iteration: bytes before/after, wire bytes, compress and wait seconds (the last 100)."""
 
     @property
     def compression_ratio(self) -> float:
         return self.bytes_before / self.bytes_after if self.bytes_after else 1.0
+
+    def __repr__(self) -> str:
+        """One line of totals; the per-iteration figures and the ``auto`` decision are attributes."""
+        auto = f", auto={self.auto['choice']!r}" if self.auto else ""
+        return (
+            f"HookStats(iterations={self.iterations}, buckets={self.buckets} ({self.async_buckets} async, "
+            f"{self.sparse_buckets} sparse), payload {fmt_bytes(self.bytes_after)} of {fmt_bytes(self.bytes_before)} "
+            f"({self.compression_ratio:.3g}x), wire {fmt_bytes(self.wire_bytes)}, compress {self.compress_s:.3g} s, "
+            f"wait {self.wait_s:.3g} s, "
+            f"nonfinite_steps={self.nonfinite_steps}{auto})"
+        )
 
     def reset(self) -> None:
         self.iterations = self.buckets = self.bytes_before = self.bytes_after = self.async_buckets = 0

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .. import _trace
+from .._env import fmt_bytes
 from ..collectives.communicator import is_dtensor
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops import Packed, pack, packed_nbytes, unpack
@@ -55,9 +56,9 @@ class ParameterOffloader:
     "bf16", "fp16" or "int8"; packed again automatically when a parameter changed, e.g. after
     ``optimizer.step()``) and the module computes with those copies; tensors the module saves for
     backward that live in those copies are not kept: a saved-tensor hook records where they were and
-    unpacks them again when backward needs them. ``prefetch`` units ahead (in forward order, recorded on
-    the first forward, and in reverse order during backward) are unpacked ahead of use, on a side stream
-    where CUDA exists.
+    unpacks them again when backward needs them. ``prefetch`` units ahead (in forward order, the order in
+    which the units' forwards first ran, and in reverse order during backward) are unpacked ahead of use,
+    on a side stream where CUDA exists.
 
     ``stats``: ``bytes_moved`` (packed bytes brought to the device), ``fetches``, ``prefetch_hits``,
     ``stall_s`` (time a unit waited for its parameters), ``peak_bytes`` (the most parameter bytes
@@ -109,8 +110,9 @@ class ParameterOffloader:
                 ents[name] = _Entry(p)
             self._entries.append(ents)
         self._index = {id(m): i for i, m in enumerate(self.units)}
-        self._order: list[int] = []  # units in the order of the first forward
-        self._recording = False
+        # units in the order their forwards first ran: read from the units' own hooks, so a container that is
+        # never called itself (model.blocks, an nn.ModuleList) records it too
+        self._order: list[int] = []
         self._ready: dict[int, tuple[dict[str, torch.Tensor], Any, list[int]]] = {}  # unit -> (copies, event, versions)
         self._live: dict[int, tuple[int, str]] = {}  # storage address of a materialized copy -> (unit, name)
         self._live_bytes = 0
@@ -120,10 +122,7 @@ class ParameterOffloader:
                                         "peak_bytes": 0}  # fmt: skip
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._handles = [
-            module.register_forward_pre_hook(self._root_pre, prepend=True),
-            module.register_forward_hook(self._root_post),
-        ]
+        self._handles = []
         for m in self.units:
             self._handles.append(m.register_forward_pre_hook(self._pre_hook))
             self._handles.append(m.register_forward_hook(self._post_hook))
@@ -216,15 +215,9 @@ class ParameterOffloader:
 
     # ----------------------------------------------------------------------------------------- hooks
 
-    def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
-        self._recording = not self._order
-
-    def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._recording = False
-
     def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         unit = self._index[id(module)]
-        if self._recording and unit not in self._order:
+        if unit not in self._order:
             self._order.append(unit)
         tensors = self._take(unit)
         self._track(tensors, +1)
@@ -267,6 +260,14 @@ class ParameterOffloader:
         self.stats.update(bytes_moved=0, fetches=0, prefetch_hits=0, stall_s=0.0, peak_bytes=self._live_bytes)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def __repr__(self) -> str:
+        st = self.stats
+        return (
+            f"ParameterOffloader(units={len(self.units)}, fmt={self.fmt!r}, prefetch={self.prefetch}, "
+            f"device={self.device}, fetches={st['fetches']}, prefetch_hits={st['prefetch_hits']}, "
+            f"moved {fmt_bytes(st['bytes_moved'])}, stall {st['stall_s']:.3g} s, peak {fmt_bytes(st['peak_bytes'])})"
+        )
 
     def get_stats(self) -> dict[str, float]:
         s = dict(self.stats)

@@ -41,10 +41,11 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .._env import fmt_bytes
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import Communicator, as_communicator, is_dtensor
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
@@ -52,7 +53,7 @@ from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
 
-__all__ = ["GradientConsistency", "GradientSynchronizer"]
+__all__ = ["GradientConsistency", "GradientSynchronizer", "SyncStats"]
 
 ORDERS = ("ready", "size")
 
@@ -65,8 +66,42 @@ class GradientConsistency:
     """Whether every rank holds bit-identical gradients (and the same set of gradients)."""
     mismatched: list[str]
     """Names of the parameters whose gradients differ between ranks."""
-    checksums: list[list[int]]
+    checksums: list[list[int]] = field(repr=False)
     """Per rank, per parameter: a checksum of the gradient's bits (-1: no gradient)."""
+
+    def __repr__(self) -> str:
+        """One line: the verdict, the first mismatched names; the checksums are an attribute."""
+        shown = ", ".join(map(repr, self.mismatched[:3])) + (", ..." if len(self.mismatched) > 3 else "")
+        ranks, params = len(self.checksums), len(self.checksums[0]) if self.checksums else 0
+        return (
+            f"GradientConsistency(consistent={self.consistent}, mismatched={len(self.mismatched)} [{shown}], "
+            f"{ranks} ranks x {params} parameters)"
+        )
+
+
+class SyncStats(dict):
+    """The statistics :meth:`GradientSynchronizer.sync_gradients` and :meth:`~GradientSynchronizer.get_sync_stats`
+    return: a ``dict`` (every key as documented there: per-bucket figures, unused parameters, ``auto``'s
+    decision, ...) that prints as one line of totals."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        if "iteration" not in self:
+            return f"SyncStats(no sync yet, syncs={self.get('syncs', 0)})"
+        unused = len(self["unused_parameters"])
+        extra = "".join(f", {k}={self[k]}" for k in ("syncs", "compressor") if k in self) + (
+            f", auto={self['auto']['choice']!r}" if self.get("auto") else ""
+        )
+        wire = self["bytes_on_wire"]
+        return (
+            f"SyncStats(iteration={self['iteration']}, parameters={self['parameters_with_gradients']}/"
+            f"{self['parameters']} with gradients, buckets={len(self['buckets'])}, payload "
+            f"{fmt_bytes(self['payload_bytes'])} of {fmt_bytes(self['bytes_before'])} "
+            f"({self['compression_ratio']:.3g}x), wire {'-' if wire is None else fmt_bytes(wire)}, "
+            f"{self['seconds_after_backward']:.3g} s after backward, "
+            f"unused={unused}, nonfinite={self['nonfinite']}, nonfinite_steps={self['nonfinite_steps']}{extra})"
+        )
 
 
 @dataclass(slots=True)
@@ -390,9 +425,10 @@ class GradientSynchronizer:
         """Complete every bucket already started (their gradients then hold the average)."""
         self._pipeline.drain(self._coalescer.batch)
 
-    def sync_gradients(self) -> dict:
+    def sync_gradients(self) -> SyncStats:
         """Start every bucket not yet started, wait for all, and leave the averaged gradients in
-        ``p.grad``. Returns this step's statistics (as in :meth:`get_sync_stats`)."""
+        ``p.grad``. Returns this step's statistics (as in :meth:`get_sync_stats`; a dict that prints as
+        one line)."""
         if self._no_sync:
             raise InvalidArgumentError("GradientSynchronizer.sync_gradients: called inside no_sync()")
         t0 = time.perf_counter()
@@ -449,7 +485,7 @@ class GradientSynchronizer:
         sent = self._last["payload_bytes"]
         self._last["compression_ratio"] = self._last["bytes_before"] / sent if sent else 1.0
         self._reset_step()
-        return dict(self._last)
+        return SyncStats(self._last)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -479,12 +515,13 @@ class GradientSynchronizer:
 
     # -- information --------------------------------------------------------------------------------
 
-    def get_sync_stats(self) -> dict:
+    def get_sync_stats(self) -> SyncStats:
         """Statistics of the last ``sync_gradients()``: parameters with gradients, total MB, per-bucket
-        times and bytes, bytes on the wire and compression ratio, unused parameters; plus totals."""
+        times and bytes, bytes on the wire and compression ratio, unused parameters; plus totals. A dict
+        (:class:`SyncStats`) that prints as one line."""
         auto = self._engine.auto
         decision = auto.decision.as_dict() if auto is not None and auto.decision is not None else None
-        return {**self._last, "syncs": self._syncs, "compressor": repr(self._engine.compressor), "auto": decision}
+        return SyncStats(self._last, syncs=self._syncs, compressor=repr(self._engine.compressor), auto=decision)
 
     def get_bucket_info(self) -> list[dict]:
         """One entry per bucket: index, parameter names, elements, MB, dtype, which parameters the

@@ -217,6 +217,13 @@ class Recorder:
     def active(self) -> bool:
         return _trace.recorder is self
 
+    def __repr__(self) -> str:
+        where = str(self.directory) if self.directory is not None else None
+        return (
+            f"Recorder(directory={where!r}, rank={self.rank}, world_size={self.world_size}, active={self.active}, "
+            f"events={len(self._events) + len(self._gpu)}, dropped={self.dropped})"
+        )
+
     def start(self) -> Recorder:
         """Make this the process's active recorder (and install its module hooks)."""
         cur = _trace.recorder

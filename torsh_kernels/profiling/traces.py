@@ -140,20 +140,29 @@ class Span:
 class Trace:
     """Every rank's spans on one time axis (see the module docstring)."""
 
-    spans: list[Span]
+    spans: list[Span] = field(repr=False)
     """All spans, sorted by start."""
-    lanes: list[Lane]
+    lanes: list[Lane] = field(repr=False)
     """All lanes; spans refer to them by index."""
-    ranks: dict[int, dict]
+    ranks: dict[int, dict] = field(repr=False)
     """Rank -> metadata (source, file, world size, device, versions, wire bytes, ...)."""
     origin_us: float
     """Absolute time (microseconds since the Unix epoch) of time 0."""
-    counters: list[tuple[int, str, float, dict]] = field(default_factory=list)
+    counters: list[tuple[int, str, float, dict]] = field(default_factory=list, repr=False)
     """(rank, name, ms, values) of counter events."""
 
     @property
     def end(self) -> float:
         return max((s.end for s in self.spans), default=0.0)
+
+    def __repr__(self) -> str:
+        """Counts and the time span; the spans, lanes and metadata are attributes."""
+        ranks = sorted(self.ranks)
+        shown = ranks if len(ranks) <= 8 else f"{len(ranks)} ranks, {ranks[0]}..{ranks[-1]}"
+        return (
+            f"Trace(ranks={shown}, spans={len(self.spans)}, lanes={len(self.lanes)}, steps={len(self.steps())}, "
+            f"counters={len(self.counters)}, {self.end:.3f} ms)"
+        )
 
     def steps(self, rank: int | None = None) -> list[Span]:
         """Step markers (of one rank, or all), by start."""

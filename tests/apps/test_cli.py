@@ -768,3 +768,22 @@ def test_bad_baselines_fail_before_anything_runs(tmp_path, capsys, monkeypatch):
     assert "--full: bucket run with the options the baseline recorded" in _one_line_error(
         capsys, ["bench", "--compare", str(good), "--full"], "torsh bench"
     )
+
+
+def test_json_means_the_same_on_every_command():
+    """Every command or suite that writes JSON takes --json [PATH]: PATH, or stdout when no PATH is given."""
+    from torsh_kernels.apps.cli import build_parser, harness_parser
+
+    parser, suites = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    parsers = {f"torsh {n}": p for n, p in commands.items()} | {p.prog: p for p in suites.values()}
+    parsers["torsh bench (harness)"] = harness_parser()
+    with_json = {}
+    for name, p in parsers.items():
+        action = next((a for a in p._actions if "--json" in a.option_strings), None)
+        if action is not None:
+            with_json[name] = (action.dest, action.nargs, action.const, action.default, action.metavar)
+    assert set(with_json) >= {"torsh doctor", "torsh demo", "torsh report", "torsh bench (harness)"} | {
+        f"torsh bench {s}" for s in suites
+    }
+    assert set(with_json.values()) == {("json", "?", "-", None, "PATH")}, with_json

@@ -47,44 +47,47 @@ def _version() -> str:
     return f"torsh-kernels {__version__}"
 
 
-def _parse(argv: list[str]) -> tuple[str, argparse.Namespace, Callable[[argparse.Namespace], int]]:
-    """(the command's prog, its arguments, its handler); argparse's SystemExit on bad arguments or --help."""
-    if argv and argv[0] == "bench" and _harness_mode(argv[1:]):
-        from .bench import harness
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``torsh`` parser with every command, and each benchmark suite's own parser by name."""
+    from ..profiling import report, viewer
+    from . import demo, doctor, tune_cli
+    from .bench import harness
 
-        hp = _cli.Parser(prog="torsh bench", description=harness.__doc__)
-        harness.add_arguments(hp)
-        return "torsh bench", hp.parse_args(argv[1:]), harness.run
     parser = _cli.Parser(prog="torsh", description=__doc__)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    def command(name: str, module=None) -> argparse.ArgumentParser:
+    modules = {"providers": None, "doctor": doctor, "demo": demo, "bench": None, "tune": tune_cli,
+               "timeline": viewer, "report": report}  # fmt: skip
+    suite_parsers = {}
+    for name, module in modules.items():
         p = sub.add_parser(name, help=COMMANDS[name], description=module.__doc__ if module else COMMANDS[name])
         if module is not None:
             module.add_arguments(p)
-        return p
+        if name == "bench":
+            suites = p.add_subparsers(dest="suite", metavar="SUITE", required=True)
+            for suite, text in harness.SUITES.items():
+                mod = harness.suite_module(suite)
+                suite_parsers[suite] = suites.add_parser(suite, help=text, description=mod.__doc__)
+                mod.add_arguments(suite_parsers[suite])
+    return parser, suite_parsers
 
-    from . import demo, doctor, tune_cli
 
-    command("providers")
-    command("doctor", doctor)
-    command("demo", demo)
-    bench = command("bench")
-    suites = bench.add_subparsers(dest="suite", metavar="SUITE", required=True)
+def harness_parser() -> argparse.ArgumentParser:
+    """``torsh bench [SUITE ...] [--json] [--compare] ...``: the harness's parser."""
     from .bench import harness
 
-    suite_parsers = {}
-    for name, text in harness.SUITES.items():
-        mod = harness.suite_module(name)
-        suite_parsers[name] = suites.add_parser(name, help=text, description=mod.__doc__)
-        mod.add_arguments(suite_parsers[name])
-    command("tune", tune_cli)
-    from ..profiling import report, viewer
+    hp = _cli.Parser(prog="torsh bench", description=harness.__doc__)
+    harness.add_arguments(hp)
+    return hp
 
-    command("timeline", viewer)
-    command("report", report)
 
+def _parse(argv: list[str]) -> tuple[str, argparse.Namespace, Callable[[argparse.Namespace], int]]:
+    """(the command's prog, its arguments, its handler); argparse's SystemExit on bad arguments or --help."""
+    from .bench import harness
+
+    if argv and argv[0] == "bench" and _harness_mode(argv[1:]):
+        return "torsh bench", harness_parser().parse_args(argv[1:]), harness.run
+    parser, suite_parsers = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.error(f"choose a command: {', '.join(COMMANDS)} (torsh --help says what each does)")
@@ -95,6 +98,9 @@ def _parse(argv: list[str]) -> tuple[str, argparse.Namespace, Callable[[argparse
         sp = suite_parsers[args.suite]
         args.options = _cli.argv_of(sp, args, skip={"json"})  # recorded in the suite's JSON (a baseline replays it)
         return sp.prog, args, harness.suite_module(args.suite).run
+    from ..profiling import report, viewer
+    from . import demo, doctor, tune_cli
+
     handlers = {"doctor": doctor.run, "demo": demo.run, "tune": tune_cli.run, "timeline": viewer.run,
                 "report": report.run}  # fmt: skip
     return prog, args, handlers[args.command]

@@ -1,6 +1,6 @@
 """Environment and timing helpers that several layers share: which machine and library versions a result
-or a trace comes from, interleaved timing with caches flushed, byte and quantile formatting, a console
-that does not wrap tables. Imports only torch and the standard library (rich on demand)."""
+or a trace comes from, interleaved timing with caches flushed, byte and quantile formatting. Imports only
+torch and the standard library. (The console the commands print with is in ``_cli``.)"""
 
 from __future__ import annotations
 
@@ -188,11 +188,3 @@ def environment(device: torch.device) -> dict[str, object]:
         "git_commit": git_commit(),
         "host": platform.node(),
     }
-
-
-def wide_console(width: int):
-    """A rich console; on logs and pipes at least ``width`` columns, so that no table cell wraps."""
-    from rich.console import Console
-
-    console = Console()
-    return console if console.is_terminal else Console(width=max(console.width, width))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import GPU
 from torsh_kernels.apps.bench.bucket import case_sizes
 from torsh_kernels.apps.cli import main
 
@@ -38,9 +41,30 @@ def test_bench_bucket_prints_tables_and_writes_json(tmp_path, capsys):
             assert r["speedup_vs_best_peer"] > 0
 
 
-def test_bench_rejects_a_provider_that_cannot_run(capsys):
-    assert main(["bench", "bucket", "--device", "meta", "--providers", "numba", "--reps", "1"]) == 2
-    assert "cannot run" in capsys.readouterr().err
+def test_bench_refuses_a_named_provider_that_cannot_run(monkeypatch, capsys):
+    """Here (tests) numba runs in its simulator; make it unable to, as on a machine without the variable."""
+    from torsh_kernels.ops import registry
+
+    real = registry.can_run
+    why = "Numba CUDA kernels need CUDA tensors and got cpu tensors; set NUMBA_ENABLE_CUDASIM=1 (...)"
+    monkeypatch.setattr(registry, "can_run", lambda p, d: why if p == "numba" else real(p, d))
+    assert main(["bench", "bucket", "--device", "cpu", "--providers", "torch,numba", "--reps", "1"]) == 2
+    cap = capsys.readouterr()
+    assert cap.err == f"torsh bench bucket: error: --providers: numba cannot run on cpu here: {why}\n"
+    assert cap.out == ""  # refused before anything ran
+
+
+def test_default_providers_are_those_compiled_here_and_the_others_are_named(capsys):
+    from torsh_kernels.apps.bench import native_providers, select_providers
+
+    cpu = torch.device("cpu")
+    chosen = select_providers("torsh tune", None, cpu, verb="tuning")
+    assert chosen == native_providers(cpu) and "torch" in chosen
+    if not GPU:  # triton and numba run only interpreted / simulated here: left out of the default, and said so
+        assert "triton" not in chosen and "numba" not in chosen
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"torsh tune: tuning {', '.join(chosen)}; not triton, numba")
+    assert select_providers("torsh tune", ["torch", "triton"], cpu) == ["torch", "triton"]  # runs here (interpreted)
 
 
 def test_case_sizes_match_the_issue():
@@ -116,15 +140,15 @@ def test_bench_collectives_rejects_bad_arguments(capsys):
 
 
 def test_torsh_demo_trains_every_compressor_and_prints_one_table(tmp_path):
-    """The README's first command, shortened: real ranks, real DDP, the table and the JSON."""
-    out = tmp_path / "demo.json"
+    """The README's first command, shortened: real ranks, real DDP, the table and the JSON. With --json and no
+    path the JSON is all of stdout: the tables, and rank 0's progress bar, go to stderr."""
     r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--steps", "15", "--hidden", "48",
-                        "--no-progress", "--json", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
+                        "--json"], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr
     for word in ("compressor", "bytes", "accuracy", "speedup", "none", "fp16", "topk", "quantize", "sign",
-                 "powersgd", "auto", "pays off", "auto chose"):  # fmt: skip
-        assert word in r.stdout, word
-    rows = json.loads(out.read_text())["rows"]
+                 "powersgd", "auto", "pays off", "auto chose", "15/15"):  # fmt: skip
+        assert word in r.stderr, word
+    rows = json.loads(r.stdout)["rows"]
     assert [row["compressor"] for row in rows] == ["none", "fp16", "topk", "quantize", "sign", "powersgd", "auto"]
     assert rows[0]["speedup"] == 1.0 and all(0 <= row["accuracy"] <= 1 for row in rows)
     assert all(row["bytes_per_step"] < rows[0]["bytes_per_step"] for row in rows[1:-1])
@@ -153,7 +177,8 @@ def test_torsh_demo_fsdp_trains_each_quantized_comm_and_prints_one_table(tmp_pat
     assert rows[0]["accuracy"] > 0.4  # 10 classes: it learned (40 steps)
     bad = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--fsdp", "--compressors", "topk"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and "unknown FSDP case(s) ['topk']" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("torsh demo: error: unknown FSDP case(s) ['topk']")
+    assert bad.stderr.count("\n") == 1
 
 
 def test_torsh_demo_link_without_root_falls_back_with_a_message(monkeypatch, capsys):
@@ -305,23 +330,21 @@ def test_bench_harness_json_and_compare(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "REGRESSION moe: " in text and "torsh[torch]" in text and "index_add_" not in text.split("REGRESSION")[1]
     assert main(["bench", "moe", "nosuch"]) == 2  # the harness names the unknown suite
-    with pytest.raises(SystemExit) as exit_:
-        main(["bench", "nosuch"])  # one name: the single-suite command, argparse's usage error
-    assert exit_.value.code == 2
+    assert main(["bench", "nosuch"]) == 2  # one name: the single-suite command, argparse's error
     assert main(["bench", "moe", "--compare", str(tmp_path / "missing.json")]) == 2
 
 
 def test_bench_compare_logic():
     from torsh_kernels.apps.bench.harness import compare, measurements
 
-    cur = {"measurements": {"s": {"a": {"ms": 2.0, "kind": "ours"}, "b": {"ms": 2.0, "kind": "peer"},
-                                  "c": {"ms": 1.0, "kind": "ours"}, "d": {"ms": 5.0, "kind": "copy"}}}}  # fmt: skip
-    base = {"measurements": {"s": {"a": {"ms": 1.0, "kind": "ours"}, "b": {"ms": 1.0, "kind": "peer"},
-                                   "d": {"ms": 1.0, "kind": "copy"}, "gone": {"ms": 1.0, "kind": "ours"}}}}  # fmt: skip
-    rows, bad = compare(cur, base, 0.1)
-    assert {r[1] for r in rows} == {"a", "b"} and [r[1] for r in bad] == ["a"]
-    rows, bad = compare(cur, base, 1.5)
-    assert bad == []
+    cur = {"s": {"a": {"ms": 2.0, "kind": "ours"}, "b": {"ms": 2.0, "kind": "peer"}, "c": {"ms": 1.0, "kind": "ours"},
+                 "d": {"ms": 5.0, "kind": "copy"}}}  # fmt: skip
+    base = {"s": {"a": {"ms": 1.0, "kind": "ours"}, "b": {"ms": 1.0, "kind": "peer"}, "d": {"ms": 1.0, "kind": "copy"},
+                  "gone": {"ms": 1.0, "kind": "ours"}}, "other": {"x": {"ms": 1.0, "kind": "ours"}}}  # fmt: skip
+    c = compare(cur, base, 0.1)
+    assert {r[1] for r in c.rows} == {"a", "b", "d"} and [r[1] for r in c.regressions] == ["a"]  # peers, copies never
+    assert c.missing == [("s", "gone")] and c.new == [("s", "c")]  # a suite not run is not "missing"
+    assert compare(cur, base, 1.5).regressions == []
     single = {"suite": "ddp", "rows": [{"case": "torsh powersgd", "buckets": "25 MB", "step_ms": 10.0},
                                        {"case": "no hook", "buckets": "25 MB", "step_ms": 30.0}]}  # fmt: skip
     m = measurements("ddp", single)
@@ -334,7 +357,7 @@ def test_bench_compare_logic():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where no GPU is present")
 def test_bench_ncu_says_why_it_cannot_run(capsys):
     assert main(["bench", "moe", "--ncu"]) == 2
-    assert "torsh bench --ncu cannot run here: no CUDA GPU" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("torsh bench: error: --ncu cannot run here: no CUDA GPU")
 
 
 def test_bench_trace_measures_the_instrumentation(tmp_path, capsys):
@@ -394,3 +417,373 @@ def test_torsh_doctor_reports_every_transport_with_reasons(tmp_path, capsys):
     out = tmp_path / "sub" / "doctor.json"
     assert main(["doctor", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["transports"] == d["transports"]
+
+
+# -- the CLI's behaviour: one-line errors, --json, --version, tables, Ctrl-C --------------------------------------
+
+
+def _one_line_error(capsys, argv: list[str], prog: str) -> str:
+    assert main(argv) == 2, argv
+    cap = capsys.readouterr()
+    assert cap.err.count("\n") == 1 and cap.err.startswith(f"{prog}: error: "), (argv, cap.err)
+    assert "Traceback" not in cap.err and "usage:" not in cap.err
+    return cap.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog", "says"),
+    [
+        (["tune", "--dtypes", "fp64"], "torsh tune", "unknown dtype 'fp64'; choose from fp32, fp16, bf16"),
+        (["tune", "--sizes", "abc"], "torsh tune", "expected element counts like 2^16,1000000, got 'abc'"),
+        (["tune", "--ops", "nosuch"], "torsh tune", "unknown op or family 'nosuch'"),
+        (["tune", "--budget", "-1"], "torsh tune", "positive number of seconds"),
+        (["demo", "--compressors", "bogus"], "torsh demo", "unknown compressor(s) ['bogus']"),
+        (["demo", "--steps", "0"], "torsh demo", "argument --steps: expected an integer >= 1, got 0"),
+        (["demo", "--steps", "5"], "torsh demo", "steps must be more than the 10 warm-up steps, got 5"),
+        (["demo", "--fsdp", "--trace", "t"], "torsh demo", "--trace records the DDP demo"),
+        (["bench", "bucket", "--providers", "foo"], "torsh bench bucket", "unknown provider 'foo'; choose from"),
+        (["bench", "bucket", "--scale", "2"], "torsh bench bucket", "expected a factor in (0, 1], got '2'"),
+        (["bench", "moe", "--k", "5", "--experts", "3"], "torsh bench moe", "--k 5 is more than the 3 expert(s)"),
+        (["bench", "overhead", "--ops", "nosuch", "--calls", "1"], "torsh bench overhead", "unknown op(s) nosuch"),
+        (["bench", "--max-regression", "x"], "torsh bench", "expected a percentage like 10%"),
+        (["bench", "--args", "nosuch=--x"], "torsh bench", "SUITE one of bucket"),
+        (["bench", "moe", "--args", "moe=--experts x"], "torsh bench moe", "expected expert counts like 8,64"),
+        (["bench", "nosuch"], "torsh bench", "invalid choice: 'nosuch'"),
+        (["report", "x", "--step", "-1"], "torsh report", "expected an integer >= 0, got -1"),
+        (["doctor", "--json", "/"], "torsh doctor", "/ is a directory"),
+        ([], "torsh", "choose a command: providers, doctor, demo, bench, tune, timeline, report"),
+        (["nosuch"], "torsh", "invalid choice: 'nosuch'"),
+    ],
+)
+def test_every_argument_error_is_one_line_and_exit_2(capsys, argv, prog, says):
+    assert says in _one_line_error(capsys, argv, prog)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where no GPU is present")
+def test_device_cuda_without_a_gpu_is_an_argument_error(capsys):
+    for argv, prog in ((["tune", "--device", "cuda"], "torsh tune"), (["bench", "--device", "cuda"], "torsh bench"),
+                       (["bench", "moe", "--device", "cuda:0"], "torsh bench moe")):  # fmt: skip
+        assert "use --device cpu" in _one_line_error(capsys, argv, prog)
+
+
+def test_version():
+    import torsh_kernels
+
+    r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "--version"], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"torsh-kernels {torsh_kernels.__version__}\n", "")
+
+
+def test_tune_refuses_providers_that_cannot_run_here():
+    """The issue's `torsh tune --providers torch,triton,numba`, without the interpreter's variable: refused, with
+    how to enable it (it used to tune torch alone, silently)."""
+    if GPU:
+        pytest.skip("triton runs here")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
+    r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "tune", "--providers", "torch,triton,numba",
+                        "--budget", "1"], capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("torsh tune: error: --providers: triton cannot run on cpu here: ")
+    assert "TRITON_INTERPRET=1" in r.stderr
+
+
+def test_help_texts_are_plain_words(capsys):
+    from torsh_kernels._cli import plain
+
+    assert plain("via :func:`~torsh_kernels.parallel.compression_hook` and :data:`QUICK`") == (
+        "via compression_hook and QUICK"
+    )
+    assert plain("``torsh demo``: see `torsh timeline DIR` and :ref:`the page <page>`") == (
+        "torsh demo: see torsh timeline DIR and the page"
+    )
+    for argv in (["--help"], ["demo", "--help"], ["bench", "--help"], ["bench", "ddp", "--help"],
+                 ["timeline", "--help"], ["report", "--help"], ["tune", "--help"], ["doctor", "--help"]):  # fmt: skip
+        assert main(argv) == 0
+        text = capsys.readouterr().out
+        assert "usage: torsh" in text and "`" not in text and ":func:" not in text and ":data:" not in text, argv
+
+
+def test_json_without_a_path_is_all_of_stdout(tmp_path, capsys):
+    """--json alone: stdout is exactly one JSON document; the tables (when the command has others) go to stderr."""
+    from tests.profiling.trace_fixtures import write_trace
+
+    assert main(["bench", "trace", "--calls", "200", "--reps", "1", "--json"]) == 0
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)
+    assert doc["suite"] == "trace" and doc["options"] == ["--calls", "200", "--reps", "1"]
+    assert "ns / call" in cap.err and "instrumentation with no recorder" in cap.err
+    trace = write_trace(tmp_path / "tr")
+    assert main(["report", str(trace), "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["summary"]["ranks"] == 2 and cap.err == ""
+    out = tmp_path / "sub" / "report.json"  # with a path: the file, and the report on stdout as usual
+    assert main(["report", str(trace), "--json", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(out.read_text())["summary"]["ranks"] == 2
+    assert f"wrote {out}" in cap.out and "torsh report: 2 rank(s)" in cap.out
+
+
+def _table(console_kwargs: dict) -> str:
+    import io
+
+    from torsh_kernels import _cli
+
+    buf = io.StringIO()
+    con = _cli.console(file=buf, color_system=None, **console_kwargs)
+    t = _cli.table("a: 200 tensors of mixed sizes, 100 MiB", ["op", "implementation", "median", "bytes", "of copy"],
+                   text=("op", "implementation"))  # fmt: skip
+    t.add_row("flatten", "torsh[cpu] through the fused kernel of the cpu provider, one call", "63.125 ms",
+              "10.6 MiB", "97%")  # fmt: skip
+    t.add_row("unflatten", "torch._utils._unflatten_dense_tensors + per-tensor copy_", "1234.567 ms", "100 MiB",
+              "100%")  # fmt: skip
+    con.print(t)
+    return buf.getvalue()
+
+
+NUMBERS = ("63.125 ms", "10.6 MiB", "97%", "1234.567 ms", "100 MiB", "100%")
+
+
+@pytest.mark.parametrize("width", [120, 60, 20])
+def test_tables_keep_their_numbers_on_a_narrow_terminal(width):
+    out = _table({"force_terminal": True, "width": width})
+    lines = out.splitlines()
+    for n in NUMBERS:  # whole, on one line, never cut with an ellipsis
+        assert any(n in line for line in lines), (n, out)
+    assert "…" not in out and "torsh[" in out  # literal cells: no rich markup
+    if width >= 60:
+        assert max(map(len, lines)) <= width, out  # the text columns folded to fit
+    else:
+        assert max(map(len, lines)) > width  # too narrow even for the numbers: printed wider, never cut
+
+
+def test_tables_are_plain_and_whole_when_not_a_terminal():
+    out = _table({})
+    rows = [line for line in out.splitlines() if "flatten" in line]
+    assert len(rows) == 2  # each row on one line: nothing wrapped or folded
+    assert "torsh[cpu] through the fused kernel of the cpu provider, one call" in rows[0]
+    for n in NUMBERS:
+        assert n in out
+
+
+def test_demo_table_keeps_its_numbers_at_120_columns():
+    """The issue's '10.6 MiB wrapped over two rows at 120 columns': the demo's own table, its long title."""
+    import io
+
+    from torsh_kernels import _cli
+    from torsh_kernels.apps import demo
+
+    rows = [{"compressor": c, "chose": None, "step_ms": 12.345, "step_ms_p20": 11.1, "step_ms_p80": 13.9,
+             "bytes_per_step": b, "ratio": 11133440 / b, "accuracy": 0.969, "speedup": 1.0}
+            for c, b in (("none", 11133440), ("powersgd", 91136), ("topk", 222677))]  # fmt: skip
+    for width in (120, 80):
+        buf = io.StringIO()
+        con = _cli.console(file=buf, force_terminal=True, width=width, color_system=None)
+        demo.print_table(rows, title="torsh demo: 2 ranks (gloo, loopback), MLP 64-512-512-10 (301,066 parameters, "
+                         "1.15 MiB of gradients) on sklearn digits, 600 steps of 32/rank", console=con)  # fmt: skip
+        out = buf.getvalue()
+        for n in ("10.62 MiB", "89 KiB", "217.5 KiB", "12.35", "11.10-13.90", "96.9%", "122.2x"):
+            assert any(n in line for line in out.splitlines()), (width, n, out)
+        assert "…" not in out and max(map(len, out.splitlines())) <= width
+
+
+def test_timeline_refuses_a_category_the_trace_does_not_have(tmp_path, capsys):
+    from tests.profiling.trace_fixtures import write_trace
+
+    trace = write_trace(tmp_path / "tr")
+    err = _one_line_error(capsys, ["timeline", str(trace), "--cat", "bogus"], "torsh timeline")
+    assert "'bogus' is neither a class (compute, communication, compression, memory, wait, other)" in err
+    assert main(["timeline", str(trace), "--cat", "communication", "--width", "120"]) == 0
+
+
+def _descendants(pid: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
+def _in_process_group(pid: int) -> bool:
+    """Whether a rank has joined its process group (gloo's sockets to its peer are open)."""
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+def test_ctrl_c_stops_the_demo_and_every_rank():
+    """Ctrl-C in a terminal signals the whole process group: the ranks ignore it, the command stops them, says so
+    on one line and exits 130; no process it started outlives it."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--steps", "100000", "--hidden", "8",
+                          "--compressors", "none", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline, ranks = time.time() + 120, []
+        while time.time() < deadline and not (len(ranks) == 2 and all(map(_in_process_group, ranks))):
+            time.sleep(0.2)
+            ranks = [c for c in _descendants(p.pid) if "spawn_main" in _cmdline(c)]
+        assert len(ranks) == 2 and all(map(_in_process_group, ranks)), "the ranks did not start"
+        started = _descendants(p.pid)
+        os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: to every process of the group
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err
+    assert err.splitlines()[-1] == "torsh demo: interrupted" and err.count("interrupted") == 1, err
+    assert "Traceback" not in err + out and "KeyboardInterrupt" not in err
+    deadline = time.time() + 10
+    while time.time() < deadline and any(map(_running, started)):
+        time.sleep(0.1)
+    assert not [c for c in started if _running(c)]
+
+
+def test_ctrl_c_in_the_interactive_timeline(tmp_path):
+    import pty
+    import select
+    import time
+
+    from tests.profiling.trace_fixtures import write_trace
+
+    trace = write_trace(tmp_path / "tr")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the viewer on the pty (its controlling terminal)
+        os.execv(sys.executable, [sys.executable, "-m", "torsh_kernels.apps.cli", "timeline", str(trace),
+                                  "--interactive", "--width", "120"])  # fmt: skip
+    out = b""
+
+    def read_for(seconds: float) -> None:
+        nonlocal out
+        end = time.time() + seconds
+        while time.time() < end:
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    out += os.read(fd, 65536)
+                except OSError:
+                    return
+
+    deadline = time.time() + 60
+    while b"keys:" not in out and time.time() < deadline:
+        read_for(0.5)
+    assert b"keys:" in out
+    os.write(fd, b"\x03")  # Ctrl-C: the terminal sends SIGINT
+    read_for(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 130
+    assert b"torsh timeline: interrupted" in out and b"Traceback" not in out
+
+
+# -- torsh bench --compare -------------------------------------------------------------------------------------
+
+
+def _wrote(text: str) -> list[str]:
+    return [line.removeprefix("wrote ") for line in text.splitlines() if line.startswith("wrote ")]
+
+
+def test_a_suite_json_is_its_own_baseline(tmp_path, capsys):
+    """`torsh bench bucket --json J`, then `torsh bench --compare J`: the suite runs again with J's options and every
+    case of J is compared; every path printed exists afterwards. Keys that match nothing: exit 2, said so."""
+    from torsh_kernels.apps.bench.harness import measurements
+
+    j = tmp_path / "bucket.json"
+    assert main(["bench", "bucket", "--providers", "torch", "--cases", "a", "--scale", "0.002", "--reps", "2",
+                 "--json", str(j)]) == 0  # fmt: skip
+    first = capsys.readouterr().out
+    data = json.loads(j.read_text())
+    assert data["options"] == ["--providers", "torch", "--cases", "a", "--reps", "2", "--scale", "0.002"]
+    cases = measurements("bucket", data)
+    both = tmp_path / "both.json"
+    assert main(["bench", "--compare", str(j), "--max-regression", "100000%", "--json", str(both)]) == 0
+    out = capsys.readouterr().out
+    assert f"compared {len(cases)} of the {len(cases)} cases of the baseline" in out and "no regression" in out
+    assert set(json.loads(both.read_text())["suites"]) == {"bucket"}  # the baseline's suite, not all of them
+    printed = _wrote(first) + _wrote(out)
+    assert printed == [str(j), str(both)] and all(os.path.exists(p) for p in printed)
+    # the harness's own document is a baseline too, with the same keys
+    assert main(["bench", "bucket", "--compare", str(both), "--max-regression", "100000%"]) == 0
+    assert f"compared {len(cases)} of the {len(cases)} cases" in capsys.readouterr().out
+    data["results"] = [{**r, "case": "renamed"} for r in data["results"]]
+    j.write_text(json.dumps(data))
+    err = _one_line_error(capsys, ["bench", "--compare", str(j)], "torsh bench")
+    assert f"--compare: nothing compared: none of the {len(cases)} cases of {j} was measured" in err
+
+
+def test_bad_baselines_fail_before_anything_runs(tmp_path, capsys, monkeypatch):
+    from torsh_kernels.apps.bench import bucket, moe
+
+    def ran(args):
+        raise AssertionError("a suite ran")
+
+    monkeypatch.setattr(bucket, "run", ran)
+    monkeypatch.setattr(moe, "run", ran)
+    suite = {"suite": "bucket", "results": [{"case": "a", "op": "flatten", "impl": "torsh[torch]", "kind": "ours",
+                                             "timing": {"median_ms": 1.0}}], "options": ["--cases", "a"]}  # fmt: skip
+    cases = {
+        "missing.json": (None, "cannot read"),
+        "text.json": ("not json", "is not JSON"),
+        "list.json": ([1, 2], "holds a JSON list"),
+        "other.json": ({"suite": "nosuch"}, "neither a document of `torsh bench`"),
+        "negative.json": ({"measurements": {"bucket": {"x": {"ms": -1, "kind": "ours"}}}}, "'ms' must be a positive"),
+        "kind.json": ({"measurements": {"bucket": {"x": {"ms": 1, "kind": "mine"}}}}, "'kind' must be one of"),
+        "results.json": ({"suite": "bucket", "results": [{"case": "a"}]}, "not in the form `torsh bench` writes"),
+        "options.json": ({**suite, "options": "--cases a"}, "'options' must be a list of strings"),
+        "badopt.json": ({**suite, "options": ["--cases", "z"]}, "unknown case 'z'"),
+    }
+    for name, (content, says) in cases.items():
+        path = tmp_path / name
+        if content is not None:
+            path.write_text(content if isinstance(content, str) else json.dumps(content))
+        prog = "torsh bench bucket" if name == "badopt.json" else "torsh bench"
+        assert says in _one_line_error(capsys, ["bench", "bucket", "--compare", str(path)], prog), name
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(suite))
+    err = _one_line_error(capsys, ["bench", "moe", "--compare", str(good)], "torsh bench")
+    assert "holds no measurement of moe (it holds: bucket)" in err
+    assert "--full: bucket run with the options the baseline recorded" in _one_line_error(
+        capsys, ["bench", "--compare", str(good), "--full"], "torsh bench"
+    )
+
+
+def test_json_means_the_same_on_every_command():
+    """Every command or suite that writes JSON takes --json [PATH]: PATH, or stdout when no PATH is given."""
+    from torsh_kernels.apps.cli import build_parser, harness_parser
+
+    parser, suites = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    parsers = {f"torsh {n}": p for n, p in commands.items()} | {p.prog: p for p in suites.values()}
+    parsers["torsh bench (harness)"] = harness_parser()
+    with_json = {}
+    for name, p in parsers.items():
+        action = next((a for a in p._actions if "--json" in a.option_strings), None)
+        if action is not None:
+            with_json[name] = (action.dest, action.nargs, action.const, action.default, action.metavar)
+    assert set(with_json) >= {"torsh doctor", "torsh demo", "torsh report", "torsh bench (harness)"} | {
+        f"torsh bench {s}" for s in suites
+    }
+    assert set(with_json.values()) == {("json", "?", "-", None, "PATH")}, with_json

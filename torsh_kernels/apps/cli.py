@@ -1,11 +1,32 @@
-"""The ``torsh`` command line."""
+"""The ``torsh`` command line.
+
+Every command behaves alike: an argument error is one line (``torsh CMD: error: ...``) and exit status 2;
+``--json [PATH]`` writes the command's JSON to PATH, or to stdout when no PATH is given (everything else
+then goes to stderr); Ctrl-C stops the command and every rank it started, prints ``torsh CMD: interrupted``
+and exits with status 130; ``torsh --version`` prints the version.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+
+from .. import _cli
 
 _HARNESS_FLAGS = ("--compare", "--max-regression", "--full", "--args", "--ncu")
+
+COMMANDS = {
+    "providers": "which kernel providers can run here, and why not",
+    "doctor": "providers, transports, CUDA/driver/NCCL, RDMA ports, namespaces: what runs here, why not, how to "
+    "enable it",
+    "demo": "DDP with every gradient compressor on local ranks: time, bytes, accuracy",
+    "bench": "run benchmark suites: 'torsh bench [SUITE ...] [--json [PATH]] [--compare BASELINE]' (all through one "
+    "harness) or 'torsh bench SUITE [its options]'",
+    "tune": "autotune the kernels' providers and meta-parameters; cache the winners",
+    "timeline": "terminal timeline of a torsh or torch.profiler trace (file or directory)",
+    "report": "bottleneck report of a trace: time breakdown, overlap, stragglers, suggestions",
+}
 
 
 def _harness_mode(rest: list[str]) -> bool:
@@ -15,85 +36,97 @@ def _harness_mode(rest: list[str]) -> bool:
         if a.startswith("-"):
             break
         leading.append(a)
+    if any(a in ("-h", "--help") for a in rest) and len(leading) == 1:
+        return False  # `torsh bench SUITE --help`: the suite's own options
     return len(leading) != 1 or any(a.split("=")[0] in _HARNESS_FLAGS for a in rest)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return f"torsh-kernels {__version__}"
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``torsh`` parser with every command, and each benchmark suite's own parser by name."""
+    from ..profiling import report, viewer
+    from . import demo, doctor, tune_cli
+    from .bench import harness
+
+    parser = _cli.Parser(prog="torsh", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    modules = {"providers": None, "doctor": doctor, "demo": demo, "bench": None, "tune": tune_cli,
+               "timeline": viewer, "report": report}  # fmt: skip
+    suite_parsers = {}
+    for name, module in modules.items():
+        p = sub.add_parser(name, help=COMMANDS[name], description=module.__doc__ if module else COMMANDS[name])
+        if module is not None:
+            module.add_arguments(p)
+        if name == "bench":
+            suites = p.add_subparsers(dest="suite", metavar="SUITE", required=True)
+            for suite, text in harness.SUITES.items():
+                mod = harness.suite_module(suite)
+                suite_parsers[suite] = suites.add_parser(suite, help=text, description=mod.__doc__)
+                mod.add_arguments(suite_parsers[suite])
+    return parser, suite_parsers
+
+
+def harness_parser() -> argparse.ArgumentParser:
+    """``torsh bench [SUITE ...] [--json] [--compare] ...``: the harness's parser."""
+    from .bench import harness
+
+    hp = _cli.Parser(prog="torsh bench", description=harness.__doc__)
+    harness.add_arguments(hp)
+    return hp
+
+
+def _parse(argv: list[str]) -> tuple[str, argparse.Namespace, Callable[[argparse.Namespace], int]]:
+    """(the command's prog, its arguments, its handler); argparse's SystemExit on bad arguments or --help."""
+    from .bench import harness
+
+    if argv and argv[0] == "bench" and _harness_mode(argv[1:]):
+        return "torsh bench", harness_parser().parse_args(argv[1:]), harness.run
+    parser, suite_parsers = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error(f"choose a command: {', '.join(COMMANDS)} (torsh --help says what each does)")
+    prog = f"torsh {args.command}"
+    if args.command == "providers":
+        return prog, args, _providers
+    if args.command == "bench":
+        sp = suite_parsers[args.suite]
+        args.options = _cli.argv_of(sp, args, skip={"json"})  # recorded in the suite's JSON (a baseline replays it)
+        return sp.prog, args, harness.suite_module(args.suite).run
+    from ..profiling import report, viewer
+    from . import demo, doctor, tune_cli
+
+    handlers = {"doctor": doctor.run, "demo": demo.run, "tune": tune_cli.run, "timeline": viewer.run,
+                "report": report.run}  # fmt: skip
+    return prog, args, handlers[args.command]
+
+
+def _providers(args: argparse.Namespace) -> int:
+    from .. import providers
+
+    print(providers())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "bench" and _harness_mode(argv[1:]):
-        from .bench import harness
-
-        hp = argparse.ArgumentParser(prog="torsh bench", description=harness.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-        harness.add_arguments(hp)
-        return harness.run(hp.parse_args(argv[1:]))
-    parser = argparse.ArgumentParser(prog="torsh", description="torsh-kernels: fused kernels for distributed training")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    sub.add_parser("providers", help="which kernel providers can run here, and why not")
-    from . import doctor
-
-    doctor.add_arguments(
-        sub.add_parser("doctor", help="providers, transports, CUDA/driver/NCCL, RDMA ports, namespaces: what runs "
-                       "here, why not, how to enable it", description=doctor.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    )  # fmt: skip
-    from . import demo
-
-    demo.add_arguments(
-        sub.add_parser("demo", help="DDP with every gradient compressor on local ranks: time, bytes, accuracy",
-                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    )  # fmt: skip
-
-    bench = sub.add_parser(
-        "bench", help="run benchmark suites: `torsh bench [SUITE ...] [--json P] [--compare B]` (all through one "
-        "harness) or `torsh bench SUITE [its options]`")  # fmt: skip
-    suites = bench.add_subparsers(dest="suite", required=True)
-    from .bench import harness
-
-    for name, text in harness.SUITES.items():
-        mod = harness.suite_module(name)
-        mod.add_arguments(suites.add_parser(name, help=text, description=mod.__doc__,
-                                            formatter_class=argparse.RawDescriptionHelpFormatter))  # fmt: skip
-
-    from . import tune_cli
-
-    tune_cli.add_arguments(
-        sub.add_parser("tune", help="autotune the kernels' providers and meta-parameters; cache the winners",
-                       description=tune_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    )  # fmt: skip
-
-    from ..profiling import report, viewer
-
-    viewer.add_arguments(
-        sub.add_parser("timeline", help="terminal timeline of a torsh or torch.profiler trace (file or directory)",
-                       description=viewer.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    )  # fmt: skip
-    report.add_arguments(
-        sub.add_parser("report", help="bottleneck report of a trace: time breakdown, overlap, stragglers, suggestions",
-                       description=report.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    )  # fmt: skip
-
-    args = parser.parse_args(argv)
-    if args.command == "providers":
-        from .. import providers
-
-        print(providers())
-        return 0
-    if args.command == "doctor":
-        return doctor.run(args)
-    if args.command == "demo":
-        return demo.run(args)
-    if args.command == "tune":
-        return tune_cli.run(args)
-    if args.command == "timeline":
-        return viewer.run(args)
-    if args.command == "report":
-        return report.run(args)
-    if args.command == "bench":
-        return harness.suite_module(args.suite).run(args)
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    prog = "torsh"
+    try:
+        prog, args, handler = _parse(argv)
+        with _cli.json_to_stdout(getattr(args, "json", None) == "-"):
+            return handler(args)
+    except SystemExit as e:  # argparse: a one-line error (2), --help or --version (0)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except _cli.UsageError as e:
+        return _cli.fail(prog, e)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ namespaces; needs root), where the bytes saved show up in the step time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,8 +35,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .. import _cli
 from ..compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
-from .bench import fmt_bytes, quantile, wide_console
+from ..errors import InvalidArgumentError
+from .bench import fmt_bytes, quantile
 
 __all__ = [
     "COMPRESSORS",
@@ -122,18 +123,20 @@ class DemoConfig:
         bad = [c for c in self.compressors if c not in known]
         if bad or not self.compressors:
             what = "FSDP case(s)" if self.fsdp else "compressor(s)"
-            raise ValueError(f"unknown {what} {bad}; choose from {list(known)}")
+            raise InvalidArgumentError(f"unknown {what} {bad}; choose from {list(known)}")
         for name in ("steps", "hidden", "batch"):
             if getattr(self, name) < 1:
-                raise ValueError(f"demo: {name} must be >= 1, got {getattr(self, name)}")
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup < self.steps:
-            raise ValueError(f"demo: warmup must be in [0, steps), got {self.warmup} with steps={self.steps}")
+            raise InvalidArgumentError(
+                f"steps must be more than the {self.warmup} warm-up steps, got {self.steps} (warmup must be in "
+                "[0, steps))"
+            )
         if self.trace_steps is None:
             self.trace_steps = min(20, self.steps - self.warmup)
         if self.trace and not 1 <= self.trace_steps <= self.steps - self.warmup:
-            raise ValueError(
-                f"demo: trace_steps must be in [1, steps - warmup] = [1, {self.steps - self.warmup}], got "
-                f"{self.trace_steps}"
+            raise InvalidArgumentError(
+                f"trace_steps must be in [1, steps - warmup] = [1, {self.steps - self.warmup}], got {self.trace_steps}"
             )
 
 
@@ -333,16 +336,10 @@ def _fsdp_rank(comm, cfg: DemoConfig) -> list[dict] | None:
 
 
 def print_table(rows: list[dict], *, title: str, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console(width=max(100, Console().width))
-    t = Table(title=title, title_justify="left")
-    for col, just in (("compressor", "left"), ("step time (ms)", "right"), ("p20-p80 (ms)", "right"),
-                      ("wire bytes / step", "right"), ("compression", "right"), ("test accuracy", "right"),
-                      ("speedup vs " + ("plain" if any(r["compressor"] == "plain" for r in rows) else "none"),
-                       "right")):  # fmt: skip
-        t.add_column(col, justify=just)
+    console = console or _cli.console()
+    base = "plain" if any(r["compressor"] == "plain" for r in rows) else "none"
+    t = _cli.table(title, ["compressor", "step time (ms)", "p20-p80 (ms)", "wire bytes / step", "compression",
+                           "test accuracy", f"speedup vs {base}"], text=("compressor",))  # fmt: skip
     for r in rows:
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         name = r["compressor"] + (f": {r['chose']}" if r.get("chose") else "")
@@ -359,21 +356,16 @@ def print_table(rows: list[dict], *, title: str, console=None) -> None:
 
 def print_auto(auto: dict, *, console=None) -> None:
     """What ``compressor="auto"`` measured (``stats.auto`` of the hook or the synchronizer) and chose."""
-    from rich.table import Table
-
-    console = console or wide_console(130)
+    console = console or _cli.console()
     link = auto["link"]
-    t = Table(
-        title=f"compressor='auto' at the end of the warm-up: measured link {link['bandwidth_Bps'] * 8 / 1e9:.3g} "
+    t = _cli.table(
+        f"compressor='auto' at the end of the warm-up: measured link {link['bandwidth_Bps'] * 8 / 1e9:.3g} "
         f"Gbit/s, {link['latency_s'] * 1e6:.0f} us latency; each compressor on this model's "
         f"{auto['buckets']} bucket(s), {fmt_bytes(auto['gradient_bytes'])} of gradients per step "
         f"(decided in {auto['measure_s']:.2f} s)",
-        title_justify="left",
+        ["compressor", "compute / step (ms)", "bytes / step", "wire / step (ms)", "predicted (ms)", "pays off below"],
+        text=("compressor",),
     )
-    for col in ("compressor", "compute / step (ms)", "bytes / step", "wire / step (ms)", "predicted (ms)",
-                "pays off below"):  # fmt: skip
-        first = col == "compressor"
-        t.add_column(col, justify="left" if first else "right", min_width=22 if first else None)
     for c in auto["candidates"]:
         if c["compressor"] == "none":
             be = "-"
@@ -438,10 +430,9 @@ def _finish(rows: list[dict], cfg: DemoConfig, ranks: int, backend: str, network
         from .bench import environment
 
         dev = torch.device("cuda" if backend == "nccl" else "cpu")
-        with open(json_path, "w") as f:
-            json.dump({"environment": environment(dev), "network": network, "ranks": ranks, "backend": backend,
-                       "config": asdict(cfg), "parameters": params, "rows": rows}, f, indent=2)  # fmt: skip
-        print(f"wrote {json_path}")
+        _cli.write_json(json_path, {"environment": environment(dev), "network": network, "ranks": ranks,
+                                    "backend": backend, "config": asdict(cfg), "parameters": params,
+                                    "rows": rows})  # fmt: skip
     if cfg.trace:
         print_trace_summary(cfg.trace)
 
@@ -449,14 +440,14 @@ def _finish(rows: list[dict], cfg: DemoConfig, ranks: int, backend: str, network
 def print_trace_summary(directory: str, console=None) -> None:
     """The timeline of the last traced step, then the viewer's per-rank totals and top names over every
     traced step, and the communication share per compressor (the report's per-label table)."""
-    from rich.console import Console
-
     from ..profiling import analysis
     from ..profiling.report import build, print_labels
     from ..profiling.traces import load
     from ..profiling.viewer import View, render_lanes, render_tables
 
-    console = console or Console(width=max(120, Console().width), highlight=False)
+    if console is None:  # the lanes take the console's width: at least 120 columns
+        probe = _cli.console()
+        console = _cli.console(width=max(120, probe.width) if probe.is_terminal else 120, highlight=False)
     trace = load(directory)
     last = max(n for s in trace.steps() if (n := analysis.step_number(s)) is not None)
     render_lanes(trace, View(step=last), console, source=f"{directory} (last traced step)")
@@ -480,11 +471,12 @@ def _env_rank_main(cfg: DemoConfig, json_path: str | None) -> int:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--ranks", type=int, default=2, help="local ranks (default 2; --link always uses 2)")
+    at_least_1 = _cli.int_at_least(1)
+    ap.add_argument("--ranks", type=at_least_1, default=2, help="local ranks (default 2; --link always uses 2)")
     d = DemoConfig()
-    ap.add_argument("--steps", type=int, default=d.steps, help="steps per compressor")
-    ap.add_argument("--hidden", type=int, default=d.hidden, help="hidden width of the MLP")
-    ap.add_argument("--batch", type=int, default=d.batch, help="samples per rank per step")
+    ap.add_argument("--steps", type=at_least_1, default=d.steps, help="steps per compressor")
+    ap.add_argument("--hidden", type=at_least_1, default=d.hidden, help="hidden width of the MLP")
+    ap.add_argument("--batch", type=at_least_1, default=d.batch, help="samples per rank per step")
     ap.add_argument(
         "--compressors", default=None,
         help="comma-separated, from: " + ", ".join(COMPRESSORS) + " (default: all); with --fsdp, from: "
@@ -496,11 +488,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--link", default=None, metavar="RATE",
                     help="2 ranks on two emulated hosts with this link rate (1gbit, 100mbit); needs root")  # fmt: skip
     ap.add_argument("--delay", default=None, help="with --link: one-way delay per direction (e.g. 1ms)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
-    ap.add_argument("--json", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--threads", type=at_least_1, default=1, help="torch threads per rank (CPU)")
+    _cli.add_json(ap, "the rows")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--trace", default=None, metavar="DIR", help="record timeline traces (rank{R}.json) into DIR")
-    ap.add_argument("--trace-steps", type=int, default=None,
+    ap.add_argument("--trace-steps", type=at_least_1, default=None,
                     help="with --trace: the last N steps of each compressor (default 20, or every timed step if "
                     "fewer); the table then shows those steps, as the traces hold them")  # fmt: skip
 
@@ -512,11 +504,10 @@ def run(a: argparse.Namespace) -> int:
                          hidden=a.hidden, batch=a.batch, progress=not a.no_progress,
                          trace=os.path.abspath(a.trace) if a.trace else None, trace_steps=a.trace_steps,
                          fsdp=a.fsdp)  # fmt: skip
-        if cfg.fsdp and cfg.trace:
-            raise ValueError("--trace records the DDP demo; it is not wired into --fsdp")
-    except ValueError as e:
-        print(f"torsh demo: {e}", file=sys.stderr)
-        return 2
+    except InvalidArgumentError as e:
+        raise _cli.UsageError(str(e)) from e
+    if cfg.fsdp and cfg.trace:
+        raise _cli.UsageError("--trace records the DDP demo; it is not wired into --fsdp")
     if os.environ.get("TORSH_DEMO_RANK_MODE") == "env":  # a rank started by --link below
         torch.set_num_threads(a.threads)
         return _env_rank_main(cfg, a.json)
@@ -535,9 +526,6 @@ def run(a: argparse.Namespace) -> int:
               "loopback instead (the step times then show compute, not a slow link)", file=sys.stderr)  # fmt: skip
     from ..collectives import run_local
 
-    if a.ranks < 1:
-        print(f"torsh demo: --ranks must be >= 1, got {a.ranks}", file=sys.stderr)
-        return 2
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= a.ranks else "gloo"
     rows = run_local(run_rank, a.ranks, cfg, backend=backend, threads=a.threads, timeout=1800, op_timeout=120)[0]
     _finish(rows, cfg, a.ranks, backend, "loopback" if backend == "gloo" else "NVLink/PCIe", a.json)
@@ -545,6 +533,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="torsh demo", description=__doc__.split("\n\n")[1])
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
+    """``torsh demo [options]``."""
+    from .cli import main as torsh
+
+    return torsh(["demo", *(sys.argv[1:] if argv is None else argv)])

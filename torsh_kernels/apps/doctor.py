@@ -6,17 +6,17 @@ CuPy, RDMA through pyverbs), the RDMA devices and ports the kernel exposes, and 
 namespaces (the two emulated hosts of ``benchmarks/emulated_hosts.sh``) can be made. Nothing is
 initialised or connected; the exit status is 0 whatever is missing.
 
-torsh doctor [--json [PATH]]     (--json alone: JSON on stdout)
+torsh doctor [--json [PATH]]     (--json alone: JSON on stdout, and nothing else)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
-import sys
 from pathlib import Path
+
+from .. import _cli
 
 
 def _driver() -> tuple[str | None, str]:
@@ -70,34 +70,28 @@ def collect() -> dict:
 
 
 def print_report(d: dict) -> None:
-    from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
-    con = Console(width=max(100, Console().width))
+    con = _cli.console()
     s = d["software"]
     con.print(f"[bold]torsh-kernels {s['torsh_kernels']}[/] on Python {s['python']}, {s['platform']}")
     con.print(f"torch {s['torch']} (CUDA build: {s['torch_cuda_build'] or 'none, CPU only'}); GPUs: "
               f"{', '.join(s['gpus']) or 'none'}; driver: {s['driver'] or s['driver_source']}; torch's NCCL: "
               f"{s['torch_nccl'] or 'n/a'}")  # fmt: skip
-    t = Table(title="kernel providers", title_justify="left")
-    for col in ("provider", "version", "CUDA tensors", "CPU tensors", "mode"):
-        t.add_column(col, overflow="fold")
+    cols = ["provider", "version", "CUDA tensors", "CPU tensors", "mode"]
+    t = _cli.table("kernel providers", cols, text=cols)
     for p in d["providers"]:
-        t.add_row(p["name"], p["version"] or "not installed",
-                  escape("yes" if p["cuda"] is None else f"no: {p['cuda']}"),
-                  escape("yes" if p["cpu"] is None else f"no: {p['cpu']}"), escape(p["mode"]))  # fmt: skip
+        t.add_row(p["name"], p["version"] or "not installed", "yes" if p["cuda"] is None else f"no: {p['cuda']}",
+                  "yes" if p["cpu"] is None else f"no: {p['cpu']}", p["mode"])  # fmt: skip
     con.print(t)
-    t = Table(title="transports", title_justify="left")
-    for col in ("transport", "available", "what was found / why not", "to enable"):
-        t.add_column(col, overflow="fold")
+    cols = ["transport", "available", "what was found / why not", "to enable"]
+    t = _cli.table("transports", cols, text=cols)
     for tr in d["transports"]:
-        t.add_row(tr["name"], "yes" if tr["available"] else "no", escape(tr["detail"]), escape(tr["fix"] or "-"))
+        t.add_row(tr["name"], "yes" if tr["available"] else "no", tr["detail"], tr["fix"] or "-")
     con.print(t)
     if d["rdma_ports"]:
-        t = Table(title="RDMA ports (/sys/class/infiniband)", title_justify="left")
-        for col in ("device", "port", "state", "physical", "link layer", "rate"):
-            t.add_column(col)
+        cols = ["device", "port", "state", "physical", "link layer", "rate"]
+        t = _cli.table("RDMA ports (/sys/class/infiniband)", cols, text=[c for c in cols if c != "port"])
         for p in d["rdma_ports"]:
             t.add_row(p["device"], str(p["port"]), p["state"], p["phys_state"], p["link_layer"], p["rate"])
         con.print(t)
@@ -108,23 +102,12 @@ def print_report(d: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="write the report as JSON to PATH (stdout when no PATH is given)")  # fmt: skip
+    _cli.add_json(p, "the report")
 
 
 def run(args: argparse.Namespace) -> int:
     d = collect()
-    if args.json == "-":
-        print(json.dumps(d, indent=1))
-        return 0
-    print_report(d)
-    if args.json:
-        path = Path(args.json)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(d, indent=1) + "\n")
-        except OSError as e:
-            print(f"torsh doctor: cannot write {path}: {e}", file=sys.stderr)
-            return 2
-        print(f"wrote {path}")
+    if args.json != "-":  # on stdout the JSON is the report: nothing else is printed
+        print_report(d)
+    _cli.write_json(args.json, d)
     return 0

@@ -1,14 +1,21 @@
 """`torsh tune`: tune ops with a progress bar, then one table per op; `--show` prints the cache, `--clear`
-removes it."""
+removes it.
+
+`--providers` names the providers to consider; one that cannot run on the device here is refused with the
+reason and how to enable it (Triton without a GPU needs TRITON_INTERPRET=1, Numba without CUDA needs
+NUMBA_ENABLE_CUDASIM=1: both slow, for checking rather than speed). By default the providers that run
+compiled code on the device are tuned, and the others are named on one line.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
+from .. import _cli
 from ..profiling import autotune as A
+from .bench import add_device, add_providers, resolve_device, select_providers
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -17,22 +24,38 @@ def _sizes(text: str) -> list[int]:
     out = []
     for s in text.split(","):
         s = s.strip()
-        out.append(2 ** int(s[2:]) if s.startswith("2^") else int(s))
+        try:
+            v = 2 ** int(s[2:]) if s.startswith("2^") else int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected element counts like 2^16,1000000, got {s!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"element counts must be >= 1, got {s!r}")
+        out.append(v)
     return out
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", default="bucket,compression",
                    help="comma-separated ops or families (bucket, compression; default: both)")  # fmt: skip
-    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated dtypes: fp32, fp16, bf16 (default fp32,bf16)")
-    p.add_argument("--sizes", default=None,
+    p.add_argument("--dtypes", default=["fp32", "bf16"], type=_cli.choice_list(DTYPES, "dtype"),
+                   help="comma-separated dtypes: fp32, fp16, bf16 (default fp32,bf16)")  # fmt: skip
+    p.add_argument("--sizes", default=None, type=_sizes,
                    help="element counts, e.g. 2^16,2^20 (default: 2^20,2^24,2^26 CUDA; 2^16,2^20 CPU)")  # fmt: skip
-    p.add_argument("--budget", type=float, default=60.0, help="seconds for the whole run (default 60)")
+    p.add_argument("--budget", type=_seconds, default=60.0, help="seconds for the whole run (default 60)")
     p.add_argument("--strategy", default="exhaustive", choices=A.STRATEGIES, help="search strategy")
-    p.add_argument("--providers", default=None,
-                   help="providers to consider (default: those running compiled code on the device)")  # fmt: skip
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per candidate")
+    add_providers(p, "consider")
+    add_device(p)
+    p.add_argument("--reps", type=_cli.int_at_least(1), default=None, help="timed repetitions per candidate")
     p.add_argument("--force", action="store_true", help="re-tune entries already in the cache")
     p.add_argument("--show", action="store_true", help="print the cache and exit")
     p.add_argument("--clear", action="store_true", help="delete the cache and exit")
@@ -49,15 +72,13 @@ def _ops(text: str) -> list[str]:
             out += fam
         else:
             families = sorted({s.family for s in sp.values()})
-            raise ValueError(
-                f"unknown op or family {name!r}; ops: {', '.join(sorted(sp))}; families: {', '.join(families)}"
+            raise _cli.UsageError(
+                f"--ops: unknown op or family {name!r}; ops: {', '.join(sorted(sp))}; families: {', '.join(families)}"
             )
     return list(dict.fromkeys(out))
 
 
 def show(console) -> int:
-    from rich.table import Table
-
     path = A.cache_path()
     data = A.load_cache(path)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,9 +86,9 @@ def show(console) -> int:
     console.print(f"tuning cache: {path}" + ("" if path.exists() else " (empty)"))
     for key, env in data["environments"].items():
         state = "current" if key == current else "stale (another device or versions)"
-        t = Table(title=f"{key}  ({state})", title_justify="left")
-        for col in ("op | dtype | bucket", "winner", "time", "default", "speedup", "tuned", "synced from"):
-            t.add_column(col, no_wrap=col in ("op | dtype | bucket", "winner"))
+        t = _cli.table(f"{key}  ({state})",
+                       ["op | dtype | bucket", "winner", "time", "default", "speedup", "tuned", "synced from"],
+                       text=("winner", "default", "tuned", "synced from"))  # fmt: skip
         for ek, e in sorted(env["entries"].items()):
             meta = ", ".join(f"{k}={v}" for k, v in sorted((e.get("meta") or {}).items()))
             win = f"{e['provider']}({meta})" if meta else e["provider"]
@@ -80,11 +101,8 @@ def show(console) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
-    from .._env import wide_console
-
-    console = wide_console(140)
+    console = _cli.console()
     if args.clear:
         path = A.cache_path()
         existed = path.exists()
@@ -93,18 +111,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.show:
         return show(console)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    try:
-        ops = _ops(args.ops)
-        dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",")]
-        sizes = (
-            _sizes(args.sizes) if args.sizes else ([2**20, 2**24, 2**26] if device.type == "cuda" else [2**16, 2**20])
-        )
-        providers = args.providers.split(",") if args.providers else None
-        tuner = A.Tuner(device, providers=providers, strategy=args.strategy, budget_s=args.budget, reps=args.reps)
-    except (ValueError, KeyError) as e:
-        print(f"torsh tune: {e}", file=sys.stderr)
-        return 2
+    device = resolve_device(args.device)
+    ops = _ops(args.ops)
+    dtypes = [DTYPES[d] for d in args.dtypes]
+    sizes = args.sizes or ([2**20, 2**24, 2**26] if device.type == "cuda" else [2**16, 2**20])
+    providers = select_providers("torsh tune", args.providers, device, verb="tuning")
+    tuner = A.Tuner(device, providers=providers, strategy=args.strategy, budget_s=args.budget, reps=args.reps)
     console.print(f"tuning {', '.join(ops)} on {A.environment_key(device)[1]['device']} with providers "
                   f"{', '.join(tuner.providers)}, strategy {args.strategy}, budget {args.budget:g} s; "
                   f"cache {A.cache_path()}")  # fmt: skip
@@ -118,9 +130,8 @@ def run(args: argparse.Namespace) -> int:
         rows = [r for r in results if r.op == op]
         if not rows:
             continue
-        t = Table(title=op, title_justify="left")
-        for col in ("dtype", "bucket", "winner", "time", "default", "speedup", "timed/pruned/dropped", "source"):
-            t.add_column(col)
+        cols = ["dtype", "bucket", "winner", "time", "default", "speedup", "timed/pruned/dropped", "source"]
+        t = _cli.table(op, cols, text=("dtype", "winner", "default", "source"))
         for r in rows:
             sp = f"{r.speedup:.2f}x" if r.speedup else "-"
             t.add_row(str(r.dtype).removeprefix("torch."), f"2^{r.bucket}", str(r.winner),

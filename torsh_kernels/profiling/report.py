@@ -13,20 +13,19 @@ copies are). A suggestion never proposes what the job already does, and no two c
 "compress harder" and "compress more cheaply" are exclusive (the larger of the exposed communication and
 the compression time decides), and time no span covers is reported as unrecorded, with advice to record
 it, never as host stalls (those are suggested only for GPU idle time on ranks measured on their GPU).
-``--json`` prints the same content as JSON.
+``--json [PATH]`` writes the same content as JSON to PATH (with no PATH: to stdout, and nothing else).
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import math
 import re
 import statistics
-import sys
 from dataclasses import asdict, dataclass
 
+from .. import _cli
 from ..errors import InvalidArgumentError, TraceFormatError
 from . import analysis as A
 from .traces import Trace, load
@@ -369,16 +368,13 @@ def suggestions(rep: dict, trace: Trace, th: Thresholds) -> list[dict]:
 def print_labels(rep: dict, console) -> None:
     """The per-label table (steps grouped by their ``label``), when the steps carry several labels (the
     figures of each label are in ``rep["by_label"]`` whenever steps carry labels)."""
-    from rich.table import Table
-
     from .._env import fmt_bytes
 
     if len(rep["by_label"]) < 2:
         return
-    tl = Table(title="by step label (steps of every rank)", title_justify="left")
-    for c in ("label", "steps/rank", "median ms/step", "compute", "compression", "comm exposed", "unrecorded",
-              "comm share", "overlap", "wire bytes/step"):  # fmt: skip
-        tl.add_column(c, justify="left" if c == "label" else "right")
+    cols = ["label", "steps/rank", "median ms/step", "compute", "compression", "comm exposed", "unrecorded",
+            "comm share", "overlap", "wire bytes/step"]  # fmt: skip
+    tl = _cli.table("by step label (steps of every rank)", cols, text=("label",))
     for lab, f in rep["by_label"].items():
         if f["step_ms_median"] is None or f["compute"] is None:
             continue
@@ -390,8 +386,6 @@ def print_labels(rep: dict, console) -> None:
 
 
 def print_report(rep: dict, console) -> None:
-    from rich.table import Table
-
     s = rep["summary"]
     over = rep["window"]["over"]
     title = f"torsh report: {s['ranks']} rank(s) ({', '.join(s['sources'])}), over {over}"
@@ -399,11 +393,9 @@ def print_report(rep: dict, console) -> None:
         title += f" (step {rep['window']['step']})"
     if s["step_ms_median"] is not None:
         title += f"; median step {s['step_ms_median']:.3f} ms"
-    t = Table(title=title, title_justify="left")
-    cols = ("rank", "time ms", "steps", "compute", "compression", "memory", "comm exposed", "unrecorded", "comm share",
-            "overlap", "collectives")  # fmt: skip
-    for c in cols:
-        t.add_column(c, justify="left" if c == "rank" else "right")
+    cols = ["rank", "time ms", "steps", "compute", "compression", "memory", "comm exposed", "unrecorded", "comm share",
+            "overlap", "collectives"]  # fmt: skip
+    t = _cli.table(title, cols, text=("rank",))
     for b in rep["ranks"]:
         w = b["window_ms"] or 1.0
         t.add_row(str(b["rank"]), f"{b['window_ms']:.3f}", str(b["steps"]), _pct(b["compute_ms"] / w),
@@ -413,9 +405,9 @@ def print_report(rep: dict, console) -> None:
     console.print(t)
     print_labels(rep, console)
     if rep["stragglers"]:
-        ts = Table(title="collective start lateness (vs the earliest rank, same collective)", title_justify="left")
-        for c in ("rank", "collectives", "median late ms", "max late ms", "starts last", "straggler"):
-            ts.add_column(c, justify="left" if c == "rank" else "right")
+        ts = _cli.table("collective start lateness (vs the earliest rank, same collective)",
+                        ["rank", "collectives", "median late ms", "max late ms", "starts last", "straggler"],
+                        text=("rank",))  # fmt: skip
         for r in rep["stragglers"]:
             ts.add_row(str(r["rank"]), str(r["collectives"]), f"{r['median_late_ms']:.3f}", f"{r['max_late_ms']:.3f}",
                        _pct(r["latest_fraction"]), "YES" if r["straggler"] else "no")  # fmt: skip
@@ -435,14 +427,14 @@ def print_report(rep: dict, console) -> None:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("trace", help="a trace file (.json, .json.gz) or a directory of per-rank files")
-    ap.add_argument("--step", type=int, default=None, help="report on step N only")
+    ap.add_argument("--step", type=_cli.int_at_least(0), default=None, help="report on step N only")
     ap.add_argument("--window", default=None, help="report on a time window, e.g. 120ms:180ms")
-    ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    ap.add_argument("--width", type=int, default=None, help="columns (default: the terminal's)")
+    _cli.add_json(ap, "the report")
+    ap.add_argument("--width", type=_cli.int_at_least(40), default=None, help="columns (default: the terminal's)")
 
 
 def run(a: argparse.Namespace) -> int:
-    from .viewer import make_console, parse_window
+    from .viewer import parse_window
 
     try:
         window = None
@@ -454,10 +446,8 @@ def run(a: argparse.Namespace) -> int:
             trace = load(a.trace)
         rep = build(trace, step=a.step, window=window)
     except (TraceFormatError, InvalidArgumentError) as e:
-        print(f"torsh report: {e}", file=sys.stderr)
-        return 2
-    if a.json:
-        print(json.dumps(rep, indent=2))
-    else:
-        print_report(rep, make_console(a.width))
+        return _cli.fail("torsh report", e)
+    if a.json != "-":  # on stdout the JSON is the report: nothing else is printed
+        print_report(rep, _cli.console(width=a.width))
+    _cli.write_json(a.json, rep)
     return 0

@@ -20,9 +20,10 @@ import re
 import sys
 from dataclasses import dataclass, field, replace
 
+from .. import _cli
 from ..errors import InvalidArgumentError, TraceFormatError
 from . import analysis as A
-from .traces import Span, Trace, load
+from .traces import CLASSES, Span, Trace, load
 
 __all__ = ["GLYPHS", "View", "add_arguments", "parse_duration", "parse_window", "render", "run"]
 
@@ -246,8 +247,6 @@ def render_lanes(trace: Trace, view: View, console, *, source: str = "") -> int:
 def render_tables(trace: Trace, view: View, console) -> dict:
     """Print the per-rank totals and the top-N table for the view's window; returns the window, the
     breakdowns and the top rows."""
-    from rich.table import Table
-
     lo, hi = resolve_window(trace, view)
     ranks = _ranks(trace, view)
     kept = [s for s in trace.spans if view.keep(s) and s.end >= lo and s.start <= hi]
@@ -261,10 +260,8 @@ def render_tables(trace: Trace, view: View, console) -> dict:
     over = "the window" if explicit else ("its steps" if trace.steps() else "its recorded extent")
     title = (f"per-rank totals over {over}, ms (exclusive: compute > compression > memory > exposed communication "
              "(comm exp) > unrecorded (no span, not always idle); in flight: any collective in flight)")  # fmt: skip
-    tt = Table(title=title, title_justify="left")
-    for col in ("rank", "time", "compute", "compress", "memory", "comm exp", "unrecorded", "in flight", "comm share",
-                "overlap", "colls", "wire"):  # fmt: skip
-        tt.add_column(col, justify="left" if col == "rank" else "right")
+    tt = _cli.table(title, ["rank", "time", "compute", "compress", "memory", "comm exp", "unrecorded", "in flight",
+                            "comm share", "overlap", "colls", "wire"], text=("rank",))  # fmt: skip
     for b in bds:
         tt.add_row(str(b.rank), f"{b.window_ms:.3f}", f"{b.compute_ms:.3f}", f"{b.compression_ms:.3f}",
                    f"{b.memory_ms:.3f}", f"{b.communication_ms:.3f}", f"{b.unrecorded_ms:.3f}", f"{b.comm_ms:.3f}",
@@ -273,9 +270,9 @@ def render_tables(trace: Trace, view: View, console) -> dict:
     console.print(tt)
     top = A.top_spans(trace, kept, wins, view.top)
     if top:
-        t2 = Table(title=f"top {len(top)} by total time in the window", title_justify="left")
-        for col in ("name", "class", "count", "total ms", "mean ms", "max ms", "ranks"):
-            t2.add_column(col, justify="left" if col in ("name", "class", "ranks") else "right")
+        t2 = _cli.table(f"top {len(top)} by total time in the window",
+                        ["name", "class", "count", "total ms", "mean ms", "max ms", "ranks"],
+                        text=("name", "class", "ranks"))  # fmt: skip
         for d in top:
             rk = ",".join(map(str, d["ranks"]))
             t2.add_row(d["name"][:48], d["class"], str(d["count"]), f"{d['total_ms']:.3f}", f"{d['mean_ms']:.3f}",
@@ -376,13 +373,15 @@ def interactive(trace: Trace, view: View, console, source: str) -> int:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("trace", help="a trace file (.json, .json.gz) or a directory of per-rank files")
     ap.add_argument("--window", default=None, help="time window, e.g. 120ms:180ms (ms from the trace start)")
-    ap.add_argument("--step", type=int, default=None, help="show the window of step N (step markers)")
+    ap.add_argument("--step", type=_cli.int_at_least(0), default=None, help="show the window of step N (step markers)")
     ap.add_argument("--rank", default=None, help="ranks to show, e.g. 0 or 0,2")
-    ap.add_argument("--cat", default=None, help="classes or categories to show, e.g. communication,compression")
+    ap.add_argument("--cat", default=None,
+                    help=f"classes ({', '.join(c for c in CLASSES if c != 'step')}) or the trace's own categories to "
+                    "show, e.g. communication,compression")  # fmt: skip
     ap.add_argument("--name", default=None, help="only spans whose name matches this regular expression")
     ap.add_argument("--min-dur", default=None, help="only spans at least this long, e.g. 0.5ms")
-    ap.add_argument("--top", type=int, default=15, help="rows of the top-N table (default 15)")
-    ap.add_argument("--width", type=int, default=None, help="columns (default: the terminal's)")
+    ap.add_argument("--top", type=_cli.int_at_least(0), default=15, help="rows of the top-N table (default 15)")
+    ap.add_argument("--width", type=_cli.int_at_least(40), default=None, help="columns (default: the terminal's)")
     ap.add_argument("--interactive", action="store_true", help="pan and zoom with keys (needs a terminal)")
 
 
@@ -409,21 +408,35 @@ def view_from_args(a: argparse.Namespace) -> View:
     return v
 
 
-def make_console(width: int | None = None):
-    from rich.console import Console
+def check_categories(trace: Trace, cats: set[str]) -> None:
+    """Every name of ``--cat`` must be a class or a category of the trace (else the filter shows nothing)."""
+    have = sorted({s.cat for s in trace.spans if s.cat} - set(CLASSES))
+    bad = sorted(c for c in cats if c not in CLASSES and c not in have)
+    if bad:
+        raise InvalidArgumentError(
+            f"--cat: {', '.join(map(repr, bad))} is neither a class ({', '.join(c for c in CLASSES if c != 'step')}) "
+            f"nor a category of this trace ({', '.join(have) or 'it has none other'})"
+        )
 
-    return Console(width=width, highlight=False) if width else Console(highlight=False)
+
+def make_console(width: int | None = None):
+    """The viewer's console: ``width`` columns, else the terminal's (80 when not a terminal): the lanes fill it."""
+    if width is None:
+        from rich.console import Console
+
+        width = Console().width
+    return _cli.console(width=width, highlight=False)
 
 
 def run(a: argparse.Namespace) -> int:
     try:
         view = view_from_args(a)
         trace = load(a.trace)
+        check_categories(trace, view.cats)
         console = make_console(a.width)
         if a.interactive:
             return interactive(trace, view, console, a.trace)
         render(trace, view, console, source=a.trace)
     except (TraceFormatError, InvalidArgumentError) as e:
-        print(f"torsh timeline: {e}", file=sys.stderr)
-        return 2
+        return _cli.fail("torsh timeline", e)
     return 0

@@ -6,14 +6,14 @@ bandwidth, side by side with the peer implementations, and can write JSON for la
 
 from __future__ import annotations
 
-import json
+import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
+from ... import _cli
 from ..._env import (  # noqa: F401  (the suites' shared helpers)
     Timing,
     device_name,
@@ -23,9 +23,8 @@ from ..._env import (  # noqa: F401  (the suites' shared helpers)
     quantile,
     time_interleaved,
     versions,
-    wide_console,
 )
-from ...ops.registry import can_run
+from ...ops import registry
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,18 +94,12 @@ class Case:
 
 
 def print_tables(results: list[Result], title: str, env: dict) -> None:
-    from rich.table import Table
-
-    console = wide_console(132)
+    console = _cli.console()
     console.print(f"[bold]{title}[/bold] on {env['device']}  (torch {env['versions']['torch']})")
     for case in dict.fromkeys(r.case for r in results):
-        table = Table(title=case, title_justify="left")
         notes = any(r.extra.get("note") for r in results if r.case == case)
-        for col, just in [("op", "left"), ("implementation", "left"), ("median", "right"), ("p20-p80", "right"),
-                          ("GB/s", "right"), ("of copy", "right"), ("vs best peer", "right")]:  # fmt: skip
-            table.add_column(col, justify=just)
-        if notes:
-            table.add_column("notes", justify="left")
+        cols = ["op", "implementation", "median", "p20-p80", "GB/s", "of copy", "vs best peer"]
+        table = _cli.table(case, cols + (["notes"] if notes else []), text=("op", "implementation", "notes"))
         last_op = None
         for r in (r for r in results if r.case == case):
             if last_op is not None and r.op != last_op:
@@ -123,21 +116,73 @@ def print_tables(results: list[Result], title: str, env: dict) -> None:
         console.print(table)
 
 
-def check_providers(suite: str, requested: str | None, device: torch.device) -> list[str] | None:
-    """The providers a suite times (default: those running compiled code on ``device``), or None after
-    printing why a requested one cannot run."""
-    from .bucket import native_providers  # bucket imports this module
+def native_providers(device: torch.device) -> list[str]:
+    """Providers that run compiled code on ``device`` (not the interpreter or the simulator)."""
+    out = []
+    for p in registry.PROVIDERS:
+        if registry.can_run(p, device) is not None:
+            continue
+        if p == "triton" and registry._triton_state()[1]:
+            continue
+        if p == "numba" and registry._numba_state()[1]:
+            continue
+        out.append(p)
+    return out
 
-    providers = requested.split(",") if requested else native_providers(device)
-    for p in providers:
-        why = can_run(p, device)
-        if why is not None:
-            print(f"torsh bench {suite}: provider {p!r} cannot run on {device.type} here: {why}", file=sys.stderr)
-            return None
-    return providers
+
+def add_providers(p: argparse.ArgumentParser, verb: str = "time") -> None:
+    """``--providers a,b``: which providers to ``verb`` (default: those running compiled code here)."""
+    p.add_argument("--providers", default=None, type=_cli.choice_list(registry.PROVIDERS, "provider"),
+                   help=f"comma-separated providers to {verb}, from {', '.join(registry.PROVIDERS)} (default: those "
+                   "running compiled code here; one that cannot run here is refused, with why)")  # fmt: skip
 
 
-def write_json(path: str | Path, suite: str, env: dict, results: list[Result], config: dict) -> None:
-    data = {"suite": suite, **env, "config": config, "results": [asdict(r) for r in results]}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+def select_providers(prog: str, requested: list[str] | None, device: torch.device, verb: str = "timing") -> list[str]:
+    """The providers a command uses on ``device``. Named ones (``--providers``) must all run here: one that
+    cannot is a :class:`~torsh_kernels._cli.UsageError` that says why and how to enable it. The default is
+    the providers running compiled code here; the others are named on one line of stderr."""
+    if requested:
+        for p in requested:
+            why = registry.can_run(p, device)
+            if why is not None:
+                raise _cli.UsageError(f"--providers: {p} cannot run on {device.type} here: {why}")
+        return list(requested)
+    chosen = native_providers(device)
+    left = [p for p in registry.PROVIDERS if p not in chosen]
+    if left:
+        print(f"{prog}: {verb} {', '.join(chosen)}; not {', '.join(left)}: no compiled code for {device.type} here "
+              "('torsh providers' says why; name them in --providers to use them where they can run)",
+              file=sys.stderr)  # fmt: skip
+    return chosen
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, type=_cli.device, help="cuda or cpu (default: cuda when available)")
+
+
+def resolve_device(requested: torch.device | None) -> torch.device:
+    return requested or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def emit(args: argparse.Namespace, doc: dict) -> None:
+    """A suite's JSON document: the options it ran with are added (a baseline replays them), then it is
+    handed to the harness (when the harness runs the suite) and written where ``--json`` says."""
+    options = getattr(args, "options", None)
+    if options is not None:
+        doc["options"] = list(options)
+    sink = getattr(args, "sink", None)
+    if sink is not None:
+        sink.append(doc)
+    _cli.write_json(args.json, doc)
+
+
+def result_doc(suite: str, env: dict, results: list[Result], config: dict) -> dict:
+    """The JSON document of a suite made of :class:`Result` rows."""
+    return {"suite": suite, **env, "config": config, "results": [asdict(r) for r in results]}
+
+
+def suite_main(name: str, argv: list[str] | None = None) -> int:
+    """``python benchmarks/bench_NAME.py [options]``: the same as ``torsh bench NAME [options]``."""
+    from ..cli import main
+
+    return main(["bench", name, *(sys.argv[1:] if argv is None else argv)])

@@ -16,15 +16,26 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import torsh_kernels as tk
 
-from ...ops.registry import PROVIDERS, _numba_state, _triton_state, can_run
-from . import Case, Result, check_providers, environment, print_tables, write_json
+from ... import _cli
+from . import (
+    Case,
+    Result,
+    add_device,
+    add_providers,
+    emit,
+    environment,
+    print_tables,
+    resolve_device,
+    result_doc,
+    select_providers,
+    suite_main,
+)
 
 MIB = 1 << 20
 K_BUFFERS = 4
@@ -44,26 +55,20 @@ def case_sizes(case: str, scale: float = 1.0) -> list[int]:
     raise ValueError(f"unknown case {case!r}")
 
 
-CASE_TITLES = {"a": "a: 200 tensors of mixed sizes, 100 MiB", "b": "b: 2000 tensors of 4 KiB (7.8 MiB)"}
+CASES = ("a", "b")
 
 
-def native_providers(device: torch.device) -> list[str]:
-    """Providers that run compiled code on ``device`` (not the interpreter or the simulator)."""
-    out = []
-    for p in PROVIDERS:
-        if can_run(p, device) is not None:
-            continue
-        if p == "triton" and _triton_state()[1]:
-            continue
-        if p == "numba" and _numba_state()[1]:
-            continue
-        out.append(p)
-    return out
+def case_title(case: str, sizes: list[int]) -> str:
+    """The case's name in tables and JSON (its key in a --compare baseline): one form at every --scale, so
+    that a case measured twice with the same tensors has the same name."""
+    if case == "a":
+        return f"a: {len(sizes)} tensors of mixed sizes, {sum(sizes) * 4 / MIB:.3g} MiB"
+    return f"b: {len(sizes)} tensors of 4 KiB ({sum(sizes) * 4 / MIB:.1f} MiB)"
 
 
 def run_case(case: str, device: torch.device, providers: list[str], reps: int, scale: float) -> list[Result]:
     sizes = case_sizes(case, scale)
-    title = CASE_TITLES[case] if scale == 1.0 else f"{case}: {len(sizes)} tensors, {sum(sizes) * 4 / MIB:.1f} MiB"
+    title = case_title(case, sizes)
     g = torch.Generator().manual_seed(1)
     tensors = [torch.randn(n, generator=g).to(device) for n in sizes]
     total = sum(sizes)
@@ -134,39 +139,40 @@ def run_case(case: str, device: torch.device, providers: list[str], reps: int, s
     return results
 
 
+def _scale(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a factor in (0, 1], got {text!r}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--providers", default=None,
-                   help="comma-separated providers to time (default: those running compiled code here)")  # fmt: skip
-    p.add_argument("--cases", default="a,b", help="comma-separated cases: a, b (default: both)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (default 20 GPU, 7 CPU)")
-    p.add_argument("--scale", type=float, default=1.0, help="shrink case a's 100 MiB by this factor (quick runs)")
-    p.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
+    add_device(p)
+    add_providers(p)
+    p.add_argument("--cases", default=list(CASES), type=_cli.choice_list(CASES, "case"),
+                   help="comma-separated cases: a, b (default: both)")  # fmt: skip
+    p.add_argument("--reps", type=_cli.int_at_least(1), default=None,
+                   help="timed repetitions per measurement (default 20 GPU, 7 CPU)")  # fmt: skip
+    p.add_argument("--scale", type=_scale, default=1.0, help="shrink case a's 100 MiB by this factor (quick runs)")
+    _cli.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    providers = check_providers("bucket", args.providers, device)
-    if providers is None:
-        return 2
-    if not 0 < args.scale <= 1:
-        print(f"torsh bench bucket: --scale must be in (0, 1], got {args.scale}", file=sys.stderr)
-        return 2
+    device = resolve_device(args.device)
+    providers = select_providers("torsh bench bucket", args.providers, device)
     reps = args.reps or (20 if device.type == "cuda" else 7)
     env = environment(device)
     results: list[Result] = []
-    for case in args.cases.split(","):
-        results += run_case(case.strip(), device, providers, reps, args.scale)
+    for case in args.cases:
+        results += run_case(case, device, providers, reps, args.scale)
     print_tables(results, "torsh bench bucket", env)
-    if args.json_path:
-        config = {"providers": providers, "reps": reps, "scale": args.scale, "k_buffers": K_BUFFERS}
-        write_json(args.json_path, "bucket", env, results, config)
-        print(f"wrote {args.json_path}")
+    config = {"providers": providers, "reps": reps, "scale": args.scale, "k_buffers": K_BUFFERS}
+    emit(args, result_doc("bucket", env, results, config))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_bucket", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return suite_main("bucket", argv)

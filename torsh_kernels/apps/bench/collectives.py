@@ -20,21 +20,19 @@ python benchmarks/bench_collectives.py [--world-size 2] [--sizes 1K,...] [--json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from ... import _cli
 from ... import compression as cz
 from ...collectives import Link, TorchCommunicator, init_from_env, make_communicator, probe, run_local
 from ...collectives.cost_model import all_gather_time, all_reduce_time, all_to_all_time
 from ...compression import compressed_all_reduce, compressed_time
 from ...errors import TransportUnavailableError
-from . import environment, fmt_bytes, wide_console
+from . import emit, environment, fmt_bytes, suite_main
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 TRANSPORTS = ("torch", "cupy-nccl", "rdma")
@@ -50,9 +48,13 @@ COMPRESSORS = {
 
 
 def parse_size(s: str) -> int:
+    """'64K', '1M', '4096' -> bytes (a multiple of 4, in [4 B, 8 GiB])."""
     s = s.strip().upper().removesuffix("B")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    v = float(s[:-1] if s[-1:] in "KMG" else s) * mult
+    try:
+        v = float(s[:-1] if s[-1:] in "KMG" else s) * mult
+    except ValueError:
+        raise ValueError(f"cannot read size {s!r}; write bytes with an optional K, M or G suffix, e.g. 64K") from None
     if not v >= 4 or v > (8 << 30):
         raise ValueError(f"size {s!r} out of range [4 B, 8 GiB]")
     return int(v) // 4 * 4
@@ -197,9 +199,8 @@ def _matrix(count: int) -> tuple[int, ...]:
 
 def print_report(res: dict, env: dict) -> None:
     from rich.markup import escape
-    from rich.table import Table
 
-    con = wide_console(160)
+    con = _cli.console()
     link = res["link"]
     probed = (
         f"probed link: latency {link['latency_us']:.1f} us, bandwidth {link['bandwidth_GBps'] * 8:.3g} Gbit/s "
@@ -209,11 +210,10 @@ def print_report(res: dict, env: dict) -> None:
     for name, why in res.get("transports_skipped", {}).items():
         con.print(f"transport {name}: not run here: {escape(why)}")
     if res["collectives"]:
-        t = Table(title="collectives (nccl-tests columns; vs torch: torch.distributed's time over this one's; "
-                  "predicted: alpha-beta model from the probed link)")  # fmt: skip
-        for col in ("transport", "op", "size", "count", "time", "algbw GB/s", "busbw GB/s", "vs torch", "predicted",
-                    "meas/pred"):  # fmt: skip
-            t.add_column(col, justify="left" if col in ("transport", "op") else "right")
+        t = _cli.table("collectives (nccl-tests columns; vs torch: torch.distributed's time over this one's; "
+                       "predicted: alpha-beta model from the probed link)",
+                       ["transport", "op", "size", "count", "time", "algbw GB/s", "busbw GB/s", "vs torch", "predicted",
+                        "meas/pred"], text=("transport", "op"), title_justify="center")  # fmt: skip
         for r in res["collectives"]:
             pred, ratio, vs = r["predicted_us"], r["measured_over_predicted"], r.get("torch_over_this")
             t.add_row(r.get("transport", "torch"), r["op"], fmt_bytes(r["size"]), f"{r['count']:,}",
@@ -222,9 +222,9 @@ def print_report(res: dict, env: dict) -> None:
                       _fmt_us(pred) if pred is not None else "-", f"{ratio:.2f}" if ratio else "-")  # fmt: skip
         con.print(t)
     if res["compressed"]:
-        t = Table(title="compressed_all_reduce (end to end: compress + traffic + decompress)")
-        for col in ("compressor", "size", "time", "vs none", "wire/rank", "scheme", "predicted comm"):
-            t.add_column(col, justify="left" if col in ("compressor", "scheme") else "right")
+        t = _cli.table("compressed_all_reduce (end to end: compress + traffic + decompress)",
+                       ["compressor", "size", "time", "vs none", "wire/rank", "scheme", "predicted comm"],
+                       text=("compressor", "scheme"), title_justify="center")  # fmt: skip
         for r in res["compressed"]:
             sp = r["speedup_vs_none"]
             t.add_row(r["compressor"], fmt_bytes(r["size"]), _fmt_us(r["time_us"]),
@@ -237,46 +237,48 @@ def _fmt_us(us: float) -> str:
     return f"{us:.1f} us" if us < 1000 else (f"{us / 1e3:.2f} ms" if us < 1e6 else f"{us / 1e6:.3f} s")
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        return [parse_size(s) for s in text.split(",") if s.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
-    p.add_argument("--transports", default=",".join(TRANSPORTS),
+    p.add_argument("--world-size", type=_cli.int_at_least(1), default=2,
+                   help="local ranks to spawn (ignored under torchrun)")  # fmt: skip
+    p.add_argument("--transports", default=list(TRANSPORTS), type=_cli.choice_list(TRANSPORTS, "transport"),
                    help=f"transports to time, side by side (default: {','.join(TRANSPORTS)}; those that cannot run "
                    "here are listed with the reason)")  # fmt: skip
-    p.add_argument("--sizes", default="4K,64K,1M,8M,32M", help="collective sizes (bytes; K/M/G suffixes)")
-    p.add_argument("--ops", default=",".join(OPS), help=f"collectives to time (default: {','.join(OPS)})")
-    p.add_argument("--compress-sizes", default="1M,32M", help="buffer sizes of the compressed all-reduce cases")
-    p.add_argument("--compressors", default=",".join(COMPRESSORS), help="compressors ('none' is the baseline)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
-    p.add_argument("--probe-bytes", default="8M", help="message size of the bandwidth probe (default 8M)")
-    p.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
+    p.add_argument("--sizes", default="4K,64K,1M,8M,32M", type=_sizes,
+                   help="collective sizes (bytes; K/M/G suffixes)")  # fmt: skip
+    p.add_argument("--ops", default=list(OPS), type=_cli.choice_list(OPS, "op"),
+                   help=f"collectives to time (default: {','.join(OPS)})")  # fmt: skip
+    p.add_argument(
+        "--compress-sizes", default="1M,32M", type=_sizes, help="buffer sizes of the compressed all-reduce cases"
+    )
+    p.add_argument("--compressors", default=list(COMPRESSORS), type=_cli.choice_list(COMPRESSORS, "compressor"),
+                   help=f"compressors ('none' is the baseline; default: {','.join(COMPRESSORS)})")  # fmt: skip
+    p.add_argument("--reps", type=_cli.int_at_least(1), default=5, help="timed repetitions (default 5)")
+    p.add_argument("--warmup", type=_cli.int_at_least(0), default=2, help="untimed repetitions first (default 2)")
+    p.add_argument("--probe-bytes", default="8M", type=_size, help="message size of the bandwidth probe (default 8M)")
+    _cli.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    prog = "torsh bench collectives"
-    try:
-        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-        csizes = [parse_size(s) for s in args.compress_sizes.split(",") if s.strip()]
-        probe_bytes = parse_size(args.probe_bytes)
-    except ValueError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    comps = [c.strip() for c in args.compressors.split(",") if c.strip()]
-    trs = [t.strip() for t in args.transports.split(",") if t.strip()]
-    bad = [o for o in ops if o not in OPS] + [c for c in comps if c not in COMPRESSORS]
-    bad += [t for t in trs if t not in TRANSPORTS]
-    if bad:
-        print(f"{prog}: unknown op/compressor/transport {bad}; ops: {OPS}, compressors: {tuple(COMPRESSORS)}, "
-              f"transports: {TRANSPORTS}", file=sys.stderr)  # fmt: skip
-        return 2
+    sizes, csizes, probe_bytes = args.sizes, args.compress_sizes, args.probe_bytes
+    ops, comps, trs = list(args.ops), list(args.compressors), list(args.transports)
     if "torch" not in trs:
         trs.insert(0, "torch")  # the reference every other transport is compared with
     if csizes and comps and comps[0] != "none":
         comps = ["none", *[c for c in comps if c != "none"]]  # the baseline first
-    if args.reps < 1 or args.warmup < 0 or args.world_size < 1:
-        print(f"{prog}: need --reps >= 1, --warmup >= 0, --world-size >= 1", file=sys.stderr)
-        return 2
     cfg = {"sizes": sizes, "ops": ops, "compress_sizes": csizes, "compressors": comps, "reps": args.reps,
            "warmup": args.warmup, "probe_bytes": probe_bytes, "transports": trs}  # fmt: skip
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / emulated hosts: this process is one rank
@@ -292,16 +294,9 @@ def run(args: argparse.Namespace) -> int:
     env = environment(dev)
     env["network"] = os.environ.get("TORSH_BENCH_NETWORK", "local processes (loopback)")
     print_report(res, env)
-    if args.json_path:
-        data = {"suite": "collectives", **env, "config": cfg, **res}
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(data, indent=1) + "\n")
-        print(f"wrote {args.json_path}")
+    emit(args, {"suite": "collectives", **env, "config": cfg, **res})
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_collectives", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return suite_main("collectives", argv)

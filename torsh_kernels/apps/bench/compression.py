@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 import torch
 
+from ... import _cli
 from ... import compression as cz
 from ...ops import (
     dequantize,
@@ -38,7 +38,19 @@ from ...ops import (
     topk_count,
     topk_decompress,
 )
-from . import Case, Result, check_providers, environment, print_tables, write_json
+from . import (
+    Case,
+    Result,
+    add_device,
+    add_providers,
+    emit,
+    environment,
+    print_tables,
+    resolve_device,
+    result_doc,
+    select_providers,
+    suite_main,
+)
 
 MIB = 1 << 20
 BLOCK = 256
@@ -322,31 +334,32 @@ def run_orthogonalize(device: torch.device, providers: list[str], reps: int, bat
     return results
 
 
+def _mib_list(text: str) -> list[float]:
+    try:
+        sizes = [float(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MiB numbers like 25,100, got {text!r}") from None
+    if not sizes or any(not (0 < s <= 4096) or math.isnan(s) for s in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must be in (0, 4096] MiB, got {text!r}")
+    return sizes
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--providers", default=None,
-                   help="comma-separated providers to time (default: those running compiled code here)")  # fmt: skip
-    p.add_argument("--sizes", default="25,100", help="buffer sizes in MiB (default: 25,100)")
-    p.add_argument("--rank", type=int, default=4, help="PowerSGD rank of the buffer case (default 4)")
-    p.add_argument("--ortho-batch", type=int, default=64, help="matrices in the orthogonalize case (default 64)")
-    p.add_argument("--ortho-rows", type=int, default=2048, help="rows of each matrix (default 2048)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
-    p.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
+    add_device(p)
+    add_providers(p)
+    p.add_argument("--sizes", default=[25.0, 100.0], type=_mib_list, help="buffer sizes in MiB (default: 25,100)")
+    p.add_argument("--rank", type=_cli.int_at_least(1), default=4, help="PowerSGD rank of the buffer case (default 4)")
+    p.add_argument("--ortho-batch", type=_cli.int_at_least(1), default=64,
+                   help="matrices in the orthogonalize case (default 64)")  # fmt: skip
+    p.add_argument("--ortho-rows", type=_cli.int_at_least(1), default=2048, help="rows of each matrix (default 2048)")
+    p.add_argument("--reps", type=_cli.int_at_least(1), default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
+    _cli.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    providers = check_providers("compression", args.providers, device)
-    if providers is None:
-        return 2
-    try:
-        sizes = [float(s) for s in args.sizes.split(",")]
-    except ValueError:
-        print(f"torsh bench compression: --sizes takes MiB numbers, got {args.sizes!r}", file=sys.stderr)
-        return 2
-    if not sizes or any(not (0 < s <= 4096) or math.isnan(s) for s in sizes):
-        print(f"torsh bench compression: sizes must be in (0, 4096] MiB, got {args.sizes!r}", file=sys.stderr)
-        return 2
+    device = resolve_device(args.device)
+    providers = select_providers("torsh bench compression", args.providers, device)
+    sizes = args.sizes
     reps = args.reps or (20 if device.type == "cuda" else 5)
     env = environment(device)
     results: list[Result] = []
@@ -354,17 +367,11 @@ def run(args: argparse.Namespace) -> int:
         results += run_buffer(mib, device, providers, reps, args.rank)
     results += run_orthogonalize(device, providers, reps, args.ortho_batch, args.ortho_rows)
     print_tables(results, "torsh bench compression", env)
-    if args.json_path:
-        config = {"providers": providers, "reps": reps, "sizes_mib": sizes, "ratio": RATIO, "block": BLOCK,
-                  "powersgd_rank": args.rank, "ortho_batch": args.ortho_batch,
-                  "ortho_rows": args.ortho_rows}  # fmt: skip
-        write_json(args.json_path, "compression", env, results, config)
-        print(f"wrote {args.json_path}")
+    config = {"providers": providers, "reps": reps, "sizes_mib": sizes, "ratio": RATIO, "block": BLOCK,
+              "powersgd_rank": args.rank, "ortho_batch": args.ortho_batch, "ortho_rows": args.ortho_rows}  # fmt: skip
+    emit(args, result_doc("compression", env, results, config))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_compression", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return suite_main("compression", argv)

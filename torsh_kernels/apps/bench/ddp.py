@@ -47,10 +47,11 @@ import time
 
 import torch
 
+from ... import _cli
 from ... import compression as cz
 from ...collectives import TorchCommunicator, init_from_env, run_local
 from ...errors import RankFailedError
-from . import environment, quantile, wide_console
+from . import emit, environment, quantile, suite_main
 
 OURS = {
     "none": lambda r: None,
@@ -346,6 +347,7 @@ def _auto_summary(res: dict, rank: int) -> None:
 def _report(res: dict, cfg: dict) -> dict:
     env = environment(torch.device("cuda" if res["backend"] == "nccl" else "cpu"))
     env["network"] = os.environ.get("TORSH_BENCH_NETWORK", "loopback" if res["backend"] == "gloo" else "local GPUs")
+    doc_path = cfg.get("_doc_path")
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
     _summaries(res)
     _auto_summary(res, cfg["rank"])
@@ -353,25 +355,22 @@ def _report(res: dict, cfg: dict) -> dict:
         print_sweep(res, env, cfg)
     else:
         print_report(res, env, cfg)
-    if cfg["json"]:
-        with open(cfg["json"], "w") as f:
-            json.dump({"suite": "ddp", "environment": env, "config": cfg, **res}, f, indent=2)
-        print(f"wrote {cfg['json']}")
     sys.stdout.flush()
-    return res
+    doc = {"suite": "ddp", "environment": env, "config": cfg, **res}
+    if doc_path:  # for the parent, which writes the JSON (this rank may end in os._exit)
+        with open(doc_path, "w") as f:
+            json.dump(doc, f)
+    return doc
 
 
 def print_sweep(res: dict, env: dict, cfg: dict) -> None:
-    from rich.table import Table
-
-    t = Table(title=(f"DDP host cost per bucket, {res['world_size']} ranks ({res['backend']}, "
+    t = _cli.table((f"DDP host cost per bucket, {res['world_size']} ranks ({res['backend']}, "
                      f"{env.get('network', 'local')}), "
                      f"MLP {cfg['in_dim']}-{cfg['sweep_width']}x{cfg['sweep_layers']}-10, "
                      f"{res['bucket_rows'][0]['gradient_bytes'] / 1e6:.1f} MB of gradients; medians over "
                      f"{cfg['repeat']} run(s) [min-max]; hook = CPU time inside the hook"),
-              title_justify="left")  # fmt: skip
-    for col in ("case", "buckets", "step (ms)", "hook / step (ms)", "hook / bucket (ms)", "one more bucket (ms)"):
-        t.add_column(col, justify="left" if col == "case" else "right")
+                   ["case", "buckets", "step (ms)", "hook / step (ms)", "hook / bucket (ms)", "one more bucket (ms)"],
+                   text=("case",))  # fmt: skip
 
     def f(d, digits=2):
         if d is None:
@@ -383,32 +382,28 @@ def print_sweep(res: dict, env: dict, cfg: dict) -> None:
     for r in res["bucket_summary"]:
         t.add_row(r["case"], str(r["buckets"]), f(r["step_ms"], 1), f(r["hook_ms_per_step"]),
                   f(r["hook_ms_per_bucket"], 3), f(r["marginal_ms_per_bucket"], 3))  # fmt: skip
-    wide_console(150).print(t)
+    _cli.console().print(t)
 
 
 def print_report(res: dict, env: dict, cfg: dict) -> None:
-    from rich.table import Table
-
     rows = res["rows"]
     base = next(r["step_ms"] for r in rows if r["case"] == "no hook")
     peer = next((r["step_ms"] for r in rows if r["case"] == "torch powersgd-1bucket"), None)
-    t = Table(title=(f"DDP step time, {res['world_size']} ranks ({res['backend']}, {env.get('network', 'local')}), "
-                     f"MLP {cfg['in_dim']}-{'-'.join([str(cfg['width'])] * cfg['layers'])}-10, "
-                     f"{rows[0]['gradient_bytes'] / 1e6:.1f} MB of gradients, batch {cfg['batch']}/rank"),
-              title_justify="left")  # fmt: skip
-    for col in ("case", "buckets", "step (ms)", "p20-p80 (ms)", "bytes sent/step", "speedup vs no hook",
-                "vs torch PowerSGD"):  # fmt: skip
-        t.add_column(col, justify="left" if col in ("case", "buckets") else "right")
+    t = _cli.table((f"DDP step time, {res['world_size']} ranks ({res['backend']}, {env.get('network', 'local')}), "
+                    f"MLP {cfg['in_dim']}-{'-'.join([str(cfg['width'])] * cfg['layers'])}-10, "
+                    f"{rows[0]['gradient_bytes'] / 1e6:.1f} MB of gradients, batch {cfg['batch']}/rank"),
+                   ["case", "buckets", "step (ms)", "p20-p80 (ms)", "bytes sent/step", "speedup vs no hook",
+                    "vs torch PowerSGD"], text=("case", "buckets"))  # fmt: skip
     for r in rows:
         if r["error"]:
-            t.add_row(r["case"], r["buckets"], "failed", r["error"][:60], "", "", "")
+            t.add_row(f"{r['case']}: failed (below)", r["buckets"], "-", "-", "", "", "")
             continue
         wire = "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step'] / 1e6:.2f} MB"
         vs = f"{peer / r['step_ms']:.2f}x" if peer and "powersgd" in r["case"] else ""
         case = r["case"] + (f" -> {r['chose']}" if r.get("chose") else "")
         t.add_row(case, r["buckets"], f"{r['step_ms']:.1f}", f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}", wire,
                   f"{base / r['step_ms']:.2f}x", vs)  # fmt: skip
-    wide_console(150).print(t)
+    _cli.console().print(t)
     for r in rows:
         if r["error"]:
             print(f"{r['case']} ({r['buckets']} buckets): {r['error']}")
@@ -429,64 +424,77 @@ def print_report(res: dict, env: dict, cfg: dict) -> None:
         print(f"auto's reason: {rec['reason']}")
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        out = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bucket counts like 1,4,16,64, got {text!r}") from None
+    if any(v < 1 for v in out):
+        raise argparse.ArgumentTypeError(f"bucket counts must be >= 1, got {text!r}")
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=int, default=2, help="local ranks when not under torchrun")
-    p.add_argument("--width", type=int, default=2048, help="hidden width")
-    p.add_argument("--layers", type=int, default=3, help="hidden layers")
-    p.add_argument("--in-dim", type=int, default=64, help="input features")
-    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    p.add_argument("--rank", type=int, default=4, help="PowerSGD rank (ours and PyTorch's)")
-    p.add_argument("--start-iter", type=int, default=2, help="uncompressed warm-up steps (PyTorch needs >= 2)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per case")
-    p.add_argument("--compressors", default=",".join(OURS), help="ours to run: " + ",".join(OURS))
+    at_least_1 = _cli.int_at_least(1)
+    p.add_argument("--world-size", type=at_least_1, default=2, help="local ranks when not under torchrun")
+    p.add_argument("--width", type=at_least_1, default=2048, help="hidden width")
+    p.add_argument("--layers", type=at_least_1, default=3, help="hidden layers")
+    p.add_argument("--in-dim", type=at_least_1, default=64, help="input features")
+    p.add_argument("--batch", type=at_least_1, default=64, help="samples per rank per step")
+    p.add_argument("--rank", type=at_least_1, default=4, help="PowerSGD rank (ours and PyTorch's)")
+    p.add_argument("--start-iter", type=_cli.int_at_least(2), default=2,
+                   help="uncompressed warm-up steps (PyTorch's PowerSGD hook needs >= 2)")  # fmt: skip
+    p.add_argument("--steps", type=at_least_1, default=10, help="timed steps per case")
+    p.add_argument("--compressors", default=list(OURS), type=_cli.choice_list(OURS, "compressor"),
+                   help="ours to run: " + ",".join(OURS))  # fmt: skip
     p.add_argument("--no-torch-powersgd-buckets", action="store_true",
                    help="skip PyTorch's PowerSGD with 25 MB buckets (fails on gloo)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--threads", type=at_least_1, default=1, help="torch threads per rank")
     p.add_argument("--hang-timeout", type=float, default=60.0,
                    help="seconds after which PyTorch's multi-bucket PowerSGD case counts as hung")  # fmt: skip
-    p.add_argument("--repeat", type=int, default=1, help="run every case this many times, interleaved")
-    p.add_argument("--buckets", default="", help="bucket sweep instead, e.g. 1,4,16,64 (see the module docstring)")
-    p.add_argument("--sweep", default="fp16,bf16,topk,powersgd", help="ours in the bucket sweep")
-    p.add_argument("--sweep-layers", type=int, default=64, help="hidden layers of the sweep's MLP")
-    p.add_argument("--sweep-width", type=int, default=362, help="hidden width of the sweep's MLP")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--repeat", type=at_least_1, default=1, help="run every case this many times, interleaved")
+    p.add_argument("--buckets", default=[], type=_counts,
+                   help="bucket sweep instead, e.g. 1,4,16,64 (see the description above)")  # fmt: skip
+    p.add_argument("--sweep", default=["fp16", "bf16", "topk", "powersgd"], type=_cli.choice_list(OURS, "compressor"),
+                   help="ours in the bucket sweep (default fp16,bf16,topk,powersgd)")  # fmt: skip
+    p.add_argument("--sweep-layers", type=at_least_1, default=64, help="hidden layers of the sweep's MLP")
+    p.add_argument("--sweep-width", type=at_least_1, default=362, help="hidden width of the sweep's MLP")
+    _cli.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    comps = [c.strip() for c in args.compressors.split(",") if c.strip()]
-    bad = [c for c in comps if c not in OURS]
-    if bad:
-        print(f"bench ddp: unknown compressor(s) {bad}; choose from {list(OURS)}", file=sys.stderr)
-        return 2
-    if args.start_iter < 2:
-        print("bench ddp: --start-iter must be >= 2 (PyTorch's PowerSGD hook requires it)", file=sys.stderr)
-        return 2
+    import tempfile
+
+    if not args.hang_timeout > 0:
+        raise _cli.UsageError(f"--hang-timeout must be > 0 seconds, got {args.hang_timeout}")
     cfg = {"width": args.width, "layers": args.layers, "in_dim": args.in_dim, "batch": args.batch,
-           "rank": args.rank, "start_iter": args.start_iter, "steps": args.steps, "compressors": comps,
+           "rank": args.rank, "start_iter": args.start_iter, "steps": args.steps, "compressors": args.compressors,
            "torch_powersgd_buckets": not args.no_torch_powersgd_buckets, "threads": args.threads,
-           "progress": True, "json": args.json, "hang_s": args.hang_timeout, "repeat": args.repeat,
-           "buckets": [int(v) for v in args.buckets.split(",") if v.strip()],
-           "sweep": [c.strip() for c in args.sweep.split(",") if c.strip()], "sweep_layers": args.sweep_layers,
-           "sweep_width": args.sweep_width}  # fmt: skip
+           "progress": True, "hang_s": args.hang_timeout, "repeat": args.repeat, "buckets": args.buckets,
+           "sweep": args.sweep, "sweep_layers": args.sweep_layers, "sweep_width": args.sweep_width}  # fmt: skip
     if "RANK" in os.environ:
         comm = init_from_env(timeout=args.hang_timeout + 60)
-        _worker(comm, cfg)  # rank 0 prints the report
+        doc = _worker(comm, cfg)  # rank 0 prints the report
+        if doc is not None:
+            emit(args, doc)
+        _cli.release_stdout()
         sys.stdout.flush()
         os._exit(0)  # a failed PowerSGD case may leave gloo's process group broken: skip its teardown
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "gloo"
-    try:
-        run_local(_worker, args.world_size, cfg, backend=backend, threads=args.threads, timeout=3600,
-                  op_timeout=args.hang_timeout + 60)  # fmt: skip
-    except RankFailedError as e:
-        if "exit" not in str(e):
-            raise
-        # the watchdog ended the ranks after PyTorch's PowerSGD hook hung; rank 0 printed the report
+    with tempfile.TemporaryDirectory(prefix="torsh-bench-ddp-") as tmp:
+        cfg["_doc_path"] = os.path.join(tmp, "doc.json")  # rank 0 leaves its document here
+        try:
+            run_local(_worker, args.world_size, cfg, backend=backend, threads=args.threads, timeout=3600,
+                      op_timeout=args.hang_timeout + 60)  # fmt: skip
+        except RankFailedError as e:
+            if "exit" not in str(e) or not os.path.exists(cfg["_doc_path"]):
+                raise
+            # the watchdog ended the ranks after PyTorch's PowerSGD hook hung; rank 0 printed the report
+        with open(cfg["_doc_path"]) as f:
+            doc = json.load(f)
+    emit(args, doc)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="bench_ddp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return suite_main("ddp", argv)

@@ -33,7 +33,6 @@ python benchmarks/bench_fsdp.py [--width 2048] [--layers 8] [--batch 64] [--step
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,8 +41,9 @@ import warnings
 
 import torch
 
+from ... import _cli
 from ...collectives import TorchCommunicator, init_from_env, run_local
-from . import environment, quantile, wide_console
+from . import emit, environment, quantile, suite_main
 
 CASES = {
     "plain": (None, None),
@@ -257,18 +257,12 @@ def _report(res: dict, cfg: dict) -> dict:
 
 
 def _write(res: dict, env: dict, cfg: dict) -> dict:
-    """The suite's JSON (with ``--json``), then ``res`` back."""
-    if cfg["json"]:
-        with open(cfg["json"], "w") as f:
-            json.dump({"suite": "fsdp", "environment": env, "config": cfg, **res}, f, indent=2)
-        print(f"wrote {cfg['json']}")
+    """The suite's JSON document (the parent process writes it where ``--json`` says)."""
     sys.stdout.flush()
-    return res
+    return {"suite": "fsdp", "environment": env, "config": cfg, **res}
 
 
 def _report_offload(res: dict, cfg: dict, names: list[str]) -> dict:
-    from rich.table import Table
-
     env = environment(torch.device("cuda" if res["backend"] == "nccl" else "cpu"))
     rows = res["offload_rows"]
     res["offload_summary"] = summary = []
@@ -283,19 +277,18 @@ def _report_offload(res: dict, cfg: dict, names: list[str]) -> dict:
         summary.append({"case": name, "step_ms": _spread([r["step_ms"] for r in rs]), **{k: rs[0][k] for k in keys},
                         "peak_host_bytes": _spread(hosts) if hosts else None,
                         "peak_device_bytes": _spread(devs) if devs else None})  # fmt: skip
-    t = Table(title=(f"ZeRO-3 optimizer memory, {res['world_size']} ranks ({res['backend']}), {cfg['layers']} x "
-                     f"[{cfg['width']} x {cfg['width']}] linears under fully_shard; per rank; medians over "
-                     f"{cfg['repeat']} run(s)"), title_justify="left")  # fmt: skip
-    for col in ("case", "step (ms)", "optimizer state (MB)", "state B/param", "fp32 host copies B/param",
-                "peak host above start (MB)", "peak device (MB)"):  # fmt: skip
-        t.add_column(col, justify="left" if col == "case" else "right")
+    t = _cli.table((f"ZeRO-3 optimizer memory, {res['world_size']} ranks ({res['backend']}), {cfg['layers']} x "
+                    f"[{cfg['width']} x {cfg['width']}] linears under fully_shard; per rank; medians over "
+                    f"{cfg['repeat']} run(s)"),
+                   ["case", "step (ms)", "optimizer state (MB)", "state B/param", "fp32 host copies B/param",
+                    "peak host above start (MB)", "peak device (MB)"], text=("case",))  # fmt: skip
 
     def mb(d: dict | None) -> str:
         return "-" if d is None else f"{d['median'] / 1e6:.1f}"
 
     for s in summary:
         if "error" in s:
-            t.add_row(s["case"], f"failed: {s['error'][:100]}", *["-"] * 5)
+            t.add_row(f"{s['case']}: failed: {s['error'][:100]}", *["-"] * 6)
             continue
         st = s["step_ms"]
         t.add_row(s["case"], f"{st['median']:.1f} [{st['min']:.1f}-{st['max']:.1f}]",
@@ -303,21 +296,18 @@ def _report_offload(res: dict, cfg: dict, names: list[str]) -> dict:
                   f"{s['host_copy_bytes_per_parameter']:.2f}", mb(s["peak_host_bytes"]),
                   mb(s["peak_device_bytes"]))  # fmt: skip
     for name, why in res["skipped"].items():
-        t.add_row(name, f"not run: {why}", *["-"] * 5)
-    wide_console(180).print(t)
+        t.add_row(f"{name}: not run: {why}", *["-"] * 6)
+    _cli.console().print(t)
     return _write(res, env, cfg)
 
 
 def _print(res: dict, env: dict, cfg: dict) -> None:
-    from rich.table import Table
-
     params = cfg["layers"] * (cfg["width"] ** 2 + cfg["width"])
-    t = Table(title=(f"FSDP2 step time, {res['world_size']} ranks ({res['backend']}, {env.get('network')}), "
-                     f"{cfg['layers']} x [{cfg['width']} x {cfg['width']}] linears ({params / 1e6:.1f} M parameters), "
-                     f"batch {cfg['batch']}/rank; medians over {cfg['repeat']} run(s) [min-max]"),
-              title_justify="left")  # fmt: skip
-    for col in ("case", "step (ms)", "speedup vs plain", "MB sent/step (this rank)", "bytes vs plain", "last loss"):
-        t.add_column(col, justify="left" if col == "case" else "right")
+    t = _cli.table((f"FSDP2 step time, {res['world_size']} ranks ({res['backend']}, {env.get('network')}), "
+                    f"{cfg['layers']} x [{cfg['width']} x {cfg['width']}] linears ({params / 1e6:.1f} M parameters), "
+                    f"batch {cfg['batch']}/rank; medians over {cfg['repeat']} run(s) [min-max]"),
+                   ["case", "step (ms)", "speedup vs plain", "MB sent/step (this rank)", "bytes vs plain", "last loss"],
+                   text=("case",))  # fmt: skip
 
     def f(d, digits=1, unit=""):
         if d["n"] == 1:
@@ -328,49 +318,43 @@ def _print(res: dict, env: dict, cfg: dict) -> None:
         mb = {k: v / 1e6 if k != "n" else v for k, v in s["bytes_per_step"].items()}
         t.add_row(s["case"], f(s["step_ms"]), f(s["speedup_vs_plain"], 2, "x"), f(mb, 2),
                   f(s["bytes_vs_plain"], 3, "x"), f"{s['loss']['median']:.4f}")  # fmt: skip
-    wide_console(160).print(t)
+    _cli.console().print(t)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=int, default=2, help="local ranks when not under torchrun")
-    p.add_argument("--width", type=int, default=2048, help="width of each square Linear layer")
-    p.add_argument("--layers", type=int, default=8, help="Linear layers, each under its own fully_shard")
-    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per case")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    at_least_1 = _cli.int_at_least(1)
+    p.add_argument("--world-size", type=at_least_1, default=2, help="local ranks when not under torchrun")
+    p.add_argument("--width", type=at_least_1, default=2048, help="width of each square Linear layer")
+    p.add_argument("--layers", type=at_least_1, default=8, help="Linear layers, each under its own fully_shard")
+    p.add_argument("--batch", type=at_least_1, default=64, help="samples per rank per step")
+    p.add_argument("--steps", type=at_least_1, default=5, help="timed steps per case")
+    p.add_argument("--warmup", type=_cli.int_at_least(0), default=2, help="untimed steps first")
     p.add_argument("--grads", choices=("int8", "int4"), default="int4", help="gradient format of the grads cases")
-    p.add_argument("--repeat", type=int, default=1, help="run every case this many times, interleaved")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--repeat", type=at_least_1, default=1, help="run every case this many times, interleaved")
+    p.add_argument("--threads", type=at_least_1, default=1, help="torch threads per rank")
     p.add_argument("--offload", action="store_true",
                    help="instead: the optimizer's memory under ZeRO-3, AdamW (with and without FSDP2's "
                    "CPUOffloadPolicy) against OffloadedOptimizer with bf16 and int8 state")  # fmt: skip
-    p.add_argument("--json", default=None, help="write the results here")
+    _cli.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("width", "layers", "batch", "steps", "repeat", "threads", "world_size"):
-        if getattr(args, name) < 1:
-            print(f"bench fsdp: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
-    if args.warmup < 0:
-        print("bench fsdp: --warmup must be >= 0", file=sys.stderr)
-        return 2
     cfg = {"width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
            "warmup": args.warmup, "grads": args.grads, "repeat": args.repeat, "threads": args.threads,
-           "progress": True, "json": args.json, "offload": args.offload}  # fmt: skip
+           "progress": True, "offload": args.offload}  # fmt: skip
     if "RANK" in os.environ:
         comm = init_from_env(timeout=600)
-        _worker(comm, cfg)
+        doc = _worker(comm, cfg)
+        if doc is not None:
+            emit(args, doc)
         sys.stdout.flush()
         return 0
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "gloo"
-    run_local(_worker, args.world_size, cfg, backend=backend, threads=args.threads, timeout=3600, op_timeout=600)
+    doc = run_local(_worker, args.world_size, cfg, backend=backend, threads=args.threads, timeout=3600,
+                    op_timeout=600)[0]  # fmt: skip
+    emit(args, doc)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="bench_fsdp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return suite_main("fsdp", argv)

@@ -1,21 +1,27 @@
-"""`torsh bench [SUITE ...] [--json PATH] [--compare BASELINE.json --max-regression 10%]`: every suite
+"""`torsh bench [SUITE ...] [--json [PATH]] [--compare BASELINE.json --max-regression 10%]`: every suite
 through one harness.
 
 Runs the named suites (default: all of bucket, compression, collectives, ddp, fsdp, moe, offload, trace,
 overhead), each with its own tables, then writes one JSON document: the environment (device, versions,
-date, git commit), each suite's full results, and a flat ``measurements`` map per suite (case -> median time in ms and
-whether it is ours or a peer's) that ``--compare`` reads. With ``--compare BASELINE.json`` (a document
-from this command, or one suite's own JSON), every measurement of ours present in both is compared; one
-slower than the baseline by more than ``--max-regression`` (default 10%) is a regression: the command
-names each such case and exits with status 1. Peers are listed but never fail the run (their change is
-the machine's, not ours).
+date, git commit), each suite's full results with the options it ran with, and a flat `measurements` map
+per suite (case -> median time in ms and whether it is ours, a peer's or the copy baseline) that
+`--compare` reads.
 
-``--ncu`` adds hardware counters of the fused kernels (Nsight Compute through nsight-python, the
-``nsight`` extra): DRAM throughput and occupancy per kernel; where ``ncu``, nsight-python or a GPU is
-missing it says which and exits with status 2.
+`--compare BASELINE.json` takes a document of this command or one suite's own JSON (`torsh bench SUITE
+--json PATH`). It is checked before anything runs: it must be JSON of either form and hold every suite to
+be run (default: the suites it holds). Each suite then runs with the options the baseline recorded for it,
+so the same cases are measured (`--args` adds options), and every case in both is compared. One of ours
+slower than the baseline by more than `--max-regression` (default 10%) is a regression: the command names
+each and exits with status 1. Peers and copies are shown but never fail the run (their change is the
+machine's, not ours). A run that compares nothing is an error (exit status 2).
 
-Sizes: on a GPU the suites' own defaults; on a CPU, unless ``--full``, the reduced settings in
-:data:`QUICK` (the full CPU run takes most of an hour). ``--args SUITE="..."`` passes options to a suite.
+`--ncu` adds hardware counters of the fused kernels (Nsight Compute through nsight-python, the `nsight`
+extra): DRAM throughput and occupancy per kernel; where `ncu`, nsight-python or a GPU is missing it says
+which and exits with status 2.
+
+Sizes: on a GPU the suites' own defaults; on a CPU, unless `--full`, reduced sizes (each suite a few
+seconds to a minute; the full CPU run takes most of an hour). `--args SUITE="..."` passes options to a
+suite.
 """
 
 from __future__ import annotations
@@ -23,14 +29,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import shlex
 import sys
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-import torch
-
-from . import environment, wide_console
+from ... import _cli
+from . import add_device, environment, resolve_device
 
 # Each suite (a module of this package with add_arguments and run) and its one-line help.
 SUITES = {
@@ -66,10 +73,14 @@ def suite_module(name: str):
     return importlib.import_module(f"{__package__}.{name}")
 
 
+KINDS = ("ours", "peer", "copy")
+
+
 def measurements(suite: str, data: dict) -> dict[str, dict]:
-    """One suite's JSON as {case: {"ms": median, "kind": "ours" | "peer" | "copy"}}."""
+    """One suite's JSON as {case: {"ms": median, "kind": "ours" | "peer" | "copy"}}: the one key form of a
+    case, in a suite's own JSON and in the harness's alike."""
     out: dict[str, dict] = {}
-    if isinstance(data.get("results"), list):  # bucket, compression, moe, offload
+    if isinstance(data.get("results"), list):  # bucket, compression, moe, offload, trace, overhead
         for r in data["results"]:
             out[f"{r['case']} / {r['op']} / {r['impl']}"] = {"ms": r["timing"]["median_ms"], "kind": r["kind"]}
     if isinstance(data.get("rows"), list):  # ddp, fsdp
@@ -89,131 +100,238 @@ def measurements(suite: str, data: dict) -> dict[str, dict]:
     return out
 
 
-def compare(current: dict, baseline: dict, max_regression: float) -> tuple[list[tuple], list[tuple]]:
-    """(rows compared, regressions): rows are (suite, case, kind, baseline ms, current ms, ratio)."""
-    if "measurements" in baseline:
-        base = baseline["measurements"]
-    elif "suite" in baseline:  # one suite's own JSON
-        base = {baseline["suite"]: measurements(baseline["suite"], baseline)}
-    else:
-        raise ValueError("the baseline is neither a `torsh bench` document nor a suite's JSON")
-    rows, bad = [], []
-    for suite, cases in current["measurements"].items():
+@dataclass(kw_only=True, slots=True)
+class Baseline:
+    """A ``--compare`` baseline, checked: its measurements and the options each suite was run with."""
+
+    path: str
+    """Where it was read from."""
+    measurements: dict[str, dict[str, dict]]
+    """suite -> case -> {"ms", "kind"}."""
+    options: dict[str, list[str] | None]
+    """suite -> the options it ran with (None: not recorded, a file from before they were)."""
+
+
+def load_baseline(path: str) -> Baseline:
+    """Read and check a baseline (a document of ``torsh bench`` or one suite's JSON); every problem is a
+    :class:`~torsh_kernels._cli.UsageError` that names the file and what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise _cli.UsageError(f"--compare: cannot read {path}: {e.strerror or e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _cli.UsageError(f"--compare: {path} is not JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise _cli.UsageError(f"--compare: {path} holds a JSON {type(data).__name__}, not a benchmark document")
+    try:
+        if "measurements" in data:  # a document of this command
+            meas, docs = data["measurements"], data.get("suites") or {}
+            if not isinstance(meas, dict) or not isinstance(docs, dict):
+                raise TypeError("'measurements' and 'suites' must be objects")
+            options = {s: (docs.get(s) or {}).get("options") for s in meas}
+        elif data.get("suite") in SUITE_NAMES:  # one suite's own JSON
+            meas = {data["suite"]: measurements(data["suite"], data)}
+            options = {data["suite"]: data.get("options")}
+        else:
+            raise _cli.UsageError(
+                f"--compare: {path} is neither a document of `torsh bench` (it has no 'measurements') nor one "
+                f"suite's JSON (its 'suite' is {data.get('suite')!r}; suites: {', '.join(SUITE_NAMES)})"
+            )
+        for suite, cases in meas.items():
+            if suite not in SUITE_NAMES:
+                raise TypeError(f"unknown suite {suite!r}")
+            for case, m in cases.items():
+                ms = m.get("ms")
+                if not isinstance(ms, int | float) or isinstance(ms, bool) or not math.isfinite(ms) or ms <= 0:
+                    raise TypeError(f"{suite}: {case!r}: 'ms' must be a positive number, got {ms!r}")
+                if m.get("kind") not in KINDS:
+                    raise TypeError(f"{suite}: {case!r}: 'kind' must be one of {KINDS}, got {m.get('kind')!r}")
+        for suite, opts in options.items():
+            if opts is not None and not (isinstance(opts, list) and all(isinstance(o, str) for o in opts)):
+                raise TypeError(f"{suite}: 'options' must be a list of strings, got {opts!r}")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise _cli.UsageError(f"--compare: {path} is not in the form `torsh bench` writes: {e}") from e
+    return Baseline(path=path, measurements=meas, options=options)
+
+
+class Comparison(NamedTuple):
+    rows: list[tuple]
+    """(suite, case, kind, baseline ms, current ms, ratio) of every case measured in both."""
+    regressions: list[tuple]
+    """The rows of ours slower than allowed."""
+    missing: list[tuple[str, str]]
+    """(suite, case) of the baseline, of the suites run, not measured now."""
+    new: list[tuple[str, str]]
+    """(suite, case) measured now that the baseline does not have."""
+
+
+def compare(current: dict[str, dict], base: dict[str, dict], max_regression: float) -> Comparison:
+    """Compare ``current`` with ``base`` (both suite -> case -> {"ms", "kind"}), suite by suite."""
+    rows, bad, new = [], [], []
+    for suite, cases in current.items():
         for case, m in cases.items():
             b = base.get(suite, {}).get(case)
-            if b is None or not b.get("ms") or m.get("kind") == "copy":
+            if b is None:
+                new.append((suite, case))
                 continue
             ratio = m["ms"] / b["ms"]
             row = (suite, case, m["kind"], b["ms"], m["ms"], ratio)
             rows.append(row)
             if m["kind"] == "ours" and ratio > 1 + max_regression:
                 bad.append(row)
-    return rows, bad
+    missing = [(s, c) for s in current for c in base.get(s, {}) if c not in current[s]]
+    return Comparison(rows, bad, missing, new)
 
 
 def _percent(text: str) -> float:
     t = text.strip()
-    v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-    if v < 0:
-        raise ValueError(f"--max-regression must be >= 0, got {text}")
+    try:
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a percentage like 10% (or a fraction like 0.1), got {text!r}"
+        ) from None
+    if not v >= 0 or not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return v
 
 
+def _suite_args(text: str) -> tuple[str, list[str]]:
+    name, eq, opts = text.partition("=")
+    if not eq or name.strip() not in SUITE_NAMES:
+        raise argparse.ArgumentTypeError(f'expected SUITE="OPTIONS" with SUITE one of {", ".join(SUITE_NAMES)}, '
+                                         f"got {text!r}")  # fmt: skip
+    try:
+        return name.strip(), shlex.split(opts)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("suites", nargs="*", help=f"suites to run (default: all of {', '.join(SUITE_NAMES)})")
-    p.add_argument("--json", dest="json_path", default=None, help="write the combined results here")
-    p.add_argument("--compare", default=None, help="baseline JSON to compare with; regressions exit with status 1")
-    p.add_argument("--max-regression", default="10%", help="allowed slowdown of our cases (default 10%%)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("suites", nargs="*", metavar="SUITE",
+                   help=f"suites to run (default: all of {', '.join(SUITE_NAMES)}; with --compare, those of the "
+                   "baseline)")  # fmt: skip
+    _cli.add_json(p, "the combined results")
+    p.add_argument("--compare", default=None, metavar="BASELINE",
+                   help="a JSON of this command or of one suite to compare with; a regression exits with "
+                   "status 1")  # fmt: skip
+    p.add_argument("--max-regression", default=0.1, type=_percent,
+                   help="allowed slowdown of our cases (default 10%%)")  # fmt: skip
+    add_device(p)
     p.add_argument("--full", action="store_true", help="the suites' full default sizes also on a CPU")
     p.add_argument("--ncu", action="store_true",
                    help="also profile the fused kernels under Nsight Compute (DRAM throughput, occupancy)")  # fmt: skip
-    p.add_argument("--args", action="append", default=[], metavar='SUITE="OPTIONS"',
+    p.add_argument("--args", action="append", default=[], metavar='SUITE="OPTIONS"', type=_suite_args,
                    help='extra options for one suite, e.g. --args moe="--experts 8"')  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
-    suites = args.suites or list(SUITE_NAMES)
+def _plan(args: argparse.Namespace, baseline: Baseline | None) -> list[tuple[str, object, argparse.Namespace]]:
+    """Each suite to run with its parsed options; a bad option stops here, before anything runs."""
+    suites = list(dict.fromkeys(args.suites))
     unknown = [s for s in suites if s not in SUITE_NAMES]
     if unknown:
-        print(f"torsh bench: unknown suite(s) {unknown}; suites: {', '.join(SUITE_NAMES)}", file=sys.stderr)
-        return 2
-    try:
-        max_reg = _percent(args.max_regression)
-        extra = {}
-        for a in args.args:
-            name, _, opts = a.partition("=")
-            extra[name.strip()] = shlex.split(opts)
-        baseline = json.loads(Path(args.compare).read_text()) if args.compare else None
-    except (ValueError, OSError) as e:
-        print(f"torsh bench: {e}", file=sys.stderr)
-        return 2
+        raise _cli.UsageError(f"unknown suite(s) {', '.join(unknown)}; suites: {', '.join(SUITE_NAMES)}")
+    if baseline is not None:
+        suites = suites or [s for s in SUITE_NAMES if s in baseline.measurements]
+        missing = [s for s in suites if not baseline.measurements.get(s)]
+        if missing:
+            held = ", ".join(s for s in SUITE_NAMES if baseline.measurements.get(s)) or "none"
+            raise _cli.UsageError(f"--compare: the baseline {baseline.path} holds no measurement of "
+                                  f"{', '.join(missing)} (it holds: {held}); name only suites it holds, or make a "
+                                  "baseline with them")  # fmt: skip
+        replayed = [s for s in suites if baseline.options.get(s) is not None]
+        if args.full and replayed:
+            raise _cli.UsageError(f"--full: {', '.join(replayed)} run with the options the baseline recorded; drop "
+                                  "--full (--args adds options)")  # fmt: skip
+    suites = suites or list(SUITE_NAMES)
+    extra: dict[str, list[str]] = {}
+    for name, opts in args.args:
+        extra.setdefault(name, []).extend(opts)
+    device = resolve_device(args.device)
+    quick = device.type == "cpu" and not args.full
+    plan = []
+    for name in suites:
+        mod = suite_module(name)
+        parser = _cli.Parser(prog=f"torsh bench {name}")
+        mod.add_arguments(parser)
+        recorded = baseline.options.get(name) if baseline is not None else None
+        if recorded is not None:
+            argv = list(recorded) + (["--device", str(device)] if args.device and name in HAS_DEVICE else [])
+        else:
+            argv = (QUICK[name] if quick else []) + (["--device", str(device)] if name in HAS_DEVICE else [])
+        ns = parser.parse_args(argv + extra.get(name, []))
+        ns.options = _cli.argv_of(parser, ns, skip={"json"})
+        plan.append((name, mod, ns))
+    return plan
+
+
+def run(args: argparse.Namespace) -> int:
+    baseline = load_baseline(args.compare) if args.compare else None
+    plan = _plan(args, baseline)
     if args.ncu:
         from . import ncu
 
         why = ncu.unavailable_reason()
         if why is not None:
-            print(f"torsh bench --ncu cannot run here: {why}", file=sys.stderr)
-            return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    quick = device.type == "cpu" and not args.full
-    doc = {"suite": "all", **environment(device), "mode": "quick" if quick else "full", "suites": {},
-           "measurements": {}}  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="torsh-bench-") as tmp:
-        for name in suites:
-            mod = suite_module(name)
-            parser = argparse.ArgumentParser(prog=f"torsh bench {name}")
-            mod.add_arguments(parser)
-            argv = (QUICK[name] if quick else []) + extra.get(name, []) + ["--json", str(Path(tmp) / f"{name}.json")]
-            if name in HAS_DEVICE:
-                argv += ["--device", device.type]
-            rc = mod.run(parser.parse_args(argv))
-            if rc != 0:
-                print(f"torsh bench: suite {name} failed (exit status {rc})", file=sys.stderr)
-                return rc
-            data = json.loads((Path(tmp) / f"{name}.json").read_text())
-            doc["suites"][name] = data
-            doc["measurements"][name] = measurements(name, data)
+            raise _cli.UsageError(f"--ncu cannot run here: {why}")
+    device = resolve_device(args.device)
+    replayed = baseline is not None and any(baseline.options.get(n) is not None for n, _, _ in plan)
+    mode = "baseline's options" if replayed else ("quick" if device.type == "cpu" and not args.full else "full")
+    doc = {"suite": "all", **environment(device), "mode": mode, "suites": {}, "measurements": {}}
+    for name, mod, ns in plan:
+        ns.sink = []
+        rc = mod.run(ns)
+        if rc != 0:
+            print(f"torsh bench: suite {name} failed (exit status {rc})", file=sys.stderr)
+            return rc
+        doc["suites"][name] = ns.sink[-1]
+        doc["measurements"][name] = measurements(name, ns.sink[-1])
     if args.ncu:
-        from rich.table import Table
-
         from . import ncu
 
         doc["ncu"] = ncu.profile()
-        t = Table(title="Nsight Compute: fused kernels (triton provider)", title_justify="left")
         cols = list(dict.fromkeys(k for r in doc["ncu"] for k in r))
-        for c in cols:
-            t.add_column(c)
+        text = [c for c in cols if not all(isinstance(r.get(c), int | float) for r in doc["ncu"])]
+        t = _cli.table("Nsight Compute: fused kernels (triton provider)", cols, text=text)
         for r in doc["ncu"]:
             t.add_row(*(str(r.get(c, "")) for c in cols))
-        wide_console(140).print(t)
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"wrote {args.json_path}")
+        _cli.console().print(t)
+    _cli.write_json(args.json, doc)
     if baseline is None:
         return 0
-    try:
-        rows, bad = compare(doc, baseline, max_reg)
-    except ValueError as e:
-        print(f"torsh bench: {e}", file=sys.stderr)
-        return 2
-    from rich.table import Table
+    return report_comparison(doc["measurements"], baseline, args.max_regression)
 
-    t = Table(title=f"compared with {args.compare} (ours may be at most {100 * max_reg:.0f}% slower)",
-              title_justify="left")  # fmt: skip
-    for col in ("suite", "case", "kind", "baseline", "now", "ratio"):
-        t.add_column(col, justify="right" if col in ("baseline", "now", "ratio") else "left")
-    for suite, case, kind, b, n, ratio in sorted(rows, key=lambda r: -r[5])[:40]:
+
+def report_comparison(current: dict[str, dict], baseline: Baseline, max_reg: float) -> int:
+    """Print the comparison; the exit status: 0, 1 (a regression of ours) or 2 (nothing compared)."""
+    c = compare(current, baseline.measurements, max_reg)
+    n_base = sum(len(baseline.measurements.get(s, {})) for s in current)
+    if not c.rows:
+        have = next((f"{s}: {k!r}" for s in current for k in baseline.measurements.get(s, {})), "none")
+        now = next((f"{s}: {k!r}" for s in current for k in current[s]), "none")
+        raise _cli.UsageError(f"--compare: nothing compared: none of the {n_base} cases of {baseline.path} was "
+                              f"measured in this run (the baseline has e.g. {have}; this run measured e.g. {now}); "
+                              "run the suites with the options the baseline was measured with")  # fmt: skip
+    t = _cli.table(f"compared with {baseline.path} (ours may be at most {100 * max_reg:.0f}% slower)",
+                   ["suite", "case", "kind", "baseline", "now", "ratio"], text=("suite", "case", "kind"))  # fmt: skip
+    for suite, case, kind, b, n, ratio in sorted(c.rows, key=lambda r: -r[5])[:40]:
         style = "bold red" if (kind == "ours" and ratio > 1 + max_reg) else None
         t.add_row(suite, case, kind, f"{b:.4g} ms", f"{n:.4g} ms", f"{ratio:.2f}x", style=style)
-    wide_console(140).print(t)
-    if not rows:
-        print("torsh bench: no case of the baseline was measured in this run; nothing compared", file=sys.stderr)
-        return 2
-    if bad:
-        for suite, case, _, b, n, ratio in bad:
+    _cli.console().print(t)
+    kinds = {k: sum(1 for r in c.rows if r[2] == k) for k in KINDS}
+    print(f"compared {len(c.rows)} of the {n_base} cases of the baseline ({kinds['ours']} ours, {kinds['peer']} "
+          f"peers, {kinds['copy']} copy baselines)")  # fmt: skip
+    if c.missing:
+        s, k = c.missing[0]
+        print(f"torsh bench: {len(c.missing)} case(s) of the baseline were not measured in this run, e.g. {s}: {k!r}",
+              file=sys.stderr)  # fmt: skip
+    if c.new:
+        s, k = c.new[0]
+        print(f"torsh bench: {len(c.new)} case(s) measured now are not in the baseline, e.g. {s}: {k!r}",
+              file=sys.stderr)  # fmt: skip
+    if c.regressions:
+        for suite, case, _, b, n, ratio in c.regressions:
             print(f"REGRESSION {suite}: {case}: {b:.4g} ms -> {n:.4g} ms ({100 * (ratio - 1):.0f}% slower)")
         return 1
-    print(f"no regression beyond {100 * max_reg:.0f}% in {sum(1 for r in rows if r[2] == 'ours')} cases of ours")
+    print(f"no regression beyond {100 * max_reg:.0f}% in {kinds['ours']} cases of ours")
     return 0

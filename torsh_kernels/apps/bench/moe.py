@@ -24,8 +24,21 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from ... import _cli
 from ...ops import moe_permute, moe_route, moe_unpermute
-from . import Case, Result, check_providers, environment, print_tables, write_json
+from . import (
+    Case,
+    Result,
+    add_device,
+    add_providers,
+    emit,
+    environment,
+    print_tables,
+    resolve_device,
+    result_doc,
+    select_providers,
+    suite_main,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -116,40 +129,45 @@ def run_case(T: int, H: int, E: int, k: int, dtype: torch.dtype, device: torch.d
     return results
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        out = [int(e) for e in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected expert counts like 8,64, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expert counts must be >= 1, got {text!r}")
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--providers", default=None,
-                   help="comma-separated providers to time (default: those running compiled code here)")  # fmt: skip
-    p.add_argument("--tokens", type=int, default=16384, help="T (default 16384)")
-    p.add_argument("--hidden", type=int, default=4096, help="H (default 4096)")
-    p.add_argument("--experts", default="8,64", help="comma-separated expert counts (default 8,64)")
-    p.add_argument("--k", type=int, default=2, help="experts per token (default 2)")
+    add_device(p)
+    add_providers(p)
+    p.add_argument("--tokens", type=_cli.int_at_least(1), default=16384, help="T (default 16384)")
+    p.add_argument("--hidden", type=_cli.int_at_least(1), default=4096, help="H (default 4096)")
+    p.add_argument("--experts", default=[8, 64], type=_counts, help="comma-separated expert counts (default 8,64)")
+    p.add_argument("--k", type=_cli.int_at_least(1), default=2, help="experts per token (default 2)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activation and logit dtype")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (default 20 GPU, 5 CPU)")
-    p.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
+    p.add_argument("--reps", type=_cli.int_at_least(1), default=None,
+                   help="timed repetitions per measurement (default 20 GPU, 5 CPU)")  # fmt: skip
+    _cli.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    providers = check_providers("moe", args.providers, device)
-    if providers is None:
-        return 2
+    device = resolve_device(args.device)
+    if args.k > min(args.experts):
+        raise _cli.UsageError(f"--k {args.k} is more than the {min(args.experts)} expert(s) of --experts")
+    providers = select_providers("torsh bench moe", args.providers, device)
     reps = args.reps or (20 if device.type == "cuda" else 5)
     env = environment(device)
     results: list[Result] = []
-    for E in (int(e) for e in args.experts.split(",")):
+    for E in args.experts:
         results += run_case(args.tokens, args.hidden, E, args.k, DTYPES[args.dtype], device, providers, reps)
     print_tables(results, "torsh bench moe", env)
-    if args.json_path:
-        config = {"providers": providers, "reps": reps, "tokens": args.tokens, "hidden": args.hidden,
-                  "experts": args.experts, "k": args.k, "dtype": args.dtype}  # fmt: skip
-        write_json(args.json_path, "moe", env, results, config)
-        print(f"wrote {args.json_path}")
+    config = {"providers": providers, "reps": reps, "tokens": args.tokens, "hidden": args.hidden,
+              "experts": ",".join(map(str, args.experts)), "k": args.k, "dtype": args.dtype}  # fmt: skip
+    emit(args, result_doc("moe", env, results, config))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_moe", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return suite_main("moe", argv)

@@ -29,9 +29,21 @@ import time
 
 import torch
 
+from ... import _cli
 from ...ops import FORMATS, pack, packed_nbytes, quantize_ref, unpack
 from ...parallel import OffloadedOptimizer
-from . import Case, Result, environment, fmt_bytes, print_tables, wide_console, write_json
+from . import (
+    Case,
+    Result,
+    add_device,
+    emit,
+    environment,
+    fmt_bytes,
+    print_tables,
+    resolve_device,
+    result_doc,
+    suite_main,
+)
 
 MIB = 1 << 20
 
@@ -163,52 +175,62 @@ def run_optimizer(width: int, layers: int, batch: int, steps: int, device: torch
     return out
 
 
+def _mib_text(text: str) -> str:
+    try:
+        ok = all(0 < float(v) <= 65536 for v in text.split(","))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected sizes in MiB like 64,256, got {text!r}")
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--sizes", default="64,256", help="comma-separated fp32 tensor sizes in MiB (default 64,256)")
-    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated formats (default: all)")
-    p.add_argument("--width", type=int, default=None, help="MLP width (default 4096 on CUDA, 1024 on CPU)")
-    p.add_argument("--layers", type=int, default=None, help="MLP layers (default 12 on CUDA, 16 on CPU)")
-    p.add_argument("--batch", type=int, default=64, help="batch rows for the optimizer part (default 64)")
-    p.add_argument("--steps", type=int, default=5, help="timed training steps per optimizer (default 5)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (default 20 GPU, 5 CPU)")
-    p.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
+    add_device(p)
+    p.add_argument("--sizes", default="64,256", type=_mib_text,
+                   help="comma-separated fp32 tensor sizes in MiB (default 64,256)")  # fmt: skip
+    p.add_argument("--formats", default=list(FORMATS), type=_cli.choice_list(FORMATS, "format"),
+                   help=f"comma-separated formats from {', '.join(FORMATS)} (default: all)")  # fmt: skip
+    p.add_argument("--width", type=_cli.int_at_least(1), default=None,
+                   help="MLP width (default 4096 on CUDA, 1024 on CPU)")  # fmt: skip
+    p.add_argument("--layers", type=_cli.int_at_least(1), default=None,
+                   help="MLP layers (default 12 on CUDA, 16 on CPU)")  # fmt: skip
+    p.add_argument("--batch", type=_cli.int_at_least(1), default=64,
+                   help="batch rows for the optimizer part (default 64)")  # fmt: skip
+    p.add_argument("--steps", type=_cli.int_at_least(1), default=5,
+                   help="timed training steps per optimizer (default 5)")  # fmt: skip
+    p.add_argument("--reps", type=_cli.int_at_least(1), default=None,
+                   help="timed repetitions per measurement (default 20 GPU, 5 CPU)")  # fmt: skip
+    _cli.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     reps = args.reps or (20 if device.type == "cuda" else 5)
     env = environment(device)
     results: list[Result] = []
-    for fmt in args.formats.split(","):
+    for fmt in args.formats:
         for mib in (float(s) for s in args.sizes.split(",")):
-            results += run_pack_case(fmt.strip(), mib, device, reps)
+            results += run_pack_case(fmt, mib, device, reps)
     print_tables(results, "torsh bench offload", env)
     width = args.width or (4096 if device.type == "cuda" else 1024)
     layers = args.layers or (12 if device.type == "cuda" else 16)
     opt_rows = run_optimizer(width, layers, args.batch, args.steps, device)
-    from rich.table import Table
-
-    t = Table(title=f"optimizer: MLP {layers} x [{width} x {width}], batch {args.batch}", title_justify="left")
-    for col in ("optimizer", "params", "train step", "optimizer step", "peak", "vs AdamW"):
-        t.add_column(col, justify="left" if col == "optimizer" else "right")
+    t = _cli.table(f"optimizer: MLP {layers} x [{width} x {width}], batch {args.batch}",
+                   ["optimizer", "params", "train step", "optimizer step", "peak", "vs AdamW"],
+                   text=("optimizer",))  # fmt: skip
     base = opt_rows[0]
     for r in opt_rows:
         t.add_row(r["optimizer"], f"{r['params'] / 1e6:.1f}M", f"{r['train_step_ms']:.1f} ms",
                   f"{r['optimizer_step_ms']:.1f} ms", f"{fmt_bytes(r['peak_bytes'])} ({r['peak_kind']})",
                   f"time {r['train_step_ms'] / base['train_step_ms']:.2f}x, "
                   f"memory {r['peak_bytes'] / max(base['peak_bytes'], 1):.2f}x")  # fmt: skip
-    wide_console(120).print(t)
-    if args.json_path:
-        config = {"sizes_mib": args.sizes, "formats": args.formats, "reps": reps, "width": width, "layers": layers,
-                  "batch": args.batch, "steps": args.steps}  # fmt: skip
-        write_json(args.json_path, "offload", env, results, {**config, "optimizer": opt_rows})
-        print(f"wrote {args.json_path}")
+    _cli.console().print(t)
+    config = {"sizes_mib": args.sizes, "formats": ",".join(args.formats), "reps": reps, "width": width,
+              "layers": layers, "batch": args.batch, "steps": args.steps}  # fmt: skip
+    emit(args, result_doc("offload", env, results, {**config, "optimizer": opt_rows}))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_offload", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return suite_main("offload", argv)

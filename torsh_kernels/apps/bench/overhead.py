@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
-from ... import ops
+from ... import _cli, ops
 from ...ops import registry
-from . import Result, Timing, environment, quantile, wide_console, write_json
+from . import Result, Timing, emit, environment, quantile, result_doc, suite_main
 
 TARGET_US = 15.0
 TARGET_RATIO = 5.0
@@ -238,33 +237,28 @@ def _selected(op: str, device: torch.device, requested: str | None) -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--calls", type=int, default=200, help="calls per timed loop of a tiny case (default 200)")
-    ap.add_argument("--bulk-calls", type=int, default=5, help="calls per timed loop of a 2000-tensor case (default 5)")
-    ap.add_argument("--reps", type=int, default=15, help="timed loops per implementation (default 15)")
-    ap.add_argument("--provider", default=None, help="provider for our ops (default: automatic; torch on a CPU)")
+    ap.add_argument("--calls", type=_cli.int_at_least(1), default=200,
+                    help="calls per timed loop of a tiny case (default 200)")  # fmt: skip
+    ap.add_argument("--bulk-calls", type=_cli.int_at_least(1), default=5,
+                    help="calls per timed loop of a 2000-tensor case (default 5)")  # fmt: skip
+    ap.add_argument("--reps", type=_cli.int_at_least(1), default=15, help="timed loops per implementation (default 15)")
+    ap.add_argument("--provider", default=None, choices=registry.PROVIDERS,
+                    help="provider for our ops (default: automatic; torch on a CPU)")  # fmt: skip
     ap.add_argument("--ops", default=None, help="comma-separated op names to run (default: all)")
     ap.add_argument("--no-bulk", action="store_true", help="skip the 2000 x 4 KiB cases")
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--threads", type=_cli.int_at_least(0), default=1,
                     help="torch intra-op threads while timing (default 1: tiny ops do not use more, and on a "
                          "loaded machine waking a thread pool costs milliseconds at random; 0: torch's)")  # fmt: skip
-    ap.add_argument("--device", default="cpu", help="only cpu: the suite measures host cost")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--device", default="cpu", choices=("cpu",), help="only cpu: the suite measures host cost")
+    _cli.add_json(ap)
 
 
 def run(a: argparse.Namespace) -> int:
-    if a.calls < 1 or a.bulk_calls < 1 or a.reps < 1:
-        print("torsh bench overhead: --calls, --bulk-calls and --reps must be >= 1", file=sys.stderr)
-        return 2
-    if a.device != "cpu":
-        print(f"torsh bench overhead: measures host cost on the CPU; --device {a.device} is not supported",
-              file=sys.stderr)  # fmt: skip
-        return 2
     device = torch.device("cpu")
     if a.provider:
         why = registry.can_run(a.provider, device)
         if why is not None:
-            print(f"torsh bench overhead: provider {a.provider!r} cannot run here: {why}", file=sys.stderr)
-            return 2
+            raise _cli.UsageError(f"--provider: {a.provider} cannot run here: {why}")
     threads = torch.get_num_threads()
     if a.threads > 0:
         torch.set_num_threads(a.threads)
@@ -276,10 +270,14 @@ def run(a: argparse.Namespace) -> int:
 
 def _run(a: argparse.Namespace, device: torch.device) -> int:
     env = environment(device)
-    wanted = set(a.ops.split(",")) if a.ops else None
+    wanted = {o.strip() for o in a.ops.split(",") if o.strip()} if a.ops else None
+    all_cases = cases(a.provider)
+    known = sorted({c[0] for c in all_cases})
+    if wanted and wanted - set(known):
+        raise _cli.UsageError(f"--ops: unknown op(s) {', '.join(sorted(wanted - set(known)))}; ops: {', '.join(known)}")
     results: list[Result] = []
     summary_rows = []
-    for op, case, ours, peer_name, peer, sel_op in cases(a.provider):
+    for op, case, ours, peer_name, peer, sel_op in all_cases:
         bulk = case.startswith(BULK)
         if (wanted and op not in wanted) or (bulk and a.no_bulk):
             continue
@@ -307,17 +305,13 @@ def _run(a: argparse.Namespace, device: torch.device) -> int:
                                   extra=extra))  # fmt: skip
         summary_rows.append((op, case, prov, ours_us, peer_name, peer_us, ratio, target, met))
 
-    from rich.table import Table
-
-    console = wide_console(190)
+    console = _cli.console()
     console.print(f"[bold]host overhead per call[/bold] on {env['device']} (torch {env['versions']['torch']}), "
                   f"{a.reps} interleaved loops of {a.calls} calls ({a.bulk_calls} for {BULK}), "
                   f"{torch.get_num_threads()} torch thread(s)")  # fmt: skip
-    t = Table()
-    for c, j in (("op", "left"), ("case", "left"), ("provider", "left"), ("ours us", "right"),
-                 ("p20-p80", "right"), ("torch us", "right"), ("p20-p80", "right"), ("ours/torch", "right"),
-                 ("target", "left"), ("torch equivalent", "left")):  # fmt: skip
-        t.add_column(c, justify=j, no_wrap=c != "case")
+    cols = ["op", "case", "provider", "ours us", "p20-p80", "torch us", "p20-p80", "ours/torch", "target",
+            "torch equivalent"]  # fmt: skip
+    t = _cli.table(None, cols, text=("op", "case", "provider", "target", "torch equivalent"))
     for op, case, prov, o, pn, pu, ratio, _target, met in summary_rows:
         t.add_row(op, case, prov, f"{statistics.median(o):.1f}", f"{quantile(o, 0.2):.1f}-{quantile(o, 0.8):.1f}",
                   f"{statistics.median(pu):.1f}", f"{quantile(pu, 0.2):.1f}-{quantile(pu, 0.8):.1f}",
@@ -330,19 +324,14 @@ def _run(a: argparse.Namespace, device: torch.device) -> int:
     n_met = sum(r[-1] for r in targeted)
     console.print(f"targets met: {n_met} of {len(targeted)} cases (the {len(summary_rows) - len(targeted)} "
                   f"'{GRAD}' cases are reported without a target)")  # fmt: skip
-    if a.json:
-        config = {"calls": a.calls, "bulk_calls": a.bulk_calls, "reps": a.reps, "provider": a.provider,
-                  "threads": torch.get_num_threads(),
-                  "targets": {"us": TARGET_US, "ratio": TARGET_RATIO, "bulk_ratio": TARGET_BULK_RATIO},
-                  "met": n_met, "cases": len(targeted),
-                  "reported_without_target": len(summary_rows) - len(targeted)}  # fmt: skip
-        write_json(a.json, "overhead", env, results, config)
-        print(f"wrote {a.json}")
+    config = {"calls": a.calls, "bulk_calls": a.bulk_calls, "reps": a.reps, "provider": a.provider,
+              "threads": torch.get_num_threads(),
+              "targets": {"us": TARGET_US, "ratio": TARGET_RATIO, "bulk_ratio": TARGET_BULK_RATIO},
+              "met": n_met, "cases": len(targeted),
+              "reported_without_target": len(summary_rows) - len(targeted)}  # fmt: skip
+    emit(a, result_doc("overhead", env, results, config))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="torsh bench overhead", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
+    return suite_main("overhead", argv)

@@ -21,17 +21,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
-from ... import _trace
+from ... import _cli, _trace
 from ...ops import flatten
 from ...ops.registry import Op
 from ...profiling import timeline
-from . import Result, Timing, environment, quantile, wide_console, write_json
+from . import Result, Timing, emit, environment, quantile, result_doc, suite_main
 
 TARGET_NS = 1000.0
 
@@ -124,15 +123,13 @@ def measure(calls: int, reps: int) -> list[tuple[str, str, str, list[float]]]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--calls", type=int, default=200_000, help="calls per timed loop (default 200000)")
-    ap.add_argument("--reps", type=int, default=7, help="timed loops per implementation (default 7)")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--calls", type=_cli.int_at_least(100), default=200_000,
+                    help="calls per timed loop (default 200000)")  # fmt: skip
+    ap.add_argument("--reps", type=_cli.int_at_least(1), default=7, help="timed loops per implementation (default 7)")
+    _cli.add_json(ap)
 
 
 def run(a: argparse.Namespace) -> int:
-    if a.calls < 100 or a.reps < 1:
-        print("torsh bench trace: --calls must be >= 100 and --reps >= 1", file=sys.stderr)
-        return 2
     env = environment(torch.device("cpu"))
     rows = measure(a.calls, a.reps)
     results = []
@@ -149,14 +146,10 @@ def run(a: argparse.Namespace) -> int:
     cost_span = med[("user span", "timeline.record, no recorder")] - med[("user span", "contextlib.nullcontext")]
     summary = {"instrumentation_ns_op_dispatch": cost_op, "instrumentation_ns_user_span": cost_span,
                "target_ns": TARGET_NS, "met": max(cost_op, cost_span) < TARGET_NS}  # fmt: skip
-    from rich.table import Table
-
-    console = wide_console(110)
+    console = _cli.console()
     console.print(f"[bold]timeline instrumentation cost[/bold] on {env['device']} (torch {env['versions']['torch']}), "
                   f"{a.reps} loops of {a.calls} calls")  # fmt: skip
-    t = Table()
-    for c, j in (("case", "left"), ("implementation", "left"), ("ns / call", "right"), ("p20-p80", "right")):
-        t.add_column(c, justify=j)
+    t = _cli.table(None, ["case", "implementation", "ns / call", "p20-p80"], text=("case", "implementation"))
     for r in results:
         ns = r.extra["ns_per_call"]
         t.add_row(r.case, r.impl, f"{ns:,.0f}", f"{r.timing.p20_ms * 1e6:,.0f}-{r.timing.p80_ms * 1e6:,.0f}",
@@ -164,14 +157,9 @@ def run(a: argparse.Namespace) -> int:
     console.print(t)
     console.print(f"instrumentation with no recorder: {cost_op:+.0f} ns per op dispatch, {cost_span:+.0f} ns per "
                   f"user span (target < {TARGET_NS:.0f} ns): {'met' if summary['met'] else 'NOT met'}")  # fmt: skip
-    if a.json:
-        write_json(a.json, "trace", env, results, {"calls": a.calls, "reps": a.reps, "summary": summary})
-        print(f"wrote {a.json}")
+    emit(a, result_doc("trace", env, results, {"calls": a.calls, "reps": a.reps, "summary": summary}))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="torsh bench trace", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
+    return suite_main("trace", argv)

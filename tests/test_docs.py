@@ -167,14 +167,31 @@ NOT_RUN = [
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """Every file's process, started when the first file's test runs, two at a time (this machine's two
+    cores: most of a file's time is its interpreter importing torch, single-threaded); each test then waits
+    for its own file. The per-file time limit counts from that file's own start."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    runs = {}
+    for doc in WITH_CODE:
+        blocks, problems = parse(doc)
+        run = [b for b in blocks if b.lang in RUN and not b.not_run]
+        if run and not problems:
+            runs[doc] = pool.submit(run_blocks, doc, run, tmp_path_factory.mktemp("snippets"))
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.parametrize("doc", WITH_CODE, ids=_rel)
-def test_snippets_run(doc: Path, tmp_path: Path) -> None:
-    blocks, problems = parse(doc)
+def test_snippets_run(doc: Path, started) -> None:
+    problems = parse(doc)[1]
     assert not problems, "\n".join(problems)
-    run = [b for b in blocks if b.lang in RUN and not b.not_run]
-    if not run:
+    if doc not in started:
         pytest.skip(f"{_rel(doc)}: every ```python block is marked not run")
-    failure = run_blocks(doc, run, tmp_path)
+    failure = started[doc].result()
     if failure:
         pytest.fail(failure, pytrace=False)
 

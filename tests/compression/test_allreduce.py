@@ -135,7 +135,7 @@ def _powersgd_ref(c: PowerSGD, xs, sims, shape):
 TOLS = {"none": 1e-5, "fp16": 3e-3, "bf16": 3e-2, "powersgd": 1e-4}
 
 
-def _compressed_worker(comm: TorchCommunicator, names: list[str], provider: str | None) -> int:
+def _compressed_worker(comm: TorchCommunicator, names: list[str], provider: str | None, steps: int = STEPS) -> int:
     comm = TorchCommunicator(comm.group, timeout=30, check_consistency=True)
     ws, me = comm.world_size, comm.rank
     checks = 0
@@ -149,7 +149,7 @@ def _compressed_worker(comm: TorchCommunicator, names: list[str], provider: str 
             for per_shape in sims:
                 for st in per_shape:
                     st.seed = 0  # rank 0's seed, broadcast on the first call
-        for step in range(STEPS):
+        for step in range(steps):
             for b, shape in enumerate(SHAPES):  # several buckets per step
                 xs = [inputs(step, r, shape) for r in range(ws)]
                 t = xs[me].clone()
@@ -193,8 +193,9 @@ def test_every_compressor_averages_the_ranks_contributions(world_size):
 @pytest.mark.parametrize("provider", ["triton", "numba"])
 def test_kernel_providers_in_compressed_all_reduce(provider):
     names = ["topk", "int8-gather", "int4-shared", "sign", "powersgd"]
-    counts = run_local(_compressed_worker, 2, names, provider, op_timeout=120)
-    assert counts == [len(names) * STEPS * len(SHAPES)] * 2
+    # two steps: the second reads the residuals and Q the first left (the interpreters are slow)
+    counts = run_local(_compressed_worker, 2, names, provider, 2, op_timeout=120)
+    assert counts == [len(names) * 2 * len(SHAPES)] * 2
 
 
 def _errors_worker(comm) -> list[str]:

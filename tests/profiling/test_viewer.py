@@ -88,7 +88,7 @@ def test_totals_and_top_table(trace_dir, capsys):
         row = _row(out, r)
         # rank, time, compute, compress, memory, comm exp, unrecorded, in flight, comm share, overlap, colls, wire
         assert row[1:12] == ["200.000", "150.000", "20.000", "0.000", "15.000", "15.000", "45.000", "22.5%", "66.7%",
-                             "2", "8.0 KiB"]  # fmt: skip
+                             "2", "8 KiB"]  # fmt: skip
     assert _row(out, "backward")[1:7] == ["compute", "4", "200.000", "50.000", "50.000", "0,1"]
     assert _row(out, "all_reduce")[1:7] == ["communication", "4", "90.000", "22.500", "35.000", "0,1"]
     assert _row(out, "wait")[1:4] == ["wait", "2", "20.000"]

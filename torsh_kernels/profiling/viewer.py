@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .. import _cli
+from .._env import fmt_bytes
 from ..errors import InvalidArgumentError, TraceFormatError
 from . import analysis as A
 from .traces import CLASSES, Span, Trace, load
@@ -266,7 +267,7 @@ def render_tables(trace: Trace, view: View, console) -> dict:
         tt.add_row(str(b.rank), f"{b.window_ms:.3f}", f"{b.compute_ms:.3f}", f"{b.compression_ms:.3f}",
                    f"{b.memory_ms:.3f}", f"{b.communication_ms:.3f}", f"{b.unrecorded_ms:.3f}", f"{b.comm_ms:.3f}",
                    f"{100 * b.comm_share:.1f}%", "-" if b.overlap is None else f"{100 * b.overlap:.1f}%",
-                   str(b.collectives), _fmt_bytes(b.wire_bytes))  # fmt: skip
+                   str(b.collectives), fmt_bytes(b.wire_bytes))  # fmt: skip
     console.print(tt)
     top = A.top_spans(trace, kept, wins, view.top)
     if top:
@@ -279,14 +280,6 @@ def render_tables(trace: Trace, view: View, console) -> dict:
                        f"{d['max_ms']:.3f}", rk if len(rk) <= 12 else f"{len(d['ranks'])} ranks")  # fmt: skip
         console.print(t2)
     return {"window": (lo, hi), "breakdowns": bds, "top": top}
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 # -- interactive ---------------------------------------------------------------------------------------

@@ -640,9 +640,11 @@ def test_ctrl_c_stops_the_demo_and_every_rank():
     import signal
     import time
 
+    # (SIG_DFL: a shell that ran the tests in the background made them ignore SIGINT, and children inherit that)
     p = subprocess.Popen([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--steps", "100000", "--hidden", "8",
                           "--compressors", "none", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)  # fmt: skip
+                         text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         deadline, ranks = time.time() + 120, []
         while time.time() < deadline and not (len(ranks) == 2 and all(map(_in_process_group, ranks))):
@@ -667,13 +669,15 @@ def test_ctrl_c_stops_the_demo_and_every_rank():
 def test_ctrl_c_in_the_interactive_timeline(tmp_path):
     import pty
     import select
+    import signal
     import time
 
     from tests.profiling.trace_fixtures import write_trace
 
     trace = write_trace(tmp_path / "tr")
     pid, fd = pty.fork()
-    if pid == 0:  # the child: the viewer on the pty (its controlling terminal)
+    if pid == 0:  # the child: the viewer on the pty (its controlling terminal), with Ctrl-C not ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execv(sys.executable, [sys.executable, "-m", "torsh_kernels.apps.cli", "timeline", str(trace),
                                   "--interactive", "--width", "120"])  # fmt: skip
     out = b""
@@ -694,8 +698,15 @@ def test_ctrl_c_in_the_interactive_timeline(tmp_path):
     assert b"keys:" in out
     os.write(fd, b"\x03")  # Ctrl-C: the terminal sends SIGINT
     read_for(3)
-    _, status = os.waitpid(pid, 0)
-    assert os.WEXITSTATUS(status) == 130
+    deadline, status = time.time() + 30, None
+    while status is None and time.time() < deadline:
+        done, st = os.waitpid(pid, os.WNOHANG)
+        status = st if done else time.sleep(0.1)
+    if status is None:  # still running: never hang the suite
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert status is not None, "the viewer did not stop on Ctrl-C"
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130
     assert b"torsh timeline: interrupted" in out and b"Traceback" not in out
 
 

@@ -781,6 +781,16 @@ def test_bad_baselines_fail_before_anything_runs(tmp_path, capsys, monkeypatch):
     )
 
 
+def test_bench_json_followed_by_a_suite_name_is_refused(tmp_path, monkeypatch, capsys):
+    """`torsh bench --json ddp`: argparse gives `ddp` to --json; the harness says so instead of running every
+    suite into a file named ddp."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--json", "ddp"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ddp is a suite" in err and "torsh bench ddp --json" in err
+    assert not (tmp_path / "ddp").exists()
+
+
 def test_json_means_the_same_on_every_command():
     """Every command or suite that writes JSON takes --json [PATH]: PATH, or stdout when no PATH is given."""
     from torsh_kernels.apps.cli import build_parser, harness_parser

@@ -228,6 +228,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _plan(args: argparse.Namespace, baseline: Baseline | None) -> list[tuple[str, object, argparse.Namespace]]:
     """Each suite to run with its parsed options; a bad option stops here, before anything runs."""
     suites = list(dict.fromkeys(args.suites))
+    if args.json in SUITE_NAMES and not Path(args.json).exists():
+        # `torsh bench --json ddp` reads ddp as --json's PATH: say so rather than run every suite into ./ddp
+        name = args.json
+        raise _cli.UsageError(f"--json {name}: {name} is a suite; to run it with JSON on stdout write "
+                              f"`torsh bench {name} --json` (--json=./{name} for a file of that name)")  # fmt: skip
     unknown = [s for s in suites if s not in SUITE_NAMES]
     if unknown:
         raise _cli.UsageError(f"unknown suite(s) {', '.join(unknown)}; suites: {', '.join(SUITE_NAMES)}")

@@ -23,7 +23,7 @@ from torsh_kernels.parallel.fsdp import (
     QuantizedAllGather,
     QuantizedReduceScatter,
     apply_quantized_comm,
-    wire_bytes,
+    encoded_nbytes,
 )
 
 
@@ -67,7 +67,7 @@ def _comms_worker(comm) -> dict:
         # at most half a code step per element, a code step being the block's absmax / 127 (int8) or / 7
         bound = exact.float().abs().max().item() / (127 if bits == 8 else 7) / 2 * 1.01 + 0.02
         out["ag"].append((torch.equal(o, ref), (o.float() - exact.float()).abs().max().item() <= bound,
-                          ag.bytes_sent == (ws - 1) * wire_bytes(n, bits, block)))  # fmt: skip
+                          ag.bytes_sent == (ws - 1) * encoded_nbytes(n, bits, block)))  # fmt: skip
         # async: a Work whose wait includes the dequantization
         o2 = torch.full((ws * n,), float("nan"), dtype=dtype)
         inp2 = o2.narrow(0, me * n, n)

@@ -64,8 +64,8 @@ __all__ = [
     "apply_quantized_comm",
     "count_traffic",
     "counting_default_comms",
+    "encoded_nbytes",
     "managed_parameters",
-    "wire_bytes",
 ]
 
 RESIDUAL = "torsh_rs_residual"
@@ -108,7 +108,7 @@ class _Wire:
         dequantize(q, sc, block=self.block, numel=self.n, out=out, accumulate=accumulate, alpha=alpha)
 
 
-def wire_bytes(numel: int, bits: int = 8, block: int = 256) -> int:
+def encoded_nbytes(numel: int, bits: int = 8, block: int = 256) -> int:
     """Bytes one rank's payload of ``numel`` elements takes on the wire (codes, scales, alignment)."""
     return _Wire(numel, bits, block).total
 

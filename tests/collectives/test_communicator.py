@@ -274,3 +274,27 @@ def test_run_local_argument_errors():
 def test_communicator_needs_an_initialised_process_group():
     with pytest.raises(InvalidArgumentError, match="init_process_group"):
         TorchCommunicator()
+
+
+def _traffic_worker(comm: TorchCommunicator) -> tuple[int, int, int]:
+    c = TorchCommunicator(check_consistency=False)  # the check's own all-gathers would be counted too
+    ws, me = c.world_size, c.rank
+    c.all_reduce(torch.ones(300))  # 1200 B
+    c.all_gather(torch.empty(ws * 10), torch.ones(10))  # 40 B
+    c.reduce_scatter(torch.empty(10), torch.ones(ws * 10))  # 120 B at 3 ranks
+    c.all_to_all(torch.empty(ws * 10), torch.ones(ws * 10))  # 120 B
+    c.broadcast(torch.ones(7), 0)  # 28 B from the root
+    h = c.send(torch.ones(5), (me + 1) % ws, async_op=True)  # 20 B
+    c.recv(torch.empty(5), (me - 1) % ws)
+    h.wait()
+    t = c.traffic
+    return t.collectives, t.payload_bytes, t.wire_bytes
+
+
+def test_traffic_counts_every_collective_by_the_ring_formulas():
+    """comm.traffic at 3 ranks, against figures worked out by hand: all-reduce 2(W-1)/W of 1200 B = 1600,
+    all-gather (W-1) x 40 = 80, reduce-scatter and all-to-all (W-1)/W x 120 = 80 each, broadcast 28 on the
+    root only, send 20, a receive nothing."""
+    out = run_local(_traffic_worker, 3, op_timeout=60)
+    assert out[0] == (7, 1200 + 40 + 120 + 120 + 28 + 20, 1600 + 80 + 80 + 80 + 28 + 20)
+    assert out[1] == out[2] == (7, 1200 + 40 + 120 + 120 + 20, 1600 + 80 + 80 + 80 + 20)

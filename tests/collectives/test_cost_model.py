@@ -109,3 +109,14 @@ def test_probe_topology_measures_both_levels():
     topo, inter = res[0][1], res[0][2]
     assert topo.world_size == 4 and topo.local_size == 2 and topo.intra is not None and inter is not None
     assert all(r[1] == topo and r[2] == inter for r in res)
+
+
+def test_wire_bytes_by_the_ring_formulas():
+    from torsh_kernels.collectives import wire_bytes
+
+    # (op, input bytes, world) -> bytes this rank sends, worked out by hand; odd sizes round down
+    cases = {("all_reduce", 1000, 2): 1000, ("all_reduce", 1000, 3): 1333, ("all_reduce", 1000, 4): 1500,
+             ("all_gather", 1000, 3): 2000, ("reduce_scatter", 999, 3): 666, ("all_to_all", 1001, 4): 750,
+             ("broadcast", 1000, 5): 1000, ("send", 7, 2): 7, ("recv", 1000, 2): 0, ("barrier", 4, 2): 4,
+             ("all_reduce", 1000, 1): 0, ("all_gather", 1000, 1): 0}  # fmt: skip
+    assert {k: wire_bytes(*k) for k in cases} == cases

@@ -164,8 +164,9 @@ def all_to_all_time(nbytes_sent: float, world_size: int, link: Link) -> float:
 
 # Bytes each rank puts on the wire for an input of n bytes over w ranks, ring algorithms (what NCCL and gloo
 # use for large messages; the same factors as the times above), in integers: all_reduce 2(w-1)/w,
-# all_gather (w-1) (of the input), reduce_scatter (w-1)/w (of the input), all_to_all (w-1)/w, broadcast 1
-# (pipelined ring), send 1.
+# all_gather (w-1) (of the input), reduce_scatter (w-1)/w (of the input), all_to_all (w-1)/w, send 1,
+# broadcast 1 of what the caller passes: the root passes its tensor, the others 0 (what enters the ring; a
+# ring's non-root ranks also forward it, which is not charged to them), a receive 0.
 _WIRE = {"all_reduce": lambda n, w: 2 * (w - 1) * n // w, "all_gather": lambda n, w: (w - 1) * n,
          "reduce_scatter": lambda n, w: (w - 1) * n // w, "all_to_all": lambda n, w: (w - 1) * n // w,
          "broadcast": lambda n, w: n, "send": lambda n, w: n, "barrier": lambda n, w: 2 * (w - 1) * n // w}  # fmt: skip

@@ -804,6 +804,7 @@ class RdmaCommunicator(CommunicatorBase):
         t = self._check_tensor(tensor, what, "tensor")
         src = self._check_peer(src, what, "source")
         self._check_no_tag(tag, what)
+        self._traffic.add(what, 0, self._world)  # counted, sending nothing (as every transport counts a receive)
         flat = t.view(-1)
         self._transfer(what, [], [(src, flat.numel(), flat.element_size(), _copier(flat))])
         return self._done(async_op)

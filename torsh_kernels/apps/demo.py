@@ -407,16 +407,18 @@ def from_trace(rows: list[dict], directory: str) -> None:
     for s in trace.steps():
         durs.setdefault(s.args.get("label"), []).append(s.dur)
     for r in rows:
+        hook = r.pop("hook_traced_bytes_per_step", None)
         f = rep["by_label"].get(r["compressor"])
-        if f is None or f["step_ms_median"] is None:
-            continue
-        r["timer_step_ms"], r["hook_bytes_per_step"] = r["step_ms"], r.pop("hook_traced_bytes_per_step", None)
+        if f is None or f["step_ms_median"] is None or f["wire_bytes_per_step"] is None:
+            continue  # no traced step of it: the row keeps the timer's and the hook's figures (figures_from)
+        r["timer_step_ms"], r["hook_bytes_per_step"] = r["step_ms"], hook
         d = durs[r["compressor"]]
         r.update(step_ms=f["step_ms_median"], step_ms_p20=quantile(d, 0.2), step_ms_p80=quantile(d, 0.8),
                  bytes_per_step=f["wire_bytes_per_step"], figures_from="trace")  # fmt: skip
-    base = next((r["step_ms"] for r in rows if r["compressor"] == "none"), None)
-    for r in rows:
-        r["speedup"] = base / r["step_ms"] if base else None
+    base = next((r for r in rows if r["compressor"] == "none"), None)
+    for r in rows:  # a speedup only between figures of one source
+        same = base is not None and base["figures_from"] == r["figures_from"]
+        r["speedup"] = base["step_ms"] / r["step_ms"] if same else None
 
 
 def _finish(rows: list[dict], cfg: DemoConfig, ranks: int, backend: str, network: str, json_path: str | None) -> None:

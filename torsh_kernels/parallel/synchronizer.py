@@ -517,8 +517,16 @@ class GradientSynchronizer:
 
     def get_sync_stats(self) -> SyncStats:
         """Statistics of the last ``sync_gradients()``: parameters with gradients, total MB, per-bucket
-        times and bytes, bytes on the wire and compression ratio, unused parameters; plus totals. A dict
-        (:class:`SyncStats`) that prints as one line."""
+        times and bytes, unused parameters; plus totals. A dict (:class:`SyncStats`) that prints as one line.
+
+        Bytes: ``bytes_before`` (the gradients), ``payload_bytes`` (what the buckets' collectives took as
+        input; ``compression_ratio`` is ``bytes_before / payload_bytes``) and ``bytes_on_wire``: the
+        communicator's ``traffic.wire_bytes`` from the first bucket's start to the end of the step, by
+        :func:`~torsh_kernels.collectives.wire_bytes` as the timeline counts it. That is every collective
+        issued on the communicator meanwhile: the synchronizer's own (payload rounds, non-finite flags, the
+        unused-parameter count) and any other code's on the same communicator during backward (give the
+        synchronizer a communicator of its own, ``comm.split([range(comm.world_size)])``, to count its
+        traffic alone). None with a communicator that keeps no ``traffic`` counters."""
         auto = self._engine.auto
         decision = auto.decision.as_dict() if auto is not None and auto.decision is not None else None
         return SyncStats(self._last, syncs=self._syncs, compressor=repr(self._engine.compressor), auto=decision)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from torsh_kernels.apps.bench.collectives import main
+from torsh_kernels.apps.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", "collectives", *sys.argv[1:]]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from torsh_kernels.apps.bench.offload import main
+from torsh_kernels.apps.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", "offload", *sys.argv[1:]]))

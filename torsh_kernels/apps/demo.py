@@ -45,7 +45,6 @@ __all__ = [
     "FSDP_CASES",
     "DemoConfig",
     "load_digits_split",
-    "main",
     "print_auto",
     "print_trace_summary",
     "run_rank",
@@ -532,10 +531,3 @@ def run(a: argparse.Namespace) -> int:
     rows = run_local(run_rank, a.ranks, cfg, backend=backend, threads=a.threads, timeout=1800, op_timeout=120)[0]
     _finish(rows, cfg, a.ranks, backend, "loopback" if backend == "gloo" else "NVLink/PCIe", a.json)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``torsh demo [options]``."""
-    from .cli import main as torsh
-
-    return torsh(["demo", *(sys.argv[1:] if argv is None else argv)])

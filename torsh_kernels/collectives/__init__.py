@@ -13,7 +13,6 @@ from .communicator import (
     CommunicatorBase,
     Handle,
     TorchCommunicator,
-    Traffic,
     as_communicator,
 )
 from .cost_model import (
@@ -26,13 +25,13 @@ from .cost_model import (
     probe,
     probe_topology,
     rounds_time,
-    wire_bytes,
 )
 from .cupy_nccl import CupyNcclCommunicator
 from .hierarchical import hierarchical_all_reduce, node_groups
 from .launch import init_from_env, run_local
 from .rdma import RdmaCommunicator
 from .sparse import all_reduce_sparse
+from .traffic import Traffic, wire_bytes
 from .transports import TransportStatus, make_communicator, transports
 
 __all__ = [

@@ -58,11 +58,9 @@ from ..errors import (
     InvalidArgumentError,
     ShapeError,
 )
-from .cost_model import wire_bytes
+from .traffic import Traffic
 
-__all__ = [
-    "REDUCE_OPS", "Communicator", "CommunicatorBase", "Handle", "TorchCommunicator", "Traffic", "as_communicator",
-]  # fmt: skip
+__all__ = ["REDUCE_OPS", "Communicator", "CommunicatorBase", "Handle", "TorchCommunicator", "as_communicator"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -303,29 +301,6 @@ def _allreduce_options(op: str) -> dist.AllreduceOptions:
 
 
 _OP_IDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "all_to_all": 5, "barrier": 6}
-
-
-class Traffic:
-    """What a communicator has sent since it was made: collectives issued, their input bytes (payload)
-    and the bytes this rank put on the wire for them (:func:`~torsh_kernels.collectives.wire_bytes`, the
-    same figure the timeline records per collective). Read it before and after a step for that step's
-    traffic (``comm.traffic.wire_bytes - before``)."""
-
-    __slots__ = ("collectives", "payload_bytes", "wire_bytes")
-
-    def __init__(self) -> None:
-        self.collectives = 0
-        self.payload_bytes = 0
-        self.wire_bytes = 0
-
-    def add(self, op: str, nbytes: int, world: int) -> None:
-        self.collectives += 1
-        self.payload_bytes += nbytes
-        self.wire_bytes += wire_bytes(op, nbytes, world)
-
-    def __repr__(self) -> str:
-        return (f"Traffic(collectives={self.collectives}, payload_bytes={self.payload_bytes}, "
-                f"wire_bytes={self.wire_bytes})")  # fmt: skip
 
 
 class CommunicatorBase:

@@ -40,14 +40,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-
-if TYPE_CHECKING:
-    from .communicator import Communicator
+from .communicator import Communicator
 
 __all__ = [
     "ALGORITHMS",
@@ -160,25 +157,6 @@ def all_to_all_time(nbytes_sent: float, world_size: int, link: Link) -> float:
     """Pairwise all-to-all: each rank sends ``(p - 1) / p`` of its ``nbytes_sent`` to the others."""
     p = world_size
     return (p - 1) * link.latency + (p - 1) / p * nbytes_sent / link.bandwidth if p > 1 else 0.0
-
-
-# Bytes each rank puts on the wire for an input of n bytes over w ranks, ring algorithms (what NCCL and gloo
-# use for large messages; the same factors as the times above), in integers: all_reduce 2(w-1)/w,
-# all_gather (w-1) (of the input), reduce_scatter (w-1)/w (of the input), all_to_all (w-1)/w, send 1,
-# broadcast 1 of what the caller passes: the root passes its tensor, the others 0 (what enters the ring; a
-# ring's non-root ranks also forward it, which is not charged to them), a receive 0.
-_WIRE = {"all_reduce": lambda n, w: 2 * (w - 1) * n // w, "all_gather": lambda n, w: (w - 1) * n,
-         "reduce_scatter": lambda n, w: (w - 1) * n // w, "all_to_all": lambda n, w: (w - 1) * n // w,
-         "broadcast": lambda n, w: n, "send": lambda n, w: n, "barrier": lambda n, w: 2 * (w - 1) * n // w}  # fmt: skip
-
-
-def wire_bytes(op: str, nbytes: int, world: int) -> int:
-    """Bytes this rank sends for collective ``op`` on ``nbytes`` of input over ``world`` ranks (ring
-    algorithms). The one definition of "bytes on the wire": the communicators' :class:`Traffic` counters,
-    the DDP hook's and the synchronizer's statistics, FSDP2's comm counters and the timeline's ``wire
-    bytes`` all use it. A receive, or an op not listed, sends nothing."""
-    f = _WIRE.get(op)
-    return f(int(nbytes), world) if f is not None and world > 1 else 0
 
 
 def _best_all_reduce(nbytes: float, topo: Topology, link: Link, algorithms) -> tuple[str, float]:

@@ -50,7 +50,8 @@ from ..errors import (
     TransportUnavailableError,
 )
 from . import bootstrap
-from .communicator import CommunicatorBase, Traffic
+from .communicator import CommunicatorBase
+from .traffic import Traffic
 
 __all__ = [
     "CupyNcclCommunicator",

@@ -56,7 +56,8 @@ from ..errors import (
     TransportUnavailableError,
 )
 from . import bootstrap
-from .communicator import CommunicatorBase, CompletedHandle, Traffic
+from .communicator import CommunicatorBase, CompletedHandle
+from .traffic import Traffic
 
 __all__ = [
     "Endpoint",

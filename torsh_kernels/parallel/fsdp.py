@@ -45,7 +45,7 @@ from torch import nn
 
 from .._env import fmt_bytes
 from ..collectives.communicator import as_communicator, is_communicator
-from ..collectives.cost_model import wire_bytes as _on_wire
+from ..collectives.traffic import wire_bytes as _on_wire
 from ..compression import Compressor, NoCompression, compressed_all_reduce
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops import dequantize, quantize

@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 
 from .. import _trace
-from ..collectives.cost_model import wire_bytes
+from ..collectives.traffic import wire_bytes
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from .traces import TORSH_OPS
 

@@ -179,10 +179,3 @@ def emit(args: argparse.Namespace, doc: dict) -> None:
 def result_doc(suite: str, env: dict, results: list[Result], config: dict) -> dict:
     """The JSON document of a suite made of :class:`Result` rows."""
     return {"suite": suite, **env, "config": config, "results": [asdict(r) for r in results]}
-
-
-def suite_main(name: str, argv: list[str] | None = None) -> int:
-    """``python benchmarks/bench_NAME.py [options]``: the same as ``torsh bench NAME [options]``."""
-    from ..cli import main
-
-    return main(["bench", name, *(sys.argv[1:] if argv is None else argv)])

@@ -34,7 +34,6 @@ from . import (
     resolve_device,
     result_doc,
     select_providers,
-    suite_main,
 )
 
 MIB = 1 << 20
@@ -172,7 +171,3 @@ def run(args: argparse.Namespace) -> int:
     config = {"providers": providers, "reps": reps, "scale": args.scale, "k_buffers": K_BUFFERS}
     emit(args, result_doc("bucket", env, results, config))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return suite_main("bucket", argv)

@@ -32,7 +32,7 @@ from ...collectives import Link, TorchCommunicator, init_from_env, make_communic
 from ...collectives.cost_model import all_gather_time, all_reduce_time, all_to_all_time
 from ...compression import compressed_all_reduce, compressed_time
 from ...errors import TransportUnavailableError
-from . import emit, environment, fmt_bytes, suite_main
+from . import emit, environment, fmt_bytes
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 TRANSPORTS = ("torch", "cupy-nccl", "rdma")
@@ -296,7 +296,3 @@ def run(args: argparse.Namespace) -> int:
     print_report(res, env)
     emit(args, {"suite": "collectives", **env, "config": cfg, **res})
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return suite_main("collectives", argv)

@@ -49,7 +49,6 @@ from . import (
     resolve_device,
     result_doc,
     select_providers,
-    suite_main,
 )
 
 MIB = 1 << 20
@@ -371,7 +370,3 @@ def run(args: argparse.Namespace) -> int:
               "powersgd_rank": args.rank, "ortho_batch": args.ortho_batch, "ortho_rows": args.ortho_rows}  # fmt: skip
     emit(args, result_doc("compression", env, results, config))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return suite_main("compression", argv)

@@ -51,7 +51,7 @@ from ... import _cli
 from ... import compression as cz
 from ...collectives import TorchCommunicator, init_from_env, run_local
 from ...errors import RankFailedError
-from . import emit, environment, quantile, suite_main
+from . import emit, environment, quantile
 
 OURS = {
     "none": lambda r: None,
@@ -494,7 +494,3 @@ def run(args: argparse.Namespace) -> int:
             doc = json.load(f)
     emit(args, doc)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return suite_main("ddp", argv)

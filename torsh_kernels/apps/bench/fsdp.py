@@ -43,7 +43,7 @@ import torch
 
 from ... import _cli
 from ...collectives import TorchCommunicator, init_from_env, run_local
-from . import emit, environment, quantile, suite_main
+from . import emit, environment, quantile
 
 CASES = {
     "plain": (None, None),
@@ -354,7 +354,3 @@ def run(args: argparse.Namespace) -> int:
                     op_timeout=600)[0]  # fmt: skip
     emit(args, doc)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return suite_main("fsdp", argv)

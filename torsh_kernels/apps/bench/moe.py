@@ -37,7 +37,6 @@ from . import (
     resolve_device,
     result_doc,
     select_providers,
-    suite_main,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -167,7 +166,3 @@ def run(args: argparse.Namespace) -> int:
               "experts": ",".join(map(str, args.experts)), "k": args.k, "dtype": args.dtype}  # fmt: skip
     emit(args, result_doc("moe", env, results, config))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return suite_main("moe", argv)

@@ -42,7 +42,6 @@ from . import (
     print_tables,
     resolve_device,
     result_doc,
-    suite_main,
 )
 
 MIB = 1 << 20
@@ -230,7 +229,3 @@ def run(args: argparse.Namespace) -> int:
               "layers": layers, "batch": args.batch, "steps": args.steps}  # fmt: skip
     emit(args, result_doc("offload", env, results, {**config, "optimizer": opt_rows}))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return suite_main("offload", argv)

@@ -31,7 +31,7 @@ import torch
 
 from ... import _cli, ops
 from ...ops import registry
-from . import Result, Timing, emit, environment, quantile, result_doc, suite_main
+from . import Result, Timing, emit, environment, quantile, result_doc
 
 TARGET_US = 15.0
 TARGET_RATIO = 5.0
@@ -331,7 +331,3 @@ def _run(a: argparse.Namespace, device: torch.device) -> int:
               "reported_without_target": len(summary_rows) - len(targeted)}  # fmt: skip
     emit(a, result_doc("overhead", env, results, config))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return suite_main("overhead", argv)

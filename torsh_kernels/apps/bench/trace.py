@@ -30,7 +30,7 @@ from ... import _cli, _trace
 from ...ops import flatten
 from ...ops.registry import Op
 from ...profiling import timeline
-from . import Result, Timing, emit, environment, quantile, result_doc, suite_main
+from . import Result, Timing, emit, environment, quantile, result_doc
 
 TARGET_NS = 1000.0
 
@@ -159,7 +159,3 @@ def run(a: argparse.Namespace) -> int:
                   f"user span (target < {TARGET_NS:.0f} ns): {'met' if summary['met'] else 'NOT met'}")  # fmt: skip
     emit(a, result_doc("trace", env, results, {"calls": a.calls, "reps": a.reps, "summary": summary}))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return suite_main("trace", argv)

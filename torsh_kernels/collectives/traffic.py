@@ -1,0 +1,48 @@
+"""What a rank sends: :func:`wire_bytes`, the one definition of the bytes a collective puts on the wire, and
+:class:`Traffic`, the counters every communicator keeps with it (the timeline, the DDP hook's and the
+synchronizer's statistics, FSDP2's comm counters and ``torsh report`` all count by the same function)."""
+
+from __future__ import annotations
+
+__all__ = ["Traffic", "wire_bytes"]
+
+# Bytes each rank puts on the wire for an input of n bytes over w ranks, ring algorithms (what NCCL and gloo
+# use for large messages; the factors of cost_model.py's ring times), in integers: all_reduce 2(w-1)/w,
+# all_gather (w-1) (of the input), reduce_scatter (w-1)/w (of the input), all_to_all (w-1)/w, send 1,
+# broadcast 1 of what the caller passes: the root passes its tensor, the others 0 (what enters the ring; a
+# ring's non-root ranks also forward it, which is not charged to them), a receive 0.
+_WIRE = {"all_reduce": lambda n, w: 2 * (w - 1) * n // w, "all_gather": lambda n, w: (w - 1) * n,
+         "reduce_scatter": lambda n, w: (w - 1) * n // w, "all_to_all": lambda n, w: (w - 1) * n // w,
+         "broadcast": lambda n, w: n, "send": lambda n, w: n, "barrier": lambda n, w: 2 * (w - 1) * n // w}  # fmt: skip
+
+
+def wire_bytes(op: str, nbytes: int, world: int) -> int:
+    """Bytes this rank sends for collective ``op`` on ``nbytes`` of input over ``world`` ranks (ring
+    algorithms). The one definition of "bytes on the wire": the communicators' :class:`Traffic` counters,
+    the DDP hook's and the synchronizer's statistics, FSDP2's comm counters and the timeline's ``wire
+    bytes`` all use it. A receive, or an op not listed, sends nothing."""
+    f = _WIRE.get(op)
+    return f(int(nbytes), world) if f is not None and world > 1 else 0
+
+
+class Traffic:
+    """What a communicator has sent since it was made: collectives issued, their input bytes (payload)
+    and the bytes this rank put on the wire for them (:func:`~torsh_kernels.collectives.wire_bytes`, the
+    same figure the timeline records per collective). Read it before and after a step for that step's
+    traffic (``comm.traffic.wire_bytes - before``)."""
+
+    __slots__ = ("collectives", "payload_bytes", "wire_bytes")
+
+    def __init__(self) -> None:
+        self.collectives = 0
+        self.payload_bytes = 0
+        self.wire_bytes = 0
+
+    def add(self, op: str, nbytes: int, world: int) -> None:
+        self.collectives += 1
+        self.payload_bytes += nbytes
+        self.wire_bytes += wire_bytes(op, nbytes, world)
+
+    def __repr__(self) -> str:
+        return (f"Traffic(collectives={self.collectives}, payload_bytes={self.payload_bytes}, "
+                f"wire_bytes={self.wire_bytes})")  # fmt: skip

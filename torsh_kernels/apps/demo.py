@@ -362,7 +362,7 @@ def print_auto(auto: dict, *, console=None) -> None:
         f"Gbit/s, {link['latency_s'] * 1e6:.0f} us latency; each compressor on this model's "
         f"{auto['buckets']} bucket(s), {fmt_bytes(auto['gradient_bytes'])} of gradients per step "
         f"(decided in {auto['measure_s']:.2f} s)",
-        ["compressor", "compute / step (ms)", "bytes / step", "wire / step (ms)", "predicted (ms)", "pays off below"],
+        ["compressor", "compute / step (ms)", "payload / step", "wire / step (ms)", "predicted (ms)", "pays off below"],
         text=("compressor",),
     )
     for c in auto["candidates"]:

@@ -123,3 +123,65 @@ def sparse_batch(step: int, rank: int):
     g = torch.Generator().manual_seed(7919 * step + 31 * rank)
     return (torch.randint(0, 301, (16, 5), generator=g), torch.randint(0, 157, (16, 3), generator=g),
             torch.randint(0, 10, (16,), generator=g))  # fmt: skip
+
+
+class Pty:
+    """A command on a pseudo-terminal that is its controlling terminal, as a user at a terminal runs it:
+    ``out`` collects what it prints, ``send`` types keys (``b"\\x03"`` is Ctrl-C: the terminal sends SIGINT),
+    ``wait`` awaits its exit with a deadline, so a command that does not stop fails its test instead of
+    hanging the suite. The command starts with SIGINT at its default, whatever the suite inherited (a shell
+    that runs it in the background makes it ignore SIGINT, and children inherit that)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        import pty
+        import signal
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: never returns into the test process
+            try:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.environ.update(env or {})
+                os.execv(argv[0], argv)
+            finally:
+                os._exit(127)
+        self.out = b""
+
+    def read_for(self, seconds: float) -> None:
+        """Collect output for ``seconds`` (less if the terminal closes)."""
+        import select
+        import time
+
+        end = time.time() + seconds
+        while time.time() < end:
+            if select.select([self.fd], [], [], 0.1)[0]:
+                try:
+                    self.out += os.read(self.fd, 65536)
+                except OSError:
+                    return
+
+    def read_until(self, needle: bytes, seconds: float = 60) -> None:
+        """Collect output until ``needle`` appears or ``seconds`` pass."""
+        import time
+
+        deadline = time.time() + seconds
+        while needle not in self.out and time.time() < deadline:
+            self.read_for(0.5)
+
+    def send(self, keys: bytes) -> None:
+        os.write(self.fd, keys)
+
+    def wait(self, seconds: float = 30) -> int | None:
+        """The exit code (negative: killed by that signal), or None if it still ran after ``seconds`` (it is
+        then killed)."""
+        import signal
+        import time
+
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.1)
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        return None

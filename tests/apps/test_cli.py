@@ -667,47 +667,18 @@ def test_ctrl_c_stops_the_demo_and_every_rank():
 
 
 def test_ctrl_c_in_the_interactive_timeline(tmp_path):
-    import pty
-    import select
-    import signal
-    import time
-
+    from tests.helpers import Pty
     from tests.profiling.trace_fixtures import write_trace
 
     trace = write_trace(tmp_path / "tr")
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the viewer on the pty (its controlling terminal), with Ctrl-C not ignored
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.execv(sys.executable, [sys.executable, "-m", "torsh_kernels.apps.cli", "timeline", str(trace),
-                                  "--interactive", "--width", "120"])  # fmt: skip
-    out = b""
-
-    def read_for(seconds: float) -> None:
-        nonlocal out
-        end = time.time() + seconds
-        while time.time() < end:
-            if select.select([fd], [], [], 0.1)[0]:
-                try:
-                    out += os.read(fd, 65536)
-                except OSError:
-                    return
-
-    deadline = time.time() + 60
-    while b"keys:" not in out and time.time() < deadline:
-        read_for(0.5)
-    assert b"keys:" in out
-    os.write(fd, b"\x03")  # Ctrl-C: the terminal sends SIGINT
-    read_for(3)
-    deadline, status = time.time() + 30, None
-    while status is None and time.time() < deadline:
-        done, st = os.waitpid(pid, os.WNOHANG)
-        status = st if done else time.sleep(0.1)
-    if status is None:  # still running: never hang the suite
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    assert status is not None, "the viewer did not stop on Ctrl-C"
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130
-    assert b"torsh timeline: interrupted" in out and b"Traceback" not in out
+    term = Pty([sys.executable, "-m", "torsh_kernels.apps.cli", "timeline", str(trace), "--interactive", "--width",
+                "120"])  # fmt: skip
+    term.read_until(b"keys:")
+    assert b"keys:" in term.out
+    term.send(b"\x03")  # Ctrl-C: the terminal sends SIGINT
+    term.read_for(3)
+    assert term.wait() == 130, "the viewer did not stop on Ctrl-C with status 130"
+    assert b"torsh timeline: interrupted" in term.out and b"Traceback" not in term.out
 
 
 # -- torsh bench --compare -------------------------------------------------------------------------------------

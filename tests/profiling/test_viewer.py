@@ -3,7 +3,6 @@ numbers are known (trace_fixtures), its filters, its keys, and its errors."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -163,35 +162,15 @@ def test_interactive_needs_a_terminal(trace_dir):
 
 
 def test_interactive_in_a_pty(trace_dir):
-    import pty
-    import select
-    import time
+    from tests.helpers import Pty
 
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the viewer on the pty
-        os.environ["COLUMNS"] = str(WIDTH)
-        os.execv(sys.executable, [sys.executable, "-m", "torsh_kernels.apps.cli", "timeline", str(trace_dir),
-                                  "--interactive", "--width", str(WIDTH)])  # fmt: skip
-    out = b""
-
-    def read_for(seconds: float) -> None:
-        nonlocal out
-        end = time.time() + seconds
-        while time.time() < end:
-            if select.select([fd], [], [], 0.1)[0]:
-                try:
-                    out += os.read(fd, 65536)
-                except OSError:
-                    return
-
-    deadline = time.time() + 60
-    while b"keys:" not in out and time.time() < deadline:
-        read_for(0.5)
-    assert b"window 0.000 - 208.000" in out
-    os.write(fd, b"+")
-    read_for(3)
-    assert b"window 52.000 - 156.000" in out
-    os.write(fd, b"q")
-    read_for(2)
-    _, status = os.waitpid(pid, 0)
-    assert os.WEXITSTATUS(status) == 0
+    term = Pty([sys.executable, "-m", "torsh_kernels.apps.cli", "timeline", str(trace_dir), "--interactive",
+                "--width", str(WIDTH)], env={"COLUMNS": str(WIDTH)})  # fmt: skip
+    term.read_until(b"keys:")
+    assert b"window 0.000 - 208.000" in term.out
+    term.send(b"+")
+    term.read_for(3)
+    assert b"window 52.000 - 156.000" in term.out
+    term.send(b"q")
+    term.read_for(2)
+    assert term.wait() == 0

@@ -708,6 +708,14 @@ def _offload_device(w: _Walk, key: str, sec: Mapping) -> Any:
     return dev
 
 
+def _device_key(w: _Walk, key: str, sec: Mapping) -> str:
+    """The key an offload section's device is reported under: its own ``device`` where the input gave one,
+    else the section itself (or the deprecated boolean ``cpu_offload`` / ``cpu_offload_param`` that stands
+    for a section ``{"device": "cpu"}``)."""
+    deprecated = key.rsplit(".", 1)[-1] in ("cpu_offload", "cpu_offload_param")
+    return f"{key}.device" if "device" in sec and f"{key}.device" not in w.ignored and not deprecated else key
+
+
 def _ds_offload_optimizer(w: _Walk, key: str, sec: Any, stage: int, m: Migration) -> None:
     if _dict(w, key, sec) is _BAD:
         return
@@ -737,11 +745,7 @@ def _ds_offload_optimizer(w: _Walk, key: str, sec: Any, stage: int, m: Migration
             w.bad(dk, _unknown(dk, "an offload_optimizer setting"))
     if dev is _BAD:
         return
-    dk = (
-        f"{key}.device"
-        if "device" in sec and f"{key}.device" not in w.ignored and not key.endswith("cpu_offload")
-        else key
-    )
+    dk = _device_key(w, key, sec)
     if dev == "none":
         w.skip(dk, "'none': no optimizer offload")
     elif stage == 0:
@@ -775,11 +779,7 @@ def _ds_offload_param(w: _Walk, key: str, sec: Any, stage: int, m: Migration, fp
             w.bad(dk, _unknown(dk, "an offload_param setting"))
     if dev is _BAD:
         return
-    dk = (
-        f"{key}.device"
-        if "device" in sec and f"{key}.device" not in w.ignored and not key.endswith("cpu_offload_param")
-        else key
-    )
+    dk = _device_key(w, key, sec)
     if dev == "none":
         w.skip(dk, "'none': no parameter offload")
     elif stage != 3:

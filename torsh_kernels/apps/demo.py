@@ -390,18 +390,14 @@ def _title(cfg: DemoConfig, ranks: int, backend: str, network: str, params: int)
     )
 
 
-def from_trace(rows: list[dict], directory: str) -> None:
+def from_trace(rows: list[dict], trace, rep: dict) -> None:
     """With ``--trace``: each row's step time and wire bytes per step become those of its traced steps, as
     ``torsh report`` computes them from the traces (:func:`~torsh_kernels.profiling.report.label_figures`:
     median step over every rank, wire bytes per step by ``collectives.wire_bytes``), so the table, the trace
     summary and the report show one set of figures. The demo's own measurements stay in the row:
     ``timer_step_ms`` (its timer, every timed step) and ``hook_bytes_per_step`` (the hook's wire bytes over
-    the traced steps, counted by its communicator rather than by the recorder)."""
-    from ..profiling.report import build
-    from ..profiling.traces import load
-
-    trace = load(directory)
-    rep = build(trace)
+    the traced steps, counted by its communicator rather than by the recorder). ``trace``: the loaded traces;
+    ``rep``: ``report.build(trace)``."""
     durs: dict[str, list[float]] = {}
     for s in trace.steps():
         durs.setdefault(s.args.get("label"), []).append(s.dur)
@@ -423,8 +419,13 @@ def from_trace(rows: list[dict], directory: str) -> None:
 def _finish(rows: list[dict], cfg: DemoConfig, ranks: int, backend: str, network: str, json_path: str | None) -> None:
     params = sum(p.numel() for p in _mlp(cfg.hidden, cfg.seed).parameters())
     title = _title(cfg, ranks, backend, network, params)
-    if cfg.trace:
-        from_trace(rows, cfg.trace)
+    if cfg.trace:  # the traces are read and reported on once, for the table and the summary
+        from ..profiling.report import build
+        from ..profiling.traces import load
+
+        trace = load(cfg.trace)
+        rep = build(trace)
+        from_trace(rows, trace, rep)
         title += f"; figures of the {cfg.trace_steps} traced steps of each, from the traces"
     print_table(rows, title=title)
     if json_path:
@@ -435,12 +436,13 @@ def _finish(rows: list[dict], cfg: DemoConfig, ranks: int, backend: str, network
                                     "backend": backend, "config": asdict(cfg), "parameters": params,
                                     "rows": rows})  # fmt: skip
     if cfg.trace:
-        print_trace_summary(cfg.trace)
+        print_trace_summary(cfg.trace, trace=trace, rep=rep)
 
 
-def print_trace_summary(directory: str, console=None) -> None:
+def print_trace_summary(directory: str, console=None, *, trace=None, rep: dict | None = None) -> None:
     """The timeline of the last traced step, then the viewer's per-rank totals and top names over every
-    traced step, and the communication share per compressor (the report's per-label table)."""
+    traced step, and the communication share per compressor (the report's per-label table). ``trace`` and
+    ``rep`` (``report.build(trace)``): the traces of ``directory`` already loaded and reported on."""
     from ..profiling import analysis
     from ..profiling.report import build, print_labels
     from ..profiling.traces import load
@@ -449,11 +451,11 @@ def print_trace_summary(directory: str, console=None) -> None:
     if console is None:  # the lanes take the console's width: at least 120 columns
         probe = _cli.console()
         console = _cli.console(width=max(120, probe.width) if probe.is_terminal else 120, highlight=False)
-    trace = load(directory)
+    trace = load(directory) if trace is None else trace
     last = max(n for s in trace.steps() if (n := analysis.step_number(s)) is not None)
     render_lanes(trace, View(step=last), console, source=f"{directory} (last traced step)")
     render_tables(trace, View(top=10), console)
-    print_labels(build(trace), console)
+    print_labels(build(trace) if rep is None else rep, console)
     console.print(f"traces in {directory}/: `torsh timeline {directory} --step N` to zoom into a step, "
                   f"`torsh report {directory}` for the bottleneck report")  # fmt: skip
 

@@ -9,8 +9,10 @@
 - :func:`locked` holds an exclusive ``fcntl.flock`` on a sidecar lock file (``NAME.lock`` beside the
   file) for a read-merge-write: concurrent writers (processes or threads) then take turns and none
   loses another's update. The lock file is opened with ``O_NOFOLLOW`` and must be a regular file.
-- :func:`read_capped` reads a regular file of at most ``max_bytes`` bytes: a FIFO, a device or a
-  directory at the path is refused without blocking, a larger file without reading it.
+- :func:`open_regular` opens a file for reading only if it is a regular file: a FIFO, a device or a
+  directory at the path is refused without blocking on it (``/dev/zero`` would never end, a FIFO never
+  open); :func:`read_capped` reads such a file of at most ``max_bytes`` bytes, refusing a larger one
+  without reading it.
 - :func:`check_writable_dir` makes a directory (and its parents) and proves it writable by creating and
   removing a temporary file in it, so a job learns at start, not at exit, that its output has nowhere
   to go.
@@ -30,10 +32,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import FileAccessError
 
-__all__ = ["LOCK_SUFFIX", "LOCK_TIMEOUT_S", "check_writable_dir", "locked", "read_capped", "write_atomic"]
+__all__ = [
+    "LOCK_SUFFIX",
+    "LOCK_TIMEOUT_S",
+    "check_writable_dir",
+    "locked",
+    "open_regular",
+    "read_capped",
+    "write_atomic",
+]
 
 LOCK_SUFFIX = ".lock"
 LOCK_TIMEOUT_S = 60.0
@@ -134,38 +145,46 @@ def locked(path: str | os.PathLike, *, timeout: float = LOCK_TIMEOUT_S, what: st
         tlock.release()
 
 
-def read_capped(path: str | os.PathLike, max_bytes: int, fail: Callable[[str], Exception]) -> bytes:
-    """The bytes of the regular file ``path``, at most ``max_bytes`` of them. ``fail(why)`` makes the error
-    raised when the path is not a regular file or holds more; ``OSError`` (missing, unreadable) passes."""
+def open_regular(path: str | os.PathLike, fail: Callable[[str], Exception]) -> BinaryIO:
+    """``path`` opened for reading in binary mode, once it is known to be a regular file (``fail(why)``
+    makes the error otherwise: a FIFO, device or directory, which is refused without blocking on it);
+    ``OSError`` (missing, unreadable) passes."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block the open
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise fail("not a regular file (a directory, FIFO or device)")
-        if st.st_size > max_bytes:
-            raise fail(f"{st.st_size} bytes, over the limit of {max_bytes}")
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise fail("not a regular file (a directory, FIFO or device)")
+    return f
+
+
+def read_capped(path: str | os.PathLike, max_bytes: int, fail: Callable[[str], Exception]) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them: ``fail(why)`` makes the error
+    raised when the path is not a regular file or holds more; ``OSError`` (missing, unreadable) passes."""
+    with open_regular(path, fail) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise fail(f"{size} bytes, over the limit of {max_bytes}")
         data = f.read(max_bytes + 1)  # the file may have grown since the fstat
     if len(data) > max_bytes:
         raise fail(f"over {max_bytes} bytes, the limit")
     return data
 
 
-def check_writable_dir(path: str | os.PathLike, *, what: str = "output") -> Path:
+def check_writable_dir(path: str | os.PathLike, *, what: str = "the output directory",
+                       fix: str = "point it at a writable directory") -> Path:  # fmt: skip
     """Make ``path`` (and its parents) a directory if it is not one, and prove it writable by creating and
-    removing a temporary file in it. Raises :class:`FileAccessError` saying why not."""
+    removing a temporary file in it. Raises :class:`FileAccessError` saying why not, then ``fix``."""
     p = Path(path)
     try:
         p.mkdir(parents=True, exist_ok=True)
     except FileExistsError as e:
-        raise FileAccessError(f"{what} {p}: exists and is not a directory; point it at a directory") from e
+        raise FileAccessError(f"{what} {p} exists and is not a directory; {fix}") from e
     except OSError as e:
-        raise FileAccessError(f"{what} {p}: cannot create this directory ({e.strerror or e}); point it at a "
-                              "writable directory") from e  # fmt: skip
+        raise FileAccessError(f"{what} {p} cannot be created ({e.strerror or e}); {fix}") from e
     try:
         fd, probe = tempfile.mkstemp(prefix=".torsh-probe.", dir=p)
     except OSError as e:
-        raise FileAccessError(f"{what} {p}: cannot write in this directory ({e.strerror or e}); point it at a "
-                              "writable directory") from e  # fmt: skip
+        raise FileAccessError(f"{what} {p} cannot be written ({e.strerror or e}); {fix}") from e
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(probe)

@@ -86,6 +86,11 @@ class _Deferred:
         g = self._group
         return g.handle is not None and (g.copied or g.handle.is_completed())
 
+    @property
+    def error(self):
+        """The typed error the batch's collective failed with (see ``_TorchHandle.error``), or None."""
+        return getattr(self._group.handle, "error", None)
+
     def future(self) -> torch.futures.Future | None:
         """A future completing once the result is in the tensor (see ``_TorchHandle.future``); None where the
         transport's handle offers none. Sends the batch if it has not been sent."""

@@ -189,6 +189,21 @@ def raise_if_nonfinite(t: torch.Tensor, what: str) -> None:
         raise NonFiniteError(f"{what}: {bad} non-finite element(s) (NaN/Inf) in the tensor or its payload")
 
 
+def raise_if_reduced_nonfinite(t: torch.Tensor, compressor: Compressor) -> None:
+    """NonFiniteError if a reduced (or gathered) payload holds NaN or Inf although every rank checked its
+    own input: a rank sent a payload that turned non-finite on the way (overflow, corruption). Every rank
+    holds the same reduced payload, so every rank raises, before anything is decoded into the output or
+    the compressor's state."""
+    bad = int(count_nonfinite(t))
+    if bad:
+        raise NonFiniteError(
+            f"compressed_all_reduce ({compressor.name}): the reduced payload holds {bad} non-finite element(s) "
+            "(NaN/Inf) although each rank's input was checked: a rank's payload turned non-finite on the way "
+            "(an overflow, a corrupted buffer); nothing was decoded and every rank raises this. Skip the step, "
+            "or pass check_finite=False to the compressor to let it through"
+        )
+
+
 # -- the contract ---------------------------------------------------------------------------------------
 
 
@@ -324,6 +339,7 @@ def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor, p
     """Linear compressors: per round, every tensor's payload in one flat all-reduce per dtype. ``plain``
     tensors (uncompressed, averaged in place) join the first round's all-reduce of their dtype."""
     ws = comm.world_size
+    check = getattr(compressor, "check_finite", False)
     prescaled = compressor.prescale  # divided by ws before the sum so the payload dtype cannot overflow
     if plain and prescaled:
         raise InvalidArgumentError("linear_rounds: plain tensors cannot ride along a prescaled payload")
@@ -349,6 +365,9 @@ def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor, p
             handles.append(comm.all_reduce(flat, "sum", async_op=True))
             bufs.append((items, flat, layout))
         yield handles, nbytes
+        if check:  # every rank holds the same sums: all raise alike, before anything is decoded
+            for _, flat, _ in bufs:
+                raise_if_reduced_nonfinite(flat, compressor)
         for items, flat, layout in bufs:
             if layout is not None:
                 for (i, name, t), v in zip(items, layout.views(flat)):
@@ -393,10 +412,22 @@ def gathered_rounds(tensors, states, comm: Communicator, compressor: Compressor,
     yield [comm.all_gather(gathered, buf, async_op=True)], buf.numel()
     seg = buf.numel()
     off = 0
-    for t, s, p, (b, spec) in zip(tensors, states, payloads, packs):
-        parts = [_unpack(gathered[r * seg + off : r * seg + off + b.numel()], spec, p.numel) for r in range(ws)]
-        compressor.decompress_sum(parts, s, t, alpha=1.0 / ws)
+    decoded = []
+    for p, (b, spec) in zip(payloads, packs):
+        decoded.append([_unpack(gathered[r * seg + off : r * seg + off + b.numel()], spec, p.numel) for r in range(ws)])
         off += b.numel()
+    if getattr(compressor, "check_finite", False):  # every rank holds every payload: all raise alike
+        for parts in decoded:
+            for part in parts:
+                for v in part.tensors.values():
+                    if v.is_floating_point():
+                        raise_if_reduced_nonfinite(v, compressor)
+        if plain:
+            for r in range(ws):
+                raise_if_reduced_nonfinite(gathered[r * seg + off : r * seg + off + flat.nbytes].view(flat.dtype),
+                                           compressor)  # fmt: skip
+    for t, s, parts in zip(tensors, states, decoded):
+        compressor.decompress_sum(parts, s, t, alpha=1.0 / ws)
     if plain:
         n = flat.nbytes
         acc = gathered[off : off + n].view(flat.dtype).clone()

@@ -197,6 +197,7 @@ class BucketCompressor:
         "_created",
         "_mode",
         "_plain_c",
+        "_plain_checked",
         "_plans",
         "_saved",
         "_skip",
@@ -285,6 +286,7 @@ class BucketCompressor:
         self._plans: dict[tuple, _BucketPlan] = {}
         self._used: set[tuple[int, ...]] = set()
         self._plain_c = NoCompression(check_finite=False)
+        self._plain_checked = NoCompression()  # under "raise": the average is checked, on every rank alike
         self._stateless = CompressionState()  # the state handed to stateless compressors (casts, plain)
         # the pending or made compressor="auto" choice (None for a fixed compressor)
         self.auto = AutoSelector(self._candidate_engine, auto_candidates) if auto else None
@@ -418,7 +420,10 @@ class BucketCompressor:
         any state is touched. That wait also waits for the collectives already in flight (they complete
         in order), so under "propagate" a stateful compressor's buckets no longer overlap each other's
         communication. Otherwise False without communicating: under "raise" the compressors' own check
-        raises; a stateless compressor (uncompressed, the casts) passes NaN/Inf through unchecked.
+        raises (a compressor's on the rank whose input holds NaN/Inf, its peers then fail in the
+        collective it does not join; an uncompressed bucket's on every rank, from the check of the
+        average they all hold); under "propagate" a stateless compressor (uncompressed, the casts) passes
+        NaN/Inf through unchecked.
         Call it before :meth:`start` for every bucket: with ``compressor="auto"`` the choice is made here
         when it is due, so that the bucket is screened for the chosen compressor."""
         mode = self.mode()
@@ -540,7 +545,7 @@ class BucketCompressor:
         if flat is not None:  # the whole bucket may travel as it is: no need to look at its gradients
             plan = self._plans.get((tuple(keys), flat.dtype, comm.world_size))
             if plan is not None and (self.iteration < self.start_iter or c.identity):
-                return [self._whole([], flat, comm, self._plain_c)], None
+                return [self._whole([], flat, comm, self._plain(propagate))], None
             if plan is not None and not plan.compressed and not plan.plain:
                 return [self._whole([], flat, comm, c, plan.work)], None
         if callable(grads):
@@ -549,7 +554,7 @@ class BucketCompressor:
             grads = list(grads)
         plan = self._plan(grads, keys, comm)
         if self.iteration < self.start_iter or c.identity:
-            return [self._whole(grads, flat, comm, self._plain_c)], None
+            return [self._whole(grads, flat, comm, self._plain(propagate))], None
         if not plan.compressed and not plan.plain:  # elementwise: the bucket as one tensor
             return [self._whole(grads, flat, comm, c, plan.work)], None
         reductions: list[CompressedReduction] = []
@@ -559,7 +564,7 @@ class BucketCompressor:
             if plan.carry is None:
                 plan.carry = _carries(c, plan, plain, comm.world_size)
             if not plan.carry:
-                reductions.append(self._whole(plain, None, comm, self._plain_c))
+                reductions.append(self._whole(plain, None, comm, self._plain(propagate)))
                 plain = []
         states = plan.states
         if states is None:
@@ -585,6 +590,11 @@ class BucketCompressor:
             reductions.append(issue([one], states, comm, c, quantize_mode=self.quantize_mode,
                                     single_round=plan.single_round, plain=plain))  # fmt: skip
         return reductions, finish
+
+    def _plain(self, propagate: bool) -> NoCompression:
+        """The uncompressed reduction: NaN/Inf pass through under "propagate" (GradScaler skips the step);
+        under "raise" the average is checked, and every rank raises ``NonFiniteError`` alike (all hold it)."""
+        return self._plain_c if propagate else self._plain_checked
 
     def _whole(self, grads: list[torch.Tensor], flat: torch.Tensor | None, comm: Communicator,
                c: Compressor, st: CompressionState | None = None) -> CompressedReduction:  # fmt: skip

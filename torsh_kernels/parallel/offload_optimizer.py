@@ -384,6 +384,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if self._cuda is not None:
                 self._d2h.synchronize()
             chunks = [c for c in self._chunks if any(c.host_has)]
+            if not chunks:
+                return self._finish(loss)
         else:
             chunks = [c for c in self._chunks if any(p.grad is not None for p in c.params)]
             if not chunks:
@@ -552,9 +554,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     f"{what}: param group {gi} has {len(ps)} parameters in the state dict and {len(g['params'])} here"
                 )
             for i in ps:
-                if isinstance(i, bool) or not isinstance(i, int) or i in seen:
-                    raise InvalidArgumentError(f"{what}: param group {gi} lists parameter id {i!r} "
-                                               f"{'twice' if i in seen else '(expected a unique int)'}")  # fmt: skip
+                if isinstance(i, bool) or not isinstance(i, (int, str)):  # (str: the names DCP writes)
+                    raise InvalidArgumentError(
+                        f"{what}: param group {gi} lists parameter id {i!r}; expected an int or name"
+                    )
+                if i in seen:
+                    raise InvalidArgumentError(f"{what}: param group {gi} lists parameter id {i!r} twice")
                 seen.add(i)
             for k, v in saved.items():
                 if k != "params" and k in g and not _same_kind(g[k], v):

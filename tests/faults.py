@@ -428,6 +428,10 @@ def _topk():
     return TopK(0.1)
 
 
+def _uncompressed():
+    return None
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -435,6 +439,7 @@ WORKLOADS: dict[str, Workload] = {
         CompressedAllReduce("allreduce-topk", _topk, armed=1),
         DDPStep("ddp-powersgd", _powersgd),  # several rounds: the hook waits for them
         DDPStep("ddp-topk", _topk),  # one round: the hook returns the collective's future
+        DDPStep("ddp-none", _uncompressed),  # one round, uncompressed: the averages checked at the end
         FSDPStep(),
         MoEStep(),
         OffloadStep(),

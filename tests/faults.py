@@ -260,9 +260,12 @@ def _gen(*key: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash(key) & 0x7FFFFFFF)
 
 
-def _mlp() -> nn.Module:
+def _mlp(hidden_layers: int = 1) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 5))
+    layers = [nn.Linear(24, 40), nn.ReLU()]
+    for _ in range(hidden_layers - 1):
+        layers += [nn.Linear(40, 40), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(40, 5))
 
 
 def _batch(step: int, rank: int, poison: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,8 +345,8 @@ class DDPStep(Workload):
         self.name, self.make = name, make
 
     def build(self, pg, comm, lib, rank, timeout):
-        model = _mlp()
-        ddp = DistributedDataParallel(model, process_group=pg, bucket_cap_mb=0.004)
+        model = _mlp(2)
+        ddp = DistributedDataParallel(model, process_group=pg, bucket_cap_mb=0.004)  # two buckets from step 1 on
         state = CompressionHookState(lib or pg, self.make(), start_iter=0, min_numel=64)
         ddp.register_comm_hook(state, compression_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -428,6 +431,10 @@ def _topk():
     return TopK(0.1)
 
 
+def _uncompressed():
+    return None
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -435,6 +442,7 @@ WORKLOADS: dict[str, Workload] = {
         CompressedAllReduce("allreduce-topk", _topk, armed=1),
         DDPStep("ddp-powersgd", _powersgd),  # several rounds: the hook waits for them
         DDPStep("ddp-topk", _topk),  # one round: the hook returns the collective's future
+        DDPStep("ddp-none", _uncompressed),  # one round, uncompressed: the averages checked at the end
         FSDPStep(),
         MoEStep(),
         OffloadStep(),
@@ -647,6 +655,8 @@ def judge(wl_name: str, fault: Fault, clean: dict, values: list, fault_time: flo
             if dt > timeout + slack:
                 problems.append(f"rank {r}: typed error {dt:.2f} s after the fault (limit {timeout:g} + {slack:g} s)")
     faulty = values[fault.rank] if fault.rank < len(values) else None
+    if fault.kind != "die" and not isinstance(faulty, dict):  # it raised, stalled or sent NaN: it must live on
+        problems.append(f"the faulty rank died ({faulty}): an abort inside the backend, a crash")
     return Outcome(wl_name, fault, not problems, problems, survivors, faulty, wall, to_error, early)
 
 

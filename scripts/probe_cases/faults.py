@@ -1,7 +1,8 @@
 """Distributed fault scenarios for ``scripts/probe.py``: one rank of three (gloo, loopback) dies, raises,
 lingers past the timeout or sends NaN in each workload of the fault-injection suite (``tests/faults.py``:
-compressed all-reduce with PowerSGD and top-k, DDP with the compression hook, FSDP2 with the quantized
-comms, the expert-parallel MoE layer, the synchronizer with the offloaded optimizer).
+compressed all-reduce with PowerSGD and top-k, DDP with the compression hook (PowerSGD, top-k, none),
+FSDP2 with the quantized comms, the expert-parallel MoE layer, the synchronizer with the offloaded
+optimizer).
 
 A case re-raises, as its own class, the typed error the surviving ranks got, once every survivor got
 one within the timeout (2 s) plus a slack with its parameters and optimizer state as before the failed
@@ -23,8 +24,8 @@ from probe_cases import Case
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 2.0
 SLACK = 4.0
-WORKLOADS = ("allreduce-powersgd", "allreduce-topk", "ddp-powersgd", "ddp-topk", "fsdp2-int8", "moe-all_to_all",
-             "offload-sync")  # fmt: skip
+WORKLOADS = ("allreduce-powersgd", "allreduce-topk", "ddp-powersgd", "ddp-topk", "ddp-none", "fsdp2-int8",
+             "moe-all_to_all", "offload-sync")  # fmt: skip
 # phases every workload has (its first collective, the end of the step, the input), plus two NaN payloads
 # that once reached every rank's parameters silently (PowerSGD's Q, the MoE router's all-reduce)
 SCENARIOS = [

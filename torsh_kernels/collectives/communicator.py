@@ -409,6 +409,12 @@ class CommunicatorBase:
                 "match in the order they are issued: pass tag=0"
             )
 
+    def failure(self, what: str, e: BaseException) -> CollectiveError:
+        """The typed error for a backend call of ``what`` on this communicator's group that failed with ``e``
+        (``CollectiveTimeoutError`` for a timeout, else ``CollectiveError``), for code that makes such a
+        call itself (FSDP2's in-place all-gather, whose buffers overlap as no communicator call allows)."""
+        return self._failure(what, e)
+
     def _failure(self, what: str, e: BaseException) -> CollectiveError:
         cls = CollectiveTimeoutError if is_timeout(e) else CollectiveError
         return cls(

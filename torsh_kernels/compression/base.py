@@ -190,10 +190,11 @@ def raise_if_nonfinite(t: torch.Tensor, what: str) -> None:
 
 
 def raise_if_reduced_nonfinite(t: torch.Tensor, compressor: Compressor) -> None:
-    """NonFiniteError if a reduced (or gathered) payload holds NaN or Inf although every rank checked its
-    own input: a rank sent a payload that turned non-finite on the way (overflow, corruption). Every rank
-    holds the same reduced payload, so every rank raises, before anything is decoded into the output or
-    the compressor's state."""
+    """NonFiniteError if an all-reduced payload holds NaN or Inf although every rank checked its own input:
+    a sum that overflowed, or a payload corrupted on the way. Every rank holds the same sum, so every rank
+    raises, before anything is decoded into the output or the compressor's state. (Gathered payloads are
+    not checked: top-k's values and int8's scales are finite when the input is, and their decode runs in
+    a completion callback, where a host read would wait for the collective on a GPU.)"""
     bad = int(count_nonfinite(t))
     if bad:
         raise NonFiniteError(
@@ -412,22 +413,10 @@ def gathered_rounds(tensors, states, comm: Communicator, compressor: Compressor,
     yield [comm.all_gather(gathered, buf, async_op=True)], buf.numel()
     seg = buf.numel()
     off = 0
-    decoded = []
-    for p, (b, spec) in zip(payloads, packs):
-        decoded.append([_unpack(gathered[r * seg + off : r * seg + off + b.numel()], spec, p.numel) for r in range(ws)])
-        off += b.numel()
-    if getattr(compressor, "check_finite", False):  # every rank holds every payload: all raise alike
-        for parts in decoded:
-            for part in parts:
-                for v in part.tensors.values():
-                    if v.is_floating_point():
-                        raise_if_reduced_nonfinite(v, compressor)
-        if plain:
-            for r in range(ws):
-                raise_if_reduced_nonfinite(gathered[r * seg + off : r * seg + off + flat.nbytes].view(flat.dtype),
-                                           compressor)  # fmt: skip
-    for t, s, parts in zip(tensors, states, decoded):
+    for t, s, p, (b, spec) in zip(tensors, states, payloads, packs):
+        parts = [_unpack(gathered[r * seg + off : r * seg + off + b.numel()], spec, p.numel) for r in range(ws)]
         compressor.decompress_sum(parts, s, t, alpha=1.0 / ws)
+        off += b.numel()
     if plain:
         n = flat.nbytes
         acc = gathered[off : off + n].view(flat.dtype).clone()

@@ -113,6 +113,13 @@ def encoded_nbytes(numel: int, bits: int = 8, block: int = 256) -> int:
     return _Wire(numel, bits, block).total
 
 
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool):
+    f = getattr(dist, "all_gather_single", None)
+    if f is not None:
+        return f(out, x, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)  # pragma: no cover - older torch
+
+
 class _Transport:
     """Where a quantized comm's payload travels: FSDP2's process group (``comm`` None), or a torsh
     Communicator of the same ranks (NCCL through CuPy, RDMA, from ``make_communicator``)."""
@@ -136,18 +143,20 @@ class _Transport:
                 "ranks FSDP2 shards over (the shard mesh dimension)"
             )
 
-    def _over(self, group):
-        """The communicator the payload travels through: the given one, else a TorchCommunicator over
-        FSDP2's group (made once per group), so that a peer's failure or a timeout raises a typed
-        ``CollectiveError`` rather than the backend's bare ``RuntimeError``."""
-        if self.comm is not None:
-            return self.comm
+    def _group_comm(self, group) -> TorchCommunicator:
+        """A TorchCommunicator over FSDP2's ``group`` (made once per group)."""
         if self._group_comms is None:
             self._group_comms = {}
         hit = self._group_comms.get(id(group))
         if hit is None or hit[0] is not group:
             hit = self._group_comms[id(group)] = (group, TorchCommunicator(group))
         return hit[1]
+
+    def _over(self, group):
+        """The communicator the payload travels through: the given one, else a TorchCommunicator over
+        FSDP2's group, so that a peer's failure or a timeout raises a typed ``CollectiveError`` rather than
+        the backend's bare ``RuntimeError``."""
+        return self.comm if self.comm is not None else self._group_comm(group)
 
     def _wire_all_gather(self, recv: torch.Tensor, send: torch.Tensor, group, async_op: bool):
         return _as_work(self._over(group).all_gather(recv, send, async_op=async_op), async_op)
@@ -236,7 +245,10 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
         if x.dtype not in _FLOATS or out.dtype != x.dtype or n == 0 or subgroup:
             self.plain_calls += 1
             self.bytes_sent += _on_wire("all_gather", x.nbytes, ws)
-            return self._wire_all_gather(out, x, group, async_op)
+            try:  # in place on FSDP2's group (its input is a view of its output), as FSDP2's own all-gather
+                return _all_gather(out, x, group, async_op)
+            except Exception as e:
+                raise self._group_comm(group).failure("all_gather", e) from e
         self._check_ranks(group, what)
         w = _Wire(n, self.bits, self.block)
         send = torch.empty(w.total, dtype=torch.uint8, device=x.device)

@@ -50,9 +50,9 @@ the iteration is undone in the hook's state (residuals, PowerSGD's Q, step and i
 before it); under ``"raise"`` (the default otherwise) the compressor raises
 :class:`~torsh_kernels.errors.NonFiniteError` before its state changes, on the rank whose gradients hold
 NaN/Inf (its peers then fail with ``CollectiveError``, or ``CollectiveTimeoutError`` while it stays alive
-without joining); an uncompressed bucket (warm-up, ``compressor=None``) is checked after the all-reduce,
-and a payload that turned non-finite on the way is checked after its round, so those raise
-``NonFiniteError`` on every rank alike.
+without joining); the uncompressed buckets' averages (warm-up, ``compressor=None``) are summed by their
+decode and checked by the last bucket's call, and PowerSGD's all-reduced P and Q after their round, so
+those raise ``NonFiniteError`` on every rank alike.
 
 Sparse gradients (``nn.Embedding(sparse=True)``, which DDP puts in buckets of their own) are averaged
 uncompressed, as DDP does (``stats.sparse_buckets`` counts them).
@@ -436,6 +436,7 @@ def compression_hook(
         if last:
             state._pipeline.drain(comm.batch)
             _wait_one_round(state)
+            engine.check_averages()
             _end_iteration(state, turn)
     except BaseException:
         _start_over(state)
@@ -530,6 +531,7 @@ def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
             pipeline = ReductionPipeline()
             pipeline.submit(reductions, finish, span)
             pipeline.drain(comm.batch)
+            engine.check_averages()
             turn.record(grad.numel() * grad.element_size(), totals(reductions), False)
     except BaseException:
         _start_over(state)

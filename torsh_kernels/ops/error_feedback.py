@@ -270,7 +270,7 @@ def residual_add(
     if out is None:
         out = torch.empty(x.shape, dtype=torch.float32, device=xf.device)
     of = _flat_inout(out, what, "out", xf.numel(), xf.device)
-    traced = _eager.compiling()  # the memory checks then run in the op, at run time
+    traced = _eager.deferred(xf, rf, of)  # the memory checks then run in the op, at run time
     if not traced:
         for t, nm in ((xf, "x"), (rf, "residual")):
             _no_overlap(of, t, what, "out", nm, same_ok=True)
@@ -331,7 +331,7 @@ def error_update(
         raise DeviceMismatchError(f"{what}: approx is on {pf.device}, acc on {dev}")
     rf = _flat_inout(residual, what, "residual", n, dev)
     of = _flat_inout(out, what, "out", n, dev) if out is not None else None
-    traced = _eager.compiling()  # the memory checks then run in the op, at run time
+    traced = _eager.deferred(af, pf, rf, of)  # the memory checks then run in the op, at run time
     if not traced:
         _error_update_overlaps(af, pf, rf, of)
     if n:

@@ -311,7 +311,7 @@ def sign_compress(
     rf, traced = None, False
     if residual is not None:
         rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
-        traced = _eager.compiling()  # the memory check then runs in the op, at run time
+        traced = _eager.deferred(xf, rf)  # the memory check then runs in the op, at run time
         if not traced:
             _no_overlap(rf, xf, what, "residual", "x")
     return _eager.call(_sign_op, (1,), xf, rf, bool(check_finite), provider or "", traced)
@@ -370,7 +370,10 @@ def sign_decompress(
     if scale.device != bits.device:
         raise DeviceMismatchError(f"{what}: scale is on {scale.device}, bits on {bits.device}")
     alpha = _check_alpha(alpha, what)
-    out, of = _decode_out(out, numel, dtype, bits.device, what)
+    out, of = _decode_out(out, numel, dtype, bits.device, what, bool(accumulate))
+    if not _eager.deferred(bits, scale, of):
+        _no_overlap(of, bits, what, "out", "bits")
+        _no_overlap(of, scale, what, "out", "scale")
     _eager.call(
         _sign_decompress_op, (2,), bits.reshape(-1).contiguous(), scale, of, alpha, bool(accumulate), provider or ""
     )

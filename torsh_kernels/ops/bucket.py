@@ -104,6 +104,22 @@ class BucketLayout:
     """dtype of the flat buffer."""
 
     def __post_init__(self) -> None:
+        for name in ("shapes", "dtypes", "offsets"):
+            if not isinstance(getattr(self, name), tuple):
+                raise ArgumentTypeError(
+                    f"BucketLayout.{name} must be a tuple, got {type(getattr(self, name)).__name__}"
+                )
+        for i, shape in enumerate(self.shapes):
+            if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+                raise InvalidArgumentError(f"BucketLayout.shapes[{i}]={shape!r} must be a tuple of non-negative ints")
+        for i, o in enumerate(self.offsets):
+            if type(o) is not int:
+                raise ArgumentTypeError(f"BucketLayout.offsets[{i}] must be an int, got {type(o).__name__}")
+        for d in (*self.dtypes, self.dtype):
+            if d not in _FLOAT_SET:
+                raise DTypeError(f"BucketLayout: dtype {d!r} is not one of float32, float16, bfloat16, float64")
+        if type(self.total) is not int:
+            raise ArgumentTypeError(f"BucketLayout.total must be an int, got {type(self.total).__name__}")
         n = len(self.shapes)
         if len(self.dtypes) != n or len(self.offsets) != n:
             raise InvalidArgumentError(
@@ -934,7 +950,7 @@ def flatten(
         )
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous (it is written as one flat range)")
-    if _eager.compiling():  # the memory check runs in the op, at run time
+    if _eager.deferred(out, *tensors):  # the memory check runs in the op, at run time (meta: nothing to check)
         _flatten_out_op(tensors, out, scale, provider or "", True)
         return out.view(-1) if out.dim() != 1 else out, layout
     _check_out_clear(tensors, out)
@@ -982,7 +998,7 @@ def unflatten(
             f"{what}: tensors[{i}] has shape {tuple(tensors[i].shape)}, the layout says {layout.shapes[i]}"
         )
     _check_floats(tensors, what, "tensors")
-    if _eager.compiling():  # strides only (no addresses); the memory checks run in the op, at run time
+    if _eager.deferred(flat, *tensors):  # strides only (no addresses); memory checks in the op, at run time
         for i, t in enumerate(tensors):
             if _has_internal_overlap(t):
                 raise ShapeError(f"{what}: tensors[{i}] is expanded (a stride-0 dimension); it cannot be written")
@@ -1069,7 +1085,7 @@ def bucket_reduce(
         raise ShapeError(f"{what}: out has shape {tuple(out.shape)}, the buffers {tuple(b0.shape)}")
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous")
-    if _eager.compiling():  # the memory check runs in the op, at run time
+    if _eager.deferred(out, *buffers):  # the memory check runs in the op, at run time
         _reduce_out_op(buffers, out, op, provider or "", True)
         return out
     _check_reduce_out(buffers, out)
@@ -1136,7 +1152,7 @@ def wire_cast(
     if out is None:
         out = torch.empty(xf.numel(), dtype=dtype, device=xf.device)
     of = _flat_inout(out, what, "out", xf.numel(), xf.device)
-    traced = _eager.compiling()  # the memory check then runs in the op, at run time
+    traced = _eager.deferred(xf, of)  # the memory check then runs in the op, at run time
     if not traced:
         _no_overlap(of, xf, what, "out", "x", same_ok=True)
     if xf.numel():

@@ -45,7 +45,7 @@ import torch
 
 from .. import _trace
 from .._env import package_version
-from ..errors import ProviderError, ProviderUnavailableError
+from ..errors import ArgumentTypeError, ProviderError, ProviderUnavailableError
 from . import tuning
 
 __all__ = [
@@ -204,10 +204,16 @@ TunedLookup = Callable[[str, torch.device, torch.dtype, int], "str | None"]
 _tuned_lookup: TunedLookup | None = tuning.lookup_provider
 
 
+def _check_callable(fn: object, what: str) -> None:
+    if fn is not None and not callable(fn):
+        raise ArgumentTypeError(f"torsh_kernels.{what}: fn must be a callable or None, got {type(fn).__name__}")
+
+
 def set_tuned_lookup(fn: TunedLookup | None) -> None:
     """Install (or remove, with None) the source of tuned winners consulted by automatic selection
     (drops the cached selections)."""
     global _tuned_lookup
+    _check_callable(fn, "set_tuned_lookup")
     _tuned_lookup = fn
     _clear_caches()
 
@@ -222,6 +228,7 @@ def set_tuned_meta(fn: TunedMeta | None) -> None:
     """Install (or remove, with None) the source of tuned meta-parameters that kernel launchers consult
     (drops the cached ones)."""
     global _tuned_meta
+    _check_callable(fn, "set_tuned_meta")
     _tuned_meta = fn
     _clear_caches()
 

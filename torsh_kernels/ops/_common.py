@@ -62,7 +62,21 @@ def _flat_input(x: object, what: str, name: str = "x") -> torch.Tensor:
     """A floating input as a contiguous 1-D tensor (a view when it already is contiguous)."""
     x = _check_tensor(x, what, name)
     _check_dtype(x, what, name)
-    return x.detach().reshape(-1).contiguous() if not x.is_contiguous() else x.detach().view(-1)
+    if x.is_contiguous():
+        return x.detach().view(-1)
+    _check_strided(x, what, name)
+    return x.detach().reshape(-1).contiguous()
+
+
+def _check_strided(t: torch.Tensor, what: str, name: str) -> None:
+    """A strided or expanded view the op copies into a contiguous tensor: its elements must fit in its
+    device's memory (an ``expand()`` can claim any number of elements without memory behind them)."""
+    if not t.is_contiguous() and t.numel() * t.element_size() > device_bytes(t.device):
+        raise InvalidArgumentError(
+            f"{what}: {name} is a strided view of {t.numel()} elements ({t.numel() * t.element_size() / 2**30:.4g} "
+            f"GiB), more than the {t.device.type} memory holds ({device_bytes(t.device) / 2**30:.4g} GiB); the op "
+            "needs its elements in memory: pass a smaller tensor"
+        )
 
 
 def _flat_inout(t: object, what: str, name: str, numel: int, device: torch.device) -> torch.Tensor:

@@ -43,6 +43,7 @@ from ..errors import (
 from . import _eager
 from ._bucket_tables import NCOLS, _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable
 from ._common import (
+    _check_strided,
     _count,
     _count_nonfinite,
     _flat_inout,
@@ -55,8 +56,9 @@ from ._common import (
     _ptr_table,
     _ptrs,
     _Ranges,
+    device_bytes,
 )
-from .registry import Op, tuned_meta
+from .registry import Op, check_provider, tuned_meta
 from .tuning import TuneSpace, register_space
 
 __all__ = [
@@ -335,8 +337,11 @@ def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float,
                 out.mul_(scale)
         elif scale == 1.0:  # one cast per element, no temporary (torch.cat with a casting out= is slow)
             torch._foreach_copy_(_split_like(out, tensors), tensors)
-        elif len(tensors) == 1 and c == torch.promote_types(dtype, torch.float32):
-            torch.mul(tensors[0].reshape(-1), scale, out=out)  # computed in c, rounded once into out
+        elif len(tensors) == 1 and out.dtype == c:
+            # an exact widening copy, then the product in c, rounded once (torch.mul(x16, scale, out=out32)
+            # would compute in x's 16-bit dtype: the fuzz found -3 * 1.541 flattened as -4.625, not -4.623)
+            out.copy_(tensors[0].reshape(-1))
+            out.mul_(scale)
         else:
             cat = torch.cat(_as_1d(tensors))
             cat = cat.to(c) if cat.dtype != c else cat
@@ -889,6 +894,7 @@ def flatten(
         ``(flat, layout)``: the 1-D buffer and the :class:`BucketLayout` that ``unflatten`` takes.
     """
     what = "torsh_kernels.flatten"
+    check_provider(provider)
     key = None
     tt = type(tensors)
     if (tt is list or tt is tuple) and _eager.unmoded() and (out is None or type(out) in _eager._PLAIN):
@@ -935,6 +941,11 @@ def flatten(
             )
         dtype = out.dtype
     layout = BucketLayout.for_tensors(tensors, dtype)
+    if layout.nbytes > device_bytes(device):  # (expanded views can claim any size)
+        raise InvalidArgumentError(
+            f"{what}: the tensors hold {layout.total} elements ({layout.nbytes / 2**30:.4g} GiB as {layout.dtype}), "
+            f"more than the {device.type} memory holds; flatten smaller buckets"
+        )
     if out is None:
         plan = _new_flat_plan(key, tensors, None, layout, device)
         if plan is not None:
@@ -978,6 +989,7 @@ def unflatten(
     (as with DDP's bucket views).
     """
     what = "torsh_kernels.unflatten"
+    check_provider(provider)
     key = None
     if _eager.unmoded() and type(flat) in _eager._PLAIN:  # a validated layout: skip the checks and the dispatcher
         ptrs = _ptrs(tensors)
@@ -1054,6 +1066,7 @@ def bucket_reduce(
             # the flattening views and the custom op.
             return _eager.run(_reduce_torch, buffers, None, op)
     what = "torsh_kernels.bucket_reduce"
+    check_provider(provider)
     if isinstance(buffers, torch.Tensor):
         if buffers.dim() == 0:
             raise ShapeError(f"{what}: a stacked buffers tensor needs a leading K dimension, got a scalar")
@@ -1072,6 +1085,8 @@ def bucket_reduce(
         if b.dtype != b0.dtype:
             raise DTypeError(f"{what}: {n} is {b.dtype}, buffers[0] is {b0.dtype}; reduce buffers of one dtype")
     device = _check_same_device(buffers, what, "buffers")
+    for b, n in zip(buffers, names):
+        _check_strided(b, what, n)
     if out is None:
         if _eager.direct(*buffers):
             return _eager.run(_reduce_impl, buffers, op, provider or "")
@@ -1137,6 +1152,7 @@ def wire_cast(
             _raise_wire_nonfinite(bad, wire)
         return out
     what = "torsh_kernels.wire_cast"
+    check_provider(provider)
     xf = _flat_input(x, what, "x")
     if out is not None:
         if dtype is not None and dtype != getattr(out, "dtype", dtype):

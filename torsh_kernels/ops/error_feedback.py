@@ -32,7 +32,7 @@ from ._common import (
     _raise_nonfinite,
     _select,
 )
-from .registry import Op
+from .registry import Op, check_provider
 
 _T = torch.Tensor
 _F32 = torch.float32
@@ -265,6 +265,7 @@ def residual_add(
                     _raise_nonfinite(b, "torsh_kernels.residual_add", "x + residual")
             return out
     what = "torsh_kernels.residual_add"
+    check_provider(provider)
     xf = _flat_input(x, what, "x")
     rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
     if out is None:
@@ -322,6 +323,7 @@ def error_update(
                 out.copy_(approx)
         return
     what = "torsh_kernels.error_update"
+    check_provider(provider)
     af = _flat_input(acc, what, "acc")
     n, dev = af.numel(), af.device
     pf = _flat_input(approx, what, "approx")

@@ -57,9 +57,9 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
-from ._common import _check_int, _check_tensor, _count, _on
+from ._common import _check_int, _check_strided, _check_tensor, _count, _on
 from ._moe_routing import Routing, check_capacity_factor, check_routing, expert_capacity, out_of_range, seal, sealed
-from .registry import Op
+from .registry import Op, check_provider
 
 __all__ = [
     "DROP_POLICIES",
@@ -811,7 +811,9 @@ def moe_route(
         if r is not None:
             return r
     what = "torsh_kernels.moe_route"
+    check_provider(provider)
     logits = _check_logits(logits, what)
+    _check_strided(logits, what, "logits")
     T, E = logits.shape
     k = _check_int(k, what, "k", 1, E)
     score = _check_choice(score, what, "score", SCORES)
@@ -974,8 +976,10 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
             except (IndexError, RuntimeError):
                 pass  # an index out of range: the general path raises the typed error
     what = "torsh_kernels.moe_permute"
+    check_provider(provider)
     routing = _check_routing(routing, what)
     x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")
+    _check_strided(x, what, "x")
     return _eager.call_autograd(_permute_op, x.contiguous(), routing.row_map, routing.token_index, provider or "")
 
 
@@ -1022,8 +1026,10 @@ def moe_unpermute(
             a.addcmul_(v[:, j], w[:, j : j + 1])
         return a
     what = "torsh_kernels.moe_unpermute"
+    check_provider(provider)
     routing = _check_routing(routing, what)
     y_perm = _check_rows(y_perm, routing.num_rows, routing, what, "y_perm", "N")
+    _check_strided(y_perm, what, "y_perm")
     w = routing.weights if weights else None
     return _eager.call_autograd(
         _unpermute_op, y_perm.contiguous(), routing.row_map, routing.token_index, w, provider or ""
@@ -1050,6 +1056,7 @@ def moe_aux_loss(
         )
     if x.device != routing.indices.device:
         raise DeviceMismatchError(f"{what}: logits_or_probs is on {x.device}, the routing on {routing.indices.device}")
+    _check_strided(x, what, "logits_or_probs")
     return _aux_loss(_loss_provider(_aux_loss, x, provider), x, routing, bool(from_probs))
 
 
@@ -1057,6 +1064,7 @@ def moe_z_loss(logits: torch.Tensor, *, provider: str | None = None) -> torch.Te
     """The router z-loss ``mean_t logsumexp(logits[t])**2`` (fp32 scalar, differentiable). ``provider`` as
     for :func:`moe_aux_loss`."""
     logits = _check_logits(logits, "torsh_kernels.moe_z_loss")
+    _check_strided(logits, "torsh_kernels.moe_z_loss", "logits")
     return _z_loss(_loss_provider(_z_loss, logits, provider), logits)
 
 

@@ -39,10 +39,11 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
-from ._common import _check_int, _no_overlap
+from ._common import _check_int, _check_strided, _no_overlap
 from .bucket import _TORCH_IMPL, BucketLayout, flatten, unflatten
 from .bucket import _flatten as _flatten_op
 from .quantize import dequantize, quantize
+from .registry import check_provider
 
 __all__ = ["FORMATS", "Packed", "pack", "pack_ref", "packed_nbytes", "unpack", "unpack_ref"]
 
@@ -268,12 +269,14 @@ def pack(
         data.view(_CODE_DTYPES[fmt]).copy_(src if src.dim() == 1 else src.view(-1))
         return Packed(data=data, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block)
     what = "torsh_kernels.pack"
+    check_provider(provider)
     if not isinstance(x, torch.Tensor):
         raise ArgumentTypeError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SOURCE_DTYPES:
         raise DTypeError(f"{what}: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
     fmt = _check_fmt(fmt, what)
     block = _check_block(block, what)
+    _check_strided(x, what, "x")
     n = x.numel()
     _, nbytes = _layout(n, fmt, block)
     if out is None:
@@ -314,6 +317,7 @@ def unpack(
 ) -> torch.Tensor:
     """The tensor ``packed`` holds (or ``out += it`` with ``accumulate``); see the module docstring."""
     what = "torsh_kernels.unpack"
+    check_provider(provider)
     packed = _check_packed(packed, what)
     n = packed.numel
     if device is not None:

@@ -25,7 +25,7 @@ from ..errors import (
 )
 from . import _eager
 from ._common import COMPRESS_DTYPES, _check_dtype, _check_int, _check_tensor, _on, _ptr_table, _Ranges
-from .registry import Op
+from .registry import Op, check_provider
 
 __all__ = ["MAX_ITERS", "default_rtol", "orthogonalize", "orthogonalize_ref"]
 
@@ -328,6 +328,7 @@ def orthogonalize(
         if done:
             return matrices
     what = "torsh_kernels.orthogonalize"
+    check_provider(provider)
     if isinstance(matrices, torch.Tensor) and matrices.dim() == 3:  # one batch: validated and passed whole
         _check_dtype(matrices, what, "matrices", ORTHO_DTYPES)
         if not matrices.is_contiguous():

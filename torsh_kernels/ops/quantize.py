@@ -44,7 +44,7 @@ from ._common import (
     _select,
     _store_ref,
 )
-from .registry import Op, tuned_meta
+from .registry import Op, check_provider, tuned_meta
 from .tuning import TuneSpace, register_space
 
 __all__ = [
@@ -194,6 +194,11 @@ def block_codes(
     if stochastic:
         _check_int(key, what, "key")
     _check_int(offset, what, "offset", 0)
+    return _block_codes(blocks, scales, qmax, stochastic, key, offset)
+
+
+def _block_codes(blocks, scales, qmax, stochastic, key, offset=0) -> torch.Tensor:
+    """:func:`block_codes` on checked arguments (the torch provider's per-slice call)."""
     nb, block = blocks.shape
     y = blocks / torch.where(scales > 0, scales, 1.0)[:, None]  # an all-zero block has s == 0 and y == 0
     if stochastic:
@@ -232,7 +237,7 @@ def _quantize_torch_range(x, q, scales, bits, block, stochastic, key, offset):
     bad_blocks = None if finite else ~torch.isfinite(amax)
     s = amax.div_(qmax) if finite else torch.where(bad_blocks, float("nan"), amax / qmax)
     scales.copy_(s)
-    c = block_codes(blocks, s, qmax, stochastic, key, offset).to(torch.int8).view(-1)[:n]
+    c = _block_codes(blocks, s, qmax, stochastic, key, offset).to(torch.int8).view(-1)[:n]
     if bits == 8:
         q.copy_(c)
     else:
@@ -461,6 +466,7 @@ def quantize(
                 c = torch.div(blocks, torch.where(sc > 0, sc, 1.0).unsqueeze(1)).round_().clamp_(-127.0, 127.0)
                 return c.to(torch.int8).view(-1), sc
     what = "torsh_kernels.quantize"
+    check_provider(provider)
     xf = _flat_input(x, what, "x")
     bits, block = _check_quant_args(bits, block, what)
     key = 0
@@ -560,6 +566,7 @@ def dequantize(
         with _eager.no_grad():
             return torch.mul(q.view(n // block, block), scales.unsqueeze(1)).view(-1)
     what = "torsh_kernels.dequantize"
+    check_provider(provider)
     q = _check_tensor(q, what, "q")
     scales = _check_tensor(scales, what, "scales")
     if q.dtype not in (torch.int8, torch.uint8):

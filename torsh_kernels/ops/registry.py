@@ -55,6 +55,7 @@ __all__ = [
     "ProviderInfo",
     "ProviderReport",
     "can_run",
+    "check_provider",
     "forced_meta",
     "providers",
     "reload",
@@ -188,6 +189,13 @@ def _check_name(name: str, source: str) -> str:
             f"(or leave {'it' if source != ENV_VAR else ENV_VAR} unset for automatic selection)"
         )
     return name
+
+
+def check_provider(provider: object) -> None:
+    """A public op's ``provider`` argument: None (or '') or a known provider name, else ProviderError. Checked
+    up front, so a call that selects nothing (meta tensors, a traced call) refuses an unknown name too."""
+    if provider is not None and provider != "" and provider not in PROVIDERS:
+        _check_name(provider, "the provider argument")
 
 
 def default_provider(device: torch.device) -> str:

@@ -60,7 +60,7 @@ from ._common import (
     _select,
 )
 from .error_feedback import _axpby
-from .registry import Op
+from .registry import Op, check_provider
 
 __all__ = ["index_dtype", "topk_compress", "topk_compress_ref", "topk_count", "topk_decompress", "topk_decompress_ref"]
 
@@ -429,6 +429,7 @@ def topk_compress(
                     idx = torch.topk(xf.abs(), k, sorted=False).indices.sort().values
                     return xf.index_select(0, idx), idx.to(_I32)
     what = "torsh_kernels.topk_compress"
+    check_provider(provider)
     xf = _flat_input(x, what, "x")
     ratio = _check_ratio(ratio, what)
     if xf.numel() == 0:
@@ -496,6 +497,7 @@ def topk_decompress(
             except RuntimeError:
                 pass
     what = "torsh_kernels.topk_decompress"
+    check_provider(provider)
     values = _check_tensor(values, what, "values")
     indices = _check_tensor(indices, what, "indices")
     _check_dtype(values, what, "values")

@@ -147,8 +147,13 @@ class Parser(argparse.ArgumentParser):
 # -- option values ----------------------------------------------------------------------------------------
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low``."""
+INT_MOST = 2**31 - 1
+"""The largest count an option takes: no count a command uses comes near it, so a larger one is a typo
+(``--reps 99999999999999999999`` would otherwise run for ever)."""
+
+
+def int_at_least(low: int, high: int = INT_MOST) -> Callable[[str], int]:
+    """An argparse type: an integer in [``low``, ``high``]."""
 
     def parse(text: str) -> int:
         try:
@@ -157,6 +162,8 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
         if v < low:
             raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {v}")
+        if v > high:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {high}, got {v}")
         return v
 
     parse.__name__ = f"integer >= {low}"

@@ -779,3 +779,26 @@ def test_json_means_the_same_on_every_command():
         f"torsh bench {s}" for s in suites
     }
     assert set(with_json.values()) == {("json", "?", "-", None, "PATH")}, with_json
+
+
+def test_bad_input_found_late_is_one_line_and_a_typed_failure_exits_1(monkeypatch, capsys):
+    """A typed error from a command is one line, never a traceback: bad input (a ValueError or TypeError
+    kind) exits 2 like an argument error, a failure while running exits 1."""
+    from torsh_kernels.apps import cli
+    from torsh_kernels.errors import CollectiveError
+
+    for argv in (
+        ["bench", "overhead", "--reps", "99999999999999999999"],  # (ran for ever)
+        ["tune", "--sizes", "2^100", "--providers", "torch"],  # (a RuntimeError traceback from the allocator)
+        ["demo", "--delay", "1ms"],  # (ignored: the whole demo ran)
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"torsh {argv[0]}") and ": error: " in err[0], err
+
+    def failing(args):
+        raise CollectiveError("rank 1 exited\nwith signal 9")
+
+    monkeypatch.setattr(cli, "_providers", failing)
+    assert main(["providers"]) == 1
+    assert capsys.readouterr().err == "torsh providers: error: rank 1 exited with signal 9 (CollectiveError)\n"

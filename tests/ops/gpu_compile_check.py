@@ -154,14 +154,14 @@ def moe_triton_variants():
         for has_w in (False, True):
             w = "*fp32" if has_w else "*i64"
             yield (f"moe_permute {x} weights={has_w}", M._permute_kernel,
-                   {"x_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": w, "out_ptr": f"*{x}", "H": "i32"},
+                   {"x_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": w, "out_ptr": f"*{x}", "H": "i32", "N": "i32"},
                    {"K": 2, "BLOCK_H": 1024, "HAS_W": has_w})  # fmt: skip
             yield (f"moe_unpermute {x} weights={has_w}", M._unpermute_kernel,
-                   {"y_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": w, "out_ptr": f"*{x}", "H": "i32"},
+                   {"y_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": w, "out_ptr": f"*{x}", "H": "i32", "N": "i32"},
                    {"K": 2, "BLOCK_H": 1024, "HAS_W": has_w})  # fmt: skip
         yield (f"moe_unpermute_backward {x}", M._unpermute_bwd_kernel,
                {"gy_ptr": f"*{x}", "y_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": "*fp32", "gyp_ptr": f"*{x}",
-                "gw_ptr": "*fp32", "H": "i32"}, {"K": 2, "KP": 2, "BLOCK_H": 1024})  # fmt: skip
+                "gw_ptr": "*fp32", "H": "i32", "N": "i32"}, {"K": 2, "KP": 2, "BLOCK_H": 1024})  # fmt: skip
 
 
 def compile_triton(cap: int) -> list[dict]:

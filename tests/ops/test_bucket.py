@@ -606,3 +606,31 @@ def test_wire_cast_in_place_and_typed_errors(provider, gen):
     with pytest.raises(ShapeError, match="contiguous"):
         tk.wire_cast(y, out=torch.empty(2000, dtype=torch.float16, device=DEVICE)[::2])
     assert tk.wire_cast(torch.empty(0, device=DEVICE)).numel() == 0
+
+
+def test_a_layout_checks_its_fields_and_an_expanded_bucket_must_fit_in_memory():
+    base = dict(shapes=((2,), (3,)), dtypes=(torch.float32,) * 2, offsets=(0, 2), total=5, dtype=torch.float32)
+    for change, err in (
+        (dict(shapes=((-2,), (3,)), offsets=(0, -2), total=1), InvalidArgumentError),
+        (dict(shapes=[(2,), (3,)]), ArgumentTypeError),
+        (dict(dtype=torch.int32), DTypeError),
+        (dict(total=5.0), ArgumentTypeError),
+    ):
+        with pytest.raises(err):
+            BucketLayout(**{**base, **change})
+    huge = torch.zeros(1).expand(2**38)  # no memory behind it: flattening it would need 1 TiB
+    with pytest.raises(InvalidArgumentError, match="memory"):
+        tk.flatten([huge])
+    with pytest.raises(InvalidArgumentError, match="memory"):
+        tk.bucket_reduce([huge, huge])
+    with pytest.raises(InvalidArgumentError, match="memory"):
+        tk.wire_cast(huge)
+
+
+@pytest.mark.parametrize("src", [torch.float16, torch.bfloat16])
+def test_one_16bit_tensor_scaled_into_fp32_is_computed_in_fp32(provider, src):
+    """Found by the fuzz: the torch and cpu providers computed ``scale * x`` in x's 16-bit dtype when one
+    16-bit tensor was flattened into fp32 (-3 * 1.541 came out -4.625 instead of -4.623)."""
+    x = torch.tensor([1.541015625, -0.3330078125, 7.0], dtype=src, device=DEVICE)
+    flat, _ = tk.flatten([x], dtype=torch.float32, scale=-3.0, provider=provider)
+    assert torch.equal(flat.cpu(), x.float().cpu() * -3.0)

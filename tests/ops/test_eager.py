@@ -274,3 +274,38 @@ def test_unflatten_cache_does_not_keep_the_bucket_alive():
     assert ref() is None
     assert not any(p.flat_ref is not None and p.flat_ref() is not None for p in bucket._UNFLAT_PLANS.data.values()
                    if p.layout is layout)  # fmt: skip
+
+
+def test_every_op_on_meta_tensors_answers_with_meta_results():
+    """One rule for meta tensors (issue 24): shapes, dtypes and devices are checked as for real tensors and
+    the op's fake implementation answers (orthogonalize failed in Tensor.item(), several ops saw every meta
+    tensor at address 0 and refused a false overlap); only what meta tensors cannot say is refused (moe_route
+    with a capacity: the row count depends on the values)."""
+
+    def m(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    outs = [
+        tk.flatten([m(5), m(2, 3)], out=m(11))[0],
+        tk.bucket_reduce([m(7), m(7)], out=m(7)),
+        tk.wire_cast(m(9)),
+        tk.quantize(m(37), block=8)[0],
+        tk.dequantize(m(37, dtype=torch.int8), m(5), block=8),
+        tk.topk_compress(m(40), ratio=0.1, residual=m(40))[0],
+        tk.topk_decompress(m(4), m(4, dtype=torch.int64), 10),
+        tk.sign_compress(m(21), m(21))[0],
+        tk.sign_decompress(m(2, dtype=torch.uint8), m(()), 10),
+        tk.orthogonalize(m(9, 3)),
+        tk.residual_add(m(13), m(13)),
+        ops.count_nonfinite(m(5)),
+        ops.pack(m(5), "fp16").data,
+        ops.unpack(ops.pack(torch.randn(5)), device="meta"),
+        tk.moe_z_loss(m(7, 5)),
+    ]
+    tk.unflatten(m(11), tk.flatten([torch.ones(5), torch.ones(2, 3)])[1], [m(5), m(2, 3)])
+    tk.error_update(m(11), m(11), m(11), out=m(11))
+    assert all(t.is_meta for t in outs)
+    with pytest.raises(tk.InvalidArgumentError, match="meta"):
+        tk.moe_route(m(7, 5), k=2, capacity_factor=1.0)
+    with pytest.raises(tk.DeviceMismatchError):
+        tk.residual_add(torch.ones(3), m(3))

@@ -3,7 +3,9 @@ expectations for ties, capacity and the losses), gradients against autograd of t
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import pickle
 
 import pytest
 import torch
@@ -415,3 +417,132 @@ def test_routing_prints_sizes_not_tensors():
     assert s == (f"Routing(tokens={T}, experts={E}, k={K}, rows={r.num_rows}, dropped={T * K - r.num_rows}, "
                  f"capacity={math.ceil(T * K * 0.5 / E)}, score='softmax', device=cpu)")  # fmt: skip
     assert 0 < r.num_rows < T * K
+
+
+# --------------------------------------------------------------------------------------------------
+# Hardening (issue 24): a Routing not made by moe_route is checked before any kernel reads it
+
+
+def _edited(r: M.Routing, field: str, i: int, value: int) -> M.Routing:
+    t = getattr(r, field).clone()
+    t.view(-1)[i] = value
+    return dataclasses.replace(r, **{field: t})
+
+
+@pytest.mark.parametrize("field", ["row_map", "token_index"])
+def test_a_routing_indexing_outside_the_rows_is_refused_on_every_provider(provider, field):
+    """The probe's segfault (triton, row_map) and out-of-bounds reads (triton and numba, token_index; torch
+    raised a bare IndexError): a typed error before anything runs, and nothing the caller passed changes."""
+    r = M.moe_route(torch.randn(7, 5, device=DEVICE), k=2, capacity_factor=1.0)
+    x, y = torch.randn(7, 3, device=DEVICE), torch.randn(r.num_rows, 3, device=DEVICE)
+    for value in (10**6, -5):
+        bad = _edited(r, field, 1, value)
+        before = [t.clone() for t in (x, y, bad.row_map, bad.token_index)]
+        with pytest.raises(ShapeError, match=f"routing.{field} holds {value}"):
+            M.moe_permute(x, bad, provider=provider)
+        with pytest.raises(ShapeError, match=f"routing.{field} holds {value}"):
+            M.moe_unpermute(y, bad, provider=provider)
+        assert all(torch.equal(a, b) for a, b in zip((x, y, bad.row_map, bad.token_index), before))
+
+
+def test_the_fields_of_a_hand_made_routing_must_agree():
+    r = M.moe_route(torch.randn(7, 5), k=2, capacity_factor=1.0)
+    x = torch.randn(7, 3)
+    rows = r.row_map.clone()
+    rows[rows == rows.max()] = 0  # two assignments on row 0, the last row never written
+    cases = {
+        "repeats a row": dataclasses.replace(r, row_map=rows, dropped=rows < 0),
+        "not the inverse": dataclasses.replace(r, token_index=r.token_index.flip(0)),
+        "disagrees with routing.row_map": dataclasses.replace(r, dropped=~r.dropped),
+        "tokens_per_expert disagrees": dataclasses.replace(r, tokens_per_expert=r.tokens_per_expert.flip(0) + 1),
+        "must be contiguous": dataclasses.replace(r, row_map=r.row_map.t().contiguous().t()),
+        "more than T": dataclasses.replace(r, num_rows=10**9),
+    }
+    for match, bad in cases.items():
+        with pytest.raises(ShapeError, match=match):
+            M.moe_permute(x, bad)
+    with pytest.raises(DTypeError, match=r"routing\.weights"):
+        M.moe_unpermute(torch.randn(r.num_rows, 3), dataclasses.replace(r, weights=r.weights.half()))
+    with pytest.raises(ArgumentTypeError, match=r"routing\.num_rows"):
+        M.moe_permute(x, dataclasses.replace(r, num_rows=str(r.num_rows)))
+    # an equal copy (rebuilt, unpickled) is checked once and then used like the original
+    for same in (dataclasses.replace(r), pickle.loads(pickle.dumps(r))):
+        assert torch.equal(M.moe_permute(x, same), M.moe_permute_ref(x, r))
+
+
+def test_a_sealed_routing_is_trusted_until_edited_in_place_or_swapped(monkeypatch):
+    from torsh_kernels.ops import _moe_routing as R
+
+    checks = []
+    real = R._check_values
+    monkeypatch.setattr(R, "_check_values", lambda r, what: (checks.append(what), real(r, what))[1])
+    r = M.moe_route(torch.randn(7, 5), k=2)
+    x = torch.randn(7, 3)
+    for provider in ("torch", "cpu", None):
+        M.moe_permute(x, r, provider=provider)
+        M.moe_unpermute(torch.randn(r.num_rows, 3), r, provider=provider)
+    assert checks == [], "a routing from moe_route is not checked again"
+    r.row_map[0, 0] = 10**6  # an edit in place moves the version counter: checked (and refused) again
+    with pytest.raises(ShapeError, match="outside the rows"):
+        M.moe_permute(x, r)
+    r2 = M.moe_route(torch.randn(7, 5), k=2)
+    object.__setattr__(r2, "token_index", r2.token_index.clone().fill_(99))  # a swapped field
+    with pytest.raises(ShapeError, match="token_index holds 99"):
+        M.moe_unpermute(torch.randn(r2.num_rows, 3), r2)
+    hand = dataclasses.replace(M.moe_route(torch.randn(7, 5), k=2))
+    n = len(checks)
+    M.moe_permute(x, hand)
+    M.moe_permute(x, hand)
+    assert len(checks) == n + 1, "a hand-made routing is checked once, then sealed"
+
+
+@pytest.mark.parametrize("p", ["triton", "numba"])
+def test_the_permute_kernels_stay_inside_their_buffers_whatever_the_row_map(p):
+    """Below the checks (a compiled graph passes the custom ops a routing's tensors as they are): a row
+    outside [0, N) is neither read nor written, so a bad row map cannot crash the process."""
+    r = M.moe_route(torch.randn(5, 4), k=2)
+    rows = r.row_map.clone()
+    rows[0, 0], rows[1, 1] = 10**6, -7
+    x, y = torch.randn(5, 3), torch.randn(r.num_rows, 3)
+    out = M._permute_op(x, rows, r.token_index, p)
+    ok = r.row_map.clone()
+    ok[0, 0] = ok[1, 1] = -1
+    for t in range(5):
+        for j in range(2):
+            if ok[t, j] >= 0:
+                assert torch.equal(out[ok[t, j]], x[t])
+    got = M._unpermute_op(y, rows, r.token_index, r.weights, p)
+    want = M.moe_unpermute_ref(y, dataclasses.replace(r, row_map=ok))
+    torch.testing.assert_close(got, want)
+
+
+def test_capacity_factor_is_clamped_to_every_assignment():
+    """capacity_factor=1e300 overflowed the kernels' capacity argument; capacity never exceeds T * k, so a
+    huge factor is no limit. inf, nan, <= 0 and bool stay errors (None is the way to say no limit)."""
+    lg = torch.randn(7, 5)
+    r = M.moe_route(lg, k=2, capacity_factor=1e300)
+    assert r.capacity == 14 and r.num_rows == 14
+    assert torch.equal(r.row_map, M.moe_route(lg, k=2).row_map)
+    assert M.expert_capacity(7, 2, 5, 1e-300) == 1
+    for bad in (math.inf, math.nan, -1.0, 0.0):
+        with pytest.raises(InvalidArgumentError, match="capacity_factor"):
+            M.moe_route(lg, k=2, capacity_factor=bad)
+    with pytest.raises(ArgumentTypeError, match="capacity_factor"):
+        M.moe_route(lg, k=2, capacity_factor=True)
+
+
+def test_router_losses_of_no_tokens_are_zero_and_meta_tensors_give_meta_results():
+    for provider in ("cpu", "torch"):
+        lg = torch.empty(0, 5, requires_grad=True)
+        r = M.moe_route(lg.detach(), k=2)
+        for loss in (M.moe_aux_loss(lg, r, provider=provider), M.moe_z_loss(lg, provider=provider)):
+            assert float(loss.detach()) == 0.0
+            loss.backward()
+    meta = torch.empty(7, 5, device="meta")
+    r = M.moe_route(meta, k=2)
+    assert r.row_map.is_meta and r.num_rows == 14
+    assert M.moe_permute(torch.empty(7, 3, device="meta"), r).shape == (14, 3)
+    assert M.moe_unpermute(torch.empty(14, 3, device="meta"), r).shape == (7, 3)
+    assert M.moe_z_loss(meta, provider="cpu").is_meta and M.moe_aux_loss(meta, r).is_meta
+    with pytest.raises(InvalidArgumentError, match="meta"):
+        M.moe_route(meta, k=2, capacity_factor=1.0)

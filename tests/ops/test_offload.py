@@ -4,6 +4,7 @@ the staged copy to pinned host memory (CUDA only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -153,3 +154,36 @@ def test_pack_to_pinned_host_on_a_stream(fmt):
     y = O.unpack(p, device="cuda", stream=side)
     side.synchronize()
     assert y.device.type == "cuda" and torch.equal(y, O.unpack_ref(ref))
+
+
+@pytest.mark.parametrize("fmt", O.FORMATS)
+def test_pack_refuses_a_buffer_overlapping_its_input(provider, fmt):
+    """pack into a buffer over x's own memory: a bare RuntimeError from torch, silently garbage from the
+    kernels; now a ShapeError before anything is written."""
+    x = rand((64,), torch.float32, torch.Generator().manual_seed(1))
+    before = x.clone()
+    with pytest.raises(ShapeError, match="out overlaps x"):
+        O.pack(x, fmt, out=x.view(torch.uint8), provider=provider)
+    assert torch.equal(x, before)
+
+
+def test_unpack_checks_the_packed_object():
+    p = O.pack_ref(torch.randn(37), "int8", block=8)
+    bad = {
+        "holds 10 bytes": dict(data=torch.zeros(10, dtype=torch.uint8)),
+        "need 1500000": dict(shape=(10**6,)),
+        "non-negative": dict(shape=(-37,)),
+        "fmt=": dict(fmt="int3"),
+        "block=": dict(block=7),
+        "packed.dtype": dict(dtype=torch.int32),
+    }
+    for match, change in bad.items():
+        with pytest.raises((ShapeError, InvalidArgumentError, DTypeError), match=match):
+            O.unpack(dataclasses.replace(p, **change))
+    with pytest.raises(InvalidArgumentError, match="not a device"):
+        O.unpack(p, device="gpu7")
+    store = torch.zeros(80, dtype=torch.uint8)
+    q = O.pack(torch.randn(20), "bf16", out=store)
+    with pytest.raises(ShapeError, match=r"out overlaps packed\.data"):
+        O.unpack(q, out=store[20:60].view(torch.bfloat16), accumulate=True)
+    torch.testing.assert_close(O.unpack(p), O.unpack_ref(p))

@@ -114,3 +114,23 @@ def test_orthogonalize_typed_errors():
 
 def test_orthogonalize_custom_op_passes_opcheck():
     torch.library.opcheck(_ortho_op, ([torch.randn(20, 3), torch.randn(9, 3)], 1e-4, 2, "torch"))
+
+
+def test_iters_are_bounded_and_meta_matrices_give_meta_results(provider):
+    """iters=10**9 ran (compiled, on the kernel providers) until killed: iters is capped at MAX_ITERS. Meta
+    matrices failed in Tensor.item(); they now run the op's fake implementation (nothing to compute)."""
+    from torsh_kernels.ops.orthogonalize import MAX_ITERS
+
+    m = rand((9, 3), torch.float32, torch.Generator().manual_seed(5))
+    before = m.clone()
+    for bad in (0, MAX_ITERS + 1, 10**9):
+        with pytest.raises(InvalidArgumentError, match="iters"):
+            orthogonalize(m, iters=bad, provider=provider)
+    assert torch.equal(m, before)
+    orthogonalize(m, iters=MAX_ITERS, provider=provider)
+    close(m, orthogonalize_ref(before.clone()), 1e-4, 1e-3)
+    meta = torch.empty(2, 9, 3, device="meta")
+    assert orthogonalize(meta, provider=provider) is meta
+    assert orthogonalize([torch.empty(9, 3, device="meta")], iters=3, provider=provider)[0].is_meta
+    with pytest.raises(InvalidArgumentError, match="iters"):
+        orthogonalize(meta, iters=10**9, provider=provider)

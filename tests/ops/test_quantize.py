@@ -169,3 +169,21 @@ def test_quantize_custom_ops_pass_opcheck():
     torch.library.opcheck(_quantize_op, (x, 4, 64, True, 99, True, "torch"))
     q, s = quantize(x, block=64)
     torch.library.opcheck(_dequantize_op, (q, s, torch.empty(300), 8, 64, 1.0, False, "torch"))
+
+
+def test_out_buffers_overlapping_the_input_or_each_other_are_refused(provider):
+    from torsh_kernels.ops.quantize import dequantize
+
+    x = torch.randn(40, device=DEVICE)
+    with pytest.raises(ShapeError, match=r"out\[0\] \(q\) overlaps x"):
+        quantize(x[:37], block=8, out=(x.view(torch.int8)[100:137], torch.empty(5, device=DEVICE)), provider=provider)
+    buf = torch.zeros(64, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ShapeError, match="overlaps out"):
+        quantize(x[:37], block=8, out=(buf[:37].view(torch.int8), buf[32:52].view(torch.float32)), provider=provider)
+    q, s = quantize(x[:37], block=8, provider=provider)
+    store = torch.zeros(64, device=DEVICE)
+    store.view(torch.int8)[:37] = q
+    with pytest.raises(ShapeError, match="out overlaps q"):
+        dequantize(store.view(torch.int8)[:37], s, block=8, out=store[:37], provider=provider)
+    with pytest.raises(InvalidArgumentError, match="accumulate=True needs out="):
+        dequantize(q, s, block=8, accumulate=True, provider=provider)

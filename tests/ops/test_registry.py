@@ -232,3 +232,12 @@ def test_no_file_system_access_per_call(monkeypatch, tmp_path):
     for _ in range(3):
         run()
     assert not [p for p in stats if "tuning" in str(p)]
+
+
+def test_a_tuned_lookup_must_be_callable():
+    from torsh_kernels.errors import ArgumentTypeError
+
+    for setter in (registry.set_tuned_lookup, registry.set_tuned_meta):
+        with pytest.raises(ArgumentTypeError, match="callable"):
+            setter("cache.json")
+    assert float(tk.flatten([torch.ones(3)])[0].sum()) == 3.0  # the ops still select as before

@@ -93,3 +93,14 @@ def test_sign_custom_op_passes_opcheck():
     x = torch.randn(300)
     r = torch.randn(300)
     torch.library.opcheck(S._sign_op, (x, r, True, "torch"))
+
+
+def test_decompress_refuses_out_over_its_bits_and_accumulate_without_out(provider):
+    from torsh_kernels.errors import InvalidArgumentError
+
+    store = torch.zeros(32, dtype=torch.uint8, device=DEVICE)
+    store[:2] = torch.tensor([0b10110011, 1], dtype=torch.uint8)
+    with pytest.raises(ShapeError, match="out overlaps bits"):
+        S.sign_decompress(store[:2], 0.5, 10, out=store.view(torch.bfloat16)[:10], provider=provider)
+    with pytest.raises(InvalidArgumentError, match="accumulate=True needs out="):
+        S.sign_decompress(store[:2], 0.5, 10, accumulate=True, provider=provider)

@@ -226,3 +226,19 @@ def test_topk_custom_op_passes_opcheck():
     x = torch.randn(300)
     r = torch.randn(300)
     torch.library.opcheck(K._topk_op, (x, r, 5, False, True, "torch"))
+
+
+def test_decompress_refuses_a_size_no_device_holds_before_allocating(provider):
+    """numel=10**12 tried to allocate 4 TB (a bare RuntimeError, or the machine's memory): the indices are
+    checked first, then the size against the device's memory; accumulate=True without out= is refused (it
+    added to uninitialised memory)."""
+    v, i = torch.ones(3, device=DEVICE), torch.tensor([0, 5, 9], device=DEVICE)
+    for numel in (10**12, 2**62):
+        with pytest.raises(InvalidArgumentError, match="memory"):
+            K.topk_decompress(v, i, numel, provider=provider)
+    with pytest.raises(ShapeError, match="index 9 is outside"):
+        K.topk_decompress(v, i, 9, provider=provider)
+    with pytest.raises(InvalidArgumentError, match="accumulate=True needs out="):
+        K.topk_decompress(v, i, 10, accumulate=True, provider=provider)
+    meta = K.topk_decompress(v.to("meta"), i.to("meta"), 10, provider=provider)
+    assert meta.is_meta and meta.shape == (10,)

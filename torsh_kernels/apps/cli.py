@@ -1,6 +1,8 @@
 """The ``torsh`` command line.
 
-Every command behaves alike: an argument error is one line (``torsh CMD: error: ...``) and exit status 2;
+Every command behaves alike: an argument error is one line (``torsh CMD: error: ...``) and exit status 2,
+so is any bad input a command finds later (a typed ``TorshKernelsError`` of the ValueError/TypeError kind);
+a typed failure while running (a collective, a transport) is one line and exit status 1;
 ``--json [PATH]`` writes the command's JSON to PATH, or to stdout when no PATH is given (everything else
 then goes to stderr); Ctrl-C stops the command and every rank it started, prints ``torsh CMD: interrupted``
 and exits with status 130; ``torsh --version`` prints the version.
@@ -13,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 from .. import _cli
+from ..errors import TorshKernelsError
 
 _HARNESS_FLAGS = ("--compare", "--max-regression", "--full", "--args", "--ncu")
 
@@ -124,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except _cli.UsageError as e:
         return _cli.fail(prog, e)
+    except TorshKernelsError as e:  # a typed error from below: one line, no traceback
+        # bad input (a ValueError or TypeError kind: a value, a file, a trace) exits 2 like an argument error;
+        # a failure while running (a collective, a transport, a provider that cannot run) exits 1
+        code = _cli.fail(prog, f"{e} ({type(e).__name__})")
+        return code if isinstance(e, (ValueError, TypeError)) else 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -511,6 +511,8 @@ def run(a: argparse.Namespace) -> int:
         raise _cli.UsageError(str(e)) from e
     if cfg.fsdp and cfg.trace:
         raise _cli.UsageError("--trace records the DDP demo; it is not wired into --fsdp")
+    if a.delay is not None and not a.link:
+        raise _cli.UsageError("--delay is the one-way delay of an emulated link: it needs --link RATE")
     if os.environ.get("TORSH_DEMO_RANK_MODE") == "env":  # a rank started by --link below
         torch.set_num_threads(a.threads)
         return _env_rank_main(cfg, a.json)

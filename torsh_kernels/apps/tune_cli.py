@@ -116,6 +116,11 @@ def run(args: argparse.Namespace) -> int:
     ops = _ops(args.ops)
     dtypes = [DTYPES[d] for d in args.dtypes]
     sizes = args.sizes or ([2**20, 2**24, 2**26] if device.type == "cuda" else [2**16, 2**20])
+    from ..ops._common import device_bytes
+
+    if max(sizes) * 8 > device_bytes(device):  # (an fp32 input and its output, at least)
+        raise _cli.UsageError(f"--sizes: {max(sizes)} elements do not fit in the {device.type} memory "
+                              f"({device_bytes(device) / 2**30:.4g} GiB)")  # fmt: skip
     providers = select_providers("torsh tune", args.providers, device, verb="tuning")
     tuner = A.Tuner(device, providers=providers, strategy=args.strategy, budget_s=args.budget, reps=args.reps)
     console.print(f"tuning {', '.join(ops)} on {A.environment_key(device)[1]['device']} with providers "

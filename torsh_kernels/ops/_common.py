@@ -13,6 +13,7 @@ and its host synchronisation).
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -61,7 +62,21 @@ def _flat_input(x: object, what: str, name: str = "x") -> torch.Tensor:
     """A floating input as a contiguous 1-D tensor (a view when it already is contiguous)."""
     x = _check_tensor(x, what, name)
     _check_dtype(x, what, name)
-    return x.detach().reshape(-1).contiguous() if not x.is_contiguous() else x.detach().view(-1)
+    if x.is_contiguous():
+        return x.detach().view(-1)
+    _check_strided(x, what, name)
+    return x.detach().reshape(-1).contiguous()
+
+
+def _check_strided(t: torch.Tensor, what: str, name: str) -> None:
+    """A strided or expanded view the op copies into a contiguous tensor: its elements must fit in its
+    device's memory (an ``expand()`` can claim any number of elements without memory behind them)."""
+    if not t.is_contiguous() and t.numel() * t.element_size() > device_bytes(t.device):
+        raise InvalidArgumentError(
+            f"{what}: {name} is a strided view of {t.numel()} elements ({t.numel() * t.element_size() / 2**30:.4g} "
+            f"GiB), more than the {t.device.type} memory holds ({device_bytes(t.device) / 2**30:.4g} GiB); the op "
+            "needs its elements in memory: pass a smaller tensor"
+        )
 
 
 def _flat_inout(t: object, what: str, name: str, numel: int, device: torch.device) -> torch.Tensor:
@@ -98,12 +113,66 @@ def _check_alpha(alpha: object, what: str) -> float:
     return float(alpha)
 
 
-def _check_int(v: object, what: str, name: str, lo: int | None = None) -> int:
+def _check_int(v: object, what: str, name: str, lo: int | None = None, hi: int | None = None) -> int:
+    """``v`` as an int in [lo, hi] (either bound optional); a bool, float, str, tensor... is an ArgumentTypeError."""
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ArgumentTypeError(f"{what}: {name} must be an int, got {type(v).__name__}")
-    if lo is not None and v < lo:
-        raise InvalidArgumentError(f"{what}: {name} must be >= {lo}, got {v}")
+        raise ArgumentTypeError(f"{what}: {name} must be an int, got {type(v).__name__} {_short(v)}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
+        raise InvalidArgumentError(f"{what}: {name}={_short(v)} must be {rng}")
     return v
+
+
+def _short(v: object) -> str:
+    """``repr(v)``, cut to a readable length (a huge int or a long list in a message)."""
+    r = repr(v) if not isinstance(v, torch.Tensor) else f"tensor{tuple(v.shape)}"
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes a caller states (a numel, a shape) that the op would allocate: refused when no device could hold them
+
+
+def _host_bytes() -> int:
+    """Physical memory of this machine in bytes (2**62 where the platform does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return 2**62
+
+
+HOST_BYTES = _host_bytes()
+"""The machine's physical memory: no host tensor a call allocates may be larger."""
+_DEVICE_BYTES: dict[torch.device, int] = {}
+
+
+def device_bytes(device: torch.device) -> int:
+    """The memory of ``device`` in bytes: the host's for CPU tensors, the GPU's total for CUDA ones, 2**62
+    for a device without memory (meta) or one torch does not report."""
+    b = _DEVICE_BYTES.get(device)
+    if b is None:
+        if device.type == "cpu":
+            b = HOST_BYTES
+        elif device.type == "cuda":
+            try:
+                b = int(torch.cuda.get_device_properties(device).total_memory)
+            except Exception:  # pragma: no cover - no driver
+                b = 2**62
+        else:
+            b = 2**62
+        _DEVICE_BYTES[device] = b
+    return b
+
+
+def _check_alloc(numel: int, itemsize: int, device: torch.device, what: str, name: str) -> None:
+    """InvalidArgumentError when ``numel`` elements of ``itemsize`` bytes cannot fit in ``device``'s memory
+    (a size the caller stated, checked before anything is allocated)."""
+    if numel * itemsize > device_bytes(device):
+        raise InvalidArgumentError(
+            f"{what}: {name}={numel} elements of {itemsize} bytes ({numel * itemsize / 2**30:.4g} GiB) cannot fit "
+            f"in the {device.type} memory ({device_bytes(device) / 2**30:.4g} GiB); pass the element count of the "
+            "tensor that was compressed"
+        )
 
 
 def _count(bad) -> int:
@@ -119,10 +188,15 @@ def _raise_nonfinite(bad: int, what: str, name: str) -> None:
     )
 
 
-def _decode_out(out, numel, dtype, device, what) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_out(out, numel, dtype, device, what, accumulate=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decompressing op's output and its 1-D view: ``out`` checked, or a new ``dtype`` tensor (not with
+    ``accumulate``: there would be nothing to add to)."""
     if out is None:
+        if accumulate:
+            raise InvalidArgumentError(f"{what}: accumulate=True needs out= (the tensor to add to)")
         if dtype not in COMPRESS_DTYPES:
             raise DTypeError(f"{what}: dtype={dtype}; expected float32, float16 or bfloat16")
+        _check_alloc(numel, dtype.itemsize, device, what, "numel")
         out = torch.empty(numel, dtype=dtype, device=device)
     return out, _flat_inout(out, what, "out", numel, device)
 
@@ -381,9 +455,19 @@ def _count_nonfinite(v: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(v)).sum().view(1)
 
 
+_COUNT_DTYPES = frozenset((*COMPRESS_DTYPES, torch.float64))
+
+
 def count_nonfinite(v: torch.Tensor) -> torch.Tensor:
-    """Number of NaN/Inf elements of v, as an int64 [1] tensor (see :func:`_count_nonfinite`). While
-    ``torch.compile`` traces, the exact count as graph operations (the cheap check reads a host value)."""
-    if _is_compiling():
+    """Number of NaN/Inf elements of v (fp32, fp16, bf16 or fp64, any shape), as an int64 [1] tensor (see
+    :func:`_count_nonfinite`). While ``torch.compile`` traces, and for a meta tensor, the exact count as
+    graph operations (the cheap check reads a host value)."""
+    if not isinstance(v, torch.Tensor):
+        raise ArgumentTypeError(f"torsh_kernels.count_nonfinite: v must be a torch.Tensor, got {type(v).__name__}")
+    if v.dtype not in _COUNT_DTYPES:
+        raise DTypeError(
+            f"torsh_kernels.count_nonfinite: v has dtype {v.dtype}; expected float32, float16, bfloat16 or float64"
+        )
+    if _is_compiling() or v.is_meta:  # (meta: a meta result of the right shape)
         return (~torch.isfinite(v)).sum().view(1)
     return _count_nonfinite(v)

@@ -46,6 +46,14 @@ to its custom op, which runs them at run time on the real tensors (the op's ``tr
 same errors, raised by the compiled call. The eager path reads this flag once, on the general path only."""
 
 
+def deferred(*tensors: torch.Tensor | None) -> bool:
+    """Whether a public op must leave its checks of memory (overlaps, addresses) and values (index ranges,
+    NaN/Inf) to its custom op: while ``torch.compile`` traces (they run at run time, on the real tensors),
+    or when a tensor is on the meta device (there is nothing to read: the op's fake implementation runs and
+    returns meta tensors of the result's shape). Shapes, dtypes, devices and strides are checked either way."""
+    return _is_compiling() or any(t is not None and t.is_meta for t in tensors)
+
+
 def unmoded() -> bool:
     """No tracing, no dispatch or function mode, no functorch transform active."""
     return not (_is_compiling() or _dispatch_modes() or _function_mode() or _functorch_level() is not None)

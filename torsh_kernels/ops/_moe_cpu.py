@@ -24,6 +24,7 @@ import torch
 
 from ..errors import ShapeError
 from ._cpu import carray, f32, jit, p_b, p_f32, p_f64, p_i64
+from ._moe_routing import out_of_range as _out_of_range
 
 # What the route and the aux loss read: logits scored by softmax or by sigmoid, or the scores themselves.
 SOFTMAX, SIGMOID, PROBS = 0, 1, 2
@@ -365,11 +366,6 @@ def route_assign(idx: torch.Tensor, s: torch.Tensor, E: int, cap: int, policy: i
 def weighted_ok(*tensors: torch.Tensor | None) -> bool:
     """Whether the weighted row kernels take these tensors (fp32 rows and weights)."""
     return all(t is None or t.dtype is torch.float32 for t in tensors)
-
-
-def _out_of_range(what: str) -> ShapeError:
-    return ShapeError(f"torsh_kernels.{what}: the routing's row map or token index points outside the rows "
-                      "(nothing was written); pass the Routing that moe_route returned for these tokens")  # fmt: skip
 
 
 def scatter_rows(x, rows, tok, w, out) -> None:

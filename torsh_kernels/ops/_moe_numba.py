@@ -207,7 +207,7 @@ def _scatter_kernel(src: torch.dtype, dst: torch.dtype, has_w: bool):
         t = cuda.blockIdx.x
         for j in range(K):
             r = rows[t * K + j]
-            if r < 0:
+            if r < 0 or (r + 1) * H > out.shape[0]:  # dropped (-1), or outside out: nothing written
                 continue
             wt = w[t * K + j] if has_w else float32(1.0)
             h = cuda.threadIdx.x
@@ -243,7 +243,7 @@ def _gather_kernel(dtype: torch.dtype, has_w: bool):
             acc = float32(0.0)
             for j in range(K):
                 r = rows[t * K + j]
-                if r >= 0:
+                if r >= 0 and (r + 1) * H <= y.shape[0]:  # (a row outside y is not read)
                     v = load(y, r * H + h)
                     if has_w:
                         v = v * w[t * K + j]
@@ -276,7 +276,7 @@ def _dots_kernel(dtype: torch.dtype):
             return
         r = rows[i]
         acc = float32(0.0)
-        if r >= 0:
+        if r >= 0 and (r + 1) * H <= y.shape[0]:
             t = i // K
             for h in range(H):
                 acc += load(gy, t * H + h) * load(y, r * H + h)

@@ -3,6 +3,16 @@
 ``moe_route`` returns a :class:`Routing`; ``moe_permute``, ``moe_unpermute``, the router losses and the
 expert-parallel layers consume it. The capacity rule (``expert_capacity``, ``check_capacity_factor``)
 decides how many assignments each expert keeps. See ``moe.py`` for the ops.
+
+**Trust.** The kernels index memory with a routing's ``row_map``, ``token_index`` and ``indices``. A
+``Routing`` that ``moe_route`` made is *sealed*: it remembers its tensors and their autograd version
+counters, and :func:`check_routing` accepts it after a few identity and integer comparisons (well under a
+microsecond). Any other ``Routing`` (built by hand, by ``dataclasses.replace``, unpickled, copied), and a
+sealed one whose tensors were edited in place (a version counter moved) or swapped, is validated in full
+before any kernel reads it (types, dtypes, shapes, devices, contiguity, every index in range, and the fields
+consistent with each other: the kept rows a permutation of ``[0, N)``, ``token_index`` its inverse,
+``dropped`` where ``row_map`` is -1, rows grouped by expert with ``tokens_per_expert`` as group sizes), then
+sealed. Writes that bypass the version counter (through ``.data``, NumPy or DLPack) are not seen.
 """
 
 from __future__ import annotations
@@ -12,13 +22,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, ShapeError
 
-__all__ = ["Routing", "check_capacity_factor", "expert_capacity"]
+__all__ = ["Routing", "check_capacity_factor", "check_routing", "expert_capacity", "seal"]
+
+
+class _Sealable:
+    """Holds the seal of a :class:`Routing` in a slot that is not a dataclass field: it is not an argument of
+    ``__init__``, and ``dataclasses.replace``, ``copy`` and pickling leave it out (their results are checked
+    in full on first use)."""
+
+    __slots__ = ("_seal",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Routing:
+class Routing(_Sealable):
     """Where each token goes: the result of :func:`moe_route`, the input of permute and unpermute."""
 
     indices: torch.Tensor
@@ -73,8 +91,10 @@ class Routing:
 
 
 def expert_capacity(num_tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
-    """C = ceil(T * K * capacity_factor / E): the assignments each expert keeps at most."""
-    return max(1, math.ceil(num_tokens * k * capacity_factor / num_experts - 1e-9))
+    """C = ceil(T * K * capacity_factor / E): the assignments each expert keeps at most, clamped to [1, T * K]
+    (an expert cannot receive more than T * K assignments, so a larger factor means no limit in effect)."""
+    c = num_tokens * k * capacity_factor / num_experts - 1e-9
+    return max(1, min(num_tokens * k, math.ceil(c) if c < 2.0**62 else 2**62))
 
 
 def check_capacity_factor(capacity_factor: object, what: str) -> float | None:
@@ -88,3 +108,164 @@ def check_capacity_factor(capacity_factor: object, what: str) -> float | None:
             f"{what}: capacity_factor={capacity_factor} must be a positive finite number (or None for no limit)"
         )
     return float(capacity_factor)
+
+
+# --------------------------------------------------------------------------------------------------
+# Trust: sealed routings, and the full check of the others
+
+_TENSORS = ("indices", "weights", "scores", "tokens_per_expert", "row_map", "token_index", "dropped")
+_I64 = torch.int64
+_F32 = torch.float32
+_SCORES = ("softmax", "sigmoid")
+
+
+def out_of_range(what: str) -> ShapeError:
+    """The error of a provider that found a row or token index outside its buffers (nothing was written)."""
+    return ShapeError(f"torsh_kernels.{what}: the routing's row map or token index points outside the rows "
+                      "(nothing was written); pass the Routing that moe_route returned for these tokens")  # fmt: skip
+
+
+def seal(r: Routing) -> Routing:
+    """Mark ``r`` as checked: its tensors (by identity), their version counters and its sizes, as they are now."""
+    i, w, s, c, rm, ti, d = r.indices, r.weights, r.scores, r.tokens_per_expert, r.row_map, r.token_index, r.dropped
+    object.__setattr__(r, "_seal", (i, w, s, c, rm, ti, d, i._version, w._version, c._version, rm._version,
+                                    ti._version, r.num_rows, r.num_experts))  # fmt: skip
+    return r
+
+
+def sealed(r: object) -> bool:
+    """Whether ``r`` is a :class:`Routing` whose seal still holds (the hot path's check: no tensor is read)."""
+    try:
+        s = r._seal  # type: ignore[attr-defined]
+    except AttributeError:
+        return False
+    rm, ti, w, i, c = r.row_map, r.token_index, r.weights, r.indices, r.tokens_per_expert
+    return (
+        s[4] is rm and s[5] is ti and s[1] is w and s[0] is i and s[3] is c and s[2] is r.scores and s[6] is r.dropped
+        and s[10] == rm._version and s[11] == ti._version and s[8] == w._version and s[7] == i._version
+        and s[9] == c._version and s[12] == r.num_rows and s[13] == r.num_experts
+    )  # fmt: skip
+
+
+def check_routing(r: object, what: str, *, values: bool = True) -> Routing:
+    """``r`` if it is a sealed :class:`Routing`; else checked in full (see the module docstring) and sealed.
+
+    ``values=False`` (while ``torch.compile`` traces): the checks of types, dtypes, shapes, devices and
+    strides only; nothing is read from the tensors and nothing is sealed. Meta tensors have no values to
+    check either. Raises ``ArgumentTypeError``, ``DTypeError``, ``ShapeError``, ``DeviceMismatchError`` or
+    ``InvalidArgumentError`` naming the field."""
+    if not isinstance(r, Routing):
+        raise ArgumentTypeError(f"{what}: routing must be a Routing (from moe_route), got {type(r).__name__}")
+    if not values:  # (torch.compile traces: sizes may be symbolic, version counters are not traced)
+        _check_kinds(r, what)
+        return r
+    if sealed(r):
+        return r
+    _check_kinds(r, what)
+    _check_layout(r, what)
+    if not r.row_map.is_meta:
+        _check_values(r, what)
+        seal(r)
+    return r
+
+
+def _check_kinds(r: Routing, what: str) -> None:
+    """Every tensor field a tensor of its dtype, all on one device (nothing that depends on a size)."""
+    for name in _TENSORS:
+        t = getattr(r, name)
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(f"{what}: routing.{name} must be a torch.Tensor, got {type(t).__name__}")
+    fix = "; pass the Routing that moe_route returned for these tokens"
+    for name, dt in (("indices", _I64), ("row_map", _I64), ("token_index", _I64), ("tokens_per_expert", _I64),
+                     ("weights", _F32), ("scores", _F32), ("dropped", torch.bool)):  # fmt: skip
+        t = getattr(r, name)
+        if t.dtype != dt:
+            raise DTypeError(f"{what}: routing.{name} has dtype {t.dtype}; expected {dt}{fix}")
+    dev = r.indices.device
+    for name in _TENSORS:
+        t = getattr(r, name)
+        if t.device != dev:
+            raise DeviceMismatchError(f"{what}: routing.{name} is on {t.device}, routing.indices on {dev}")
+
+
+def _check_layout(r: Routing, what: str) -> None:
+    for name, lo in (("num_experts", 1), ("num_rows", 0)):
+        v = getattr(r, name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ArgumentTypeError(f"{what}: routing.{name} must be an int, got {type(v).__name__}")
+        if v < lo:
+            raise InvalidArgumentError(f"{what}: routing.{name}={v} must be >= {lo}")
+    cap = r.capacity
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise InvalidArgumentError(f"{what}: routing.capacity={cap!r} must be None or an int >= 1")
+    if r.score not in _SCORES:
+        raise InvalidArgumentError(f"{what}: routing.score={r.score!r}; expected 'softmax' or 'sigmoid'")
+    fix = "; pass the Routing that moe_route returned for these tokens"
+    if r.indices.dim() != 2:
+        raise ShapeError(f"{what}: routing.indices must be [T, K], got shape {tuple(r.indices.shape)}{fix}")
+    T, K = r.indices.shape
+    E, N = r.num_experts, r.num_rows
+    if K < 1:
+        raise ShapeError(f"{what}: routing.indices has K=0 choices per token{fix}")
+    if N > T * K:
+        raise ShapeError(f"{what}: routing.num_rows={N} is more than T*K={T * K} assignments{fix}")
+    for name, shape in (("weights", (T, K)), ("scores", (T, K)), ("row_map", (T, K)), ("dropped", (T, K)),
+                        ("tokens_per_expert", (E,)), ("token_index", (N,))):  # fmt: skip
+        t = getattr(r, name)
+        if tuple(t.shape) != shape:
+            raise ShapeError(f"{what}: routing.{name} has shape {tuple(t.shape)}; expected {shape}{fix}")
+    for name in _TENSORS:
+        t = getattr(r, name)
+        if not t.is_contiguous():
+            raise ShapeError(f"{what}: routing.{name} must be contiguous (the kernels index it as a dense array)")
+
+
+def _check_values(r: Routing, what: str) -> None:
+    """Ranges and consistency, in a few passes over the [T, K] tensors (host reads: not the hot path)."""
+    T, K = r.indices.shape
+    E, N = r.num_experts, r.num_rows
+    fix = "; pass the Routing that moe_route returned for these tokens"
+    if T * K == 0:
+        return
+    idx, rows = r.indices, r.row_map
+    lo, hi = (int(v) for v in torch.aminmax(idx))
+    if lo < 0 or hi >= E:
+        raise ShapeError(f"{what}: routing.indices holds {lo if lo < 0 else hi}, not an expert of [0, {E}){fix}")
+    lo, hi = (int(v) for v in torch.aminmax(rows))
+    if lo < -1 or hi >= N:
+        raise ShapeError(
+            f"{what}: routing.row_map holds {lo if lo < -1 else hi}, outside the rows [0, {N}) (or -1 for a dropped "
+            f"assignment){fix}"
+        )
+    kept = rows >= 0
+    if not torch.equal(r.dropped, ~kept):
+        raise ShapeError(
+            f"{what}: routing.dropped disagrees with routing.row_map (dropped exactly where it is -1){fix}"
+        )
+    kr = rows[kept]
+    if kr.numel() != N:
+        raise ShapeError(f"{what}: routing.row_map keeps {kr.numel()} assignments but routing.num_rows is {N}{fix}")
+    if N:
+        lo, hi = (int(v) for v in torch.aminmax(r.token_index))
+        if lo < 0 or hi >= T:
+            raise ShapeError(f"{what}: routing.token_index holds {lo if lo < 0 else hi}, outside the rows: not a token "
+                             f"of [0, {T}){fix}")  # fmt: skip
+    order = torch.sort(kr).values
+    if not torch.equal(order, torch.arange(N, device=rows.device)):
+        raise ShapeError(
+            f"{what}: routing.row_map repeats a row (its kept entries must be a permutation of [0, {N})){fix}"
+        )
+    tok = torch.arange(T, device=rows.device).unsqueeze(1).expand(T, K)[kept]
+    if not torch.equal(r.token_index[kr], tok):
+        raise ShapeError(f"{what}: routing.token_index is not the inverse of routing.row_map{fix}")
+    ke = idx[kept]
+    counts = torch.bincount(ke, minlength=E)
+    if not torch.equal(counts, r.tokens_per_expert):
+        raise ShapeError(
+            f"{what}: routing.tokens_per_expert disagrees with the kept assignments per expert of routing.indices{fix}"
+        )
+    start = torch.cumsum(counts, 0) - counts
+    if N and not bool(((kr >= start[ke]) & (kr < start[ke] + counts[ke])).all()):
+        raise ShapeError(f"{what}: routing.row_map does not group the rows by expert in ascending order{fix}")
+    if r.capacity is not None and N and int(counts.max()) > r.capacity:
+        raise ShapeError(f"{what}: an expert keeps {int(counts.max())} rows, above routing.capacity={r.capacity}{fix}")

@@ -130,16 +130,19 @@ def _route_rows_kernel(idx_ptr, row_ptr, starts_ptr, tok_ptr, n, K: tl.constexpr
 
 
 @triton.jit
-def _permute_kernel(x_ptr, row_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_W: tl.constexpr):
-    """out[row_map[t, j]] = x[t] (times weights[t, j] with HAS_W) for the kept assignments."""
+def _permute_kernel(x_ptr, row_ptr, w_ptr, out_ptr, H, N, K: tl.constexpr, BLOCK_H: tl.constexpr,
+                    HAS_W: tl.constexpr):  # fmt: skip
+    """out[row_map[t, j]] = x[t] (times weights[t, j] with HAS_W) for the kept assignments. A row outside
+    [0, N) (-1: dropped; anything else: a bad row map, which the public op refuses first) is not written."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = cols < H
     v = tl.load(x_ptr + t * H + cols, mask=m, other=0.0)
     for j in tl.static_range(K):
         r = tl.load(row_ptr + t * K + j)
-        ok = (cols * 0 + r) >= 0  # [BLOCK_H] (a scalar mask is not accepted everywhere)
-        rr = tl.where(r >= 0, r, 0)
+        rb = cols * 0 + r  # [BLOCK_H] (a scalar mask is not accepted everywhere)
+        ok = (rb >= 0) & (rb < N)
+        rr = tl.where((r >= 0) & (r < N), r, 0)
         if HAS_W:
             w = tl.load(w_ptr + t * K + j)
             tl.store(out_ptr + rr * H + cols, _cast(v.to(tl.float32) * w, out_ptr.dtype.element_ty), mask=m & ok)
@@ -148,16 +151,19 @@ def _permute_kernel(x_ptr, row_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H:
 
 
 @triton.jit
-def _unpermute_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_W: tl.constexpr):
-    """out[t] = sum_j weights[t, j] * y[row_map[t, j]] over the kept assignments, in fp32."""
+def _unpermute_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, N, K: tl.constexpr, BLOCK_H: tl.constexpr,
+                      HAS_W: tl.constexpr):  # fmt: skip
+    """out[t] = sum_j weights[t, j] * y[row_map[t, j]] over the kept assignments, in fp32 (a row outside
+    [0, N) is not read)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(K):
         r = tl.load(row_ptr + t * K + j)
-        ok = (cols * 0 + r) >= 0
-        v = tl.load(y_ptr + tl.where(r >= 0, r, 0) * H + cols, mask=m & ok, other=0.0).to(tl.float32)
+        rb = cols * 0 + r
+        ok = (rb >= 0) & (rb < N)
+        v = tl.load(y_ptr + tl.where((r >= 0) & (r < N), r, 0) * H + cols, mask=m & ok, other=0.0).to(tl.float32)
         if HAS_W:
             v = v * tl.load(w_ptr + t * K + j)
         acc += v
@@ -166,9 +172,10 @@ def _unpermute_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_
 
 @triton.jit
 def _unpermute_bwd_kernel(
-    gy_ptr, y_ptr, row_ptr, w_ptr, gyp_ptr, gw_ptr, H, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr
+    gy_ptr, y_ptr, row_ptr, w_ptr, gyp_ptr, gw_ptr, H, N, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr
 ):
-    """grad_y_perm[row_map[t, j]] = weights[t, j] * grad_y[t]; grad_w[t, j] = <grad_y[t], y_perm[row]>."""
+    """grad_y_perm[row_map[t, j]] = weights[t, j] * grad_y[t]; grad_w[t, j] = <grad_y[t], y_perm[row]> (a row
+    outside [0, N) is neither read nor written)."""
     t = tl.program_id(0).to(tl.int64)
     kcols = tl.arange(0, KP)
     dots = tl.zeros((KP,), dtype=tl.float32)
@@ -178,8 +185,9 @@ def _unpermute_bwd_kernel(
         g = tl.load(gy_ptr + t * H + cols, mask=m, other=0.0).to(tl.float32)
         for j in tl.static_range(K):
             r = tl.load(row_ptr + t * K + j)
-            ok = (cols * 0 + r) >= 0
-            rr = tl.where(r >= 0, r, 0)
+            rb = cols * 0 + r
+            ok = (rb >= 0) & (rb < N)
+            rr = tl.where((r >= 0) & (r < N), r, 0)
             w = tl.load(w_ptr + t * K + j)
             tl.store(gyp_ptr + rr * H + cols, _cast(g * w, gyp_ptr.dtype.element_ty), mask=m & ok)
             y = tl.load(y_ptr + rr * H + cols, mask=m & ok, other=0.0).to(tl.float32)

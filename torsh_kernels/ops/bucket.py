@@ -43,6 +43,7 @@ from ..errors import (
 from . import _eager
 from ._bucket_tables import NCOLS, _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable
 from ._common import (
+    _check_strided,
     _count,
     _count_nonfinite,
     _flat_inout,
@@ -55,8 +56,9 @@ from ._common import (
     _ptr_table,
     _ptrs,
     _Ranges,
+    device_bytes,
 )
-from .registry import Op, tuned_meta
+from .registry import Op, check_provider, tuned_meta
 from .tuning import TuneSpace, register_space
 
 __all__ = [
@@ -104,6 +106,22 @@ class BucketLayout:
     """dtype of the flat buffer."""
 
     def __post_init__(self) -> None:
+        for name in ("shapes", "dtypes", "offsets"):
+            if not isinstance(getattr(self, name), tuple):
+                raise ArgumentTypeError(
+                    f"BucketLayout.{name} must be a tuple, got {type(getattr(self, name)).__name__}"
+                )
+        for i, shape in enumerate(self.shapes):
+            if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+                raise InvalidArgumentError(f"BucketLayout.shapes[{i}]={shape!r} must be a tuple of non-negative ints")
+        for i, o in enumerate(self.offsets):
+            if type(o) is not int:
+                raise ArgumentTypeError(f"BucketLayout.offsets[{i}] must be an int, got {type(o).__name__}")
+        for d in (*self.dtypes, self.dtype):
+            if d not in _FLOAT_SET:
+                raise DTypeError(f"BucketLayout: dtype {d!r} is not one of float32, float16, bfloat16, float64")
+        if type(self.total) is not int:
+            raise ArgumentTypeError(f"BucketLayout.total must be an int, got {type(self.total).__name__}")
         n = len(self.shapes)
         if len(self.dtypes) != n or len(self.offsets) != n:
             raise InvalidArgumentError(
@@ -319,8 +337,11 @@ def _flatten_torch(tensors: list[torch.Tensor], out: torch.Tensor, scale: float,
                 out.mul_(scale)
         elif scale == 1.0:  # one cast per element, no temporary (torch.cat with a casting out= is slow)
             torch._foreach_copy_(_split_like(out, tensors), tensors)
-        elif len(tensors) == 1 and c == torch.promote_types(dtype, torch.float32):
-            torch.mul(tensors[0].reshape(-1), scale, out=out)  # computed in c, rounded once into out
+        elif len(tensors) == 1 and out.dtype == c:
+            # an exact widening copy, then the product in c, rounded once (torch.mul(x16, scale, out=out32)
+            # would compute in x's 16-bit dtype: the fuzz found -3 * 1.541 flattened as -4.625, not -4.623)
+            out.copy_(tensors[0].reshape(-1))
+            out.mul_(scale)
         else:
             cat = torch.cat(_as_1d(tensors))
             cat = cat.to(c) if cat.dtype != c else cat
@@ -873,6 +894,7 @@ def flatten(
         ``(flat, layout)``: the 1-D buffer and the :class:`BucketLayout` that ``unflatten`` takes.
     """
     what = "torsh_kernels.flatten"
+    check_provider(provider)
     key = None
     tt = type(tensors)
     if (tt is list or tt is tuple) and _eager.unmoded() and (out is None or type(out) in _eager._PLAIN):
@@ -919,6 +941,11 @@ def flatten(
             )
         dtype = out.dtype
     layout = BucketLayout.for_tensors(tensors, dtype)
+    if layout.nbytes > device_bytes(device):  # (expanded views can claim any size)
+        raise InvalidArgumentError(
+            f"{what}: the tensors hold {layout.total} elements ({layout.nbytes / 2**30:.4g} GiB as {layout.dtype}), "
+            f"more than the {device.type} memory holds; flatten smaller buckets"
+        )
     if out is None:
         plan = _new_flat_plan(key, tensors, None, layout, device)
         if plan is not None:
@@ -934,7 +961,7 @@ def flatten(
         )
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous (it is written as one flat range)")
-    if _eager.compiling():  # the memory check runs in the op, at run time
+    if _eager.deferred(out, *tensors):  # the memory check runs in the op, at run time (meta: nothing to check)
         _flatten_out_op(tensors, out, scale, provider or "", True)
         return out.view(-1) if out.dim() != 1 else out, layout
     _check_out_clear(tensors, out)
@@ -962,6 +989,7 @@ def unflatten(
     (as with DDP's bucket views).
     """
     what = "torsh_kernels.unflatten"
+    check_provider(provider)
     key = None
     if _eager.unmoded() and type(flat) in _eager._PLAIN:  # a validated layout: skip the checks and the dispatcher
         ptrs = _ptrs(tensors)
@@ -982,7 +1010,7 @@ def unflatten(
             f"{what}: tensors[{i}] has shape {tuple(tensors[i].shape)}, the layout says {layout.shapes[i]}"
         )
     _check_floats(tensors, what, "tensors")
-    if _eager.compiling():  # strides only (no addresses); the memory checks run in the op, at run time
+    if _eager.deferred(flat, *tensors):  # strides only (no addresses); memory checks in the op, at run time
         for i, t in enumerate(tensors):
             if _has_internal_overlap(t):
                 raise ShapeError(f"{what}: tensors[{i}] is expanded (a stride-0 dimension); it cannot be written")
@@ -1038,6 +1066,7 @@ def bucket_reduce(
             # the flattening views and the custom op.
             return _eager.run(_reduce_torch, buffers, None, op)
     what = "torsh_kernels.bucket_reduce"
+    check_provider(provider)
     if isinstance(buffers, torch.Tensor):
         if buffers.dim() == 0:
             raise ShapeError(f"{what}: a stacked buffers tensor needs a leading K dimension, got a scalar")
@@ -1056,6 +1085,8 @@ def bucket_reduce(
         if b.dtype != b0.dtype:
             raise DTypeError(f"{what}: {n} is {b.dtype}, buffers[0] is {b0.dtype}; reduce buffers of one dtype")
     device = _check_same_device(buffers, what, "buffers")
+    for b, n in zip(buffers, names):
+        _check_strided(b, what, n)
     if out is None:
         if _eager.direct(*buffers):
             return _eager.run(_reduce_impl, buffers, op, provider or "")
@@ -1069,7 +1100,7 @@ def bucket_reduce(
         raise ShapeError(f"{what}: out has shape {tuple(out.shape)}, the buffers {tuple(b0.shape)}")
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous")
-    if _eager.compiling():  # the memory check runs in the op, at run time
+    if _eager.deferred(out, *buffers):  # the memory check runs in the op, at run time
         _reduce_out_op(buffers, out, op, provider or "", True)
         return out
     _check_reduce_out(buffers, out)
@@ -1121,6 +1152,7 @@ def wire_cast(
             _raise_wire_nonfinite(bad, wire)
         return out
     what = "torsh_kernels.wire_cast"
+    check_provider(provider)
     xf = _flat_input(x, what, "x")
     if out is not None:
         if dtype is not None and dtype != getattr(out, "dtype", dtype):
@@ -1136,7 +1168,7 @@ def wire_cast(
     if out is None:
         out = torch.empty(xf.numel(), dtype=dtype, device=xf.device)
     of = _flat_inout(out, what, "out", xf.numel(), xf.device)
-    traced = _eager.compiling()  # the memory check then runs in the op, at run time
+    traced = _eager.deferred(xf, of)  # the memory check then runs in the op, at run time
     if not traced:
         _no_overlap(of, xf, what, "out", "x", same_ok=True)
     if xf.numel():

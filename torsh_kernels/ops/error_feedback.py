@@ -32,7 +32,7 @@ from ._common import (
     _raise_nonfinite,
     _select,
 )
-from .registry import Op
+from .registry import Op, check_provider
 
 _T = torch.Tensor
 _F32 = torch.float32
@@ -265,12 +265,13 @@ def residual_add(
                     _raise_nonfinite(b, "torsh_kernels.residual_add", "x + residual")
             return out
     what = "torsh_kernels.residual_add"
+    check_provider(provider)
     xf = _flat_input(x, what, "x")
     rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
     if out is None:
         out = torch.empty(x.shape, dtype=torch.float32, device=xf.device)
     of = _flat_inout(out, what, "out", xf.numel(), xf.device)
-    traced = _eager.compiling()  # the memory checks then run in the op, at run time
+    traced = _eager.deferred(xf, rf, of)  # the memory checks then run in the op, at run time
     if not traced:
         for t, nm in ((xf, "x"), (rf, "residual")):
             _no_overlap(of, t, what, "out", nm, same_ok=True)
@@ -322,6 +323,7 @@ def error_update(
                 out.copy_(approx)
         return
     what = "torsh_kernels.error_update"
+    check_provider(provider)
     af = _flat_input(acc, what, "acc")
     n, dev = af.numel(), af.device
     pf = _flat_input(approx, what, "approx")
@@ -331,7 +333,7 @@ def error_update(
         raise DeviceMismatchError(f"{what}: approx is on {pf.device}, acc on {dev}")
     rf = _flat_inout(residual, what, "residual", n, dev)
     of = _flat_inout(out, what, "out", n, dev) if out is not None else None
-    traced = _eager.compiling()  # the memory checks then run in the op, at run time
+    traced = _eager.deferred(af, pf, rf, of)  # the memory checks then run in the op, at run time
     if not traced:
         _error_update_overlaps(af, pf, rf, of)
     if n:

@@ -50,7 +50,6 @@ import math
 import torch
 
 from ..errors import (
-    ArgumentTypeError,
     DeviceMismatchError,
     DTypeError,
     InvalidArgumentError,
@@ -58,9 +57,9 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
-from ._common import _check_tensor, _count, _on
-from ._moe_routing import Routing, check_capacity_factor, expert_capacity
-from .registry import Op
+from ._common import _check_int, _check_strided, _check_tensor, _count, _on
+from ._moe_routing import Routing, check_capacity_factor, check_routing, expert_capacity, out_of_range, seal, sealed
+from .registry import Op, check_provider
 
 __all__ = [
     "DROP_POLICIES",
@@ -101,15 +100,6 @@ def _check_act_dtype(t: torch.Tensor, what: str, name: str) -> None:
         raise DTypeError(f"{what}: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
 
 
-def _check_int(v: object, what: str, name: str, lo: int, hi: int | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ArgumentTypeError(f"{what}: {name} must be an int, got {type(v).__name__} {v!r}")
-    if v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise InvalidArgumentError(f"{what}: {name}={v} must be {rng}")
-    return v
-
-
 def _check_choice(v: object, what: str, name: str, choices: tuple[str, ...]) -> str:
     if v not in choices:
         raise InvalidArgumentError(f"{what}: {name}={v!r}; expected one of {', '.join(map(repr, choices))}")
@@ -130,9 +120,8 @@ def _check_logits(logits: object, what: str) -> torch.Tensor:
 
 
 def _check_routing(routing: object, what: str) -> Routing:
-    if not isinstance(routing, Routing):
-        raise ArgumentTypeError(f"{what}: routing must be a Routing (from moe_route), got {type(routing).__name__}")
-    return routing
+    """A sealed Routing as it is; any other checked in full (values too, except while torch.compile traces)."""
+    return check_routing(routing, what, values=not _eager.compiling())
 
 
 def _check_rows(x: object, rows: int, routing: Routing, what: str, name: str, rows_name: str) -> torch.Tensor:
@@ -246,11 +235,15 @@ def moe_aux_loss_ref(logits_or_probs: torch.Tensor, routing: Routing, *, from_pr
     idx = routing.indices.reshape(-1)  # (a count per expert of static shape [E]: bincount's size depends on the data)
     f = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx)).float()
     f = f / max(T * K, 1)
+    if T == 0:  # no tokens: no imbalance (a mean over no tokens would be NaN and spoil the summed loss)
+        return (p.sum() * 0.0).reshape(())
     return E * (f * p.mean(0)).sum()
 
 
 def moe_z_loss_ref(logits: torch.Tensor) -> torch.Tensor:
-    """mean over tokens of logsumexp(logits[t])**2, in fp32."""
+    """mean over tokens of logsumexp(logits[t])**2, in fp32 (0 for no tokens)."""
+    if logits.shape[0] == 0:  # (a mean over no tokens would be NaN and spoil the summed loss)
+        return (logits.float().sum() * 0.0).reshape(())
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
 
 
@@ -412,8 +405,13 @@ def _assign_cpu(idx, s, E, cap, policy):
 # scatter rows: out[row_map[t, j]] = x[t] (* w[t, j]); tok = the inverse map (out[i] = x[tok[i]] * ...)
 @_scatter_rows.register("torch")
 def _scatter_rows_torch(x, rows, tok, w, out):
-    if w is None:  # a gather through the inverse map: one pass, no masks
-        torch.index_select(x, 0, tok, out=out)
+    if w is None:  # a gather through the inverse map: one pass, no masks (torch checks every index first)
+        try:
+            torch.index_select(x, 0, tok, out=out)
+        except (IndexError, RuntimeError):
+            if tok.numel() and not (int(tok.min()) >= 0 and int(tok.max()) < x.shape[0]):
+                raise out_of_range("moe_permute") from None
+            raise
         return
     T, K = rows.shape
     ok = rows >= 0
@@ -432,8 +430,8 @@ def _scatter_rows_triton(x, rows, tok, w, out):
     T, K = rows.shape
     H = x.shape[1]
     BH = _block_h(H)
-    kt._permute_kernel[(T, triton.cdiv(H, BH))](x, rows, w if w is not None else rows, out, H, K=K, BLOCK_H=BH,
-                                                 HAS_W=w is not None)  # fmt: skip
+    kt._permute_kernel[(T, triton.cdiv(H, BH))](x, rows, w if w is not None else rows, out, H, out.shape[0], K=K,
+                                                 BLOCK_H=BH, HAS_W=w is not None)  # fmt: skip
 
 
 @_scatter_rows.register("numba")
@@ -456,6 +454,15 @@ def _scatter_rows_cpu(x, rows, tok, w, out):
 # gather rows: out[t] = sum_j w[t, j] * y[row_map[t, j]]
 @_gather_rows.register("torch")
 def _gather_rows_torch(y, rows, w, out):
+    try:  # torch checks every index before it reads (a bad one: an IndexError here, typed below)
+        _gather_rows_torch_impl(y, rows, w, out)
+    except (IndexError, RuntimeError):
+        if rows.numel() and int(rows.max()) >= y.shape[0]:
+            raise out_of_range("moe_unpermute") from None
+        raise
+
+
+def _gather_rows_torch_impl(y, rows, w, out):
     T, K = rows.shape
     if K == 1 and w is None and y.shape[0] == T:  # no drops: a plain gather
         torch.index_select(y, 0, rows.view(-1), out=out)
@@ -493,8 +500,8 @@ def _gather_rows_triton(y, rows, w, out):
     T, K = rows.shape
     H = out.shape[1]
     BH = _block_h(H)
-    kt._unpermute_kernel[(T, triton.cdiv(H, BH))](y, rows, w if w is not None else rows, out, H, K=K, BLOCK_H=BH,
-                                                   HAS_W=w is not None)  # fmt: skip
+    kt._unpermute_kernel[(T, triton.cdiv(H, BH))](y, rows, w if w is not None else rows, out, H, y.shape[0], K=K,
+                                                   BLOCK_H=BH, HAS_W=w is not None)  # fmt: skip
 
 
 @_gather_rows.register("numba")
@@ -534,7 +541,8 @@ def _gather_rows_bwd_triton(gy, y, rows, w, gyp):
     H = gy.shape[1]
     gw = torch.empty(T, K, dtype=torch.float32, device=gy.device)
     if T:
-        kt._unpermute_bwd_kernel[(T,)](gy, y, rows, w, gyp, gw, H, K=K, KP=max(2, _pow2(K)), BLOCK_H=_block_h(H))
+        kt._unpermute_bwd_kernel[(T,)](gy, y, rows, w, gyp, gw, H, y.shape[0], K=K, KP=max(2, _pow2(K)),
+                                       BLOCK_H=_block_h(H))  # fmt: skip
     return gw
 
 
@@ -787,9 +795,9 @@ def moe_route(
         else:
             w, idx, s, counts, rows, tok, dropped, n = _route_cpu(logits, T, E, k, score, bool(renormalize), cap,
                                                                   drop_policy, check_finite)  # fmt: skip
-        return Routing(indices=idx, weights=w, scores=s.detach(), tokens_per_expert=counts, row_map=rows,
-                       token_index=tok, dropped=dropped, num_experts=E, num_rows=n,
-                       capacity=None if cap < 0 else cap, score=score)  # fmt: skip
+        return seal(Routing(indices=idx, weights=w, scores=s.detach(), tokens_per_expert=counts, row_map=rows,
+                            token_index=tok, dropped=dropped, num_experts=E, num_rows=n,
+                            capacity=None if cap < 0 else cap, score=score))  # fmt: skip
     if (
         capacity_factor is None and type(logits) is _T and logits.dtype is _F32 and logits.is_cpu
         and logits.dim() == 2 and logits.is_contiguous() and k.__class__ is int
@@ -803,12 +811,20 @@ def moe_route(
         if r is not None:
             return r
     what = "torsh_kernels.moe_route"
+    check_provider(provider)
     logits = _check_logits(logits, what)
+    _check_strided(logits, what, "logits")
     T, E = logits.shape
     k = _check_int(k, what, "k", 1, E)
     score = _check_choice(score, what, "score", SCORES)
     drop_policy = _check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
     capacity_factor = check_capacity_factor(capacity_factor, what)
+    if capacity_factor is not None and logits.is_meta:
+        raise InvalidArgumentError(
+            f"{what}: logits are meta tensors and capacity_factor={capacity_factor}: the number of kept rows depends "
+            "on the router's values, which meta tensors do not have; route without a capacity, or trace the model "
+            "with torch.compile (a data-dependent size there)"
+        )
     capacity = -1 if capacity_factor is None else expert_capacity(T, k, E, capacity_factor)
     w, idx, s, counts, rows, tok = _eager.call_autograd(
         _route_op,
@@ -821,7 +837,7 @@ def moe_route(
         bool(check_finite),
         provider or "",
     )
-    return Routing(
+    r = Routing(
         indices=idx,
         weights=w,
         scores=s.detach(),
@@ -834,6 +850,7 @@ def moe_route(
         capacity=None if capacity < 0 else capacity,
         score=score,
     )
+    return r if _eager.compiling() else seal(r)  # (while torch.compile traces: nothing to seal)
 
 
 _T = torch.Tensor
@@ -929,8 +946,8 @@ def _route_fast(logits: torch.Tensor, T: int, E: int, k: int, score: str, renorm
     counts = torch.bincount(flat, minlength=E)
     rows = torch.empty(n, dtype=torch.int64).scatter_(0, order, _arange(n)).view(T, k)
     tok = torch.floor_divide(order, k)  # (order // k without the Python-level operator wrapper)
-    return Routing(indices=idx, weights=w, scores=s, tokens_per_expert=counts, row_map=rows, token_index=tok,
-                   dropped=rows < 0, num_experts=E, num_rows=n, capacity=None, score=score)  # fmt: skip
+    return seal(Routing(indices=idx, weights=w, scores=s, tokens_per_expert=counts, row_map=rows, token_index=tok,
+                        dropped=rows < 0, num_experts=E, num_rows=n, capacity=None, score=score))  # fmt: skip
 
 
 def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = None) -> torch.Tensor:
@@ -940,7 +957,7 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
         type(routing) is Routing and type(x) is _T and x.is_cpu and x.dim() == 2 and x.is_contiguous()
         and (x.dtype is _F32 or x.dtype is torch.float16 or x.dtype is torch.bfloat16)
         and _eager.fast()  # (before the row count, a data-dependent size while torch.compile traces)
-        and x.shape[0] == routing.indices.shape[0] and x.shape[1] and routing.num_rows
+        and sealed(routing) and x.shape[0] == routing.indices.shape[0] and x.shape[1] and routing.num_rows
         and (tok := routing.token_index).is_cpu and routing.row_map.is_cpu
         and (sel := _select(_scatter_rows, x, provider or "", routing.row_map.shape[1])) in ("torch", "cpu")
     ):  # fmt: skip
@@ -959,8 +976,10 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
             except (IndexError, RuntimeError):
                 pass  # an index out of range: the general path raises the typed error
     what = "torsh_kernels.moe_permute"
+    check_provider(provider)
     routing = _check_routing(routing, what)
     x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")
+    _check_strided(x, what, "x")
     return _eager.call_autograd(_permute_op, x.contiguous(), routing.row_map, routing.token_index, provider or "")
 
 
@@ -972,7 +991,7 @@ def moe_unpermute(
     if (
         type(routing) is Routing and type(y_perm) is _T and y_perm.dtype is _F32 and y_perm.is_cpu
         and y_perm.dim() == 2 and _eager.fast()  # (before the sizes: data-dependent while torch.compile traces)
-        and y_perm.is_contiguous() and y_perm.shape[1]
+        and y_perm.is_contiguous() and y_perm.shape[1] and sealed(routing)
         and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
         and rows.shape[0] and y_perm.shape[0] == routing.num_rows
         and rows.is_contiguous() and w.is_contiguous() and rows.dtype is torch.int64 and w.shape == rows.shape
@@ -991,7 +1010,7 @@ def moe_unpermute(
     if (
         weights and type(routing) is Routing and type(y_perm) is _T and y_perm.dtype is _F32 and y_perm.is_cpu
         and y_perm.dim() == 2 and _eager.fast()  # (before the sizes: data-dependent while torch.compile traces)
-        and y_perm.is_contiguous() and (H := y_perm.shape[1])
+        and y_perm.is_contiguous() and (H := y_perm.shape[1]) and sealed(routing)
         and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
         and (T := rows.shape[0]) and y_perm.shape[0] == routing.num_rows == T * (K := rows.shape[1])
         and max(16, (1 << 21) // (4 * H)) >= T
@@ -1007,8 +1026,10 @@ def moe_unpermute(
             a.addcmul_(v[:, j], w[:, j : j + 1])
         return a
     what = "torsh_kernels.moe_unpermute"
+    check_provider(provider)
     routing = _check_routing(routing, what)
     y_perm = _check_rows(y_perm, routing.num_rows, routing, what, "y_perm", "N")
+    _check_strided(y_perm, what, "y_perm")
     w = routing.weights if weights else None
     return _eager.call_autograd(
         _unpermute_op, y_perm.contiguous(), routing.row_map, routing.token_index, w, provider or ""
@@ -1033,6 +1054,9 @@ def moe_aux_loss(
             f"{what}: logits_or_probs has shape {tuple(x.shape)}; the routing is for "
             f"[T={routing.num_tokens}, E={routing.num_experts}]"
         )
+    if x.device != routing.indices.device:
+        raise DeviceMismatchError(f"{what}: logits_or_probs is on {x.device}, the routing on {routing.indices.device}")
+    _check_strided(x, what, "logits_or_probs")
     return _aux_loss(_loss_provider(_aux_loss, x, provider), x, routing, bool(from_probs))
 
 
@@ -1040,6 +1064,7 @@ def moe_z_loss(logits: torch.Tensor, *, provider: str | None = None) -> torch.Te
     """The router z-loss ``mean_t logsumexp(logits[t])**2`` (fp32 scalar, differentiable). ``provider`` as
     for :func:`moe_aux_loss`."""
     logits = _check_logits(logits, "torsh_kernels.moe_z_loss")
+    _check_strided(logits, "torsh_kernels.moe_z_loss", "logits")
     return _z_loss(_loss_provider(_z_loss, logits, provider), logits)
 
 
@@ -1058,8 +1083,8 @@ def _loss_kernel_ok(x: torch.Tensor) -> bool:
 
 
 def _loss_provider(op, x: torch.Tensor, provider: str | None) -> str:
-    if _eager.compiling():  # the torch formula, which dynamo traces; no selection state read while tracing
-        op.check_traced(x.device, provider)
+    if _eager.compiling() or x.is_meta:  # the torch formula (dynamo traces it; meta: shapes only); no selection
+        op.check_traced(x.device, provider)  # state read while tracing
         return "torch"
     name = op.select(x.device, x.dtype, x.numel(), provider or None)
     return "torch" if name == "cpu" and not _loss_kernel_ok(x) else name

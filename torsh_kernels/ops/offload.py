@@ -39,9 +39,11 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
+from ._common import _check_int, _check_strided, _no_overlap
 from .bucket import _TORCH_IMPL, BucketLayout, flatten, unflatten
 from .bucket import _flatten as _flatten_op
 from .quantize import dequantize, quantize
+from .registry import check_provider
 
 __all__ = ["FORMATS", "Packed", "pack", "pack_ref", "packed_nbytes", "unpack", "unpack_ref"]
 
@@ -50,6 +52,8 @@ SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CODE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
 _ALIGN = 16
 FP16_MAX = 65504.0
+MAX_BLOCK = 65536
+"""The largest int8 block (elements per scale), as for :func:`quantize`."""
 
 
 def _layout(numel: int, fmt: str, block: int) -> tuple[int, int]:
@@ -62,8 +66,10 @@ def _layout(numel: int, fmt: str, block: int) -> tuple[int, int]:
 
 def packed_nbytes(numel: int, fmt: str, block: int = 256) -> int:
     """Bytes a packed tensor of ``numel`` elements occupies (the size ``pack``'s ``out`` needs)."""
-    _check_fmt(fmt, "torsh_kernels.packed_nbytes")
-    return _layout(numel, fmt, _check_block(block, "torsh_kernels.packed_nbytes"))[1]
+    what = "torsh_kernels.packed_nbytes"
+    numel = _check_int(numel, what, "numel", 0)
+    _check_fmt(fmt, what)
+    return _layout(numel, fmt, _check_block(block, what))[1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,6 +122,15 @@ class Packed:
         return self.numel * self.dtype.itemsize / max(self.nbytes, 1)
 
 
+def _check_device(device: object, what: str) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise ArgumentTypeError(f"{what}: device must be a torch.device or a str, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise InvalidArgumentError(f"{what}: device={device!r} is not a device torch knows ({e})") from None
+
+
 def _check_fmt(fmt: object, what: str) -> str:
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"{what}: fmt={fmt!r}; expected one of {', '.join(map(repr, FORMATS))}")
@@ -123,9 +138,39 @@ def _check_fmt(fmt: object, what: str) -> str:
 
 
 def _check_block(block: object, what: str) -> int:
-    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1):
-        raise InvalidArgumentError(f"{what}: block={block!r} must be a power of two >= 2 (256 is the default)")
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise ArgumentTypeError(f"{what}: block must be an int (a power of two), got {type(block).__name__}")
+    if block < 2 or block > MAX_BLOCK or block & (block - 1):
+        raise InvalidArgumentError(
+            f"{what}: block={block} must be a power of two in [2, {MAX_BLOCK}] (256 is the default)"
+        )
     return block
+
+
+def _check_packed(packed: object, what: str) -> Packed:
+    """A :class:`Packed` whose fields agree: a contiguous 1-D uint8 ``data`` of at least ``nbytes`` bytes (so
+    the codes and scales views stay inside it), a known format and source dtype, a valid block and shape."""
+    if not isinstance(packed, Packed):
+        raise ArgumentTypeError(f"{what}: packed must be a Packed (from pack), got {type(packed).__name__}")
+    _check_fmt(packed.fmt, what)
+    _check_block(packed.block, what)
+    shape = packed.shape
+    if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
+        raise ShapeError(f"{what}: packed.shape must be a tuple of non-negative ints, got {shape!r}")
+    if packed.dtype not in SOURCE_DTYPES:
+        raise DTypeError(f"{what}: packed.dtype is {packed.dtype}; expected float32, float16 or bfloat16")
+    data = packed.data
+    if not isinstance(data, torch.Tensor):
+        raise ArgumentTypeError(f"{what}: packed.data must be a torch.Tensor, got {type(data).__name__}")
+    if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+        raise ShapeError(f"{what}: packed.data must be a contiguous 1-D uint8 buffer, got {data.dtype} "
+                         f"{tuple(data.shape)}")  # fmt: skip
+    if data.numel() < packed.nbytes:
+        raise ShapeError(
+            f"{what}: packed.data holds {data.numel()} bytes; {math.prod(shape)} elements in {packed.fmt} need "
+            f"{packed.nbytes}. Pass the Packed that pack returned"
+        )
+    return packed
 
 
 def _stream_ctx(stream: object, devices: tuple[torch.device, ...], what: str):
@@ -138,7 +183,8 @@ def _stream_ctx(stream: object, devices: tuple[torch.device, ...], what: str):
     return torch.cuda.stream(stream)
 
 
-def _check_buffer(out: object, nbytes: int, what: str, name: str) -> torch.Tensor:
+def _check_buffer(out: object, nbytes: int, what: str, name: str, x: torch.Tensor | None = None) -> torch.Tensor:
+    """``out`` as a buffer for ``nbytes`` packed bytes, sharing no memory with ``x`` (the source)."""
     if not isinstance(out, torch.Tensor):
         raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(out).__name__}")
     if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
@@ -150,9 +196,12 @@ def _check_buffer(out: object, nbytes: int, what: str, name: str) -> torch.Tenso
             "dtype=torch.uint8, pin_memory=torch.cuda.is_available()))"
         )
     # (while torch.compile traces there are no addresses: the views of the codes and the scales as their own
-    # dtypes, which need their storage offsets to be whole elements, are the check then)
-    if not _eager.compiling() and out.data_ptr() % 4:
-        raise ShapeError(f"{what}: {name} must start at a 4-byte aligned address (the scales are fp32)")
+    # dtypes, which need their storage offsets to be whole elements, are the check then; meta: no address)
+    if not _eager.deferred(out):
+        if out.data_ptr() % 4:
+            raise ShapeError(f"{what}: {name} must start at a 4-byte aligned address (the scales are fp32)")
+        if x is not None and x.device == out.device and not x.is_meta:
+            _no_overlap(out[:nbytes], x, what, name, "x")
     return out
 
 
@@ -210,7 +259,7 @@ def pack(
     if (
         out is None and stream is None and (fmt == "bf16" or (fmt == "fp16" and not check_finite))
         and type(x) is torch.Tensor and x.is_cpu and x.is_contiguous() and x.dtype in SOURCE_DTYPES
-        and block.__class__ is int and block >= 2 and not block & (block - 1) and (n := x.numel())
+        and block.__class__ is int and 2 <= block <= MAX_BLOCK and not block & (block - 1) and (n := x.numel())
         and _eager.fast() and _torch_path(x, provider)
     ):  # fmt: skip
         # The common case, a 16-bit float format on the CPU: the torch path's one cast-copy into a new
@@ -220,21 +269,23 @@ def pack(
         data.view(_CODE_DTYPES[fmt]).copy_(src if src.dim() == 1 else src.view(-1))
         return Packed(data=data, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block)
     what = "torsh_kernels.pack"
+    check_provider(provider)
     if not isinstance(x, torch.Tensor):
         raise ArgumentTypeError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SOURCE_DTYPES:
         raise DTypeError(f"{what}: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
     fmt = _check_fmt(fmt, what)
     block = _check_block(block, what)
+    _check_strided(x, what, "x")
     n = x.numel()
     _, nbytes = _layout(n, fmt, block)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     else:
-        out = _check_buffer(out, nbytes, what, "out")
+        out = _check_buffer(out, nbytes, what, "out", x)
     with _stream_ctx(stream, (x.device, out.device), what):
         check_range = check_finite and fmt == "fp16" and x.dtype != torch.float16 and n
-        traced = fmt != "int8" and _eager.compiling()  # the range check and the cast then run in one op
+        traced = fmt != "int8" and _eager.deferred(x, out)  # the range check and the cast then run in one op
         if check_range and not traced:
             _check_fp16_range(x.detach(), what)
         stage = out if out.device == x.device else torch.empty(nbytes, dtype=torch.uint8, device=x.device)
@@ -266,16 +317,18 @@ def unpack(
 ) -> torch.Tensor:
     """The tensor ``packed`` holds (or ``out += it`` with ``accumulate``); see the module docstring."""
     what = "torsh_kernels.unpack"
-    if not isinstance(packed, Packed):
-        raise ArgumentTypeError(f"{what}: packed must be a Packed (from pack), got {type(packed).__name__}")
+    check_provider(provider)
+    packed = _check_packed(packed, what)
     n = packed.numel
+    if device is not None:
+        device = _check_device(device, what)
     if out is None:
         if accumulate:
             raise InvalidArgumentError(f"{what}: accumulate=True needs out= (the tensor to add to)")
         dt = dtype or packed.dtype
         if dt not in SOURCE_DTYPES:
             raise DTypeError(f"{what}: dtype={dt}; expected float32, float16 or bfloat16")
-        out = torch.empty(packed.shape, dtype=dt, device=torch.device(device) if device else packed.device)
+        out = torch.empty(packed.shape, dtype=dt, device=device or packed.device)
     else:
         if not isinstance(out, torch.Tensor):
             raise ArgumentTypeError(f"{what}: out must be a torch.Tensor, got {type(out).__name__}")
@@ -285,8 +338,10 @@ def unpack(
             raise DTypeError(f"{what}: out has dtype {out.dtype}; expected float32, float16 or bfloat16")
         if not out.is_contiguous():
             raise ShapeError(f"{what}: out must be contiguous")
-        if (dtype is not None and dtype != out.dtype) or (device is not None and torch.device(device) != out.device):
+        if (dtype is not None and dtype != out.dtype) or (device is not None and device != out.device):
             raise InvalidArgumentError(f"{what}: dtype/device disagree with out's; pass one or the other")
+        if out.device == packed.device and not _eager.deferred(out, packed.data):
+            _no_overlap(out, packed.data[: packed.nbytes], what, "out", "packed.data")
     if n == 0:
         return out
     with _stream_ctx(stream, (packed.device, out.device), what):

@@ -25,12 +25,16 @@ from ..errors import (
 )
 from . import _eager
 from ._common import COMPRESS_DTYPES, _check_dtype, _check_int, _check_tensor, _on, _ptr_table, _Ranges
-from .registry import Op
+from .registry import Op, check_provider
 
-__all__ = ["default_rtol", "orthogonalize", "orthogonalize_ref"]
+__all__ = ["MAX_ITERS", "default_rtol", "orthogonalize", "orthogonalize_ref"]
 
 ORTHO_DTYPES = (*COMPRESS_DTYPES, torch.float64)
 MAX_KERNEL_RANK = 32  # orthogonalize kernels keep an r x r Gram matrix in registers / local memory
+MAX_ITERS = 8
+"""The most CholeskyQR iterations a call may ask for: 2 (CholeskyQR2, the default) orthogonalises to fp32
+rounding for condition numbers up to ~1e7, 3 (CholeskyQR3) beyond; each further one only repeats the last.
+(The Triton kernel unrolls its iterations, so a huge ``iters`` would otherwise compile without end.)"""
 ORTHO_ELEMS = 4096  # elements of the [ROWS, RP, RP] product tile in the orthogonalize kernel
 
 
@@ -299,15 +303,16 @@ def orthogonalize(
     (one r, one dtype, one device), fp32/fp64/fp16/bf16. Column j becomes the normalised part of column j
     orthogonal to columns < j (the Q of a thin QR with a positive diagonal); if that part is below
     ``rtol`` (default per dtype: fp32 1e-4, fp16 1e-2, bf16 5e-2, fp64 1e-10) of the column's norm, the
-    column is zero or dependent on the previous ones and becomes zero. ``iters`` CholeskyQR iterations
-    (2 is CholeskyQR2: orthogonal to fp32 rounding for condition numbers up to ~1e7). NaN/Inf raise
-    :class:`NonFiniteError` before anything is written (``check_finite``).
+    column is zero or dependent on the previous ones and becomes zero. ``iters`` CholeskyQR iterations, 1
+    to :data:`MAX_ITERS` (2 is CholeskyQR2: orthogonal to fp32 rounding for condition numbers up to ~1e7).
+    NaN/Inf raise :class:`NonFiniteError` before anything is written (``check_finite``). Meta tensors are
+    accepted (nothing is computed: the shapes are the result).
     """
     if (
         type(matrices) is _T and matrices.dtype is _F32 and matrices.is_cpu and matrices.dim() == 2
         and matrices.is_contiguous() and 1 <= matrices.shape[1] <= matrices.shape[0]
         and (rtol is None or (rtol.__class__ is float and 0.0 <= rtol < 1.0))
-        and iters.__class__ is int and iters >= 1
+        and iters.__class__ is int and 1 <= iters <= MAX_ITERS
         and _eager.fast()
         and (sel := _ortho.select(_CPU, _F32, matrices.numel(), provider or None)) in ("torch", "cpu")
     ):  # fmt: skip
@@ -323,6 +328,7 @@ def orthogonalize(
         if done:
             return matrices
     what = "torsh_kernels.orthogonalize"
+    check_provider(provider)
     if isinstance(matrices, torch.Tensor) and matrices.dim() == 3:  # one batch: validated and passed whole
         _check_dtype(matrices, what, "matrices", ORTHO_DTYPES)
         if not matrices.is_contiguous():
@@ -343,12 +349,16 @@ def orthogonalize(
             raise ShapeError(f"{what}: matrices[{i}] has {m.shape[-1]} columns, matrices[0] has {m0.shape[-1]}")
         if not m.is_contiguous():
             raise ShapeError(f"{what}: matrices[{i}] must be contiguous (it is orthogonalised in place)")
-    traced = _eager.compiling()  # the memory and NaN/Inf checks then run in the op, at run time
+    # While torch.compile traces, or on meta tensors (no memory, no values: the op's fake implementation
+    # runs), the memory and NaN/Inf checks are left to the op (at run time) or have nothing to read.
+    traced = _eager.compiling() or m0.is_meta
     if not traced:
         _check_clash(mats)
-    iters = _check_int(iters, what, "iters", 1)
+    iters = _check_int(iters, what, "iters", 1, MAX_ITERS)
     tol = default_rtol(m0.dtype) if rtol is None else rtol
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (0.0 <= tol < 1.0):
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)):
+        raise ArgumentTypeError(f"{what}: rtol must be None or a number in [0, 1), got {type(rtol).__name__}")
+    if not (0.0 <= tol < 1.0):
         raise InvalidArgumentError(f"{what}: rtol must be a number in [0, 1), got {rtol!r}")
     live = [m for m in mats if m.numel()]
     if not live or m0.shape[-1] == 0:

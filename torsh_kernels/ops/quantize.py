@@ -38,12 +38,13 @@ from ._common import (
     _decode_out,
     _flat_input,
     _grid,
+    _no_overlap,
     _on,
     _raise_nonfinite,
     _select,
     _store_ref,
 )
-from .registry import Op, tuned_meta
+from .registry import Op, check_provider, tuned_meta
 from .tuning import TuneSpace, register_space
 
 __all__ = [
@@ -84,6 +85,8 @@ def _lowbias32_int(h: int) -> int:
 
 def seed_key(seed: int) -> int:
     """The 32-bit key the kernels mix with element indices (any Python int seed, folded to 64 bits)."""
+    if seed.__class__ is not int:
+        _check_int(seed, "torsh_kernels.seed_key", "seed")
     s = seed & 0xFFFFFFFFFFFFFFFF
     return _lowbias32_int((s & _M32) ^ _lowbias32_int((s >> 32) + 0x9E3779B9))
 
@@ -176,6 +179,26 @@ def block_codes(
     """fp32 integer codes of ``blocks`` [nb, block] on the grid of ``scales`` [nb], clamped to +-qmax:
     round half to even, or ``floor(y + u)`` with the (key, element index) noise, element indices starting
     at ``offset``; NaN codes become 0. The torch provider's quantization, and the shared-scale all-reduce's."""
+    what = "torsh_kernels.block_codes"
+    _check_tensor(blocks, what, "blocks")
+    _check_tensor(scales, what, "scales")
+    if blocks.dtype != torch.float32 or scales.dtype != torch.float32:
+        raise DTypeError(f"{what}: blocks and scales must be float32, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() != 2 or tuple(scales.shape) != (blocks.shape[0],):
+        raise ShapeError(f"{what}: blocks must be [nb, block] and scales [nb], got {tuple(blocks.shape)} and "
+                         f"{tuple(scales.shape)}")  # fmt: skip
+    if scales.device != blocks.device:
+        raise DeviceMismatchError(f"{what}: scales are on {scales.device}, blocks on {blocks.device}")
+    if isinstance(qmax, bool) or not isinstance(qmax, (int, float)) or not 0 < qmax < math.inf:
+        raise InvalidArgumentError(f"{what}: qmax={qmax!r} must be a positive finite number")
+    if stochastic:
+        _check_int(key, what, "key")
+    _check_int(offset, what, "offset", 0)
+    return _block_codes(blocks, scales, qmax, stochastic, key, offset)
+
+
+def _block_codes(blocks, scales, qmax, stochastic, key, offset=0) -> torch.Tensor:
+    """:func:`block_codes` on checked arguments (the torch provider's per-slice call)."""
     nb, block = blocks.shape
     y = blocks / torch.where(scales > 0, scales, 1.0)[:, None]  # an all-zero block has s == 0 and y == 0
     if stochastic:
@@ -214,7 +237,7 @@ def _quantize_torch_range(x, q, scales, bits, block, stochastic, key, offset):
     bad_blocks = None if finite else ~torch.isfinite(amax)
     s = amax.div_(qmax) if finite else torch.where(bad_blocks, float("nan"), amax / qmax)
     scales.copy_(s)
-    c = block_codes(blocks, s, qmax, stochastic, key, offset).to(torch.int8).view(-1)[:n]
+    c = _block_codes(blocks, s, qmax, stochastic, key, offset).to(torch.int8).view(-1)[:n]
     if bits == 8:
         q.copy_(c)
     else:
@@ -443,6 +466,7 @@ def quantize(
                 c = torch.div(blocks, torch.where(sc > 0, sc, 1.0).unsqueeze(1)).round_().clamp_(-127.0, 127.0)
                 return c.to(torch.int8).view(-1), sc
     what = "torsh_kernels.quantize"
+    check_provider(provider)
     xf = _flat_input(x, what, "x")
     bits, block = _check_quant_args(bits, block, what)
     key = 0
@@ -476,6 +500,10 @@ def quantize(
         if t.device != xf.device:
             raise DeviceMismatchError(f"{what}: {name} is on {t.device}, x on {xf.device}")
     q, scales = out[0].view(-1), out[1].view(-1)
+    if not _eager.deferred(xf, q, scales):  # (while torch.compile traces, or on meta tensors: no addresses)
+        _no_overlap(q, xf, what, "out[0] (q)", "x")
+        _no_overlap(scales, xf, what, "out[1] (scales)", "x")
+        _no_overlap(q, scales, what, "out[0] (q)", "out[1] (scales)")
     if drawn is not None:
         _quantize_out_op(xf, q, scales, bits, block, True, 0, bool(check_finite), provider or "", drawn)
         return out[0], out[1]
@@ -538,6 +566,7 @@ def dequantize(
         with _eager.no_grad():
             return torch.mul(q.view(n // block, block), scales.unsqueeze(1)).view(-1)
     what = "torsh_kernels.dequantize"
+    check_provider(provider)
     q = _check_tensor(q, what, "q")
     scales = _check_tensor(scales, what, "scales")
     if q.dtype not in (torch.int8, torch.uint8):
@@ -560,7 +589,10 @@ def dequantize(
             f"{scales.numel()}; pass the block size quantize used"
         )
     alpha = _check_alpha(alpha, what)
-    out, of = _decode_out(out, numel, dtype, q.device, what)
+    out, of = _decode_out(out, numel, dtype, q.device, what, bool(accumulate))
+    if not _eager.deferred(q, scales, of):
+        _no_overlap(of, q, what, "out", "q")
+        _no_overlap(of, scales, what, "out", "scales")
     _eager.call(_dequantize_op, (2,), q.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), of, bits, block,
                 alpha, bool(accumulate), provider or "")  # fmt: skip
     return out

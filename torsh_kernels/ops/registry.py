@@ -45,7 +45,7 @@ import torch
 
 from .. import _trace
 from .._env import package_version
-from ..errors import ProviderError, ProviderUnavailableError
+from ..errors import ArgumentTypeError, ProviderError, ProviderUnavailableError
 from . import tuning
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "ProviderInfo",
     "ProviderReport",
     "can_run",
+    "check_provider",
     "forced_meta",
     "providers",
     "reload",
@@ -190,6 +191,13 @@ def _check_name(name: str, source: str) -> str:
     return name
 
 
+def check_provider(provider: object) -> None:
+    """A public op's ``provider`` argument: None (or '') or a known provider name, else ProviderError. Checked
+    up front, so a call that selects nothing (meta tensors, a traced call) refuses an unknown name too."""
+    if provider is not None and provider != "" and provider not in PROVIDERS:
+        _check_name(provider, "the provider argument")
+
+
 def default_provider(device: torch.device) -> str:
     """The device's default: triton on CUDA, cpu on the CPU (an op without that provider, or where it
     cannot run, falls back to torch)."""
@@ -204,10 +212,16 @@ TunedLookup = Callable[[str, torch.device, torch.dtype, int], "str | None"]
 _tuned_lookup: TunedLookup | None = tuning.lookup_provider
 
 
+def _check_callable(fn: object, what: str) -> None:
+    if fn is not None and not callable(fn):
+        raise ArgumentTypeError(f"torsh_kernels.{what}: fn must be a callable or None, got {type(fn).__name__}")
+
+
 def set_tuned_lookup(fn: TunedLookup | None) -> None:
     """Install (or remove, with None) the source of tuned winners consulted by automatic selection
     (drops the cached selections)."""
     global _tuned_lookup
+    _check_callable(fn, "set_tuned_lookup")
     _tuned_lookup = fn
     _clear_caches()
 
@@ -222,6 +236,7 @@ def set_tuned_meta(fn: TunedMeta | None) -> None:
     """Install (or remove, with None) the source of tuned meta-parameters that kernel launchers consult
     (drops the cached ones)."""
     global _tuned_meta
+    _check_callable(fn, "set_tuned_meta")
     _tuned_meta = fn
     _clear_caches()
 

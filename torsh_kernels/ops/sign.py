@@ -35,7 +35,7 @@ from ._common import (
     _select,
     _store_ref,
 )
-from .registry import Op
+from .registry import Op, check_provider
 
 __all__ = ["sign_compress", "sign_compress_ref", "sign_decompress", "sign_decompress_ref"]
 
@@ -307,11 +307,12 @@ def sign_compress(
             if math.isfinite(total):
                 return _pack_signs(x.ge(_ZERO).view(-1)), torch.scalar_tensor(total / n, dtype=_F32)
     what = "torsh_kernels.sign_compress"
+    check_provider(provider)
     xf = _flat_input(x, what, "x")
     rf, traced = None, False
     if residual is not None:
         rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
-        traced = _eager.compiling()  # the memory check then runs in the op, at run time
+        traced = _eager.deferred(xf, rf)  # the memory check then runs in the op, at run time
         if not traced:
             _no_overlap(rf, xf, what, "residual", "x")
     return _eager.call(_sign_op, (1,), xf, rf, bool(check_finite), provider or "", traced)
@@ -356,6 +357,7 @@ def sign_decompress(
         with _eager.no_grad():
             return _signs(bits, scale)
     what = "torsh_kernels.sign_decompress"
+    check_provider(provider)
     bits = _check_tensor(bits, what, "bits")
     if bits.dtype != torch.uint8:
         raise DTypeError(f"{what}: bits have dtype {bits.dtype}; expected uint8")
@@ -365,12 +367,17 @@ def sign_decompress(
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         scale = torch.tensor(float(scale), device=bits.device)
     scale = _check_tensor(scale, what, "scale")
-    if scale.numel() != 1 or not scale.is_floating_point():
-        raise ShapeError(f"{what}: scale must be one floating-point element, got {scale.numel()} of {scale.dtype}")
+    if not scale.is_floating_point():
+        raise DTypeError(f"{what}: scale has dtype {scale.dtype}; expected a floating-point scale (from sign_compress)")
+    if scale.numel() != 1:
+        raise ShapeError(f"{what}: scale must be one element, got {scale.numel()}")
     if scale.device != bits.device:
         raise DeviceMismatchError(f"{what}: scale is on {scale.device}, bits on {bits.device}")
     alpha = _check_alpha(alpha, what)
-    out, of = _decode_out(out, numel, dtype, bits.device, what)
+    out, of = _decode_out(out, numel, dtype, bits.device, what, bool(accumulate))
+    if not _eager.deferred(bits, scale, of):
+        _no_overlap(of, bits, what, "out", "bits")
+        _no_overlap(of, scale, what, "out", "scale")
     _eager.call(
         _sign_decompress_op, (2,), bits.reshape(-1).contiguous(), scale, of, alpha, bool(accumulate), provider or ""
     )

@@ -37,6 +37,7 @@ from ..errors import (
 from . import _eager
 from ._common import (
     BLOCK,
+    HOST_BYTES,
     WARPS,
     _acc_ref,
     _acc_torch,
@@ -59,7 +60,7 @@ from ._common import (
     _select,
 )
 from .error_feedback import _axpby
-from .registry import Op
+from .registry import Op, check_provider
 
 __all__ = ["index_dtype", "topk_compress", "topk_compress_ref", "topk_count", "topk_decompress", "topk_decompress_ref"]
 
@@ -74,6 +75,12 @@ _TOPK_TARGET = 1 + TOPK_SLACK / 2  # aim at the middle of the band
 
 def topk_count(numel: int, ratio: float) -> int:
     """k for a density ``ratio`` of ``numel`` elements: ceil(ratio * numel), at least 1."""
+    if numel.__class__ is not int or ratio.__class__ is not float:  # (the callers' common types: no checks)
+        _check_int(numel, "torsh_kernels.topk_count", "numel", 0)
+        ratio = _check_ratio(ratio, "torsh_kernels.topk_count")
+    elif numel < 0 or not 0.0 < ratio <= 1.0:
+        _check_int(numel, "torsh_kernels.topk_count", "numel", 0)
+        _check_ratio(ratio, "torsh_kernels.topk_count")
     return min(numel, max(1, math.ceil(ratio * numel)))
 
 
@@ -354,6 +361,7 @@ def _decompress_overlaps(of: torch.Tensor, values: torch.Tensor, indices: torch.
 # Public API
 
 _cpu_kernels = _eager.lazy_module("_topk_cpu")  # the cpu provider's kernels, for the fast paths
+_FAST_NUMEL = HOST_BYTES // 4  # the fast paths allocate numel fp32 elements: larger sizes take the checks
 
 
 def _check_ratio(ratio: object, what: str) -> float:
@@ -421,6 +429,7 @@ def topk_compress(
                     idx = torch.topk(xf.abs(), k, sorted=False).indices.sort().values
                     return xf.index_select(0, idx), idx.to(_I32)
     what = "torsh_kernels.topk_compress"
+    check_provider(provider)
     xf = _flat_input(x, what, "x")
     ratio = _check_ratio(ratio, what)
     if xf.numel() == 0:
@@ -428,7 +437,7 @@ def topk_compress(
     rf, traced = None, False
     if residual is not None:
         rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
-        traced = _eager.compiling()  # the memory check then runs in the op, at run time
+        traced = _eager.deferred(xf, rf)  # the memory check then runs in the op, at run time
         if not traced:
             _no_overlap(rf, xf, what, "residual", "x")
     k = topk_count(xf.numel(), ratio)
@@ -454,8 +463,9 @@ def topk_decompress(
     """
     if (
         out is None and not accumulate and type(values) is _T and type(indices) is _T and type(numel) is int
-        and numel > 0 and (dtype is None or dtype is _F32) and (alpha.__class__ is float or alpha.__class__ is int)
-        and -math.inf < alpha < math.inf and values.dtype is _F32 and (indices.dtype is _I64 or indices.dtype is _I32)
+        and 0 < numel <= _FAST_NUMEL and (dtype is None or dtype is _F32)
+        and (alpha.__class__ is float or alpha.__class__ is int) and -math.inf < alpha < math.inf
+        and values.dtype is _F32 and (indices.dtype is _I64 or indices.dtype is _I32)
         and values.is_cpu and indices.is_cpu and values.dim() == 1 and indices.dim() == 1
         and values.is_contiguous() and indices.is_contiguous() and indices.numel() == values.numel()
         and _eager.fast()
@@ -470,8 +480,9 @@ def topk_decompress(
             return out
     if (
         out is None and not accumulate and type(values) is _T and type(indices) is _T and type(numel) is int
-        and numel > 0 and (dtype is None or dtype is _F32) and (alpha.__class__ is float or alpha.__class__ is int)
-        and alpha == 1.0 and values.dtype is _F32 and (indices.dtype is _I64 or indices.dtype is _I32)
+        and 0 < numel <= _FAST_NUMEL and (dtype is None or dtype is _F32)
+        and (alpha.__class__ is float or alpha.__class__ is int) and alpha == 1.0
+        and values.dtype is _F32 and (indices.dtype is _I64 or indices.dtype is _I32)
         and values.is_cpu and indices.is_cpu and values.dim() == 1 and indices.dim() == 1
         and (k := values.numel()) and indices.numel() == k
         and _eager.fast()
@@ -486,6 +497,7 @@ def topk_decompress(
             except RuntimeError:
                 pass
     what = "torsh_kernels.topk_decompress"
+    check_provider(provider)
     values = _check_tensor(values, what, "values")
     indices = _check_tensor(indices, what, "indices")
     _check_dtype(values, what, "values")
@@ -500,10 +512,12 @@ def topk_decompress(
         raise DeviceMismatchError(f"{what}: values are on {values.device}, indices on {indices.device}")
     numel = _check_int(numel, what, "numel", 0)
     alpha = _check_alpha(alpha, what)
-    out, of = _decode_out(out, numel, dtype or values.dtype, values.device, what)
-    traced = _eager.compiling()  # the index range and memory checks then run in the op, at run time
+    # the index range and memory checks run in the op while torch.compile traces (meta: nothing to check)
+    traced = _eager.deferred(values, indices, out if isinstance(out, torch.Tensor) else None)
     if not traced:
-        _check_index_range(indices, numel)
+        _check_index_range(indices, numel)  # (before out is allocated: an index names the size it needs)
+    out, of = _decode_out(out, numel, dtype or values.dtype, values.device, what, bool(accumulate))
+    if not traced:
         _decompress_overlaps(of, values, indices)
     _eager.call(
         _topk_decompress_op,

@@ -15,7 +15,6 @@ worker also pays that server's start, a clean run per workload the first time it
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import sys
 from pathlib import Path
 
@@ -40,8 +39,6 @@ SCENARIOS += [("allreduce-powersgd", "nan", "send#2"), ("moe-all_to_all", "nan",
 def _faults():
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    # the probe's workers are daemonic, and a daemonic process may not start processes: these cases must
-    multiprocessing.current_process().daemon = False
     from tests import faults
 
     return faults

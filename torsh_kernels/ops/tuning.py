@@ -218,13 +218,11 @@ _GENERIC_META_MAX = 1 << 20  # an op without a search space: positive ints up to
 
 def _entry_problem(key: str, e: Any) -> str | None:
     """Why an entry cannot be used, or None."""
-    from .registry import PROVIDERS  # registry imports this module: at call time both are loaded
-
     if not isinstance(e, dict):
         return f"{_kind(e)}, expected an object"
     prov = e.get("provider")
-    if not isinstance(prov, str) or prov not in PROVIDERS:
-        return f"provider {prov!r} is not one of {', '.join(PROVIDERS)}" if "provider" in e else "no provider"
+    if not isinstance(prov, str) or prov not in _PROVIDERS:
+        return f"provider {prov!r} is not one of {', '.join(_PROVIDERS)}" if "provider" in e else "no provider"
     meta = e.get("meta")
     if meta is not None:
         if not isinstance(meta, dict):
@@ -314,6 +312,17 @@ class _Store:
 
 _STORE = _Store()
 _RELOAD_HOOKS: list[Callable[[], None]] = []
+
+
+_PROVIDERS: tuple[str, ...] = ()
+"""The provider names an entry may hold: the registry's ``PROVIDERS``, handed over by :func:`set_providers`
+when the registry is imported (it imports this module, so this module cannot import it)."""
+
+
+def set_providers(names: Sequence[str]) -> None:
+    """The provider names a cache entry may name (the registry calls this once, with its ``PROVIDERS``)."""
+    global _PROVIDERS
+    _PROVIDERS = tuple(names)
 
 
 def on_reload(fn: Callable[[], None]) -> None:

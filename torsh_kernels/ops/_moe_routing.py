@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, ShapeError
 
-__all__ = ["Routing", "check_capacity_factor", "check_routing", "expert_capacity", "seal"]
+__all__ = ["Routing", "check_capacity_factor", "check_routing", "expert_capacity", "out_of_range", "seal", "sealed"]
 
 
 class _Sealable:
@@ -150,9 +150,9 @@ def sealed(r: object) -> bool:
 def check_routing(r: object, what: str, *, values: bool = True) -> Routing:
     """``r`` if it is a sealed :class:`Routing`; else checked in full (see the module docstring) and sealed.
 
-    ``values=False`` (while ``torch.compile`` traces): the checks of types, dtypes, shapes, devices and
-    strides only; nothing is read from the tensors and nothing is sealed. Meta tensors have no values to
-    check either. Raises ``ArgumentTypeError``, ``DTypeError``, ``ShapeError``, ``DeviceMismatchError`` or
+    ``values=False`` (while ``torch.compile`` traces): the fields' types, dtypes and device only (sizes may be
+    symbolic there); nothing is read from the tensors and nothing is sealed. Meta tensors get the checks of
+    sizes and strides but have no values to check, and are not sealed. Raises ``ArgumentTypeError``, ``DTypeError``, ``ShapeError``, ``DeviceMismatchError`` or
     ``InvalidArgumentError`` naming the field."""
     if not isinstance(r, Routing):
         raise ArgumentTypeError(f"{what}: routing must be a Routing (from moe_route), got {type(r).__name__}")

@@ -129,6 +129,15 @@ def _short(v: object) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
+class Sealable:
+    """A base for the ops' result objects a later op trusts (:class:`Routing`, :class:`Packed`): a ``_seal``
+    slot that is not a dataclass field, so it is no argument of ``__init__`` and ``dataclasses.replace``,
+    ``copy`` and pickling leave it out (their results are checked in full on first use). The producing op
+    fills it; the consuming op compares it with the object as it is now."""
+
+    __slots__ = ("_seal",)
+
+
 # --------------------------------------------------------------------------------------------------
 # Sizes a caller states (a numel, a shape) that the op would allocate: refused when no device could hold them
 

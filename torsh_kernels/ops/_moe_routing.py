@@ -5,10 +5,11 @@ expert-parallel layers consume it. The capacity rule (``expert_capacity``, ``che
 decides how many assignments each expert keeps. See ``moe.py`` for the ops.
 
 **Trust.** The kernels index memory with a routing's ``row_map``, ``token_index`` and ``indices``. A
-``Routing`` that ``moe_route`` made is *sealed*: it remembers its tensors and their autograd version
-counters, and :func:`check_routing` accepts it after a few identity and integer comparisons (well under a
+``Routing`` that ``moe_route`` made is *sealed*: it remembers the tensors the ops read (``row_map``,
+``token_index``, ``weights``, ``indices``) and their autograd version counters, and :func:`check_routing`
+accepts it after a few identity and integer comparisons of the fields the calling op reads (well under a
 microsecond). Any other ``Routing`` (built by hand, by ``dataclasses.replace``, unpickled, copied), and a
-sealed one whose tensors were edited in place (a version counter moved) or swapped, is validated in full
+sealed one one of whose read tensors was edited in place (a version counter moved) or swapped, is validated in full
 before any kernel reads it (types, dtypes, shapes, devices, contiguity, every index in range, and the fields
 consistent with each other: the kept rows a permutation of ``[0, N)``, ``token_index`` its inverse,
 ``dropped`` where ``row_map`` is -1, rows grouped by expert with ``tokens_per_expert`` as group sizes), then
@@ -23,20 +24,22 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, ShapeError
+from ._common import Sealable
 
-__all__ = ["Routing", "check_capacity_factor", "check_routing", "expert_capacity", "seal"]
-
-
-class _Sealable:
-    """Holds the seal of a :class:`Routing` in a slot that is not a dataclass field: it is not an argument of
-    ``__init__``, and ``dataclasses.replace``, ``copy`` and pickling leave it out (their results are checked
-    in full on first use)."""
-
-    __slots__ = ("_seal",)
+__all__ = [
+    "Routing",
+    "check_capacity_factor",
+    "check_routing",
+    "expert_capacity",
+    "out_of_range",
+    "seal",
+    "sealed",
+    "sealed_experts",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Routing(_Sealable):
+class Routing(Sealable):
     """Where each token goes: the result of :func:`moe_route`, the input of permute and unpermute."""
 
     indices: torch.Tensor
@@ -126,40 +129,53 @@ def out_of_range(what: str) -> ShapeError:
 
 
 def seal(r: Routing) -> Routing:
-    """Mark ``r`` as checked: its tensors (by identity), their version counters and its sizes, as they are now."""
-    i, w, s, c, rm, ti, d = r.indices, r.weights, r.scores, r.tokens_per_expert, r.row_map, r.token_index, r.dropped
-    object.__setattr__(r, "_seal", (i, w, s, c, rm, ti, d, i._version, w._version, c._version, rm._version,
-                                    ti._version, r.num_rows, r.num_experts))  # fmt: skip
+    """Mark ``r`` as checked: the tensors the ops read (by identity), their version counters and the sizes
+    they are checked against, as they are now."""
+    rm, ti, w, i = r.row_map, r.token_index, r.weights, r.indices
+    object.__setattr__(r, "_seal", (rm, ti, w, i, rm._version, ti._version, w._version, i._version, r.num_rows,
+                                    r.num_experts))  # fmt: skip
     return r
 
 
 def sealed(r: object) -> bool:
-    """Whether ``r`` is a :class:`Routing` whose seal still holds (the hot path's check: no tensor is read)."""
+    """Whether the seal of ``r`` still holds for what the permute and unpermute read (``row_map``,
+    ``token_index``, ``weights``, ``num_rows``): the hot path's check, no tensor is read."""
     try:
         s = r._seal  # type: ignore[attr-defined]
     except AttributeError:
         return False
-    rm, ti, w, i, c = r.row_map, r.token_index, r.weights, r.indices, r.tokens_per_expert
+    rm, ti, w = r.row_map, r.token_index, r.weights
     return (
-        s[4] is rm and s[5] is ti and s[1] is w and s[0] is i and s[3] is c and s[2] is r.scores and s[6] is r.dropped
-        and s[10] == rm._version and s[11] == ti._version and s[8] == w._version and s[7] == i._version
-        and s[9] == c._version and s[12] == r.num_rows and s[13] == r.num_experts
+        s[0] is rm and s[1] is ti and s[2] is w and s[4] == rm._version and s[5] == ti._version
+        and s[6] == w._version and s[8] == r.num_rows
     )  # fmt: skip
 
 
-def check_routing(r: object, what: str, *, values: bool = True) -> Routing:
+def sealed_experts(r: object) -> bool:
+    """Whether the seal of ``r`` still holds for what the router losses read (``indices``, ``num_experts``)."""
+    try:
+        s = r._seal  # type: ignore[attr-defined]
+    except AttributeError:
+        return False
+    i = r.indices
+    return s[3] is i and s[7] == i._version and s[9] == r.num_experts
+
+
+def check_routing(r: object, what: str, *, values: bool = True, experts: bool = False) -> Routing:
     """``r`` if it is a sealed :class:`Routing`; else checked in full (see the module docstring) and sealed.
 
-    ``values=False`` (while ``torch.compile`` traces): the checks of types, dtypes, shapes, devices and
-    strides only; nothing is read from the tensors and nothing is sealed. Meta tensors have no values to
-    check either. Raises ``ArgumentTypeError``, ``DTypeError``, ``ShapeError``, ``DeviceMismatchError`` or
-    ``InvalidArgumentError`` naming the field."""
+    ``values=False`` (while ``torch.compile`` traces): the fields' types, dtypes and device only (sizes may be
+    symbolic there); nothing is read from the tensors and nothing is sealed. Meta tensors get the checks of
+    sizes and strides but have no values to check, and are not sealed. Raises ``ArgumentTypeError``,
+    ``DTypeError``, ``ShapeError``, ``DeviceMismatchError`` or ``InvalidArgumentError`` naming the field.
+    ``experts``: the caller reads ``indices`` (the aux loss), not the row maps: the seal of those fields is
+    the one that must hold."""
     if not isinstance(r, Routing):
         raise ArgumentTypeError(f"{what}: routing must be a Routing (from moe_route), got {type(r).__name__}")
     if not values:  # (torch.compile traces: sizes may be symbolic, version counters are not traced)
         _check_kinds(r, what)
         return r
-    if sealed(r):
+    if sealed_experts(r) if experts else sealed(r):
         return r
     _check_kinds(r, what)
     _check_layout(r, what)

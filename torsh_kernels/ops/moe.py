@@ -119,9 +119,9 @@ def _check_logits(logits: object, what: str) -> torch.Tensor:
     return logits
 
 
-def _check_routing(routing: object, what: str) -> Routing:
+def _check_routing(routing: object, what: str, experts: bool = False) -> Routing:
     """A sealed Routing as it is; any other checked in full (values too, except while torch.compile traces)."""
-    return check_routing(routing, what, values=not _eager.compiling())
+    return check_routing(routing, what, values=not _eager.compiling(), experts=experts)
 
 
 def _check_rows(x: object, rows: int, routing: Routing, what: str, name: str, rows_name: str) -> torch.Tensor:
@@ -1046,7 +1046,7 @@ def moe_aux_loss(
     forward and one backward, CPU tensors) or "torch" (plain torch, which autograd differentiates and
     ``torch.compile`` fuses); None selects automatically."""
     what = "torsh_kernels.moe_aux_loss"
-    routing = _check_routing(routing, what)
+    routing = _check_routing(routing, what, experts=True)
     x = _check_tensor(logits_or_probs, what, "logits_or_probs")
     _check_act_dtype(x, what, "logits_or_probs")
     if tuple(x.shape) != (routing.num_tokens, routing.num_experts):
@@ -1054,7 +1054,7 @@ def moe_aux_loss(
             f"{what}: logits_or_probs has shape {tuple(x.shape)}; the routing is for "
             f"[T={routing.num_tokens}, E={routing.num_experts}]"
         )
-    if x.device != routing.indices.device:
+    if not (x.is_cpu and routing.indices.is_cpu) and x.device != routing.indices.device:
         raise DeviceMismatchError(f"{what}: logits_or_probs is on {x.device}, the routing on {routing.indices.device}")
     _check_strided(x, what, "logits_or_probs")
     return _aux_loss(_loss_provider(_aux_loss, x, provider), x, routing, bool(from_probs))

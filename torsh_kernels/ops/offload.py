@@ -39,7 +39,7 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
-from ._common import _check_int, _check_strided, _no_overlap
+from ._common import Sealable, _check_int, _check_strided, _no_overlap
 from .bucket import _TORCH_IMPL, BucketLayout, flatten, unflatten
 from .bucket import _flatten as _flatten_op
 from .quantize import dequantize, quantize
@@ -73,7 +73,7 @@ def packed_nbytes(numel: int, fmt: str, block: int = 256) -> int:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Packed:
+class Packed(Sealable):
     """A packed tensor: the bytes and what is needed to unpack them."""
 
     data: torch.Tensor
@@ -152,6 +152,12 @@ def _check_packed(packed: object, what: str) -> Packed:
     the codes and scales views stay inside it), a known format and source dtype, a valid block and shape."""
     if not isinstance(packed, Packed):
         raise ArgumentTypeError(f"{what}: packed must be a Packed (from pack), got {type(packed).__name__}")
+    try:  # one pack made, its buffer as it was: its fields agree (pack checked what went in)
+        seal = packed._seal
+        if seal[0] is packed.data and seal[1] == packed.data.numel():
+            return packed
+    except AttributeError:
+        pass
     _check_fmt(packed.fmt, what)
     _check_block(packed.block, what)
     shape = packed.shape
@@ -267,7 +273,7 @@ def pack(
         data = torch.empty(2 * n, dtype=torch.uint8)
         src = x.detach() if x.requires_grad else x
         data.view(_CODE_DTYPES[fmt]).copy_(src if src.dim() == 1 else src.view(-1))
-        return Packed(data=data, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block)
+        return _sealed(Packed(data=data, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block))
     what = "torsh_kernels.pack"
     check_provider(provider)
     if not isinstance(x, torch.Tensor):
@@ -302,7 +308,14 @@ def pack(
             out[:nbytes].copy_(stage, non_blocking=True)
             if stage.device.type == "cuda":
                 stage.record_stream(torch.cuda.current_stream(stage.device))
-    return Packed(data=out, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block)
+    return _sealed(Packed(data=out, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block))
+
+
+def _sealed(p: Packed) -> Packed:
+    """``p``, marked as made by :func:`pack` over its buffer as it is now (its identity and size: a buffer
+    swapped or resized makes :func:`unpack` check the object in full)."""
+    object.__setattr__(p, "_seal", (p.data, p.data.numel()))
+    return p
 
 
 def unpack(

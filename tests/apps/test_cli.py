@@ -275,6 +275,23 @@ def test_bench_ddp_judges_auto_by_its_choice_s_own_case():
     assert [a["ratio"] for a in res["auto_vs_best"]] == [95 / 90, 300 / 100]
 
 
+def test_bench_ddp_signatures_pairs_the_exchange_on_and_off_run_by_run():
+    from torsh_kernels.apps.bench import ddp
+
+    rows = []
+    for rep, (on, off) in enumerate([(110, 100), (90, 100), (105, 100)]):
+        for check, ms, first, n, sig in ((True, on, [150, 100], 3, 12.0), (False, off, [140, 100], 0, 0.0)):
+            rows.append({"case": "torsh topk", "check": check, "step_ms": ms, "first_steps_ms": first, "error": None,
+                         "signature_checks": n, "signature_ms": sig, "repeat": rep})  # fmt: skip
+    res = {"signature_rows": rows}
+    ddp._signature_summary(res)
+    (s,) = res["signature_summary"]
+    assert s["step_ratio"] == {"median": pytest.approx(1.05), "min": pytest.approx(0.9), "max": pytest.approx(1.1),
+                               "n": 3}  # fmt: skip
+    assert s["first_steps_extra_ms"]["median"] == 10 and s["signature_ms"]["median"] == 12.0
+    assert s["signature_checks"]["median"] == 3 and s["signature_checks_off"]["max"] == 0
+
+
 def test_bench_moe_prints_tables_and_writes_json(tmp_path, capsys):
     out = tmp_path / "moe.json"
     rc = main(["bench", "moe", "--device", "cpu", "--providers", "torch", "--tokens", "257", "--hidden", "33",

@@ -391,3 +391,97 @@ def test_reduction_and_payload_print_sizes_not_values():
     assert s == f"Payload(tensors={{'p': (512, 4) float32}}, numel={512 * 256}, final=False, nbytes={512 * 4 * 4})", s
     big = Payload({"data": torch.randn(1 << 16)}, 1 << 16)
     assert len(repr(big)) <= 120, repr(big)
+
+
+# -- the signature exchange: ranks that would send different collectives all raise, before sending ---------
+
+
+def _mismatch_worker(comm) -> dict:
+    """Every way two ranks' compressed all-reduces can differ, one after another in one job (each exchange
+    raises on every rank before anything else is sent, so the group stays usable); then the exchanges a
+    matching configuration makes, and the switch that turns them off."""
+    from torsh_kernels.collectives.communicator import TorchCommunicator
+    from torsh_kernels.errors import CollectiveMismatchError
+
+    me = comm.rank
+    odd = me == 1
+
+    def t(*shape, dtype=torch.float32):
+        return inputs(0, me, shape).to(dtype)
+
+    used = PowerSGD(1).new_state(seed=me)
+    roundtrip(PowerSGD(1), t(30, 20), used)  # a state one step old, against a fresh one
+    cases = {  # name: (compressor, tensor(s), quantize_mode, state(s) or None for fresh ones)
+        "class": (Quantize(8) if odd else TopK(0.1), t(300), "auto", None),
+        "ratio": (TopK(0.2 if odd else 0.1), t(300), "auto", None),
+        "rank": (PowerSGD(2 if odd else 1), t(30, 20), "auto", None),
+        "bits": (Quantize(4 if odd else 8), t(300), "auto", None),
+        "block": (Quantize(8, 64 if odd else 256), t(300), "auto", None),
+        "dtype": (TopK(0.1), t(300, dtype=torch.bfloat16 if odd else torch.float32), "auto", None),
+        "shapes": (TopK(0.1), t(20, 30) if odd else t(30, 20), "auto", None),
+        "numel": (TopK(0.1), t(301 if odd else 300), "auto", None),
+        "tensors": (TopK(0.1), [t(30, 20), t(7)] + ([t(5)] if odd else []), "auto", None),
+        "quantize_mode": (Quantize(8), t(300), "shared_scale" if odd else "all_gather", None),
+        "state_age": (PowerSGD(1), t(30, 20), "auto", used if odd else PowerSGD(1).new_state(seed=me)),
+    }
+    out = {}
+    for name, (c, x, mode, st) in cases.items():
+        if st is None:
+            st = [c.new_state(seed=me) for _ in x] if isinstance(x, list) else c.new_state(seed=me)
+        try:
+            compressed_all_reduce(x, comm, c, st, quantize_mode=mode)
+            out[name] = None
+        except CollectiveMismatchError as e:
+            out[name] = str(e)
+    calls = {"all_gather": 0}
+    orig = TorchCommunicator.all_gather
+
+    def counting(self, *a, **kw):
+        calls["all_gather"] += 1
+        return orig(self, *a, **kw)
+
+    TorchCommunicator.all_gather = counting
+    try:
+
+        def gathers(fn) -> int:
+            n = calls["all_gather"]
+            fn()
+            return calls["all_gather"] - n
+
+        c, st = TopK(0.05), TopK(0.05).new_state(seed=me)
+        # a matching configuration: one exchange, the first time (top-k itself all-gathers once per call)
+        out["topk"] = [gathers(lambda: compressed_all_reduce(t(40, 30), comm, c, st)) for _ in range(3)]
+        # the same configuration through a new communicator of the same group: remembered per group
+        again = TorchCommunicator(comm.group)
+        out["topk_new_comm"] = gathers(lambda: compressed_all_reduce(t(40, 30), again, c, st))
+        # PowerSGD: its first call on a fresh state differs (the seed broadcast), so two exchanges
+        p, ps = PowerSGD(1), PowerSGD(1).new_state(seed=me)
+        out["powersgd"] = [gathers(lambda: compressed_all_reduce(t(40, 30), comm, p, ps)) for _ in range(3)]
+        c2, st2 = TopK(0.07), TopK(0.07).new_state(seed=me)
+        out["off"] = gathers(lambda: compressed_all_reduce(t(40, 30), comm, c2, st2, check_signatures=False))
+    finally:
+        TorchCommunicator.all_gather = orig
+    x = torch.full((3,), float(me))
+    compressed_all_reduce(x, comm)  # the group still works after the mismatches
+    out["average"] = x.tolist()
+    return out
+
+
+def test_ranks_that_differ_all_raise_a_collective_mismatch_naming_the_difference():
+    named = {"class": "compressor: TopK on rank 0, Quantize on rank 1", "ratio": "compressor.ratio: 0.1 on rank 0",
+             "rank": "compressor.rank: 1 on rank 0, 2 on rank 1", "bits": "compressor.bits: 8 on rank 0, 4 on rank 1",
+             "block": "compressor.block: 256 on rank 0, 64 on rank 1",
+             "dtype": "dtypes: ['float32'] on rank 0, ['bfloat16'] on rank 1",
+             "shapes": "shapes: [(30, 20)] on rank 0, [(20, 30)] on rank 1", "numel": "numel: 300 on rank 0, 301",
+             "tensors": "tensors: 2 on rank 0, 3 on rank 1",
+             "quantize_mode": "quantize_mode: all_gather on rank 0, shared_scale on rank 1",
+             "state_age": "state phases: [3] on rank 0, [2] on rank 1"}  # fmt: skip
+    out = run_local(_mismatch_worker, 2, op_timeout=30)
+    for res in out:
+        for name, want in named.items():
+            assert res[name] is not None, f"{name}: no error"
+            assert want in res[name] and res[name] == out[0][name], (name, res[name])
+        assert res["topk"] == [2, 1, 1] and res["topk_new_comm"] == 1
+        assert res["powersgd"] == [1, 1, 0]
+        assert res["off"] == 1
+        assert res["average"] == [0.5] * 3

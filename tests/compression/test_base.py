@@ -21,7 +21,7 @@ from torsh_kernels.compression import (
     TopK,
     roundtrip,
 )
-from torsh_kernels.errors import InvalidArgumentError, NonFiniteError, ShapeError
+from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
 
 COMPRESSORS = [
     pytest.param(lambda p: NoCompression(provider=p), 0.0, id="none"),
@@ -129,18 +129,48 @@ def test_nonfinite_gradients_raise_before_the_state_changes(gen):
         FP16().compress(big, CompressionState())
 
 
+NAN, INF = float("nan"), float("inf")
+BAD_SETTINGS = [
+    # (constructor, error): a wrong type is an ArgumentTypeError (a bool where a number or an int is asked
+    # included), a value out of range, NaN or Inf an InvalidArgumentError
+    *[(lambda v=v: TopK(v), InvalidArgumentError) for v in (0, -0.5, 1.5, NAN, INF, -INF)],
+    *[(lambda v=v: TopK(v), ArgumentTypeError) for v in (True, "0.1", None, [0.1])],
+    (lambda: TopK(0.1, exact=1), ArgumentTypeError),
+    (lambda: TopK(0.1, error_feedback="yes"), ArgumentTypeError),
+    (lambda: TopK(0.1, check_finite=None), ArgumentTypeError),
+    (lambda: TopK(0.1, provider=3), ArgumentTypeError),
+    (lambda: TopK(0.1, provider="cuda"), InvalidArgumentError),
+    *[(lambda v=v: Quantize(bits=v), InvalidArgumentError) for v in (5, 0, -8, 16)],
+    *[(lambda v=v: Quantize(bits=v), ArgumentTypeError) for v in (True, 8.0, "8")],
+    *[(lambda v=v: Quantize(block=v), InvalidArgumentError) for v in (100, 1, 0, -256, 1 << 31)],
+    *[(lambda v=v: Quantize(block=v), ArgumentTypeError) for v in (True, 256.0, NAN)],
+    (lambda: Quantize(stochastic=1), ArgumentTypeError),
+    (lambda: Quantize(provider="x"), InvalidArgumentError),
+    (lambda: Sign(error_feedback=0), ArgumentTypeError),
+    (lambda: Sign(provider=""), InvalidArgumentError),
+    *[(lambda v=v: PowerSGD(rank=v), InvalidArgumentError) for v in (0, -1)],
+    *[(lambda v=v: PowerSGD(rank=v), ArgumentTypeError) for v in (True, 2.0, None)],
+    *[(lambda v=v: PowerSGD(1, start_iter=v), InvalidArgumentError) for v in (-1,)],
+    *[(lambda v=v: PowerSGD(1, start_iter=v), ArgumentTypeError) for v in (False, 1.0, INF)],
+    (lambda: PowerSGD(1, warm_start=1), ArgumentTypeError),
+    *[(lambda v=v: PowerSGD(1, min_compression_rate=v), InvalidArgumentError) for v in (-1, NAN, INF)],
+    *[(lambda v=v: PowerSGD(1, min_compression_rate=v), ArgumentTypeError) for v in (True, "2")],
+    *[(lambda c=c: c(check_finite="no"), ArgumentTypeError) for c in (NoCompression, FP16, BF16)],
+    *[(lambda c=c: c(provider="gpu"), InvalidArgumentError) for c in (NoCompression, FP16, BF16)],
+    *[(lambda v=v: TopK(0.1).new_state(seed=v), ArgumentTypeError) for v in (1.5, True, "1", None)],
+    (lambda: TopK(0.1).new_state(seed=1 << 63), InvalidArgumentError),
+    (lambda: CompressionState(seed=2.0), ArgumentTypeError),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD_SETTINGS)))
+def test_every_bad_setting_gets_a_typed_error(i):
+    make, err = BAD_SETTINGS[i]
+    with pytest.raises(err):
+        make()
+
+
 def test_configuration_errors(gen):
-    for bad in (0, 1.5, True):
-        with pytest.raises(InvalidArgumentError):
-            TopK(bad)
-    with pytest.raises(InvalidArgumentError):
-        Quantize(bits=5)
-    with pytest.raises(InvalidArgumentError):
-        Quantize(block=100)
-    with pytest.raises(InvalidArgumentError):
-        PowerSGD(rank=0)
-    with pytest.raises(InvalidArgumentError):
-        PowerSGD(1, start_iter=-1)
     c = TopK(0.1)
     state = c.new_state()
     c.compress(rand(100, torch.float32, gen), state)
@@ -148,8 +178,53 @@ def test_configuration_errors(gen):
         c.compress(rand(101, torch.float32, gen), state)
     with pytest.raises(InvalidArgumentError):
         c.advance(Payload({}, 1), state)
-    with pytest.raises(InvalidArgumentError):
-        CompressionState().load_state_dict({"step": 1})
+
+
+def _good_state(gen) -> tuple[PowerSGD, CompressionState]:
+    c = PowerSGD(2)
+    st = c.new_state(seed=3)
+    roundtrip(c, rand((30, 20), torch.float32, gen), st)
+    return c, st
+
+
+BAD_STATE_DICTS = [
+    # (how the good state_dict is spoiled, error)
+    (lambda sd: [1, 2], ArgumentTypeError),
+    (lambda sd: None, ArgumentTypeError),
+    (lambda sd: {"step": 1}, InvalidArgumentError),
+    (lambda sd: {**sd, "extra": 1}, InvalidArgumentError),
+    (lambda sd: {**sd, "step": "1"}, ArgumentTypeError),
+    (lambda sd: {**sd, "step": 1.0}, ArgumentTypeError),
+    (lambda sd: {**sd, "step": True}, ArgumentTypeError),
+    (lambda sd: {**sd, "step": -1}, InvalidArgumentError),
+    (lambda sd: {**sd, "seed": None}, ArgumentTypeError),
+    (lambda sd: {**sd, "seed": 1 << 64}, InvalidArgumentError),
+    (lambda sd: {**sd, "tensors": [torch.zeros(3)]}, ArgumentTypeError),
+    (lambda sd: {**sd, "tensors": {**sd["tensors"], 3: torch.zeros(3)}}, ArgumentTypeError),
+    (lambda sd: {**sd, "tensors": {**sd["tensors"], "residual": [0.0] * 600}}, ArgumentTypeError),
+    (lambda sd: {**sd, "tensors": {**sd["tensors"], "residual": torch.zeros(600, dtype=torch.float64)}}, DTypeError),
+    (lambda sd: {**sd, "tensors": {**sd["tensors"], "residual": torch.zeros(30, 20)}}, ShapeError),
+    (lambda sd: {**sd, "tensors": {**sd["tensors"], "q": torch.zeros(20)}}, ShapeError),
+    (lambda sd: {**sd, "tensors": {**sd["tensors"], "q": torch.zeros(20, 2, dtype=torch.int32)}}, DTypeError),
+    (lambda sd: {**sd, "tensors": {**sd["tensors"], "residual": torch.zeros(600, device="meta")}},
+     InvalidArgumentError),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("i", range(len(BAD_STATE_DICTS)))
+def test_a_bad_state_dict_changes_nothing(gen, i):
+    """Wrong types, shapes or dtypes in a state_dict: a typed error, and the state exactly as before."""
+    _, st = _good_state(gen)
+    spoil, err = BAD_STATE_DICTS[i]
+    before = st.state_dict()
+    work = dict(st.work)
+    with pytest.raises(err):
+        st.load_state_dict(spoil(st.state_dict()))
+    after = st.state_dict()
+    assert (after["step"], after["seed"], after["tensors"].keys()) == (before["step"], before["seed"],
+                                                                        before["tensors"].keys())  # fmt: skip
+    assert all(torch.equal(after["tensors"][k], v) for k, v in before["tensors"].items())
+    assert st.work.keys() == work.keys() and all(st.work[k] is v for k, v in work.items())
 
 
 def test_what_the_bucket_layer_and_the_planner_read():

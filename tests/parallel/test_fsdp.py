@@ -623,6 +623,71 @@ def test_quantized_comms_over_a_given_communicator():
         assert out["residual_kept"]
 
 
+def _mismatch_worker(comm) -> dict:
+    """Every way two ranks' quantized comms can differ, one after another in one job (each exchange raises on
+    every rank before the comm's collective, so the group stays usable), apply_quantized_comm's settings
+    included (nothing is installed then); then the exchanges a matching configuration makes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torsh_kernels.errors import CollectiveMismatchError
+
+    me, odd, n, group = comm.rank, comm.rank == 1, 64, dist.group.WORLD
+
+    def ag(comm_, dtype=torch.float32):
+        o = torch.zeros(2 * n, dtype=dtype)
+        x = o.narrow(0, me * n, n)
+        x.copy_(shard(0, me, n).to(dtype))
+        comm_(o, x, group)
+        return o
+
+    def rs(comm_, op=dist.ReduceOp.AVG):
+        comm_(torch.zeros(n), shard(1, me, 2 * n), group, op)
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = _shard(_model(), mesh)
+    cases = {
+        "ag_bits": lambda: ag(QuantizedAllGather(bits=4 if odd else 8)),
+        "ag_block": lambda: ag(QuantizedAllGather(block=64 if odd else 256)),
+        "ag_dtype": lambda: ag(QuantizedAllGather(), torch.bfloat16 if odd else torch.float32),
+        "ag_path": lambda: ag(QuantizedAllGather(shard_group_size=4 if odd else None)),  # 2 < 4: unquantized
+        "rs_bits": lambda: rs(QuantizedReduceScatter(bits=4 if odd else 8)),
+        "rs_error_feedback": lambda: rs(QuantizedReduceScatter(error_feedback=not odd)),
+        "rs_op": lambda: rs(QuantizedReduceScatter(), dist.ReduceOp.SUM if odd else dist.ReduceOp.AVG),
+        "apply": lambda: apply_quantized_comm(model, grads="int4" if odd else "int8"),
+    }
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = None
+        except CollectiveMismatchError as e:
+            out[name] = str(e)
+    out["untouched"] = all(getattr(m, RESIDUAL, None) is None for m in model.modules())
+    same = QuantizedAllGather()
+    results = [ag(same) for _ in range(3)]
+    out["matching"] = (same.signature_checks, same.calls, all(torch.equal(r, results[0]) for r in results))
+    out["installed"] = len(apply_quantized_comm(model, grads="int8"))
+    return out
+
+
+def test_ranks_whose_quantized_comms_differ_all_raise_naming_the_difference():
+    named = {"ag_bits": "format: int8 on rank 0, int4 on rank 1", "ag_block": "block: 256 on rank 0, 64 on rank 1",
+             "ag_dtype": "dtype: torch.float32 on rank 0, torch.bfloat16 on rank 1",
+             "ag_path": "path: quantized on rank 0, unquantized on rank 1",
+             "rs_bits": "format: int8 on rank 0, int4 on rank 1",
+             "rs_error_feedback": "error_feedback: True on rank 0, False on rank 1",
+             "rs_op": "reduce scale: 0.5 on rank 0, 1.0 on rank 1",
+             "apply": "grads: int8 on rank 0, int4 on rank 1"}  # fmt: skip
+    out = run_local(_mismatch_worker, 2, op_timeout=30)
+    for res in out:
+        for name, want in named.items():
+            assert res[name] is not None, f"{name}: no error"
+            assert want in res[name] and res[name] == out[0][name], (name, res[name])
+        assert res["untouched"]  # the mismatched apply_quantized_comm installed nothing
+        assert res["matching"] == (1, 3, True)  # one exchange for three calls of one configuration
+        assert res["installed"] == 3  # the three layers (the root holds no parameter of its own)
+
+
 def test_what_apply_installs_prints_short():
     """Installed names its module by class (not its whole tree); the comms print their traffic counters."""
     from torsh_kernels.collectives.replica import ReplicaCommunicator

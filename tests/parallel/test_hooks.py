@@ -24,7 +24,13 @@ from tests import helpers
 from tests.helpers import make_compressor
 from torsh_kernels.collectives import run_local
 from torsh_kernels.compression import NoCompression, TopK, compressed_all_reduce
-from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError
+from torsh_kernels.errors import (
+    ArgumentTypeError,
+    CollectiveMismatchError,
+    InvalidArgumentError,
+    LayoutMismatchError,
+    ShapeError,
+)
 from torsh_kernels.parallel import CompressionHookState, compression_hook
 
 STEPS = 4
@@ -258,6 +264,7 @@ def _versus_torch_fp16_worker(comm):
 
     inside = [False]
     counts = {"wait": 0, "all_reduce": 0, "all_gather": 0, "buckets": 0, "pending_at_return": 0}
+    layouts = set()  # the bucket layouts the hook saw: one signature exchange each
     orig = {n: getattr(TorchCommunicator, n) for n in ("all_reduce", "all_gather")}
     orig_wait = _TorchHandle.wait
 
@@ -285,6 +292,7 @@ def _versus_torch_fp16_worker(comm):
             inside[0] = False
         counts["buckets"] += 1
         counts["pending_at_return"] += not fut.done()
+        layouts.add(tuple(id(p) for p in bucket.parameters()))
         return fut
 
     counted.__annotations__ = compression_hook.__annotations__
@@ -295,11 +303,13 @@ def _versus_torch_fp16_worker(comm):
         ddp.register_comm_hook(state, hook)
         for k in counts:
             counts[k] = 0
+        layouts.clear()
         for step in range(2):  # the second step runs on DDP's rebuilt buckets
             x, y = batch(step, comm.rank)
             ddp.zero_grad()
             nn.functional.cross_entropy(ddp(x), y).backward()
-        return [p.grad.clone() for p in net.parameters()], dict(counts)
+        checks = state.stats.signature_checks if state is not None else 0
+        return [p.grad.clone() for p in net.parameters()], dict(counts, layouts=len(layouts), signature_checks=checks)
 
     try:
         theirs, _ = grads(default_hooks.fp16_compress_hook, None)
@@ -325,10 +335,15 @@ def test_fp16_hook_equals_pytorch_fp16_compress_hook_and_returns_the_collectives
         assert same and same_view
         b = c16["buckets"]
         assert b > 2, "expected several buckets"
-        # one collective per bucket, issued and not waited for inside the hook
-        assert (c16["all_reduce"], c16["all_gather"], c16["wait"]) == (b, 0, 0)
+        # one signature exchange (a blocking all-gather) per bucket layout, the first time it is seen (DDP's
+        # first layout, then its rebuilt one), and nothing else per layout
+        for c in (c16, ctopk, cpsgd):
+            assert c["signature_checks"] == c["layouts"] > 1
+        n = c16["signature_checks"]
+        # then one collective per bucket, issued and not waited for inside the hook
+        assert (c16["all_reduce"], c16["all_gather"], c16["wait"]) == (b, n, n)
         # top-k: the bucket's 1-D / small tensors in one all-reduce, the top-k payloads in one all-gather
-        assert ctopk["wait"] == 0 and ctopk["all_gather"] == ctopk["buckets"]
+        assert ctopk["wait"] == n and ctopk["all_gather"] == ctopk["buckets"] + n
         assert ctopk["all_reduce"] <= ctopk["buckets"]
         # PowerSGD has two rounds: the deterministic pipeline steps (waits) inside the hook
         assert cpsgd["wait"] > 0
@@ -375,7 +390,13 @@ def _plain_rides_along_worker(comm):
             finally:
                 for n in counts:
                     setattr(TorchCommunicator, n, orig[n])
-            per_step.append(dict(counts, buckets=state.stats.buckets - sum(c["buckets"] for c in per_step)))
+            per_step.append(
+                dict(
+                    counts,
+                    buckets=state.stats.buckets - sum(c["buckets"] for c in per_step),
+                    exchanges=state.stats.signature_checks - sum(c["exchanges"] for c in per_step),
+                )
+            )
             # the reference: each weight through compressed_all_reduce with its own state, biases plainly
             ref.zero_grad()
             nn.functional.cross_entropy(ref(x), y).backward()
@@ -396,15 +417,22 @@ def test_uncompressed_tensors_ride_in_the_compressed_collective():
     # a bucket's bias travels in top-k's all-gather and in PowerSGD's P all-reduce: no collective of its
     # own (one collective per bucket for top-k; for PowerSGD, bucket i's P and bucket i-1's Q coalesced
     # into one all-reduce, so buckets + 1); the results are those of averaging it on its own (bit for bit
-    # on 2 ranks). DDP's first iteration has one bucket, the rebuilt layout three.
+    # on 2 ranks). DDP's first iteration has one bucket, the rebuilt layout three: each new layout costs one
+    # signature exchange (an all-gather) the first time, none later.
     out = run_local(_plain_rides_along_worker, 2, op_timeout=60)
     for res in out:
         assert [s["buckets"] for s in res["topk"]] == [1, 3, 3]
+        assert [s["exchanges"] for s in res["topk"]] == [1, 3, 0]
         for s in res["topk"]:
-            assert s["same"] and (s["all_reduce"], s["all_gather"], s["broadcast"]) == (0, s["buckets"], 0)
+            assert s["same"] and (s["all_reduce"], s["all_gather"], s["broadcast"]) == (
+                0,
+                s["buckets"] + s["exchanges"],
+                0,
+            )
         assert [s["buckets"] for s in res["powersgd"]] == [1, 3, 3]
+        assert [s["exchanges"] for s in res["powersgd"]] == [1, 3, 0]
         for i, s in enumerate(res["powersgd"]):
-            assert s["same"] and (s["all_reduce"], s["all_gather"]) == (s["buckets"] + 1, 0)
+            assert s["same"] and (s["all_reduce"], s["all_gather"]) == (s["buckets"] + 1, s["exchanges"])
             assert s["broadcast"] == (i == 0)  # the fresh states' Q seeds, in one broadcast
 
 
@@ -454,11 +482,23 @@ def _given_comm_worker(comm) -> bool:
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     with pytest.raises(InvalidArgumentError):
         CompressionHookState(TorchCommunicator(), mesh_dim="dp")
-    return torch.equal(grads[0], grads[1])
+    # ranks whose hooks differ: every rank raises from backward, naming the difference, before the bucket's
+    # collectives (the signature exchange of its first layout)
+    model = DDP(nn.Sequential(nn.Linear(40, 60), nn.ReLU(), nn.Linear(60, 3)))
+    model.register_comm_hook(CompressionHookState(None, TopK(0.2 if comm.rank else 0.1)), compression_hook)
+    try:
+        model(torch.randn(8, 40)).sum().backward()
+        mismatch = None
+    except CollectiveMismatchError as e:
+        mismatch = str(e)
+    return torch.equal(grads[0], grads[1]), mismatch
 
 
 def test_hook_over_a_given_communicator():
-    assert run_local(_given_comm_worker, 2, op_timeout=60) == [True, True]
+    out = run_local(_given_comm_worker, 2, op_timeout=60)
+    for same, mismatch in out:
+        assert same
+        assert mismatch == out[0][1] and "compressor.ratio: 0.1 on rank 0, 0.2 on rank 1" in mismatch, mismatch
 
 
 # -- where PyTorch users are: compiled autograd, sparse gradients, AMP, PowerSGD's matrix view ---------------
@@ -780,3 +820,94 @@ def test_hook_counts_wire_bytes_as_the_timeline_does(tmp_path):
         assert rep["by_label"][name]["wire_bytes_per_step"] == sum(wire[2:]) / 2 and wire[-1] > 0
         if name == "none":  # all-reduces only: 4/3 of the payload, each bucket's share rounded down
             assert 4 * payload[-1] / 3 - 16 <= wire[-1] <= 4 * payload[-1] / 3
+
+
+# -- checkpoints that do not fit: a typed error, and the state exactly as before ------------------------------
+
+
+def _owner(kind: str):
+    """A hook state or a synchronizer with two iterations of top-k states (one process, a replica of 2 ranks)."""
+    from torsh_kernels.collectives.replica import ReplicaCommunicator
+    from torsh_kernels.parallel import GradientSynchronizer
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 3))
+    if kind == "sync":
+        owner = GradientSynchronizer(net, ReplicaCommunicator(2), compressor=TopK(0.1), min_numel=16, overlap=False)
+        for _ in range(2):
+            net(torch.randn(4, 12)).sum().backward()
+            owner.sync_gradients()
+            owner.zero_grad()
+        return owner
+    owner = CompressionHookState(compressor=TopK(0.1), min_numel=16)
+    eng, comm = owner._engine, ReplicaCommunicator(2)
+    for _ in range(2):  # what the hook does per bucket, without DDP
+        grads = [torch.randn_like(p) for p in net.parameters()]
+        for r in eng.start(grads, list(range(len(grads))), comm)[0]:
+            r.wait()
+        eng.end_iteration()
+    return owner
+
+
+def _spoil_residual(sd, n):
+    (k, st), *_ = ((k, v) for k, v in sd["states"].items() if "residual" in v["tensors"])
+    return {**sd, "states": {**sd["states"], k: {**st, "tensors": {**st["tensors"], "residual": torch.zeros(n)}}}}
+
+
+BAD_CHECKPOINTS = [
+    (lambda sd: None, ArgumentTypeError),
+    (lambda sd: [sd], ArgumentTypeError),
+    (lambda sd: {k: v for k, v in sd.items() if k != "states"}, InvalidArgumentError),
+    (lambda sd: {**sd, "extra": 1}, InvalidArgumentError),
+    (lambda sd: {**sd, "policy": "bucket"}, InvalidArgumentError),
+    (lambda sd: {**sd, "iteration": "2"}, ArgumentTypeError),
+    (lambda sd: {**sd, "iteration": True}, ArgumentTypeError),
+    (lambda sd: {**sd, "iteration": 2.0}, ArgumentTypeError),
+    (lambda sd: {**sd, "iteration": -1}, InvalidArgumentError),
+    (lambda sd: {**sd, "compressor": "TopK(ratio=0.5)"}, InvalidArgumentError),
+    (lambda sd: {**sd, "compressor": None}, ArgumentTypeError),
+    (lambda sd: {**sd, "auto": {"choice": "topk(0.1)"}}, InvalidArgumentError),  # not an auto state
+    (lambda sd: {**sd, "shapes": [(24, 12)]}, ArgumentTypeError),
+    (lambda sd: {**sd, "shapes": {**sd["shapes"], "0": (24, 12)}}, ArgumentTypeError),
+    (lambda sd: {**sd, "shapes": {**sd["shapes"], 0: (24.0, 12)}}, ArgumentTypeError),
+    (lambda sd: {**sd, "shapes": {**sd["shapes"], 0: (12, 24)}}, LayoutMismatchError),  # not the model it has seen
+    (lambda sd: {**sd, "states": list(sd["states"].values())}, ArgumentTypeError),
+    (lambda sd: {**sd, "states": {**sd["states"], "w": next(iter(sd["states"].values()))}}, ArgumentTypeError),
+    (lambda sd: {**sd, "states": {**sd["states"], (True,): next(iter(sd["states"].values()))}}, ArgumentTypeError),
+    (lambda sd: {**sd, "states": {**sd["states"], (9,): next(iter(sd["states"].values()))}}, InvalidArgumentError),
+    (lambda sd: {**sd, "states": {**sd["states"], (0,): {"step": 1}}}, InvalidArgumentError),
+    (lambda sd: {**sd, "states": {**sd["states"], (0,): {"step": -1, "seed": 0, "tensors": {}}}}, InvalidArgumentError),
+    (lambda sd: _spoil_residual(sd, 7), ShapeError),  # a residual of another size than its tensors
+    (lambda sd: {**sd, "states": {**sd["states"], (0,): {"step": 1, "seed": 0, "tensors": {"residual": 0}}}},
+     ArgumentTypeError),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["hook", "sync"])
+def test_a_checkpoint_that_does_not_fit_changes_nothing(kind):
+    owner = _owner(kind)
+    eng = owner._engine
+    good = owner.state_dict()
+    for i, (spoil, err) in enumerate(BAD_CHECKPOINTS):
+        before = (eng.iteration, dict(eng.shapes), dict(eng.states), dict(eng._plans), eng.compressor)
+        with pytest.raises(err):
+            owner.load_state_dict(spoil(owner.state_dict()))
+        after = (eng.iteration, dict(eng.shapes), dict(eng.states), dict(eng._plans), eng.compressor)
+        assert all(a is b or a == b for a, b in zip(before, after)), i
+        assert all(eng.states[k] is v for k, v in before[2].items()), i
+    now = owner.state_dict()
+    assert now["iteration"] == good["iteration"] and now["shapes"] == good["shapes"]
+    for k, st in good["states"].items():
+        assert all(torch.equal(v, now["states"][k]["tensors"][n]) for n, v in st["tensors"].items())
+    owner.load_state_dict(good)  # the checkpoint itself loads
+    assert owner.state_dict()["iteration"] == good["iteration"]
+
+
+def test_an_auto_checkpoint_that_does_not_fit_changes_nothing():
+    state = CompressionHookState(compressor="auto", auto_candidates=(None, TopK(0.1)))
+    sd = state.state_dict()
+    for bad, err in (({"choice": "int8"}, InvalidArgumentError), ({"choice": "topk(0.1)"}, InvalidArgumentError),
+                     ("topk(0.1)", ArgumentTypeError), ({"choice": 3}, InvalidArgumentError)):  # fmt: skip
+        with pytest.raises(err):
+            state.load_state_dict({**sd, "auto": bad})
+        assert state._engine.auto.decision is None and isinstance(state.compressor, NoCompression)

@@ -148,3 +148,57 @@ def _bad_world_worker(comm):
 def test_expert_parallel_needs_divisible_experts():
     msgs = run_local(_bad_world_worker, 2, timeout=60)
     assert all(m and "not divisible by the world size 2" in m for m in msgs)
+
+
+def _mismatch_worker(comm) -> dict:
+    """Every way two ranks' expert-parallel layers can differ, one after another in one job: every rank raises
+    at construction (before the router's broadcast), naming the difference; then a matching layer agrees
+    once and runs."""
+    from torsh_kernels.collectives.communicator import TorchCommunicator
+    from torsh_kernels.errors import CollectiveMismatchError
+
+    odd = comm.rank == 1
+    cases = {
+        "experts": dict(num_experts=6 if odd else 4),
+        "k": dict(k=1 if odd else 2),
+        "hidden": dict(hidden=H + 2 if odd else H),
+        "capacity": dict(capacity_factor=1.25 if odd else None),
+        "dtype": dict(dtype=torch.bfloat16 if odd else torch.float32),
+    }
+    out = {}
+    for name, kw in cases.items():
+        args = {"hidden": H, "ffn_hidden": FFN, "num_experts": 4, "k": 2, **kw}
+        try:
+            ExpertParallelMoE(args.pop("hidden"), args.pop("ffn_hidden"), args.pop("num_experts"), args.pop("k"),
+                              comm, **args)  # fmt: skip
+            out[name] = None
+        except CollectiveMismatchError as e:
+            out[name] = str(e)
+    calls = {"all_gather": 0}
+    orig = TorchCommunicator.all_gather
+
+    def counting(self, *a, **kw):
+        calls["all_gather"] += 1
+        return orig(self, *a, **kw)
+
+    TorchCommunicator.all_gather = counting
+    try:
+        layer = ExpertParallelMoE(H, FFN, 4, 2, comm)
+        y = [layer(torch.randn(5, H)) for _ in range(2)]
+    finally:
+        TorchCommunicator.all_gather = orig
+    out["matching"] = (calls["all_gather"], all(v.shape == (5, H) for v in y))
+    return out
+
+
+def test_ranks_whose_moe_layers_differ_all_raise_naming_the_difference():
+    named = {"experts": "num_experts: 4 on rank 0, 6 on rank 1", "k": "k: 2 on rank 0, 1 on rank 1",
+             "hidden": f"hidden: {H} on rank 0, {H + 2} on rank 1",
+             "capacity": "capacity_factor: None on rank 0, 1.25 on rank 1",
+             "dtype": "parameter dtype: torch.float32 on rank 0, torch.bfloat16 on rank 1"}  # fmt: skip
+    out = run_local(_mismatch_worker, 2, timeout=60)
+    for res in out:
+        for name, want in named.items():
+            assert res[name] is not None, f"{name}: no error"
+            assert want in res[name] and res[name] == out[0][name], (name, res[name])
+        assert res["matching"] == (1, True)  # one exchange, at construction; the forwards add none

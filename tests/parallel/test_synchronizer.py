@@ -349,3 +349,109 @@ def test_sync_stats_are_a_dict_that_prints_one_line():
     gc = GradientConsistency(False, many, [[i] * 500 for i in range(4)])
     r = repr(gc)
     assert len(r) <= 150 and "mismatched=500 ['layers.0.weight'" in r and "4 ranks x 500 parameters" in r, r
+
+
+# -- the signature exchange ------------------------------------------------------------------------------
+
+
+def _mismatch_worker(comm) -> dict:
+    """Every way two ranks' bucket layers can differ, one after another in one job (each exchange raises on
+    every rank before the bucket's collectives, so the group stays usable): the synchronizer and the engine
+    under it (given buckets directly; the DDP hook's case is in test_hooks.py, whose job has DDP loaded);
+    then the exchanges a matching configuration makes."""
+    from torsh_kernels.collectives.communicator import TorchCommunicator
+    from torsh_kernels.compression import Quantize
+    from torsh_kernels.errors import CollectiveMismatchError
+    from torsh_kernels.parallel._engine import BucketCompressor
+
+    me = comm.rank
+    odd = me == 1
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 3))
+
+    def step(make=mlp, **kw):
+        net = make()
+        sync = GradientSynchronizer(net, comm, overlap=False, **{"min_numel": 16, **kw})
+        net(torch.randn(4, 12, dtype=next(net.parameters()).dtype)).sum().backward()
+        return sync.sync_gradients()
+
+    def bucket(grads):
+        eng = BucketCompressor(TopK(0.1), min_numel=16)
+        for r in eng.start(grads, list(range(len(grads))), comm)[0]:
+            r.wait()
+
+    cases = {
+        "class": lambda: step(compressor=Quantize(8) if odd else TopK(0.1)),
+        "ratio": lambda: step(compressor=TopK(0.2 if odd else 0.1)),
+        "rank": lambda: step(compressor=PowerSGD(2 if odd else 1)),
+        "block": lambda: step(compressor=Quantize(8, 64 if odd else 256)),
+        "policy": lambda: step(compressor=TopK(0.1), policy="bucket" if odd else "layerwise"),
+        "start_iter": lambda: step(compressor=TopK(0.1), start_iter=1 if odd else 0),
+        "min_numel": lambda: step(compressor=TopK(0.1), min_numel=32 if odd else 16),
+        # resolved before the first bucket's non-finite flag, whose presence it decides
+        "nonfinite": lambda: step(compressor=TopK(0.1), nonfinite="propagate" if odd else "raise"),
+        "shapes": lambda: step(lambda: nn.Linear(24, 12, bias=False) if odd else nn.Linear(12, 24, bias=False)),
+        "dtype": lambda: step(lambda: mlp().to(torch.bfloat16) if odd else mlp()),
+        "tensors": lambda: bucket([torch.randn(8, 8)] + [torch.randn(3)] * odd),
+        "numel": lambda: bucket([torch.randn(8, 9 if odd else 8)]),
+    }
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = None
+        except CollectiveMismatchError as e:
+            out[name] = str(e)
+    # a matching configuration: one exchange per bucket layout, the first time; none with the switch off
+    calls = {"all_gather": 0}
+    orig = TorchCommunicator.all_gather
+
+    def counting(self, *a, **kw):
+        calls["all_gather"] += 1
+        return orig(self, *a, **kw)
+
+    TorchCommunicator.all_gather = counting
+    try:
+        for check in (None, False):
+            net = mlp()
+            # uncompressed (the first compression would load the kernels, seconds here; test_hooks.py counts
+            # top-k's all-gathers beside the exchanges): the exchanges are the only all-gathers
+            sync = GradientSynchronizer(net, comm, overlap=False, bucket_mb=0.001, first_bucket_mb=0.001,
+                                        check_signatures=check)  # fmt: skip
+            per_step = []
+            for _ in range(3):
+                n = calls["all_gather"]
+                net(torch.randn(4, 12)).sum().backward()
+                st = sync.sync_gradients()
+                sync.zero_grad()
+                per_step.append((calls["all_gather"] - n, st["signature_checks"]))
+            out[f"steps {check}"] = (per_step, len(sync.buckets))
+    finally:
+        TorchCommunicator.all_gather = orig
+    t = torch.full((2,), float(me))
+    comm.all_reduce(t)  # the group still works
+    out["sum"] = t.tolist()
+    return out
+
+
+def test_ranks_whose_bucket_layers_differ_all_raise_naming_the_difference():
+    named = {"class": "compressor: TopK on rank 0, Quantize on rank 1", "ratio": "compressor.ratio: 0.1 on rank 0, 0.2",
+             "rank": "compressor.rank: 1 on rank 0, 2 on rank 1", "block": "compressor.block: 256 on rank 0, 64",
+             "policy": "policy: layerwise on rank 0, bucket on rank 1", "start_iter": "start_iter: 0 on rank 0, 1",
+             "min_numel": "min_numel: 16 on rank 0, 32 on rank 1", "nonfinite": "nonfinite: raise on rank 0, propagate",
+             "shapes": "shapes: [(24, 12)] on rank 0, [(12, 24)] on rank 1",
+             "dtype": "dtypes: ['float32', 'float32', 'float32', 'float32'] on rank 0, ['bfloat16'",
+             "tensors": "tensors: 1 on rank 0, 2 on rank 1", "numel": "numel: 64 on rank 0, 72 on rank 1"}  # fmt: skip
+    out = run_local(_mismatch_worker, 2, op_timeout=30)
+    for res in out:
+        for name, want in named.items():
+            assert res[name] is not None, f"{name}: no error"
+            assert want in res[name] and res[name] == out[0][name], (name, res[name])
+        steps, buckets = res["steps None"]
+        assert buckets > 1
+        # one exchange (an all-gather) per bucket at the first step, none later; none with the switch off
+        assert steps == [(buckets, buckets), (0, buckets), (0, buckets)]  # (all-gathers, exchanges so far)
+        assert res["steps False"] == ([(0, 0)] * 3, buckets)
+        assert res["sum"] == [1.0, 1.0]

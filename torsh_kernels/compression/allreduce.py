@@ -13,6 +13,14 @@ states' step counts, never on timing or on the data, so ranks that make the same
 collectives in the same order, whatever the number of buckets.
 
 Each rank keeps its own ``state`` per bucket (error-feedback residuals are per rank by design).
+
+Agreement: before the first call with a new configuration on a communicator (compressor class and
+settings, ``quantize_mode``, ``link``, the tensors' shapes and dtypes, the states' phases), the ranks
+exchange its signature (:func:`~torsh_kernels.collectives.agreement.agree_once`: one small all-gather of a
+fixed size, remembered per process group) and every rank raises
+:class:`~torsh_kernels.errors.CollectiveMismatchError` naming what differs if any rank's differs, before
+anything else is sent; later calls with the same configuration exchange nothing.
+``check_signatures=False`` (or ``TORSH_KERNELS_CHECK_SIGNATURES=0``) skips it.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 
 from .. import _trace
 from .._env import fmt_bytes
+from ..collectives.agreement import agree_once, enabled, exchanging
 from ..collectives.communicator import Communicator, as_communicator, reject_dtensor
 from ..collectives.cost_model import Link
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, ShapeError, TorshKernelsError
@@ -33,6 +42,9 @@ from .cast import NoCompression
 from .quantize import SCHEMES as QUANTIZE_MODES
 
 __all__ = ["QUANTIZE_MODES", "CompressedReduction", "compressed_all_reduce", "start_compressed_all_reduce"]
+
+_UNCOMPRESSED = NoCompression()
+"""What ``compressor=None`` runs (stateless, so one instance serves every call)."""
 
 
 class CompressedReduction:
@@ -204,18 +216,22 @@ def compressed_all_reduce(
     *,
     quantize_mode: str = "auto",
     link: Link | None = None,
+    check_signatures: bool | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Average ``tensor`` over the ranks of ``comm`` (a Communicator, or a ProcessGroup, a 1-D DeviceMesh
     or ``(mesh, dim)``) through ``compressor`` (None: uncompressed), in place; returns ``tensor``.
     ``state`` is this rank's state for this tensor (bucket), from ``compressor.new_state()``; it may
     be None only for stateless compressors (none, FP16, BF16).
-    ``link`` (e.g. from ``probe``) informs ``quantize_mode="auto"``.
+    ``link`` (e.g. from ``probe``) informs ``quantize_mode="auto"``. ``check_signatures``: exchange the
+    call's signature with the other ranks the first time a configuration is used (see the module
+    docstring; None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``).
 
     ``tensor`` may also be a list of tensors with a list of states (one per tensor): each tensor is
     compressed on its own, and the payloads of a round share one collective where the compressor
     allows it (linear compressors: one flat all-reduce per round; top-k and gathered int8/int4: one
     all-gather)."""
-    r = start_compressed_all_reduce(tensor, comm, compressor, state, quantize_mode=quantize_mode, link=link)
+    r = start_compressed_all_reduce(tensor, comm, compressor, state, quantize_mode=quantize_mode, link=link,
+                                    check_signatures=check_signatures)  # fmt: skip
     r.wait()
     return tensor
 
@@ -228,6 +244,7 @@ def start_compressed_all_reduce(
     *,
     quantize_mode: str = "auto",
     link: Link | None = None,
+    check_signatures: bool | None = None,
 ) -> CompressedReduction:
     """Validate, compress and issue the first round of :func:`compressed_all_reduce`; returns the
     :class:`CompressedReduction` to ``step()`` or ``wait()`` on. Arguments as for
@@ -254,7 +271,7 @@ def start_compressed_all_reduce(
         if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
             raise DeviceMismatchError(f"{what}: {name} is on {t.device}, the communicator moves tensors on {dev}")
     if compressor is None:
-        compressor = NoCompression()
+        compressor = _UNCOMPRESSED
     if not isinstance(compressor, Compressor):
         raise ArgumentTypeError(f"{what}: compressor must be a Compressor or None, got {type(compressor).__name__}")
     stateful = compressor.stateful
@@ -281,7 +298,40 @@ def start_compressed_all_reduce(
         raise InvalidArgumentError(f"{what}: each tensor needs its own state; the same state was given twice")
     if quantize_mode not in QUANTIZE_MODES:
         raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
+    if link is not None and not isinstance(link, Link):
+        raise ArgumentTypeError(f"{what}: link must be a Link (e.g. from probe()) or None, got {type(link).__name__}")
+    if enabled(check_signatures, what):
+        agree_call(comm, tensors, states, compressor, quantize_mode, link)
     return issue(tensors, states, comm, compressor, quantize_mode=quantize_mode, link=link)
+
+
+def agree_call(comm: Communicator, tensors: Sequence[torch.Tensor], states: Sequence[CompressionState],
+               compressor: Compressor, quantize_mode: str = "auto", link: Link | None = None) -> bool:  # fmt: skip
+    """The signature exchange of :func:`start_compressed_all_reduce` (once per configuration and process
+    group, see the module docstring); returns whether it exchanged."""
+    if not exchanging(comm):
+        return False
+    layout = tuple((t.shape, t.dtype) for t in tensors)
+    phases = tuple(compressor.phase(s) for s in states)
+    key = ("compressed_all_reduce", compressor.signature(), quantize_mode, link, layout, phases)
+
+    def fields() -> list[tuple[str, object]]:
+        return [
+            *compressor.signature_fields(),
+            ("quantize_mode", quantize_mode),
+            ("link", link),
+            ("tensors", len(tensors)),
+            ("numel", sum(t.numel() for t in tensors)),
+            ("shapes", [tuple(s) for s, _ in layout]),
+            ("dtypes", [str(d).replace("torch.", "") for _, d in layout]),
+            ("state phases", list(phases)),
+        ]
+
+    return agree_once(
+        comm, key, "a compressed all-reduce", fields, what="compressed_all_reduce",
+        fix="Call it on every rank at the same point with the same compressor (class and settings), quantize_mode, "
+        "link, tensor shapes and dtypes, and states of the same age.",
+    )  # fmt: skip
 
 
 def issue(

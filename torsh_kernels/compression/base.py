@@ -43,18 +43,22 @@ warm-up and size rules it applies per tensor, ``identity`` to skip compression a
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..collectives.agreement import plain
 from ..collectives.communicator import Communicator
 from ..collectives.cost_model import Round
-from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError
-from ..ops import COMPRESS_DTYPES, BucketLayout, count_nonfinite, flatten, unflatten
+from ..errors import ArgumentTypeError, DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
+from ..ops import COMPRESS_DTYPES, PROVIDERS, BucketLayout, count_nonfinite, flatten, unflatten
 
 __all__ = [
+    "STATE_TENSORS",
     "CompressionState",
     "Compressor",
     "Payload",
@@ -92,6 +96,13 @@ class Payload:
         return f"Payload(tensors={{{ts}}}, numel={self.numel}, final={self.final}, nbytes={self.nbytes})"
 
 
+STATE_TENSORS = {"residual": 1, "server_residual": 1, "q": 2}
+"""The persistent tensors the compressors here keep in a state, by name, with their number of dimensions;
+all are fp32 (``load_state_dict`` checks them; other names are taken as they are, any tensor)."""
+
+_INT64 = (-(1 << 63), 1 << 63)
+
+
 class CompressionState:
     """Per-bucket compressor state: persistent tensors (residual, PowerSGD's Q), step count, seed.
 
@@ -104,7 +115,7 @@ class CompressionState:
     def __init__(self, seed: int = 0) -> None:
         self.step = 0
         """Number of compress calls so far."""
-        self.seed = seed
+        self.seed = _check_seed(seed, "CompressionState")
         """Seed of the random parts (stochastic rounding noise, PowerSGD's initial Q)."""
         self.tensors: dict[str, torch.Tensor] = {}
         self.work: dict[str, torch.Tensor] = {}
@@ -113,11 +124,12 @@ class CompressionState:
         return {"step": self.step, "seed": self.seed, "tensors": {k: v.clone() for k, v in self.tensors.items()}}
 
     def load_state_dict(self, sd: dict) -> None:
-        if not isinstance(sd, dict) or not {"step", "seed", "tensors"} <= sd.keys():
-            raise InvalidArgumentError("CompressionState.load_state_dict: expected a dict from state_dict()")
-        self.step = int(sd["step"])
-        self.seed = int(sd["seed"])
-        self.tensors = {k: v.clone() for k, v in sd["tensors"].items()}
+        """Restore from ``state_dict()``, all or nothing: every entry is checked (types, ranges; the
+        persistent tensors of :data:`STATE_TENSORS` fp32 with their number of dimensions) before anything
+        changes, and a typed error names the first bad one."""
+        step, seed, tensors = check_state_dict(sd, "CompressionState.load_state_dict")
+        self.step, self.seed = step, seed
+        self.tensors = {k: v.clone() for k, v in tensors.items()}
         self.work = {}
 
     def residual(self, like: torch.Tensor) -> torch.Tensor:
@@ -145,7 +157,109 @@ class CompressionState:
         return f"CompressionState(step={self.step}, seed={self.seed}, tensors={shapes})"
 
 
+def _check_seed(seed: object, what: str) -> int:
+    if type(seed) is int and _INT64[0] <= seed < _INT64[1]:
+        return seed  # the common case, without the abstract-class checks (a state is made per call of the driver)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ArgumentTypeError(f"{what}: seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not _INT64[0] <= int(seed) < _INT64[1]:
+        raise InvalidArgumentError(f"{what}: seed {seed} does not fit in int64")
+    return int(seed)
+
+
+def check_state_dict(sd: object, what: str) -> tuple[int, int, dict[str, torch.Tensor]]:
+    """(step, seed, tensors) of a ``CompressionState.state_dict()``, every entry checked; a typed error
+    naming the first bad one (nothing is changed by the check)."""
+    keys = {"step", "seed", "tensors"}
+    if not isinstance(sd, dict):
+        raise ArgumentTypeError(f"{what}: expected a dict from state_dict() with keys {sorted(keys)}, got "
+                                f"{type(sd).__name__}")  # fmt: skip
+    if set(sd) != keys:
+        missing, extra = sorted(keys - set(sd), key=str), sorted(set(sd) - keys, key=str)
+        raise InvalidArgumentError(
+            f"{what}: expected a dict from state_dict() with keys {sorted(keys)}; missing {missing}, unexpected {extra}"
+        )
+    step = sd["step"]
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise ArgumentTypeError(f"{what}: 'step' must be an int, got {type(step).__name__} {step!r}")
+    if not 0 <= int(step) < _INT64[1]:
+        raise InvalidArgumentError(f"{what}: 'step' must be >= 0 (a count of compress calls), got {step}")
+    seed = _check_seed(sd["seed"], f"{what}: 'seed'")
+    tensors = sd["tensors"]
+    if not isinstance(tensors, dict):
+        raise ArgumentTypeError(f"{what}: 'tensors' must be a dict of name -> tensor, got {type(tensors).__name__}")
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"{what}: tensor names must be strings, got {type(name).__name__} {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(f"{what}: tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
+            raise InvalidArgumentError(f"{what}: tensors[{name!r}] must be a dense tensor with data, got a "
+                                       f"{t.layout} tensor on {t.device}")  # fmt: skip
+        dims = STATE_TENSORS.get(name)
+        if dims is not None:
+            if t.dtype != torch.float32:
+                raise DTypeError(f"{what}: tensors[{name!r}] must be float32 (the compressors keep it in fp32), "
+                                 f"got {t.dtype}")  # fmt: skip
+            if t.dim() != dims:
+                raise ShapeError(f"{what}: tensors[{name!r}] must have {dims} dimension(s), got shape "
+                                 f"{tuple(t.shape)}")  # fmt: skip
+    return int(step), seed, tensors
+
+
 # -- helpers every compressor module uses -------------------------------------------------------------
+
+
+def check_bool(v: object, what: str, name: str) -> bool:
+    """A setting that must be True or False (ArgumentTypeError for anything else, 0 and 1 included)."""
+    if not isinstance(v, bool):
+        raise ArgumentTypeError(f"{what}: {name} must be True or False, got {type(v).__name__} {v!r}")
+    return v
+
+
+def check_int(v: object, what: str, name: str, lo: int) -> int:
+    """An int setting of at least ``lo`` (a bool or a float is an ArgumentTypeError)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ArgumentTypeError(f"{what}: {name} must be an int, got {type(v).__name__} {v!r}")
+    if v < lo:
+        raise InvalidArgumentError(f"{what}: {name} must be an int >= {lo}, got {v!r}")
+    return int(v)
+
+
+def check_number(v: object, what: str, name: str, *, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
+    """A finite real setting in [lo, hi] ((lo, hi] with ``lo_open``); a bool is an ArgumentTypeError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ArgumentTypeError(f"{what}: {name} must be a number, got {type(v).__name__} {v!r}")
+    f = float(v)
+    if not math.isfinite(f) or f > hi or f < lo or (lo_open and f == lo):
+        rng = f"{'>' if lo_open else '>='} {lo:g}" if hi == math.inf else f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise InvalidArgumentError(f"{what}: {name} must be a finite number {rng}, got {v!r}")
+    return f
+
+
+def check_settings(c: object, what: str) -> None:
+    """The settings most compressors share: ``check_finite`` and ``error_feedback`` (where present) bools,
+    ``provider`` None or a provider's name."""
+    for name in ("check_finite", "error_feedback"):
+        if hasattr(c, name):
+            check_bool(getattr(c, name), what, name)
+    p = getattr(c, "provider", None)
+    if p is not None and not isinstance(p, str):
+        raise ArgumentTypeError(f"{what}: provider must be None or a provider's name, got {type(p).__name__} {p!r}")
+    if p is not None and p not in PROVIDERS:
+        raise InvalidArgumentError(f"{what}: provider {p!r} is not one of {', '.join(PROVIDERS)} (or None: automatic)")
+
+
+_SIGNATURE_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _signature_fields(cls: type) -> tuple[str, ...]:
+    names = _SIGNATURE_FIELDS.get(cls)
+    if names is None:
+        fs = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
+        names = tuple(f.name for f in fs if f.name != "provider" and not f.name.startswith("_"))
+        _SIGNATURE_FIELDS[cls] = names
+    return names
 
 
 def check_input(tensor: object, what: str) -> torch.Tensor:
@@ -237,10 +351,40 @@ class Compressor:
         non-linear compressor; a linear one that keeps state says so."""
         return not self.is_linear
 
+    def signature(self) -> tuple[tuple[str, object], ...]:
+        """What ranks must share for their collectives to match, as (name, value) pairs: the class, then
+        every field of a dataclass compressor except ``provider`` (a kernel provider changes no byte on the
+        wire). Values that are not plain (numbers, strings, None, dtypes, tuples of them) stand as their
+        type's name, so that every rank describes them alike. The driver and the bucket layer exchange it
+        once per configuration (:mod:`~torsh_kernels.collectives.agreement`); a compressor with settings
+        outside its fields that change its collectives adds them by overriding this."""
+        cls = type(self)
+        return (("class", f"{cls.__module__}.{cls.__qualname__}"),
+                *((n, plain(getattr(self, n))) for n in _signature_fields(cls)))  # fmt: skip
+
+    def describe(self) -> str:
+        """The signature as one line: ``TopK(ratio=0.01, exact=False, ...)``."""
+        sig = self.signature()
+        return f"{type(self).__name__}(" + ", ".join(f"{n}={v!r}" for n, v in sig[1:]) + ")"
+
+    def signature_fields(self, prefix: str = "compressor") -> list[tuple[str, object]]:
+        """The signature as fields of an exchange: ``prefix`` (the class's name), then ``prefix.setting``
+        for each setting (a mismatch message names the class alone when it differs)."""
+        sig = self.signature()
+        return [(prefix, type(self).__name__ if sig[0][1].endswith("." + type(self).__qualname__) else sig[0][1]),
+                *((f"{prefix}.{n}", v) for n, v in sig[1:])]  # fmt: skip
+
+    def phase(self, state: CompressionState) -> int:
+        """A small number that, with the signature and the tensors' shapes, fixes the collectives
+        ``reduce`` issues for a tensor with this ``state``: 0 unless they depend on the state (PowerSGD's
+        seed broadcast on a fresh state, its uncompressed steps before ``start_iter``). Ranks must agree
+        on it; the driver exchanges it with the signature."""
+        return 0
+
     # -- what it computes --------------------------------------------------------------------------
 
     def new_state(self, seed: int = 0) -> CompressionState:
-        return CompressionState(seed)
+        return CompressionState(_check_seed(seed, f"{type(self).__name__}.new_state"))  # names the compressor
 
     def compress(self, tensor: torch.Tensor, state: CompressionState) -> Payload:
         raise NotImplementedError

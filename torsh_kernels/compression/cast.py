@@ -24,6 +24,7 @@ from .base import (
     Rounds,
     check_input,
     check_out,
+    check_settings,
     decode_plain,
     itemsize,
     numel_of,
@@ -46,6 +47,9 @@ class _Cast(Compressor):
     elementwise = True
     """The payload of an element depends on that element alone (see the module docstring)."""
     passes = 3.0
+
+    def __post_init__(self) -> None:
+        check_settings(self, type(self).__name__)
 
     def compress(self, tensor, state):
         x = check_input(tensor, f"{type(self).__name__}.compress")

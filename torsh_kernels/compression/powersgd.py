@@ -18,7 +18,21 @@ from ..collectives.communicator import Communicator
 from ..collectives.cost_model import Round
 from ..errors import InvalidArgumentError
 from ..ops import error_update, orthogonalize, residual_add
-from .base import Compressor, Payload, Rounds, check_input, check_out, decode_plain, linear_rounds, raise_if_nonfinite
+from .base import (
+    CompressionState,
+    Compressor,
+    Payload,
+    Rounds,
+    check_bool,
+    check_input,
+    check_int,
+    check_number,
+    check_out,
+    check_settings,
+    decode_plain,
+    linear_rounds,
+    raise_if_nonfinite,
+)
 
 __all__ = ["PowerSGD", "matrix_shape"]
 
@@ -66,17 +80,19 @@ class PowerSGD(Compressor):
     passes = 7.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise InvalidArgumentError(f"PowerSGD: rank must be a positive int, got {self.rank!r}")
-        if not isinstance(self.start_iter, int) or self.start_iter < 0:
-            raise InvalidArgumentError(f"PowerSGD: start_iter must be an int >= 0, got {self.start_iter!r}")
-        if not isinstance(self.min_compression_rate, (int, float)) or self.min_compression_rate < 0:
-            raise InvalidArgumentError(
-                f"PowerSGD: min_compression_rate must be >= 0, got {self.min_compression_rate!r}"
-            )
+        self.rank = check_int(self.rank, "PowerSGD", "rank", 1)
+        self.start_iter = check_int(self.start_iter, "PowerSGD", "start_iter", 0)
+        check_bool(self.warm_start, "PowerSGD", "warm_start")
+        check_number(self.min_compression_rate, "PowerSGD", "min_compression_rate", lo=0.0)
+        check_settings(self, "PowerSGD")
 
     def label(self) -> str:
         return f"powersgd(rank={self.rank})"
+
+    def phase(self, state: CompressionState) -> int:
+        """1 while the state is fresh (its first call broadcasts rank 0's seed), plus 2 once it is past
+        ``start_iter`` (compressed: P and Q instead of the tensor)."""
+        return int(state.step == 0 and "q" not in state.tensors) + 2 * (state.step >= self.start_iter)
 
     def _plan(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:
         rows, cols = matrix_shape(tensor)

@@ -29,8 +29,11 @@ from .base import (
     Compressor,
     Payload,
     Rounds,
+    check_bool,
     check_input,
+    check_int,
     check_out,
+    check_settings,
     gathered_rounds,
     itemsize,
     lockstep,
@@ -65,10 +68,14 @@ class Quantize(Compressor):
     passes = 5.0
 
     def __post_init__(self) -> None:
+        self.bits = check_int(self.bits, "Quantize", "bits", 1)
         if self.bits not in (8, 4):
             raise InvalidArgumentError(f"Quantize: bits must be 8 or 4, got {self.bits!r}")
-        if not isinstance(self.block, int) or self.block < 2 or self.block & (self.block - 1):
-            raise InvalidArgumentError(f"Quantize: block must be a power of two >= 2, got {self.block!r}")
+        self.block = check_int(self.block, "Quantize", "block", 2)
+        if self.block & (self.block - 1) or self.block > 1 << 30:
+            raise InvalidArgumentError(f"Quantize: block must be a power of two in [2, 2**30], got {self.block!r}")
+        check_bool(self.stochastic, "Quantize", "stochastic")
+        check_settings(self, "Quantize")
 
     def label(self) -> str:
         return f"int{self.bits}" + ("-stochastic" if self.stochastic else "")

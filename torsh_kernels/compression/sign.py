@@ -19,7 +19,17 @@ from ..collectives.communicator import Communicator
 from ..collectives.cost_model import Round
 from ..errors import NonFiniteError
 from ..ops import count_nonfinite, sign_compress, sign_decompress
-from .base import CompressionState, Compressor, Payload, Rounds, check_input, check_out, lockstep, numel_of
+from .base import (
+    CompressionState,
+    Compressor,
+    Payload,
+    Rounds,
+    check_input,
+    check_out,
+    check_settings,
+    lockstep,
+    numel_of,
+)
 
 __all__ = ["Sign", "sign_chunk", "sign_segment_bytes"]
 
@@ -38,6 +48,9 @@ class Sign(Compressor):
 
     is_linear = False
     passes = 5.0
+
+    def __post_init__(self) -> None:
+        check_settings(self, "Sign")
 
     def compress(self, tensor, state):
         x = check_input(tensor, "Sign.compress")

@@ -10,7 +10,17 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..ops import topk_compress, topk_count, topk_decompress
-from .base import Compressor, Payload, check_input, check_out, itemsize, numel_of
+from .base import (
+    Compressor,
+    Payload,
+    check_bool,
+    check_input,
+    check_number,
+    check_out,
+    check_settings,
+    itemsize,
+    numel_of,
+)
 
 __all__ = ["TopK"]
 
@@ -36,8 +46,9 @@ class TopK(Compressor):
     passes = 6.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
-            raise InvalidArgumentError(f"TopK: ratio must be in (0, 1], got {self.ratio!r}")
+        check_number(self.ratio, "TopK", "ratio", lo=0.0, hi=1.0, lo_open=True)
+        check_bool(self.exact, "TopK", "exact")
+        check_settings(self, "TopK")
 
     def label(self) -> str:
         return f"topk({self.ratio:g})"

@@ -21,6 +21,17 @@ with several rounds (PowerSGD's P then Q, sign's two phases, quantize's shared s
 Elementwise compressors (the casts, ``compressor.elementwise``) see a bucket as one flat tensor, however
 many gradients it holds and whatever the policy: one fused cast (with the 1/world_size prescale) and one
 all-reduce per bucket.
+
+Agreement. The first time a bucket layout is seen (and again after ``set_compressor``, ``compressor="auto"``'s
+choice or ``load_state_dict``), its plan is made and the ranks exchange its signature before any of its
+collectives (:func:`~torsh_kernels.collectives.agreement.agree`: one all-gather of a fixed size): the
+compressor's class and settings, the engine's settings (policy, quantize_mode, start_iter, min_numel,
+min_compression_rate, the resolved non-finite policy, auto's candidates and choice), the bucket (its
+parameters, tensor count, element count, shapes, dtypes), the iteration count and the step counts of its
+states. If any rank's differ, every rank raises :class:`~torsh_kernels.errors.CollectiveMismatchError`
+naming each difference; nothing of the bucket was sent. Later steps on that layout exchange nothing.
+:meth:`BucketCompressor.prepare` does it, called before :meth:`~BucketCompressor.screen` so that the
+first exchange precedes the non-finite flag and auto's measurements, whose presence it agrees on.
 """
 
 from __future__ import annotations
@@ -30,12 +41,14 @@ import dataclasses
 import gc
 import itertools
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
 from .. import _trace
+from ..collectives.agreement import agree, enabled
 from ..collectives.communicator import Communicator
 from ..compression import (
     QUANTIZE_MODES,
@@ -45,7 +58,7 @@ from ..compression import (
     NoCompression,
 )
 from ..compression.allreduce import issue
-from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError, NonFiniteError
+from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError, NonFiniteError, ShapeError
 from ..ops import COMPRESS_DTYPES, count_nonfinite, flatten, unflatten
 from .auto import AUTO, AutoSelector
 
@@ -205,7 +218,9 @@ class BucketCompressor:
         "_sums",
         "_unchecked",
         "_used",
+        "_what",
         "auto",
+        "check_signatures",
         "compressor",
         "iteration",
         "min_compression_rate",
@@ -215,6 +230,8 @@ class BucketCompressor:
         "policy",
         "quantize_mode",
         "shapes",
+        "signature_checks",
+        "signature_s",
         "start_iter",
         "states",
     )
@@ -230,6 +247,7 @@ class BucketCompressor:
         quantize_mode: str = "auto",
         auto_candidates: Sequence[Compressor | None] | None = None,
         nonfinite: str = "auto",
+        check_signatures: bool | None = None,
         what: str = "BucketCompressor",
     ) -> None:
         auto = isinstance(compressor, str)
@@ -265,6 +283,13 @@ class BucketCompressor:
             raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
         if nonfinite not in NONFINITE:
             raise InvalidArgumentError(f"{what}: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        self.check_signatures = enabled(check_signatures, what)
+        """Exchange each new bucket layout's signature with the other ranks (see the module docstring)."""
+        self.signature_checks = 0
+        """Signature exchanges made so far (one per new bucket layout or compressor configuration)."""
+        self.signature_s = 0.0
+        """Seconds they took (this rank, wall clock)."""
+        self._what = what
         # the warm-up and the size rule are decided here, per tensor; the compressor must not repeat them
         self.compressor = compressor.per_tensor(min_compression_rate)
         self._unchecked = _unchecked(self.compressor)
@@ -296,8 +321,8 @@ class BucketCompressor:
     def _candidate_engine(self, c: Compressor | None) -> BucketCompressor:
         """The engine a candidate of ``auto`` would run in: this one's size rules, no warm-up."""
         return BucketCompressor(c, start_iter=0, min_compression_rate=self._auto_rate, min_numel=self.min_numel,
-                                policy=self.policy, quantize_mode=self.quantize_mode,
-                                nonfinite=self.mode())  # fmt: skip
+                                policy=self.policy, quantize_mode=self.quantize_mode, nonfinite=self.mode(),
+                                check_signatures=False)  # fmt: skip
 
     def _apply_auto(self, compressor: Compressor | None) -> None:
         rate = self._auto_rate
@@ -352,13 +377,60 @@ class BucketCompressor:
         wire = c.payload_nbytes(tuple(t.shape), t.dtype)
         return wire > 0 and t.numel() * t.element_size() / wire >= self.min_compression_rate
 
+    def prepare(self, grads, keys: Sequence[int], comm: Communicator, *, flat: torch.Tensor | None = None):
+        """Call before a bucket's first collective (before :meth:`screen`): the first time its layout is
+        seen, make its plan and agree on it with the other ranks (see the module docstring). ``grads``,
+        ``keys`` and ``flat`` as for :meth:`start` (``grads`` may be a function returning them); returns
+        the gradients if they had to be fetched, else ``grads`` as given. Costs one dictionary look-up
+        once the layout is known."""
+        if flat is not None and (tuple(keys), flat.dtype, comm.world_size) in self._plans:
+            return grads
+        if callable(grads):
+            grads = grads()
+        if not isinstance(grads, list):
+            grads = list(grads)
+        self._plan(grads, keys, comm)
+        return grads
+
     def _plan(self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> _BucketPlan:
         # keys name parameters, whose shapes do not change: the shapes are checked when the plan is made
         sig = (tuple(keys), grads[0].dtype if grads else None, comm.world_size)  # as in start()
         plan = self._plans.get(sig)
         if plan is None:
-            plan = self._plans[sig] = self._make_plan(grads, keys, comm)
+            plan = self._make_plan(grads, keys, comm)
+            if self.check_signatures:
+                self._agree(plan, grads, keys, comm)
+            self._plans[sig] = plan
         return plan
+
+    def _agree(self, plan: _BucketPlan, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> None:
+        """The signature exchange of a new bucket layout (see the module docstring)."""
+        auto = self.auto
+        fields = [
+            *self.compressor.signature_fields(),
+            ("auto", None if auto is None else (repr(auto), auto.decision.choice if auto.decision else None)),
+            ("policy", self.policy),
+            ("quantize_mode", self.quantize_mode),
+            ("start_iter", self.start_iter),
+            ("min_numel", self.min_numel),
+            ("min_compression_rate", self.min_compression_rate),
+            ("nonfinite", self.mode()),
+            ("parameters", list(keys)),
+            ("tensors", len(grads)),
+            ("numel", sum(g.numel() for g in grads)),
+            ("shapes", [tuple(g.shape) for g in grads]),
+            ("dtypes", [str(g.dtype).replace("torch.", "") for g in grads]),
+            ("iteration", self.iteration),
+            ("state steps", [st.step if (st := self.states.get(k)) is not None else None for k in plan.state_keys]),
+        ]
+        t0 = time.perf_counter()
+        try:
+            agree(comm, "a bucket's reduction", fields, what=self._what,
+                  fix="Construct it alike on every rank (the same compressor and settings) over the same model, "
+                  "and load the same checkpoint on every rank.")  # fmt: skip
+        finally:
+            self.signature_checks += 1
+            self.signature_s += time.perf_counter() - t0
 
     def _make_plan(self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> _BucketPlan:
         what = "BucketCompressor"
@@ -535,8 +607,8 @@ class BucketCompressor:
         (so every rank receives the NaN/Inf) and the iteration is undone when it ends."""
         if nonfinite:
             self._skip = True
-            if callable(grads) and flat is None:
-                grads = grads()
+            if flat is None or (tuple(keys), flat.dtype, comm.world_size) not in self._plans:
+                grads = self.prepare(grads, keys, comm, flat=flat)  # (the hook and the synchronizer did)
             return [self._whole([] if flat is not None else list(grads), flat, comm, self._plain_c)], None
         propagate = self.mode() == "propagate"
         if self.auto is not None and self.auto.decision is None:
@@ -678,37 +750,112 @@ class BucketCompressor:
         }
 
     def load_state_dict(self, sd: dict, what: str) -> None:
+        """Restore from :meth:`state_dict`, all or nothing: every entry is checked (types, the policy, the
+        compressor, the auto choice, the shapes against those this engine has seen, each state, each
+        residual's size against its tensors' shapes) before anything changes; a typed error names the
+        first bad one."""
+        w = f"{what}.load_state_dict"
         need = {"iteration", "policy", "shapes", "states"}
-        if not isinstance(sd, dict) or not need <= sd.keys():
-            raise InvalidArgumentError(f"{what}.load_state_dict: expected a dict from state_dict() with keys {need}")
+        known = need | {"compressor", "auto"}
+        if not isinstance(sd, dict):
+            raise ArgumentTypeError(f"{w}: expected a dict from state_dict(), got {type(sd).__name__}")
+        if not need <= sd.keys() or not sd.keys() <= known:
+            raise InvalidArgumentError(
+                f"{w}: expected a dict from state_dict() with keys {sorted(need)} (and 'compressor', 'auto'); "
+                f"missing {sorted(need - sd.keys())}, unexpected {sorted(map(str, sd.keys() - known))}"
+            )
         if sd["policy"] != self.policy:
             raise InvalidArgumentError(
-                f"{what}.load_state_dict: the checkpoint was saved with policy={sd['policy']!r}, this state "
+                f"{w}: the checkpoint was saved with policy={sd['policy']!r}, this state "
                 f"uses {self.policy!r}; construct the state with the same policy"
             )
+        iteration = sd["iteration"]
+        if isinstance(iteration, bool) or not isinstance(iteration, int):
+            raise ArgumentTypeError(f"{w}: 'iteration' must be an int, got {type(iteration).__name__} {iteration!r}")
+        if iteration < 0:
+            raise InvalidArgumentError(f"{w}: 'iteration' must be >= 0, got {iteration}")
+        decision, compressor = None, self.compressor
         if sd.get("auto") is not None:
             if self.auto is None:
+                choice = sd["auto"].get("choice") if isinstance(sd["auto"], dict) else sd["auto"]
                 raise InvalidArgumentError(
-                    f"{what}.load_state_dict: the checkpoint was saved with compressor='auto' (which chose "
-                    f"{sd['auto']['choice']}); construct this state with compressor='auto' too"
+                    f"{w}: the checkpoint was saved with compressor='auto' (which chose {choice!r}); construct this "
+                    "state with compressor='auto' too"
                 )
-            self._apply_auto(self.auto.restore(sd["auto"], what))  # the saved choice, not a new measurement
-        if sd.get("compressor", repr(self.compressor)) != repr(self.compressor):
-            raise InvalidArgumentError(
-                f"{what}.load_state_dict: the checkpoint was saved with {sd['compressor']}, this state uses "
-                f"{self.compressor!r}"
+            decision = self.auto.recorded(sd["auto"], what)  # the saved choice, not a new measurement
+            compressor = self._auto_compressor(decision.compressor)
+        saved = sd.get("compressor", repr(compressor))
+        if not isinstance(saved, str):
+            raise ArgumentTypeError(f"{w}: 'compressor' must be the compressor's repr, got {type(saved).__name__}")
+        if saved != repr(compressor):
+            raise InvalidArgumentError(f"{w}: the checkpoint was saved with {saved}, this state uses {compressor!r}")
+        shapes = self._checked_shapes(sd["shapes"], w)
+        raw = sd["states"]
+        if not isinstance(raw, dict):
+            raise ArgumentTypeError(
+                f"{w}: 'states' must be a dict of parameter keys -> state, got {type(raw).__name__}"
             )
         states = {}
-        for k, v in sd["states"].items():
-            st = self.compressor.new_state()
-            st.load_state_dict(v)
-            states[tuple(k)] = st
-        self.iteration = int(sd["iteration"])
-        self.shapes = {int(k): tuple(v) for k, v in sd["shapes"].items()}
+        for k, v in raw.items():
+            key = tuple(k) if isinstance(k, (tuple, list)) else None
+            if not key or any(isinstance(i, bool) or not isinstance(i, int) for i in key):
+                raise ArgumentTypeError(f"{w}: each key of 'states' must be a non-empty tuple of ints, got {k!r}")
+            if key in states:
+                raise InvalidArgumentError(f"{w}: 'states' holds the key {key} twice")
+            st = compressor.new_state()
+            st.load_state_dict(v)  # all-or-nothing per state; st is new, so a failure changes nothing here
+            r = st.tensors.get("residual")
+            if r is not None:
+                if not set(key) <= shapes.keys():
+                    raise InvalidArgumentError(f"{w}: state {key} names tensors whose shapes 'shapes' does not hold")
+                n = sum(math.prod(shapes[i]) for i in key)
+                if r.numel() != n:
+                    raise ShapeError(
+                        f"{w}: the residual of state {key} has {r.numel()} elements, its tensors (shapes "
+                        f"{[shapes[i] for i in key]}) have {n}; the checkpoint is of another model"
+                    )
+            states[key] = st
+        # everything checked: now change
+        if decision is not None:
+            self._apply_auto(decision.compressor)
+            self.auto.decision = decision
+        self.iteration = iteration
+        self.shapes = shapes
         self.states = states
         self._plans = {}
         self._used = set()
         self._snapshots, self._saved, self._created, self._skip = {}, set(), set(), False
+
+    def _checked_shapes(self, shapes: object, w: str) -> dict[int, tuple[int, ...]]:
+        """A checkpoint's ``shapes`` (parameter key -> shape), checked, and against the shapes seen so far."""
+        if not isinstance(shapes, dict):
+            raise ArgumentTypeError(
+                f"{w}: 'shapes' must be a dict of parameter key -> shape, got {type(shapes).__name__}"
+            )
+        out = {}
+        for k, v in shapes.items():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise ArgumentTypeError(f"{w}: each key of 'shapes' must be an int >= 0, got {k!r}")
+            if not isinstance(v, (tuple, list, torch.Size)) or any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in v
+            ):
+                raise ArgumentTypeError(f"{w}: shapes[{k}] must be a tuple of ints >= 0, got {v!r}")
+            shape = tuple(v)
+            known = self.shapes.get(k)
+            if known is not None and known != shape:
+                raise LayoutMismatchError(
+                    f"{w}: the checkpoint holds shape {shape} for tensor {k}, this state has seen {known}; load a "
+                    "state saved from the same model"
+                )
+            out[k] = shape
+        return out
+
+    def _auto_compressor(self, compressor: Compressor | None) -> Compressor:
+        """The compressor :meth:`_apply_auto` would install for ``compressor`` (nothing changed)."""
+        rate = self._auto_rate
+        if rate is None:
+            rate = compressor.warmup()[1] if compressor is not None else self.min_compression_rate
+        return (compressor if compressor is not None else NoCompression()).per_tensor(float(rate))
 
 
 def _summing(gen, tensors: list[torch.Tensor], sink: list):

@@ -304,16 +304,30 @@ class AutoSelector:
     def restore(self, record: dict, what: str) -> Compressor | None:
         """Take the choice recorded in a checkpoint (``AutoDecision.as_dict()``) without measuring again;
         returns the chosen candidate."""
+        decision = self.recorded(record, what)
+        self.decision = decision
+        return decision.compressor
+
+    def recorded(self, record: object, what: str) -> AutoDecision:
+        """The decision a checkpoint recorded (``AutoDecision.as_dict()``), checked against this selector's
+        candidates; a typed error for a record that is not one. Changes nothing."""
         labels = [_label(c) for c in self.candidates]
-        try:
-            i = labels.index(record["choice"])
-        except (KeyError, TypeError, ValueError):
+        if not isinstance(record, dict):
+            raise ArgumentTypeError(f"{what}.load_state_dict: 'auto' must be a dict from AutoDecision.as_dict(), got "
+                                    f"{type(record).__name__}")  # fmt: skip
+        choice = record.get("choice")
+        if not isinstance(choice, str) or choice not in labels:
             raise InvalidArgumentError(
-                f"{what}.load_state_dict: the checkpoint's 'auto' choice {record.get('choice')!r} is not among "
+                f"{what}.load_state_dict: the checkpoint's 'auto' choice {choice!r} is not among "
                 f"this state's candidates {labels}; construct it with the same auto_candidates"
+            )
+        try:
+            return AutoDecision.from_dict(record, self.candidates[labels.index(choice)])
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, InvalidArgumentError) as e:
+            raise InvalidArgumentError(
+                f"{what}.load_state_dict: the checkpoint's 'auto' record is malformed ({type(e).__name__}: {e}); "
+                "expected AutoDecision.as_dict()"
             ) from None
-        self.decision = AutoDecision.from_dict(record, self.candidates[i])
-        return self.candidates[i]
 
     # -- the decision ---------------------------------------------------------------------------------
 

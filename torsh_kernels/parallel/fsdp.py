@@ -25,6 +25,14 @@ Bytes on the wire per element: int8 ``1 + 4 / block``, int4 ``0.5 + 4 / block`` 
 (bf16) for FSDP2's own collectives. Inputs that are not floating point (FSDP2 all-gathers uint8 only
 when the parameters of one group have different dtypes) go through the plain collective, unchanged.
 
+Agreement: before its first call with a new configuration (format, block, shard size, dtypes, the reduce
+op), each comm exchanges that configuration's signature with the ranks of FSDP2's group (one small
+all-gather, :func:`~torsh_kernels.collectives.agreement.agree`), and :func:`apply_quantized_comm` exchanges
+its settings once; ranks prepared differently then all raise
+:class:`~torsh_kernels.errors.CollectiveMismatchError` naming the difference instead of one aborting in
+gloo. ``check_signatures=False`` (or ``TORSH_KERNELS_CHECK_SIGNATURES=0``) turns it off. A rank whose
+model runs FSDP2's own comms where its peers run these exchanges nothing and is not caught.
+
 Streams: on a GPU, FSDP2 calls the all-gather inside its all-gather stream and the reduce-scatter inside
 its reduce-scatter stream; the kernels here are launched on the current stream, so they order with the
 collectives and with FSDP2's own copies as its default collectives do. With ``async_op=True`` (FSDP2's
@@ -35,6 +43,7 @@ dequantization, and the reduce-scatter one whose completion includes the fp32 re
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._env import fmt_bytes
+from ..collectives.agreement import agree, enabled
 from ..collectives.communicator import TorchCommunicator, as_communicator, is_communicator
 from ..collectives.traffic import wire_bytes as _on_wire
 from ..compression import Compressor, NoCompression, compressed_all_reduce
@@ -127,6 +137,30 @@ class _Transport:
     comm = None
     _group_comms: dict | None = None
 
+    def _set_checks(self, check_signatures: bool | None, what: str) -> None:
+        self.check_signatures = enabled(check_signatures, what)
+        """Exchange each new call configuration's signature with the other ranks first (module docstring)."""
+        self.signature_checks = 0
+        """Signature exchanges made (one per new call configuration)."""
+        self.signature_s = 0.0
+        """Seconds they took."""
+        self._agreed: set = set()
+
+    def _agree(self, group, key: tuple, fields: list, what: str) -> None:
+        """Before the first call with this configuration: agree on it over FSDP2's group (both the quantized
+        and the plain path use that group, so the exchange happens where the ranks' paths could part)."""
+        if not self.check_signatures or key in self._agreed:
+            return
+        t0 = time.perf_counter()
+        try:
+            agree(self._group_comm(group), f"FSDP2's {what}", fields, what=what,
+                  fix="Install the same comms (apply_quantized_comm with the same settings) on every rank's model, "
+                  "sharded alike.")  # fmt: skip
+        finally:
+            self.signature_checks += 1
+            self.signature_s += time.perf_counter() - t0
+        self._agreed.add(key)
+
     def _set_comm(self, comm: object, what: str) -> None:
         if comm is not None and not is_communicator(comm, ("all_gather", "all_to_all", "world_size")):
             raise ArgumentTypeError(
@@ -203,12 +237,16 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
     intra-node link carries them in full precision, as hpZ does. None: quantize every all-gather.
 
     ``comm``: a torsh Communicator over FSDP2's shard ranks to carry the quantized payload instead of
-    FSDP2's process group (``make_communicator("cupy-nccl")``, ...); None: FSDP2's group."""
+    FSDP2's process group (``make_communicator("cupy-nccl")``, ...); None: FSDP2's group.
+
+    ``check_signatures``: agree with the other ranks on each new call configuration first (see the module
+    docstring; None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``)."""
 
     def __init__(self, bits: int = 8, block: int = 256, *, shard_group_size: int | None = None,
-                 comm: object = None) -> None:  # fmt: skip
+                 comm: object = None, check_signatures: bool | None = None) -> None:  # fmt: skip
         _check(bits, block, "QuantizedAllGather", (8, 4))
         self._set_comm(comm, "QuantizedAllGather")
+        self._set_checks(check_signatures, "QuantizedAllGather")
         if shard_group_size is not None and (
             isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1
         ):
@@ -240,16 +278,23 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
             raise InvalidArgumentError(
                 f"{what}: output_tensor has {out.numel()} elements, expected world_size ({ws}) x input ({n})"
             )
-        self.calls += 1
         subgroup = self.shard_group_size is not None and ws < self.shard_group_size
-        if x.dtype not in _FLOATS or out.dtype != x.dtype or n == 0 or subgroup:
+        plain = x.dtype not in _FLOATS or out.dtype != x.dtype or n == 0 or subgroup
+        if not plain:
+            self._check_ranks(group, what)
+        self._agree(group, (n, x.dtype, out.dtype, ws, plain), [
+            ("path", "unquantized" if plain else "quantized"), ("format", f"int{self.bits}"), ("block", self.block),
+            ("shard_group_size", self.shard_group_size), ("shard numel", n), ("dtype", x.dtype),
+            ("output dtype", out.dtype),
+        ], what)  # fmt: skip
+        self.calls += 1
+        if plain:
             self.plain_calls += 1
             self.bytes_sent += _on_wire("all_gather", x.nbytes, ws)
             try:  # in place on FSDP2's group (its input is a view of its output), as FSDP2's own all-gather
                 return _all_gather(out, x, group, async_op)
             except Exception as e:
                 raise self._group_comm(group).failure("all_gather", e) from e
-        self._check_ranks(group, what)
         w = _Wire(n, self.bits, self.block)
         send = torch.empty(w.total, dtype=torch.uint8, device=x.device)
         w.encode(x, send)  # before anything overwrites x (FSDP2's input is a view of the output)
@@ -283,9 +328,11 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
     module buffer it registers, so the residual is checkpointed with the model."""
 
     def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = True, *,
-                 residual: torch.Tensor | None = None, comm: object = None) -> None:  # fmt: skip
+                 residual: torch.Tensor | None = None, comm: object = None,
+                 check_signatures: bool | None = None) -> None:  # fmt: skip
         _check(bits, block, "QuantizedReduceScatter", (8, 4))
         self._set_comm(comm, "QuantizedReduceScatter")
+        self._set_checks(check_signatures, "QuantizedReduceScatter")
         if not isinstance(error_feedback, bool):
             raise ArgumentTypeError(
                 f"QuantizedReduceScatter: error_feedback must be a bool, got {type(error_feedback).__name__}"
@@ -332,11 +379,15 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
                 f"{what}: input_tensor has {x.numel()} elements, expected world_size ({ws}) x output ({n})"
             )
         scale = self._scale(op, ws)
+        if n and x.dtype not in _FLOATS:
+            raise InvalidArgumentError(f"{what}: gradients must be fp32, bf16 or fp16, got {x.dtype}")
+        self._agree(group, (n, x.dtype, ws, scale), [
+            ("format", f"int{self.bits}"), ("block", self.block), ("error_feedback", self.error_feedback),
+            ("shard numel", n), ("dtype", x.dtype), ("reduce scale", scale),
+        ], what)  # fmt: skip
         self.calls += 1
         if n == 0:
             return None
-        if x.dtype not in _FLOATS:
-            raise InvalidArgumentError(f"{what}: gradients must be fp32, bf16 or fp16, got {x.dtype}")
         acc = x.float() if x.dtype != torch.float32 else x.clone()  # fp32, not FSDP2's buffer
         res = None
         if self.error_feedback:
@@ -527,11 +578,12 @@ class ReplicaAllReduce:
     over the other (``comm``: the replicate dimension's communicator), compressed. One compression state
     per FSDP module (error feedback where the compressor keeps it)."""
 
-    def __init__(self, comm, compressor) -> None:
+    def __init__(self, comm, compressor, *, check_signatures: bool | None = None) -> None:
         if compressor is not None and not isinstance(compressor, Compressor):
             raise ArgumentTypeError(
                 f"apply_quantized_comm: hsdp_grads must be a torsh Compressor, got {type(compressor).__name__}"
             )
+        self.check_signatures = enabled(check_signatures, "ReplicaAllReduce")
         self.comm = comm
         self.compressor = compressor
         self.state = compressor.new_state(seed=comm.rank) if compressor is not None else None
@@ -544,7 +596,8 @@ class ReplicaAllReduce:
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         self.calls += 1
-        compressed_all_reduce(reduce_output.view(-1), self.comm, self.compressor, self.state)
+        compressed_all_reduce(reduce_output.view(-1), self.comm, self.compressor, self.state,
+                              check_signatures=self.check_signatures)  # fmt: skip
 
 
 def _hsdp_replicate(mods: list[nn.Module], replicate: object, what: str) -> object:
@@ -576,6 +629,28 @@ def _hsdp_replicate(mods: list[nn.Module], replicate: object, what: str) -> obje
     return root, others[0]
 
 
+def _agree_install(mods, weights, grads, block, error_feedback, hsdp_grads, comm, what: str) -> None:
+    """:func:`apply_quantized_comm`'s settings and the sharded modules, agreed over the shard group (the
+    mesh dimension FSDP2 shards over) before anything is installed."""
+    params = [p for m in mods for p in managed_parameters(m)]
+    mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
+    if mesh is None:
+        return  # nothing sharded: no collective will run
+    fields = [
+        ("weights", weights),
+        ("grads", grads),
+        ("block", block),
+        ("error_feedback", error_feedback),
+        ("hsdp_grads", None if hsdp_grads is None else hsdp_grads.describe()),
+        ("comm", None if comm is None else type(comm).__name__),
+        ("FSDP modules", sum(1 for m in mods if managed_parameters(m))),
+        ("parameters", [tuple(p.shape) for p in params]),
+        ("dtypes", sorted({str(p.dtype).replace("torch.", "") for p in params})),
+    ]
+    agree(TorchCommunicator(mesh.get_group(mesh.ndim - 1)), "the quantized comms to install", fields, what=what,
+          fix="Call it with the same settings on every rank, on models sharded alike.")  # fmt: skip
+
+
 def apply_quantized_comm(
     module: nn.Module,
     *,
@@ -586,6 +661,7 @@ def apply_quantized_comm(
     hsdp_grads: object = None,
     replicate: object = None,
     comm: object = None,
+    check_signatures: bool | None = None,
 ) -> list[Installed]:
     """Install :class:`QuantizedAllGather` (``weights``: "int8", "int4" or None) and
     :class:`QuantizedReduceScatter` (``grads``: "int8", "int4" or None) on every ``FSDPModule`` of
@@ -606,7 +682,12 @@ def apply_quantized_comm(
     ``state_dict``.
 
     ``comm``: a torsh Communicator over the ranks FSDP2 shards over, to carry the quantized weights and
-    gradients instead of FSDP2's process group (``make_communicator("cupy-nccl")``, ...); None: FSDP2's."""
+    gradients instead of FSDP2's process group (``make_communicator("cupy-nccl")``, ...); None: FSDP2's.
+
+    ``check_signatures``: agree with the ranks of the shard group on these settings and the sharded modules
+    before installing anything (one small all-gather; every rank raises ``CollectiveMismatchError`` naming
+    what differs otherwise, and the model is left as it was), and let the installed comms agree on each
+    new call configuration (see the module docstring). None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``."""
     what = "apply_quantized_comm"
     for name, v in (("weights", weights), ("grads", grads)):
         if v is not None and v not in _FORMATS:
@@ -623,13 +704,21 @@ def apply_quantized_comm(
         raise ArgumentTypeError(
             f"{what}: hsdp_grads must be a torsh Compressor (FP16(), TopK(0.01), ...), got {type(hsdp_grads).__name__}"
         )
+    check = enabled(check_signatures, what)
+    if comm is not None and not is_communicator(comm, ("all_gather", "all_to_all", "world_size")):
+        raise ArgumentTypeError(
+            f"{what}: comm must be a torsh Communicator (CupyNcclCommunicator, RdmaCommunicator, ...) or None, "
+            f"got {type(comm).__name__}"
+        )
     mods = _fsdp_modules(module)
     rep = None
     if hsdp_grads is not None:
         replicate = _hsdp_replicate(mods, replicate, what)
         rep = as_communicator(replicate, what, needs=("rank", "world_size", "device", "all_reduce", "all_gather"))
-        if isinstance(hsdp_grads, NoCompression):
-            hsdp_grads = None
+    if check:
+        _agree_install(mods, weights, grads, block, error_feedback, hsdp_grads, comm, what)
+    if isinstance(hsdp_grads, NoCompression):
+        hsdp_grads = None
     changed = []
     for m in mods:
         params = managed_parameters(m)
@@ -638,16 +727,16 @@ def apply_quantized_comm(
         ag = rs = None
         if weights is not None:
             ag = QuantizedAllGather(bits=_FORMATS[weights], block=block, shard_group_size=_shard_group_size(params),
-                                    comm=comm)  # fmt: skip
+                                    comm=comm, check_signatures=check)  # fmt: skip
             m.set_custom_all_gather(ag)
         if grads is not None:
             res = _residual_buffer(m, params) if error_feedback else None
             rs = QuantizedReduceScatter(bits=_FORMATS[grads], block=block, error_feedback=error_feedback, residual=res,
-                                        comm=comm)  # fmt: skip
+                                        comm=comm, check_signatures=check)  # fmt: skip
             m.set_custom_reduce_scatter(rs)
         hook = None
         if rep is not None:
-            hook = ReplicaAllReduce(rep, hsdp_grads)
+            hook = ReplicaAllReduce(rep, hsdp_grads, check_signatures=check)
             m.set_all_reduce_hook(hook)
         changed.append(Installed(m, ag, rs, hook))
     return changed

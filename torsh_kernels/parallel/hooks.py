@@ -126,12 +126,18 @@ class HookStats:
     nonfinite_steps: int = 0
     """Iterations where some rank's gradients held NaN/Inf under ``nonfinite="propagate"``: delivered to
     every rank uncompressed, and undone in the hook's state (the GradScaler skips them)."""
+    signature_checks: int = 0
+    """Signature exchanges with the other ranks (one all-gather each, once per new bucket layout or
+    compressor configuration; see ``check_signatures``)."""
+    signature_s: float = 0.0
+    """Seconds they took (this rank, wall clock)."""
     auto: dict | None = field(default=None, repr=False)
     """With ``compressor="auto"``, once it has chosen: the choice and why (``AutoDecision.as_dict()``:
     the probed link, each candidate's measured compute, bytes, predicted wire time and break-even
     bandwidth). Kept by ``reset()``."""
     per_iteration: list[dict] = field(default_factory=list, repr=False)
-    """Per iteration: bytes before/after, wire bytes, compress and wait seconds (the last 100)."""
+    """Per iteration: bytes before/after, wire bytes, compress and wait seconds, signature exchanges and
+    their seconds (the last 100)."""
 
     @property
     def compression_ratio(self) -> float:
@@ -144,15 +150,15 @@ class HookStats:
             f"HookStats(iterations={self.iterations}, buckets={self.buckets} ({self.async_buckets} async, "
             f"{self.sparse_buckets} sparse), payload {fmt_bytes(self.bytes_after)} of {fmt_bytes(self.bytes_before)} "
             f"({self.compression_ratio:.3g}x), wire {fmt_bytes(self.wire_bytes)}, compress {self.compress_s:.3g} s, "
-            f"wait {self.wait_s:.3g} s, "
+            f"wait {self.wait_s:.3g} s, signature_checks={self.signature_checks}, "
             f"nonfinite_steps={self.nonfinite_steps}{auto})"
         )
 
     def reset(self) -> None:
         self.iterations = self.buckets = self.bytes_before = self.bytes_after = self.async_buckets = 0
         self.wire_bytes = 0
-        self.sparse_buckets = self.nonfinite_steps = 0
-        self.compress_s = self.wait_s = 0.0
+        self.sparse_buckets = self.nonfinite_steps = self.signature_checks = 0
+        self.compress_s = self.wait_s = self.signature_s = 0.0
         self.per_iteration.clear()
 
     def as_dict(self) -> dict:
@@ -168,6 +174,8 @@ class HookStats:
             "async_buckets": self.async_buckets,
             "sparse_buckets": self.sparse_buckets,
             "nonfinite_steps": self.nonfinite_steps,
+            "signature_checks": self.signature_checks,
+            "signature_s": self.signature_s,
             "auto": self.auto,
         }
 
@@ -184,7 +192,8 @@ class _Turn:
         self.lock = threading.Lock()
         self.pending = 0
         self.closed = False
-        self.figures = {"bytes_before": 0, "bytes_after": 0, "wire_bytes": 0, "compress_s": 0.0, "wait_s": 0.0}
+        self.figures = {"bytes_before": 0, "bytes_after": 0, "wire_bytes": 0, "compress_s": 0.0, "wait_s": 0.0,
+                        "signature_checks": 0, "signature_s": 0.0}  # fmt: skip
         self.traffic = None  # the communicator's Traffic counters, and where they stood when the iteration began
         self.wire0 = 0
 
@@ -263,10 +272,17 @@ class CompressionHookState:
             rank that holds it. ``"auto"`` (default): ``"propagate"`` when the process holds an enabled
             ``torch.amp.GradScaler`` at the first bucket (create the scaler before the first backward, on
             every rank alike), else ``"raise"``.
+        check_signatures: before the first collective of each new bucket layout (and after a compressor
+            change or ``load_state_dict``), exchange with the other ranks what it is about to send (the
+            compressor's class and settings, these settings, the bucket's shapes, the iteration count):
+            one small all-gather, after which every rank raises ``CollectiveMismatchError`` naming what
+            differs if anything does, instead of one rank aborting in gloo (see
+            :mod:`torsh_kernels.collectives.agreement` for what it cannot catch). None (default): on
+            unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``.
     """
 
-    __slots__ = ("_comm", "_engine", "_futures", "_given", "_keys", "_pipeline", "_seen", "_task", "_timeout",
-                 "_turn", "process_group", "stats")  # fmt: skip
+    __slots__ = ("_comm", "_engine", "_futures", "_given", "_keys", "_pipeline", "_seen", "_signatures", "_task",
+                 "_timeout", "_turn", "process_group", "stats")  # fmt: skip
 
     def __init__(
         self,
@@ -282,6 +298,7 @@ class CompressionHookState:
         quantize_mode: str = "auto",
         timeout: float | None = None,
         nonfinite: str = "auto",
+        check_signatures: bool | None = None,
     ) -> None:
         self._given = None  # a Communicator the caller gave instead of a group
         if is_communicator(process_group, ("all_reduce", "all_gather", "world_size")):
@@ -300,8 +317,10 @@ class CompressionHookState:
             quantize_mode=quantize_mode,
             auto_candidates=auto_candidates,
             nonfinite=nonfinite,
+            check_signatures=check_signatures,
             what="CompressionHookState",
         )
+        self._signatures = (0, 0.0)  # the engine's exchange count and seconds already in stats
         self._timeout = timeout
         self._comm: Coalescer | None = None
         self._pipeline = ReductionPipeline()
@@ -385,6 +404,7 @@ class CompressionHookState:
         self._seen = set()
         self._task = None
         self._turn = _Turn(self.stats)
+        self._signatures = (self._engine.signature_checks, self._engine.signature_s)
 
     def __repr__(self) -> str:
         e = self._engine
@@ -427,12 +447,13 @@ def compression_hook(
             fut.set_result(_sparse(state, buf, comm, turn))
         else:
             span = bucket_span(bucket.index(), bucket.gradients(), engine.compressor) if _trace.recorder else None
+            grads = engine.prepare(bucket.gradients, keys, comm, flat=buf)  # a new layout: agree on it first
             nonfinite = engine.screen([buf], comm)
             # While older buckets have rounds to issue (PowerSGD's Q), this bucket's first round and theirs
             # go out as one all-reduce: the collectives issued below depend only on the bucket sequence, so
             # every rank coalesces the same ones (see parallel/_engine.py)
             with comm.batch() if state._pipeline.multi_round() else contextlib.nullcontext():
-                fut = _start(state, bucket, engine, comm, keys, buf, turn, span, nonfinite)
+                fut = _start(state, grads, engine, comm, keys, buf, turn, span, nonfinite)
         if last:
             state._pipeline.drain(comm.batch)
             _wait_one_round(state)
@@ -468,11 +489,28 @@ def _start_over(state: CompressionHookState) -> None:
     state._seen = set()
     state._task = None
     state._engine.abandon_iteration()
+    _count_signatures(state, None)
+
+
+def _count_signatures(state: CompressionHookState, turn: _Turn | None) -> None:
+    """Add the engine's signature exchanges since the last count to the statistics (and the iteration's)."""
+    e = state._engine
+    n0, s0 = state._signatures
+    n, s = e.signature_checks - n0, e.signature_s - s0
+    if n:
+        state._signatures = (e.signature_checks, e.signature_s)
+        state.stats.signature_checks += n
+        state.stats.signature_s += s
+    if turn is not None:
+        with turn.lock:
+            turn.figures["signature_checks"] = n
+            turn.figures["signature_s"] = s
 
 
 def _end_iteration(state: CompressionHookState, turn: _Turn) -> None:
     if state._engine.end_iteration():
         state.stats.nonfinite_steps += 1
+    _count_signatures(state, turn)
     state.stats.iterations += 1
     state._turn = _Turn(state.stats)
     turn.close()
@@ -525,8 +563,9 @@ def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
             param.grad = grad = _sparse(state, grad, comm, turn)
         else:
             span = bucket_span(key, [grad], engine.compressor) if _trace.recorder else None
-            nonfinite = engine.screen([grad], comm)
             flat = grad.view(-1) if grad.is_contiguous() else None
+            engine.prepare([grad], [key], comm, flat=flat)  # a new layout: agree on it first
+            nonfinite = engine.screen([grad], comm)
             reductions, finish = engine.start([grad], [key], comm, flat=flat, nonfinite=nonfinite)
             pipeline = ReductionPipeline()
             pipeline.submit(reductions, finish, span)
@@ -548,11 +587,12 @@ def _close_parameter_iteration(state: CompressionHookState) -> None:
     _end_iteration(state, state._turn)
 
 
-def _start(state: CompressionHookState, bucket: dist.GradBucket, engine, comm: Coalescer, keys: list, buf, turn,
-           span, nonfinite: bool):  # fmt: skip
-    """Start one bucket's reductions: a one-round bucket returns its collective's future; the others join
-    the pipeline, which advances the older buckets by one round."""
-    reductions, finish = engine.start(bucket.gradients, keys, comm, flat=buf, nonfinite=nonfinite)
+def _start(state: CompressionHookState, grads, engine, comm: Coalescer, keys: list, buf, turn, span,
+           nonfinite: bool):  # fmt: skip
+    """Start one bucket's reductions (``grads``: its gradients, or the bucket's function returning them): a
+    one-round bucket returns its collective's future; the others join the pipeline, which advances the
+    older buckets by one round."""
+    reductions, finish = engine.start(grads, keys, comm, flat=buf, nonfinite=nonfinite)
     if engine.auto is not None and state.stats.auto is None and engine.auto.decision is not None:
         state.stats.auto = engine.auto.decision.as_dict()
     before = buf.numel() * buf.element_size()

@@ -21,6 +21,13 @@ the router is replicated (broadcast from rank 0 at construction). Each rank rout
 3. runs its local experts on the rows it received, grouped by local expert;
 4. sends the outputs back with the reverse ``all_to_all`` (the *combine*) and unpermutes them.
 
+Before the router's broadcast at construction, the ranks agree on the layer's configuration (E, k, H,
+the experts' width, activation, score, renormalisation, capacity rule, dtype, world size) with one small
+all-gather (:func:`~torsh_kernels.collectives.agreement.agree`), and again at the first forward with an
+input of another dtype; ranks configured differently all raise
+:class:`~torsh_kernels.errors.CollectiveMismatchError` naming the difference instead of sending
+mismatched all-to-alls (``check_signatures=False`` or ``TORSH_KERNELS_CHECK_SIGNATURES=0``: off).
+
 Backward runs the two ``all_to_all`` in reverse. Capacity, when set, applies to each rank's own tokens
 (as in DeepSpeed and GShard: capacity per local batch). After backward, ``reduce_gradients()`` sums the
 replicated router's gradients over the ranks (and divides every gradient by W with ``average=True``, the
@@ -37,6 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..collectives.agreement import agree, enabled
 from ..collectives.communicator import Communicator, as_communicator
 from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError
 from ..ops import count_nonfinite
@@ -239,6 +247,8 @@ class ExpertParallelMoE(_MoEBase):
             ``ProcessGroup``, ``DeviceMesh`` (``mesh_dim``: the expert-parallel dimension; a 1-D mesh needs
             none) or ``(mesh, dim)``.
         broadcast_router: copy rank 0's router weights to every rank at construction.
+        check_signatures: agree with the other ranks on the configuration first (see the module docstring;
+            None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``).
 
     Every rank must call ``forward`` (and backward) the same number of times, in the same order, even
     with no tokens: the dispatch is a collective.
@@ -264,8 +274,10 @@ class ExpertParallelMoE(_MoEBase):
         dtype: torch.dtype | None = None,
         broadcast_router: bool = True,
         mesh_dim: str | int | None = None,
+        check_signatures: bool | None = None,
     ) -> None:
         what = "ExpertParallelMoE"
+        check = enabled(check_signatures, what)
         comm = as_communicator(
             comm, what, dim=mesh_dim, needs=("rank", "world_size", "all_to_all", "broadcast", "all_reduce")
         )
@@ -284,6 +296,9 @@ class ExpertParallelMoE(_MoEBase):
         )  # fmt: skip
         self.comm = comm
         self.last_dispatch: dict[str, object] = {}
+        self.check_signatures = check
+        self._agreed: set[torch.dtype] = set()
+        self._agree(self.w_in.dtype)
         self._nonfinite: str | None = None  # reduce_gradients(nonfinite="auto"), resolved at the first call
         if broadcast_router and W > 1:
             with torch.no_grad():
@@ -310,9 +325,25 @@ class ExpertParallelMoE(_MoEBase):
             ep.w_out.copy_(layer.w_out[lo:hi])
         return ep
 
+    def _agree(self, dtype: torch.dtype) -> None:
+        """The configuration and the dtype of the rows dispatched, agreed once per dtype (module docstring)."""
+        if not self.check_signatures or dtype in self._agreed:
+            return
+        fields = [
+            ("num_experts", self.num_experts), ("k", self.k), ("hidden", self.hidden), ("ffn_hidden", self.ffn_hidden),
+            ("activation", self.activation), ("score", self.score), ("renormalize", self.renormalize),
+            ("capacity_factor", self.capacity_factor), ("drop_policy", self.drop_policy),
+            ("parameter dtype", self.w_in.dtype), ("dtype", dtype),
+        ]  # fmt: skip
+        fix = "Construct the layer with the same arguments on every rank and give it inputs of one dtype."
+        agree(self.comm, "an expert-parallel MoE layer", fields, what="ExpertParallelMoE", fix=fix)
+        self._agreed.add(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         W, El = self.comm.world_size, self.local_experts
         x2, _, r = self._route(x, "ExpertParallelMoE")
+        if x2.dtype not in self._agreed:
+            self._agree(x2.dtype)
         xp = moe_permute(x2, r, provider=self.provider)  # [N, H], grouped by expert = by destination rank
         counts = r.tokens_per_expert  # [E]
         recv_counts = torch.empty_like(counts)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._env import fmt_bytes
+from ..collectives.agreement import agree
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import Communicator, as_communicator, is_dtensor
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
@@ -146,8 +147,9 @@ class GradientSynchronizer:
             (largest first).
         broadcast_parameters: copy rank 0's parameters and buffers to every rank at construction.
         find_unused_parameters: agree across ranks on parameters no rank used (they keep ``grad=None``).
-        auto_candidates, start_iter, min_compression_rate, min_numel, policy, quantize_mode, nonfinite: as
-            for :class:`~torsh_kernels.parallel.CompressionHookState`.
+        auto_candidates, start_iter, min_compression_rate, min_numel, policy, quantize_mode, nonfinite,
+            check_signatures: as for :class:`~torsh_kernels.parallel.CompressionHookState` (the exchanges are
+            counted in ``get_sync_stats()["signature_checks"]``).
     """
 
     def __init__(
@@ -170,6 +172,7 @@ class GradientSynchronizer:
         quantize_mode: str = "auto",
         mesh_dim: str | int | None = None,
         nonfinite: str = "auto",
+        check_signatures: bool | None = None,
     ) -> None:
         what = "GradientSynchronizer"
         if not isinstance(model, torch.nn.Module):
@@ -224,6 +227,7 @@ class GradientSynchronizer:
             quantize_mode=quantize_mode,
             auto_candidates=auto_candidates,
             nonfinite=nonfinite,
+            check_signatures=check_signatures,
             what=what,
         )
         self._pipeline = ReductionPipeline()
@@ -245,16 +249,18 @@ class GradientSynchronizer:
     # -- construction -------------------------------------------------------------------------------
 
     def _check_same_model(self) -> None:
-        sig = torch.tensor([len(self.params), sum(p.numel() for p in self.params)], dtype=torch.int64)
-        sig = sig.to(self.comm.device)
-        out = torch.empty(self.comm.world_size * 2, dtype=torch.int64, device=self.comm.device)
-        self.comm.all_gather(out, sig)
-        rows = out.view(-1, 2).tolist()
-        if any(r != rows[0] for r in rows):
-            raise InvalidArgumentError(
-                "GradientSynchronizer: the ranks' models differ (parameters, elements per rank: "
-                f"{rows}); every rank must build the same model"
-            )
+        """Every rank's model has the same parameters (in order: shapes, dtypes): a signature exchange (one
+        small all-gather, whatever ``check_signatures`` says), ``CollectiveMismatchError`` on every rank
+        naming what differs otherwise."""
+        fields = [
+            ("parameters", len(self.params)),
+            ("numel", sum(p.numel() for p in self.params)),
+            ("shapes", [tuple(p.shape) for p in self.params]),
+            ("dtypes", [str(p.dtype).replace("torch.", "") for p in self.params]),
+            ("sparse", [i for i, s in enumerate(self._sparse) if s]),
+        ]
+        agree(self.comm, "the model's parameters", fields, what="GradientSynchronizer",
+              fix="Build the same model on every rank.")  # fmt: skip
 
     @torch.no_grad()
     def _broadcast_state(self) -> None:
@@ -371,6 +377,7 @@ class GradientSynchronizer:
         self._launched = b + 1
         t0 = time.perf_counter()
         span = bucket_span(b, grads, self._engine.compressor)
+        self._engine.prepare(grads, bucket.params, self._coalescer)  # a new layout: agree on it first
         nonfinite = self._engine.screen(grads, self._coalescer)
         # as in the DDP hook: while older buckets have rounds to issue, this bucket's first round and theirs
         # go out as one all-reduce (decided alike on every rank, see parallel/_engine.py)
@@ -482,6 +489,8 @@ class GradientSynchronizer:
             "iteration": self._engine.iteration,
             "nonfinite": undone,
             "nonfinite_steps": self._engine.nonfinite_steps,
+            "signature_checks": self._engine.signature_checks,
+            "signature_s": self._engine.signature_s,
         }
         sent = self._last["payload_bytes"]
         self._last["compression_ratio"] = self._last["bytes_before"] / sent if sent else 1.0

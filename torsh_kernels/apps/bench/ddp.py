@@ -27,6 +27,13 @@ thread's CPU time, ``time.thread_time``: waiting for a collective is not counted
 the collective's completion callback on gloo's thread is not either) and per bucket, and the marginal
 host cost of one more bucket, ``(hook(N) - hook(1)) / (N - 1)``.
 
+``--signatures`` measures instead what the signature exchange costs (``check_signatures``, on by default:
+one all-gather per new bucket layout, :mod:`torsh_kernels.collectives.agreement`): every compressor of
+``--compressors`` through ``compression_hook`` with the exchange on and off, side by side in the same run,
+the two orders alternating over ``--repeat`` runs. Per case: the first two steps (where the exchanges
+happen: DDP's first bucket layout, then its rebuilt one), the exchanges' count and seconds, and the
+steady-state step time; per compressor the ratios on / off with their spread over the runs.
+
 Per case: median step time (forward, backward with the hook, optimizer step) of the slowest rank over
 ``--steps`` steps after warm-up, p20-p80, bytes each rank sends per step where known, and the speedup over
 no hook. Launch like ``bench collectives``: local ranks on its own, one rank per process under torchrun
@@ -111,6 +118,8 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
         ddp.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
     elif kind == "torsh":
         extra = {"auto_candidates": _auto_candidates(cfg["rank"], cfg["compressors"])} if name == "auto" else {}
+        if "check" in cfg:
+            extra["check_signatures"] = cfg["check"]
         state = CompressionHookState(compressor=OURS[name](cfg["rank"]), start_iter=start, **extra)
         ddp.register_comm_hook(state, compression_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -118,6 +127,7 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
     x = torch.randn(cfg["batch"], cfg["in_dim"], generator=g).to(dev)
     y = torch.randint(0, 10, (cfg["batch"],), generator=g).to(dev)
     times = []
+    first = []  # the first two steps: where a new bucket layout (DDP's first, then its rebuilt one) is agreed on
     error = None
     try:
         for step in range(start + 2 + cfg["steps"]):
@@ -132,15 +142,19 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
                 torch.cuda.synchronize(dev)
             if step >= start + 2:
                 times.append(time.perf_counter() - t0)
+            elif step < 2:
+                first.append(time.perf_counter() - t0)
     except Exception as e:  # PyTorch's PowerSGD hook on gloo with several buckets
         msg = str(e)
         while "when running the callback: " in msg:  # futures wrap the cause once per callback
             msg = msg.split("when running the callback: ", 1)[1]
         error = f"{type(e).__name__}: {msg.splitlines()[0][:160]}"
-    # the slowest rank's time per step
-    t = torch.tensor(times or [float("nan")], dtype=torch.float64)
+    # the slowest rank's time per step (and its first two steps, and its seconds in signature exchanges)
+    sig_s = state.stats.signature_s if state is not None else 0.0
+    t = torch.tensor((times or [float("nan")]) + first + [sig_s], dtype=torch.float64)
     if error is None:
         comm.all_reduce(t, "max")
+    t, first, sig_s = t[: len(times) or 1], t[len(times) or 1 : -1].tolist(), float(t[-1])
     wire = None
     if state is not None:
         wire = state.stats.per_iteration[-1]["bytes_after"]
@@ -159,6 +173,19 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
             "p80_ms": 1e3 * quantile(ts, 0.8) if error is None else None,
             "hook_ms_per_step": 1e3 * hook_cpu[0] / steps,
             "hook_ms_per_bucket": 1e3 * hook_cpu[0] / steps / nb if nb else None,
+            "gradient_bytes": grad_bytes,
+            "error": error,
+        }
+    if "check" in cfg:
+        return {
+            "case": f"torsh {name}",
+            "check": cfg["check"],
+            "step_ms": 1e3 * statistics.median(ts) if error is None else None,
+            "p20_ms": 1e3 * quantile(ts, 0.2) if error is None else None,
+            "p80_ms": 1e3 * quantile(ts, 0.8) if error is None else None,
+            "first_steps_ms": [1e3 * v for v in first],
+            "signature_checks": state.stats.signature_checks,
+            "signature_ms": 1e3 * sig_s,
             "gradient_bytes": grad_bytes,
             "error": error,
         }
@@ -225,6 +252,8 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
     torch.set_num_threads(cfg["threads"])
     if cfg.get("buckets"):
         return _bucket_sweep(comm, cfg)
+    if cfg.get("signatures"):
+        return _signature_cost(comm, cfg)
     cases = [("none", ""), ("torch", "fp16"), ("torch", "powersgd-1bucket")]
     cases += [("torsh", c) for c in cfg["compressors"]]
     rows: list[dict] = []
@@ -260,13 +289,83 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
     return _report(res, cfg) if comm.rank == 0 else None
 
 
+def _signature_cost(comm: TorchCommunicator, cfg: dict) -> dict | None:
+    """Every compressor with the signature exchange on and off, the order alternating run by run."""
+    rows: list[dict] = []
+    names = [n for n in cfg["compressors"] if n != "auto"]
+    for rep in range(cfg["repeat"]):
+        for name in names:
+            for check in (True, False) if rep % 2 == 0 else (False, True):
+                r = _case(comm, {**cfg, "check": check}, "torsh", name)
+                r["repeat"] = rep
+                rows.append(r)
+                if comm.rank == 0 and cfg["progress"]:
+                    print(f"  {r['case']:<16} check {'on ' if check else 'off'} {r['step_ms'] or float('nan'):8.1f} "
+                          f"ms/step, first steps {' '.join(f'{v:.1f}' for v in r['first_steps_ms'])} ms, "
+                          f"{r['signature_checks']} exchanges {r['signature_ms']:.2f} ms",
+                          file=sys.stderr, flush=True)  # fmt: skip
+    res = {"signature_rows": rows, "world_size": comm.world_size, "backend": comm.backend}
+    return _report(res, cfg) if comm.rank == 0 else None
+
+
+def _spread(v: list) -> dict | None:
+    v = [x for x in v if x is not None]
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} if v else None
+
+
+def _signature_summary(res: dict) -> None:
+    """Per compressor: the exchange on against off, paired run by run."""
+    out = []
+    rows = res["signature_rows"]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        on = {r["repeat"]: r for r in rows if r["case"] == case and r["check"] and not r["error"]}
+        off = {r["repeat"]: r for r in rows if r["case"] == case and not r["check"] and not r["error"]}
+        both = sorted(set(on) & set(off))
+        out.append({
+            "case": case,
+            "step_ms_on": _spread([on[k]["step_ms"] for k in both]),
+            "step_ms_off": _spread([off[k]["step_ms"] for k in both]),
+            "step_ratio": _spread([on[k]["step_ms"] / off[k]["step_ms"] for k in both]),
+            "first_steps_ms_on": _spread([sum(on[k]["first_steps_ms"]) for k in both]),
+            "first_steps_ms_off": _spread([sum(off[k]["first_steps_ms"]) for k in both]),
+            "first_steps_extra_ms": _spread([sum(on[k]["first_steps_ms"]) - sum(off[k]["first_steps_ms"])
+                                             for k in both]),
+            "signature_checks": _spread([on[k]["signature_checks"] for k in both]),
+            "signature_ms": _spread([on[k]["signature_ms"] for k in both]),
+            "signature_checks_off": _spread([off[k]["signature_checks"] for k in both]),
+        })  # fmt: skip
+    res["signature_summary"] = out
+
+
+def print_signatures(res: dict, env: dict, cfg: dict) -> None:
+    mlp = f"{cfg['in_dim']}-{'-'.join([str(cfg['width'])] * cfg['layers'])}-10"
+    t = _cli.table((f"Signature exchange on vs off, DDP with compression_hook, {res['world_size']} ranks "
+                    f"({res['backend']}, {env.get('network', 'local')}), MLP {mlp}, "
+                    f"{res['signature_rows'][0]['gradient_bytes'] / 1e6:.1f} MB of gradients; medians over "
+                    f"{cfg['repeat']} run(s) [min-max]"),
+                   ["case", "exchanges", "exchange ms", "steps 0-1 on (ms)", "steps 0-1 off (ms)", "extra (ms)",
+                    "step on (ms)", "step off (ms)", "on / off"], text=("case",))  # fmt: skip
+
+    def f(d, digits=2):
+        if d is None:
+            return "-"
+        if d["n"] == 1:
+            return f"{d['median']:.{digits}f}"
+        return f"{d['median']:.{digits}f} [{d['min']:.{digits}f}-{d['max']:.{digits}f}]"
+
+    for r in res["signature_summary"]:
+        t.add_row(r["case"], f(r["signature_checks"], 0), f(r["signature_ms"]), f(r["first_steps_ms_on"], 1),
+                  f(r["first_steps_ms_off"], 1), f(r["first_steps_extra_ms"], 1), f(r["step_ms_on"], 1),
+                  f(r["step_ms_off"], 1), f(r["step_ratio"], 3))  # fmt: skip
+    _cli.console().print(t)
+    for r in res["signature_rows"]:
+        if r["error"]:
+            print(f"{r['case']} (check {'on' if r['check'] else 'off'}): {r['error']}")
+
+
 def _summaries(res: dict) -> None:
     """Medians over the repeats with their spread; for the sweep, the marginal cost of a bucket."""
-
-    def spread(v):
-        v = [x for x in v if x is not None]
-        return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} if v else None
-
+    spread = _spread
     if "bucket_rows" in res:
         rows = res["bucket_rows"]
         out = []
@@ -349,12 +448,16 @@ def _report(res: dict, cfg: dict) -> dict:
     env["network"] = os.environ.get("TORSH_BENCH_NETWORK", "loopback" if res["backend"] == "gloo" else "local GPUs")
     doc_path = cfg.get("_doc_path")
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
-    _summaries(res)
-    _auto_summary(res, cfg["rank"])
-    if "bucket_rows" in res:
-        print_sweep(res, env, cfg)
+    if "signature_rows" in res:
+        _signature_summary(res)
+        print_signatures(res, env, cfg)
     else:
-        print_report(res, env, cfg)
+        _summaries(res)
+        _auto_summary(res, cfg["rank"])
+        if "bucket_rows" in res:
+            print_sweep(res, env, cfg)
+        else:
+            print_report(res, env, cfg)
     sys.stdout.flush()
     doc = {"suite": "ddp", "environment": env, "config": cfg, **res}
     if doc_path:  # for the parent, which writes the JSON (this rank may end in os._exit)
@@ -459,6 +562,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ours in the bucket sweep (default fp16,bf16,topk,powersgd)")  # fmt: skip
     p.add_argument("--sweep-layers", type=at_least_1, default=64, help="hidden layers of the sweep's MLP")
     p.add_argument("--sweep-width", type=at_least_1, default=362, help="hidden width of the sweep's MLP")
+    p.add_argument("--signatures", action="store_true",
+                   help="measure the signature exchange instead: each compressor, the exchange on and off")  # fmt: skip
     _cli.add_json(p)
 
 
@@ -471,7 +576,8 @@ def run(args: argparse.Namespace) -> int:
            "rank": args.rank, "start_iter": args.start_iter, "steps": args.steps, "compressors": args.compressors,
            "torch_powersgd_buckets": not args.no_torch_powersgd_buckets, "threads": args.threads,
            "progress": True, "hang_s": args.hang_timeout, "repeat": args.repeat, "buckets": args.buckets,
-           "sweep": args.sweep, "sweep_layers": args.sweep_layers, "sweep_width": args.sweep_width}  # fmt: skip
+           "sweep": args.sweep, "sweep_layers": args.sweep_layers, "sweep_width": args.sweep_width,
+           "signatures": args.signatures}  # fmt: skip
     if "RANK" in os.environ:
         comm = init_from_env(timeout=args.hang_timeout + 60)
         doc = _worker(comm, cfg)  # rank 0 prints the report

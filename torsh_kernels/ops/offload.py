@@ -310,7 +310,8 @@ def pack(
             out[:nbytes].copy_(stage, non_blocking=True)
             if stage.device.type == "cuda":
                 stage.record_stream(torch.cuda.current_stream(stage.device))
-    return _sealed(Packed(data=out, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block))
+    p = Packed(data=out, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block)
+    return p if _eager.compiling() else _sealed(p)  # (while torch.compile traces: nothing to seal)
 
 
 def _sealed(p: Packed) -> Packed:

@@ -129,7 +129,9 @@ class _Pool:
 
     def _start(self) -> None:
         parent, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=_worker, args=(child, self.where, self.names, self.log), daemon=True)
+        # not daemonic: a case may start processes of its own (run_local's ranks); close() and the kill on a
+        # hang or at exit stop the worker
+        self.proc = self.ctx.Process(target=_worker, args=(child, self.where, self.names, self.log))
         self.proc.start()
         child.close()
         self.conn = parent

@@ -16,6 +16,7 @@ __all__ = [
     "ConfigMappingError",
     "DTypeError",
     "DeviceMismatchError",
+    "FileAccessError",
     "InvalidArgumentError",
     "LayoutMismatchError",
     "NonFiniteError",
@@ -107,6 +108,12 @@ class RankFailedError(CollectiveError):
 
 class TraceFormatError(TorshKernelsError, ValueError):
     """A trace file is malformed, truncated or not a trace; the message names the file and the problem."""
+
+
+class FileAccessError(TorshKernelsError, OSError):
+    """A file the library writes on its own account (the tuning cache, a trace) cannot be written where it is
+    asked to go: the place is not a writable directory, a symlink or other non-regular file sits where the
+    library's lock file goes, or another process holds the lock too long. The message names the path."""
 
 
 class ConfigMappingError(TorshKernelsError, ValueError):

@@ -269,6 +269,20 @@ def test_run_local_argument_errors():
         run_local(_sum_rank, 0)
     with pytest.raises(InvalidArgumentError):
         run_local(_sum_rank, 2, backend="mpi")
+    with pytest.raises(InvalidArgumentError, match="start_method"):
+        run_local(_sum_rank, 2, start_method="fork")
+
+
+def test_gloo_timeouts_are_collective_timeout_errors():
+    """gloo reports an expired timeout as a plain RuntimeError; the communicator's error says timeout by its
+    class (the messages are gloo's own, from the fault suite's runs)."""
+    from torsh_kernels.collectives.communicator import is_timeout
+
+    assert is_timeout(RuntimeError("Operation timed out!"))
+    assert is_timeout(RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv "
+                                   "operation to complete"))  # fmt: skip
+    assert is_timeout(TimeoutError("x"))
+    assert not is_timeout(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
 
 
 def test_communicator_needs_an_initialised_process_group():

@@ -146,3 +146,40 @@ def test_repr_is_one_line_of_counters():
                 f"prefetch_hits={st['prefetch_hits']}", f"moved {st['bytes_moved'] / 2**10:.4g} KiB"):  # fmt: skip
         assert fig in r, (fig, r)
     assert st["fetches"] > 3  # the counters the repr shows did count
+
+
+def test_construction_and_remove_are_all_or_nothing(monkeypatch):
+    """Moving the parameters to the host (construction) and back (remove) fails at each parameter in turn,
+    as a device out of memory would: every parameter stays where it was, and a failed remove() leaves the
+    offloader working."""
+    real_to, calls = torch.Tensor.to, [0, 0]
+
+    def flaky_to(self, *a, **kw):
+        calls[0] += 1
+        if calls[0] == calls[1]:
+            raise RuntimeError("injected: out of memory")
+        return real_to(self, *a, **kw)
+
+    n = len(list(_make().parameters()))
+    for k in (1, n // 2, n):
+        m = _make()
+        where = [p.data_ptr() for p in m.parameters()]
+        monkeypatch.setattr(torch.Tensor, "to", flaky_to)
+        calls[:] = [0, k]
+        with pytest.raises(RuntimeError, match="injected"):
+            ParameterOffloader(m, fmt="bf16", device="cpu")
+        monkeypatch.setattr(torch.Tensor, "to", real_to)
+        assert [p.data_ptr() for p in m.parameters()] == where, "no parameter moved"
+        o = ParameterOffloader(m, fmt="bf16", device="cpu")
+        hosted = [p.data_ptr() for p in m.parameters()]
+        assert hosted != where
+        monkeypatch.setattr(torch.Tensor, "to", flaky_to)
+        calls[:] = [0, k]
+        with pytest.raises(RuntimeError, match="injected"):
+            o.remove()
+        monkeypatch.setattr(torch.Tensor, "to", real_to)
+        assert [p.data_ptr() for p in m.parameters()] == hosted, "no parameter moved back"
+        fetches = o.stats["fetches"]
+        m(torch.randn(2, 8))
+        assert o.stats["fetches"] > fetches, "the hooks are still in place"
+        o.remove()

@@ -18,7 +18,7 @@ from tests.helpers import MLP
 from torsh_kernels import _trace
 from torsh_kernels.collectives import run_local
 from torsh_kernels.compression import PowerSGD, TopK, compressed_all_reduce
-from torsh_kernels.errors import InvalidArgumentError, TraceFormatError
+from torsh_kernels.errors import FileAccessError, InvalidArgumentError, TraceFormatError
 from torsh_kernels.parallel import CompressionHookState, GradientSynchronizer, compression_hook
 from torsh_kernels.profiling import timeline
 from torsh_kernels.profiling.traces import load, validate
@@ -206,6 +206,60 @@ def test_torsh_trace_env(tmp_path):
     tr = load(d)
     assert len([s for s in tr.steps() if s.rank == 0]) == 12
     assert any(s.cls == "communication" and s.args.get("compressor") == "FP16" for s in tr.spans)
+
+
+def test_an_unwritable_trace_directory_fails_when_recording_starts(tmp_path, monkeypatch):
+    """TORSH_TRACE (read at import) and Recorder(dir).start(): a place that cannot take the trace is refused
+    at once, with what to do, not at exit."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for bad, why in ((blocker, "exists and is not a directory"), (blocker / "sub", "cannot be created")):
+        monkeypatch.setenv("TORSH_TRACE", str(bad))
+        with pytest.raises(FileAccessError, match=f"TORSH_TRACE: the trace directory {bad} {why}.*unset it"):
+            timeline.start_from_env()
+        assert _trace.recorder is None
+        with pytest.raises(FileAccessError, match=why):
+            timeline.Recorder(bad).start()
+        assert _trace.recorder is None
+
+
+_EXIT_SCRIPT = """
+import pathlib, shutil, sys
+import torsh_kernels
+from torsh_kernels.profiling import timeline
+with timeline.record("work"):
+    pass
+d = pathlib.Path(sys.argv[1])
+shutil.rmtree(d)
+d.write_text("now a file")  # the directory checked at start is gone by the time the trace is written
+"""
+
+
+def test_a_trace_that_cannot_be_written_at_exit_is_rescued_and_reported(tmp_path):
+    d, rescue = tmp_path / "traces", tmp_path / "tmp"
+    rescue.mkdir()
+    env = {**os.environ, "TORSH_TRACE": str(d), "TMPDIR": str(rescue)}
+    p = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(d)], env=env, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert p.returncode == 0 and d.read_text() == "now a file"
+    assert f"torsh_kernels: error: TORSH_TRACE: could not write this process's trace to {d}" in p.stderr, p.stderr
+    (saved,) = rescue.glob("torsh-trace-*/rank0.json")
+    assert f"it was written to {saved} instead" in p.stderr
+    assert [s.name for s in load(saved).spans] == ["work"]
+
+
+def test_a_planted_symlink_redirects_no_trace_write(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    d = tmp_path / "traces"
+    d.mkdir()
+    os.symlink(victim, d / "rank0.json")
+    os.symlink(victim, d / f"rank0.json.tmp{os.getpid()}")  # the temporary name the writer used to use
+    with timeline.Recorder(d, rank=0, world_size=1), timeline.record("x"):
+        pass
+    assert victim.read_text() == "precious" and not (d / "rank0.json").is_symlink()
+    assert validate(json.loads((d / "rank0.json").read_text())) == "torsh"
+    assert sorted(f.name for f in d.iterdir()) == ["rank0.json", f"rank0.json.tmp{os.getpid()}"]
 
 
 def test_overlapping_events_are_rejected():

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torsh_kernels.apps.cli import main as cli
 from torsh_kernels.collectives import run_local
-from torsh_kernels.errors import TraceFormatError
+from torsh_kernels.errors import InvalidArgumentError, TraceFormatError
 from torsh_kernels.profiling import analysis as A
 from torsh_kernels.profiling.report import build
 from torsh_kernels.profiling.traces import load, read_json
@@ -147,3 +147,99 @@ def test_chrome_b_e_events(tmp_path):
     ar = next(s for s in tr.spans if s.name == "ALLREDUCE")
     assert ar.cls == "communication" and ar.start == pytest.approx(0.010) and ar.dur == pytest.approx(0.020)
     assert next(s for s in tr.spans if s.name == "compute").cls == "compute"
+
+
+# -- limits: decompressed size and nesting depth; files that are not files ----------------------------------
+
+
+def test_a_gzip_bomb_stops_at_the_size_limit(tmp_path, monkeypatch, capsys):
+    """64 MiB of JSON in a 64 KiB gzip, read with a 4 MiB limit: refused having decompressed little more than
+    the limit (Python's allocations peak far below what the file inflates to)."""
+    import tracemalloc
+
+    f = tmp_path / "bomb.json.gz"
+    f.write_bytes(gzip.compress(b"[" + b" " * (64 << 20) + b"]", 9))
+    assert f.stat().st_size < 100_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceFormatError, match=rf"{f}: the trace decompresses to more than 4194304 bytes.*"
+                                                    "TORSH_TRACE_MAX_BYTES=8GiB"):  # fmt: skip
+            load(f, max_bytes=4 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 24 << 20, f"peak {peak / 2**20:.0f} MiB"
+    monkeypatch.setenv("TORSH_TRACE_MAX_BYTES", "4MiB")  # the environment variable, and the CLI through it
+    with pytest.raises(TraceFormatError, match="more than 4194304 bytes"):
+        read_json(f)
+    assert cli(["timeline", str(f)]) == 2 and "TORSH_TRACE_MAX_BYTES" in capsys.readouterr().err
+    plain = tmp_path / "big.json"
+    plain.write_bytes(b"[" + b" " * (5 << 20) + b"]")
+    with pytest.raises(TraceFormatError, match=f"{plain}: the trace holds more than 4194304 bytes"):
+        load(plain)
+    monkeypatch.setenv("TORSH_TRACE_MAX_BYTES", "lots")
+    with pytest.raises(InvalidArgumentError, match="TORSH_TRACE_MAX_BYTES='lots': expected a number of bytes"):
+        load(plain)
+    assert cli(["report", str(plain)]) == 2
+
+
+def test_deep_nesting_is_refused_without_a_recursion_error(tmp_path, monkeypatch):
+    f = tmp_path / "deep.json"
+    for depth in (200_000, 65):
+        f.write_text("[" * depth + "]" * depth)
+        with pytest.raises(TraceFormatError, match=f"{f}: JSON nested deeper than 64 levels.*TORSH_TRACE_MAX_DEPTH"):
+            load(f)
+    with pytest.raises(TraceFormatError, match="event 0 is a list"):  # 65 levels allowed: the next check
+        load(f, max_depth=65)
+    monkeypatch.setenv("TORSH_TRACE_MAX_DEPTH", "65")
+    with pytest.raises(TraceFormatError, match="event 0 is a list"):
+        load(f)
+    # brackets inside strings are not nesting
+    f.write_text(json.dumps({"traceEvents": [{**_good()["traceEvents"][0], "name": "[" * 100 + "]" * 99}]}))
+    assert load(f).spans[0].name.startswith("[[[")
+    monkeypatch.setenv("TORSH_TRACE_MAX_DEPTH", "3GiB")
+    with pytest.raises(InvalidArgumentError, match="TORSH_TRACE_MAX_DEPTH='3GiB': expected a number of levels"):
+        load(f)
+
+
+def test_paths_that_are_not_regular_files(tmp_path):
+    import os
+
+    fifo = tmp_path / "rank0.json"
+    os.mkfifo(fifo)  # reading would block forever
+    for target in (fifo, "/dev/zero"):  # and this one would never end
+        with pytest.raises(TraceFormatError, match="not a regular file"):
+            load(target)
+
+
+def test_control_characters_and_markup_in_names_reach_the_terminal_escaped(tmp_path, capsys):
+    """Event names, lane names, step labels and metadata with terminal escape sequences (CSI, OSC, a C1
+    CSI), line breaks, bidirectional overrides and rich markup: `torsh timeline` and `torsh report` print
+    them escaped and literal."""
+    from tests.profiling.trace_fixtures import rank_trace
+
+    evil = "[bold red]x[/bold red]\x1b[2J\u009b31m\u202e"  # (the top table shows 48 characters of a name)
+    d = tmp_path / "t"
+    d.mkdir()
+    for r in range(2):
+        data = rank_trace(r)
+        for e in data["traceEvents"]:
+            if e.get("name") == "forward":
+                e["name"] = evil
+            if e.get("name") == "thread_name" and e["args"]["name"] == "main":
+                e["args"]["name"] = "m\x1b]0;owned\x07\n"  # OSC: sets the terminal's title
+            if e.get("cat") == "step":
+                e["args"]["label"] = f"lab{e['args']['step']}\x1b[1m"
+        data["otherData"]["device"] = "gpu\x1b[5m"
+        (d / f"rank{r}.json").write_text(json.dumps(data))
+    tr = load(d)
+    names = {s.name for s in tr.spans}
+    assert "[bold red]x[/bold red]\\x1b[2J\\x9b31m\\u202e" in names
+    assert tr.ranks[0]["device"] == "gpu\\x1b[5m" and {ln.name for ln in tr.lanes} >= {"m\\x1b]0;owned\\x07\\x0a"}
+    assert cli(["timeline", str(d), "--width", "160", "--top", "20"]) == 0
+    assert cli(["report", str(d), "--width", "160"]) == 0
+    out = capsys.readouterr().out
+    bad = sorted({hex(ord(c)) for c in out if (ord(c) < 32 and c != "\n") or 0x7F <= ord(c) <= 0x9F or c == "\u202e"})
+    assert not bad, bad
+    assert "[bold red]x[/bold red]" in out and "\\x1b[2J" in out, "escaped and literal, not interpreted"
+    assert "r0 m\\x1b]0;owned\\x07\\x0a" in out and "lab0\\x1b[1m" in out

@@ -94,7 +94,8 @@ def show(console) -> int:
             win = f"{e['provider']}({meta})" if meta else e["provider"]
             sp = f"{e['default_ms'] / e['median_ms']:.2f}x" if e.get("default_ms") and e.get("median_ms") else "-"
             src = "-" if e.get("synced_from_rank") is None else f"rank {e['synced_from_rank']}"
-            t.add_row(ek, win, f"{e['median_ms']:.4f} ms", e.get("default", "-"), sp, e.get("tuned_at", ""), src)
+            ms = "-" if e.get("median_ms") is None else f"{e['median_ms']:.4f} ms"  # hand-written: may be absent
+            t.add_row(ek, win, ms, e.get("default", "-"), sp, e.get("tuned_at", ""), src)
         console.print(t)
     return 0
 

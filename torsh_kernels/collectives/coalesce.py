@@ -14,7 +14,9 @@ Order. Anything that could put the recorded all-reduces out of order sends them 
 other than an asynchronous all-reduce (a synchronous one, an all-gather, a broadcast, ...), a wait on
 a handle of the batch, a second all-reduce of a tensor already in the batch, and the end of the batch.
 So the sequence of collectives on the wire is a function of the sequence of calls alone, and ranks
-that make the same calls issue the same collectives, as without coalescing.
+that make the same calls issue the same collectives, as without coalescing. A batch whose block ends
+with an exception is not sent: the failing rank recorded only part of it, which as one all-reduce would
+not match its peers'; their collective then fails with a typed error (the peer exited, or the timeout).
 
 Contract, as for any asynchronous collective: a tensor given to ``all_reduce(async_op=True)`` is not
 read or written by the caller until its handle is waited on. Inside a batch it is read when the batch
@@ -29,6 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from ..errors import CollectiveError
 from .communicator import Communicator, Handle
 
 __all__ = ["Coalescer"]
@@ -37,7 +40,7 @@ __all__ = ["Coalescer"]
 class _Group:
     """The all-reduces of one batch that travel together: one flat buffer, one handle."""
 
-    __slots__ = ("copied", "flat", "handle", "op", "tensors")
+    __slots__ = ("abandoned", "copied", "flat", "handle", "op", "tensors")
 
     def __init__(self, op: str) -> None:
         self.op = op
@@ -45,6 +48,7 @@ class _Group:
         self.flat: torch.Tensor | None = None
         self.handle: Handle | None = None
         self.copied = False
+        self.abandoned = False  # its batch ended with an error before it was sent: it never will be
 
     def send(self, comm: Communicator) -> None:
         ts = self.tensors
@@ -77,7 +81,16 @@ class _Deferred:
         self._batch = batch
         self._group = group
 
+    def _abandoned(self) -> CollectiveError:
+        return CollectiveError(
+            f"all_reduce ({len(self._group.tensors)} tensor(s) coalesced): the batch it was recorded in ended with "
+            "an error before it was sent, so it was not sent (a part of a batch would not match the other ranks' "
+            "collective); start the step again on every rank"
+        )
+
     def wait(self) -> None:
+        if self._group.abandoned:
+            raise self._abandoned()
         if self._group.handle is None:
             self._batch.send()  # waited on inside its batch: send what is recorded, in order
         self._group.finish()
@@ -86,10 +99,19 @@ class _Deferred:
         g = self._group
         return g.handle is not None and (g.copied or g.handle.is_completed())
 
+    @property
+    def error(self):
+        """The typed error the batch's collective failed with (see ``_TorchHandle.error``), or None."""
+        return getattr(self._group.handle, "error", None)
+
     def future(self) -> torch.futures.Future | None:
         """A future completing once the result is in the tensor (see ``_TorchHandle.future``); None where the
         transport's handle offers none. Sends the batch if it has not been sent."""
         g = self._group
+        if g.abandoned:
+            f: torch.futures.Future = torch.futures.Future()
+            f.set_exception(self._abandoned())
+            return f
         if g.handle is None:
             self._batch.send()
         get = getattr(g.handle, "future", None)
@@ -126,6 +148,11 @@ class _Batch:
         for g in groups.values():
             g.send(self.comm)
 
+    def abandon(self) -> None:
+        groups, self.groups, self.ptrs = self.groups, {}, set()
+        for g in groups.values():
+            g.abandoned = True
+
 
 class Coalescer:
     """A communicator that can send several asynchronous all-reduces as one (see the module docstring).
@@ -151,8 +178,11 @@ class Coalescer:
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Coalesce the asynchronous all-reduces issued inside the block; they are sent when it ends (also
-        when it ends with an exception: peers that did not fail are waiting for them)."""
+        """Coalesce the asynchronous all-reduces issued inside the block; they are sent when it ends. When
+        it ends with an exception, what is still recorded is not sent (its handles raise
+        ``CollectiveError``): a rank that failed part-way recorded only part of the batch, and that part as
+        one all-reduce would not match the other ranks' (gloo aborts the process on a size mismatch, or
+        fills a buffer with what it got); its peers fail in their collective instead, with a typed error."""
         if self._batch is not None:
             yield
             return
@@ -161,8 +191,7 @@ class Coalescer:
             yield
         except BaseException:
             self._batch = None
-            with contextlib.suppress(Exception):  # the block's own error is the one to report
-                b.send()
+            b.abandon()
             raise
         self._batch = None
         b.send()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
 import threading
 import zlib
@@ -136,7 +137,7 @@ class CompletedHandle:
 class _TorchHandle:
     """A torch ``Work`` plus what to do once it completes (a copy back, a division for ``avg``)."""
 
-    __slots__ = ("_comm", "_done", "_fut", "_span", "_then", "_what", "_works")
+    __slots__ = ("_comm", "_done", "_fut", "_span", "_then", "_what", "_works", "error")
 
     def __init__(self, comm: TorchCommunicator, works: list, what: str, then: Callable[[], None] | None = None,
                  span=None):  # fmt: skip
@@ -147,6 +148,10 @@ class _TorchHandle:
         self._done = False
         self._fut = None
         self._span = span  # the timeline's interval of this collective, when a recorder is active
+        self.error: CollectiveError | None = None
+        """The typed error the work failed with, once it failed. torch's futures turn an exception raised
+        in a callback into a ``RuntimeError`` ("Got the following error when running the callback: ..."),
+        so code that waits on :meth:`future` recovers the ``CollectiveError`` here."""
 
     def future(self) -> torch.futures.Future | None:
         """A ``torch.futures.Future`` that completes (with None) once the work is done and its follow-up
@@ -174,7 +179,8 @@ class _TorchHandle:
             except Exception as e:
                 if self._span is not None:
                     self._span.end(error=f"{type(e).__name__}")
-                raise c._failure(self._what, e) from e
+                self.error = c._failure(self._what, e)
+                raise self.error from e
             self._done = True
             if self._then is not None:
                 self._then()
@@ -202,7 +208,8 @@ class _TorchHandle:
         except Exception as e:  # gloo / NCCL report peer loss and timeouts as RuntimeError (or subclasses)
             if self._span is not None:
                 self._span.end(error=f"{type(e).__name__}")
-            raise c._failure(self._what, e) from e
+            self.error = c._failure(self._what, e)
+            raise self.error from e
         self._done = True
         if self._span is not None:
             self._span.end()  # no-op where the backend's completion callback ended it already
@@ -211,6 +218,16 @@ class _TorchHandle:
 
     def is_completed(self) -> bool:
         return self._done or all(w is None or w.is_completed() for w in self._works)
+
+
+_TIMEOUT_WORDS = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def is_timeout(e: BaseException) -> bool:
+    """Whether a backend's error reports a timeout. gloo raises a plain ``RuntimeError`` ("Operation timed
+    out!", or "Timed out waiting ... for recv" and the like) when the group's timeout expires, and
+    ``Work.wait(timeout)`` another one; only a few backends raise ``TimeoutError`` itself."""
+    return isinstance(e, TimeoutError) or bool(_TIMEOUT_WORDS.search(str(e).split("\n", 1)[0]))
 
 
 def is_dtensor(t: object) -> bool:
@@ -392,8 +409,14 @@ class CommunicatorBase:
                 "match in the order they are issued: pass tag=0"
             )
 
+    def failure(self, what: str, e: BaseException) -> CollectiveError:
+        """The typed error for a backend call of ``what`` on this communicator's group that failed with ``e``
+        (``CollectiveTimeoutError`` for a timeout, else ``CollectiveError``), for code that makes such a
+        call itself (FSDP2's in-place all-gather, whose buffers overlap as no communicator call allows)."""
+        return self._failure(what, e)
+
     def _failure(self, what: str, e: BaseException) -> CollectiveError:
-        cls = CollectiveTimeoutError if isinstance(e, TimeoutError) else CollectiveError
+        cls = CollectiveTimeoutError if is_timeout(e) else CollectiveError
         return cls(
             f"{what} failed on rank {self._rank} of {self._world} ({self._backend}, global ranks "
             f"{self._ranks}): {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}. "

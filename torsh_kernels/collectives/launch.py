@@ -7,6 +7,11 @@ exits, the others are given ``op_timeout`` seconds (their collectives fail with 
 that time) and are then terminated; :class:`~torsh_kernels.errors.RankFailedError` names each failed
 rank with its error and traceback, and carries the values of the ranks that finished. Nothing hangs
 past ``timeout``.
+
+``start_method="forkserver"`` starts the ranks from a server process that imported torch, torsh_kernels
+and ``fn``'s module once (about 2 s, paid by the first call of the process), so each later launch costs
+a fork instead of a fresh interpreter importing torch: for programs (test suites) that launch many
+small jobs. ``"spawn"`` (default) starts fresh interpreters.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ from .. import _trace
 from ..errors import InvalidArgumentError, RankFailedError
 from .communicator import TorchCommunicator
 
-__all__ = ["init_from_env", "run_local"]
+__all__ = ["START_METHODS", "init_from_env", "run_local"]
+
+START_METHODS = ("spawn", "forkserver")
+"""How :func:`run_local` starts its ranks (see the module docstring)."""
 
 
 def init_from_env(backend: str | None = None, *, timeout: float = 300.0, **kwargs) -> TorchCommunicator:
@@ -77,6 +85,19 @@ def _child(rank, world, fn, args, init, backend, op_timeout, threads, results) -
     os._exit(0 if status[0] == "ok" else 1)  # skip interpreter teardown (threads of a failed backend)
 
 
+def _preload(ctx, fn: Callable[..., Any]) -> None:
+    """What the fork server imports before it forks any rank (only the first call's list counts: the
+    server keeps running for the rest of the process)."""
+    from multiprocessing import forkserver
+
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # not started yet
+        mods = ["torch", "torch.distributed", "torsh_kernels", "torsh_kernels.collectives.launch"]
+        mod = getattr(fn, "__module__", None)
+        if mod and mod != "__main__":
+            mods.append(mod)
+        ctx.set_forkserver_preload(mods)
+
+
 def run_local(
     fn: Callable[..., Any],
     world_size: int,
@@ -85,12 +106,15 @@ def run_local(
     timeout: float = 300.0,
     op_timeout: float = 30.0,
     threads: int | None = None,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(comm, *args)`` on ``world_size`` fresh local processes; return their results by rank.
 
     ``fn`` must be importable by name (a module-level function), ``args`` and results picklable.
     ``op_timeout`` bounds each collective (the process group's timeout); ``timeout`` bounds the whole
     run. ``threads``: torch intra-op threads per rank (default: the CPU count divided among the ranks).
+    ``start_method``: "spawn" (fresh interpreters) or "forkserver" (forks of a server that has imported
+    torch, torsh_kernels and ``fn``'s module; see the module docstring).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidArgumentError(f"run_local: world_size must be an int >= 1, got {world_size!r}")
@@ -100,9 +124,13 @@ def run_local(
         raise InvalidArgumentError(f"run_local: backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and not torch.cuda.is_available():
         raise InvalidArgumentError("run_local: backend='nccl' needs CUDA; use backend='gloo' on this machine")
+    if start_method not in START_METHODS:
+        raise InvalidArgumentError(f"run_local: start_method must be one of {START_METHODS}, got {start_method!r}")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx = torch.multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        _preload(ctx, fn)
     tmp = tempfile.mkdtemp(prefix="torsh-run-")
     init = "file://" + os.path.join(tmp, "store")
     results = ctx.Queue()

@@ -26,7 +26,7 @@ from .. import _trace
 from .._env import fmt_bytes
 from ..collectives.communicator import Communicator, as_communicator, reject_dtensor
 from ..collectives.cost_model import Link
-from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, ShapeError
+from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, ShapeError, TorshKernelsError
 from ..ops import COMPRESS_DTYPES
 from .base import CompressionState, Compressor
 from .cast import NoCompression
@@ -44,8 +44,8 @@ class CompressedReduction:
     hook and the gradient synchronizer pipeline them that way (PowerSGD's P round of one bucket travels
     while the Q round of the one before is computed)."""
 
-    __slots__ = ("_gen", "_pending", "_trace_args", "bytes_sent", "compute_s", "done", "rounds", "single_round",
-                 "tensors", "wait_s")  # fmt: skip
+    __slots__ = ("_gen", "_pending", "_trace_args", "bytes_sent", "compute_s", "done", "error", "rounds",
+                 "single_round", "tensors", "wait_s")  # fmt: skip
 
     def __init__(
         self, tensors: list[torch.Tensor], gen, compressor: str = "none", algorithm: str = "all_reduce", *,
@@ -65,6 +65,10 @@ class CompressedReduction:
         self.single_round = single_round
         """The caller knows the reduction has one round: no collective follows the first, so its decode may
         run from the collective's completion callback (:meth:`future`)."""
+        self.error: BaseException | None = None
+        """Why the reduction failed in :meth:`future`'s completion callback (a ``CollectiveError``, the
+        decode's ``NonFiniteError``, ...). torch's futures turn an exception raised in a callback into a
+        ``RuntimeError`` that names it; a caller waiting on the future re-raises this one instead."""
         self._gen = gen
         self._pending: list = []
         self._trace_args = (compressor, algorithm)
@@ -160,20 +164,36 @@ class CompressedReduction:
         n = len(futs)
 
         def finish(f: torch.futures.Future) -> list[torch.Tensor]:
-            v = f.value()  # raises the collective's error
-            if n > 1:
-                for x in v:
-                    x.value()
-            self._pending = []
-            self._resume()  # the decode
-            if not self.done:
-                raise InvalidArgumentError(
-                    "CompressedReduction.future: the reduction issued a second round from a completion "
-                    "callback; it was marked single_round wrongly"
-                )
-            return self.tensors if then is None else then()
+            try:
+                v = f.value()  # raises the collective's error
+                if n > 1:
+                    for x in v:
+                        x.value()
+                self._pending = []
+                self._resume()  # the decode
+                if not self.done:
+                    raise InvalidArgumentError(
+                        "CompressedReduction.future: the reduction issued a second round from a completion "
+                        "callback; it was marked single_round wrongly"
+                    )
+                return self.tensors if then is None else then()
+            except BaseException as e:
+                self.error = typed_error(e, self._pending)
+                raise
 
         return fut.then(finish)
+
+
+def typed_error(e: BaseException, handles: Sequence[object] = ()) -> BaseException:
+    """``e`` if it is a torsh error, else the typed error one of ``handles`` failed with (torch's futures
+    hand a callback's exception on as a ``RuntimeError`` naming it), else ``e``."""
+    if isinstance(e, TorshKernelsError):
+        return e
+    for h in handles:
+        err = getattr(h, "error", None)
+        if err is not None:
+            return err
+    return e
 
 
 def compressed_all_reduce(

@@ -189,6 +189,22 @@ def raise_if_nonfinite(t: torch.Tensor, what: str) -> None:
         raise NonFiniteError(f"{what}: {bad} non-finite element(s) (NaN/Inf) in the tensor or its payload")
 
 
+def raise_if_reduced_nonfinite(t: torch.Tensor, compressor: Compressor) -> None:
+    """NonFiniteError if an all-reduced payload holds NaN or Inf although every rank checked its own input:
+    a sum that overflowed, or a payload corrupted on the way. Every rank holds the same sum, so every rank
+    raises, before anything is decoded into the output or the compressor's state. (Gathered payloads are
+    not checked: top-k's values and int8's scales are finite when the input is, and their decode runs in
+    a completion callback, where a host read would wait for the collective on a GPU.)"""
+    bad = int(count_nonfinite(t))
+    if bad:
+        raise NonFiniteError(
+            f"compressed_all_reduce ({compressor.name}): the reduced payload holds {bad} non-finite element(s) "
+            "(NaN/Inf) although each rank's input was checked: a rank's payload turned non-finite on the way "
+            "(an overflow, a corrupted buffer); nothing was decoded and every rank raises this. Skip the step, "
+            "or pass check_finite=False to the compressor to let it through"
+        )
+
+
 # -- the contract ---------------------------------------------------------------------------------------
 
 
@@ -324,6 +340,7 @@ def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor, p
     """Linear compressors: per round, every tensor's payload in one flat all-reduce per dtype. ``plain``
     tensors (uncompressed, averaged in place) join the first round's all-reduce of their dtype."""
     ws = comm.world_size
+    check = getattr(compressor, "check_finite", False)
     prescaled = compressor.prescale  # divided by ws before the sum so the payload dtype cannot overflow
     if plain and prescaled:
         raise InvalidArgumentError("linear_rounds: plain tensors cannot ride along a prescaled payload")
@@ -349,6 +366,9 @@ def linear_rounds(tensors, states, comm: Communicator, compressor: Compressor, p
             handles.append(comm.all_reduce(flat, "sum", async_op=True))
             bufs.append((items, flat, layout))
         yield handles, nbytes
+        if check:  # every rank holds the same sums: all raise alike, before anything is decoded
+            for _, flat, _ in bufs:
+                raise_if_reduced_nonfinite(flat, compressor)
         for items, flat, layout in bufs:
             if layout is not None:
                 for (i, name, t), v in zip(items, layout.views(flat)):

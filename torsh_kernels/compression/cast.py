@@ -17,7 +17,7 @@ import torch
 
 from ..collectives.communicator import Communicator
 from ..errors import NonFiniteError
-from ..ops import flatten, unflatten, wire_cast
+from ..ops import count_nonfinite, flatten, unflatten, wire_cast
 from .base import (
     Compressor,
     Payload,
@@ -105,7 +105,12 @@ class _Cast(Compressor):
 
 @dataclass(slots=True)
 class NoCompression(_Cast):
-    """Send the tensor as it is (its own dtype); the payload is a view of the input."""
+    """Send the tensor as it is (its own dtype); the payload is a view of the input.
+
+    ``check_finite`` checks the all-reduced average, not each rank's input: every rank holds the same
+    average, so a NaN/Inf that any rank sent raises :class:`~torsh_kernels.errors.NonFiniteError` on every
+    rank alike (with the average, NaN included, in the tensor), where a check of the input would raise on
+    the rank that holds it alone and leave the others waiting for its collective."""
 
     identity = True
     passes = 0.0
@@ -129,14 +134,20 @@ class NoCompression(_Cast):
 
     def _rounds(self, tensors, states, comm: Communicator) -> Rounds:
         # the payload is the tensor itself: one fused flatten, all-reduce, unflatten with the 1/ws scale
-        for t, s in zip(tensors, states):
-            self.compress(t, s)  # the finite check and the step count
+        for s in states:
+            s.step += 1
         flat, layout = (tensors[0].view(-1), None) if len(tensors) == 1 else flatten(tensors)
         yield [comm.all_reduce(flat, "sum", async_op=True)], flat.numel() * flat.element_size()
         if layout is None:
             flat.div_(comm.world_size)
         else:
             unflatten(flat, layout, tensors, scale=1.0 / comm.world_size)
+        if self.check_finite and (bad := int(count_nonfinite(flat))):  # the same sum on every rank
+            raise NonFiniteError(
+                f"compressed_all_reduce (uncompressed): the average holds {bad} non-finite element(s) (NaN/Inf) "
+                "sent by some rank; every rank raises this, with the average in the tensor. Skip the step, or "
+                "find the rank whose gradients overflowed"
+            )
 
 
 @dataclass(slots=True)

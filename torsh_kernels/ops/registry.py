@@ -261,6 +261,7 @@ def reload() -> None:
 
 
 tuning.on_reload(_clear_caches)
+tuning.set_providers(PROVIDERS)
 
 
 def _bucket(size: int) -> int:

@@ -13,6 +13,16 @@
   lookup here re-reads it when it changed (inode, size or mtime: one ``stat`` per lookup), but the
   registry's cached choices stay until :func:`reload` (the autotuner calls it after writing the file;
   call it yourself after changing the file from another process).
+- **Validation.** :func:`load_cache` checks the file against the cache's schema: a file that is not a
+  regular file, larger than :data:`MAX_CACHE_BYTES`, not JSON or not an object of this format is read as
+  empty; an environment or entry of the wrong shape (an entry without ``provider``, a provider name that
+  does not exist, ``meta`` names or values outside the op's search space, such as an absurd ``BLOCK`` or
+  ``num_warps``, fields of the wrong type) is skipped. Either way one warning per version of the file
+  names what was skipped (never one per call), and no op call ever raises because of the cache.
+- **Writing.** :func:`update_cache` is the one writer: under the cache's file lock (an ``flock`` on
+  ``tuning.json.lock`` beside it) it re-reads the file, applies the change and replaces the file through
+  an exclusive, symlink-safe temporary file (:mod:`torsh_kernels._files`), so concurrent writers (ranks
+  tuning at once) lose no entry and a planted symlink redirects nothing.
 - **Search spaces.** Each tunable op declares a :class:`TuneSpace` next to its kernels and registers it
   with :func:`register_space`: how to build fresh random inputs of a given size, how to run the op with
   a provider, how to check the output against the torch reference, and the meta-parameter choices per
@@ -36,10 +46,12 @@ from typing import Any
 import torch
 
 from .._env import versions
+from .._files import locked, read_capped, write_atomic
 
 __all__ = [
     "CACHE_FORMAT",
     "ENV_CACHE_DIR",
+    "MAX_CACHE_BYTES",
     "Candidate",
     "TuneSpace",
     "bucket_of",
@@ -54,12 +66,15 @@ __all__ = [
     "register_space",
     "reload",
     "spaces",
+    "update_cache",
 ]
 
 log = logging.getLogger("torsh_kernels")
 
 ENV_CACHE_DIR = "TORSH_KERNELS_CACHE_DIR"
 CACHE_FORMAT = 1
+MAX_CACHE_BYTES = 64 << 20
+"""A cache file larger than this is not read (thousands of entries take a few MB)."""
 
 
 def cache_dir() -> Path:
@@ -124,18 +139,133 @@ def entry_key(op: str, dtype: torch.dtype, bucket: int) -> str:
 # Reading the cache
 
 
+def _empty() -> dict[str, Any]:
+    return {"format": CACHE_FORMAT, "environments": {}}
+
+
+class _Unusable(Exception):
+    """The cache file cannot be used at all (raised and caught inside :func:`load_cache`)."""
+
+
+_WARNED: set[tuple[str, int]] = set()
+
+
+def _warn_once(path: Path, key: object, message: str) -> None:
+    """Log ``message`` once per (file, contents): a cache read again and again warns once."""
+    k = (str(path), hash(key))
+    if k not in _WARNED:
+        _WARNED.add(k)
+        log.warning("torsh_kernels: %s", message)
+
+
 def load_cache(path: Path | None = None) -> dict[str, Any]:
-    """The cache's contents (an empty cache when the file is missing, unreadable or of another format)."""
+    """The cache's valid contents: ``{"format": 1, "environments": {key: {"env": {...}, "entries": {...}}}}``
+    holding only what passes the schema (see the module docstring); an empty cache when the file is missing
+    or unusable. What is skipped is logged once per version of the file."""
     path = path or cache_path()
     try:
-        data = json.loads(path.read_text())
+        raw = read_capped(path, MAX_CACHE_BYTES, _Unusable)
+        data = json.loads(raw)
     except FileNotFoundError:
-        return {"format": CACHE_FORMAT, "environments": {}}
-    except (OSError, ValueError) as e:
-        log.warning("torsh_kernels: ignoring the unreadable tuning cache %s (%s)", path, e)
-        return {"format": CACHE_FORMAT, "environments": {}}
+        return _empty()
+    except (OSError, ValueError, RecursionError, _Unusable) as e:
+        _warn_once(path, f"{type(e).__name__}{e}", f"ignoring the unreadable tuning cache {path} ({e}); "
+                   "`torsh tune --clear` removes it")  # fmt: skip
+        return _empty()
+    clean, problems = _validated(data)
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        _warn_once(path, raw, f"the tuning cache {path}: skipped {'; '.join(problems[:5])}{more}; the rest is used "
+                   "(`torsh tune --force` rewrites entries, `torsh tune --clear` removes the file)")  # fmt: skip
+    return clean
+
+
+def _validated(data: Any) -> tuple[dict[str, Any], list[str]]:
+    """(the valid part of a parsed cache, what was skipped and why)."""
+    out = _empty()
+    if not isinstance(data, dict):
+        return out, [f"everything: the top level is {_kind(data)}, expected an object"]
     if data.get("format") != CACHE_FORMAT:
-        return {"format": CACHE_FORMAT, "environments": {}}
+        return out, [f"everything: format {data.get('format')!r}, this version reads format {CACHE_FORMAT}"]
+    envs = data.get("environments")
+    if not isinstance(envs, dict):
+        return out, [f"everything: 'environments' is {_kind(envs)}, expected an object"]
+    problems = []
+    for key, env in envs.items():
+        if not isinstance(env, dict) or not isinstance(env.get("entries"), dict):
+            problems.append(f"environment {key[:60]!r} (expected an object with an 'entries' object)")
+            continue
+        info = env.get("env")
+        if not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
+            info = {}  # only shown; the key says which environment it is
+        entries = {}
+        for ek, e in env["entries"].items():
+            why = _entry_problem(ek, e)
+            if why is None:
+                entries[ek] = e
+            else:
+                problems.append(f"entry {ek[:60]!r} ({why})")
+        out["environments"][key] = {"env": info, "entries": entries}
+    return out, problems
+
+
+def _kind(v: Any) -> str:
+    return "null" if v is None else f"a {type(v).__name__}"
+
+
+_GENERIC_META_MAX = 1 << 20  # an op without a search space: positive ints up to this
+
+
+def _entry_problem(key: str, e: Any) -> str | None:
+    """Why an entry cannot be used, or None."""
+    if not isinstance(e, dict):
+        return f"{_kind(e)}, expected an object"
+    prov = e.get("provider")
+    if not isinstance(prov, str) or prov not in _PROVIDERS:
+        return f"provider {prov!r} is not one of {', '.join(_PROVIDERS)}" if "provider" in e else "no provider"
+    meta = e.get("meta")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            return f"meta is {_kind(meta)}, expected an object"
+        space = _SPACES.get(key.split(" | ", 1)[0])
+        grid = space.meta.get(prov, {}) if space is not None else None
+        for name, v in meta.items():
+            if isinstance(v, bool) or not isinstance(v, int):
+                return f"meta {name}={v!r} is not an integer"
+            if grid is None:
+                if not 1 <= v <= _GENERIC_META_MAX:
+                    return f"meta {name}={v} is outside 1..{_GENERIC_META_MAX}"
+            elif v not in grid.get(name, ()):
+                choices = grid.get(name)
+                return (f"meta {name}={v} is not among the {prov} search space's {name} values {list(choices)}"
+                        if choices else f"the {prov} provider of this op has no meta-parameter {name!r}")  # fmt: skip
+    for name in ("median_ms", "default_ms"):
+        v = e.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf):
+            return f"{name}={v!r} is not a time in ms"
+    for name in ("default", "tuned_at", "strategy"):
+        if not isinstance(e.get(name, ""), str):
+            return f"{name} is {_kind(e[name])}, expected a string"
+    for name in ("candidates", "dropped", "pruned", "source_env"):
+        if not isinstance(e.get(name, {}), dict):
+            return f"{name} is {_kind(e[name])}, expected an object"
+    r = e.get("synced_from_rank")
+    if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+        return f"synced_from_rank={r!r} is not a rank"
+    return None
+
+
+def update_cache(update: Callable[[dict[str, Any]], None], path: Path | None = None) -> dict[str, Any]:
+    """Change the cache file: under its lock, read it afresh (:func:`load_cache`), call ``update(data)``
+    to change ``data`` in place, and replace the file with the result (an exclusive, symlink-safe temporary
+    file, then ``os.replace``). Then :func:`reload`. Returns what was written. Raises
+    :class:`~torsh_kernels.errors.FileAccessError` when the cache's directory cannot be written."""
+    path = path or cache_path()
+    with locked(path, what="tuning cache"):
+        data = load_cache(path)
+        update(data)
+        write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n", what="tuning cache")
+    reload()
     return data
 
 
@@ -182,6 +312,17 @@ class _Store:
 
 _STORE = _Store()
 _RELOAD_HOOKS: list[Callable[[], None]] = []
+
+
+_PROVIDERS: tuple[str, ...] = ()
+"""The provider names an entry may hold: the registry's ``PROVIDERS``, handed over by :func:`set_providers`
+when the registry is imported (it imports this module, so this module cannot import it)."""
+
+
+def set_providers(names: Sequence[str]) -> None:
+    """The provider names a cache entry may name (the registry calls this once, with its ``PROVIDERS``)."""
+    global _PROVIDERS
+    _PROVIDERS = tuple(names)
 
 
 def on_reload(fn: Callable[[], None]) -> None:

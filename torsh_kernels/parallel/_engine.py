@@ -45,7 +45,7 @@ from ..compression import (
     NoCompression,
 )
 from ..compression.allreduce import issue
-from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError
+from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError, NonFiniteError
 from ..ops import COMPRESS_DTYPES, count_nonfinite, flatten, unflatten
 from .auto import AUTO, AutoSelector
 
@@ -202,6 +202,7 @@ class BucketCompressor:
         "_skip",
         "_snapshots",
         "_stateless",
+        "_sums",
         "_unchecked",
         "_used",
         "auto",
@@ -285,6 +286,7 @@ class BucketCompressor:
         self._plans: dict[tuple, _BucketPlan] = {}
         self._used: set[tuple[int, ...]] = set()
         self._plain_c = NoCompression(check_finite=False)
+        self._sums: list = []  # this iteration's uncompressed averages and their sums, checked at its end
         self._stateless = CompressionState()  # the state handed to stateless compressors (casts, plain)
         # the pending or made compressor="auto" choice (None for a fixed compressor)
         self.auto = AutoSelector(self._candidate_engine, auto_candidates) if auto else None
@@ -418,7 +420,10 @@ class BucketCompressor:
         any state is touched. That wait also waits for the collectives already in flight (they complete
         in order), so under "propagate" a stateful compressor's buckets no longer overlap each other's
         communication. Otherwise False without communicating: under "raise" the compressors' own check
-        raises; a stateless compressor (uncompressed, the casts) passes NaN/Inf through unchecked.
+        raises (a compressor's on the rank whose input holds NaN/Inf, its peers then fail in the
+        collective it does not join; uncompressed buckets on every rank, from :meth:`check_averages`);
+        under "propagate" a stateless compressor (uncompressed, the casts) passes NaN/Inf through
+        unchecked.
         Call it before :meth:`start` for every bucket: with ``compressor="auto"`` the choice is made here
         when it is due, so that the bucket is screened for the chosen compressor."""
         mode = self.mode()
@@ -540,7 +545,7 @@ class BucketCompressor:
         if flat is not None:  # the whole bucket may travel as it is: no need to look at its gradients
             plan = self._plans.get((tuple(keys), flat.dtype, comm.world_size))
             if plan is not None and (self.iteration < self.start_iter or c.identity):
-                return [self._whole([], flat, comm, self._plain_c)], None
+                return [self._plain([], flat, comm, propagate)], None
             if plan is not None and not plan.compressed and not plan.plain:
                 return [self._whole([], flat, comm, c, plan.work)], None
         if callable(grads):
@@ -549,7 +554,7 @@ class BucketCompressor:
             grads = list(grads)
         plan = self._plan(grads, keys, comm)
         if self.iteration < self.start_iter or c.identity:
-            return [self._whole(grads, flat, comm, self._plain_c)], None
+            return [self._plain(grads, flat, comm, propagate)], None
         if not plan.compressed and not plan.plain:  # elementwise: the bucket as one tensor
             return [self._whole(grads, flat, comm, c, plan.work)], None
         reductions: list[CompressedReduction] = []
@@ -559,7 +564,7 @@ class BucketCompressor:
             if plan.carry is None:
                 plan.carry = _carries(c, plan, plain, comm.world_size)
             if not plan.carry:
-                reductions.append(self._whole(plain, None, comm, self._plain_c))
+                reductions.append(self._plain(plain, None, comm, propagate))
                 plain = []
         states = plan.states
         if states is None:
@@ -586,6 +591,39 @@ class BucketCompressor:
                                     single_round=plan.single_round, plain=plain))  # fmt: skip
         return reductions, finish
 
+    def _plain(self, grads: list[torch.Tensor], flat: torch.Tensor | None, comm: Communicator,
+               propagate: bool) -> CompressedReduction:  # fmt: skip
+        """An uncompressed reduction (as :meth:`_whole`). Under "propagate" NaN/Inf pass through (the
+        GradScaler skips the step). Under "raise" the decode (the division by the world size, in the
+        collective's completion callback for a one-round bucket) also sums each average, for
+        :meth:`check_averages`: no host read there, so nothing waits for the collective."""
+        if propagate:
+            return self._whole(grads, flat, comm, self._plain_c)
+        if flat is None:
+            flat = grads[0].view(-1) if len(grads) == 1 and grads[0].is_contiguous() else _as_one(grads)
+        tensors = [t for t in (grads if flat is None else [flat]) if t.numel()]
+        if not tensors:
+            return self._whole(grads, flat, comm, self._plain_c)
+        gen, alg = self._plain_c.reduce(tensors, [self._stateless] * len(tensors), comm)
+        return CompressedReduction(tensors, _summing(gen, tensors, self._sums), "none", alg, single_round=True)
+
+    def check_averages(self) -> None:
+        """Under "raise", once every bucket of the iteration is done: ``NonFiniteError`` if an uncompressed
+        average holds NaN/Inf. Every rank holds the same averages, so every rank raises alike (a rank that
+        checked its own input instead would raise alone and leave its peers waiting for its collective).
+        One host read per iteration, at its end, of the sums the decodes took; the exact count only when
+        one is not finite."""
+        sums, self._sums = self._sums, []
+        if not sums or math.isfinite(torch.stack([t for t, _ in sums]).sum().item()):
+            return
+        bad = sum(int(count_nonfinite(t.reshape(-1))) for _, t in sums)  # none: the sum itself overflowed
+        if bad:
+            raise NonFiniteError(
+                f"{bad} non-finite gradient element(s) (NaN/Inf) in this iteration's uncompressed average, sent by "
+                "some rank; every rank raises this (nonfinite='raise'), the averages are in the gradients: skip "
+                "the step. A GradScaler with nonfinite='propagate' skips such steps on every rank instead"
+            )
+
     def _whole(self, grads: list[torch.Tensor], flat: torch.Tensor | None, comm: Communicator,
                c: Compressor, st: CompressionState | None = None) -> CompressedReduction:  # fmt: skip
         """One single-round reduction of all ``grads`` through a stateless compressor (uncompressed or a
@@ -607,7 +645,7 @@ class BucketCompressor:
             self._saved, self._created, self._used = set(), set(), set()
             self.nonfinite_steps += 1
             return True
-        self._saved, self._created = set(), set()
+        self._saved, self._created, self._sums = set(), set(), []
         if self.auto is not None and self.auto.decision is None:
             self.auto.end_iteration()
         if self._used:
@@ -625,6 +663,7 @@ class BucketCompressor:
         """Forget what this iteration noted (a collective or a compressor failed mid-iteration): the next
         one saves its states afresh."""
         self._saved, self._created, self._skip = set(), set(), False
+        self._sums = []
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
@@ -670,6 +709,14 @@ class BucketCompressor:
         self._plans = {}
         self._used = set()
         self._snapshots, self._saved, self._created, self._skip = {}, set(), set(), False
+
+
+def _summing(gen, tensors: list[torch.Tensor], sink: list):
+    """``gen``'s rounds, then (average, its sum in fp32) of each tensor appended to ``sink`` (a list append:
+    safe from the backend's completion thread)."""
+    yield from gen
+    for t in tensors:
+        sink.append((t.sum(dtype=torch.float32).reshape(1), t))
 
 
 def _unchecked(c: Compressor) -> Compressor:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._env import fmt_bytes
-from ..collectives.communicator import as_communicator, is_communicator
+from ..collectives.communicator import TorchCommunicator, as_communicator, is_communicator
 from ..collectives.traffic import wire_bytes as _on_wire
 from ..compression import Compressor, NoCompression, compressed_all_reduce
 from ..errors import ArgumentTypeError, InvalidArgumentError
@@ -125,6 +125,7 @@ class _Transport:
     Communicator of the same ranks (NCCL through CuPy, RDMA, from ``make_communicator``)."""
 
     comm = None
+    _group_comms: dict | None = None
 
     def _set_comm(self, comm: object, what: str) -> None:
         if comm is not None and not is_communicator(comm, ("all_gather", "all_to_all", "world_size")):
@@ -142,15 +143,26 @@ class _Transport:
                 "ranks FSDP2 shards over (the shard mesh dimension)"
             )
 
+    def _group_comm(self, group) -> TorchCommunicator:
+        """A TorchCommunicator over FSDP2's ``group`` (made once per group)."""
+        if self._group_comms is None:
+            self._group_comms = {}
+        hit = self._group_comms.get(id(group))
+        if hit is None or hit[0] is not group:
+            hit = self._group_comms[id(group)] = (group, TorchCommunicator(group))
+        return hit[1]
+
+    def _over(self, group):
+        """The communicator the payload travels through: the given one, else a TorchCommunicator over
+        FSDP2's group, so that a peer's failure or a timeout raises a typed ``CollectiveError`` rather than
+        the backend's bare ``RuntimeError``."""
+        return self.comm if self.comm is not None else self._group_comm(group)
+
     def _wire_all_gather(self, recv: torch.Tensor, send: torch.Tensor, group, async_op: bool):
-        if self.comm is None:
-            return _all_gather(recv, send, group, async_op)
-        return _as_work(self.comm.all_gather(recv, send, async_op=async_op), async_op)
+        return _as_work(self._over(group).all_gather(recv, send, async_op=async_op), async_op)
 
     def _wire_all_to_all(self, recv: torch.Tensor, send: torch.Tensor, group, async_op: bool):
-        if self.comm is None:
-            return dist.all_to_all_single(recv, send, group=group, async_op=async_op)
-        return _as_work(self.comm.all_to_all(recv, send, async_op=async_op), async_op)
+        return _as_work(self._over(group).all_to_all(recv, send, async_op=async_op), async_op)
 
 
 def _as_work(handle, async_op: bool):
@@ -233,7 +245,10 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
         if x.dtype not in _FLOATS or out.dtype != x.dtype or n == 0 or subgroup:
             self.plain_calls += 1
             self.bytes_sent += _on_wire("all_gather", x.nbytes, ws)
-            return _all_gather(out, x, group, async_op)
+            try:  # in place on FSDP2's group (its input is a view of its output), as FSDP2's own all-gather
+                return _all_gather(out, x, group, async_op)
+            except Exception as e:
+                raise self._group_comm(group).failure("all_gather", e) from e
         self._check_ranks(group, what)
         w = _Wire(n, self.bits, self.block)
         send = torch.empty(w.total, dtype=torch.uint8, device=x.device)
@@ -340,15 +355,15 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
         chunks = acc.view(ws, n)
         for r in range(ws):
             w.encode(chunks[r], send[r * w.total : (r + 1) * w.total])
-        if res is not None:  # what quantizing lost: acc - dequantize(codes), for the next step
-            rv = res.view(ws, n)
-            rv.copy_(chunks)
-            for r in range(ws):
-                w.decode(send[r * w.total : (r + 1) * w.total], rv[r], accumulate=True, alpha=-1.0)
         recv = torch.empty_like(send)
         self.bytes_sent += _on_wire("all_to_all", send.numel(), ws)  # ws - 1 of its ws segments
 
         def reduce() -> None:
+            if res is not None:  # what quantizing lost, acc - dequantize(codes): kept once the collective is done
+                rv = res.view(ws, n)
+                rv.copy_(chunks)
+                for r in range(ws):
+                    w.decode(send[r * w.total : (r + 1) * w.total], rv[r], accumulate=True, alpha=-1.0)
             total = torch.zeros(n, dtype=torch.float32, device=x.device)
             for r in range(ws):  # the ranks' chunks of this shard, summed in fp32 in rank order
                 w.decode(recv[r * w.total : (r + 1) * w.total], total, accumulate=True)

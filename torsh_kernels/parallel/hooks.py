@@ -26,8 +26,10 @@ What a bucket goes through (``compression_hook(state, bucket)``):
   with the 1/world_size prescale, and send it in one all-reduce, as PyTorch's ``fp16_compress_hook``;
 - a bucket whose reduction has one round (warm-up, uncompressed, the casts, top-k, gathered int8/int4)
   is issued and the hook returns at once: the future it returns is the collective's own, with the
-  decode chained to it (``work.get_future().then(decode)``), so the hook never waits and DDP waits only
-  when backward is over;
+  decode chained to it (``work.get_future().then(decode)``), so the hook does not wait for it; the last
+  bucket's call waits for the iteration's one-round buckets (DDP would wait for them right after it),
+  so that a failed collective or decode is raised there as its typed error (DDP itself turns a future's
+  error into a bare ``RuntimeError``);
 - buckets with several rounds (PowerSGD's P then Q, sign's two phases, quantize's shared scale) are
   pipelined in a rank-independent order (see :mod:`._engine`), so several buckets work on gloo and NCCL
   alike; PowerSGD's P all-reduce of one bucket overlaps the Q round of the previous one. The hook waits
@@ -46,7 +48,11 @@ the all-reduce so that it skips the step. Under ``"propagate"`` (the default whi
 exists) a bucket holding NaN/Inf on any rank is averaged uncompressed, so every rank receives it, and
 the iteration is undone in the hook's state (residuals, PowerSGD's Q, step and iteration counts as
 before it); under ``"raise"`` (the default otherwise) the compressor raises
-:class:`~torsh_kernels.errors.NonFiniteError` before its state changes.
+:class:`~torsh_kernels.errors.NonFiniteError` before its state changes, on the rank whose gradients hold
+NaN/Inf (its peers then fail with ``CollectiveError``, or ``CollectiveTimeoutError`` while it stays alive
+without joining); the uncompressed buckets' averages (warm-up, ``compressor=None``) are summed by their
+decode and checked by the last bucket's call, and PowerSGD's all-reduced P and Q after their round, so
+those raise ``NonFiniteError`` on every rank alike.
 
 Sparse gradients (``nn.Embedding(sparse=True)``, which DDP puts in buckets of their own) are averaged
 uncompressed, as DDP does (``stats.sparse_buckets`` counts them).
@@ -77,7 +83,7 @@ from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import TorchCommunicator, is_communicator, resolve_group
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError, TorshKernelsError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
 
 if TYPE_CHECKING:
@@ -109,9 +115,9 @@ class HookStats:
     decode runs in the collective's completion callback (gloo's thread) and is counted there."""
     wait_s: float = 0.0
     """Seconds the hook waited for collectives (communication not hidden behind backward). Only
-    buckets with several rounds wait inside the hook; one-round buckets return the collective's future
-    and DDP waits for it after backward, outside the hook, so their wait is not counted here (it shows
-    in the step time)."""
+    buckets with several rounds are counted; one-round buckets return the collective's future, which the
+    last bucket's call waits for at the end of backward (where DDP would wait for it), not counted here
+    (it shows in the step time)."""
     async_buckets: int = 0
     """Buckets returned as the collective's own future (one round: no wait in the hook)."""
     sparse_buckets: int = 0
@@ -259,8 +265,8 @@ class CompressionHookState:
             every rank alike), else ``"raise"``.
     """
 
-    __slots__ = ("_comm", "_engine", "_given", "_keys", "_pipeline", "_seen", "_task", "_timeout", "_turn",
-                 "process_group", "stats")  # fmt: skip
+    __slots__ = ("_comm", "_engine", "_futures", "_given", "_keys", "_pipeline", "_seen", "_task", "_timeout",
+                 "_turn", "process_group", "stats")  # fmt: skip
 
     def __init__(
         self,
@@ -299,6 +305,7 @@ class CompressionHookState:
         self._timeout = timeout
         self._comm: Coalescer | None = None
         self._pipeline = ReductionPipeline()
+        self._futures: list = []  # this iteration's one-round buckets: (the future returned to DDP, reductions)
         self._keys: dict[int, int] = {}
         self._seen: set[int] = set()  # called per parameter: the parameters of the iteration so far
         self._task: int | None = None  # ... and the autograd graph task (the backward pass) they came from
@@ -373,6 +380,7 @@ class CompressionHookState:
         self.stats = d["stats"]
         self._comm = None
         self._pipeline = ReductionPipeline()
+        self._futures = []
         self._keys = {}
         self._seen = set()
         self._task = None
@@ -427,6 +435,8 @@ def compression_hook(
                 fut = _start(state, bucket, engine, comm, keys, buf, turn, span, nonfinite)
         if last:
             state._pipeline.drain(comm.batch)
+            _wait_one_round(state)
+            engine.check_averages()
             _end_iteration(state, turn)
     except BaseException:
         _start_over(state)
@@ -434,10 +444,26 @@ def compression_hook(
     return fut
 
 
+def _wait_one_round(state: CompressionHookState) -> None:
+    """Wait for the iteration's one-round buckets (their collectives were issued in order before this last
+    bucket's), raising the first failure as its typed error: DDP would wait for them right after the last
+    bucket, but it turns a future's error into a bare ``RuntimeError``."""
+    futs, state._futures = state._futures, []
+    for fut, reductions in futs:
+        try:
+            fut.wait()
+        except Exception:
+            typed = next((r.error for r in reductions if isinstance(r.error, TorshKernelsError)), None)
+            if typed is None:
+                raise
+            raise typed from None
+
+
 def _start_over(state: CompressionHookState) -> None:
     """After a failure: the collectives of this iteration are out of step with the other ranks, so the
     next call starts a fresh iteration (nothing in flight, nothing noted)."""
     state._pipeline = ReductionPipeline()
+    state._futures = []
     state._turn = _Turn(state.stats)
     state._seen = set()
     state._task = None
@@ -505,6 +531,7 @@ def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
             pipeline = ReductionPipeline()
             pipeline.submit(reductions, finish, span)
             pipeline.drain(comm.batch)
+            engine.check_averages()
             turn.record(grad.numel() * grad.element_size(), totals(reductions), False)
     except BaseException:
         _start_over(state)
@@ -537,6 +564,8 @@ def _start(state: CompressionHookState, bucket: dist.GradBucket, engine, comm: C
             futs = [r.future() for r in reductions]
             if all(f is not None for f in futs):
                 fut = _chain(futs, buf, reductions, before, turn, span)
+        if fut is not None:
+            state._futures.append((fut, reductions))
     if fut is None:
         fut = torch.futures.Future(devices=[buf.device] if buf.device.type == "cuda" else None)
 

@@ -38,7 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..collectives.communicator import Communicator, as_communicator
-from ..errors import ArgumentTypeError, InvalidArgumentError, ShapeError
+from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError
+from ..ops import count_nonfinite
 from ..ops.moe import (
     DROP_POLICIES,
     SCORES,
@@ -51,6 +52,7 @@ from ..ops.moe import (
     moe_unpermute,
     moe_z_loss,
 )
+from ._engine import NONFINITE, grad_scaler_in_use
 
 __all__ = ["ACTIVATIONS", "ExpertParallelMoE", "MoELayer"]
 
@@ -282,6 +284,7 @@ class ExpertParallelMoE(_MoEBase):
         )  # fmt: skip
         self.comm = comm
         self.last_dispatch: dict[str, object] = {}
+        self._nonfinite: str | None = None  # reduce_gradients(nonfinite="auto"), resolved at the first call
         if broadcast_router and W > 1:
             with torch.no_grad():
                 comm.broadcast(self.router.weight.data, 0)
@@ -335,14 +338,41 @@ class ExpertParallelMoE(_MoEBase):
         return moe_unpermute(yp, r, provider=self.provider).view(x.shape)
 
     @torch.no_grad()
-    def reduce_gradients(self, *, average: bool = False) -> None:
-        """Sum the router's gradients over the ranks; with ``average``, divide every gradient by W."""
+    def reduce_gradients(self, *, average: bool = False, nonfinite: str = "auto") -> None:
+        """Sum the router's gradients over the ranks; with ``average``, divide every gradient by W.
+
+        The all-reduce also carries whether any rank's gradients (router or experts) hold NaN/Inf (rows a
+        rank sent in the dispatch or combine spread them to the experts and tokens of others), so every
+        rank learns it at once. ``nonfinite="raise"``: every rank then raises ``NonFiniteError``, no
+        gradient changed; ``"propagate"``: the router's gradient is NaN on every rank, so that every rank's
+        ``GradScaler`` skips the step alike; ``"auto"`` (default): "propagate" when the process holds an
+        enabled ``torch.amp.GradScaler``, else "raise" (as the DDP hook's ``nonfinite``)."""
+        what = "ExpertParallelMoE.reduce_gradients"
+        if nonfinite not in NONFINITE:
+            raise InvalidArgumentError(f"{what}: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         W = self.comm.world_size
         w = self.router.weight
         if W > 1:  # every rank joins, also one whose router got no gradient
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
-            self.comm.all_reduce(w.grad)
+            if nonfinite == "auto":
+                if self._nonfinite is None:
+                    self._nonfinite = "propagate" if grad_scaler_in_use() else "raise"
+                nonfinite = self._nonfinite
+            g = w.grad
+            buf = torch.empty(g.numel() + 1, dtype=g.dtype, device=g.device)
+            buf[:-1] = g.reshape(-1)
+            buf[-1] = float(any(int(count_nonfinite(p.grad)) for p in self.parameters() if p.grad is not None))
+            self.comm.all_reduce(buf)
+            if buf[-1].item() > 0 or int(count_nonfinite(buf)):  # the same sum on every rank
+                if nonfinite == "raise":
+                    raise NonFiniteError(
+                        f"{what}: some rank's gradients (or its part of this all-reduce) hold NaN/Inf; every rank "
+                        "raises this and no gradient was changed. Skip the step (zero_grad), or train with a "
+                        "GradScaler and nonfinite='propagate'"
+                    )
+                buf[:-1] = float("nan")
+            g.copy_(buf[:-1].view_as(g))
         if average and W > 1:
             for p in self.parameters():
                 if p.grad is not None:

@@ -35,20 +35,46 @@ parameters). Nothing is lost beyond the chosen format's precision.
 
 Hyperparameters live in ``param_groups`` as in any optimizer (learning-rate schedulers work); they are
 passed to the wrapped optimizer at every step.
+
+**All or nothing.** ``step()`` and ``load_state_dict()`` either complete or, on any exception (the
+wrapped optimizer raising in some chunk, a gradient that cannot be gathered, a state value fp16 cannot
+hold, a parameter whose shape or device changed, an interrupt), leave the parameters, the gradients and
+the whole optimizer state (fp32 masters, packed states, step counts, hyperparameters, statistics)
+exactly as they were, and re-raise. ``step()`` does this with an undo log: before a chunk's masters are
+updated they are copied into a buffer that already exists and is free at that point (with
+``offload_gradients="step"``, the chunk's host gradient buffer: gradients are gathered into two
+chunk-sized buffers instead, which also double-buffer the transfers; with ``"backward"``, where the host
+gradients must survive a failed step, a spare host buffer of the masters' size, made on the first step);
+the packed state a chunk had is kept by reference until the step ends (its new state is packed into new
+buffers); small tensors (step counts) are cloned. The parameters on the device are written only once
+every chunk's update succeeded, from one device staging buffer allocated before the first chunk is
+touched (a failure while they are written, which the checks before make a device error, rolls the state
+back and writes the parameters already written again from the restored masters: exact, since the
+optimizer keeps each parameter equal to its master cast to the parameter's dtype, unless the parameter
+was changed outside the optimizer). Costs: host memory, two chunk-sized fp32 buffers (``"step"``; 2 x
+the largest chunk: ``chunk_mb`` unless one parameter is larger) or one fp32 copy of the masters
+(``"backward"``), plus, while a step runs, the old packed state (as much again as the stored state;
+``state_format="fp32"`` instead clones its fp32 state, the state's size); time, one copy of the fp32
+masters per step (and of the state under "fp32"); on CUDA the uploads of the new parameters no longer
+overlap the host update of the next chunk (they run after the last chunk, on the side stream; the next
+forward waits for them on the device, not the host). ``load_state_dict()`` validates the whole state
+dict first (types, shapes, dtypes, param groups, each state's keys against what the wrapped optimizer
+keeps) and raises a typed error before anything changes, then builds the new state beside the old and
+swaps it in.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from .. import _trace
 from ..collectives.communicator import is_dtensor
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, DTypeError, InvalidArgumentError, LayoutMismatchError, ShapeError
 from ..ops import BucketLayout, Packed, flatten, pack, unflatten, unpack
 
 __all__ = ["STATE_FORMATS", "OffloadedOptimizer"]
@@ -84,7 +110,7 @@ class _Chunk:
     """Parameters of one group updated together: their fp32 masters and gradients as flat host buffers."""
 
     __slots__ = ("grad_flat", "grad_views", "group", "h2d_done", "host_has", "inner", "layout", "master_flat",
-                 "masters", "params")  # fmt: skip
+                 "masters", "param_meta", "params", "spare")  # fmt: skip
 
     def __init__(self, group: int, params: list[torch.nn.Parameter], pin: bool) -> None:
         self.group = group
@@ -102,6 +128,21 @@ class _Chunk:
                 m.copy_(t.detach())
         self.inner: torch.optim.Optimizer | None = None
         self.h2d_done: torch.cuda.Event | None = None
+        self.spare: torch.Tensor | None = None  # offload_gradients="backward": the masters' undo copy in a step
+        self.param_meta = [(tuple(t.shape), t.device) for t in local]  # what the parameters must still be
+
+    def check_params(self, group_index: int) -> None:
+        """The parameters still have the shapes and device the masters were made for (else the step would
+        write some parameters and fail at another): a typed error before anything is touched."""
+        for p, (shape, dev) in zip(self.params, self.param_meta):
+            t = _local(p)
+            if tuple(t.shape) != shape or t.device != dev or not t.is_floating_point():
+                raise LayoutMismatchError(
+                    f"OffloadedOptimizer.step: a parameter of param group {group_index} is now {tuple(t.shape)} "
+                    f"{t.dtype} on {t.device}; its fp32 master was made for {shape} on {dev} when the optimizer was "
+                    "built. "
+                    "Build a new optimizer after changing parameters (shape, device), and load its state dict"
+                )
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -185,6 +226,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._d2h = torch.cuda.Stream(self._cuda)
             self._h2d = torch.cuda.Stream(self._cuda)
         self.stats: dict[str, float] = {"steps": 0, "bytes_to_host": 0, "bytes_to_device": 0, "state_bytes": 0}
+        self._grad_bufs: list[torch.Tensor] = []  # offload_gradients="step": two chunk-sized gradient buffers
+        self._state_keys: dict[str, dict[str, bool] | None] = {}  # load_state_dict: the keys the optimizer keeps
 
     # --------------------------------------------------------------------------------------- state
 
@@ -215,6 +258,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 del state[name]  # the fp32 tensor is freed; only the packed bytes remain
         if stored:
             self._packed[id(master)] = stored
+        else:
+            self._packed.pop(id(master), None)
 
     def _state_bytes(self) -> int:
         total = 0
@@ -228,63 +273,73 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------------------------------- step
 
-    def _gather_grads(self, c: _Chunk) -> tuple[list[bool], torch.cuda.Event | None]:
-        """Copy the chunk's gradients into its host grad buffer (async on CUDA); which params had one."""
+    def _gather_grads(self, c: _Chunk, buf: torch.Tensor) -> tuple[list[bool], torch.cuda.Event | None]:
+        """Copy the chunk's gradients into ``buf`` (async on CUDA); which params had one."""
         with _trace.span("offload grads to host", "offload", {"bytes": c.grad_flat.numel() * 4}, device=self._cuda):
-            return self._gather_grads_now(c)
+            return self._gather_grads_now(c, buf[: c.grad_flat.numel()])
 
-    def _gather_grads_now(self, c: _Chunk) -> tuple[list[bool], torch.cuda.Event | None]:
+    def _gather_grads_now(self, c: _Chunk, buf: torch.Tensor) -> tuple[list[bool], torch.cuda.Event | None]:
         has = [p.grad is not None for p in c.params]
         grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in c.params]
-        self.stats["bytes_to_host"] += c.grad_flat.numel() * 4
+        self.stats["bytes_to_host"] += buf.numel() * 4
         if self._cuda is None:
-            flatten(grads, out=c.grad_flat)
+            flatten(grads, out=buf)
             return has, None
         self._d2h.wait_stream(torch.cuda.current_stream(self._cuda))  # the gradients are ready
         with torch.cuda.stream(self._d2h):
             dev, _ = flatten(grads, dtype=torch.float32)  # one fused cast + copy on the device
-            c.grad_flat.copy_(dev, non_blocking=True)  # one transfer per chunk
+            buf.copy_(dev, non_blocking=True)  # one transfer per chunk
             dev.record_stream(self._d2h)
             ev = torch.cuda.Event()
             ev.record(self._d2h)
         return has, ev
 
-    def _scatter_params(self, c: _Chunk) -> None:
-        """Write the chunk's updated masters into the parameters (async on CUDA)."""
+    def _scatter_params(self, c: _Chunk, stage: torch.Tensor | None) -> None:
+        """Write the chunk's updated masters into the parameters (async on CUDA, through ``stage``)."""
         with _trace.span("offload params to device", "offload", {"bytes": c.master_flat.numel() * 4},
                          device=self._cuda):  # fmt: skip
-            self._scatter_params_now(c)
+            self._scatter_params_now(c, stage)
 
-    def _scatter_params_now(self, c: _Chunk) -> None:
+    def _scatter_params_now(self, c: _Chunk, stage: torch.Tensor | None) -> None:
         params = [_local(p).detach() for p in c.params]  # (FSDP2: the shard, in FSDP2's own storage)
         self.stats["bytes_to_device"] += c.master_flat.numel() * 4
-        if self._cuda is None:
+        if stage is None:
             unflatten(c.master_flat, c.layout, params)
             return
-        self._h2d.wait_stream(torch.cuda.current_stream(self._cuda))
-        with torch.cuda.stream(self._h2d):
-            dev = torch.empty(c.master_flat.numel(), dtype=torch.float32, device=self._cuda)
+        with torch.cuda.stream(self._h2d):  # one staging buffer, reused in stream order
+            dev = stage[: c.master_flat.numel()]
             dev.copy_(c.master_flat, non_blocking=True)
             unflatten(dev, c.layout, params)  # cast to each parameter's dtype
-            dev.record_stream(self._h2d)
             c.h2d_done = torch.cuda.Event()
             c.h2d_done.record(self._h2d)
 
-    def _update(self, c: _Chunk, has: list[bool]) -> None:
-        hyper = {k: v for k, v in self.param_groups[c.group].items() if k != "params"}
-        c.inner.param_groups[0].update(hyper)
-        views = c.layout.views(c.grad_flat)
+    def _update(self, c: _Chunk, has: list[bool], grads: torch.Tensor, backup: torch.Tensor, undo: _Undo) -> None:
+        """Update one chunk's masters and state on the host, logging in ``undo`` what it replaces."""
+        n = c.master_flat.numel()
+        inner_group = c.inner.param_groups[0]
+        undo.groups.append((inner_group, {k: v for k, v in inner_group.items() if k != "params"}))
+        inner_group.update({k: v for k, v in self.param_groups[c.group].items() if k != "params"})
         if c.h2d_done is not None:  # the previous step's upload still reads these masters
             c.h2d_done.synchronize()
-        for m, g, h in zip(c.masters, views, has):
+        backup[:n].copy_(c.master_flat)  # the masters as they were: what a failure restores
+        undo.masters.append((c, backup))
+        for m, g, h in zip(c.masters, c.layout.views(grads[:n]), has):
             m.grad = g if h else None
             if h:
-                self._unpack_state(m, c.inner.state[m])
+                had = m in c.inner.state
+                old = c.inner.state[m] if had else None
+                undo.states.append((c.inner.state, m, had, old, self._packed.get(id(m))))
+                # the working state: small tensors (step counts) cloned, the big ones fresh from the packed bytes
+                # (which stay referenced by the undo log); under "fp32" the whole state is cloned
+                work = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in (old or {}).items()}
+                work.update(self._unpacked(m, keep=True))
+                c.inner.state[m] = work
         c.inner.step()
         for p, m, h in zip(c.params, c.masters, has):
             m.grad = None
             if h:
-                self._pack_state(m, c.inner.state[m])
+                self._pack_state(m, c.inner.state[m])  # into new buffers
+                undo.outer.append((p, p in self.state, self.state.get(p)))
                 # the state lives in the host optimizers; this entry only says it exists (what
                 # torch.distributed.checkpoint's get_state_dict looks at before it would run a step of its own)
                 self.state[p] = {"offloaded": self.state_format}
@@ -318,33 +373,91 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step over every parameter that has a gradient (see the module docstring)."""
+        """One optimizer step over every parameter that has a gradient (see the module docstring): all or
+        nothing."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.offload_gradients == "backward":  # the gradients are on the host already
+        backward = self.offload_gradients == "backward"
+        if backward:  # the gradients are on the host already
             if self._cuda is not None:
                 self._d2h.synchronize()
-            for c in self._chunks:
-                if any(c.host_has):
-                    self._update(c, c.host_has)
-                    self._scatter_params(c)
-                    c.host_has = [False] * len(c.params)
-            return self._finish(loss)
-        chunks = [c for c in self._chunks if any(p.grad is not None for p in c.params)]
-        if not chunks:
-            return loss
-        pending = self._gather_grads(chunks[0])
-        for i, c in enumerate(chunks):
-            has, ev = pending
-            if i + 1 < len(chunks):  # double buffering: the next chunk's gradients travel during this update
-                pending = self._gather_grads(chunks[i + 1])
-            if ev is not None:
-                ev.synchronize()
-            self._update(c, has)
-            self._scatter_params(c)
+            chunks = [c for c in self._chunks if any(c.host_has)]
+            if not chunks:
+                return self._finish(loss)
+        else:
+            chunks = [c for c in self._chunks if any(p.grad is not None for p in c.params)]
+            if not chunks:
+                return loss
+        for c in chunks:
+            c.check_params(c.group)
+            if not backward:
+                for p in c.params:
+                    g = p.grad
+                    if g is not None and (g.layout != torch.strided or g.shape != p.shape or not g.is_floating_point()):
+                        raise ArgumentTypeError(
+                            f"OffloadedOptimizer.step: a parameter of param group {c.group} {tuple(p.shape)} has a "
+                            f"{g.layout} {g.dtype} gradient {tuple(g.shape)}; expected a dense floating-point gradient "
+                            "of the parameter's shape (sparse gradients, e.g. nn.Embedding(sparse=True), are not "
+                            "supported)"
+                        )
+        undo = _Undo(self.stats)
+        try:
+            stage = None
+            if self._cuda is not None:  # allocated before anything changes: the commit below allocates nothing
+                stage = torch.empty(max(c.master_flat.numel() for c in chunks), dtype=torch.float32, device=self._cuda)
+            if backward:
+                for c in chunks:
+                    if c.spare is None:
+                        c.spare = torch.empty_like(c.master_flat, pin_memory=False)
+                for c in chunks:
+                    self._update(c, list(c.host_has), c.grad_flat, c.spare, undo)
+            else:
+                bufs = self._gradient_buffers()
+                pending = self._gather_grads(chunks[0], bufs[0])
+                for i, c in enumerate(chunks):
+                    has, ev = pending
+                    if i + 1 < len(chunks):  # double buffering: the next chunk's gradients travel during this update
+                        pending = self._gather_grads(chunks[i + 1], bufs[(i + 1) % 2])
+                    if ev is not None:
+                        ev.synchronize()
+                    # the chunk's own gradient buffer is free in this mode: it holds the masters' undo copy
+                    self._update(c, has, bufs[i % 2], c.grad_flat, undo)
+        except BaseException:
+            undo.rollback(self)
+            raise
+        # commit: every chunk's update succeeded; only now do the parameters change. Past the checks above this
+        # cannot fail on valid input; if it still does (a device error), the state is rolled back and the
+        # parameters already written are written again from the restored masters.
+        if stage is not None:
+            self._h2d.wait_stream(torch.cuda.current_stream(self._cuda))
+        done: list[_Chunk] = []
+        try:
+            for c in chunks:
+                self._scatter_params(c, stage)
+                done.append(c)
+        except BaseException:
+            undo.rollback(self)
+            for c in done:
+                self._scatter_params(c, stage)
+            undo.restore_stats(self)
+            raise
+        finally:
+            if stage is not None:
+                stage.record_stream(self._h2d)
+        if backward:
+            for c in chunks:
+                c.host_has = [False] * len(c.params)
         return self._finish(loss)
+
+    def _gradient_buffers(self) -> list[torch.Tensor]:
+        """Two host buffers of the largest chunk's size (pinned where CUDA is), made on the first step."""
+        n = max(c.master_flat.numel() for c in self._chunks)
+        if not self._grad_bufs or self._grad_bufs[0].numel() < n:
+            pin = self._cuda is not None
+            self._grad_bufs = [torch.empty(n, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        return self._grad_bufs
 
     def _finish(self, loss: Any) -> Any:
         if self._cuda is not None:
@@ -372,38 +485,204 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups, "offload": {"state_format": self.state_format}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (or from a plain optimizer's state dict)."""
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
-            raise InvalidArgumentError(
-                f"OffloadedOptimizer.load_state_dict: {len(groups) if isinstance(groups, list) else groups!r} "
-                f"param groups given, this optimizer has {len(self.param_groups)}"
-            )
-        for g, saved in zip(self.param_groups, groups):
-            if len(saved["params"]) != len(g["params"]):
-                raise InvalidArgumentError(
-                    f"OffloadedOptimizer.load_state_dict: a group has {len(saved['params'])} parameters in the "
-                    f"state dict and {len(g['params'])} here"
-                )
-            g.update({k: v for k, v in saved.items() if k != "params"})
+        """Restore from :meth:`state_dict` (or from a plain optimizer's state dict). The whole dict is
+        validated, and the new state built beside the old one, before anything changes: on any error the
+        optimizer is as it was."""
+        what = "OffloadedOptimizer.load_state_dict"
+        groups, saved_state = self._check_state_dict(state_dict, what)
         ids = [i for saved in groups for i in saved["params"]]
-        saved_state = state_dict.get("state", {})
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        self._packed.clear()
-        self.state.clear()
+        # build everything new first (packing may still fail: fp16 refuses magnitudes past 65504)
+        masters: list[tuple[torch.Tensor, torch.Tensor]] = []
+        inner: list[tuple[_Chunk, torch.Tensor, dict[str, Any]]] = []
+        packed: dict[int, dict[str, Packed]] = {}
+        outer: dict[torch.Tensor, dict[str, str]] = {}
+        saved_packed, self._packed = self._packed, packed  # _pack_state writes into the new mapping
+        try:
+            for c in self._chunks:
+                for p, m in zip(c.params, c.masters):
+                    s = dict(saved_state.get(ids[position[id(p)]], {}))
+                    master = s.pop("master", None)
+                    src = _local(master) if master is not None else _local(p).detach()
+                    masters.append((m, src.detach().to("cpu", torch.float32, copy=True)))
+                    if s:  # host copies; tensor state in fp32 (a plain optimizer's may be on the device, in bf16)
+                        st = {k: _host_state(v) for k, v in s.items()}
+                        self._pack_state(m, st)
+                        inner.append((c, m, st))
+                        outer[p] = {"offloaded": self.state_format}
+        finally:
+            self._packed = saved_packed
+        # commit: nothing below can fail on valid input
+        for g, saved in zip(self.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        with torch.no_grad():
+            for m, v in masters:
+                m.copy_(v)
         for c in self._chunks:
             c.inner.state.clear()
-            for p, m in zip(c.params, c.masters):
-                s = dict(saved_state.get(ids[position[id(p)]], {}))
-                with torch.no_grad():
-                    master = s.pop("master", None)
-                    m.copy_(_local(master) if master is not None else _local(p).detach())
-                if s:  # host copies; tensor state in fp32 (a plain optimizer's may be on the device, in bf16)
-                    st = {k: _host_state(v) for k, v in s.items()}
-                    c.inner.state[m] = st
-                    self._pack_state(m, st)
-                    self.state[p] = {"offloaded": self.state_format}
+        for c, m, st in inner:
+            c.inner.state[m] = st
+        self._packed = packed
+        self.state.clear()
+        self.state.update(outer)
         self.stats["state_bytes"] = self._state_bytes()
+
+    def _check_state_dict(self, sd: Any, what: str) -> tuple[list[dict], dict]:
+        """(param groups, state) of a state dict that fits this optimizer, or a typed error naming the first
+        thing that does not: types, group and parameter counts, parameter ids, hyperparameter types, and per
+        parameter its state's keys (those the wrapped optimizer keeps), tensor shapes and dtypes."""
+        if not isinstance(sd, Mapping):
+            raise ArgumentTypeError(f"{what}: expected a dict (from state_dict()), got {type(sd).__name__}")
+        groups, state = sd.get("param_groups"), sd.get("state", {})
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise InvalidArgumentError(
+                f"{what}: {len(groups) if isinstance(groups, list) else repr(groups)} param groups given, this "
+                f"optimizer has {len(self.param_groups)}"
+            )
+        if not isinstance(state, Mapping):
+            raise ArgumentTypeError(f"{what}: 'state' must be a dict of parameter index -> state, got "
+                                    f"{type(state).__name__}")  # fmt: skip
+        seen: set[int] = set()
+        for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
+            if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), list):
+                raise ArgumentTypeError(
+                    f"{what}: param group {gi} must be a dict with a 'params' list, got {saved!r:.80}"
+                )
+            ps = saved["params"]
+            if len(ps) != len(g["params"]):
+                raise InvalidArgumentError(
+                    f"{what}: param group {gi} has {len(ps)} parameters in the state dict and {len(g['params'])} here"
+                )
+            for i in ps:
+                if isinstance(i, bool) or not isinstance(i, (int, str)):  # (str: the names DCP writes)
+                    raise InvalidArgumentError(
+                        f"{what}: param group {gi} lists parameter id {i!r}; expected an int or name"
+                    )
+                if i in seen:
+                    raise InvalidArgumentError(f"{what}: param group {gi} lists parameter id {i!r} twice")
+                seen.add(i)
+            for k, v in saved.items():
+                if k != "params" and k in g and not _same_kind(g[k], v):
+                    raise ArgumentTypeError(f"{what}: param group {gi} has {k}={v!r:.60}; this optimizer's {k} is "
+                                            f"{g[k]!r:.60}, of another type")  # fmt: skip
+        unknown = [k for k in state if k not in seen]
+        if unknown:
+            raise InvalidArgumentError(f"{what}: 'state' holds parameter ids {unknown[:5]} that no param group lists")
+        ids = [i for saved in groups for i in saved["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        for pos, (i, p) in enumerate(zip(ids, params)):
+            s = state.get(i)
+            if s is None:
+                continue
+            if not isinstance(s, Mapping):
+                raise ArgumentTypeError(f"{what}: the state of parameter {i} is a {type(s).__name__}, expected a dict")
+            shape = tuple(_local(p).shape)
+            kinds = self._expected_keys({**self.param_groups[group_of[pos]], **groups[group_of[pos]]})
+            got = {k for k in s if k != "master"}
+            if got and kinds is not None and got != set(kinds):
+                raise InvalidArgumentError(
+                    f"{what}: the state of parameter {i} has keys {sorted(got)}; {self.optimizer_class.__name__} with "
+                    f"these hyperparameters keeps {sorted(kinds)} (is this another optimizer's state dict?)"
+                )
+            for k, v in s.items():
+                if not isinstance(k, str):
+                    raise ArgumentTypeError(f"{what}: the state of parameter {i} has a key {k!r}, expected strings")
+                if isinstance(v, torch.Tensor):
+                    t = _local(v)
+                    if not (t.is_floating_point() or (t.dim() == 0 and k != "master")):
+                        raise DTypeError(f"{what}: {k} of parameter {i} is {t.dtype}; expected a floating-point tensor")
+                    # the master, and states the optimizer keeps in the parameter's shape, must have its shape
+                    param_shaped = k == "master" or (kinds[k] if kinds is not None else t.numel() > 1)
+                    if param_shaped and tuple(t.shape) != shape:
+                        raise ShapeError(
+                            f"{what}: {k} of parameter {i} has shape {tuple(t.shape)}, the parameter {shape}; "
+                            "the state dict belongs to another model (or another sharding)"
+                        )
+                elif k == "master":
+                    raise ArgumentTypeError(
+                        f"{what}: master of parameter {i} is a {type(v).__name__}, expected a tensor"
+                    )
+                elif v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                    raise ArgumentTypeError(f"{what}: {k} of parameter {i} is {v!r:.60}; expected a tensor or a number")
+                elif isinstance(v, float) and not math.isfinite(v):
+                    raise InvalidArgumentError(f"{what}: {k} of parameter {i} is {v}")
+        return groups, state
+
+    def _expected_keys(self, hyper: dict[str, Any]) -> dict[str, bool] | None:
+        """The state keys the wrapped optimizer keeps for a parameter of a group with these hyperparameters,
+        each with whether its value has the parameter's shape, from one step on a throwaway parameter (None
+        when that cannot be run: the keys are not checked then)."""
+        hyper = {k: v for k, v in hyper.items() if k != "params"}
+        key = repr(sorted((k, repr(v)) for k, v in hyper.items()))
+        if key not in self._state_keys:
+            try:
+                t = torch.zeros(2, 3, requires_grad=True)
+                t.grad = torch.ones(2, 3)
+                probe = self.optimizer_class([{"params": [t], **hyper}])
+                probe.step()
+                self._state_keys[key] = {
+                    k: isinstance(v, torch.Tensor) and v.shape == t.shape for k, v in probe.state[t].items()
+                }
+            except Exception:  # an optimizer that needs a closure, say: its keys are not checked
+                self._state_keys[key] = None
+        return self._state_keys[key]
+
+
+def _same_kind(mine: Any, v: Any) -> bool:
+    """Whether a loaded hyperparameter ``v`` is of the kind of this optimizer's ``mine``."""
+    if isinstance(mine, bool):
+        return isinstance(v, bool)
+    if isinstance(mine, (int, float)):
+        return (not isinstance(v, bool) and isinstance(v, (int, float))) or (
+            isinstance(v, torch.Tensor) and v.numel() == 1
+        )
+    if isinstance(mine, (tuple, list)):
+        return isinstance(v, (tuple, list)) and len(v) == len(mine) and all(_same_kind(a, b) for a, b in zip(mine, v))
+    return True
+
+
+class _Undo:
+    """What a step replaced, to put back if it fails (see the module docstring)."""
+
+    __slots__ = ("groups", "masters", "outer", "states", "stats")
+
+    def __init__(self, stats: dict[str, float]) -> None:
+        self.stats = dict(stats)
+        self.groups: list[tuple[dict, dict]] = []  # (wrapped optimizer's group, its hyperparameters before)
+        self.masters: list[tuple[_Chunk, torch.Tensor]] = []  # (chunk, buffer holding its masters before)
+        self.states: list[tuple[dict, torch.Tensor, bool, Any, Any]] = []  # (state, master, had, old, old packed)
+        self.outer: list[tuple[torch.Tensor, bool, Any]] = []  # (parameter, had, old entry of self.state)
+
+    def rollback(self, opt: OffloadedOptimizer) -> None:
+        for state, m, had, old, packed in reversed(self.states):
+            if had:
+                state[m] = old
+            else:
+                state.pop(m, None)
+            if packed is not None:
+                opt._packed[id(m)] = packed
+            else:
+                opt._packed.pop(id(m), None)
+        for p, had, old in reversed(self.outer):
+            if had:
+                opt.state[p] = old
+            else:
+                opt.state.pop(p, None)
+        for c, backup in self.masters:
+            c.master_flat.copy_(backup[: c.master_flat.numel()])
+        for c, _ in self.masters:
+            for m in c.masters:
+                m.grad = None
+        for g, before in reversed(self.groups):
+            for k in [k for k in g if k != "params" and k not in before]:
+                del g[k]
+            g.update(before)
+        self.restore_stats(opt)
+
+    def restore_stats(self, opt: OffloadedOptimizer) -> None:
+        opt.stats.clear()
+        opt.stats.update(self.stats)
 
 
 def _like(p: torch.Tensor, v: Any) -> Any:

@@ -100,15 +100,18 @@ class ParameterOffloader:
             m for m in module.modules() if any(True for _ in m.parameters(recurse=False))
         ]
         self._entries: list[dict[str, _Entry]] = []
+        hosts = []  # every host copy first (pinning may fail): the module changes only once all exist
         for m in self.units:
             ents = {}
             for name, p in m._parameters.items():
                 if p is None:
                     continue
                 host = p.detach().to("cpu", copy=True)
-                p.data = host.pin_memory() if pin else host
+                hosts.append((p, host.pin_memory() if pin else host))
                 ents[name] = _Entry(p)
             self._entries.append(ents)
+        for p, host in hosts:
+            p.data = host
         self._index = {id(m): i for i, m in enumerate(self.units)}
         # units in the order their forwards first ran: read from the units' own hooks, so a container that is
         # never called itself (model.blocks, an nn.ModuleList) records it too
@@ -276,14 +279,15 @@ class ParameterOffloader:
         return s
 
     def remove(self) -> None:
-        """Remove the hooks and move the parameters back to the device."""
+        """Remove the hooks and move the parameters back to the device (all or nothing: the device copies are
+        made first, so a failure, such as the device running out of memory, leaves the offloader in place)."""
+        back = [(e.param, e.param.data.to(self.device)) for ents in self._entries for e in ents.values()]
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._ready.clear()
-        for ents in self._entries:
-            for e in ents.values():
-                e.param.data = e.param.data.to(self.device)
+        for p, d in back:
+            p.data = d
 
 
 def _is_fsdp(module: torch.nn.Module) -> bool:

@@ -439,6 +439,7 @@ class GradientSynchronizer:
             while self._launched < len(self.buckets):
                 self._launch(self._launched)
             self._pipeline.drain(self._coalescer.batch)
+            self._engine.check_averages()
             globally_unused: list[int] = []
             if self.find_unused_parameters:
                 used = torch.ones(len(self.params), dtype=torch.int32, device=self.comm.device)

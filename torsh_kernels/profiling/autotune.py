@@ -15,10 +15,11 @@
   ``prune_factor`` times the best are pruned before the full timing), ``random`` (candidates in random
   order until the budget runs out) and ``greedy`` (coordinate descent over each provider's
   meta-parameters from the defaults).
-- **The cache**: its location, environment keys and reading are :mod:`torsh_kernels.ops.tuning`'s
-  (winners are never applied across a version change; ``torsh tune --show`` lists such entries as
-  stale). The tuner writes it, each entry as soon as it is found (an interrupted tuning keeps what it
-  found, and the next run resumes).
+- **The cache**: its location, environment keys, schema, reading and writing are
+  :mod:`torsh_kernels.ops.tuning`'s (winners are never applied across a version change; ``torsh tune
+  --show`` lists such entries as stale). The tuner writes each entry as soon as it is found, through
+  ``update_cache`` (under the cache's file lock, merged with what other processes wrote meanwhile): an
+  interrupted tuning keeps what it found, and the next run resumes.
 - **Use.** Automatic provider selection and the kernel launchers use the winners through the cache
   reader of :mod:`torsh_kernels.ops.tuning`, by default (no install step; ``install()`` points the
   registry back at that reader after ``registry.set_tuned_lookup`` installed another). ``sync_tuning(comm)``
@@ -31,7 +32,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +44,6 @@ import torch
 from ..errors import InvalidArgumentError
 from ..ops import registry
 from ..ops.tuning import (
-    _STORE,
     CACHE_FORMAT,
     ENV_CACHE_DIR,
     Candidate,
@@ -59,6 +58,7 @@ from ..ops.tuning import (
     lookup_provider,
     register_space,
     spaces,
+    update_cache,
 )
 
 __all__ = [
@@ -83,15 +83,6 @@ __all__ = [
 log = logging.getLogger("torsh_kernels")
 
 STRATEGIES = ("exhaustive", "random", "greedy")
-
-
-def _save_cache(data: dict[str, Any], path: Path | None = None) -> None:
-    path = path or cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)  # atomic: an interrupted write never leaves half a file
-    registry.reload()  # this process's cached provider choices and meta-parameters see the new winners
 
 
 def install() -> None:
@@ -297,15 +288,17 @@ class Tuner:
         return res
 
     def _store(self, env_key: str, env: dict[str, str], ekey: str, res: TuneResult) -> None:
-        data = load_cache(self.path)  # re-read: another process may have added entries meanwhile
-        envs = data["environments"].setdefault(env_key, {"env": env, "entries": {}})
-        envs["entries"][ekey] = {
+        entry = {
             "provider": res.winner.provider, "meta": res.winner.meta_dict, "median_ms": res.winner_ms,
             "default": str(res.default), "default_ms": res.default_ms, "candidates": res.timings,
             "dropped": res.dropped, "pruned": res.pruned, "strategy": self.strategy, "tuned_at": res.tuned_at,
             "synced_from_rank": None,
         }  # fmt: skip
-        _save_cache(data, self.path)
+
+        def add(data: dict[str, Any]) -> None:  # merged into what the file holds now (other writers' entries)
+            data["environments"].setdefault(env_key, {"env": env, "entries": {}})["entries"][ekey] = entry
+
+        update_cache(add, self.path)
 
     def tune(self, ops: Sequence[str], dtypes: Sequence[torch.dtype], sizes: Sequence[int], *, force: bool = False,
              progress: Callable[[str], None] | None = None) -> list[TuneResult]:  # fmt: skip
@@ -350,12 +343,13 @@ def sync_tuning(comm: Any, device: torch.device | str | None = None) -> int:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     comm.broadcast(buf, 0)
     got = json.loads(bytes(buf.cpu().numpy()).decode())
-    data = load_cache()
-    mine = data["environments"].setdefault(env_key, {"env": env, "entries": {}})
-    for k, e in got["entries"].items():
-        mine["entries"][k] = {**e, "synced_from_rank": 0, "source_env": got["env"]} if comm.rank else e
-    if comm.rank:
-        mine["entries"] = {k: v for k, v in mine["entries"].items() if k in got["entries"]}
-    _save_cache(data)
-    _STORE.data = None  # re-read on the next lookup
+
+    def merge(data: dict[str, Any]) -> None:
+        mine = data["environments"].setdefault(env_key, {"env": env, "entries": {}})
+        for k, e in got["entries"].items():
+            mine["entries"][k] = {**e, "synced_from_rank": 0, "source_env": got["env"]} if comm.rank else e
+        if comm.rank:
+            mine["entries"] = {k: v for k, v in mine["entries"].items() if k in got["entries"]}
+
+    update_cache(merge)
     return len(got["entries"])

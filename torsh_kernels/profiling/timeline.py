@@ -16,6 +16,15 @@ Usage::
 or ``TORSH_TRACE=traces/ torchrun ...``: importing torsh_kernels starts a recorder that writes its file
 when the process exits (``run_local``'s ranks write theirs before they leave).
 
+Where the trace goes is checked when recording starts, not when it ends: ``start()`` (and so ``with
+Recorder(dir)``) and ``import torsh_kernels`` under ``TORSH_TRACE`` create the directory and prove it
+writable, raising :class:`~torsh_kernels.errors.FileAccessError` if it is not, before any work is done.
+Files are written whole through an exclusive, symlink-safe temporary file (:mod:`torsh_kernels._files`).
+If writing at exit still fails (the disk filled up, the directory was removed), the error is printed on
+stderr and the trace is written to a new directory under the system's temporary directory instead, whose
+path is printed. (Python's ``atexit`` cannot change the exit status: only ``os._exit`` could, and it would
+skip the exit handlers registered before torsh_kernels was imported, such as logging's final flush.)
+
 What is recorded while a recorder is active (each event's ``cat``):
 
 - ``op``: every fused-op launch, from the provider dispatcher: name, provider, shapes, bytes of tensor
@@ -57,6 +66,8 @@ import contextlib
 import json
 import os
 import platform
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -65,6 +76,7 @@ from pathlib import Path
 import torch
 
 from .. import _trace
+from .._files import check_writable_dir, write_atomic
 from ..collectives.traffic import wire_bytes
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from .traces import TORSH_OPS
@@ -225,7 +237,8 @@ class Recorder:
         )
 
     def start(self) -> Recorder:
-        """Make this the process's active recorder (and install its module hooks)."""
+        """Make this the process's active recorder (and install its module hooks). With a directory, the
+        directory is made and proved writable first (:class:`FileAccessError` if it is not)."""
         cur = _trace.recorder
         if cur is self:
             return self
@@ -233,6 +246,12 @@ class Recorder:
             raise InvalidArgumentError(
                 "Recorder.start: another recorder is already active in this process; stop() it first "
                 f"(it writes to {cur.directory})"
+            )
+        if self.directory is not None:
+            check_writable_dir(
+                self.directory,
+                what="Recorder: the trace directory",
+                fix="pass a writable directory (or None and call write(directory) later)",
             )
         self._resolve_rank()
         _trace.recorder = self
@@ -516,14 +535,10 @@ class Recorder:
         d = Path(directory) if directory is not None else self.directory
         if d is None:
             raise InvalidArgumentError("Recorder.write: no directory; pass one here or to Recorder(directory)")
-        d.mkdir(parents=True, exist_ok=True)
         data = self.trace()
-        path = d / f"rank{data['otherData']['rank']}.json"
-        tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(dumps(data))
-        os.replace(tmp, path)  # a reader never sees a half-written file
-        return path
+        # whole or not at all, through an exclusive temporary file: a reader never sees half a file, and a
+        # symlink planted at any name in the directory redirects nothing
+        return write_atomic(d / f"rank{data['otherData']['rank']}.json", dumps(data), fsync=False, what="trace")
 
 
 def dumps(data: dict) -> str:
@@ -581,10 +596,13 @@ def step(n: int, **args: object):
 
 
 def start_from_env() -> Recorder | None:
-    """Start a recorder writing to ``$TORSH_TRACE`` (if set and none is active); it writes at exit."""
+    """Start a recorder writing to ``$TORSH_TRACE`` (if set and none is active); it writes at exit. The
+    directory is made and proved writable now: :class:`FileAccessError` if it cannot take the trace."""
     d = os.environ.get(ENV_VAR, "").strip()
     if not d or (_trace.recorder is not None and not isinstance(_trace.recorder, _trace.Bridge)):
         return None
+    check_writable_dir(d, what=f"{ENV_VAR}: the trace directory",
+                       fix=f"point {ENV_VAR} at a writable directory, or unset it to record nothing")  # fmt: skip
     rec = Recorder(d)
     rec.from_env = True
     rec.start()
@@ -592,7 +610,24 @@ def start_from_env() -> Recorder | None:
     def _at_exit() -> None:
         if rec._events or rec._gpu:
             rec.stop()
-            rec.write()
+            write_or_rescue(rec)
 
     atexit.register(_at_exit)
     return rec
+
+
+def write_or_rescue(rec: Recorder) -> Path | None:
+    """Write a ``TORSH_TRACE`` recorder's trace; if that fails, say so on stderr and write it to a new
+    directory under the temporary directory instead (the trace is not lost). Returns where it went."""
+    try:
+        return rec.write()
+    except Exception as e:  # at exit: nothing above us would report it
+        err = f"{type(e).__name__}: {e}"
+    try:
+        rescue = rec.write(tempfile.mkdtemp(prefix="torsh-trace-"))
+        where = f"; it was written to {rescue} instead"
+    except Exception as e2:
+        rescue, where = None, f", nor to a temporary directory ({type(e2).__name__}: {e2}): the trace is lost"
+    print(f"torsh_kernels: error: {ENV_VAR}: could not write this process's trace to {rec.directory} ({err}){where}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return rescue

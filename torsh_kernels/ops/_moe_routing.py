@@ -35,6 +35,7 @@ __all__ = [
     "seal",
     "sealed",
     "sealed_experts",
+    "sealed_rows",
 ]
 
 
@@ -151,6 +152,17 @@ def sealed(r: object) -> bool:
     )  # fmt: skip
 
 
+def sealed_rows(r: object) -> bool:
+    """Whether the seal of ``r`` still holds for what the permute reads (``row_map``, ``token_index``,
+    ``num_rows``)."""
+    try:
+        s = r._seal  # type: ignore[attr-defined]
+    except AttributeError:
+        return False
+    rm, ti = r.row_map, r.token_index
+    return s[0] is rm and s[1] is ti and s[4] == rm._version and s[5] == ti._version and s[8] == r.num_rows
+
+
 def sealed_experts(r: object) -> bool:
     """Whether the seal of ``r`` still holds for what the router losses read (``indices``, ``num_experts``)."""
     try:
@@ -161,21 +173,22 @@ def sealed_experts(r: object) -> bool:
     return s[3] is i and s[7] == i._version and s[9] == r.num_experts
 
 
-def check_routing(r: object, what: str, *, values: bool = True, experts: bool = False) -> Routing:
+def check_routing(r: object, what: str, *, values: bool = True, reads: str = "weights") -> Routing:
     """``r`` if it is a sealed :class:`Routing`; else checked in full (see the module docstring) and sealed.
 
     ``values=False`` (while ``torch.compile`` traces): the fields' types, dtypes and device only (sizes may be
     symbolic there); nothing is read from the tensors and nothing is sealed. Meta tensors get the checks of
     sizes and strides but have no values to check, and are not sealed. Raises ``ArgumentTypeError``,
     ``DTypeError``, ``ShapeError``, ``DeviceMismatchError`` or ``InvalidArgumentError`` naming the field.
-    ``experts``: the caller reads ``indices`` (the aux loss), not the row maps: the seal of those fields is
-    the one that must hold."""
+    ``reads``: which of the seal's fields the caller reads, "rows" (the permute: ``row_map``, ``token_index``),
+    "weights" (the unpermute: those and ``weights``) or "experts" (the aux loss: ``indices``); those must
+    still be as sealed."""
     if not isinstance(r, Routing):
         raise ArgumentTypeError(f"{what}: routing must be a Routing (from moe_route), got {type(r).__name__}")
     if not values:  # (torch.compile traces: sizes may be symbolic, version counters are not traced)
         _check_kinds(r, what)
         return r
-    if sealed_experts(r) if experts else sealed(r):
+    if _SEALED[reads](r):
         return r
     _check_kinds(r, what)
     _check_layout(r, what)
@@ -183,6 +196,9 @@ def check_routing(r: object, what: str, *, values: bool = True, experts: bool = 
         _check_values(r, what)
         seal(r)
     return r
+
+
+_SEALED = {"rows": sealed_rows, "weights": sealed, "experts": sealed_experts}
 
 
 def _check_kinds(r: Routing, what: str) -> None:

@@ -894,7 +894,6 @@ def flatten(
         ``(flat, layout)``: the 1-D buffer and the :class:`BucketLayout` that ``unflatten`` takes.
     """
     what = "torsh_kernels.flatten"
-    check_provider(provider)
     key = None
     tt = type(tensors)
     if (tt is list or tt is tuple) and _eager.unmoded() and (out is None or type(out) in _eager._PLAIN):
@@ -925,6 +924,7 @@ def flatten(
                 res = None
             if res is not None:  # (found by address: the list is new, likely a temporary; not stored)
                 return res
+    check_provider(provider)  # (a plan's call above selects its provider, which checks the name)
     tensors = _check_tensor_list(tensors, what, "tensors")
     _check_floats(tensors, what, "tensors")
     device = _check_same_device(tensors, what, "tensors")
@@ -989,7 +989,6 @@ def unflatten(
     (as with DDP's bucket views).
     """
     what = "torsh_kernels.unflatten"
-    check_provider(provider)
     key = None
     if _eager.unmoded() and type(flat) in _eager._PLAIN:  # a validated layout: skip the checks and the dispatcher
         ptrs = _ptrs(tensors)
@@ -998,6 +997,7 @@ def unflatten(
             plan = _UNFLAT_PLANS.get(key)
             if plan is not None and plan.layout is layout and plan.guards.check(flat, *tensors):
                 return _unflatten_run(plan, key, flat, tensors, _check_scale(scale, what), bool(accumulate), provider)
+    check_provider(provider)  # (a plan's call above selects its provider, which checks the name)
     if not isinstance(layout, BucketLayout):
         raise ArgumentTypeError(f"{what}: layout must be a BucketLayout (from flatten), got {type(layout).__name__}")
     flat = _check_flat(flat, layout, what)

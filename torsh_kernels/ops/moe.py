@@ -58,7 +58,17 @@ from ..errors import (
 )
 from . import _eager
 from ._common import _check_int, _check_strided, _check_tensor, _count, _on
-from ._moe_routing import Routing, check_capacity_factor, check_routing, expert_capacity, out_of_range, seal, sealed
+from ._moe_routing import (
+    _SEALED,
+    Routing,
+    check_capacity_factor,
+    check_routing,
+    expert_capacity,
+    out_of_range,
+    seal,
+    sealed,
+    sealed_rows,
+)
 from .registry import Op, check_provider
 
 __all__ = [
@@ -119,9 +129,16 @@ def _check_logits(logits: object, what: str) -> torch.Tensor:
     return logits
 
 
-def _check_routing(routing: object, what: str, experts: bool = False) -> Routing:
-    """A sealed Routing as it is; any other checked in full (values too, except while torch.compile traces)."""
-    return check_routing(routing, what, values=not _eager.compiling(), experts=experts)
+def _check_routing(routing: object, what: str, reads: str) -> Routing:
+    """A sealed Routing as it is (for the fields the caller ``reads``: see ``check_routing``); any other checked in
+    full (values too, except while torch.compile traces)."""
+    compiling = _is_compiling()
+    if not compiling and type(routing) is Routing and _SEALED[reads](routing):
+        return routing
+    return check_routing(routing, what, values=not compiling, reads=reads)
+
+
+_is_compiling = torch.compiler.is_compiling
 
 
 def _check_rows(x: object, rows: int, routing: Routing, what: str, name: str, rows_name: str) -> torch.Tensor:
@@ -957,7 +974,7 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
         type(routing) is Routing and type(x) is _T and x.is_cpu and x.dim() == 2 and x.is_contiguous()
         and (x.dtype is _F32 or x.dtype is torch.float16 or x.dtype is torch.bfloat16)
         and _eager.fast()  # (before the row count, a data-dependent size while torch.compile traces)
-        and sealed(routing) and x.shape[0] == routing.indices.shape[0] and x.shape[1] and routing.num_rows
+        and sealed_rows(routing) and x.shape[0] == routing.indices.shape[0] and x.shape[1] and routing.num_rows
         and (tok := routing.token_index).is_cpu and routing.row_map.is_cpu
         and (sel := _select(_scatter_rows, x, provider or "", routing.row_map.shape[1])) in ("torch", "cpu")
     ):  # fmt: skip
@@ -977,7 +994,7 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
                 pass  # an index out of range: the general path raises the typed error
     what = "torsh_kernels.moe_permute"
     check_provider(provider)
-    routing = _check_routing(routing, what)
+    routing = _check_routing(routing, what, "rows")
     x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")
     _check_strided(x, what, "x")
     return _eager.call_autograd(_permute_op, x.contiguous(), routing.row_map, routing.token_index, provider or "")
@@ -1027,7 +1044,7 @@ def moe_unpermute(
         return a
     what = "torsh_kernels.moe_unpermute"
     check_provider(provider)
-    routing = _check_routing(routing, what)
+    routing = _check_routing(routing, what, "weights")
     y_perm = _check_rows(y_perm, routing.num_rows, routing, what, "y_perm", "N")
     _check_strided(y_perm, what, "y_perm")
     w = routing.weights if weights else None
@@ -1046,7 +1063,7 @@ def moe_aux_loss(
     forward and one backward, CPU tensors) or "torch" (plain torch, which autograd differentiates and
     ``torch.compile`` fuses); None selects automatically."""
     what = "torsh_kernels.moe_aux_loss"
-    routing = _check_routing(routing, what, experts=True)
+    routing = _check_routing(routing, what, "experts")
     x = _check_tensor(logits_or_probs, what, "logits_or_probs")
     _check_act_dtype(x, what, "logits_or_probs")
     if tuple(x.shape) != (routing.num_tokens, routing.num_experts):
@@ -1056,7 +1073,8 @@ def moe_aux_loss(
         )
     if not (x.is_cpu and routing.indices.is_cpu) and x.device != routing.indices.device:
         raise DeviceMismatchError(f"{what}: logits_or_probs is on {x.device}, the routing on {routing.indices.device}")
-    _check_strided(x, what, "logits_or_probs")
+    if not x.is_contiguous():
+        _check_strided(x, what, "logits_or_probs")
     return _aux_loss(_loss_provider(_aux_loss, x, provider), x, routing, bool(from_probs))
 
 

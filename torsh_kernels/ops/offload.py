@@ -273,7 +273,9 @@ def pack(
         data = torch.empty(2 * n, dtype=torch.uint8)
         src = x.detach() if x.requires_grad else x
         data.view(_CODE_DTYPES[fmt]).copy_(src if src.dim() == 1 else src.view(-1))
-        return _sealed(Packed(data=data, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block))
+        p = Packed(data=data, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block)
+        _setattr(p, "_seal", (data, 2 * n))  # (_sealed, inline: its buffer holds 2n bytes)
+        return p
     what = "torsh_kernels.pack"
     check_provider(provider)
     if not isinstance(x, torch.Tensor):
@@ -308,14 +310,18 @@ def pack(
             out[:nbytes].copy_(stage, non_blocking=True)
             if stage.device.type == "cuda":
                 stage.record_stream(torch.cuda.current_stream(stage.device))
-    return _sealed(Packed(data=out, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block))
+    p = Packed(data=out, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block)
+    return p if _eager.compiling() else _sealed(p)  # (while torch.compile traces: nothing to seal)
 
 
 def _sealed(p: Packed) -> Packed:
     """``p``, marked as made by :func:`pack` over its buffer as it is now (its identity and size: a buffer
     swapped or resized makes :func:`unpack` check the object in full)."""
-    object.__setattr__(p, "_seal", (p.data, p.data.numel()))
+    _setattr(p, "_seal", (p.data, p.data.numel()))
     return p
+
+
+_setattr = object.__setattr__
 
 
 def unpack(

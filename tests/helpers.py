@@ -8,6 +8,7 @@ switches conftest sets still come before any kernel is defined.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -185,3 +186,26 @@ class Pty:
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
         return None
+
+
+@contextlib.contextmanager
+def count_calls(cls: type, *names: str):
+    """Count the calls of ``cls``'s methods ``names`` inside the block (every instance's); the dict it yields
+    holds the counts, by name. The methods are put back when the block ends, however it ends."""
+    calls = dict.fromkeys(names, 0)
+    originals = {n: getattr(cls, n) for n in names}
+
+    def counted(name: str, fn):
+        def call(self, *a, **kw):
+            calls[name] += 1
+            return fn(self, *a, **kw)
+
+        return call
+
+    for n, fn in originals.items():
+        setattr(cls, n, counted(n, fn))
+    try:
+        yield calls
+    finally:
+        for n, fn in originals.items():
+            setattr(cls, n, fn)

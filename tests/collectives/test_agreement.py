@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import count_calls
 from torsh_kernels.collectives import run_local
 from torsh_kernels.collectives.agreement import ENV, agree, agree_once, enabled, message
 from torsh_kernels.collectives.replica import ReplicaCommunicator
@@ -18,15 +19,7 @@ def _world3_worker(comm) -> dict:
     from torsh_kernels.collectives.communicator import TorchCommunicator
 
     out = {}
-    calls = {"all_gather": 0}
-    orig = TorchCommunicator.all_gather
-
-    def counting(self, *a, **kw):
-        calls["all_gather"] += 1
-        return orig(self, *a, **kw)
-
-    TorchCommunicator.all_gather = counting
-    try:
+    with count_calls(TorchCommunicator, "all_gather") as calls:
         me = comm.rank
         # equal fields: one all-gather, no error
         agree(comm, "a test", [("ratio", 0.5), ("shape", (3, 4))], what="test")
@@ -68,8 +61,6 @@ def _world3_worker(comm) -> dict:
                 agree(comm, "a test", [("v", 1)], what="test")
             except CollectiveMismatchError as e:
                 out["stranger"] = str(e)
-    finally:
-        TorchCommunicator.all_gather = orig
     return out
 
 

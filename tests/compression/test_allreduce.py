@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.helpers import make_compressor
+from tests.helpers import count_calls, make_compressor
 from torsh_kernels.collectives import Link, TorchCommunicator, all_reduce_time, run_local
 from torsh_kernels.compression import (
     BF16,
@@ -433,15 +433,7 @@ def _mismatch_worker(comm) -> dict:
             out[name] = None
         except CollectiveMismatchError as e:
             out[name] = str(e)
-    calls = {"all_gather": 0}
-    orig = TorchCommunicator.all_gather
-
-    def counting(self, *a, **kw):
-        calls["all_gather"] += 1
-        return orig(self, *a, **kw)
-
-    TorchCommunicator.all_gather = counting
-    try:
+    with count_calls(TorchCommunicator, "all_gather") as calls:
 
         def gathers(fn) -> int:
             n = calls["all_gather"]
@@ -459,8 +451,6 @@ def _mismatch_worker(comm) -> dict:
         out["powersgd"] = [gathers(lambda: compressed_all_reduce(t(40, 30), comm, p, ps)) for _ in range(3)]
         c2, st2 = TopK(0.07), TopK(0.07).new_state(seed=me)
         out["off"] = gathers(lambda: compressed_all_reduce(t(40, 30), comm, c2, st2, check_signatures=False))
-    finally:
-        TorchCommunicator.all_gather = orig
     x = torch.full((3,), float(me))
     compressed_all_reduce(x, comm)  # the group still works after the mismatches
     out["average"] = x.tolist()

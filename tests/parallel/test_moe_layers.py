@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import count_calls
 from torsh_kernels.collectives import run_local
 from torsh_kernels.errors import InvalidArgumentError, ShapeError
 from torsh_kernels.parallel import ExpertParallelMoE, MoELayer
@@ -174,19 +175,9 @@ def _mismatch_worker(comm) -> dict:
             out[name] = None
         except CollectiveMismatchError as e:
             out[name] = str(e)
-    calls = {"all_gather": 0}
-    orig = TorchCommunicator.all_gather
-
-    def counting(self, *a, **kw):
-        calls["all_gather"] += 1
-        return orig(self, *a, **kw)
-
-    TorchCommunicator.all_gather = counting
-    try:
+    with count_calls(TorchCommunicator, "all_gather") as calls:
         layer = ExpertParallelMoE(H, FFN, 4, 2, comm)
         y = [layer(torch.randn(5, H)) for _ in range(2)]
-    finally:
-        TorchCommunicator.all_gather = orig
     out["matching"] = (calls["all_gather"], all(v.shape == (5, H) for v in y))
     return out
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import helpers
-from tests.helpers import MLP
+from tests.helpers import MLP, count_calls
 from torsh_kernels.collectives import run_local
 from torsh_kernels.compression import PowerSGD, TopK
 from torsh_kernels.errors import InvalidArgumentError
@@ -405,15 +405,7 @@ def _mismatch_worker(comm) -> dict:
         except CollectiveMismatchError as e:
             out[name] = str(e)
     # a matching configuration: one exchange per bucket layout, the first time; none with the switch off
-    calls = {"all_gather": 0}
-    orig = TorchCommunicator.all_gather
-
-    def counting(self, *a, **kw):
-        calls["all_gather"] += 1
-        return orig(self, *a, **kw)
-
-    TorchCommunicator.all_gather = counting
-    try:
+    with count_calls(TorchCommunicator, "all_gather") as calls:
         for check in (None, False):
             net = mlp()
             # uncompressed (the first compression would load the kernels, seconds here; test_hooks.py counts
@@ -428,8 +420,6 @@ def _mismatch_worker(comm) -> dict:
                 sync.zero_grad()
                 per_step.append((calls["all_gather"] - n, st["signature_checks"]))
             out[f"steps {check}"] = (per_step, len(sync.buckets))
-    finally:
-        TorchCommunicator.all_gather = orig
     t = torch.full((2,), float(me))
     comm.all_reduce(t)  # the group still works
     out["sum"] = t.tolist()

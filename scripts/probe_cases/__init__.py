@@ -4,6 +4,8 @@ process and classifies what happened (see ``scripts/probe.py``)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,3 +30,22 @@ class Case:
     def __post_init__(self) -> None:
         if self.expect not in EXPECT:
             raise ValueError(f"Case {self.name!r}: expect must be one of {EXPECT}, got {self.expect!r}")
+
+
+@contextlib.contextmanager
+def setenv(**values):
+    """Environment variables set (None: unset) for the block, then put back."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = str(v)
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -11,33 +11,13 @@ so nothing here spawns processes; ``mismatch.py`` holds the distributed cases.""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 
 import torch
 
-from probe_cases import Case
+from probe_cases import Case, setenv
 
 NAN, INF = float("nan"), float("inf")
-
-
-@contextlib.contextmanager
-def _env(**values):
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = str(v)
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _replica(ws: int = 2):
@@ -378,7 +358,7 @@ OBJECTS = [
 
 def _env_value(value: str):
     def run():
-        with _env(TORSH_KERNELS_CHECK_SIGNATURES=value):
+        with setenv(TORSH_KERNELS_CHECK_SIGNATURES=value):
             return _hook_state()
 
     return run

@@ -21,28 +21,9 @@ from pathlib import Path
 
 import torch
 
-from probe_cases import Case
+from probe_cases import Case, setenv
 
 # -- helpers ------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _env(**values):
-    """Environment variables set (None: unset) for the block, then put back."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = str(v)
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -72,7 +53,7 @@ def _cache_case(content) -> bool:
     still runs right (a bad cache is skipped with a warning, never raised from an op)."""
     from torsh_kernels.ops import registry, tuning
 
-    with _tmp() as d, _env(TORSH_KERNELS_CACHE_DIR=d / "cache", TORSH_KERNELS_PROVIDER=None):
+    with _tmp() as d, setenv(TORSH_KERNELS_CACHE_DIR=d / "cache", TORSH_KERNELS_PROVIDER=None):
         path = tuning.cache_path()
         path.parent.mkdir(parents=True)
         if callable(content):
@@ -102,7 +83,7 @@ def _cache_dir_is_a_file() -> bool:
     """TORSH_KERNELS_CACHE_DIR names a regular file: ops still run (nothing to read)."""
     from torsh_kernels.ops import registry
 
-    with _tmp() as d, _env(TORSH_KERNELS_CACHE_DIR=_a_file(d), TORSH_KERNELS_PROVIDER=None):
+    with _tmp() as d, setenv(TORSH_KERNELS_CACHE_DIR=_a_file(d), TORSH_KERNELS_PROVIDER=None):
         registry.reload()
         try:
             return _flatten_is_right()
@@ -232,7 +213,7 @@ def _good_trace() -> dict:
 def _load_file(make, env: dict | None = None, **kw):
     from torsh_kernels.profiling.traces import load
 
-    with _tmp() as d, _env(**(env or {})):
+    with _tmp() as d, setenv(**(env or {})):
         f = d / "rank0.json"
         target = make(f)
         return load(target or f, **kw)
@@ -332,7 +313,7 @@ def _start_from_env(make) -> None:
     from torsh_kernels import _trace
     from torsh_kernels.profiling import timeline
 
-    with _tmp() as d, _env(TORSH_TRACE=make(d)):
+    with _tmp() as d, setenv(TORSH_TRACE=make(d)):
         try:
             timeline.start_from_env()
         finally:

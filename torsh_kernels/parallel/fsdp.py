@@ -636,18 +636,21 @@ def _agree_install(mods, weights, grads, block, error_feedback, hsdp_grads, comm
     mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
     if mesh is None:
         return  # nothing sharded: no collective will run
+    shard = TorchCommunicator(mesh.get_group(mesh.ndim - 1))
     fields = [
         ("weights", weights),
         ("grads", grads),
         ("block", block),
         ("error_feedback", error_feedback),
         ("hsdp_grads", None if hsdp_grads is None else hsdp_grads.describe()),
-        ("comm", None if comm is None else type(comm).__name__),
+        # the transport the collectives take, not the class that carries them (a wrapper around the same
+        # transport, e.g. a tracing or fault-injecting one on a single rank, issues the same collectives)
+        ("transport", shard.backend if comm is None else str(getattr(comm, "backend", type(comm).__name__))),
         ("FSDP modules", sum(1 for m in mods if managed_parameters(m))),
         ("parameters", [tuple(p.shape) for p in params]),
         ("dtypes", sorted({str(p.dtype).replace("torch.", "") for p in params})),
     ]
-    agree(TorchCommunicator(mesh.get_group(mesh.ndim - 1)), "the quantized comms to install", fields, what=what,
+    agree(shard, "the quantized comms to install", fields, what=what,
           fix="Call it with the same settings on every rank, on models sharded alike.")  # fmt: skip
 
 

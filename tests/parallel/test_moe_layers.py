@@ -314,8 +314,25 @@ EP_CASES = {
 }
 
 
+def _balancer_steps(comm) -> tuple[list[float], list[list[int]]]:
+    """A BiasBalancer over ``comm``: each rank observes its own counts for 3 steps; its bias, and its counts."""
+    from torsh_kernels.parallel import BiasBalancer
+
+    bal = BiasBalancer(6, rate=0.05, comm=comm)
+    g = torch.Generator().manual_seed(100 + comm.rank)
+    seen = []
+    for _ in range(3):
+        c = torch.randint(0, 20, (6,), generator=g)
+        bal.observe(c)
+        seen.append(c.tolist())
+        bal.step()
+    return bal.bias.tolist(), seen
+
+
 def _ep_cases_worker(comm, shapes):
-    return {name: _ep_compare(comm, E, K, options, shapes[kind]) for name, (E, K, options, kind) in EP_CASES.items()}
+    out = {name: _ep_compare(comm, E, K, options, shapes[kind]) for name, (E, K, options, kind) in EP_CASES.items()}
+    out["balancer"] = _balancer_steps(comm)
+    return out
 
 
 @pytest.mark.parametrize(
@@ -332,6 +349,17 @@ def test_expert_parallel_new_options_match_single_process(world, shapes):
         _check_ep(per_rank, world)
         for rank, (diffs, *_rest) in enumerate(per_rank):
             assert "grad shared w_in" in diffs, (name, rank)
+    # the balancer over the ranks: every rank the same bias, the one the summed counts give (Megatron's update)
+    from tests.parallel.test_moe_balance import megatron_updated_expert_bias
+
+    biases = [res["balancer"][0] for res in results]
+    assert all(b == biases[0] for b in biases[1:])
+    ref = torch.zeros(6)
+    for step in range(3):
+        total = torch.tensor([res["balancer"][1][step] for res in results]).sum(0)
+        ref = megatron_updated_expert_bias(total.float(), ref, 0.05)
+    torch.testing.assert_close(torch.tensor(biases[0]), ref, atol=0, rtol=0)
+    assert ref.abs().sum() > 0
 
 
 def _bad_world_worker(comm):

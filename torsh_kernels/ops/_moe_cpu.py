@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit
 
 from ..errors import ShapeError
 from ._cpu import carray, f32, jit, p_b, p_f32, p_f64, p_i64
@@ -68,10 +69,10 @@ def _sigmoid_row(row, p):
     return tot
 
 
-@jit
+@njit(inline="always", cache=True, nogil=True)
 def _scores_row(row, score, p):
     """The row's fp32 scores into p (``score``: SOFTMAX or SIGMOID of logits, or PROBS: the row itself);
-    whether one is NaN."""
+    whether one is NaN. (Inlined: a call per token costs the top-k about 5%.)"""
     E = row.size
     if score == PROBS:
         for e in range(E):
@@ -282,19 +283,40 @@ def _in_range(ix, n):
 
 
 @jit
-def route_ptr(xp, T, E, k, score, renorm, bp, has_bias, G, TG, scaling, cap, policy, ip, wp, sp, rp, cp, tp, dp):
-    """:func:`route_arrays` on addresses (fp32 logits [T, E]; the fp32 bias [E], read only with ``has_bias``;
-    idx, w, s, rows, dropped [T, K]; counts [E]; tok [T*K]), also writing ``dropped``; returns (tokens with a
-    NaN score, N)."""
+def _mark_dropped(rows, d):
+    """``d[t, j] = rows[t, j] < 0``."""
+    T, k = rows.shape
+    for t in range(T):
+        for j in range(k):
+            d[t, j] = rows[t, j] < 0
+
+
+@jit
+def route_ptr(xp, T, E, k, score, renorm, cap, policy, ip, wp, sp, rp, cp, tp, dp):
+    """Both steps of the route on addresses (fp32 logits [T, E]; idx, w, s, rows, dropped [T, K]; counts [E];
+    tok [T*K]) without the selection options, also writing ``dropped``; returns (tokens with a NaN score, N).
+    (Its own entry point, calling the plain top-k itself: an argument costs the dispatcher about 60 ns a call,
+    and a nested call of the options' entry point cost the T=4096, E=64 route about 5%.)"""
+    rows = carray(p_i64(rp), (T, k))
+    idx, s = carray(p_i64(ip), (T, k)), carray(p_f32(sp), (T, k))
+    bad = _topk_plain(carray(p_f32(xp), (T, E)), k, score, renorm, np.float32(1.0), idx, carray(p_f32(wp), (T, k)), s)
+    n = assign_arrays(idx.reshape(-1), s.reshape(-1), E, cap, policy, k, rows.reshape(-1), carray(p_i64(cp), (E,)),
+                      carray(p_i64(tp), (T * k,)))  # fmt: skip
+    _mark_dropped(rows, carray(p_b(dp), (T, k)))
+    return bad, n
+
+
+@jit
+def route_select_ptr(xp, T, E, k, score, renorm, bp, has_bias, G, TG, scaling, cap, policy, ip, wp, sp, rp, cp, tp,
+                     dp):  # fmt: skip
+    """:func:`route_ptr` with the selection options: the fp32 bias [E] at ``bp`` (read only with
+    ``has_bias``), ``G`` groups (0: none) of which ``TG`` are kept, the weights' ``scaling``."""
     rows = carray(p_i64(rp), (T, k))
     bias = carray(p_f32(bp), (E if has_bias else 0,))
     bad, n = route_arrays(carray(p_f32(xp), (T, E)), k, score, renorm, bias, has_bias, G, TG, np.float32(scaling), E,
                           cap, policy, carray(p_i64(ip), (T, k)), carray(p_f32(wp), (T, k)), carray(p_f32(sp), (T, k)),
                           rows, carray(p_i64(cp), (E,)), carray(p_i64(tp), (T * k,)))  # fmt: skip
-    d = carray(p_b(dp), (T, k))
-    for t in range(T):
-        for j in range(k):
-            d[t, j] = rows[t, j] < 0
+    _mark_dropped(rows, carray(p_b(dp), (T, k)))
     return bad, n
 
 

@@ -1059,10 +1059,15 @@ def _route_cpu(logits, T, E, k, score, renorm, bias, G, TG, c, cap, drop_policy,
     rows = torch.empty(T, k, dtype=i64)
     counts, tok, dropped = torch.empty(E, dtype=i64), torch.empty(T * k, dtype=i64), torch.empty(T, k, dtype=_BOOL)
     x, mode = M.scores_for_kernel(logits, score)
-    bp = 0 if bias is None else bias.data_ptr()
-    bad, n = M.route_ptr(x.data_ptr(), T, E, k, mode, renorm, bp, bias is not None, G, TG, c, cap,
-                         _NO_CAP if cap < 0 else _POLICY[drop_policy], idx.data_ptr(), w.data_ptr(), s.data_ptr(),
-                         rows.data_ptr(), counts.data_ptr(), tok.data_ptr(), dropped.data_ptr())  # fmt: skip
+    policy = _NO_CAP if cap < 0 else _POLICY[drop_policy]
+    if bias is None and not G and c == 1.0:
+        bad, n = M.route_ptr(x.data_ptr(), T, E, k, mode, renorm, cap, policy, idx.data_ptr(), w.data_ptr(),
+                             s.data_ptr(), rows.data_ptr(), counts.data_ptr(), tok.data_ptr(),
+                             dropped.data_ptr())  # fmt: skip
+    else:
+        bad, n = M.route_select_ptr(x.data_ptr(), T, E, k, mode, renorm, 0 if bias is None else bias.data_ptr(),
+                                    bias is not None, G, TG, c, cap, policy, idx.data_ptr(), w.data_ptr(), s.data_ptr(),
+                                    rows.data_ptr(), counts.data_ptr(), tok.data_ptr(), dropped.data_ptr())  # fmt: skip
     if bad and check_finite:
         _raise_nan_scores(bad, T)
     return w, idx, s, counts, rows, tok if n == T * k else tok[:n], dropped, n

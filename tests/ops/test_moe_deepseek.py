@@ -349,3 +349,28 @@ def test_the_aux_loss_uses_the_unbiased_probabilities(gen):
     for provider in ("cpu", "torch"):
         torch.testing.assert_close(M.moe_aux_loss(logits, r, provider=provider), want)
     assert f[5] == 0.5  # every token chose the biased expert
+
+
+def test_the_options_compile_without_a_graph_break(gen):
+    """torch.compile(fullgraph=True) of a route with every option: the reference's routing and gradients, and
+    the bias's finite check at run time (it lives in the custom op)."""
+    logits = rand((33, 12), torch.float32, gen, device="cpu").requires_grad_()
+    bias = rand((12,), torch.float32, gen, device="cpu") * 0.3
+    kw = dict(k=3, score="sigmoid", n_group=4, topk_group=2, scaling=2.5)
+
+    def route(lg, b):
+        r = M.moe_route(lg, score_bias=b, **kw)
+        return r.weights, r.indices
+
+    compiled = torch.compile(route, fullgraph=True, backend="aot_eager")
+    w, idx = compiled(logits, bias)
+    ref = M.moe_route_ref(logits, score_bias=bias, **kw)
+    assert torch.equal(idx, ref.indices)
+    torch.testing.assert_close(w, ref.weights)
+    (got,) = torch.autograd.grad(w.sum(), logits)
+    (want,) = torch.autograd.grad(ref.weights.sum(), logits)
+    torch.testing.assert_close(got, want)
+    bad = bias.clone()
+    bad[0] = float("inf")
+    with pytest.raises(NonFiniteError, match="score_bias holds 1 non-finite"):
+        compiled(logits, bad)

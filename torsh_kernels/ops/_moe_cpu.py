@@ -148,13 +148,11 @@ def _topk_select(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s)
             for g in range(G):
                 m1 = ninf  # the group's two highest keys, m1 >= m2
                 m2 = ninf
-                for i in range(size):
+                for i in range(size):  # branch-free: m2 = max(m2, min(m1, v)), m1 = max(m1, v)
                     v = q[g * size + i]
-                    if v > m1:
-                        m2 = m1
-                        m1 = v
-                    elif v > m2:
-                        m2 = v
+                    lo = v if v < m1 else m1
+                    m2 = lo if lo > m2 else m2
+                    m1 = v if v > m1 else m1
                 gs[g] = m1 + m2 if size > 1 else m1
                 gk[g] = False
             for _r in range(TG):
@@ -165,8 +163,9 @@ def _topk_select(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s)
                         best = gs[g]
                         pick = g
                 gk[pick] = True
-            for e in range(E):
-                ok[e] = gk[e // size]
+            for g in range(G):
+                for i in range(size):
+                    ok[g * size + i] = gk[g]
         else:
             for e in range(E):
                 ok[e] = True

@@ -176,25 +176,36 @@ def _scores_ref(logits: torch.Tensor, score: str) -> torch.Tensor:
     return torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
 
 
-def _choose_ref(
-    p: torch.Tensor, k: int, bias: torch.Tensor | None = None, n_group: int = 0, topk_group: int = 0
+def _selection_keys(
+    p: torch.Tensor, bias: torch.Tensor | None = None, n_group: int = 0, topk_group: int = 0
 ) -> torch.Tensor:
-    """The K chosen experts [T, K] of scores ``p`` [T, E] (fp32; see the module docstring): the K highest
-    ``p + bias`` (added in fp32; NaN scores as -inf) inside the ``topk_group`` best of ``n_group`` groups
-    (0: no groups), equal keys to the lower expert (a stable sort)."""
+    """The fp64 keys [T, E] the K experts are the highest of (equal keys: the lower expert), for scores ``p``
+    [T, E] (fp32; see the module docstring): ``p + bias`` added in fp32, then, below every fp32 value, the NaN
+    scores (-1e300), then (-inf) the experts of the groups left out of the ``topk_group`` best of ``n_group``
+    (0: no groups), which are never chosen."""
     T, E = p.shape
     key = p.detach() if bias is None else p.detach() + bias.detach()  # [T, E] fp32
     nan = torch.isnan(key)
-    key = key.masked_fill(nan, -math.inf)
-    # fp64 keys: every fp32 key, then the NaN scores (-1e300: below every fp32 value), then (-inf) the
-    # experts of the groups left out, which are never chosen
+    key = key.masked_fill(nan, -math.inf)  # (as -inf in the group scores)
     key64 = key.double().masked_fill(nan, -1e300)
     if n_group:
-        size = E // n_group
-        group = key.view(T, n_group, size).topk(min(2, size), dim=-1).values.sum(-1)  # [T, G] fp32
-        kept = torch.sort(group, dim=1, descending=True, stable=True).indices[:, :topk_group]  # ties: lower group
-        allowed = torch.zeros(T, n_group, dtype=torch.bool, device=p.device).scatter_(1, kept, True)
-        key64 = key64.masked_fill(~allowed.repeat_interleave(size, dim=1), -math.inf)
+        G, size = n_group, E // n_group
+        grp = key.view(T, G, size)
+        m1, i1 = grp.max(-1, keepdim=True)  # the group's highest key, then its second (fp32 sum)
+        group = (m1 + grp.scatter(-1, i1, -math.inf).amax(-1, keepdim=True) if size > 1 else m1).squeeze(-1)  # [T, G]
+        # kept: fewer than topk_group groups rank above it (a higher score, or an equal one and a lower index)
+        ar = torch.arange(G, device=p.device)
+        a, g = group[:, None, :], group[:, :, None]  # [T, 1, G] the others h, [T, G, 1] the group g
+        above = ((a > g) | ((a == g) & (ar[None, :] < ar[:, None]))).sum(-1)  # [T, G]
+        key64.view(T, G, size).masked_fill_((above >= topk_group)[:, :, None], -math.inf)
+    return key64
+
+
+def _choose_ref(
+    p: torch.Tensor, k: int, bias: torch.Tensor | None = None, n_group: int = 0, topk_group: int = 0
+) -> torch.Tensor:
+    """The K chosen experts [T, K] of scores ``p`` [T, E]: the K highest selection keys, by a stable sort."""
+    key64 = _selection_keys(p, bias, n_group, topk_group)
     return torch.sort(key64, dim=1, descending=True, stable=True).indices[:, :k].contiguous()  # ties: lower expert
 
 
@@ -334,8 +345,17 @@ def _topk_torch(logits, k, score, renorm, bias, n_group, topk_group, scaling):
     p = _scores_ref(logits, score)
     nan = torch.isnan(p)
     bad = nan.any(1).sum().view(1)
-    if bias is not None or n_group:  # the selection options: the reference's keys and stable sort
-        idx = _choose_ref(p, k, bias, n_group, topk_group)
+    if bias is not None or n_group:  # the selection options: the reference's keys
+        if k <= 8:  # k rounds of argmax (the first of equal maxima); a chosen key drops to -inf, below them all
+            key = _selection_keys(p, bias, n_group, topk_group)
+            idx = torch.empty(p.shape[0], k, dtype=torch.int64, device=p.device)
+            for j in range(k):
+                i = key.argmax(1, keepdim=True)
+                idx[:, j : j + 1] = i
+                if j + 1 < k:
+                    key.scatter_(1, i, -math.inf)
+        else:
+            idx = _choose_ref(p, k, bias, n_group, topk_group)
     elif k <= 8:  # k rounds of argmax, which returns the first (lowest) index of equal maxima
         sel = torch.where(nan, -1.0, p)
         idx = torch.empty(p.shape[0], k, dtype=torch.int64, device=p.device)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torsh_kernels.errors import ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, ShapeError
-from torsh_kernels.parallel import BiasBalancer
+from torsh_kernels.parallel import BiasBalancer, MoELayer
 
 
 def megatron_updated_expert_bias(tokens_per_expert, expert_bias, rate):
@@ -70,3 +70,75 @@ def test_balancer_arguments_and_state_are_checked():
         assert not bal.bias.any() and not bal.load.any()  # nothing was copied
     bal.load_state_dict(good)
     assert torch.equal(bal.bias, good["bias"]) and torch.equal(bal.load, good["load"])
+
+
+def _skewed_layer(rate: float) -> MoELayer:
+    """8 experts, k=2, sigmoid scores; feature 0 of every token is 1 and experts 0 and 1 read it with weight 3:
+    most tokens choose those two."""
+    torch.manual_seed(0)
+    layer = MoELayer(16, 8, 8, 2, score="sigmoid", expert_bias=True, bias_update_rate=rate, aux_loss_coef=0.0)
+    with torch.no_grad():
+        layer.router.weight.mul_(0.5)
+        layer.router.weight[:, 0] = 0.0
+        layer.router.weight[:2, 0] = 3.0
+    return layer
+
+
+def _tokens(step: int) -> torch.Tensor:
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
+    x[:, 0] = 1.0
+    return x
+
+
+def _imbalance(counts: torch.Tensor) -> float:
+    return (counts.max() / counts.float().mean()).item()
+
+
+def test_balancer_evens_out_a_skewed_router():
+    """The load imbalance (max / mean tokens per expert) of each forward, over 40 optimizer steps (the router
+    itself fixed), with the balancer and with rate 0 (the bias never moves)."""
+    runs = {}
+    for rate in (0.02, 0.0):
+        layer = _skewed_layer(rate)
+        seen = []
+        for step in range(40):
+            layer(_tokens(step))
+            seen.append(_imbalance(layer.last_routing.tokens_per_expert))
+            layer.update_expert_bias()
+        runs[rate] = seen
+    balanced, frozen = runs[0.02], runs[0.0]
+    assert balanced[0] > 3.0 and frozen[0] > 3.0  # skewed to start with: experts 0 and 1 take most tokens
+    last = balanced[-10:]  # (the sign update keeps moving the bias by the rate: the imbalance oscillates)
+    assert sum(last) / 10 < 1.75 and max(last) < 2.0 < balanced[0] / 1.5
+    assert min(frozen[-10:]) > 3.0
+
+
+def test_balancer_counts_training_forwards_and_travels_in_the_state_dict():
+    layer = _skewed_layer(0.5)
+    layer.eval()
+    layer(_tokens(0))
+    assert not layer.balancer.load.any()  # eval: no count
+    layer.train()
+    with torch.no_grad():
+        layer(_tokens(0))
+    assert not layer.balancer.load.any()  # no gradients (as Megatron-Core): no count
+    layer(_tokens(1))
+    first = layer.last_routing.tokens_per_expert.clone()
+    layer(_tokens(2))
+    assert torch.equal(layer.balancer.load, first + layer.last_routing.tokens_per_expert)
+    layer.update_expert_bias()
+    layer(_tokens(3))  # pending counts, saved too
+    state = layer.state_dict()
+    assert {"balancer.bias", "balancer.load"} <= set(state) and state["balancer.bias"].abs().sum() > 0
+    fresh = _skewed_layer(0.5)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.balancer.bias, layer.balancer.bias)
+    assert torch.equal(fresh.balancer.load, layer.balancer.load)
+    with torch.no_grad():
+        x = _tokens(4)
+        fresh(x), layer(x)
+    assert torch.equal(fresh.last_routing.indices, layer.last_routing.indices)  # the bias routes alike
+    zero = _skewed_layer(0.5)
+    with torch.no_grad():
+        zero(x)
+    assert not torch.equal(zero.last_routing.indices, layer.last_routing.indices)  # and it does change the routing

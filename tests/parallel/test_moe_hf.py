@@ -1,6 +1,6 @@
-"""MoELayer.from_hf against Hugging Face's own blocks (transformers 5, small configs built here, fp32): the same
-output and the same gradients of the input, the router, the experts and the shared expert (and its gate) on
-the same tokens; the blocks it refuses."""
+"""MoELayer.from_hf against Hugging Face's own blocks (transformers 5, small configs built here, fp32): Mixtral,
+Qwen2-MoE, OLMoE and DeepSeek-V3 give the same output and the same gradients of the input, the router, the
+experts and the shared expert (and its gate) on the same tokens; the blocks it refuses."""
 
 from __future__ import annotations
 
@@ -48,6 +48,15 @@ def _olmoe():
     from transformers.models.olmoe.modeling_olmoe import OlmoeConfig, OlmoeSparseMoeBlock
 
     return OlmoeSparseMoeBlock(OlmoeConfig(hidden_size=H, intermediate_size=FF, num_experts=E, num_experts_per_tok=2))
+
+
+def _deepseek_v3():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Config, DeepseekV3MoE
+
+    cfg = DeepseekV3Config(hidden_size=H, moe_intermediate_size=FF, n_routed_experts=E, num_experts_per_tok=3,
+                           n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=2,
+                           norm_topk_prob=True)  # fmt: skip
+    return DeepseekV3MoE(cfg)
 
 
 def _grads(block: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -109,6 +118,24 @@ def test_from_hf_matches_the_block(make, shared):
     _compare(block, layer, seed=3)
     if shared:
         assert layer.shared_ffn_hidden == 12
+
+
+def test_from_hf_matches_deepseek_v3():
+    """Sigmoid scores, a non-zero random e_score_correction_bias (selection only), 2 of 4 groups, routed
+    scaling 2.5, renormalised, 2 shared experts (one MLP twice as wide)."""
+    block = _init(_deepseek_v3(), seed=5)
+    layer = MoELayer.from_hf(block)
+    assert (layer.score, layer.n_group, layer.topk_group, layer.scaling, layer.k) == ("sigmoid", 4, 2, 2.5, 3)
+    assert (layer.shared_experts, layer.shared_ffn_hidden, layer.shared_expert_gate) == (2, 2 * FF, None)
+    assert torch.equal(layer.balancer.bias, block.gate.e_score_correction_bias)
+    _compare(block, layer, seed=5)
+    with torch.no_grad():  # the bias mattered: without it some tokens choose other experts
+        x = torch.randn(40, H, generator=torch.Generator().manual_seed(6))
+        layer(x)
+        biased = layer.last_routing.indices.sort(1).values
+        layer.balancer.bias.zero_()
+        layer(x)
+    assert not torch.equal(biased, layer.last_routing.indices.sort(1).values)
 
 
 def test_from_hf_refuses_what_it_cannot_map():

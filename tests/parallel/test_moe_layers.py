@@ -311,7 +311,8 @@ def test_expert_parallel_matches_single_process(world, E, K, cf, policy, activat
 EP_CASES = {
     "shared-gated": (4, 2, dict(shared_experts=2, shared_gate=True), "T"),
     "shared-wide-gelu": (8, 3, dict(shared_experts=1, shared_ffn_hidden=20, activation="gelu"), "T"),
-}
+    "bias-groups-scaling": (8, 3, dict(score="sigmoid", expert_bias=True, n_group=4, topk_group=2, scaling=2.5), "T"),
+}  # fmt: skip
 
 
 def _balancer_steps(comm) -> tuple[list[float], list[list[int]]]:
@@ -338,17 +339,28 @@ def _ep_cases_worker(comm, shapes):
 @pytest.mark.parametrize(
     ("world", "shapes"),
     [
-        pytest.param(2, {"T": [(13,), (6,)], "BS": [(2, 5), (3, 4)]}, id="W2"),
-        pytest.param(4, {"T": [(9,), (0,), (14,), (5,)], "BS": [(2, 3), (1, 6), (3, 3), (2, 4)]}, id="W4"),
+        pytest.param(2, {"T": [(13,), (6,)], "BS": [(2, 5), (3, 4)], "P": [(2, 6)] * 2}, id="W2"),
+        pytest.param(
+            4, {"T": [(9,), (0,), (14,), (5,)], "BS": [(2, 3), (1, 6), (3, 3), (2, 4)], "P": [(12,)] * 4}, id="W4"
+        ),
     ],
 )
 def test_expert_parallel_new_options_match_single_process(world, shapes):
-    results = run_local(_ep_cases_worker, world, shapes, timeout=240, threads=1, start_method="forkserver")
-    for name in EP_CASES:
+    results = run_local(_ep_cases_worker, world, shapes, timeout=240, threads=1)
+    for name, (E, _, options, _) in EP_CASES.items():
         per_rank = [res[name] for res in results]
         _check_ep(per_rank, world)
-        for rank, (diffs, *_rest) in enumerate(per_rank):
-            assert "grad shared w_in" in diffs, (name, rank)
+        for rank, (diffs, _, dispatch, a2a, _) in enumerate(per_rank):
+            assert ("grad shared w_in" in diffs) == bool(options.get("shared_experts")), (name, rank)
+            if options.get("pad_to_capacity"):  # static splits: no count exchange, capacity rows per expert
+                C = 8  # T=12 tokens on every rank, k=2, factor 1.25, 4 experts: ceil(12 * 2 * 1.25 / 4)
+                assert a2a == 2 and dispatch["received_rows"] == [E // world * C] * world, (name, rank, dispatch)
+            else:  # the counts, the dispatch, the combine
+                assert a2a == 3, (name, rank, a2a)
+        if options.get("expert_bias"):  # one update over the ranks: every rank's bias equal, and the reference's
+            assert all(b[0] == per_rank[0][4][0] for *_, b in per_rank) and per_rank[0][4][1] < 1e-6, name
+        if "capacity" in options:  # 3 per expert: the ranks with tokens drop some
+            assert any(res[2]["dropped"] > 0 for res in per_rank), name
     # the balancer over the ranks: every rank the same bias, the one the summed counts give (Megatron's update)
     from tests.parallel.test_moe_balance import megatron_updated_expert_bias
 
@@ -389,6 +401,7 @@ def _mismatch_worker(comm) -> dict:
         "hidden": dict(hidden=H + 2 if odd else H),
         "capacity": dict(capacity_factor=1.25 if odd else None),
         "dtype": dict(dtype=torch.bfloat16 if odd else torch.float32),
+        "shared": dict(shared_experts=1 if odd else 0),
     }
     out = {}
     for name, kw in cases.items():
@@ -410,7 +423,8 @@ def test_ranks_whose_moe_layers_differ_all_raise_naming_the_difference():
     named = {"experts": "num_experts: 4 on rank 0, 6 on rank 1", "k": "k: 2 on rank 0, 1 on rank 1",
              "hidden": f"hidden: {H} on rank 0, {H + 2} on rank 1",
              "capacity": "capacity_factor: None on rank 0, 1.25 on rank 1",
-             "dtype": "parameter dtype: torch.float32 on rank 0, torch.bfloat16 on rank 1"}  # fmt: skip
+             "dtype": "parameter dtype: torch.float32 on rank 0, torch.bfloat16 on rank 1",
+             "shared": "shared_experts: 0 on rank 0, 1 on rank 1"}  # fmt: skip
     out = run_local(_mismatch_worker, 2, timeout=60)
     for res in out:
         for name, want in named.items():

@@ -372,7 +372,7 @@ def test_custom_ops_pass_opcheck(gen):
     """Schemas, fake implementations and autograd registrations are consistent (torch.library.opcheck)."""
     logits = rand((11, 5), torch.float32, gen).requires_grad_()
     for cap in (-1, 3):  # without and with a capacity (a data-dependent number of rows)
-        args = (logits, 2, "softmax", True, cap, "probability", True, "")
+        args = (logits, 2, "softmax", True, cap, "probability", [], [], -1, True, "")
         torch.library.opcheck(torch.ops.torsh.moe_route.default, args)
     r = M.moe_route(logits.detach(), k=2)
     x = rand((11, 6), torch.float32, gen).requires_grad_()

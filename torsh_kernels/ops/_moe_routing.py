@@ -198,9 +198,7 @@ def check_sequence_lengths(lengths: object, num_tokens: int, what: str) -> tuple
     elif isinstance(lengths, (list, tuple)):
         for i, v in enumerate(lengths):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise ArgumentTypeError(
-                    f"{what}: sequence_lengths[{i}] must be an int, got {type(v).__name__} {v!r}"
-                )
+                raise ArgumentTypeError(f"{what}: sequence_lengths[{i}] must be an int, got {type(v).__name__} {v!r}")
         vals = tuple(int(v) for v in lengths)
     else:
         raise ArgumentTypeError(

@@ -169,9 +169,10 @@ def test_switch_router_capacity_per_sequence_matches_hugging_face(provider, gen)
     first expert_capacity tokens: capacity=C, capacity_scope="sequence", drop_policy="position", k=1."""
     tf = pytest.importorskip("transformers.models.switch_transformers.modeling_switch_transformers")
     B, L, H, E, C = 3, 9, 16, 4, 2
-    torch.manual_seed(1234)
     cfg = tf.SwitchTransformersConfig(d_model=H, num_experts=E, expert_capacity=C, router_jitter_noise=0.5)
-    router = tf.SwitchTransformersTop1Router(cfg).eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)  # (the router's weights: nn.Linear's initialisation)
+        router = tf.SwitchTransformersTop1Router(cfg).eval()
     hidden = rand((B, L, H), torch.float32, gen, device="cpu")
     with torch.no_grad():
         dispatch, probs, logits = router(hidden)  # [B, L, E] one-hot, kept only; [B, L, 1]; [B, L, E]

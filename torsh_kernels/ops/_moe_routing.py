@@ -70,17 +70,18 @@ class Routing(Sealable):
     scores: torch.Tensor
     """[T, K] fp32: the router scores of the chosen experts before renormalisation."""
     tokens_per_expert: torch.Tensor
-    """[E] int64: kept assignments per expert, i.e. the group sizes of the permuted rows."""
+    """[E] int64: kept assignments per expert (unpadded, the group sizes of the permuted rows; padded or not,
+    :attr:`rows_per_expert` is)."""
     row_map: torch.Tensor
     """[T, K] int64: the row of the permuted tensor that assignment (t, j) occupies, -1 if dropped."""
     token_index: torch.Tensor
-    """[N] int64: the token each permuted row came from (the inverse of ``row_map``)."""
+    """[N] int64: the token each permuted row came from (the inverse of ``row_map``); -1 at padding rows."""
     dropped: torch.Tensor
     """[T, K] bool: assignments dropped by the capacity limit."""
     num_experts: int
     """E."""
     num_rows: int
-    """N: the number of permuted rows (T*K minus the dropped assignments)."""
+    """N: the number of permuted rows (T*K minus the dropped assignments; padded, E * capacity)."""
     capacity: int | None
     """The most assignments an expert keeps in this call, or None without a capacity limit: C in the call
     scope; in the sequence scope the sum of the sequences' capacities, ``sum(sequence_capacity)``. With

@@ -1,25 +1,44 @@
 """Mixture-of-experts routing ops: fused router top-k with capacity, permute and unpermute, router losses.
 
-Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dropped assignments``.
+Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dropped assignments`` (padded:
+``N = E * capacity``).
 
-- ``moe_route(logits [T, E], k=, score=, renormalize=, capacity_factor=, drop_policy=)`` -> :class:`Routing`.
+- ``moe_route(logits [T, E], k=, score=, renormalize=, capacity_factor=, drop_policy=, capacity=,
+  capacity_scope=, sequence_lengths=, pad_to_capacity=)`` -> :class:`Routing`.
   Scores are computed in fp32: ``softmax`` over the E logits, or ``sigmoid`` of each. The K experts of
   a token are its K highest scores, in descending order; equal scores go to the lower expert index
   (ties are deterministic and the same for every provider). ``weights`` are the chosen scores,
   divided by their sum when ``renormalize`` (for softmax this equals a softmax over the chosen logits).
   *Capacity*: with ``capacity_factor`` set, each expert keeps at most
-  ``C = ceil(T * K * capacity_factor / E)`` assignments; ``drop_policy="probability"`` keeps the C with
-  the highest scores (equal scores: lower token first), ``"position"`` the first C in token order.
-  Dropped assignments keep their weight in ``weights`` (renormalisation happens before dropping) and
+  ``C = ceil(T * K * capacity_factor / E)`` assignments (clamped to ``[1, T * K]``); with ``capacity`` (an
+  int >= 0; not together with ``capacity_factor``) at most ``C = capacity`` (0 drops everything; more than
+  T * K limits nothing). ``drop_policy="probability"`` keeps the C with the highest scores (equal scores:
+  lower token first), ``"position"`` the first C in token order.
+  ``capacity_scope="sequence"`` with ``sequence_lengths`` (L_s >= 0 summing to T, the tokens laid out
+  sequence after sequence) applies the capacity per (sequence, expert) pair, as Switch Transformers does
+  per group: sequence s keeps at most ``C_s = capacity`` or ``ceil(L_s * K * capacity_factor / E)``
+  (clamped to ``[1, L_s * K]``; 0 for an empty sequence) assignments per expert, the policy ranking inside
+  the pair; the rows stay grouped by expert, token order inside (sequence after sequence).
+  ``routing.capacity`` is then ``sum_s C_s`` (an expert's most rows in the call), ``routing.sequence_capacity``
+  the C_s. Dropped assignments keep their weight in ``weights`` (renormalisation happens before dropping) and
   are marked in ``dropped`` and by ``row_map == -1``; the unpermute ignores them, so a token whose every
   assignment was dropped comes back as zeros (the caller's residual connection carries it, as in
   Switch/GShard). Gradients reach ``logits`` through ``weights``.
+  *Padding* (``pad_to_capacity=True``, which needs a capacity; Megatron's ``moe_pad_expert_input_to_capacity``):
+  every expert's group of permuted rows is padded at its end with zero rows to ``routing.capacity`` rows, so
+  ``N = E * capacity`` is known on the host from the shapes alone (no device read of the counts; meta
+  tensors route too) and the permuted tensor is ``[E, capacity, H]`` viewed flat. ``tokens_per_expert``
+  stays the kept counts (for losses and balancing); ``routing.rows_per_expert`` is the group sizes of the
+  layout (``capacity`` for every expert; ``tokens_per_expert`` unpadded), for the expert GEMMs and the
+  all-to-all splits; ``token_index`` is -1 at the padding rows and no ``row_map`` entry points there.
 - ``moe_permute(x [T, H], routing)`` -> ``x_perm [N, H]``: rows grouped by expert in ascending expert
-  order, token order kept inside each group; group sizes are ``routing.tokens_per_expert``.
-  Row ``routing.row_map[t, j]`` of the result is ``x[t]``.
+  order, token order kept inside each group; group sizes are ``routing.rows_per_expert``.
+  Row ``routing.row_map[t, j]`` of the result is ``x[t]``; padding rows are exact zeros, and their
+  gradient reaches no token.
 - ``moe_unpermute(y_perm [N, H], routing)`` -> ``y [T, H]``:
   ``y[t] = sum_j weights[t, j] * y_perm[row_map[t, j]]`` over the kept assignments, accumulated in fp32
   in the order j = 0..K-1 and cast once to ``y_perm``'s dtype (``weights=False`` sums without weights).
+  Padding rows are never read; their gradient is zero.
 - ``moe_aux_loss(logits_or_probs, routing)``: the Switch/GShard load-balancing loss
   ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the T*K assignments the router sent to expert e
   (before capacity drops: the loss penalises the router's choices) and ``P_e`` the mean router
@@ -27,17 +46,21 @@ Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dro
 - ``moe_z_loss(logits)``: ``mean_t logsumexp(logits[t])**2`` (ST-MoE's router z-loss).
 
 Providers: ``moe_route``, ``moe_permute`` and ``moe_unpermute`` (and their backward passes) have Triton,
-Numba CUDA and torch implementations. The route runs three kernels: per token block, scoring and top-K
-(also counting tokens whose probabilities are NaN); per expert, the count, the capacity threshold
-(a bisection over the fp32 score bits) and each kept assignment's position in its expert's group; per
-assignment, the final row and its inverse (the token of each row). The permute reads each token's row
-once and writes it to its K rows; the unpermute reads the K rows of a token and writes it once; the
-unpermute's backward writes the weighted gradient rows and the weight gradients in one pass.
+Numba CUDA, cpu and torch implementations. The route runs three kernels: per token block, scoring and top-K
+(also counting tokens whose probabilities are NaN); per expert (per (sequence, expert) pair in the sequence
+scope), the count, the capacity threshold (a bisection over the fp32 score bits) and each kept assignment's
+position in its group; per assignment, the final row (the group's start: the expert's earlier rows and,
+per sequence, the earlier sequences' rows of that expert; padded, e * capacity) and its inverse (the token
+of each row). The permute reads each token's row once and writes it to its K rows (padded: one pass over
+the rows, each written once, from its token or as zeros); the unpermute reads the K rows of a token and
+writes it once; the unpermute's backward writes the weighted gradient rows and the weight gradients in one
+pass (padded: into a zeroed buffer).
 The backward of the route (a few [T, E] elementwise operations) and the two losses are plain torch for
 every provider: they are tiny next to the [T, H] traffic and autograd differentiates them.
 
-Integer outputs are int64. ``routing.num_rows`` (N) is a host integer: with capacity it costs one
-device-to-host copy of the expert counts, which the permute needs anyway to size its output.
+Integer outputs are int64. ``routing.num_rows`` (N) is a host integer: with a capacity and no padding it
+costs one device-to-host copy of the expert counts, which the permute needs anyway to size its output;
+padded, it is E * capacity and nothing is read. ``sequence_lengths`` given as a tensor is read on the host.
 
 The kernels live in ``_moe_triton.py`` and ``_moe_numba.py`` (imported on a provider's first launch),
 :class:`Routing` and the capacity rule in ``_moe_routing.py``.

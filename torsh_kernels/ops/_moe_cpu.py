@@ -216,7 +216,7 @@ def assign_arrays(idx, s, E, cap, policy, k, rows, counts, tok, seg, caps, pad):
 def route_arrays(x, k, score, renorm, E, cap, policy, idx, w, s, rows, counts, tok):
     """Both steps of the route in one call: (tokens with a NaN score, N)."""
     bad = topk_arrays(x, k, score, renorm, idx, w, s)
-    none = np.empty(0, np.int64)
+    none = counts[:0]  # (the call scope: no sequences; an empty view, nothing allocated)
     n = assign_arrays(idx.reshape(-1), s.reshape(-1), E, cap, policy, k, rows.reshape(-1), counts, tok, none, none, -1)
     return bad, n
 
@@ -340,9 +340,8 @@ def topk_ptr(xp, T, E, k, score, renorm, ip, wp, sp):
 def assign_ptr(ip, sp, n, E, cap, policy, k, rp, cp, tp, ntok, gp, nseg, qp, pad):
     """:func:`assign_arrays` on addresses: idx, s, rows [n]; counts [E]; tok [ntok]; seg [nseg]; caps [nseg - 1]
     (nseg = 0: the call scope, gp and qp not read)."""
-    if nseg == 0:
-        seg = np.empty(0, np.int64)
-        caps = seg
+    if nseg == 0:  # the call scope: an empty view, nothing allocated
+        seg = caps = carray(p_i64(cp), (E,))[:0]
     else:
         seg = carray(p_i64(gp), (nseg,))
         caps = carray(p_i64(qp), (nseg - 1,))

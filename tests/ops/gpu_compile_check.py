@@ -143,13 +143,16 @@ def moe_triton_variants():
                        {"K": 2, "KP": 2, "EP": 8, "BLOCK_T": 64, "SCORE": score, "RENORM": renorm})  # fmt: skip
     yield ("moe_route_topk bf16 K=6 E<=64", M._route_topk_kernel, {**route, "logits_ptr": "*bf16"},
            {"K": 6, "KP": 8, "EP": 64, "BLOCK_T": 64, "SCORE": 0, "RENORM": True})  # fmt: skip
-    for policy in (0, 1, 2):
-        yield (f"moe_route_assign policy={policy}", M._route_assign_kernel,
-               {"idx_ptr": "*i64", "s_ptr": "*fp32", "pos_ptr": "*i64", "counts_ptr": "*i64", "n": "i32", "cap": "i32"},
-               {"BLOCK": _ASSIGN_BLOCK, "POLICY": policy})  # fmt: skip
-    yield ("moe_route_rows", M._route_rows_kernel,
-           {"idx_ptr": "*i64", "row_ptr": "*i64", "starts_ptr": "*i64", "tok_ptr": "*i64", "n": "i32"},
-           {"K": 2, "BLOCK": 1024})  # fmt: skip
+    for seq in (False, True):  # the capacity of the call, or per sequence
+        for policy in (0, 1, 2):
+            yield (f"moe_route_assign policy={policy} seq={seq}", M._route_assign_kernel,
+                   {"idx_ptr": "*i64", "s_ptr": "*fp32", "pos_ptr": "*i64", "counts_ptr": "*i64", "seg_ptr": "*i64",
+                    "cap_ptr": "*i64", "n": "i32", "cap": "i32", "E": "i32"},
+                   {"BLOCK": _ASSIGN_BLOCK, "POLICY": policy, "SEQ": seq})  # fmt: skip
+        yield (f"moe_route_rows seq={seq}", M._route_rows_kernel,
+               {"idx_ptr": "*i64", "row_ptr": "*i64", "starts_ptr": "*i64", "tok_ptr": "*i64", "seg_ptr": "*i64",
+                "n": "i32", "E": "i32"},
+               {"K": 2, "BLOCK": 1024, "SEQ": seq})  # fmt: skip
     for x in F:
         for has_w in (False, True):
             w = "*fp32" if has_w else "*i64"
@@ -159,6 +162,9 @@ def moe_triton_variants():
             yield (f"moe_unpermute {x} weights={has_w}", M._unpermute_kernel,
                    {"y_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": w, "out_ptr": f"*{x}", "H": "i32", "N": "i32"},
                    {"K": 2, "BLOCK_H": 1024, "HAS_W": has_w})  # fmt: skip
+        yield (f"moe_permute_padded {x}", M._permute_padded_kernel,
+               {"x_ptr": f"*{x}", "tok_ptr": "*i64", "out_ptr": f"*{x}", "H": "i32", "T": "i32"},
+               {"BLOCK_H": 1024})  # fmt: skip
         yield (f"moe_unpermute_backward {x}", M._unpermute_bwd_kernel,
                {"gy_ptr": f"*{x}", "y_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": "*fp32", "gyp_ptr": f"*{x}",
                 "gw_ptr": "*fp32", "H": "i32", "N": "i32"}, {"K": 2, "KP": 2, "BLOCK_H": 1024})  # fmt: skip
@@ -298,8 +304,9 @@ def moe_numba_variants(nt):
             yield (f"moe_unpermute {n} weights={has_w}", K._gather_kernel(x, has_w),
                    (a[x], i64, f32, a[x], int64, int64))  # fmt: skip
         yield (f"moe_row_dots {n}", K._dots_kernel(x), (a[x], a[x], i64, f32, int64, int64, int64))
-    yield ("moe_route_assign", K._assign_kernel, (i64, f32, i64, i64, int64, int64, int64, int64))
-    yield ("moe_route_rows", K._rows_kernel, (i64, i64, i64, i64, int64, int64))
+        yield (f"moe_permute_padded {n}", K._permute_padded_kernel(x), (a[x], i64, a[x], int64, int64))
+    yield ("moe_route_assign", K._assign_kernel, (i64, f32, i64, i64, int64, int64, int64, int64, i64, i64, int64))
+    yield ("moe_route_rows", K._rows_kernel, (i64, i64, i64, i64, int64, int64, i64, int64, int64))
 
 
 def main() -> int:

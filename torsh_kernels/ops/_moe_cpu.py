@@ -22,8 +22,6 @@ Imported on the cpu provider's first launch. Shapes: ``# T tokens, E experts, K 
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 
@@ -394,20 +392,16 @@ def route_topk(logits: torch.Tensor, k: int, score: str, renorm: bool):
     return idx, w, s, bad
 
 
-def route_assign(idx: torch.Tensor, s: torch.Tensor, E: int, cap: int, policy: int, seq=None, pad: int = -1):
-    """(rows [T*K], counts [E], token_index [N]); ``seq`` = (L_s, C_s) for a capacity per sequence, ``pad`` >= 0
-    to pad every expert's group to ``pad`` rows."""
+def route_assign(idx: torch.Tensor, s: torch.Tensor, E: int, cap: int, policy: int, seg: torch.Tensor | None = None,
+                 caps: torch.Tensor | None = None, pad: int = -1):  # fmt: skip
+    """(rows [T*K], counts [E], token_index [N]); ``seg`` [S + 1] (each sequence's first assignment, then T*K) and
+    ``caps`` [S] (int64) for a capacity per sequence, ``pad`` >= 0 to pad every expert's group to ``pad`` rows."""
     n, k = idx.numel(), idx.shape[1]
     idx, s = _i64(idx), s.contiguous()
     rows = torch.empty(n, dtype=torch.int64)
     counts = torch.empty(E, dtype=torch.int64)
     ntok = n if pad < 0 else E * pad
     tok = torch.empty(ntok, dtype=torch.int64)
-    if seq is None:
-        seg = caps = None
-    else:
-        seg = torch.tensor([0, *itertools.accumulate(seq[0])], dtype=torch.int64) * k
-        caps = torch.tensor(seq[1], dtype=torch.int64)
     n_rows = assign_ptr(idx.data_ptr(), s.data_ptr(), n, E, cap, policy, k, rows.data_ptr(), counts.data_ptr(),
                         tok.data_ptr(), ntok, 0 if seg is None else seg.data_ptr(), 0 if seg is None else seg.numel(),
                         0 if caps is None else caps.data_ptr(), pad)  # fmt: skip

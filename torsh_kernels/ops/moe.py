@@ -531,7 +531,10 @@ def _assign_numba(idx, s, E, cap, policy, seq=None, pad=-1):
 def _assign_cpu(idx, s, E, cap, policy, seq=None, pad=-1):
     from . import _moe_cpu as M
 
-    return M.route_assign(idx, s, E, cap, policy, seq, pad)
+    if seq is None:
+        return M.route_assign(idx, s, E, cap, policy, None, None, pad)
+    caps = torch.tensor(seq[1], dtype=torch.int64)
+    return M.route_assign(idx, s, E, cap, policy, _segments(seq, idx.shape[1], idx.device), caps, pad)
 
 
 # scatter rows: out[row_map[t, j]] = x[t] (* w[t, j]); tok = the inverse map (out[i] = x[tok[i]] * ...).

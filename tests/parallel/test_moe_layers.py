@@ -192,6 +192,8 @@ def test_moe_layer_arguments():
         (dict(expert_compute="fast"), InvalidArgumentError, "expert_compute='fast'"),
         (dict(capacity_scope="batch"), InvalidArgumentError, "capacity_scope='batch'"),
         (dict(scaling="2"), ArgumentTypeError, "scaling must be a number"),
+        (dict(scaling=-1.0), InvalidArgumentError, r"MoELayer: scaling=-1\.0"),  # moe_route checks, named MoELayer
+        (dict(n_group=2, topk_group=1), InvalidArgumentError, "MoELayer: n_group=2 does not split the E=3 experts"),
     ]:
         with pytest.raises(err, match=text):
             MoELayer(H, FFN, 3, 1, **kw)
@@ -312,6 +314,10 @@ EP_CASES = {
     "shared-gated": (4, 2, dict(shared_experts=2, shared_gate=True), "T"),
     "shared-wide-gelu": (8, 3, dict(shared_experts=1, shared_ffn_hidden=20, activation="gelu"), "T"),
     "bias-groups-scaling": (8, 3, dict(score="sigmoid", expert_bias=True, n_group=4, topk_group=2, scaling=2.5), "T"),
+    "capacity-call": (4, 2, dict(capacity=3, drop_policy="position", shared_experts=1), "T"),
+    "capacity-sequence": (4, 2, dict(capacity_factor=1.0, capacity_scope="sequence"),
+                          "BS"),
+    "padded": (4, 2, dict(capacity_factor=1.25, pad_to_capacity=True, expert_bias=True, score="sigmoid"), "P"),
 }  # fmt: skip
 
 
@@ -402,6 +408,7 @@ def _mismatch_worker(comm) -> dict:
         "capacity": dict(capacity_factor=1.25 if odd else None),
         "dtype": dict(dtype=torch.bfloat16 if odd else torch.float32),
         "shared": dict(shared_experts=1 if odd else 0),
+        "padding": dict(capacity_factor=1.0, pad_to_capacity=odd),
     }
     out = {}
     for name, kw in cases.items():
@@ -416,6 +423,15 @@ def _mismatch_worker(comm) -> dict:
         layer = ExpertParallelMoE(H, FFN, 4, 2, comm)
         y = [layer(torch.randn(5, H)) for _ in range(2)]
     out["matching"] = (calls["all_gather"], all(v.shape == (5, H) for v in y))
+    # padded: static splits of every rank's capacity; ranks whose capacities differ (here their token counts)
+    # raise at that forward, before the dispatch, and the layer runs on once they agree
+    padded = ExpertParallelMoE(H, FFN, 4, 2, comm, capacity_factor=1.0, pad_to_capacity=True)
+    try:
+        padded(torch.randn(9 if odd else 5, H))  # capacity ceil(T * 2 / 4): 5 and 3
+        out["padded capacity"] = None
+    except CollectiveMismatchError as e:
+        out["padded capacity"] = str(e)
+    out["padded after"] = tuple(padded(torch.randn(5, H)).shape)
     return out
 
 
@@ -424,10 +440,13 @@ def test_ranks_whose_moe_layers_differ_all_raise_naming_the_difference():
              "hidden": f"hidden: {H} on rank 0, {H + 2} on rank 1",
              "capacity": "capacity_factor: None on rank 0, 1.25 on rank 1",
              "dtype": "parameter dtype: torch.float32 on rank 0, torch.bfloat16 on rank 1",
-             "shared": "shared_experts: 0 on rank 0, 1 on rank 1"}  # fmt: skip
+             "shared": "shared_experts: 0 on rank 0, 1 on rank 1",
+             "padding": "pad_to_capacity: False on rank 0, True on rank 1",
+             "padded capacity": "padded capacity: 3 on rank 0, 5 on rank 1"}  # fmt: skip
     out = run_local(_mismatch_worker, 2, timeout=60)
     for res in out:
         for name, want in named.items():
             assert res[name] is not None, f"{name}: no error"
             assert want in res[name] and res[name] == out[0][name], (name, res[name])
         assert res["matching"] == (1, True)  # one exchange, at construction; the forwards add none
+        assert res["padded after"] == (5, H)

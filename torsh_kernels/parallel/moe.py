@@ -87,6 +87,7 @@ from ..collectives.communicator import Communicator, as_communicator
 from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError, TorshKernelsError
 from ..ops import count_nonfinite
 from ..ops.moe import (
+    CAPACITY_SCOPES,
     DROP_POLICIES,
     SCORES,
     Routing,
@@ -106,7 +107,6 @@ __all__ = ["ACTIVATIONS", "LOAD_BALANCING", "BiasBalancer", "ExpertParallelMoE",
 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
-CAPACITY_SCOPES = ("call", "sequence")
 
 
 def _check_pos_int(v: object, what: str, name: str, lo: int = 1) -> int:
@@ -121,12 +121,6 @@ def _check_bool(v: object, what: str, name: str) -> bool:
     if not isinstance(v, bool):
         raise ArgumentTypeError(f"{what}: {name} must be True or False, got {type(v).__name__} {v!r}")
     return v
-
-
-def _group_sizes(r: Routing) -> torch.Tensor:
-    """[E] int64: the group sizes of the permuted rows (the kept counts, or the capacity for every expert when
-    the routing is padded)."""
-    return r.rows_per_expert if getattr(r, "padded", False) else r.tokens_per_expert
 
 
 class _MoEBase(nn.Module):
@@ -487,7 +481,7 @@ class MoELayer(_MoEBase):
     def forward(self, x: torch.Tensor, *, sequence_lengths: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
         x2, r = self._route(x, "MoELayer", sequence_lengths)
         xp = moe_permute(x2, r, provider=self.provider)
-        yp = self._experts(xp, _group_sizes(r))
+        yp = self._experts(xp, r.rows_per_expert)
         y = moe_unpermute(yp, r, provider=self.provider)
         return self._add_shared(y, x2).view(x.shape)
 
@@ -697,7 +691,7 @@ class ExpertParallelMoE(_MoEBase):
         if x2.dtype not in self._agreed:
             self._agree(x2.dtype)
         xp = moe_permute(x2, r, provider=self.provider)  # [N, H], grouped by expert = by destination rank
-        if getattr(r, "padded", False):  # static splits: capacity rows per (rank, expert), no count exchange
+        if r.padded:  # static splits: capacity rows per (rank, expert), no count exchange
             C = r.capacity
             self._agree_capacity(C)
             splits = [El * C] * W

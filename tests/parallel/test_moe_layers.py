@@ -96,6 +96,37 @@ def test_moe_layer_shared_experts_match_the_written_out_mlp(activation, shared, 
     assert all(a.abs().sum() > 0 for a in grads)  # every parameter, the shared ones included, got a gradient
 
 
+def test_moe_layer_padding_and_sequences_change_only_what_they_should():
+    """Padding to capacity: the same output and gradients as without, N = E * capacity rows. Per-sequence
+    capacity: a [B, S, H] input is B sequences, as sequence_lengths=[S] * B says, and drops differ from the call
+    scope's."""
+    torch.manual_seed(8)
+    plain = MoELayer(16, 8, 4, 2, capacity_factor=1.0)
+    padded = MoELayer(16, 8, 4, 2, capacity_factor=1.0, pad_to_capacity=True)
+    padded.load_state_dict(plain.state_dict())
+    x0, g = torch.randn(30, 16), torch.randn(30, 16)
+    out = {}
+    for name, layer in (("plain", plain), ("padded", padded)):
+        x = x0.clone().requires_grad_()
+        y = layer(x)
+        ((y * g).sum() + layer.aux_loss).backward()
+        out[name] = [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
+    r = padded.last_routing
+    assert r.padded and r.num_rows == 4 * r.capacity > plain.last_routing.num_rows and r.num_dropped > 0
+    for a, b in zip(out["plain"], out["padded"]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    seq = MoELayer(16, 8, 4, 2, capacity_factor=1.0, capacity_scope="sequence")
+    seq.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        y3 = seq(x0.view(3, 10, 16))
+        r3 = seq.last_routing
+        y2 = seq(x0, sequence_lengths=[10, 10, 10])
+        assert r3.sequence_lengths == (10, 10, 10) and torch.equal(y3.view(30, 16), y2)
+        seq(x0)  # a [T, H] input is one sequence: the call's capacity
+        assert seq.last_routing.sequence_lengths == (30,)
+        assert not torch.equal(r3.dropped, plain.last_routing.dropped)
+
+
 @pytest.fixture
 def grouped_calls(monkeypatch):
     """Counts the grouped GEMMs the expert compute launches."""

@@ -11,8 +11,8 @@ Rows arrive grouped by expert (``counts[e]`` rows for local expert e, in expert 
 - **loop**: one matmul pair per expert over ``torch.split`` of the rows (the counts read to the host once).
   The experts' weights are taken with ``unbind`` (one view per expert; their backward stacks the experts'
   gradients once), not indexed one by one: indexing ``w[e]`` in a loop makes each expert's backward write a
-  zero-filled gradient of the whole [E, ...] weight, E times (measured: E=64, H=1024, 8192 rows, 70 s
-  against 20 s per forward + backward on this CPU).
+  zero-filled gradient of the whole [E, ...] weight, E times (on the shared 2-core VM, E=64, H=F=1024, 8192
+  rows: 64-100 s against 17-25 s per forward + backward).
 
 Which one runs (``expert_compute="auto"``) is decided **once per (device, dtype)** by :func:`grouped_supported`:
 a probe runs a tiny grouped GEMM (three groups, one of them empty) forward and backward and compares it with

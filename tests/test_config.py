@@ -428,10 +428,10 @@ def test_megatron_error_names_every_unmappable_key():
         **dataclasses.asdict(_TransformerConfig()),
         "moe_router_topk": "2",
         "moe_router_load_balancing_type": "sinkhorn",
-        "moe_router_enable_expert_bias": True,
-        "moe_shared_expert_intermediate_size": 64,
+        "moe_router_enable_expert_bias": True,  # with softmax scores: Megatron-Core refuses it too
+        "moe_router_group_topk": 1,  # Megatron's group score, the top k // 1 = 2 sum, is torsh's, but no groups given
         "add_bias_linear": True,
-        "moe_router_topk_scaling_factor": 2.5,
+        "moe_router_topk_scaling_factor": -2.5,
         "moe_some_future_knob": 1,
         "activation_func": torch.tanh,
         "expert_model_parallel_size": 4,  # does not divide 6 experts
@@ -440,7 +440,7 @@ def test_megatron_error_names_every_unmappable_key():
         from_megatron(cfg)
     assert set(e.value.keys) == {
         "moe_router_topk", "moe_router_load_balancing_type", "moe_router_enable_expert_bias",
-        "moe_shared_expert_intermediate_size", "add_bias_linear", "moe_router_topk_scaling_factor",
+        "moe_router_num_groups", "add_bias_linear", "moe_router_topk_scaling_factor",
         "moe_some_future_knob", "activation_func", "expert_model_parallel_size",
     }  # fmt: skip
     assert "must be an integer, got str '2'" in e.value.keys["moe_router_topk"]

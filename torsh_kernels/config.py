@@ -1061,16 +1061,16 @@ _M_IGNORED = {
     "moe_layer_freq": "which layers are MoE layers: the model's structure (put MoELayer where Megatron would)",
     "moe_use_upcycling": _M_UPCYCLE,
     "moe_upcycling_granularity": _M_UPCYCLE,
-    "moe_router_bias_update_rate": "read only with moe_router_enable_expert_bias",
+    "moe_shared_expert_overlap": "how Megatron-Core schedules the shared expert (beside the dispatch), not what "
+    "it computes",
+    "use_grouped_gemm_for_shared_expert": _M_PERF,
+    "moe_shared_expert_glu_interleave_size": "the memory layout of the shared expert's GLU weights (convert a "
+    "checkpoint's shared_w_in accordingly), not what the layer computes",
 }
 _M_PERF_PREFIXES = ("moe_hybridep_", "moe_ncclep_", "moe_deepep_", "moe_flex_dispatcher_")
 _M_OFF = {  # MoE settings torsh has no equivalent for: the value that turns them off maps
     "moe_input_jitter_eps": (None, "input jitter (noise on the router's input)"),
-    "moe_router_enable_expert_bias": (False, "aux-loss-free balancing with a per-expert routing bias"),
-    "moe_router_num_groups": (None, "group-limited routing (DeepSeek's device- or node-limited top-k)"),
-    "moe_router_group_topk": (None, "group-limited routing (DeepSeek's device- or node-limited top-k)"),
-    "moe_router_topk_limited_devices": (None, "device-limited routing"),
-    "moe_shared_expert_intermediate_size": (None, "shared experts (put a dense MLP beside the MoELayer yourself)"),
+    "moe_router_topk_limited_devices": (None, "device-limited routing (deprecated: moe_router_num_groups maps)"),
     "moe_apply_probs_on_input": (
         False,
         "scaling the experts' input by the router probability (torsh scales their output)",
@@ -1111,6 +1111,12 @@ _M_HANDLED = frozenset(
         "expert_model_parallel_size",
         "expert_tensor_parallel_size",
         "moe_router_dtype",
+        "moe_router_enable_expert_bias",
+        "moe_router_bias_update_rate",
+        "moe_router_num_groups",
+        "moe_router_group_topk",
+        "moe_shared_expert_intermediate_size",
+        "moe_shared_expert_gate",
     )
 )
 
@@ -1139,15 +1145,19 @@ def from_megatron(args: Any, *, ignore: Iterable[str] = ()) -> Migration:
     (``num_moe_experts``, ``gated_linear_unit``, ``activation_func``, ...), a dict, or any object with those
     attributes; Megatron is not imported. Mapped: the number of experts, ``moe_router_topk``,
     ``moe_router_score_function`` with ``moe_router_pre_softmax`` (torsh's score and renormalisation),
-    ``moe_aux_loss_coeff`` with ``moe_router_load_balancing_type``, ``moe_z_loss_coeff``,
-    ``moe_expert_capacity_factor`` (None: dropless), ``moe_token_drop_policy``, the sizes, the experts'
-    activation and ``expert_model_parallel_size``. A MoE setting torsh has no equivalent for is an error
+    ``moe_router_topk_scaling_factor`` (``scaling``), ``moe_router_enable_expert_bias`` with
+    ``moe_router_bias_update_rate`` (``expert_bias``, ``bias_update_rate``), ``moe_router_num_groups`` /
+    ``moe_router_group_topk`` (``n_group`` / ``topk_group``, where Megatron's group score is the top-2 sum torsh
+    uses), ``moe_shared_expert_intermediate_size`` with ``moe_shared_expert_gate`` (``shared_experts``,
+    ``shared_ffn_hidden``, ``shared_gate``), ``moe_aux_loss_coeff`` with ``moe_router_load_balancing_type``
+    ("aux_loss", "seq_aux_loss", "none"), ``moe_z_loss_coeff``, ``moe_expert_capacity_factor`` (None: dropless)
+    with ``moe_pad_expert_input_to_capacity``, ``moe_token_drop_policy``, the sizes, the experts' activation and
+    ``expert_model_parallel_size``. A MoE setting torsh has no equivalent for is an error
     unless it is off; kernel, fusion and dispatch settings are ignored with the reason, and so is every setting
     that is not the MoE layer's. A MoE setting the input leaves out takes Megatron-Core's default (noted)."""
     w = _Walk("from_megatron", ignore)
     a, defaults = _attributes(args)
     m = Migration(source="megatron")
-    shared = a.get("moe_shared_expert_intermediate_size")
     for key, v in a.items():
         if not isinstance(key, str):
             w.bad(repr(key), "keys must be strings")
@@ -1157,12 +1167,6 @@ def from_megatron(args: Any, *, ignore: Iterable[str] = ()) -> Migration:
             w.skip(key, _M_IGNORED[key])
         elif key.startswith(_M_PERF_PREFIXES):
             w.skip(key, _M_PERF)
-        elif key.startswith("moe_shared_expert_"):
-            w.skip(
-                key,
-                "a shared-expert setting"
-                + (", and there are no shared experts" if shared is None else " (shared experts do not map)"),
-            )
         elif key.startswith("moe_") and key in defaults and _same(v, defaults[key]):
             w.skip(
                 key,
@@ -1258,10 +1262,20 @@ def _m_moe(w: _Walk, a: dict, m: Migration) -> None:
         f = a[key]
         if f is None:
             w.skip(key, "None: no scaling")
-        elif _num(w, key, f) == 1.0:
-            w.skip(key, "1.0: no scaling")
-        elif key not in w.errors:
-            w.bad(key, f"{f}: torsh does not scale the combine weights (only None or 1.0 map)")
+        elif (f := _num(w, key, f, 0.0, strict=True)) is not _BAD:
+            if f != 1.0:
+                kw["scaling"] = f
+            w.map(key, f"moe['scaling'] = {f}" if f != 1.0 else "1.0: no scaling (moe['scaling'] stays 1.0)")
+            if f != 1.0:
+                w.note(
+                    key,
+                    "the combine weights are multiplied by it after any renormalisation, as Megatron-Core's "
+                    "topk_routing_with_score_function does (for every score function, whatever "
+                    "moe_router_pre_softmax: its docstring's 'only with pre-softmax' is not what its code does)",
+                )
+    _m_bias(w, a, kw, score)
+    _m_groups(w, a, kw, experts, k)
+    _m_shared(w, a, kw)
     _m_losses(w, a, kw)
     _m_capacity(w, a, kw)
     _m_sizes(w, a, kw)
@@ -1300,7 +1314,7 @@ def _m_losses(w: _Walk, a: dict, kw: dict) -> None:
     if len(kinds) != len(coeffs):
         w.bad(key, f"{len(kinds)} load-balancing types and {len(coeffs)} coefficients ({ckey})")
         return
-    total = 0.0
+    active: dict[str, float] = {}  # the losses with a coefficient, each kind's coefficients summed
     for t, c in zip(kinds, coeffs):
         c = _num(w, ckey, c)
         t = _choice(w, key, t, ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"))
@@ -1309,27 +1323,44 @@ def _m_losses(w: _Walk, a: dict, kw: dict) -> None:
         if t == "sinkhorn":
             w.bad(key, "'sinkhorn' routes by Sinkhorn balancing, which torsh does not do")
             return
-        if t in ("seq_aux_loss", "global_aux_loss") and c:
+        if t == "global_aux_loss" and c:
             w.bad(
                 key,
-                f"{t!r} with coefficient {c}: torsh's load-balancing loss is the micro-batch one ('aux_loss', "
-                "Switch/GShard)",
+                f"'global_aux_loss' with coefficient {c}: torsh's load-balancing losses are the micro-batch one "
+                "('aux_loss', Switch/GShard) and the per-sequence one ('seq_aux_loss'), not one over the global batch",
             )
             return
-        if t == "aux_loss":
-            total += c
-        elif c:  # 'none' with a coefficient
-            w.note(key, f"'none': no load-balancing loss, so {ckey}={c} has no effect (aux_loss_coef=0)")
-    kw["aux_loss_coef"] = total
-    w.map(key, "which loss moe['aux_loss_coef'] weighs")
+        if t in ("aux_loss", "seq_aux_loss") and c:
+            active[t] = active.get(t, 0.0) + c
+        elif t == "none" and c:
+            w.note(key, f"'none': no load-balancing loss, so {ckey}={c} has no effect")
+    if len(active) > 1:
+        w.bad(
+            key, "'aux_loss' and 'seq_aux_loss' both with a coefficient: torsh's layer weighs one load-balancing loss"
+        )
+        return
+    kind = next(iter(active), "aux_loss")
+    kw["aux_loss_coef"] = active.get(kind, 0.0)
+    if kind == "seq_aux_loss":
+        kw["load_balancing"] = "seq_aux_loss"
+    w.map(key, "which loss moe['aux_loss_coef'] weighs" + (" (moe['load_balancing'] = 'seq_aux_loss')" if active
+                                                           and kind == "seq_aux_loss" else ""))  # fmt: skip
     w.map(ckey, "moe['aux_loss_coef']")
-    if total:
+    if kind == "aux_loss" and active:
         w.note(
             ckey,
             "the Switch/GShard loss coeff * E * sum_e f_e * P_e over the tokens of one forward call, f_e "
             "counted before capacity drops, as Megatron's switch_load_balancing_loss_func (which counts "
             "the micro-batch's tokens of its tensor- and context-parallel group); in layer.aux_loss, to "
             "add to the training loss",
+        )
+    elif active:
+        w.note(
+            ckey,
+            "'seq_aux_loss': the mean over the forward's sequences of the Switch/GShard loss of each sequence "
+            "(DeepSeek-V3's sequence-wise loss, Megatron-Core's seq_aux_loss); torsh's sequences are consecutive "
+            "rows: pass [batch, seq, hidden] inputs or sequence_lengths (Megatron's [seq, batch] layout "
+            "interleaves them)",
         )
     z = _get(w, a, "moe_z_loss_coeff")
     kw["z_loss_coef"] = 0.0 if z is None else _num(w, "moe_z_loss_coeff", z)
@@ -1371,10 +1402,114 @@ def _m_capacity(w: _Walk, a: dict, kw: dict) -> None:
     key = "moe_pad_expert_input_to_capacity"
     if w.take(a, key):
         pad = _bool(w, key, a[key])
-        if pad is True:
-            w.map(key, "no padding in torsh: the padded rows carry probability 0, so the output is the same")
+        if pad is True and cap is None:
+            w.skip(key, "true, but without moe_expert_capacity_factor it has no effect (as in Megatron-Core)")
+        elif pad is True and cap is not _BAD:
+            kw["pad_to_capacity"] = True
+            w.map(
+                key,
+                "moe['pad_to_capacity'] = True: every expert's rows padded with zero rows to its capacity (the "
+                "padding carries no weight: the output is the same; in ExpertParallelMoE the all-to-all splits "
+                "are then static)",
+            )
         elif pad is False:
             w.skip(key, "false: no padding")
+
+
+def _m_bias(w: _Walk, a: dict, kw: dict, score: Any) -> None:
+    key, rkey = "moe_router_enable_expert_bias", "moe_router_bias_update_rate"
+    on = _bool(w, key, a[key]) if w.take(a, key) else None
+    if on is True and score == "softmax":
+        on = w.bad(
+            key,
+            "true with softmax scores: Megatron-Core refuses an expert bias with softmax (the bias is added to sigmoid "
+            "scores); set moe_router_score_function='sigmoid'",
+        )
+    if on is True:
+        kw["expert_bias"] = True
+        w.map(
+            key,
+            "moe['expert_bias'] = True: a BiasBalancer (layer.balancer) whose bias is added to the scores for the "
+            "selection only; call layer.update_expert_bias() once per optimizer step (Megatron-Core updates it "
+            "in finalize_model_grads)",
+        )
+        w.note(
+            key,
+            "bias += rate * sign(mean load - load), the load summed over the training forwards since the last "
+            "update and over the balancer's communicator: ExpertParallelMoE's group by default, or bias_comm= "
+            "(Megatron-Core sums over the tensor-, context- and data-parallel group)",
+        )
+    elif on is False:
+        w.skip(key, "false: no expert bias")
+    if w.take(a, rkey):
+        if on is True:
+            rate = _num(w, rkey, a[rkey])
+            if rate is not _BAD:
+                kw["bias_update_rate"] = rate
+                w.map(rkey, "moe['bias_update_rate']")
+        else:
+            w.skip(rkey, "read only with moe_router_enable_expert_bias")
+    elif on is True:
+        kw["bias_update_rate"] = 1e-3
+        w.note(rkey, "not given: Megatron-Core's default, 0.001")
+
+
+def _m_groups(w: _Walk, a: dict, kw: dict, experts: int, k: Any) -> None:
+    nkey, gkey = "moe_router_num_groups", "moe_router_group_topk"
+    n = a[nkey] if w.take(a, nkey) else None
+    g = a[gkey] if w.take(a, gkey) else None
+    if not g:  # Megatron-Core groups only when moe_router_group_topk is set
+        for key in (nkey, gkey):
+            if key in a and key not in w.ignored:
+                w.skip(key, f"{a[key]!r}: no group-limited routing (it needs moe_router_group_topk)")
+        return
+    g = _int(w, gkey, g, 1)
+    n = _int(w, nkey, n, 1) if n is not None else w.bad(nkey, "not set, but moe_router_group_topk is")
+    if g is _BAD or n is _BAD or k is _BAD:
+        return
+    if experts % n:
+        w.bad(nkey, f"{n} groups do not divide the {experts} experts")
+        return
+    if g > n:
+        w.bad(gkey, f"{g} exceeds the {n} groups (moe_router_num_groups)")
+        return
+    t, size = k // g, experts // n
+    if t != min(2, size):
+        w.bad(
+            gkey,
+            f"Megatron-Core scores a group by the sum of its top moe_router_topk // moe_router_group_topk = {t} "
+            f"scores, torsh (DeepSeek-V3, Hugging Face) by its top {min(2, size)}: only settings where the two agree "
+            "map (moe_router_topk = 2 * moe_router_group_topk, as DeepSeek-V3's 8 experts from 4 groups)",
+        )
+        return
+    kw["n_group"], kw["topk_group"] = n, g
+    w.map(nkey, "moe['n_group']")
+    w.map(gkey, "moe['topk_group']: the best groups by the sum of their top-2 (biased) scores, then the top k in them")
+
+
+def _m_shared(w: _Walk, a: dict, kw: dict) -> None:
+    skey, gkey = "moe_shared_expert_intermediate_size", "moe_shared_expert_gate"
+    size = a[skey] if w.take(a, skey) else None
+    gate = _bool(w, gkey, a[gkey]) if w.take(a, gkey) else None
+    if size is None:
+        if skey in a and skey not in w.ignored:
+            w.skip(skey, "None: no shared experts")
+        if gate is not None and gate is not _BAD:
+            w.skip(gkey, f"{gate}: no shared expert to gate (Megatron-Core reads it only with shared experts)")
+        return
+    if _int(w, skey, size, 1) is _BAD:
+        return
+    kw["shared_experts"], kw["shared_ffn_hidden"] = 1, size
+    w.map(
+        skey,
+        "moe['shared_experts'] = 1 with moe['shared_ffn_hidden']: one dense MLP of that total width (Megatron's "
+        "num_shared_experts * width), the experts' activation, on every token, added to the routed output",
+    )
+    if gate is True:
+        kw["shared_gate"] = True
+        w.map(gkey, "moe['shared_gate'] = True: the shared output times sigmoid(x w_gate), as SharedExpertMLP's gate")
+    elif gate is False:
+        w.skip(gkey, "false: no gate on the shared expert")
 
 
 def _m_sizes(w: _Walk, a: dict, kw: dict) -> None:

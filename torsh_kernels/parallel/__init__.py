@@ -1,7 +1,8 @@
 """Layer 4: where models, optimizers and communicators meet. DDP comm hooks that compress gradients
 (:func:`compression_hook`), the same compression and bucketing without DDP
 (:class:`GradientSynchronizer`), mixture-of-experts layers on one process and expert-parallel
-(:class:`MoELayer`, :class:`ExpertParallelMoE`), offload, and FSDP2 with quantized communication
+(:class:`MoELayer`, :class:`ExpertParallelMoE`, DeepSeek-V3's aux-loss-free :class:`BiasBalancer`), offload,
+and FSDP2 with quantized communication
 (:func:`apply_quantized_comm`, :mod:`torsh_kernels.parallel.fsdp`, imported on first use: importing FSDP2
 takes about a second)."""
 
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 from .hooks import CompressionHookState, HookStats, compression_hook
 from .moe import ExpertParallelMoE, MoELayer
+from .moe_balance import BiasBalancer
 from .offload_optimizer import OffloadedOptimizer
 from .offload_params import ParameterOffloader
 from .synchronizer import GradientConsistency, GradientSynchronizer, SyncStats
 
 __all__ = [
+    "BiasBalancer",
     "CompressionHookState",
     "ExpertParallelMoE",
     "GradientConsistency",

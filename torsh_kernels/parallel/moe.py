@@ -6,32 +6,70 @@ experts -> ``moe_unpermute``) and hold the same parameters:
 - ``router``: an ``nn.Linear(hidden, num_experts, bias=False)``;
 - ``w_in`` ``[experts, hidden, ffn_hidden * (2 if swiglu else 1)]`` and ``w_out``
   ``[experts, ffn_hidden, hidden]``: the experts' two projections, stacked. ``swiglu`` (Mixtral's expert:
-  ``w2(silu(w1 x) * w3 x)``, with ``w1`` and ``w3`` side by side in ``w_in``), ``gelu`` or ``relu``.
+  ``w2(silu(w1 x) * w3 x)``, with ``w1`` and ``w3`` side by side in ``w_in``, ``w1`` first), ``gelu`` or
+  ``relu``;
+- with ``shared_experts=n`` (DeepSeek's shared experts, Qwen2-MoE's shared expert): ``shared_w_in``
+  ``[hidden, S * (2 if swiglu else 1)]`` and ``shared_w_out`` ``[S, hidden]``, one dense MLP of width
+  ``S = shared_ffn_hidden`` (default ``ffn_hidden * n``: n experts side by side are one MLP n times as wide)
+  with the experts' activation, run on every token and added to the routed output; with
+  ``shared_gate=True`` (Qwen2-MoE) its output is first multiplied by ``sigmoid(shared_expert_gate(x))``,
+  ``shared_expert_gate`` an ``nn.Linear(hidden, 1, bias=False)``;
+- with ``expert_bias=True`` (DeepSeek-V3's aux-loss-free balancing): ``balancer``, a
+  :class:`~torsh_kernels.parallel.BiasBalancer` holding the fp32 ``[E]`` bias that ``moe_route`` adds to the
+  scores for the selection only (``score_bias``) and the counts it balances by. In training mode (and with
+  gradients enabled, as Megatron-Core) every forward adds ``routing.tokens_per_expert`` to the counts; call
+  ``layer.update_expert_bias()`` **once per optimizer step**: ``bias += bias_update_rate * sign(mean - load)``.
 
-``forward(x [..., hidden]) -> y [..., hidden]``. The router's auxiliary losses of the last forward are in
-``layer.aux_loss`` (``aux_loss_coef * load-balancing loss + z_loss_coef * z-loss``, differentiable; add it
-to the training loss) and the routing itself in ``layer.last_routing``.
+``forward(x [..., hidden], *, sequence_lengths=None) -> y [..., hidden]``. The tokens form sequences, which
+``capacity_scope="sequence"`` and ``load_balancing="seq_aux_loss"`` read: an input of three or more
+dimensions ``[B, S, hidden]`` is B sequences of S tokens, a ``[T, hidden]`` input one sequence of T tokens,
+unless ``sequence_lengths`` (ints, or an integer tensor, summing to the T tokens, sequences laid out one after
+the other) says otherwise. The routing options (``score``, ``renormalize``, ``n_group`` / ``topk_group``,
+``scaling``, ``capacity`` / ``capacity_factor`` with ``capacity_scope`` and ``drop_policy``,
+``pad_to_capacity``) are :func:`~torsh_kernels.ops.moe_route`'s and mean what they mean there; each is passed
+to it only when set.
+
+The router's auxiliary losses of the last forward are in ``layer.aux_loss`` (``aux_loss_coef`` times the
+load-balancing loss plus ``z_loss_coef`` times the z-loss; differentiable, add it to the training loss) and
+the routing itself in ``layer.last_routing``. The load-balancing loss (``load_balancing``, Megatron-Core's
+names): ``"aux_loss"`` the Switch/GShard loss over the call's tokens (``moe_aux_loss``, 1.0 when balanced),
+``"seq_aux_loss"`` its mean over the sequences (DeepSeek-V3's sequence-wise loss, Megatron-Core's
+``seq_aux_loss``: ``moe_aux_loss(groups=sequence lengths)``; sequences of no tokens are left out), ``"none"``
+no load-balancing loss whatever ``aux_loss_coef`` says.
+
+The experts run as one grouped GEMM per projection where torch's ``grouped_mm`` runs on the device and dtype
+(probed once), else a loop over the experts; ``expert_compute="grouped"`` / ``"loop"`` forces one (see
+:mod:`torsh_kernels.parallel._moe_experts`).
 
 Expert parallelism (:class:`ExpertParallelMoE`): rank r holds experts ``[r * E/W, (r + 1) * E/W)``;
-the router is replicated (broadcast from rank 0 at construction). Each rank routes its own tokens, then
+the router, the shared expert (and its gate) and the expert bias are replicated (broadcast from rank 0 at
+construction). Each rank routes its own tokens, then
 
-1. exchanges its per-expert row counts with every rank (one ``all_to_all`` of E integers);
+1. exchanges its per-expert row counts with every rank (one ``all_to_all`` of E integers); with
+   ``pad_to_capacity`` every expert's group has ``capacity`` rows on every rank, so the splits are known
+   without this exchange (the ranks agree on the capacity once per value instead, see below);
 2. sends its permuted rows, already grouped by expert and so by destination rank, with one
    ``all_to_all`` of uneven splits (the *dispatch*);
 3. runs its local experts on the rows it received, grouped by local expert;
-4. sends the outputs back with the reverse ``all_to_all`` (the *combine*) and unpermutes them.
+4. sends the outputs back with the reverse ``all_to_all`` (the *combine*) and unpermutes them, and adds the
+   shared expert's output computed on its own tokens.
 
-Before the router's broadcast at construction, the ranks agree on the layer's configuration (E, k, H,
-the experts' width, activation, score, renormalisation, capacity rule, dtype, world size) with one small
-all-gather (:func:`~torsh_kernels.collectives.agreement.agree`), and again at the first forward with an
-input of another dtype; ranks configured differently all raise
-:class:`~torsh_kernels.errors.CollectiveMismatchError` naming the difference instead of sending
-mismatched all-to-alls (``check_signatures=False`` or ``TORSH_KERNELS_CHECK_SIGNATURES=0``: off).
+Before the broadcast at construction, the ranks agree on the layer's configuration (E, k, H, the experts'
+width, activation, score, renormalisation, the selection options, the capacity rule and padding, the shared
+experts, the expert bias and its rate, the load-balancing loss, dtype, world size) with one small all-gather
+(:func:`~torsh_kernels.collectives.agreement.agree`), again at the first forward with an input of another
+dtype and, with ``pad_to_capacity``, at the first forward with another capacity (with ``capacity_factor`` it
+follows each rank's token count: ranks with different token counts raise instead of sending splits that do
+not match); ranks configured differently all raise :class:`~torsh_kernels.errors.CollectiveMismatchError`
+naming the difference instead of sending mismatched all-to-alls (``check_signatures=False`` or
+``TORSH_KERNELS_CHECK_SIGNATURES=0``: off).
 
 Backward runs the two ``all_to_all`` in reverse. Capacity, when set, applies to each rank's own tokens
 (as in DeepSpeed and GShard: capacity per local batch). After backward, ``reduce_gradients()`` sums the
-replicated router's gradients over the ranks (and divides every gradient by W with ``average=True``, the
-convention of a loss averaged over ranks); the expert gradients already hold every rank's contribution.
+replicated parameters' gradients (router, shared expert, its gate) over the ranks (and divides every
+gradient by W with ``average=True``, the convention of a loss averaged over ranks); the expert gradients
+already hold every rank's contribution. The expert bias's counts are summed over ``bias_comm`` (default: the
+layer's communicator) at ``update_expert_bias()``, so every rank moves its bias alike.
 """
 
 from __future__ import annotations
@@ -39,16 +77,17 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..collectives.agreement import agree, enabled
 from ..collectives.communicator import Communicator, as_communicator
-from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError
+from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError, TorshKernelsError
 from ..ops import count_nonfinite
 from ..ops.moe import (
+    CAPACITY_SCOPES,
     DROP_POLICIES,
     SCORES,
     Routing,
@@ -61,22 +100,31 @@ from ..ops.moe import (
     moe_z_loss,
 )
 from ._engine import NONFINITE, grad_scaler_in_use
+from ._moe_experts import EXPERT_COMPUTE, activation, run_experts
+from .moe_balance import BiasBalancer, check_rate
 
-__all__ = ["ACTIVATIONS", "ExpertParallelMoE", "MoELayer"]
+__all__ = ["ACTIVATIONS", "LOAD_BALANCING", "BiasBalancer", "ExpertParallelMoE", "MoELayer"]
 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 
 
-def _check_pos_int(v: object, what: str, name: str) -> int:
+def _check_pos_int(v: object, what: str, name: str, lo: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ArgumentTypeError(f"{what}: {name} must be an int, got {type(v).__name__} {v!r}")
-    if v < 1:
-        raise InvalidArgumentError(f"{what}: {name}={v} must be >= 1")
+    if v < lo:
+        raise InvalidArgumentError(f"{what}: {name}={v} must be >= {lo}")
+    return v
+
+
+def _check_bool(v: object, what: str, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise ArgumentTypeError(f"{what}: {name} must be True or False, got {type(v).__name__} {v!r}")
     return v
 
 
 class _MoEBase(nn.Module):
-    """Router, stacked expert weights and the forward pipeline shared by both layers."""
+    """Router, stacked expert weights, shared expert and the forward pipeline shared by both layers."""
 
     def __init__(
         self,
@@ -98,6 +146,20 @@ class _MoEBase(nn.Module):
         provider: str | None,
         device: torch.device | str | None,
         dtype: torch.dtype | None,
+        shared_experts: int,
+        shared_ffn_hidden: int | None,
+        shared_gate: bool,
+        expert_bias: bool,
+        bias_update_rate: float,
+        bias_comm: Communicator | None,
+        n_group: int | None,
+        topk_group: int | None,
+        scaling: float,
+        capacity: int | None,
+        capacity_scope: str,
+        pad_to_capacity: bool,
+        load_balancing: str,
+        expert_compute: str,
     ) -> None:
         super().__init__()
         self.hidden = _check_pos_int(hidden, what, "hidden")
@@ -109,86 +171,270 @@ class _MoEBase(nn.Module):
         _check_choice(score, what, "score", SCORES)
         _check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
         _check_choice(activation, what, "activation", ACTIVATIONS)
+        _check_choice(capacity_scope, what, "capacity_scope", CAPACITY_SCOPES)
+        _check_choice(load_balancing, what, "load_balancing", LOAD_BALANCING)
+        _check_choice(expert_compute, what, "expert_compute", EXPERT_COMPUTE)
         capacity_factor = check_capacity_factor(capacity_factor, what)
         for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise InvalidArgumentError(f"{what}: {name}={v!r} must be a finite number >= 0")
+        shared_experts = _check_pos_int(shared_experts, what, "shared_experts", 0)
+        for name, v in (("shared_gate", shared_gate), ("expert_bias", expert_bias),
+                        ("pad_to_capacity", pad_to_capacity)):  # fmt: skip
+            _check_bool(v, what, name)
+        if shared_ffn_hidden is not None:
+            _check_pos_int(shared_ffn_hidden, what, "shared_ffn_hidden")
+        if not shared_experts and (shared_ffn_hidden is not None or shared_gate):
+            given = "shared_ffn_hidden" if shared_ffn_hidden is not None else "shared_gate=True"
+            raise InvalidArgumentError(
+                f"{what}: {given} without shared experts; pass shared_experts=1 (or more) to add a shared expert"
+            )
+        bias_update_rate = check_rate(bias_update_rate, what, "bias_update_rate")
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+            raise ArgumentTypeError(f"{what}: scaling must be a number, got {type(scaling).__name__} {scaling!r}")
         self.score, self.renormalize = score, bool(renormalize)
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.capacity, self.capacity_scope, self.pad_to_capacity = capacity, capacity_scope, pad_to_capacity
+        self.n_group, self.topk_group, self.scaling = n_group, topk_group, float(scaling)
         self.activation = activation
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        self.load_balancing = load_balancing
+        self.expert_compute = expert_compute
+        """"auto" (grouped GEMM where it runs, else the loop), "grouped" or "loop"; may be changed at any time."""
         self.provider = provider
         self.local_experts, self.first_expert = local_experts, first_expert
+        self.shared_experts = shared_experts
+        self.shared_ffn_hidden = (shared_ffn_hidden or ffn_hidden * shared_experts) if shared_experts else None
+        self.expert_bias, self.bias_update_rate = expert_bias, bias_update_rate
+        self._check_routing_options(what)
         fk = dict(device=device, dtype=dtype)
         self.router = nn.Linear(hidden, num_experts, bias=False, **fk)
-        width = ffn_hidden * (2 if activation == "swiglu" else 1)
-        self.w_in = nn.Parameter(torch.empty(local_experts, hidden, width, **fk))
+        gated = activation == "swiglu"
+        self.w_in = nn.Parameter(torch.empty(local_experts, hidden, ffn_hidden * (2 if gated else 1), **fk))
         self.w_out = nn.Parameter(torch.empty(local_experts, ffn_hidden, hidden, **fk))
+        if shared_experts:
+            S = self.shared_ffn_hidden
+            self.shared_w_in = nn.Parameter(torch.empty(hidden, S * (2 if gated else 1), **fk))
+            self.shared_w_out = nn.Parameter(torch.empty(S, hidden, **fk))
+        else:
+            self.register_parameter("shared_w_in", None)
+            self.register_parameter("shared_w_out", None)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, **fk) if shared_gate else None
         with torch.no_grad():  # nn.Linear's default: uniform(+-1/sqrt(fan_in))
             self.w_in.uniform_(-1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
             self.w_out.uniform_(-1 / math.sqrt(ffn_hidden), 1 / math.sqrt(ffn_hidden))
+            if shared_experts:
+                self.shared_w_in.uniform_(-1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
+                bound = 1 / math.sqrt(self.shared_ffn_hidden)
+                self.shared_w_out.uniform_(-bound, bound)
+        self.balancer = None
+        if expert_bias:
+            self.balancer = BiasBalancer(num_experts, rate=bias_update_rate, comm=bias_comm, device=device)
         self.aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
 
+    # -- configuration ------------------------------------------------------------------------------------
+
+    def _route_options(self) -> dict[str, Any]:
+        """The routing options beyond k, score, renormalize, capacity_factor and drop_policy, as moe_route's
+        keyword arguments: only those set (the bias and the sequences are added per call)."""
+        kw: dict[str, Any] = {}
+        if self.n_group is not None or self.topk_group is not None:
+            kw["n_group"], kw["topk_group"] = self.n_group, self.topk_group
+        if self.scaling != 1.0:
+            kw["scaling"] = self.scaling
+        if self.capacity is not None:
+            kw["capacity"] = self.capacity
+        if self.capacity_scope != "call":
+            kw["capacity_scope"] = self.capacity_scope
+        if self.pad_to_capacity:
+            kw["pad_to_capacity"] = True
+        return kw
+
+    def _check_routing_options(self, what: str) -> None:
+        """moe_route's own checks of the routing options (one home), on an empty [0, E] call, re-raised with
+        this layer's name."""
+        kw = self._route_options()
+        if self.expert_bias:
+            kw["score_bias"] = torch.zeros(self.num_experts)
+        if self.capacity_scope == "sequence":
+            kw["sequence_lengths"] = [0]
+        try:
+            moe_route(torch.empty(0, self.num_experts), k=self.k, score=self.score, renormalize=self.renormalize,
+                      capacity_factor=self.capacity_factor, drop_policy=self.drop_policy, provider=self.provider,
+                      **kw)  # fmt: skip
+        except TorshKernelsError as e:
+            msg = str(e).removeprefix("torsh_kernels.moe_route: ")
+            raise type(e)(f"{what}: {msg}") from None
+
     def extra_repr(self) -> str:
-        cap = "" if self.capacity_factor is None else f", capacity_factor={self.capacity_factor} ({self.drop_policy})"
-        return (
+        s = (
             f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, experts={self.num_experts} "
             f"(here {self.first_expert}..{self.first_expert + self.local_experts - 1}), k={self.k}, "
-            f"score={self.score}, activation={self.activation}{cap}"
+            f"score={self.score}, activation={self.activation}"
         )
+        if self.n_group is not None:
+            s += f", groups={self.topk_group} of {self.n_group}"
+        if self.scaling != 1.0:
+            s += f", scaling={self.scaling}"
+        cap = self.capacity if self.capacity is not None else self.capacity_factor
+        if cap is not None:
+            name = "capacity" if self.capacity is not None else "capacity_factor"
+            pad = ", padded" if self.pad_to_capacity else ""
+            s += f", {name}={cap} per {self.capacity_scope} ({self.drop_policy}{pad})"
+        if self.shared_experts:
+            gate = ", gated" if self.shared_expert_gate is not None else ""
+            s += f", shared={self.shared_experts} (width {self.shared_ffn_hidden}{gate})"
+        if self.expert_bias:
+            s += f", expert_bias (rate {self.bias_update_rate})"
+        return s
 
-    def _experts(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        """Rows of x grouped by local expert (``counts[e]`` rows for expert e) through their experts."""
-        outs = []
-        for e, chunk in enumerate(torch.split(x, list(counts))):
-            h = chunk @ self.w_in[e]
-            if self.activation == "swiglu":
-                gate, up = h.chunk(2, dim=-1)
-                h = F.silu(gate) * up
-            elif self.activation == "gelu":
-                h = F.gelu(h)
-            else:
-                h = F.relu(h)
-            outs.append(h @ self.w_out[e])
-        return torch.cat(outs) if outs else x.new_empty(0, self.hidden)
+    def _replicated(self) -> list[nn.Parameter]:
+        """The parameters every rank holds whole: the router, the shared expert and its gate."""
+        ps = [self.router.weight]
+        if self.shared_experts:
+            ps += [self.shared_w_in, self.shared_w_out]
+        if self.shared_expert_gate is not None:
+            ps.append(self.shared_expert_gate.weight)
+        return ps
 
-    def _route(self, x: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor, Routing]:
+    def update_expert_bias(self) -> torch.Tensor:
+        """DeepSeek-V3's bias update (:meth:`BiasBalancer.step`) from the counts of the forwards since the last
+        call; call it once per optimizer step (a collective when the balancer has a communicator: every rank
+        calls it). Returns the load it balanced by ([E] int64)."""
+        if self.balancer is None:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.update_expert_bias: the layer has no expert bias; build it with "
+                "expert_bias=True"
+            )
+        return self.balancer.step()
+
+    # -- forward pieces -----------------------------------------------------------------------------------
+
+    def _sequences(self, x: torch.Tensor, T: int, lengths: object, what: str) -> tuple[int, ...] | None:
+        """The tokens of each sequence (module docstring), or None for one sequence of all T tokens."""
+        if lengths is None:
+            if x.dim() >= 3 and T:
+                S = x.shape[-2]
+                return (S,) * (T // S)
+            return None
+        if isinstance(lengths, torch.Tensor):
+            if lengths.dim() != 1 or lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+                raise ArgumentTypeError(
+                    f"{what}: sequence_lengths as a tensor must be 1-D integers, got {lengths.dtype} "
+                    f"{tuple(lengths.shape)}"
+                )
+            lengths = lengths.tolist()
+        if not isinstance(lengths, (list, tuple)):
+            raise ArgumentTypeError(
+                f"{what}: sequence_lengths must be a list or tuple of ints (or a 1-D integer tensor), got "
+                f"{type(lengths).__name__}"
+            )
+        for i, n in enumerate(lengths):
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise ArgumentTypeError(f"{what}: sequence_lengths[{i}] must be an int, got {type(n).__name__} {n!r}")
+            if n < 0:
+                raise InvalidArgumentError(f"{what}: sequence_lengths[{i}]={n} must be >= 0")
+        if sum(lengths) != T:
+            raise ShapeError(f"{what}: sequence_lengths sum to {sum(lengths)}; the input has {T} tokens")
+        return tuple(lengths)
+
+    def _route(self, x: torch.Tensor, what: str, sequence_lengths: object) -> tuple[torch.Tensor, Routing]:
         if not isinstance(x, torch.Tensor):
             raise ArgumentTypeError(f"{what}: input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[-1] != self.hidden:
             raise ShapeError(f"{what}: input must be [..., hidden={self.hidden}], got shape {tuple(x.shape)}")
         x2 = x.reshape(-1, self.hidden)
+        T = x2.shape[0]
+        seqs = self._sequences(x, T, sequence_lengths, what)
         logits = self.router(x2)  # [T, E]
+        kw = self._route_options()
+        if self.balancer is not None:
+            kw["score_bias"] = self.balancer.bias
+        if self.capacity_scope == "sequence":
+            kw["sequence_lengths"] = list(seqs) if seqs is not None else [T]
         r = moe_route(
-            logits, k=self.k, score=self.score, renormalize=self.renormalize,
-            capacity_factor=self.capacity_factor, drop_policy=self.drop_policy, provider=self.provider,
+            logits, k=self.k, score=self.score, renormalize=self.renormalize, capacity_factor=self.capacity_factor,
+            drop_policy=self.drop_policy, provider=self.provider, **kw,
         )  # fmt: skip
+        if self.balancer is not None and self.training and torch.is_grad_enabled():
+            self.balancer.observe(r.tokens_per_expert)
         aux = None
-        if self.aux_loss_coef:
-            aux = self.aux_loss_coef * moe_aux_loss(logits, r)
+        if self.aux_loss_coef and self.load_balancing != "none":
+            groups = None
+            if self.load_balancing == "seq_aux_loss" and seqs is not None:
+                groups = [n for n in seqs if n] or None
+            lb = moe_aux_loss(logits, r, groups=groups) if groups is not None else moe_aux_loss(logits, r)
+            aux = self.aux_loss_coef * lb
         if self.z_loss_coef:
             z = self.z_loss_coef * moe_z_loss(logits)
             aux = z if aux is None else aux + z
         self.aux_loss = aux if aux is not None else logits.new_zeros((), dtype=torch.float32)
         self.last_routing = r
-        return x2, logits, r
+        return x2, r
+
+    def _experts(self, x: torch.Tensor, counts: torch.Tensor, host_counts: Sequence[int] | None = None) -> torch.Tensor:
+        """Rows of x grouped by local expert (``counts[e]`` rows for expert e) through their experts."""
+        return run_experts(x, counts, self.w_in, self.w_out, self.activation, self.expert_compute,
+                           type(self).__name__, host_counts)  # fmt: skip
+
+    def _add_shared(self, y: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """y plus the shared expert's output on the tokens x2 (times its sigmoid gate), or y itself."""
+        if not self.shared_experts:
+            return y
+        s = activation(x2 @ self.shared_w_in, self.activation) @ self.shared_w_out
+        if self.shared_expert_gate is not None:
+            s = torch.sigmoid(self.shared_expert_gate(x2)) * s
+        return y + s
+
+    def _options(self) -> dict[str, Any]:
+        """The constructor's keyword arguments that make a layer like this one (for from_layer)."""
+        return dict(
+            score=self.score, renormalize=self.renormalize, capacity_factor=self.capacity_factor,
+            drop_policy=self.drop_policy, activation=self.activation, aux_loss_coef=self.aux_loss_coef,
+            z_loss_coef=self.z_loss_coef, provider=self.provider, shared_experts=self.shared_experts,
+            shared_ffn_hidden=self.shared_ffn_hidden, shared_gate=self.shared_expert_gate is not None,
+            expert_bias=self.expert_bias, bias_update_rate=self.bias_update_rate, n_group=self.n_group,
+            topk_group=self.topk_group, scaling=self.scaling, capacity=self.capacity,
+            capacity_scope=self.capacity_scope, pad_to_capacity=self.pad_to_capacity,
+            load_balancing=self.load_balancing, expert_compute=self.expert_compute,
+        )  # fmt: skip
 
 
-class MoELayer(_MoEBase):
-    """A mixture-of-experts feed-forward layer on one process (all experts local).
-
+_LAYER_ARGS = """
     Args:
         hidden: model width H.
         ffn_hidden: each expert's inner width.
         num_experts: E.
         k: experts per token.
         score, renormalize, capacity_factor, drop_policy: as :func:`~torsh_kernels.ops.moe_route`.
-        activation: "swiglu" (default, Mixtral), "gelu" or "relu".
+        activation: "swiglu" (default, Mixtral), "gelu" or "relu"; the shared expert's too.
         aux_loss_coef: weight of the load-balancing loss in ``aux_loss`` (0.01 is common).
         z_loss_coef: weight of the router z-loss in ``aux_loss`` (ST-MoE uses 0.001).
         provider: provider of the routing ops (None: automatic).
-    """
+        shared_experts: how many shared experts (DeepSeek; 0: none). They are one MLP of width
+            ``shared_ffn_hidden`` (default ``ffn_hidden * shared_experts``) run on every token.
+        shared_ffn_hidden: the shared MLP's width (Megatron's ``moe_shared_expert_intermediate_size``,
+            Qwen2-MoE's ``shared_expert_intermediate_size``).
+        shared_gate: multiply the shared output by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE).
+        expert_bias: DeepSeek-V3's aux-loss-free balancing: a :class:`BiasBalancer` (``layer.balancer``) whose
+            bias is ``moe_route``'s ``score_bias``; call ``update_expert_bias()`` once per optimizer step.
+        bias_update_rate: its step (1e-3).
+        bias_comm: the communicator the balancer sums the counts over (module docstring).
+        n_group, topk_group: grouped selection (``moe_route``'s; DeepSeek-V3's ``n_group`` / ``topk_group``).
+        scaling: the routed scaling factor the combine weights are multiplied by (DeepSeek-V3's
+            ``routed_scaling_factor``; 1.0: none).
+        capacity: a fixed capacity per expert (instead of ``capacity_factor``).
+        capacity_scope: "call" (the capacity applies to the forward's tokens) or "sequence" (to each sequence).
+        pad_to_capacity: pad every expert's rows to its capacity (Megatron's ``moe_pad_expert_input_to_capacity``:
+            static shapes; in :class:`ExpertParallelMoE` the all-to-all splits need no count exchange).
+        load_balancing: "aux_loss", "seq_aux_loss" or "none" (module docstring).
+        expert_compute: "auto", "grouped" or "loop" (module docstring).
+"""
+
+
+class MoELayer(_MoEBase):
+    __doc__ = "A mixture-of-experts feed-forward layer on one process (all experts local).\n" + _LAYER_ARGS
 
     def __init__(
         self,
@@ -207,18 +453,57 @@ class MoELayer(_MoEBase):
         provider: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        shared_experts: int = 0,
+        shared_ffn_hidden: int | None = None,
+        shared_gate: bool = False,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        bias_comm: Communicator | None = None,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        scaling: float = 1.0,
+        capacity: int | None = None,
+        capacity_scope: str = "call",
+        pad_to_capacity: bool = False,
+        load_balancing: str = "aux_loss",
+        expert_compute: str = "auto",
     ) -> None:
         super().__init__(
             "MoELayer", hidden, ffn_hidden, num_experts, k, num_experts, 0, score=score, renormalize=renormalize,
             capacity_factor=capacity_factor, drop_policy=drop_policy, activation=activation,
             aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, provider=provider, device=device, dtype=dtype,
+            shared_experts=shared_experts, shared_ffn_hidden=shared_ffn_hidden, shared_gate=shared_gate,
+            expert_bias=expert_bias, bias_update_rate=bias_update_rate, bias_comm=bias_comm, n_group=n_group,
+            topk_group=topk_group, scaling=scaling, capacity=capacity, capacity_scope=capacity_scope,
+            pad_to_capacity=pad_to_capacity, load_balancing=load_balancing, expert_compute=expert_compute,
         )  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2, _, r = self._route(x, "MoELayer")
+    def forward(self, x: torch.Tensor, *, sequence_lengths: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+        x2, r = self._route(x, "MoELayer", sequence_lengths)
         xp = moe_permute(x2, r, provider=self.provider)
-        yp = self._experts(xp, r.tokens_per_expert.tolist())
-        return moe_unpermute(yp, r, provider=self.provider).view(x.shape)
+        yp = self._experts(xp, r.rows_per_expert)
+        y = moe_unpermute(yp, r, provider=self.provider)
+        return self._add_shared(y, x2).view(x.shape)
+
+    @classmethod
+    def from_hf(cls, block: nn.Module, **overrides: Any) -> MoELayer:
+        """A layer with the weights and routing of a Hugging Face MoE block: ``MixtralSparseMoeBlock``,
+        ``Qwen2MoeSparseMoeBlock`` (with its gated shared expert), ``OlmoeSparseMoeBlock`` or ``DeepseekV3MoE``
+        (sigmoid scores, the ``e_score_correction_bias`` as the expert bias, groups, routed scaling, shared
+        experts). See :mod:`torsh_kernels.parallel.moe_hf`; ``overrides`` replace constructor arguments."""
+        from .moe_hf import layer_from_hf
+
+        return layer_from_hf(cls, block, overrides)
+
+    @classmethod
+    def from_megatron(cls, config: Any, **overrides: Any) -> MoELayer:
+        """A layer with Megatron-Core's MoE settings (a ``TransformerConfig``, Megatron's ``argparse.Namespace``,
+        a dict or any object with those attributes): :func:`torsh_kernels.config.from_megatron` then
+        ``moe_layer(**overrides)``; settings torsh cannot honour raise :class:`~torsh_kernels.errors.ConfigMappingError`
+        naming them."""
+        from ..config import from_megatron
+
+        return from_megatron(config).moe_layer(**overrides)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -239,20 +524,23 @@ class _AllToAll(torch.autograd.Function):
 
 
 class ExpertParallelMoE(_MoEBase):
-    """:class:`MoELayer` with its experts spread over the ranks of ``comm`` (E/W per rank), tokens
-    dispatched and combined with ``all_to_all``. Arguments as :class:`MoELayer`, plus:
-
-    Args:
-        comm: the :class:`~torsh_kernels.collectives.Communicator` of the expert-parallel group, or its
+    __doc__ = (
+        ":class:`MoELayer` with its experts spread over the ranks of ``comm`` (E/W per rank), tokens dispatched "
+        "and combined with ``all_to_all``.\n"
+        + _LAYER_ARGS
+        + """        comm: the :class:`~torsh_kernels.collectives.Communicator` of the expert-parallel group, or its
             ``ProcessGroup``, ``DeviceMesh`` (``mesh_dim``: the expert-parallel dimension; a 1-D mesh needs
             none) or ``(mesh, dim)``.
-        broadcast_router: copy rank 0's router weights to every rank at construction.
+        broadcast_router: copy rank 0's replicated weights (router, shared expert and gate, expert bias) to
+            every rank at construction.
         check_signatures: agree with the other ranks on the configuration first (see the module docstring;
             None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``).
+        bias_comm: None: the balancer sums the counts over ``comm``.
 
     Every rank must call ``forward`` (and backward) the same number of times, in the same order, even
     with no tokens: the dispatch is a collective.
-    """
+"""
+    )
 
     def __init__(
         self,
@@ -275,6 +563,20 @@ class ExpertParallelMoE(_MoEBase):
         broadcast_router: bool = True,
         mesh_dim: str | int | None = None,
         check_signatures: bool | None = None,
+        shared_experts: int = 0,
+        shared_ffn_hidden: int | None = None,
+        shared_gate: bool = False,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        bias_comm: Communicator | None = None,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        scaling: float = 1.0,
+        capacity: int | None = None,
+        capacity_scope: str = "call",
+        pad_to_capacity: bool = False,
+        load_balancing: str = "aux_loss",
+        expert_compute: str = "auto",
     ) -> None:
         what = "ExpertParallelMoE"
         check = enabled(check_signatures, what)
@@ -293,37 +595,63 @@ class ExpertParallelMoE(_MoEBase):
             what, hidden, ffn_hidden, num_experts, k, El, comm.rank * El, score=score, renormalize=renormalize,
             capacity_factor=capacity_factor, drop_policy=drop_policy, activation=activation,
             aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, provider=provider, device=device, dtype=dtype,
+            shared_experts=shared_experts, shared_ffn_hidden=shared_ffn_hidden, shared_gate=shared_gate,
+            expert_bias=expert_bias, bias_update_rate=bias_update_rate,
+            bias_comm=comm if bias_comm is None else bias_comm, n_group=n_group, topk_group=topk_group,
+            scaling=scaling, capacity=capacity, capacity_scope=capacity_scope, pad_to_capacity=pad_to_capacity,
+            load_balancing=load_balancing, expert_compute=expert_compute,
         )  # fmt: skip
         self.comm = comm
         self.last_dispatch: dict[str, object] = {}
         self.check_signatures = check
-        self._agreed: set[torch.dtype] = set()
+        self._agreed: set[object] = set()
         self._agree(self.w_in.dtype)
         self._nonfinite: str | None = None  # reduce_gradients(nonfinite="auto"), resolved at the first call
         if broadcast_router and W > 1:
-            with torch.no_grad():
-                comm.broadcast(self.router.weight.data, 0)
+            self._broadcast_replicated()
+
+    @torch.no_grad()
+    def _broadcast_replicated(self) -> None:
+        """Rank 0's router, shared expert, gate and expert bias to every rank: one broadcast per dtype."""
+        ts = [p.data for p in self._replicated()]
+        if self.balancer is not None:
+            ts.append(self.balancer.bias)
+        for dtype in dict.fromkeys(t.dtype for t in ts):
+            group = [t for t in ts if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self.comm.broadcast(flat, 0)
+            for t, v in zip(group, torch.split(flat, [t.numel() for t in group])):
+                t.copy_(v.view_as(t))
 
     @classmethod
     def from_layer(cls, layer: MoELayer, comm: Communicator, **kwargs: object) -> ExpertParallelMoE:
-        """The expert-parallel layer holding ``layer``'s router and this rank's slice of its experts."""
+        """The expert-parallel layer holding ``layer``'s replicated weights (router, shared expert, gate, expert
+        bias and its pending counts) and this rank's slice of its experts, with its options."""
         if not isinstance(layer, MoELayer):
             raise ArgumentTypeError(
                 f"ExpertParallelMoE.from_layer: layer must be a MoELayer, got {type(layer).__name__}"
             )
         w = layer.w_in
-        ep = cls(
-            layer.hidden, layer.ffn_hidden, layer.num_experts, layer.k, comm, score=layer.score,
-            renormalize=layer.renormalize, capacity_factor=layer.capacity_factor, drop_policy=layer.drop_policy,
-            activation=layer.activation, aux_loss_coef=layer.aux_loss_coef, z_loss_coef=layer.z_loss_coef,
-            provider=layer.provider, device=w.device, dtype=w.dtype, broadcast_router=False, **kwargs,
-        )  # fmt: skip
+        options = {**layer._options(), "device": w.device, "dtype": w.dtype, "broadcast_router": False, **kwargs}
+        ep = cls(layer.hidden, layer.ffn_hidden, layer.num_experts, layer.k, comm, **options)
         lo, hi = ep.first_expert, ep.first_expert + ep.local_experts
         with torch.no_grad():
-            ep.router.weight.copy_(layer.router.weight)
+            for mine, theirs in zip(ep._replicated(), layer._replicated()):
+                mine.copy_(theirs)
             ep.w_in.copy_(layer.w_in[lo:hi])
             ep.w_out.copy_(layer.w_out[lo:hi])
+            if ep.balancer is not None and layer.balancer is not None:
+                ep.balancer.bias.copy_(layer.balancer.bias)
+                ep.balancer.load.copy_(layer.balancer.load)
         return ep
+
+    @classmethod
+    def from_megatron(cls, config: Any, comm: Communicator, **overrides: Any) -> ExpertParallelMoE:
+        """:meth:`MoELayer.from_megatron` spread over ``comm`` (whose world size must be the configuration's
+        ``expert_model_parallel_size`` where it gives one)."""
+        from ..config import from_megatron
+
+        return from_megatron(config).expert_parallel_moe(comm, **overrides)
 
     def _agree(self, dtype: torch.dtype) -> None:
         """The configuration and the dtype of the rows dispatched, agreed once per dtype (module docstring)."""
@@ -332,67 +660,104 @@ class ExpertParallelMoE(_MoEBase):
         fields = [
             ("num_experts", self.num_experts), ("k", self.k), ("hidden", self.hidden), ("ffn_hidden", self.ffn_hidden),
             ("activation", self.activation), ("score", self.score), ("renormalize", self.renormalize),
-            ("capacity_factor", self.capacity_factor), ("drop_policy", self.drop_policy),
-            ("parameter dtype", self.w_in.dtype), ("dtype", dtype),
+            ("n_group", self.n_group), ("topk_group", self.topk_group), ("scaling", self.scaling),
+            ("capacity_factor", self.capacity_factor), ("capacity", self.capacity),
+            ("capacity_scope", self.capacity_scope), ("drop_policy", self.drop_policy),
+            ("pad_to_capacity", self.pad_to_capacity), ("shared_experts", self.shared_experts),
+            ("shared_ffn_hidden", self.shared_ffn_hidden), ("shared_gate", self.shared_expert_gate is not None),
+            ("expert_bias", self.expert_bias), ("bias_update_rate", self.bias_update_rate),
+            ("load_balancing", self.load_balancing), ("parameter dtype", self.w_in.dtype), ("dtype", dtype),
         ]  # fmt: skip
         fix = "Construct the layer with the same arguments on every rank and give it inputs of one dtype."
         agree(self.comm, "an expert-parallel MoE layer", fields, what="ExpertParallelMoE", fix=fix)
         self._agreed.add(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        W, El = self.comm.world_size, self.local_experts
-        x2, _, r = self._route(x, "ExpertParallelMoE")
+    def _agree_capacity(self, capacity: int) -> None:
+        """With padding the splits are every rank's capacity times E/W: agreed once per capacity value."""
+        key = ("padded capacity", capacity)
+        if not self.check_signatures or key in self._agreed:
+            return
+        fix = (
+            "With pad_to_capacity every rank sends capacity rows per expert: give every rank the same number of "
+            "tokens (capacity_factor scales with it) or a fixed capacity."
+        )
+        agree(self.comm, "an expert-parallel MoE layer's padded capacity", [("padded capacity", capacity)],
+              what="ExpertParallelMoE", fix=fix)  # fmt: skip
+        self._agreed.add(key)
+
+    def forward(self, x: torch.Tensor, *, sequence_lengths: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+        W, El, H = self.comm.world_size, self.local_experts, self.hidden
+        x2, r = self._route(x, "ExpertParallelMoE", sequence_lengths)
         if x2.dtype not in self._agreed:
             self._agree(x2.dtype)
         xp = moe_permute(x2, r, provider=self.provider)  # [N, H], grouped by expert = by destination rank
-        counts = r.tokens_per_expert  # [E]
-        recv_counts = torch.empty_like(counts)
-        self.comm.all_to_all(recv_counts, counts)  # recv_counts[src * El + e]: rows src sends my expert e
-        send_splits = counts.view(W, El).sum(1).tolist()
-        rc = recv_counts.view(W, El)
-        recv_splits = rc.sum(1).tolist()
-        xr = _AllToAll.apply(xp, self.comm, recv_splits, send_splits)  # [sum recv, H]: by source, then expert
-        if W > 1 and El > 1:  # regroup by local expert: (expert 0: src 0, src 1, ...), (expert 1: ...), ...
-            sizes = rc.reshape(-1).tolist()  # chunk (src, e) is sizes[src * El + e] rows of xr
-            starts = [0, *itertools.accumulate(sizes)]
-            chunks = [src * El + e for e in range(El) for src in range(W)]
-            idx = torch.cat([torch.arange(starts[c], starts[c] + sizes[c]) for c in chunks]).to(xr.device)
-            ye = self._experts(xr.index_select(0, idx), rc.sum(0).tolist())
-            yr = ye.index_select(0, torch.argsort(idx))
+        if r.padded:  # static splits: capacity rows per (rank, expert), no count exchange
+            C = r.capacity
+            self._agree_capacity(C)
+            splits = [El * C] * W
+            send_splits = recv_splits = splits
+            xr = _AllToAll.apply(xp, self.comm, recv_splits, send_splits)  # [W * El * C, H]: by source, expert
+            counts = [W * C] * El
+            if W > 1 and El > 1:  # regroup by local expert: a transpose of the [W, El] blocks of C rows
+                xe = xr.view(W, El, C, H).transpose(0, 1).reshape(El * W * C, H)
+                ye = self._experts(xe, torch.tensor(counts, device=xr.device), counts)
+                yr = ye.view(El, W, C, H).transpose(0, 1).reshape(W * El * C, H)
+            else:
+                yr = self._experts(xr, torch.tensor(counts, device=xr.device), counts)
         else:
-            yr = self._experts(xr, rc.sum(0).tolist())
+            tpe = r.tokens_per_expert  # [E]
+            recv_counts = torch.empty_like(tpe)
+            self.comm.all_to_all(recv_counts, tpe)  # recv_counts[src * El + e]: rows src sends my expert e
+            send_splits = tpe.view(W, El).sum(1).tolist()
+            rc = recv_counts.view(W, El)
+            recv_splits = rc.sum(1).tolist()
+            xr = _AllToAll.apply(xp, self.comm, recv_splits, send_splits)  # [sum recv, H]: by source, then expert
+            counts = rc.sum(0).tolist()
+            if W > 1 and El > 1:  # regroup by local expert: (expert 0: src 0, src 1, ...), (expert 1: ...), ...
+                sizes = rc.reshape(-1).tolist()  # chunk (src, e) is sizes[src * El + e] rows of xr
+                starts = [0, *itertools.accumulate(sizes)]
+                chunks = [src * El + e for e in range(El) for src in range(W)]
+                idx = torch.cat([torch.arange(starts[c], starts[c] + sizes[c]) for c in chunks]).to(xr.device)
+                ye = self._experts(xr.index_select(0, idx), rc.sum(0), counts)
+                yr = ye.index_select(0, torch.argsort(idx))
+            else:
+                yr = self._experts(xr, rc.sum(0), counts)
         yp = _AllToAll.apply(yr, self.comm, send_splits, recv_splits)
         self.last_dispatch = {
             "sent_rows": send_splits, "received_rows": recv_splits, "dropped": r.num_dropped,
-            "bytes_sent": 2 * (sum(send_splits) - send_splits[self.comm.rank]) * self.hidden * x.element_size(),
+            "bytes_sent": 2 * (sum(send_splits) - send_splits[self.comm.rank]) * H * x.element_size(),
         }  # fmt: skip
-        return moe_unpermute(yp, r, provider=self.provider).view(x.shape)
+        y = moe_unpermute(yp, r, provider=self.provider)
+        return self._add_shared(y, x2).view(x.shape)
 
     @torch.no_grad()
     def reduce_gradients(self, *, average: bool = False, nonfinite: str = "auto") -> None:
-        """Sum the router's gradients over the ranks; with ``average``, divide every gradient by W.
+        """Sum the replicated parameters' gradients (router, shared expert, its gate) over the ranks; with
+        ``average``, divide every gradient by W.
 
-        The all-reduce also carries whether any rank's gradients (router or experts) hold NaN/Inf (rows a
+        The all-reduce also carries whether any rank's gradients (replicated or experts) hold NaN/Inf (rows a
         rank sent in the dispatch or combine spread them to the experts and tokens of others), so every
         rank learns it at once. ``nonfinite="raise"``: every rank then raises ``NonFiniteError``, no
-        gradient changed; ``"propagate"``: the router's gradient is NaN on every rank, so that every rank's
+        gradient changed; ``"propagate"``: the replicated gradients are NaN on every rank, so that every rank's
         ``GradScaler`` skips the step alike; ``"auto"`` (default): "propagate" when the process holds an
         enabled ``torch.amp.GradScaler``, else "raise" (as the DDP hook's ``nonfinite``)."""
         what = "ExpertParallelMoE.reduce_gradients"
         if nonfinite not in NONFINITE:
             raise InvalidArgumentError(f"{what}: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         W = self.comm.world_size
-        w = self.router.weight
-        if W > 1:  # every rank joins, also one whose router got no gradient
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
+        if W > 1:  # every rank joins, also one whose replicated parameters got no gradient
+            ps = self._replicated()
+            for p in ps:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             if nonfinite == "auto":
                 if self._nonfinite is None:
                     self._nonfinite = "propagate" if grad_scaler_in_use() else "raise"
                 nonfinite = self._nonfinite
-            g = w.grad
-            buf = torch.empty(g.numel() + 1, dtype=g.dtype, device=g.device)
-            buf[:-1] = g.reshape(-1)
+            grads = [p.grad for p in ps]
+            n = sum(g.numel() for g in grads)
+            buf = torch.empty(n + 1, dtype=grads[0].dtype, device=grads[0].device)
+            torch.cat([g.reshape(-1) for g in grads], out=buf[:-1])
             buf[-1] = float(any(int(count_nonfinite(p.grad)) for p in self.parameters() if p.grad is not None))
             self.comm.all_reduce(buf)
             if buf[-1].item() > 0 or int(count_nonfinite(buf)):  # the same sum on every rank
@@ -403,7 +768,8 @@ class ExpertParallelMoE(_MoEBase):
                         "GradScaler and nonfinite='propagate'"
                     )
                 buf[:-1] = float("nan")
-            g.copy_(buf[:-1].view_as(g))
+            for g, v in zip(grads, torch.split(buf[:-1], [g.numel() for g in grads])):
+                g.copy_(v.view_as(g))
         if average and W > 1:
             for p in self.parameters():
                 if p.grad is not None:

@@ -445,7 +445,7 @@ def _counts(text: str) -> list[int]:
 
 
 def _blocks(text: str) -> list[str]:
-    if text.strip() == "none":
+    if text.strip() in ("none", ""):  # ("": how a recorded baseline replays none)
         return []
     return _cli.choice_list(LAYER_BLOCKS, "block")(text)
 

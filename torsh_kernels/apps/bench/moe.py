@@ -479,6 +479,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "separately)")  # fmt: skip
     g.add_argument("--profile-layer", action="store_true",
                    help="also time each phase of the torsh layer's forward and backward on its own")  # fmt: skip
+    p.add_argument("--note", default=None, help="a note kept in the JSON (e.g. the machine and its load)")
     _cli.add_json(p)
 
 
@@ -522,6 +523,8 @@ def run(args: argparse.Namespace) -> int:
     print_tables(results, "torsh bench moe", env)
     config = {"providers": providers, "reps": reps, "tokens": args.tokens, "hidden": args.hidden,
               "experts": ",".join(map(str, args.experts)), "k": args.k, "dtype": args.dtype}  # fmt: skip
+    if args.note is not None:
+        config["note"] = args.note
     if args.blocks:
         try:
             import transformers
@@ -544,8 +547,8 @@ def run(args: argparse.Namespace) -> int:
                 if prof:
                     profiles[rs[0].case] = prof
                     rs[0].extra["profile_ms"] = prof
+                _print_layer(rs, profiles)  # (each case as it ends: at the target size a case takes minutes)
         load = (load, os.getloadavg() if hasattr(os, "getloadavg") else None)
-        _print_layer(layer, profiles)
         results += layer
         config["layer"] = {"blocks": ",".join(args.blocks), "tokens": T, "hidden": H, "dtype": args.layer_dtype,
                            "load_average_before_after": load, "reps": layer_reps,

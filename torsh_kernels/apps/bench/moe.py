@@ -210,10 +210,14 @@ def hf_block(kind: str, H: int, width: int, E: int, k: int, experts_impl: str, g
     return block
 
 
-def torsh_layer(kind: str, block) -> tuple[object, dict[str, str]] | None:
-    """The torsh :class:`~torsh_kernels.parallel.MoELayer` of a Hugging Face block with its weights, and
-    how its parameters map onto the block's (ours -> theirs; "T" suffix: transposed): None when MoELayer
-    cannot express the block yet."""
+def _t(g: torch.Tensor) -> torch.Tensor:
+    return g.transpose(-2, -1)
+
+
+def torsh_layer(kind: str, block) -> tuple[object, dict[str, list]] | None:
+    """The torsh :class:`~torsh_kernels.parallel.MoELayer` of a Hugging Face block with its weights, and how
+    its parameters' gradients map onto the block's (our name -> [(their name, our gradient -> theirs)]): None
+    when MoELayer cannot express the block yet."""
     from ...parallel import MoELayer
 
     if kind != "mixtral":
@@ -227,8 +231,8 @@ def torsh_layer(kind: str, block) -> tuple[object, dict[str, str]] | None:
         layer.router.weight.copy_(block.gate.weight)
         layer.w_in.copy_(ex.gate_up_proj.transpose(1, 2))  # [E, H, 2w]: gate and up side by side, as HF's rows
         layer.w_out.copy_(ex.down_proj.transpose(1, 2))
-    return layer, {"router.weight": "gate.weight", "w_in": "experts.gate_up_proj T",
-                   "w_out": "experts.down_proj T"}  # fmt: skip
+    return layer, {"router.weight": [("gate.weight", lambda g: g)], "w_in": [("experts.gate_up_proj", _t)],
+                   "w_out": [("experts.down_proj", _t)]}  # fmt: skip
 
 
 def _fwd_bwd(module, x: torch.Tensor, gy: torch.Tensor):
@@ -257,21 +261,25 @@ def _outputs(module, x: torch.Tensor, gy: torch.Tensor) -> dict[str, torch.Tenso
     return out
 
 
-def _same_math(name: str, got: dict, want: dict, mapping: dict[str, str], tol: float) -> dict[str, float]:
-    """The relative error of each output of ``got`` against ``want`` (``mapping``: our parameter names ->
-    theirs); an AssertionError, and no timing, where one exceeds ``tol``."""
-    errs = {}
+def _same_math(name: str, got: dict, want: dict, mapping: dict[str, list], tol: float) -> dict[str, float]:
+    """The relative error (max |a - b| / max |b|) of each output of ``got`` against ``want``, our parameters'
+    gradients through ``mapping`` (see :func:`torsh_layer`); an AssertionError, and no timing, where one
+    exceeds ``tol`` or where a gradient of either side has nothing to compare with."""
+    pairs = []
     for key, a in got.items():
-        other = key
         if key.startswith("grad ") and key[5:] in mapping:
-            other, _, t = mapping[key[5:]].partition(" ")
-            other = f"grad {other}"
-            a = a.transpose(-2, -1) if t == "T" else a
-        b = want[other]
+            pairs += [(f"grad {theirs}", fn(a)) for theirs, fn in mapping[key[5:]]]
+        else:
+            pairs.append((key, a))
+    errs = {}
+    for key, a in pairs:
+        if key not in want:
+            raise AssertionError(f"moe layer: {name}'s {key} has nothing to compare with in the Hugging Face block")
+        b = want[key]
         err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
-        errs[other] = err
+        errs[key] = err
         if not err <= tol:
-            raise AssertionError(f"moe layer: {name} differs from the Hugging Face block in {other}: relative "
+            raise AssertionError(f"moe layer: {name} differs from the Hugging Face block in {key}: relative "
                                  f"error {err:.3g} > {tol}; not timing it")  # fmt: skip
     missing = set(want) - set(errs)
     if missing:

@@ -652,26 +652,31 @@ def _aux_scores(x: torch.Tensor, mode: int) -> tuple[torch.Tensor, int]:
 
 class AuxLoss(torch.autograd.Function):
     """The load-balancing loss of fp32 CPU scores [T, E] (``mode``: SOFTMAX, SIGMOID or PROBS) and the
-    routing's chosen experts [T, K], over G groups of tokens (``offs``, ``G``: see :func:`group_bounds`;
-    ``kf``: K or 1, the scale), forward and backward on the kernels above."""
+    routing's chosen experts [T, K], over the ``groups`` of tokens (see :func:`group_bounds`; ``kf``: K or 1,
+    the scale), forward and backward on the kernels above."""
 
     @staticmethod
-    def forward(ctx, x, mode, idx, kf, offs, G):
+    def forward(ctx, x, mode, idx, kf, groups):
+        offs, G = group_bounds(groups, x.shape[0])
         s, smode = _aux_scores(x, mode)
         loss, counts = _aux_forward(s, smode, idx, kf, offs, G)
-        ctx.save_for_backward(x, s, counts, offs)
+        if s is x and not G:  # (the common case saves what it needs only: a saved tensor costs time per call)
+            ctx.save_for_backward(x, counts)
+        else:
+            ctx.save_for_backward(x, counts, s, offs)
         ctx.mode, ctx.smode, ctx.G, ctx.gscale = mode, smode, G, x.shape[1] / (kf * max(G, 1))
         return torch.scalar_tensor(loss)
 
     @staticmethod
     def backward(ctx, g):
-        x, s, counts, offs = ctx.saved_tensors
+        x, counts, *rest = ctx.saved_tensors
+        s, offs = rest if rest else (x, _NO_GROUPS)
         T, E = x.shape
         if torch.is_grad_enabled():  # create_graph: the same gradient in torch ops, differentiable again
             sizes = (offs[1:] - offs[:-1]) if ctx.G else torch.tensor([T])
             per = (counts / sizes[:, None].double().square()).to(torch.float32)  # [G, E]
             a = (g * ctx.gscale) * (per.repeat_interleave(sizes, 0) if ctx.G else per)  # [T, E] or [1, E]
-            none = (None,) * 5
+            none = (None,) * 4
             if ctx.mode == PROBS:
                 return (a.expand(T, E), *none)
             if ctx.mode == SOFTMAX:
@@ -683,7 +688,7 @@ class AuxLoss(torch.autograd.Function):
         grad = torch.empty_like(x)
         aux_loss_bwd_ptr(s.data_ptr(), T, E, ctx.smode, counts.data_ptr(), offs.data_ptr(), ctx.G,
                          float(g) * ctx.gscale, grad.data_ptr())  # fmt: skip
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None
 
 
 def z_loss(x: torch.Tensor) -> torch.Tensor:
@@ -697,8 +702,8 @@ def aux_loss(x: torch.Tensor, mode: int, idx: torch.Tensor, kf: int,
              groups: int | tuple[int, ...] | None = None) -> torch.Tensor:  # fmt: skip
     """The aux loss of contiguous fp32 CPU scores (``kf``: K for the balanced-one scale, 1 for "hf";
     ``groups`` as checked by moe_aux_loss): through the autograd Function when a gradient is needed."""
-    offs, G = group_bounds(groups, x.shape[0])
     if x.requires_grad and torch.is_grad_enabled():
-        return AuxLoss.apply(x, mode, idx, kf, offs, G)
+        return AuxLoss.apply(x, mode, idx, kf, groups)
+    offs, G = group_bounds(groups, x.shape[0])
     s, smode = _aux_scores(x, mode)
     return torch.scalar_tensor(_aux_forward(s, smode, idx, kf, offs, G)[0])

@@ -24,8 +24,17 @@ if not GPU:
 # and the tuner's tests use their own cache directories.
 os.environ.pop("TORSH_KERNELS_PROVIDER", None)
 os.environ["TORSH_KERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="torsh-test-cache-")
+# The fault-injection harness (tests/faults.py) loads every kernel and optimizer its workloads use when it is
+# imported with this set: in the fork server below, once for every rank forked from it.
+os.environ["TORSH_FAULTS_WARM"] = "1"
 
 import pytest
+
+from torsh_kernels.collectives import launch
+
+# The suite launches a few hundred small multi-rank jobs: forks of one server that imported torch, torsh_kernels
+# and the fault harness once, instead of fresh interpreters (collectives/launch.py), unless a test asks for one.
+launch.set_defaults(start_method="forkserver", preload=["tests.faults"])
 
 
 @pytest.fixture

@@ -17,8 +17,10 @@ step). NaN has its own phases: ``input`` (the faulty rank's gradient or input ho
 
 Scenarios start from a fork server (``run_local(start_method="forkserver")``: about 0.1 s a launch)
 and several run at once: most of their time is spent waiting for a timeout, not computing. The server
-imports this module with ``TORSH_FAULTS_WARM=1`` (set by :func:`run_scenario`), which runs every kernel
-and optimizer of the workloads once there (:func:`_warm`), so the ranks forked from it load nothing.
+imports this module with ``TORSH_FAULTS_WARM=1`` (set by :func:`run_scenario` when it starts the server;
+in the test suite ``tests/conftest.py`` sets it and names this module in ``TORSH_RUN_LOCAL_PRELOAD`` for the
+one server every distributed test forks from), which runs every kernel and optimizer of the workloads once
+there (:func:`_warm`), so the ranks forked from it load nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import shutil
 import signal
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -453,7 +456,17 @@ WORKLOADS: dict[str, Workload] = {
 def _warm() -> None:
     """Run each kernel and optimizer the workloads use once, so that what loads on first use (Numba's
     cached kernels and SciPy under them, torch._dynamo under the optimizers) is loaded in the fork server,
-    before the ranks fork from it, not in every rank."""
+    before the ranks fork from it, not in every rank. On one thread: a fork must not inherit a started
+    OpenMP pool."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _warm_once()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _warm_once() -> None:
     from torsh_kernels.compression import Quantize, roundtrip
     from torsh_kernels.ops import pack, unpack
     from torsh_kernels.parallel import MoELayer
@@ -469,7 +482,9 @@ def _warm() -> None:
         opt.step()  # the first optimizer imports torch._dynamo (about a second)
 
 
-if os.environ.get("TORSH_FAULTS_WARM") == "1":  # set by run_scenario for the fork server it starts
+# (not in a rank spawned afresh, a process started with --multiprocessing-fork: a launch that could not fork
+# from the warm server loads only what its ranks use)
+if os.environ.get("TORSH_FAULTS_WARM") == "1" and "--multiprocessing-fork" not in sys.argv:
     _warm()
 
 
@@ -587,7 +602,7 @@ def run_scenario(wl_name: str, fault: Fault, timeout: float) -> tuple[list, floa
     fault's wall-clock time (None if it never fired) and the scenario's wall time."""
     wl = WORKLOADS[wl_name]
     folder = tempfile.mkdtemp(prefix="torsh-fault-")
-    os.environ["TORSH_FAULTS_WARM"] = "1"  # read where the fork server imports this module (its first start)
+    os.environ["TORSH_FAULTS_WARM"] = "1"  # read where the fork server imports this module (if this call starts it)
     t0 = time.monotonic()
     try:
         try:

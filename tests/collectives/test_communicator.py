@@ -271,6 +271,37 @@ def test_run_local_argument_errors():
         run_local(_sum_rank, 2, backend="mpi")
     with pytest.raises(InvalidArgumentError, match="start_method"):
         run_local(_sum_rank, 2, start_method="fork")
+    from torsh_kernels.collectives.launch import set_defaults
+
+    with pytest.raises(InvalidArgumentError, match="start_method"):
+        set_defaults(start_method="fork")
+    with pytest.raises(InvalidArgumentError, match="preload"):
+        set_defaults(preload="tests.faults")  # a string, not a list of names
+
+
+def _env_seen(comm, names):
+    return [os.environ.get(n) for n in names]
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_run_local_ranks_see_the_callers_environment_as_it_is_now(monkeypatch, method):
+    """Both start methods hand each rank the caller's current environment; a fork server started before a
+    TORSH_ variable changed is not used for that launch (the ranks then start fresh, with the new value)."""
+    from torsh_kernels.collectives import launch
+
+    run_local(_sum_rank, 2, start_method=method)  # (the fork server, if any, is started by now)
+    monkeypatch.setenv("TORSH_TEST_ONLY_PLAIN_VAR_X", "1")  # an import-time prefix: not the server's value
+    monkeypatch.setenv("SOME_RUNTIME_ONLY_VAR", "abc")
+    names = ["TORSH_TEST_ONLY_PLAIN_VAR_X", "SOME_RUNTIME_ONLY_VAR"]
+    for seen in run_local(_env_seen, 2, names, start_method=method):
+        assert seen == ["1", "abc"]
+    if method == "forkserver":
+        assert not launch._preload(None, _env_seen)  # differs from the server's: spawn was used
+        monkeypatch.delenv("TORSH_TEST_ONLY_PLAIN_VAR_X")
+        if launch._server_env is not None and launch._import_env() == launch._server_env:
+            monkeypatch.setenv("SOME_RUNTIME_ONLY_VAR", "def")  # not an import-time prefix: the forks get it
+            for seen in run_local(_env_seen, 2, names, start_method=method):
+                assert seen == [None, "def"]
 
 
 def test_gloo_timeouts_are_collective_timeout_errors():

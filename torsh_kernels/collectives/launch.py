@@ -11,7 +11,16 @@ past ``timeout``.
 ``start_method="forkserver"`` starts the ranks from a server process that imported torch, torsh_kernels
 and ``fn``'s module once (about 2 s, paid by the first call of the process), so each later launch costs
 a fork instead of a fresh interpreter importing torch: for programs (test suites) that launch many
-small jobs. ``"spawn"`` (default) starts fresh interpreters.
+small jobs. ``"spawn"`` (default) starts fresh interpreters. :func:`set_defaults` sets, for this process,
+the start method of calls that pass none and modules for the server to import before it forks any rank
+(a module that warms caches at import, kernels loaded and lazy imports done, then warms them once for
+every rank); the test suite's ``conftest.py`` does both.
+
+A fork of the server runs with the modules the server imported, configured by the environment the
+server started with. A rank is handed the caller's current environment (``os.environ``), but a module
+that read a variable at import keeps the server's value; so when any variable that configures torch,
+Triton, Numba, the transports, the thread counts or torsh_kernels (prefixes in ``_IMPORT_ENV``) differs
+from the server's, that launch spawns fresh interpreters instead: the same ranks, only slower.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,10 +44,39 @@ from .. import _trace
 from ..errors import InvalidArgumentError, RankFailedError
 from .communicator import TorchCommunicator
 
-__all__ = ["START_METHODS", "init_from_env", "run_local"]
+__all__ = ["START_METHODS", "init_from_env", "run_local", "set_defaults"]
 
 START_METHODS = ("spawn", "forkserver")
 """How :func:`run_local` starts its ranks (see the module docstring)."""
+
+_defaults: dict[str, Any] = {"start_method": "spawn", "preload": ()}  # see set_defaults
+
+# Prefixes of the environment variables that the libraries a rank imports may read once, at import or
+# first use, and that a caller sets to configure them: torsh_kernels' own, torch's, the compilers', the
+# transports', the thread counts. (Not the ones libraries set for themselves while they load, such as
+# Intel OpenMP's KMP_*: the server has loaded them already.)
+_IMPORT_ENV = ("TORSH_", "TORCH_", "PYTORCH_", "TRITON_", "NUMBA_", "CUDA_", "NCCL_", "GLOO_", "OMP_", "MKL_")
+_server_env: dict[str, str] | None = None  # those variables as the fork server started with them
+
+
+def set_defaults(*, start_method: str | None = None, preload: Sequence[str] | None = None) -> None:
+    """:func:`run_local`'s defaults in this process: ``start_method`` for calls that pass none, and
+    ``preload``, modules the fork server imports (beside torch, torsh_kernels and the first ``fn``'s module)
+    when it starts; a server already running keeps what it imported. None leaves a setting as it is."""
+    if start_method is not None:
+        if start_method not in START_METHODS:
+            raise InvalidArgumentError(
+                f"set_defaults: start_method must be one of {START_METHODS}, got {start_method!r}"
+            )
+        _defaults["start_method"] = start_method
+    if preload is not None:
+        if isinstance(preload, str) or not all(isinstance(m, str) and m for m in preload):
+            raise InvalidArgumentError(f"set_defaults: preload must be a sequence of module names, got {preload!r}")
+        _defaults["preload"] = tuple(preload)
+
+
+def _import_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_ENV)}
 
 
 def init_from_env(backend: str | None = None, *, timeout: float = 300.0, **kwargs) -> TorchCommunicator:
@@ -60,9 +98,12 @@ def init_from_env(backend: str | None = None, *, timeout: float = 300.0, **kwarg
     return TorchCommunicator(**kwargs)
 
 
-def _child(rank, world, fn, args, init, backend, op_timeout, threads, results) -> None:
+def _child(rank, world, fn, args, init, backend, op_timeout, threads, results, env=None) -> None:
     status: tuple
     try:
+        if env is not None:  # a fork of the server: the caller's environment, not the server's
+            os.environ.clear()
+            os.environ.update(env)
         if threads:
             torch.set_num_threads(threads)
         if backend == "nccl":
@@ -85,17 +126,23 @@ def _child(rank, world, fn, args, init, backend, op_timeout, threads, results) -
     os._exit(0 if status[0] == "ok" else 1)  # skip interpreter teardown (threads of a failed backend)
 
 
-def _preload(ctx, fn: Callable[..., Any]) -> None:
-    """What the fork server imports before it forks any rank (only the first call's list counts: the
-    server keeps running for the rest of the process)."""
+def _preload(ctx, fn: Callable[..., Any]) -> bool:
+    """Set what the fork server imports before it forks any rank (only the first call's list counts: the
+    server keeps running for the rest of the process). False when forks of the server would see other
+    values of the import-time variables than the caller has now (see the module docstring)."""
+    global _server_env
     from multiprocessing import forkserver
 
-    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # not started yet
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # not started yet: this call starts it
         mods = ["torch", "torch.distributed", "torsh_kernels", "torsh_kernels.collectives.launch"]
+        mods += _defaults["preload"]
         mod = getattr(fn, "__module__", None)
         if mod and mod != "__main__":
             mods.append(mod)
         ctx.set_forkserver_preload(mods)
+        _server_env = _import_env()
+        return True
+    return _server_env is not None and _import_env() == _server_env  # (a server started elsewhere: unknown)
 
 
 def run_local(
@@ -106,7 +153,7 @@ def run_local(
     timeout: float = 300.0,
     op_timeout: float = 30.0,
     threads: int | None = None,
-    start_method: str = "spawn",
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(comm, *args)`` on ``world_size`` fresh local processes; return their results by rank.
 
@@ -114,7 +161,8 @@ def run_local(
     ``op_timeout`` bounds each collective (the process group's timeout); ``timeout`` bounds the whole
     run. ``threads``: torch intra-op threads per rank (default: the CPU count divided among the ranks).
     ``start_method``: "spawn" (fresh interpreters) or "forkserver" (forks of a server that has imported
-    torch, torsh_kernels and ``fn``'s module; see the module docstring).
+    torch, torsh_kernels and ``fn``'s module; see the module docstring); None: :func:`set_defaults`' choice,
+    "spawn" unless changed.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidArgumentError(f"run_local: world_size must be an int >= 1, got {world_size!r}")
@@ -124,20 +172,28 @@ def run_local(
         raise InvalidArgumentError(f"run_local: backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and not torch.cuda.is_available():
         raise InvalidArgumentError("run_local: backend='nccl' needs CUDA; use backend='gloo' on this machine")
+    if start_method is None:
+        start_method = _defaults["start_method"]
     if start_method not in START_METHODS:
         raise InvalidArgumentError(f"run_local: start_method must be one of {START_METHODS}, got {start_method!r}")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
-    ctx = torch.multiprocessing.get_context(start_method)
+    env = None
     if start_method == "forkserver":
-        _preload(ctx, fn)
+        ctx = torch.multiprocessing.get_context("forkserver")
+        if _preload(ctx, fn):
+            env = dict(os.environ)
+        else:  # the server's import-time environment differs from ours: fresh interpreters
+            ctx = torch.multiprocessing.get_context("spawn")
+    else:
+        ctx = torch.multiprocessing.get_context(start_method)
     tmp = tempfile.mkdtemp(prefix="torsh-run-")
     init = "file://" + os.path.join(tmp, "store")
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, world_size, fn, args, init, backend, op_timeout, threads, results),
+            args=(r, world_size, fn, args, init, backend, op_timeout, threads, results, env),
             name=f"torsh-rank{r}",
             daemon=True,
         )

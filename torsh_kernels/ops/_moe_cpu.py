@@ -4,7 +4,9 @@ Imported on the cpu provider's first launch. Shapes: ``# T tokens, E experts, K 
 
 - route top-k: per token, the fp32 scores (softmax: max, exp, sum, divide; or sigmoid), K rounds of a
   strict maximum (equal scores keep the lower expert; NaN scores rank below every real one), the chosen
-  scores and their renormalisation; counts the tokens with a NaN score.
+  scores, their renormalisation and scaling; counts the tokens with a NaN score. With a score bias or
+  groups (moe.py's selection options) the rounds run on the keys ``score + bias`` inside the kept groups
+  (each group's top-2 sum, the best groups by strict maxima), in a per-token scratch row.
 - route assign: a counting sort of the T*K assignments by expert (stable: token order inside each
   expert); a capacity limit keeps each expert's first C in token order ("position") or its C highest
   scores ("probability", compared by their fp32 bit patterns as the GPU kernels do: equal scores keep
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit
 
 from ..errors import ShapeError
 from ._cpu import carray, f32, jit, p_b, p_f32, p_f64, p_i64
@@ -74,28 +77,33 @@ def _sigmoid_row(row, p):
     return tot
 
 
+@njit(inline="always", cache=True, nogil=True)
+def _scores_row(row, score, p):
+    """The row's fp32 scores into p (``score``: SOFTMAX or SIGMOID of logits, or PROBS: the row itself);
+    whether one is NaN. (Inlined: a call per token costs the top-k about 5%.)"""
+    E = row.size
+    if score == PROBS:
+        for e in range(E):
+            p[e] = row[e]
+    elif score == SOFTMAX:
+        _softmax_row(row, p)
+    else:
+        _sigmoid_row(row, p)
+    nan_row = False
+    for e in range(E):
+        if p[e] != p[e]:
+            nan_row = True
+    return nan_row
+
+
 @jit
-def topk_arrays(x, k, score, renorm, idx, w, s):
-    """Scores of ``x`` [T, E] (fp32; ``score``: SOFTMAX or SIGMOID of logits, or PROBS: x holds the
-    scores), the top ``k`` per token into idx, s and w [T, K]; returns the number of tokens with a NaN
-    score."""
+def _topk_plain(x, k, score, renorm, scaling, idx, w, s):
+    """:func:`topk_arrays` without a bias or groups: K rounds of a strict maximum of the scores."""
     T, E = x.shape
     p = np.empty(E, np.float32)
     bad = 0
     for t in range(T):
-        row = x[t]
-        if score == PROBS:
-            for e in range(E):
-                p[e] = row[e]
-        elif score == SOFTMAX:
-            _softmax_row(row, p)
-        else:
-            _sigmoid_row(row, p)
-        nan_row = False
-        for e in range(E):
-            if p[e] != p[e]:
-                nan_row = True
-        bad += nan_row
+        bad += _scores_row(x[t], score, p)
         total = np.float32(0.0)
         for j in range(k):
             best = np.float32(-3.0)
@@ -115,8 +123,86 @@ def topk_arrays(x, k, score, renorm, idx, w, s):
             s[t, j] = p[pick]
             total += p[pick]
         for j in range(k):
-            w[t, j] = s[t, j] / total if renorm else s[t, j]
+            w[t, j] = (s[t, j] / total if renorm else s[t, j]) * scaling
     return bad
+
+
+@jit
+def _topk_select(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s):
+    """:func:`topk_arrays` with a bias and/or groups: per token the keys ``p + bias`` (NaN scores: -inf),
+    with groups each group's top-2 sum and the TG best groups (strict maxima: the lower group on equal
+    sums), then K rounds of a strict maximum of the keys over the kept groups' experts not yet chosen."""
+    T, E = x.shape
+    p = np.empty(E, np.float32)
+    q = np.empty(E, np.float32)  # selection keys
+    ok = np.empty(E, np.bool_)  # still choosable: in a kept group, not chosen yet
+    ng = max(G, 1)
+    gs = np.empty(ng, np.float32)  # group scores
+    gk = np.empty(ng, np.bool_)  # kept groups
+    size = E // ng
+    ninf = np.float32(-np.inf)
+    bad = 0
+    for t in range(T):
+        bad += _scores_row(x[t], score, p)
+        for e in range(E):
+            v = p[e]
+            if v != v:
+                q[e] = ninf
+            elif has_bias:
+                q[e] = v + bias[e]
+            else:
+                q[e] = v
+        if G > 0:
+            for g in range(G):
+                m1 = ninf  # the group's two highest keys, m1 >= m2
+                m2 = ninf
+                for i in range(size):  # branch-free: m2 = max(m2, min(m1, v)), m1 = max(m1, v)
+                    v = q[g * size + i]
+                    lo = v if v < m1 else m1
+                    m2 = lo if lo > m2 else m2
+                    m1 = v if v > m1 else m1
+                gs[g] = m1 + m2 if size > 1 else m1
+                gk[g] = False
+            for _r in range(TG):
+                best = ninf
+                pick = -1
+                for g in range(G):
+                    if not gk[g] and (pick < 0 or gs[g] > best):
+                        best = gs[g]
+                        pick = g
+                gk[pick] = True
+            for g in range(G):
+                for i in range(size):
+                    ok[g * size + i] = gk[g]
+        else:
+            for e in range(E):
+                ok[e] = True
+        total = np.float32(0.0)
+        for j in range(k):
+            best = ninf
+            pick = -1
+            for e in range(E):
+                if ok[e] and (pick < 0 or q[e] > best):  # strict: equal keys keep the lower expert
+                    best = q[e]
+                    pick = e
+            ok[pick] = False
+            idx[t, j] = pick
+            s[t, j] = p[pick]
+            total += p[pick]
+        for j in range(k):
+            w[t, j] = (s[t, j] / total if renorm else s[t, j]) * scaling
+    return bad
+
+
+@jit
+def topk_arrays(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s):
+    """Scores of ``x`` [T, E] (fp32; ``score``: SOFTMAX or SIGMOID of logits, or PROBS: x holds the
+    scores), the top ``k`` per token into idx, s and w [T, K] (w times ``scaling``); with ``has_bias`` and/or
+    ``G`` > 0 groups (``TG`` kept) the selection options of moe.py. Returns the number of tokens with a NaN
+    score."""
+    if has_bias or G > 0:
+        return _topk_select(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s)
+    return _topk_plain(x, k, score, renorm, scaling, idx, w, s)
 
 
 @jit
@@ -187,9 +273,9 @@ def assign_arrays(idx, s, E, cap, policy, k, rows, counts, tok):
 
 
 @jit
-def route_arrays(x, k, score, renorm, E, cap, policy, idx, w, s, rows, counts, tok):
+def route_arrays(x, k, score, renorm, bias, has_bias, G, TG, scaling, E, cap, policy, idx, w, s, rows, counts, tok):
     """Both steps of the route in one call: (tokens with a NaN score, N)."""
-    bad = topk_arrays(x, k, score, renorm, idx, w, s)
+    bad = topk_arrays(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s)
     n = assign_arrays(idx.reshape(-1), s.reshape(-1), E, cap, policy, k, rows.reshape(-1), counts, tok)
     return bad, n
 
@@ -204,17 +290,40 @@ def _in_range(ix, n):
 
 
 @jit
-def route_ptr(xp, T, E, k, score, renorm, cap, policy, ip, wp, sp, rp, cp, tp, dp):
-    """:func:`route_arrays` on addresses (fp32 logits [T, E]; idx, w, s, rows, dropped [T, K]; counts [E];
-    tok [T*K]), also writing ``dropped``; returns (tokens with a NaN score, N)."""
-    rows = carray(p_i64(rp), (T, k))
-    bad, n = route_arrays(carray(p_f32(xp), (T, E)), k, score, renorm, E, cap, policy, carray(p_i64(ip), (T, k)),
-                          carray(p_f32(wp), (T, k)), carray(p_f32(sp), (T, k)), rows, carray(p_i64(cp), (E,)),
-                          carray(p_i64(tp), (T * k,)))  # fmt: skip
-    d = carray(p_b(dp), (T, k))
+def _mark_dropped(rows, d):
+    """``d[t, j] = rows[t, j] < 0``."""
+    T, k = rows.shape
     for t in range(T):
         for j in range(k):
             d[t, j] = rows[t, j] < 0
+
+
+@jit
+def route_ptr(xp, T, E, k, score, renorm, cap, policy, ip, wp, sp, rp, cp, tp, dp):
+    """Both steps of the route on addresses (fp32 logits [T, E]; idx, w, s, rows, dropped [T, K]; counts [E];
+    tok [T*K]) without the selection options, also writing ``dropped``; returns (tokens with a NaN score, N).
+    (Its own entry point, calling the plain top-k itself: an argument costs the dispatcher about 60 ns a call,
+    and a nested call of the options' entry point cost the T=4096, E=64 route about 5%.)"""
+    rows = carray(p_i64(rp), (T, k))
+    idx, s = carray(p_i64(ip), (T, k)), carray(p_f32(sp), (T, k))
+    bad = _topk_plain(carray(p_f32(xp), (T, E)), k, score, renorm, np.float32(1.0), idx, carray(p_f32(wp), (T, k)), s)
+    n = assign_arrays(idx.reshape(-1), s.reshape(-1), E, cap, policy, k, rows.reshape(-1), carray(p_i64(cp), (E,)),
+                      carray(p_i64(tp), (T * k,)))  # fmt: skip
+    _mark_dropped(rows, carray(p_b(dp), (T, k)))
+    return bad, n
+
+
+@jit
+def route_select_ptr(xp, T, E, k, score, renorm, bp, has_bias, G, TG, scaling, cap, policy, ip, wp, sp, rp, cp, tp,
+                     dp):  # fmt: skip
+    """:func:`route_ptr` with the selection options: the fp32 bias [E] at ``bp`` (read only with
+    ``has_bias``), ``G`` groups (0: none) of which ``TG`` are kept, the weights' ``scaling``."""
+    rows = carray(p_i64(rp), (T, k))
+    bias = carray(p_f32(bp), (E if has_bias else 0,))
+    bad, n = route_arrays(carray(p_f32(xp), (T, E)), k, score, renorm, bias, has_bias, G, TG, np.float32(scaling), E,
+                          cap, policy, carray(p_i64(ip), (T, k)), carray(p_f32(wp), (T, k)), carray(p_f32(sp), (T, k)),
+                          rows, carray(p_i64(cp), (E,)), carray(p_i64(tp), (T * k,)))  # fmt: skip
+    _mark_dropped(rows, carray(p_b(dp), (T, k)))
     return bad, n
 
 
@@ -304,9 +413,10 @@ def gather_rows_bwd_arrays(gy, y, rows, w, gyp, gw):
 
 
 @jit
-def topk_ptr(xp, T, E, k, score, renorm, ip, wp, sp):
-    return topk_arrays(carray(p_f32(xp), (T, E)), k, score, renorm, carray(p_i64(ip), (T, k)),
-                       carray(p_f32(wp), (T, k)), carray(p_f32(sp), (T, k)))  # fmt: skip
+def topk_ptr(xp, T, E, k, score, renorm, bp, has_bias, G, TG, scaling, ip, wp, sp):
+    return topk_arrays(carray(p_f32(xp), (T, E)), k, score, renorm, carray(p_f32(bp), (E if has_bias else 0,)),
+                       has_bias, G, TG, np.float32(scaling), carray(p_i64(ip), (T, k)), carray(p_f32(wp), (T, k)),
+                       carray(p_f32(sp), (T, k)))  # fmt: skip
 
 
 @jit
@@ -350,13 +460,16 @@ def scores_for_kernel(x: torch.Tensor, score: str) -> tuple[torch.Tensor, int]:
     return x, SOFTMAX if score == "softmax" else SIGMOID
 
 
-def route_topk(logits: torch.Tensor, k: int, score: str, renorm: bool):
+def route_topk(logits: torch.Tensor, k: int, score: str, renorm: bool, bias: torch.Tensor | None = None, G: int = 0,
+               TG: int = 0, scaling: float = 1.0):  # fmt: skip
     x, mode = scores_for_kernel(f32(logits).contiguous(), score)
     T, E = x.shape
     idx = torch.empty(T, k, dtype=torch.int64)
     w = torch.empty(T, k, dtype=torch.float32)
     s = torch.empty(T, k, dtype=torch.float32)
-    bad = topk_ptr(x.data_ptr(), T, E, k, mode, bool(renorm), idx.data_ptr(), w.data_ptr(), s.data_ptr())
+    b = bias.contiguous() if bias is not None else None
+    bad = topk_ptr(x.data_ptr(), T, E, k, mode, bool(renorm), 0 if b is None else b.data_ptr(), b is not None, G, TG,
+                   float(scaling), idx.data_ptr(), w.data_ptr(), s.data_ptr())  # fmt: skip
     return idx, w, s, bad
 
 

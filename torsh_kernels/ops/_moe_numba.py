@@ -4,7 +4,8 @@ Imported on first use of the numba provider. Kernels are built per dtype (they c
 store helpers of ``_numba``); ``cuda`` must be a module global (the simulator swaps it while a kernel runs).
 
 - route top-k: one thread per token; the scores are recomputed per selection round instead of held in
-  a per-thread array (E is not a compile-time constant);
+  a per-thread array (E is not a compile-time constant); with a score bias or groups (moe.py's selection
+  options) a second kernel: group scores and kept groups in [T, G] scratch arrays, the rounds on the keys;
 - route assign: one thread per expert, walking the assignments in token order (capacity threshold by a
   bisection over the score bits, as the Triton kernel does);
 - route rows: one thread per assignment;
@@ -39,7 +40,7 @@ def _topk_kernel(dtype: torch.dtype, softmax: bool, renorm: bool):
         return float32(1.0) / (float32(1.0) + math.exp(-v))
 
     @cuda.jit
-    def kernel(logits, idx, w, s, bad, T, E, K):
+    def kernel(logits, idx, w, s, bad, T, E, K, scale):
         t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if t >= T:
             return
@@ -85,24 +86,130 @@ def _topk_kernel(dtype: torch.dtype, softmax: bool, renorm: bool):
             cuda.atomic.add(bad, 0, 1)
         for j in range(K):
             if renorm and total != 0:
-                w[t * K + j] = s[t * K + j] / total
+                w[t * K + j] = s[t * K + j] / total * scale
             else:
-                w[t * K + j] = s[t * K + j]
+                w[t * K + j] = s[t * K + j] * scale
 
     return kernel
 
 
-def route_topk(logits: torch.Tensor, k: int, softmax: bool, renorm: bool):
+@cache
+def _select_kernel(dtype: torch.dtype, softmax: bool, renorm: bool, has_bias: bool, grouped: bool):
+    """The top-K with moe.py's selection options: keys ``score + bias`` (NaN scores: -inf), the TG best of G
+    groups (kept groups in ``gkeep`` [T, G], group scores in ``gsc`` [T, G], both scratch), K rounds of a strict
+    maximum of the keys over the kept groups' experts."""
+    load = nb.loader(dtype, "f32")
+    ninf = float32(-math.inf)
+
+    @cuda.jit(device=True, inline=True)
+    def prob(logits, base, e, mx, tot):
+        v = load(logits, base + e)
+        if softmax:
+            return float32(math.exp(v - mx) / tot)
+        return float32(float32(1.0) / (float32(1.0) + math.exp(-v)))
+
+    @cuda.jit(device=True, inline=True)
+    def key_of(logits, bias, base, e, mx, tot):
+        p = prob(logits, base, e, mx, tot)
+        if p != p:
+            return ninf
+        if has_bias:
+            return float32(p + bias[e])
+        return p
+
+    @cuda.jit
+    def kernel(logits, bias, gsc, gkeep, idx, w, s, bad, T, E, K, G, TG, scale):
+        t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if t >= T:
+            return
+        base = t * E
+        mx = float32(-math.inf)
+        tot = float32(0.0)
+        if softmax:
+            for e in range(E):
+                v = load(logits, base + e)
+                if v > mx:
+                    mx = v
+            for e in range(E):
+                tot += math.exp(load(logits, base + e) - mx)
+        nan_row = False
+        for e in range(E):
+            p = prob(logits, base, e, mx, tot)
+            if p != p:
+                nan_row = True
+        if nan_row:
+            cuda.atomic.add(bad, 0, 1)
+        size = E // G if grouped else E
+        if grouped:
+            for g in range(G):
+                m1 = ninf
+                m2 = ninf
+                for i in range(size):
+                    v = key_of(logits, bias, base, g * size + i, mx, tot)
+                    if v > m1:
+                        m2 = m1
+                        m1 = v
+                    elif v > m2:
+                        m2 = v
+                gsc[t * G + g] = float32(m1 + m2) if size > 1 else m1
+            for g in range(G):  # kept: fewer than TG groups rank above it (a higher sum, or equal and lower)
+                above = 0
+                for h in range(G):
+                    if gsc[t * G + h] > gsc[t * G + g] or (gsc[t * G + h] == gsc[t * G + g] and h < g):
+                        above += 1
+                gkeep[t * G + g] = 1 if above < TG else 0
+        total = float32(0.0)
+        for j in range(K):
+            best = ninf
+            pick = int64(-1)
+            for e in range(E):
+                if grouped and gkeep[t * G + e // size] == 0:
+                    continue
+                taken = False
+                for i in range(j):
+                    if idx[t * K + i] == e:
+                        taken = True
+                if taken:
+                    continue
+                v = key_of(logits, bias, base, e, mx, tot)
+                if pick < 0 or v > best:  # strict: equal keys keep the lower expert
+                    best = v
+                    pick = e
+            idx[t * K + j] = pick
+            pj = prob(logits, base, pick, mx, tot)
+            s[t * K + j] = pj
+            total += pj
+        for j in range(K):
+            if renorm and total != 0:
+                w[t * K + j] = s[t * K + j] / total * scale
+            else:
+                w[t * K + j] = s[t * K + j] * scale
+
+    return kernel
+
+
+def route_topk(logits: torch.Tensor, k: int, softmax: bool, renorm: bool, bias: torch.Tensor | None = None,
+               G: int = 0, TG: int = 0, scaling: float = 1.0):  # fmt: skip
     T, E = logits.shape
     dev = logits.device
     idx = torch.empty(T * k, dtype=torch.int64, device=dev)
     w = torch.empty(T * k, dtype=torch.float32, device=dev)
     s = torch.empty(T * k, dtype=torch.float32, device=dev)
     bad = torch.zeros(1, dtype=torch.int32, device=dev)
-    kernel = _topk_kernel(logits.dtype, softmax, renorm)
+    common = (nb.as_array(idx), nb.as_array(w), nb.as_array(s), nb.as_array(bad), T, E, k)
+    if bias is None and not G:
+        kernel = _topk_kernel(logits.dtype, softmax, renorm)
+        nb.launch(kernel, _blocks(T, nb.THREADS), nb.THREADS, dev, nb.as_array(logits.reshape(-1)), *common,
+                  float32(scaling))  # fmt: skip
+        return idx.view(T, k), w.view(T, k), s.view(T, k), bad
+    kernel = _select_kernel(logits.dtype, softmax, renorm, bias is not None, G > 0)
+    gsc = torch.empty(max(T * G, 1), dtype=torch.float32, device=dev)  # scratch: group scores, kept groups
+    gkeep = torch.empty(max(T * G, 1), dtype=torch.int32, device=dev)
+    b = bias.contiguous() if bias is not None else w  # (not read without a bias)
     nb.launch(
         kernel, _blocks(T, nb.THREADS), nb.THREADS, dev,
-        nb.as_array(logits.reshape(-1)), nb.as_array(idx), nb.as_array(w), nb.as_array(s), nb.as_array(bad), T, E, k,
+        nb.as_array(logits.reshape(-1)), nb.as_array(b), nb.as_array(gsc), nb.as_array(gkeep), *common, G, TG,
+        float32(scaling),
     )  # fmt: skip
     return idx.view(T, k), w.view(T, k), s.view(T, k), bad
 

@@ -46,7 +46,7 @@ class Routing(Sealable):
     indices: torch.Tensor
     """[T, K] int64: the chosen experts of each token, highest score first."""
     weights: torch.Tensor
-    """[T, K] fp32: the combine weights (renormalised scores when ``renormalize``); differentiable."""
+    """[T, K] fp32, differentiable: the scores, renormalised when ``renormalize``, times ``scaling``."""
     scores: torch.Tensor
     """[T, K] fp32: the router scores of the chosen experts before renormalisation."""
     tokens_per_expert: torch.Tensor

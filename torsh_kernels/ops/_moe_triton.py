@@ -14,11 +14,14 @@ from ._triton import _cast
 
 @triton.jit
 def _route_topk_kernel(
-    logits_ptr, idx_ptr, w_ptr, s_ptr, bad_ptr, T, E, stride_t,
-    K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BLOCK_T: tl.constexpr, SCORE: tl.constexpr,
-    RENORM: tl.constexpr,
+    logits_ptr, bias_ptr, idx_ptr, w_ptr, s_ptr, bad_ptr, T, E, stride_t, NG, TG, GS, scale,
+    K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr,
+    SCORE: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
 ):  # fmt: skip
-    """Per token: fp32 scores, the top K (ties to the lower expert), weights; bad += NaN-score rows."""
+    """Per token: fp32 scores, the top K (ties to the lower expert), weights (times ``scale``); bad +=
+    NaN-score rows. With HAS_BIAS / GROUPED (moe.py's selection options) the top K of ``score + bias``
+    (NaN scores: -inf) inside the TG best of the NG groups of GS experts (a group's score: the sum of its
+    two highest keys; equal sums: the lower group)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     cols = tl.arange(0, EP)  # [EP]
     rmask = rows < T
@@ -35,19 +38,55 @@ def _route_topk_kernel(
         p = 1.0 / (1.0 + tl.exp(-x))
     isnan = (p != p) & valid
     tl.atomic_add(bad_ptr, tl.sum((tl.sum(isnan.to(tl.int32), axis=1) > 0).to(tl.int32), axis=0))
-    # selection keys: NaN scores rank below every real score (-1), padding below those (-2)
-    sel = tl.where(valid, tl.where(isnan, -1.0, p), -2.0)
     kcols = tl.arange(0, KP)
     S = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
     I = tl.zeros((BLOCK_T, KP), dtype=tl.int64)  # noqa: E741
-    for j in tl.static_range(K):
-        best = tl.max(sel, axis=1)
-        pick = tl.min(tl.where(sel == best[:, None], cols[None, :], EP), axis=1)  # lowest index of the max
-        hit = cols[None, :] == pick[:, None]
-        sj = tl.sum(tl.where(hit, p, 0.0), axis=1)
-        S = tl.where(kcols[None, :] == j, sj[:, None], S)
-        I = tl.where(kcols[None, :] == j, pick.to(tl.int64)[:, None], I)  # noqa: E741
-        sel = tl.where(hit, -3.0, sel)
+    if HAS_BIAS or GROUPED:
+        # selection keys: score + bias, NaN scores -inf; `avail`: experts still choosable (kept groups)
+        key = p
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)
+            key = p + b[None, :]
+        key = tl.where(isnan, float("-inf"), key)
+        avail = valid
+        if GROUPED:
+            gid = cols // GS  # [EP] each expert's group
+            gcols = tl.arange(0, GP)
+            gsc = tl.full((BLOCK_T, GP), float("-inf"), tl.float32)  # group scores
+            for g in range(NG):
+                inm = valid & (gid == g)[None, :]
+                m1 = tl.max(tl.where(inm, key, float("-inf")), axis=1)
+                i1 = tl.min(tl.where(inm & (key == m1[:, None]), cols[None, :], EP), axis=1)
+                m2 = tl.max(tl.where(inm & (cols[None, :] != i1[:, None]), key, float("-inf")), axis=1)
+                sc = tl.where(GS > 1, m1 + m2, m1)
+                gsc = tl.where(gcols[None, :] == g, sc[:, None], gsc)
+            gav = (gcols < NG)[None, :] & rmask[:, None]  # [BT, GP] groups not yet kept
+            keep = valid & (cols < 0)[None, :]  # [BT, EP] experts of the kept groups (none yet)
+            for _ in range(TG):
+                gb = tl.max(tl.where(gav, gsc, float("-inf")), axis=1)
+                gp = tl.min(tl.where(gav & (gsc == gb[:, None]), gcols[None, :], GP), axis=1)
+                gav = gav & (gcols[None, :] != gp[:, None])
+                keep = keep | (gid[None, :] == gp[:, None])
+            avail = valid & keep
+        for j in tl.static_range(K):
+            best = tl.max(tl.where(avail, key, float("-inf")), axis=1)
+            pick = tl.min(tl.where(avail & (key == best[:, None]), cols[None, :], EP), axis=1)  # lowest of the max
+            hit = cols[None, :] == pick[:, None]
+            sj = tl.sum(tl.where(hit, p, 0.0), axis=1)
+            S = tl.where(kcols[None, :] == j, sj[:, None], S)
+            I = tl.where(kcols[None, :] == j, pick.to(tl.int64)[:, None], I)  # noqa: E741
+            avail = avail & (cols[None, :] != pick[:, None])
+    else:
+        # selection keys: NaN scores rank below every real score (-1), padding below those (-2)
+        sel = tl.where(valid, tl.where(isnan, -1.0, p), -2.0)
+        for j in tl.static_range(K):
+            best = tl.max(sel, axis=1)
+            pick = tl.min(tl.where(sel == best[:, None], cols[None, :], EP), axis=1)  # lowest index of the max
+            hit = cols[None, :] == pick[:, None]
+            sj = tl.sum(tl.where(hit, p, 0.0), axis=1)
+            S = tl.where(kcols[None, :] == j, sj[:, None], S)
+            I = tl.where(kcols[None, :] == j, pick.to(tl.int64)[:, None], I)  # noqa: E741
+            sel = tl.where(hit, -3.0, sel)
     km = rmask[:, None] & (kcols < K)[None, :]
     off = rows[:, None] * K + kcols[None, :]
     tl.store(idx_ptr + off, I, mask=km)
@@ -57,7 +96,7 @@ def _route_topk_kernel(
         W = S / tl.where(tot != 0.0, tot, 1.0)[:, None]
     else:
         W = S
-    tl.store(w_ptr + off, W, mask=km)
+    tl.store(w_ptr + off, W * scale, mask=km)
 
 
 @triton.jit

@@ -2,11 +2,24 @@
 
 Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dropped assignments``.
 
-- ``moe_route(logits [T, E], k=, score=, renormalize=, capacity_factor=, drop_policy=)`` -> :class:`Routing`.
+- ``moe_route(logits [T, E], k=, score=, renormalize=, score_bias=, n_group=, topk_group=, scaling=,
+  capacity_factor=, drop_policy=)`` -> :class:`Routing`.
   Scores are computed in fp32: ``softmax`` over the E logits, or ``sigmoid`` of each. The K experts of
   a token are its K highest scores, in descending order; equal scores go to the lower expert index
   (ties are deterministic and the same for every provider). ``weights`` are the chosen scores,
-  divided by their sum when ``renormalize`` (for softmax this equals a softmax over the chosen logits).
+  divided by their sum when ``renormalize`` (for softmax this equals a softmax over the chosen logits),
+  then multiplied by ``scaling`` (DeepSeek-V3's ``routed_scaling_factor``; 1.0 by default).
+  *Selection options* (DeepSeek-V3's router; they change which experts are chosen, never the weights'
+  formula): ``score_bias`` [E] fp32 is added to the scores for the selection only: the K experts are the
+  K highest ``score + bias`` (added in fp32), in that order, while ``weights`` and ``scores`` come from the
+  unbiased scores and no gradient reaches the bias (DeepSeek-V3's ``e_score_correction_bias``, updated
+  outside the gradient). ``n_group`` / ``topk_group`` (grouped selection): the E experts form ``n_group``
+  contiguous groups of ``E / n_group``; a group's score is the fp32 sum of its two highest biased scores
+  (its one score when a group holds one expert); the ``topk_group`` highest-scoring groups are kept (equal
+  group scores: the lower group); the K experts are the K highest biased scores inside the kept groups
+  (the other experts are never chosen: ``k <= topk_group * E / n_group`` is required). A NaN score (see
+  ``check_finite``) counts as -inf in the selection keys and the group scores: it ranks below every real
+  score, and an expert of a kept group with a NaN score still ranks above every expert of a dropped group.
   *Capacity*: with ``capacity_factor`` set, each expert keeps at most
   ``C = ceil(T * K * capacity_factor / E)`` assignments; ``drop_policy="probability"`` keeps the C with
   the highest scores (equal scores: lower token first), ``"position"`` the first C in token order.
@@ -44,7 +57,8 @@ Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dro
 
 Providers: ``moe_route``, ``moe_permute`` and ``moe_unpermute`` (and their backward passes) have Triton,
 Numba CUDA and torch implementations. The route runs three kernels: per token block, scoring and top-K
-(also counting tokens whose probabilities are NaN); per expert, the count, the capacity threshold
+(also counting tokens whose probabilities are NaN; the bias, the group scores, the kept groups and the
+scaling are computed there too, in registers); per expert, the count, the capacity threshold
 (a bisection over the fp32 score bits) and each kept assignment's position in its expert's group; per
 assignment, the final row and its inverse (the token of each row). The permute reads each token's row
 once and writes it to its K rows; the unpermute reads the K rows of a token and writes it once; the
@@ -64,6 +78,7 @@ The kernels live in ``_moe_triton.py`` and ``_moe_numba.py`` (imported on a prov
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -77,7 +92,7 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
-from ._common import _check_int, _check_strided, _check_tensor, _count, _on
+from ._common import _check_int, _check_strided, _check_tensor, _count, _on, _short
 from ._moe_routing import (
     _SEALED,
     Routing,
@@ -181,23 +196,61 @@ def _scores_ref(logits: torch.Tensor, score: str) -> torch.Tensor:
     return torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
 
 
+def _selection_keys(
+    p: torch.Tensor, bias: torch.Tensor | None = None, n_group: int = 0, topk_group: int = 0
+) -> torch.Tensor:
+    """The fp64 keys [T, E] the K experts are the highest of (equal keys: the lower expert), for scores ``p``
+    [T, E] (fp32; see the module docstring): ``p + bias`` added in fp32, then, below every fp32 value, the NaN
+    scores (-1e300), then (-inf) the experts of the groups left out of the ``topk_group`` best of ``n_group``
+    (0: no groups), which are never chosen."""
+    T, E = p.shape
+    key = p.detach() if bias is None else p.detach() + bias.detach()  # [T, E] fp32
+    nan = torch.isnan(key)
+    key = key.masked_fill(nan, -math.inf)  # (as -inf in the group scores)
+    key64 = key.double().masked_fill(nan, -1e300)
+    if n_group:
+        G, size = n_group, E // n_group
+        grp = key.view(T, G, size)
+        m1, i1 = grp.max(-1, keepdim=True)  # the group's highest key, then its second (fp32 sum)
+        group = (m1 + grp.scatter(-1, i1, -math.inf).amax(-1, keepdim=True) if size > 1 else m1).squeeze(-1)  # [T, G]
+        # kept: fewer than topk_group groups rank above it (a higher score, or an equal one and a lower index)
+        ar = torch.arange(G, device=p.device)
+        a, g = group[:, None, :], group[:, :, None]  # [T, 1, G] the others h, [T, G, 1] the group g
+        above = ((a > g) | ((a == g) & (ar[None, :] < ar[:, None]))).sum(-1)  # [T, G]
+        key64.view(T, G, size).masked_fill_((above >= topk_group)[:, :, None], -math.inf)
+    return key64
+
+
+def _choose_ref(
+    p: torch.Tensor, k: int, bias: torch.Tensor | None = None, n_group: int = 0, topk_group: int = 0
+) -> torch.Tensor:
+    """The K chosen experts [T, K] of scores ``p`` [T, E]: the K highest selection keys, by a stable sort."""
+    key64 = _selection_keys(p, bias, n_group, topk_group)
+    return torch.sort(key64, dim=1, descending=True, stable=True).indices[:, :k].contiguous()  # ties: lower expert
+
+
 def moe_route_ref(
     logits: torch.Tensor,
     *,
     k: int,
     score: str = "softmax",
     renormalize: bool = True,
+    score_bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    scaling: float = 1.0,
     capacity_factor: float | None = None,
     drop_policy: str = "probability",
 ) -> Routing:
-    """Plain PyTorch routing (see the module docstring); ``weights`` is differentiable by autograd."""
+    """Plain PyTorch routing (see the module docstring); ``weights`` is differentiable by autograd (in the
+    logits; never in ``score_bias``). The arguments are taken as valid (``moe_route`` checks them)."""
     T, E = logits.shape
     p = _scores_ref(logits, score)  # [T, E] fp32
-    sel = torch.nan_to_num(p.detach(), nan=-1.0)
-    order = torch.sort(sel, dim=1, descending=True, stable=True).indices  # ties: lower expert first
-    indices = order[:, :k].contiguous()  # [T, K]
+    indices = _choose_ref(p, k, score_bias, n_group or 0, topk_group or 0)  # [T, K]
     scores = p.gather(1, indices)  # [T, K]
     weights = scores / scores.sum(1, keepdim=True) if renormalize else scores
+    if scaling != 1.0:
+        weights = weights * scaling
     flat = indices.reshape(-1)  # [T*K] token-major
     onehot = torch.nn.functional.one_hot(flat, E)  # [T*K, E]
     keep = torch.ones_like(flat, dtype=torch.bool)
@@ -372,14 +425,26 @@ def _block_h(H: int) -> int:
     return min(1024, _pow2(H))
 
 
-# scoring and top-k: (logits [T, E]) -> indices, weights, scores [T, K], bad-row count [1]
+# scoring and top-k: (logits [T, E], k, score, renorm, bias [E] | None, n_group, topk_group (0: no groups),
+# scaling) -> indices, weights, scores [T, K], bad-row count [1]
 @_topk.register("torch")
-def _topk_torch(logits, k, score, renorm):
+def _topk_torch(logits, k, score, renorm, bias, n_group, topk_group, scaling):
     p = _scores_ref(logits, score)
     nan = torch.isnan(p)
     bad = nan.any(1).sum().view(1)
-    sel = torch.where(nan, -1.0, p)
-    if k <= 8:  # k rounds of argmax, which returns the first (lowest) index of equal maxima
+    if bias is not None or n_group:  # the selection options: the reference's keys
+        if k <= 8:  # k rounds of argmax (the first of equal maxima); a chosen key drops to -inf, below them all
+            key = _selection_keys(p, bias, n_group, topk_group)
+            idx = torch.empty(p.shape[0], k, dtype=torch.int64, device=p.device)
+            for j in range(k):
+                i = key.argmax(1, keepdim=True)
+                idx[:, j : j + 1] = i
+                if j + 1 < k:
+                    key.scatter_(1, i, -math.inf)
+        else:
+            idx = _choose_ref(p, k, bias, n_group, topk_group)
+    elif k <= 8:  # k rounds of argmax, which returns the first (lowest) index of equal maxima
+        sel = torch.where(nan, -1.0, p)
         idx = torch.empty(p.shape[0], k, dtype=torch.int64, device=p.device)
         for j in range(k):
             i = sel.argmax(1, keepdim=True)
@@ -387,14 +452,17 @@ def _topk_torch(logits, k, score, renorm):
             if j + 1 < k:
                 sel.scatter_(1, i, -3.0)
     else:
+        sel = torch.where(nan, -1.0, p)
         idx = torch.sort(sel, dim=1, descending=True, stable=True).indices[:, :k].contiguous()
     s = p.gather(1, idx)
     w = s / s.sum(1, keepdim=True) if renorm else s.clone()
+    if scaling != 1.0:
+        w.mul_(scaling)
     return idx, w, s, bad
 
 
 @_topk.register("triton")
-def _topk_triton(logits, k, score, renorm):
+def _topk_triton(logits, k, score, renorm, bias, n_group, topk_group, scaling):
     import triton
 
     from . import _moe_triton as kt
@@ -408,25 +476,27 @@ def _topk_triton(logits, k, score, renorm):
     EP = max(2, _pow2(E))
     BT = max(1, min(64, 4096 // EP))
     kt._route_topk_kernel[(triton.cdiv(T, BT),)](
-        logits, idx, w, s, bad, T, E, logits.stride(0),
-        K=k, KP=max(2, _pow2(k)), EP=EP, BLOCK_T=BT, SCORE=_SOFTMAX if score == "softmax" else _SIGMOID,
-        RENORM=renorm,
+        logits, bias if bias is not None else logits, idx, w, s, bad, T, E, logits.stride(0), n_group, topk_group,
+        E // max(n_group, 1), scaling,
+        K=k, KP=max(2, _pow2(k)), EP=EP, GP=max(2, _pow2(n_group)), BLOCK_T=BT,
+        SCORE=_SOFTMAX if score == "softmax" else _SIGMOID, RENORM=renorm, HAS_BIAS=bias is not None,
+        GROUPED=n_group > 0,
     )  # fmt: skip
     return idx, w, s, bad
 
 
 @_topk.register("numba")
-def _topk_numba(logits, k, score, renorm):
+def _topk_numba(logits, k, score, renorm, bias, n_group, topk_group, scaling):
     from . import _moe_numba as M
 
-    return M.route_topk(logits, k, score == "softmax", renorm)
+    return M.route_topk(logits, k, score == "softmax", renorm, bias, n_group, topk_group, scaling)
 
 
 @_topk.register("cpu")
-def _topk_cpu(logits, k, score, renorm):
+def _topk_cpu(logits, k, score, renorm, bias, n_group, topk_group, scaling):
     from . import _moe_cpu as M
 
-    return M.route_topk(logits, k, score, renorm)
+    return M.route_topk(logits, k, score, renorm, bias, n_group, topk_group, scaling)
 
 
 # assignment -> row: (indices [T, K], scores [T, K]) -> row_map [T*K] (-1 dropped), counts [E], token_index [N]
@@ -701,20 +771,50 @@ def _raise_nan_scores(bad: int, T: int) -> None:
     )
 
 
+def _raise_bad_bias(bias: torch.Tensor) -> None:
+    n = int((~torch.isfinite(bias)).sum())
+    raise NonFiniteError(
+        f"torsh_kernels.moe_route: score_bias holds {n} non-finite value(s) (NaN or Inf) of {bias.numel()}; it must "
+        "be finite (a bias that diverged: reset it, or lower the balancer's update rate)"
+    )
+
+
+# score_bias tensors whose values were found finite: id -> (a weak reference, the version counter then). A
+# bias is read again only after it changed in place (its version counter moved): once per balancer update,
+# not once per route (a host sync on a GPU). Writes that bypass the counter (.data, NumPy) are not seen.
+_BIAS_FINITE: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _check_bias_finite(bias: torch.Tensor) -> None:
+    """A NonFiniteError unless every value of ``bias`` is finite (checked once per version of the tensor)."""
+    seen = _BIAS_FINITE.get(id(bias))
+    if seen is not None and seen[0]() is bias and seen[1] == bias._version:
+        return
+    if not bool(torch.isfinite(bias).all()):
+        _raise_bad_bias(bias)
+    if len(_BIAS_FINITE) >= 256:
+        _BIAS_FINITE.clear()
+    _BIAS_FINITE[id(bias)] = (weakref.ref(bias), bias._version)
+
+
 @torch.library.custom_op("torsh::moe_route", mutates_args=())
-def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, capacity: int, drop_policy: str,
-              check_finite: bool, provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                          torch.Tensor, torch.Tensor]:  # fmt: skip
+def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, score_bias: torch.Tensor | None,
+              n_group: int, topk_group: int, scaling: float, capacity: int, drop_policy: str, check_finite: bool,
+              provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor]:  # fmt: skip
     """-> weights, indices, scores [T, K]; tokens_per_expert [E]; row_map [T, K]; token_index [N] (the
-    differentiable output first)."""
+    differentiable output first). ``n_group`` = 0: no groups. ``score_bias``'s values are checked here (at
+    run time, also under torch.compile), the rest by ``moe_route``."""
     T, E = logits.shape
+    if score_bias is not None:
+        _check_bias_finite(score_bias)
     if T == 0:
         i = torch.empty(0, k, dtype=torch.int64, device=logits.device)
         f = torch.empty(0, k, dtype=torch.float32, device=logits.device)
         return f, i, f.clone(), torch.zeros(E, dtype=torch.int64, device=logits.device), i.clone(), i.new_empty(0)
     name = _select(_topk, logits, provider, k, E)
     with _on(logits.device):
-        idx, w, s, bad = _topk(name, logits, k, score, renormalize)
+        idx, w, s, bad = _topk(name, logits, k, score, renormalize, score_bias, n_group, topk_group, scaling)
         if check_finite and (b := _count(bad)):
             _raise_nan_scores(b, T)
         policy = _NO_CAP if capacity < 0 else _POLICY[drop_policy]
@@ -723,7 +823,8 @@ def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, capac
 
 
 @_route_op.register_fake
-def _(logits, k, score, renormalize, capacity, drop_policy, check_finite, provider):
+def _(logits, k, score, renormalize, score_bias, n_group, topk_group, scaling, capacity, drop_policy, check_finite,
+      provider):  # fmt: skip
     T, E = logits.shape
     n = T * k if capacity < 0 else torch.library.get_ctx().new_dynamic_size()
     i64, f32 = torch.int64, torch.float32
@@ -734,9 +835,9 @@ def _(logits, k, score, renormalize, capacity, drop_policy, check_finite, provid
 
 
 def _route_setup(ctx, inputs, output):
-    logits, _k, score, renormalize, *_ = inputs
+    logits, _k, score, renormalize, _bias, _ng, _tg, scaling, *_ = inputs
     w, idx, s, *_ = output
-    ctx.score, ctx.renormalize = score, renormalize
+    ctx.score, ctx.renormalize, ctx.scaling = score, renormalize, scaling
     ctx.logits_dtype = logits.dtype
     ctx.E = logits.shape[1]
     ctx.mark_non_differentiable(s)  # Routing.scores is informational; gradients flow through the weights
@@ -744,22 +845,31 @@ def _route_setup(ctx, inputs, output):
 
 
 def _route_backward(ctx, g_w, g_idx, g_s, g_counts, g_rows, g_tok):
-    """d loss / d logits from d loss / d weights (T x E elementwise work; the same for every provider)."""
+    """d loss / d logits from d loss / d weights (T x E elementwise work; the same for every provider). The
+    weights are ``c * u`` with ``c`` the scaling and ``u`` the (renormalised) chosen scores; the bias only
+    chose the experts and gets no gradient."""
     logits, idx, w, s = ctx.saved_tensors
     T = idx.shape[0]
+    c = ctx.scaling
     g = torch.zeros_like(w) if g_w is None else g_w.float()
     grad = torch.zeros(T, ctx.E, dtype=torch.float32, device=idx.device)
     if ctx.score == "softmax":
-        if ctx.renormalize:  # w = softmax over the chosen logits
-            grad.scatter_(1, idx, w * (g - (w * g).sum(1, keepdim=True)))
-        else:  # w_j = p[idx_j] with p the full softmax: d p_a / d l = p_a (onehot_a - p)
+        if ctx.renormalize:  # u = softmax over the chosen logits: d/dl_j = c u_j (g_j - sum_i u_i g_i)
+            wg = (w * g).sum(1, keepdim=True)
+            grad.scatter_(1, idx, w * (g - (wg if c == 1.0 else wg / c)))
+        else:  # w_j = c p[idx_j] with p the full softmax: d p_a / d l = p_a (onehot_a - p)
+            if c != 1.0:
+                g = g * c
             p = torch.softmax(logits.float(), dim=-1)
             G = torch.zeros_like(grad).scatter_(1, idx, g)
             grad = p * (G - (s * g).sum(1, keepdim=True))
-    else:  # w = s / sum(s) (or s), s = sigmoid(l): d s / d l = s (1 - s)
-        gs = (g - (w * g).sum(1, keepdim=True)) / s.sum(1, keepdim=True) if ctx.renormalize else g
+    else:  # u = s / sum(s) (or s), s = sigmoid(l): d s / d l = s (1 - s)
+        if ctx.renormalize:  # d/ds_j = (c g_j - sum_i w_i g_i) / sum(s)
+            gs = ((g if c == 1.0 else g * c) - (w * g).sum(1, keepdim=True)) / s.sum(1, keepdim=True)
+        else:
+            gs = g if c == 1.0 else g * c
         grad.scatter_(1, idx, gs * s * (1.0 - s))
-    return grad.to(ctx.logits_dtype), None, None, None, None, None, None, None
+    return grad.to(ctx.logits_dtype), None, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("torsh::moe_route", _route_backward, setup_context=_route_setup)
@@ -860,6 +970,10 @@ def moe_route(
     k: int,
     score: str = "softmax",
     renormalize: bool = True,
+    score_bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    scaling: float = 1.0,
     capacity_factor: float | None = None,
     drop_policy: str = "probability",
     check_finite: bool = True,
@@ -872,6 +986,15 @@ def moe_route(
         k: experts per token, 1 <= k <= E.
         score: "softmax" over the experts, or "sigmoid" per expert.
         renormalize: divide each token's K chosen scores by their sum.
+        score_bias: None, or an fp32 [E] tensor on the logits' device, finite, added to the scores for the
+            selection only (DeepSeek-V3's ``e_score_correction_bias``); ``weights`` and ``scores`` stay
+            unbiased and no gradient reaches it. Its values are checked once per version of the tensor
+            (an in-place update moves the version; a write through ``.data`` is not seen).
+        n_group, topk_group: grouped selection (both or neither): ``n_group`` divides E, 1 <= topk_group <=
+            n_group, k <= topk_group * E / n_group; the K experts come from the ``topk_group`` groups whose
+            two highest biased scores sum highest.
+        scaling: finite and > 0; the weights are multiplied by it after the renormalisation (DeepSeek-V3's
+            ``routed_scaling_factor``).
         capacity_factor: None for no limit, else each expert keeps at most
             ``ceil(T * k * capacity_factor / E)`` assignments.
         drop_policy: which assignments an overfull expert keeps: "probability" (highest scores) or
@@ -885,27 +1008,34 @@ def moe_route(
         and (T := logits.shape[0]) > 0 and (score == "softmax" or score == "sigmoid")
         and (drop_policy == "probability" or drop_policy == "position")
         and (capacity_factor is None or (capacity_factor.__class__ is float and 0.0 < capacity_factor < math.inf))
+        and (score_bias is None or _eager.plain(score_bias))
         and _eager.fast()
         and _topk.select(_CPU, _F32, logits.numel(), provider or None) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider: both steps of its route in one kernel call, on
         # the tensors' memory; with a gradient needed, as the forward of the op's registered autograd.
+        no_groups = n_group is None and topk_group is None
+        if score_bias is None and no_groups and scaling.__class__ is float and scaling == 1.0:  # the defaults
+            bias, G, TG, c = None, 0, 0, 1.0
+        else:
+            bias, G, TG, c = _check_selection(score_bias, n_group, topk_group, scaling, logits, k)
         cap = -1 if capacity_factor is None else expert_capacity(T, k, E, capacity_factor)
         if logits.requires_grad and torch.is_grad_enabled():
             w, idx, s, counts, rows, tok = _eager.autograd_fast(
-                _route_op, _route_cpu_impl, logits, k, score, bool(renormalize), cap, drop_policy, bool(check_finite),
-                provider or "",
+                _route_op, _route_cpu_impl, logits, k, score, bool(renormalize), bias, G, TG, c, cap, drop_policy,
+                bool(check_finite), provider or "",
             )  # fmt: skip
             dropped, n = rows < 0, tok.shape[0]
         else:
-            w, idx, s, counts, rows, tok, dropped, n = _route_cpu(logits, T, E, k, score, bool(renormalize), cap,
-                                                                  drop_policy, check_finite)  # fmt: skip
+            w, idx, s, counts, rows, tok, dropped, n = _route_cpu(logits, T, E, k, score, bool(renormalize), bias, G,
+                                                                  TG, c, cap, drop_policy, check_finite)  # fmt: skip
         return seal(Routing(indices=idx, weights=w, scores=s.detach(), tokens_per_expert=counts, row_map=rows,
                             token_index=tok, dropped=dropped, num_experts=E, num_rows=n,
                             capacity=None if cap < 0 else cap, score=score))  # fmt: skip
     if (
-        capacity_factor is None and type(logits) is _T and logits.dtype is _F32 and logits.is_cpu
-        and logits.dim() == 2 and logits.is_contiguous() and k.__class__ is int
+        capacity_factor is None and score_bias is None and n_group is None and topk_group is None
+        and scaling.__class__ is float and scaling == 1.0 and type(logits) is _T and logits.dtype is _F32
+        and logits.is_cpu and logits.dim() == 2 and logits.is_contiguous() and k.__class__ is int
         and 1 <= k <= 8 and k <= (E := logits.shape[1]) and (T := logits.shape[0]) > 0
         and score in SCORES and drop_policy in DROP_POLICIES
         and not (logits.requires_grad and torch.is_grad_enabled())
@@ -922,6 +1052,7 @@ def moe_route(
     T, E = logits.shape
     k = _check_int(k, what, "k", 1, E)
     score = _check_choice(score, what, "score", SCORES)
+    bias, G, TG, c = _check_selection(score_bias, n_group, topk_group, scaling, logits, k)
     drop_policy = _check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
     capacity_factor = check_capacity_factor(capacity_factor, what)
     if capacity_factor is not None and logits.is_meta:
@@ -937,6 +1068,10 @@ def moe_route(
         k,
         score,
         bool(renormalize),
+        bias,
+        G,
+        TG,
+        c,
         capacity,
         drop_policy,
         bool(check_finite),
@@ -958,6 +1093,58 @@ def moe_route(
     return r if _eager.compiling() else seal(r)  # (while torch.compile traces: nothing to seal)
 
 
+def _check_selection(
+    score_bias: object, n_group: object, topk_group: object, scaling: object, logits: torch.Tensor, k: int
+) -> tuple[torch.Tensor | None, int, int, float]:
+    """moe_route's selection options as the custom op takes them: (the bias, contiguous, or None; n_group and
+    topk_group, 0 without groups; the scaling as a float); a typed error for a bad one. The bias's values are
+    checked by the op (:func:`_check_bias_finite`), at run time."""
+    what = "torsh_kernels.moe_route"
+    E = logits.shape[1]
+    bias = None
+    if score_bias is not None:
+        bias = _check_tensor(score_bias, what, "score_bias")
+        if bias.dtype != torch.float32:
+            raise DTypeError(
+                f"{what}: score_bias has dtype {bias.dtype}; expected float32 (one fp32 value per expert, added to the "
+                "fp32 scores): pass bias.float()"
+            )
+        if tuple(bias.shape) != (E,):
+            raise ShapeError(
+                f"{what}: score_bias must be [E={E}] (one value per expert), got shape {tuple(bias.shape)}"
+            )
+        if bias.device != logits.device:
+            raise DeviceMismatchError(f"{what}: score_bias is on {bias.device}, the logits on {logits.device}")
+        if not bias.is_contiguous():
+            bias = bias.contiguous()
+    G = TG = 0
+    if (n_group is None) != (topk_group is None):
+        raise InvalidArgumentError(
+            f"{what}: n_group={n_group!r} and topk_group={topk_group!r}; give both (grouped selection) or neither"
+        )
+    if n_group is not None:
+        G = _check_int(n_group, what, "n_group", 1, E)
+        if E % G:
+            raise InvalidArgumentError(
+                f"{what}: n_group={G} does not split the E={E} experts into equal groups; pass a divisor of {E}"
+            )
+        TG = _check_int(topk_group, what, "topk_group", 1, G)
+        if k > TG * (E // G):
+            raise InvalidArgumentError(
+                f"{what}: k={k} is more than the {TG * (E // G)} experts of the topk_group={TG} kept groups of "
+                f"{E // G}; raise topk_group or lower k"
+            )
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        raise ArgumentTypeError(f"{what}: scaling must be a number, got {type(scaling).__name__} {_short(scaling)}")
+    try:
+        c = float(scaling)
+    except OverflowError:
+        c = math.inf
+    if not (math.isfinite(c) and c > 0):
+        raise InvalidArgumentError(f"{what}: scaling={_short(scaling)} must be a finite number > 0 (1.0: no scaling)")
+    return bias, G, TG, c
+
+
 _T = torch.Tensor
 _F32 = torch.float32
 _BOOL = torch.bool
@@ -968,27 +1155,37 @@ _cpu_kernels = _eager.lazy_module("_moe_cpu")  # the cpu provider's kernels, for
 _ARANGE: dict[int, torch.Tensor] = {}  # CPU 0..n-1 per n, for the fast path (read only, never returned)
 
 
-def _route_cpu(logits, T, E, k, score, renorm, cap, drop_policy, check_finite):
-    """The cpu provider's route in one kernel call on fp32 contiguous CPU logits: (w, idx, s, counts, rows,
-    tok, dropped, N)."""
+def _route_cpu(logits, T, E, k, score, renorm, bias, G, TG, c, cap, drop_policy, check_finite):
+    """The cpu provider's route in one kernel call on fp32 contiguous CPU logits (and bias): (w, idx, s, counts,
+    rows, tok, dropped, N)."""
     M = _cpu_kernels()
+    if bias is not None:
+        _check_bias_finite(bias)
     i64 = torch.int64
     idx, w, s = torch.empty(T, k, dtype=i64), torch.empty(T, k), torch.empty(T, k)
     rows = torch.empty(T, k, dtype=i64)
     counts, tok, dropped = torch.empty(E, dtype=i64), torch.empty(T * k, dtype=i64), torch.empty(T, k, dtype=_BOOL)
     x, mode = M.scores_for_kernel(logits, score)
-    bad, n = M.route_ptr(x.data_ptr(), T, E, k, mode, renorm, cap,
-                         _NO_CAP if cap < 0 else _POLICY[drop_policy], idx.data_ptr(), w.data_ptr(), s.data_ptr(),
-                         rows.data_ptr(), counts.data_ptr(), tok.data_ptr(), dropped.data_ptr())  # fmt: skip
+    policy = _NO_CAP if cap < 0 else _POLICY[drop_policy]
+    if bias is None and not G and c == 1.0:
+        bad, n = M.route_ptr(x.data_ptr(), T, E, k, mode, renorm, cap, policy, idx.data_ptr(), w.data_ptr(),
+                             s.data_ptr(), rows.data_ptr(), counts.data_ptr(), tok.data_ptr(),
+                             dropped.data_ptr())  # fmt: skip
+    else:
+        bad, n = M.route_select_ptr(x.data_ptr(), T, E, k, mode, renorm, 0 if bias is None else bias.data_ptr(),
+                                    bias is not None, G, TG, c, cap, policy, idx.data_ptr(), w.data_ptr(), s.data_ptr(),
+                                    rows.data_ptr(), counts.data_ptr(), tok.data_ptr(), dropped.data_ptr())  # fmt: skip
     if bad and check_finite:
         _raise_nan_scores(bad, T)
     return w, idx, s, counts, rows, tok if n == T * k else tok[:n], dropped, n
 
 
-def _route_cpu_impl(logits, k, score, renormalize, capacity, drop_policy, check_finite, provider):
+def _route_cpu_impl(logits, k, score, renormalize, score_bias, n_group, topk_group, scaling, capacity, drop_policy,
+                    check_finite, provider):  # fmt: skip
     """:func:`_route_cpu` with the custom op's signature and outputs (the forward of its autograd)."""
     T, E = logits.shape
-    return _route_cpu(logits, T, E, k, score, renormalize, capacity, drop_policy, check_finite)[:6]
+    return _route_cpu(logits, T, E, k, score, renormalize, score_bias, n_group, topk_group, scaling, capacity,
+                      drop_policy, check_finite)[:6]  # fmt: skip
 
 
 def _permute_cpu_impl(x, row_map, token_index, provider):

@@ -157,15 +157,15 @@ def _deepseek_v3_sequence_loss(logits, chosen, lengths, K):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_sequence_lengths_give_deepseek_v3_sequence_wise_balance_loss(gen, provider):
-    """groups = the sequence lengths, default scale, sigmoid routing: DeepSeek-V3's loss. The selections are
-    counted from routing.indices, here those of other (biased) scores than the ones the loss reads, as with a
-    score_bias: only the probabilities come from the logits passed."""
+    """groups = the sequence lengths, default scale, DeepSeek-V3's routing (sigmoid scores, a score bias for the
+    selection only, grouped top-k, routed scaling): DeepSeek-V3's loss. The selections counted are the
+    routing's (biased) ones; the probabilities come from the unbiased logits passed."""
     lengths, E, K = [7, 1, 12, 5], 8, 3
     T = sum(lengths)
     logits = _logits(gen, T, E)
-    biased = logits + torch.randn(E, generator=gen) * 3  # another selection order than the logits'
-    r = M.moe_route(biased, k=K, score="sigmoid")
-    assert not torch.equal(r.indices, M.moe_route(logits, k=K, score="sigmoid").indices)
+    bias = torch.randn(E, generator=gen) * 0.3
+    r = M.moe_route(logits, k=K, score="sigmoid", score_bias=bias, n_group=4, topk_group=2, scaling=2.5)
+    assert not torch.equal(r.indices, M.moe_route(logits, k=K, score="sigmoid").indices), "the bias changes choices"
     x = logits.clone().requires_grad_()
     ours = M.moe_aux_loss(x, r, groups=lengths, provider=provider)
     want = _deepseek_v3_sequence_loss(logits, r.indices, lengths, K)

@@ -133,23 +133,34 @@ def moe_triton_variants():
     from torsh_kernels.ops.moe import _ASSIGN_BLOCK
 
     F = ("fp32", "fp16", "bf16")
-    route = {"logits_ptr": None, "idx_ptr": "*i64", "w_ptr": "*fp32", "s_ptr": "*fp32", "bad_ptr": "*i32", "T": "i32",
-             "E": "i32", "stride_t": "i32"}  # fmt: skip
+    route = {"logits_ptr": None, "bias_ptr": "*fp32", "idx_ptr": "*i64", "w_ptr": "*fp32", "s_ptr": "*fp32",
+             "bad_ptr": "*i32", "T": "i32", "E": "i32", "stride_t": "i32", "NG": "i32", "TG": "i32", "GS": "i32",
+             "scale": "fp32"}  # fmt: skip
+    plain = {"GP": 2, "HAS_BIAS": False, "GROUPED": False}
     for x in F:
         for score in (0, 1):
             for renorm in (False, True):
                 yield (f"moe_route_topk {x} score={score} renorm={renorm} K=2 E<=8", M._route_topk_kernel,
                        {**route, "logits_ptr": f"*{x}"},
-                       {"K": 2, "KP": 2, "EP": 8, "BLOCK_T": 64, "SCORE": score, "RENORM": renorm})  # fmt: skip
+                       {"K": 2, "KP": 2, "EP": 8, "BLOCK_T": 64, "SCORE": score, "RENORM": renorm,
+                        **plain})  # fmt: skip
     yield ("moe_route_topk bf16 K=6 E<=64", M._route_topk_kernel, {**route, "logits_ptr": "*bf16"},
-           {"K": 6, "KP": 8, "EP": 64, "BLOCK_T": 64, "SCORE": 0, "RENORM": True})  # fmt: skip
-    for policy in (0, 1, 2):
-        yield (f"moe_route_assign policy={policy}", M._route_assign_kernel,
-               {"idx_ptr": "*i64", "s_ptr": "*fp32", "pos_ptr": "*i64", "counts_ptr": "*i64", "n": "i32", "cap": "i32"},
-               {"BLOCK": _ASSIGN_BLOCK, "POLICY": policy})  # fmt: skip
-    yield ("moe_route_rows", M._route_rows_kernel,
-           {"idx_ptr": "*i64", "row_ptr": "*i64", "starts_ptr": "*i64", "tok_ptr": "*i64", "n": "i32"},
-           {"K": 2, "BLOCK": 1024})  # fmt: skip
+           {"K": 6, "KP": 8, "EP": 64, "BLOCK_T": 64, "SCORE": 0, "RENORM": True, **plain})  # fmt: skip
+    for bias, grouped in ((True, False), (False, True), (True, True)):  # DeepSeek-V3's selection options
+        yield (f"moe_route_topk fp32 K=8 E<=256 bias={bias} grouped={grouped}", M._route_topk_kernel,
+               {**route, "logits_ptr": "*fp32"},
+               {"K": 8, "KP": 8, "EP": 256, "GP": 8, "BLOCK_T": 16, "SCORE": 1, "RENORM": True, "HAS_BIAS": bias,
+                "GROUPED": grouped})  # fmt: skip
+    for seq in (False, True):  # the capacity of the call, or per sequence
+        for policy in (0, 1, 2):
+            yield (f"moe_route_assign policy={policy} seq={seq}", M._route_assign_kernel,
+                   {"idx_ptr": "*i64", "s_ptr": "*fp32", "pos_ptr": "*i64", "counts_ptr": "*i64", "seg_ptr": "*i64",
+                    "cap_ptr": "*i64", "n": "i32", "cap": "i32", "E": "i32"},
+                   {"BLOCK": _ASSIGN_BLOCK, "POLICY": policy, "SEQ": seq})  # fmt: skip
+        yield (f"moe_route_rows seq={seq}", M._route_rows_kernel,
+               {"idx_ptr": "*i64", "row_ptr": "*i64", "starts_ptr": "*i64", "tok_ptr": "*i64", "seg_ptr": "*i64",
+                "n": "i32", "E": "i32"},
+               {"K": 2, "BLOCK": 1024, "SEQ": seq})  # fmt: skip
     for x in F:
         for has_w in (False, True):
             w = "*fp32" if has_w else "*i64"
@@ -159,6 +170,9 @@ def moe_triton_variants():
             yield (f"moe_unpermute {x} weights={has_w}", M._unpermute_kernel,
                    {"y_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": w, "out_ptr": f"*{x}", "H": "i32", "N": "i32"},
                    {"K": 2, "BLOCK_H": 1024, "HAS_W": has_w})  # fmt: skip
+        yield (f"moe_permute_padded {x}", M._permute_padded_kernel,
+               {"x_ptr": f"*{x}", "tok_ptr": "*i64", "out_ptr": f"*{x}", "H": "i32", "T": "i32"},
+               {"BLOCK_H": 1024})  # fmt: skip
         yield (f"moe_unpermute_backward {x}", M._unpermute_bwd_kernel,
                {"gy_ptr": f"*{x}", "y_ptr": f"*{x}", "row_ptr": "*i64", "w_ptr": "*fp32", "gyp_ptr": f"*{x}",
                 "gw_ptr": "*fp32", "H": "i32", "N": "i32"}, {"K": 2, "KP": 2, "BLOCK_H": 1024})  # fmt: skip
@@ -291,15 +305,21 @@ def moe_numba_variants(nt):
         for softmax in (False, True):
             for renorm in (False, True):
                 yield (f"moe_route_topk {n} softmax={softmax} renorm={renorm}", K._topk_kernel(x, softmax, renorm),
-                       (a[x], i64, f32, f32, int32[::1], int64, int64, int64))  # fmt: skip
+                       (a[x], i64, f32, f32, int32[::1], int64, int64, int64, float32))  # fmt: skip
+        for bias, grouped in ((True, False), (False, True), (True, True)):  # DeepSeek-V3's: sigmoid, renormalised
+            yield (f"moe_route_select {n} bias={bias} grouped={grouped}",
+                   K._select_kernel(x, False, True, bias, grouped),
+                   (a[x], f32, f32, int32[::1], i64, f32, f32, int32[::1], int64, int64, int64, int64, int64,
+                    float32))  # fmt: skip
         for has_w in (False, True):
             yield (f"moe_permute {n} weights={has_w}", K._scatter_kernel(x, x, has_w),
                    (a[x], i64, f32, a[x], int64, int64))  # fmt: skip
             yield (f"moe_unpermute {n} weights={has_w}", K._gather_kernel(x, has_w),
                    (a[x], i64, f32, a[x], int64, int64))  # fmt: skip
         yield (f"moe_row_dots {n}", K._dots_kernel(x), (a[x], a[x], i64, f32, int64, int64, int64))
-    yield ("moe_route_assign", K._assign_kernel, (i64, f32, i64, i64, int64, int64, int64, int64))
-    yield ("moe_route_rows", K._rows_kernel, (i64, i64, i64, i64, int64, int64))
+        yield (f"moe_permute_padded {n}", K._permute_padded_kernel(x), (a[x], i64, a[x], int64, int64))
+    yield ("moe_route_assign", K._assign_kernel, (i64, f32, i64, i64, int64, int64, int64, int64, i64, i64, int64))
+    yield ("moe_route_rows", K._rows_kernel, (i64, i64, i64, i64, int64, int64, i64, int64, int64))
 
 
 def main() -> int:

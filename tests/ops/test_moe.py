@@ -373,10 +373,10 @@ def test_custom_ops_pass_opcheck(gen):
     logits = rand((11, 5), torch.float32, gen).requires_grad_()
     bias = rand((5,), torch.float32, gen)
     for cap in (-1, 3):  # without and with a capacity (a data-dependent number of rows)
-        args = (logits, 2, "softmax", True, None, 0, 0, 1.0, cap, "probability", True, "")
+        args = (logits, 2, "softmax", True, None, 0, 0, 1.0, cap, "probability", [], [], -1, True, "")
         torch.library.opcheck(torch.ops.torsh.moe_route.default, args)
     # the selection options: a bias, groups, a scaling
-    args = (logits, 2, "sigmoid", True, bias, 5, 3, 2.5, -1, "probability", True, "")
+    args = (logits, 2, "sigmoid", True, bias, 5, 3, 2.5, -1, "probability", [], [], -1, True, "")
     torch.library.opcheck(torch.ops.torsh.moe_route.default, args)
     r = M.moe_route(logits.detach(), k=2)
     x = rand((11, 6), torch.float32, gen).requires_grad_()

@@ -10,7 +10,10 @@ Imported on the cpu provider's first launch. Shapes: ``# T tokens, E experts, K 
 - route assign: a counting sort of the T*K assignments by expert (stable: token order inside each
   expert); a capacity limit keeps each expert's first C in token order ("position") or its C highest
   scores ("probability", compared by their fp32 bit patterns as the GPU kernels do: equal scores keep
-  the earlier token); then each kept assignment's row and the inverse map.
+  the earlier token), over the whole call or over each sequence with its own C_s; then each kept
+  assignment's row (padded: expert e's group starting at e * C) and the inverse map (-1 at padding rows).
+- permute of a padded routing: per row, a copy of its token's row or zeros (rows as 16- or 32-bit words:
+  one kernel for every dtype).
 - permute, unpermute and the unpermute's backward: per token, rows of H in fp32, the K terms added in
   the order j = 0..K-1. The permute without weights is torch's ``index_select`` (a gather of whole rows
   is one pass already, on torch's threads); the weighted forms take fp32 rows (moe.py runs the torch
@@ -31,7 +34,7 @@ import torch
 from numba import njit
 
 from ..errors import ShapeError
-from ._cpu import carray, f32, jit, p_b, p_f32, p_f64, p_i64
+from ._cpu import arr, carray, f32, jit, p_b, p_f32, p_f64, p_i64
 from ._moe_routing import out_of_range as _out_of_range
 
 # What the route and the aux loss read: logits scored by softmax or by sigmoid, or the scores themselves.
@@ -206,51 +209,75 @@ def topk_arrays(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s):
 
 
 @jit
-def assign_arrays(idx, s, E, cap, policy, k, rows, counts, tok):
+def _keep_by_score(idx, sb, lo, hi, E, cap, total, start, order, keep):
+    """Probability policy on the assignments [lo, hi): each expert keeps its ``cap`` highest scores (compared
+    by their fp32 bit patterns ``sb``; equal scores keep the earlier token). ``total``, ``start`` and
+    ``order`` are work arrays ([E], [E + 1], [>= hi - lo])."""
+    for e in range(E):
+        total[e] = 0
+    for i in range(lo, hi):
+        total[idx[i]] += 1
+    for e in range(E):
+        start[e + 1] = start[e] + total[e]
+    fill = start[:E].copy()
+    for i in range(lo, hi):  # the span's assignments grouped by expert, token order inside
+        e = idx[i]
+        order[fill[e]] = i
+        fill[e] += 1
+    for e in range(E):
+        m = total[e]
+        if m <= cap:
+            continue
+        seg = order[start[e] : start[e] + m]
+        if cap == 0:
+            for a in range(m):
+                keep[seg[a]] = False
+            continue
+        b = np.empty(m, np.int32)
+        for a in range(m):
+            b[a] = sb[seg[a]]
+        thr = np.partition(b, m - cap)[m - cap]  # the cap-th highest score's bits
+        quota = cap
+        for a in range(m):
+            quota -= b[a] > thr
+        for a in range(m):  # token order: of the scores equal to thr, the earliest are kept
+            if b[a] > thr:
+                continue
+            if b[a] == thr and quota > 0:
+                quota -= 1
+            else:
+                keep[seg[a]] = False
+
+
+@jit
+def assign_arrays(idx, s, E, cap, policy, k, rows, counts, tok, seg, caps, pad):
     """Rows of the T*K assignments (``idx``, ``s`` flat, token-major): ``rows`` (-1 dropped), ``counts``
     [E] kept per expert, ``tok`` the token of each row; returns N, the number of rows. ``policy``: 0 no
-    limit, 1 position, 2 probability (``cap`` assignments per expert at most)."""
+    limit, 1 position, 2 probability: ``cap`` assignments per expert at most, or with ``seg`` (the
+    sequences' first assignments, then T*K; empty: the call scope) ``caps[s]`` per expert from sequence s.
+    ``pad`` >= 0: every expert's group padded to ``pad`` rows (N = E * pad; ``tok`` [E * pad], -1 at the
+    padding rows)."""
     n = idx.size
-    total = np.zeros(E, np.int64)
-    for i in range(n):
-        total[idx[i]] += 1
     keep = np.ones(n, np.bool_)
+    nspan = 1 if seg.size == 0 else seg.size - 1
     if policy == 1:
         seen = np.zeros(E, np.int64)
-        for i in range(n):
-            e = idx[i]
-            keep[i] = seen[e] < cap
-            seen[e] += 1
+        for q in range(nspan):
+            lo, hi, c = (0, n, cap) if seg.size == 0 else (seg[q], seg[q + 1], caps[q])
+            for e in range(E):
+                seen[e] = 0
+            for i in range(lo, hi):
+                e = idx[i]
+                keep[i] = seen[e] < c
+                seen[e] += 1
     elif policy == 2:
         sb = s.view(np.int32)
+        total = np.zeros(E, np.int64)
         start = np.zeros(E + 1, np.int64)
-        for e in range(E):
-            start[e + 1] = start[e] + total[e]
-        fill = start[:E].copy()
-        order = np.empty(n, np.int64)  # assignments grouped by expert, token order inside
-        for i in range(n):
-            e = idx[i]
-            order[fill[e]] = i
-            fill[e] += 1
-        for e in range(E):
-            m = total[e]
-            if m <= cap:
-                continue
-            seg = order[start[e] : start[e] + m]
-            b = np.empty(m, np.int32)
-            for a in range(m):
-                b[a] = sb[seg[a]]
-            thr = np.partition(b, m - cap)[m - cap]  # the cap-th highest score's bits
-            quota = cap
-            for a in range(m):
-                quota -= b[a] > thr
-            for a in range(m):  # token order: of the scores equal to thr, the earliest are kept
-                if b[a] > thr:
-                    continue
-                if b[a] == thr and quota > 0:
-                    quota -= 1
-                else:
-                    keep[seg[a]] = False
+        order = np.empty(n, np.int64)
+        for q in range(nspan):
+            lo, hi, c = (0, n, cap) if seg.size == 0 else (seg[q], seg[q + 1], caps[q])
+            _keep_by_score(idx, sb, lo, hi, E, c, total, start, order, keep)
     for e in range(E):
         counts[e] = 0
     for i in range(n):
@@ -259,7 +286,7 @@ def assign_arrays(idx, s, E, cap, policy, k, rows, counts, tok):
     pos = np.empty(E, np.int64)
     acc = 0
     for e in range(E):
-        pos[e] = acc
+        pos[e] = acc if pad < 0 else e * pad
         acc += counts[e]
     for i in range(n):
         if keep[i]:
@@ -269,14 +296,21 @@ def assign_arrays(idx, s, E, cap, policy, k, rows, counts, tok):
             tok[r] = i // k
         else:
             rows[i] = -1
-    return acc
+    if pad < 0:
+        return acc
+    for e in range(E):  # the padding rows at the end of each group
+        for r in range(e * pad + counts[e], (e + 1) * pad):
+            tok[r] = -1
+    return E * pad
 
 
 @jit
 def route_arrays(x, k, score, renorm, bias, has_bias, G, TG, scaling, E, cap, policy, idx, w, s, rows, counts, tok):
     """Both steps of the route in one call: (tokens with a NaN score, N)."""
     bad = topk_arrays(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s)
-    n = assign_arrays(idx.reshape(-1), s.reshape(-1), E, cap, policy, k, rows.reshape(-1), counts, tok)
+    none = counts[:0]  # (the call scope: no sequences; an empty view, nothing allocated)
+    n = assign_arrays(idx.reshape(-1), s.reshape(-1), E, cap, policy, k, rows.reshape(-1), counts, tok, none, none,
+                      -1)  # fmt: skip
     return bad, n
 
 
@@ -307,8 +341,10 @@ def route_ptr(xp, T, E, k, score, renorm, cap, policy, ip, wp, sp, rp, cp, tp, d
     rows = carray(p_i64(rp), (T, k))
     idx, s = carray(p_i64(ip), (T, k)), carray(p_f32(sp), (T, k))
     bad = _topk_plain(carray(p_f32(xp), (T, E)), k, score, renorm, np.float32(1.0), idx, carray(p_f32(wp), (T, k)), s)
-    n = assign_arrays(idx.reshape(-1), s.reshape(-1), E, cap, policy, k, rows.reshape(-1), carray(p_i64(cp), (E,)),
-                      carray(p_i64(tp), (T * k,)))  # fmt: skip
+    counts = carray(p_i64(cp), (E,))
+    none = counts[:0]  # (the call scope: no sequences, no padding)
+    n = assign_arrays(idx.reshape(-1), s.reshape(-1), E, cap, policy, k, rows.reshape(-1), counts,
+                      carray(p_i64(tp), (T * k,)), none, none, -1)  # fmt: skip
     _mark_dropped(rows, carray(p_b(dp), (T, k)))
     return bad, n
 
@@ -420,9 +456,16 @@ def topk_ptr(xp, T, E, k, score, renorm, bp, has_bias, G, TG, scaling, ip, wp, s
 
 
 @jit
-def assign_ptr(ip, sp, n, E, cap, policy, k, rp, cp, tp):
+def assign_ptr(ip, sp, n, E, cap, policy, k, rp, cp, tp, ntok, gp, nseg, qp, pad):
+    """:func:`assign_arrays` on addresses: idx, s, rows [n]; counts [E]; tok [ntok]; seg [nseg]; caps [nseg - 1]
+    (nseg = 0: the call scope, gp and qp not read)."""
+    if nseg == 0:  # the call scope: an empty view, nothing allocated
+        seg = caps = carray(p_i64(cp), (E,))[:0]
+    else:
+        seg = carray(p_i64(gp), (nseg,))
+        caps = carray(p_i64(qp), (nseg - 1,))
     return assign_arrays(carray(p_i64(ip), (n,)), carray(p_f32(sp), (n,)), E, cap, policy, k, carray(p_i64(rp), (n,)),
-                         carray(p_i64(cp), (E,)), carray(p_i64(tp), (n,)))  # fmt: skip
+                         carray(p_i64(cp), (E,)), carray(p_i64(tp), (ntok,)), seg, caps, pad)  # fmt: skip
 
 
 @jit
@@ -473,15 +516,20 @@ def route_topk(logits: torch.Tensor, k: int, score: str, renorm: bool, bias: tor
     return idx, w, s, bad
 
 
-def route_assign(idx: torch.Tensor, s: torch.Tensor, E: int, cap: int, policy: int):
+def route_assign(idx: torch.Tensor, s: torch.Tensor, E: int, cap: int, policy: int, seg: torch.Tensor | None = None,
+                 caps: torch.Tensor | None = None, pad: int = -1):  # fmt: skip
+    """(rows [T*K], counts [E], token_index [N]); ``seg`` [S + 1] (each sequence's first assignment, then T*K) and
+    ``caps`` [S] (int64) for a capacity per sequence, ``pad`` >= 0 to pad every expert's group to ``pad`` rows."""
     n, k = idx.numel(), idx.shape[1]
     idx, s = _i64(idx), s.contiguous()
     rows = torch.empty(n, dtype=torch.int64)
     counts = torch.empty(E, dtype=torch.int64)
-    tok = torch.empty(n, dtype=torch.int64)
+    ntok = n if pad < 0 else E * pad
+    tok = torch.empty(ntok, dtype=torch.int64)
     n_rows = assign_ptr(idx.data_ptr(), s.data_ptr(), n, E, cap, policy, k, rows.data_ptr(), counts.data_ptr(),
-                        tok.data_ptr())  # fmt: skip
-    return rows, counts, tok[:n_rows] if n_rows < n else tok
+                        tok.data_ptr(), ntok, 0 if seg is None else seg.data_ptr(), 0 if seg is None else seg.numel(),
+                        0 if caps is None else caps.data_ptr(), pad)  # fmt: skip
+    return rows, counts, tok[:n_rows] if n_rows < ntok else tok
 
 
 def weighted_ok(*tensors: torch.Tensor | None) -> bool:
@@ -502,6 +550,36 @@ def scatter_rows(x, rows, tok, w, out) -> None:
         ok = scatter_weighted_ptr(x.data_ptr(), x.shape[0], x.shape[1], rows.data_ptr(), rows.shape[1], w.data_ptr(),
                                   out.data_ptr(), out.shape[0])  # fmt: skip
     if not ok:
+        raise _out_of_range("moe_permute")
+
+
+@jit
+def permute_padded_arrays(x, tok, out):
+    """``out[i] = x[tok[i]]``, zeros where ``tok[i]`` is -1 (rows of any dtype as words); False (nothing
+    written) when a token index is outside [-1, T)."""
+    if not _in_range(tok, x.shape[0]):
+        return False
+    W = out.shape[1]
+    for i in range(tok.size):
+        t = tok[i]
+        dst = out[i]
+        if t < 0:
+            for h in range(W):
+                dst[h] = 0
+        else:
+            src = x[t]
+            for h in range(W):
+                dst[h] = src[h]
+    return True
+
+
+_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def permute_padded(x: torch.Tensor, tok: torch.Tensor, out: torch.Tensor) -> None:
+    """The permute of a padded routing: out [N, H] from x [T, H] through the token index (-1: a zero row)."""
+    word = _WORDS[x.element_size()]  # (a view as integers of the element's size keeps the shape [T, H])
+    if not permute_padded_arrays(arr(x.contiguous().view(word)), arr(_i64(tok)), arr(out.view(word))):
         raise _out_of_range("moe_permute")
 
 

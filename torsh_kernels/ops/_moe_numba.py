@@ -6,9 +6,11 @@ store helpers of ``_numba``); ``cuda`` must be a module global (the simulator sw
 - route top-k: one thread per token; the scores are recomputed per selection round instead of held in
   a per-thread array (E is not a compile-time constant); with a score bias or groups (moe.py's selection
   options) a second kernel: group scores and kept groups in [T, G] scratch arrays, the rounds on the keys;
-- route assign: one thread per expert, walking the assignments in token order (capacity threshold by a
-  bisection over the score bits, as the Triton kernel does);
-- route rows: one thread per assignment;
+- route assign: one thread per expert (per sequence and expert with a capacity per sequence), walking the
+  assignments in token order (capacity threshold by a bisection over the score bits, as the Triton kernel
+  does);
+- route rows: one thread per assignment (its sequence found by a bisection over the sequences' offsets);
+- permute of a padded routing: one block per row, zeros for a padding row;
 - permute / unpermute: one block per token, the threads striding over H;
 - unpermute backward's weight gradients: one thread per assignment, a sequential fp32 dot product.
 """
@@ -224,37 +226,52 @@ def _bits(v):
 
 
 @cuda.jit(device=True, inline=True)
-def _count_ge(idx, s, n, e, b):
+def _count_ge(idx, s, lo, hi, e, b):
     c = int64(0)
-    for i in range(n):
+    for i in range(lo, hi):
         if idx[i] == e and _bits(s[i]) >= b:
             c += 1
     return c
 
 
 @cuda.jit
-def _assign_kernel(idx, s, pos, counts, n, E, cap, policy):
-    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if e >= E:
-        return
+def _assign_kernel(idx, s, pos, counts, n, E, cap, policy, seg, caps, nseq):
+    """One thread per expert (nseq > 0: per (sequence, expert), thread q * E + e, the assignments
+    [seg[q], seg[q + 1]) with capacity caps[q]); counts[thread] = kept assignments."""
+    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if nseq == 0:
+        if g >= E:
+            return
+        e = g
+        lo = int64(0)
+        hi = int64(n)
+        c = int64(cap)
+    else:
+        if g >= nseq * E:
+            return
+        q = g // E
+        e = g - q * E
+        lo = seg[q]
+        hi = seg[q + 1]
+        c = caps[q]
     thr = int64(-(2**31) - 1)
     quota = int64(2**62)
     if policy == 2:
-        total = _count_ge(idx, s, n, e, -(2**31))
-        if total > cap:
-            lo = int64(-(2**31))
-            hi = int64(2**31)
-            while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                if _count_ge(idx, s, n, e, mid) >= cap:
-                    lo = mid
+        total = _count_ge(idx, s, lo, hi, e, -(2**31))
+        if total > c:
+            blo = int64(-(2**31))
+            bhi = int64(2**31)
+            while bhi - blo > 1:
+                mid = blo + (bhi - blo) // 2
+                if _count_ge(idx, s, lo, hi, e, mid) >= c:
+                    blo = mid
                 else:
-                    hi = mid
-            thr = lo
-            quota = cap - _count_ge(idx, s, n, e, lo + 1)
+                    bhi = mid
+            thr = blo
+            quota = c - _count_ge(idx, s, lo, hi, e, blo + 1)
     kept = int64(0)
     seen = int64(0)
-    for i in range(n):
+    for i in range(lo, hi):
         if idx[i] != e:
             continue
         keep = True
@@ -266,42 +283,89 @@ def _assign_kernel(idx, s, pos, counts, n, E, cap, policy):
             else:
                 keep = b > thr
         elif policy == 1:
-            keep = seen < cap
+            keep = seen < c
             seen += 1
         if keep:
             pos[i] = kept
             kept += 1
         else:
             pos[i] = -1
-    counts[e] = kept
+    counts[g] = kept
 
 
-def route_assign(idx: torch.Tensor, s: torch.Tensor, E: int, cap: int, policy: int):
+def route_assign(idx: torch.Tensor, s: torch.Tensor, E: int, cap: int, policy: int, seg: torch.Tensor | None = None,
+                 caps: torch.Tensor | None = None):  # fmt: skip
+    """Positions inside each expert's group (``seg`` [S + 1] assignment offsets and ``caps`` [S]: inside each
+    (sequence, expert) group) and the kept counts ([E], or [S * E] sequence-major)."""
     n = idx.numel()
+    nseq = 0 if seg is None else seg.numel() - 1
     pos = torch.empty(n, dtype=torch.int64, device=idx.device)
-    counts = torch.empty(E, dtype=torch.int64, device=idx.device)
+    counts = torch.empty(E if nseq == 0 else nseq * E, dtype=torch.int64, device=idx.device)
+    seg_a = nb.as_array(counts if seg is None else seg)  # (a placeholder in the call scope: not read)
+    caps_a = nb.as_array(counts if caps is None else caps)
     nb.launch(
-        _assign_kernel, _blocks(E, nb.THREADS), nb.THREADS, idx.device,
+        _assign_kernel, _blocks(counts.numel(), nb.THREADS), nb.THREADS, idx.device,
         nb.as_array(idx.reshape(-1)), nb.as_array(s.reshape(-1)), nb.as_array(pos), nb.as_array(counts), n, E, cap,
-        policy,
+        policy, seg_a, caps_a, nseq,
     )  # fmt: skip
     return pos, counts
 
 
 @cuda.jit
-def _rows_kernel(idx, pos, starts, tok, n, K):
+def _rows_kernel(idx, pos, starts, tok, n, K, seg, nseq, E):
+    """row = start of the assignment's group + position: starts[expert], or (nseq > 0) starts[s * E + expert]
+    with s the sequence holding the assignment (the last s with seg[s] <= i, by bisection)."""
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < n and pos[i] >= 0:
-        r = starts[idx[i]] + pos[i]
+        g = idx[i]
+        if nseq > 0:
+            lo = 0
+            hi = nseq
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if seg[mid] <= i:
+                    lo = mid
+                else:
+                    hi = mid
+            g += lo * E
+        r = starts[g] + pos[i]
         pos[i] = r
         tok[r] = i // K
 
 
-def route_rows(idx: torch.Tensor, pos: torch.Tensor, starts: torch.Tensor, tok: torch.Tensor, k: int) -> None:
+def route_rows(idx: torch.Tensor, pos: torch.Tensor, starts: torch.Tensor, tok: torch.Tensor, k: int,
+               seg: torch.Tensor | None = None, E: int = 0) -> None:  # fmt: skip
     n = idx.numel()
+    nseq = 0 if seg is None else seg.numel() - 1
     nb.launch(
         _rows_kernel, _blocks(n, nb.THREADS), nb.THREADS, idx.device,
         nb.as_array(idx.reshape(-1)), nb.as_array(pos), nb.as_array(starts.contiguous()), nb.as_array(tok), n, k,
+        nb.as_array(starts if seg is None else seg), nseq, E,
+    )  # fmt: skip
+
+
+@cache
+def _permute_padded_kernel(dtype: torch.dtype):
+    load, store = nb.loader(dtype, "f32"), nb.storer(dtype)
+
+    @cuda.jit
+    def kernel(x, tok, out, H, T):
+        i = cuda.blockIdx.x
+        t = tok[i]
+        ok = t >= 0 and t < T  # -1: a padding row (zeros); outside [0, T): not read either
+        h = cuda.threadIdx.x
+        while h < H:
+            store(out, i * H + h, load(x, t * H + h) if ok else float32(0.0))
+            h += cuda.blockDim.x
+
+    return kernel
+
+
+def permute_padded(x: torch.Tensor, tok: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i] = x[tok[i]], zero rows where tok[i] is -1 (one block per row)."""
+    nb.launch(
+        _permute_padded_kernel(x.dtype), out.shape[0], nb.THREADS, x.device,
+        nb.as_array(x.reshape(-1)), nb.as_array(tok), nb.as_array(out.reshape(-1)), x.shape[1], x.shape[0],
     )  # fmt: skip
 
 

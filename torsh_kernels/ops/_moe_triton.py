@@ -100,12 +100,12 @@ def _route_topk_kernel(
 
 
 @triton.jit
-def _count_ge(idx_ptr, s_ptr, n, e, b, BLOCK: tl.constexpr):
-    """How many assignments to expert e have score bits >= b."""
+def _count_ge(idx_ptr, s_ptr, lo, hi, e, b, BLOCK: tl.constexpr):
+    """How many assignments of [lo, hi) to expert e have score bits >= b."""
     c = tl.zeros((), dtype=tl.int64)
-    for start in range(0, n, BLOCK):
+    for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK).to(tl.int64)
-        m = offs < n
+        m = offs < hi
         hit = (tl.load(idx_ptr + offs, mask=m, other=-1) == e) & m
         bits = tl.load(s_ptr + offs, mask=m, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
         c += tl.sum((hit & (bits >= b)).to(tl.int64), axis=0)
@@ -113,29 +113,44 @@ def _count_ge(idx_ptr, s_ptr, n, e, b, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _route_assign_kernel(idx_ptr, s_ptr, pos_ptr, counts_ptr, n, cap, BLOCK: tl.constexpr, POLICY: tl.constexpr):
-    """One program per expert: the kept assignments' positions inside the expert's group (token
-    order), -1 for dropped ones; counts[e] = kept assignments."""
-    e = tl.program_id(0).to(tl.int64)
+def _route_assign_kernel(idx_ptr, s_ptr, pos_ptr, counts_ptr, seg_ptr, cap_ptr, n, cap, E, BLOCK: tl.constexpr,
+                         POLICY: tl.constexpr, SEQ: tl.constexpr):  # fmt: skip
+    """One program per expert (SEQ: per (sequence, expert), grid (S, E)): the kept assignments' positions
+    inside the group (token order), -1 for dropped ones; counts[e] (SEQ: counts[s * E + e]) = kept
+    assignments. The capacity is ``cap`` for the call, or ``cap_ptr[s]`` for the assignments
+    [seg_ptr[s], seg_ptr[s + 1]) of sequence s."""
+    if SEQ:
+        q = tl.program_id(0).to(tl.int64)
+        e = tl.program_id(1).to(tl.int64)
+        lo = tl.load(seg_ptr + q)
+        hi = tl.load(seg_ptr + q + 1)
+        c_lim = tl.load(cap_ptr + q)
+        out = counts_ptr + q * E + e
+    else:
+        e = tl.program_id(0).to(tl.int64)
+        lo = 0
+        hi = n
+        c_lim = cap
+        out = counts_ptr + e
     thr = tl.full((), -(2**31) - 1, tl.int64)  # keep everything at or above thr (default: all)
     quota = tl.full((), 2**62, tl.int64)  # of those exactly at thr, keep the first `quota`
     if POLICY == 2:
-        total = _count_ge(idx_ptr, s_ptr, n, e, -(2**31), BLOCK)
-        if total > cap:
-            lo = tl.full((), -(2**31), tl.int64)  # count(>= lo) >= cap
-            hi = tl.full((), 2**31, tl.int64)  # count(>= hi) < cap
+        total = _count_ge(idx_ptr, s_ptr, lo, hi, e, -(2**31), BLOCK)
+        if total > c_lim:
+            blo = tl.full((), -(2**31), tl.int64)  # count(>= blo) >= cap
+            bhi = tl.full((), 2**31, tl.int64)  # count(>= bhi) < cap
             for _ in range(32):
-                mid = lo + (hi - lo) // 2
-                c = _count_ge(idx_ptr, s_ptr, n, e, mid, BLOCK)
-                lo = tl.where(c >= cap, mid, lo)
-                hi = tl.where(c >= cap, hi, mid)
-            thr = lo
-            quota = cap - _count_ge(idx_ptr, s_ptr, n, e, lo + 1, BLOCK)
+                mid = blo + (bhi - blo) // 2
+                c = _count_ge(idx_ptr, s_ptr, lo, hi, e, mid, BLOCK)
+                blo = tl.where(c >= c_lim, mid, blo)
+                bhi = tl.where(c >= c_lim, bhi, mid)
+            thr = blo
+            quota = c_lim - _count_ge(idx_ptr, s_ptr, lo, hi, e, blo + 1, BLOCK)
     kept = tl.zeros((), dtype=tl.int64)
     seen = tl.zeros((), dtype=tl.int64)  # assignments to e at exactly thr so far (or all, for position)
-    for start in range(0, n, BLOCK):
+    for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK).to(tl.int64)
-        m = offs < n
+        m = offs < hi
         hit = (tl.load(idx_ptr + offs, mask=m, other=-1) == e) & m
         if POLICY == 2:
             bits = tl.load(s_ptr + offs, mask=m, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
@@ -145,25 +160,37 @@ def _route_assign_kernel(idx_ptr, s_ptr, pos_ptr, counts_ptr, n, cap, BLOCK: tl.
             seen += tl.sum(at.to(tl.int64), axis=0)
         elif POLICY == 1:
             rank = seen + tl.cumsum(hit.to(tl.int64), 0) - 1
-            keep = hit & (rank < cap)
+            keep = hit & (rank < c_lim)
             seen += tl.sum(hit.to(tl.int64), axis=0)
         else:
             keep = hit
         pos = kept + tl.cumsum(keep.to(tl.int64), 0) - 1
         tl.store(pos_ptr + offs, tl.where(keep, pos, -1), mask=hit)
         kept += tl.sum(keep.to(tl.int64), axis=0)
-    tl.store(counts_ptr + e, kept)
+    tl.store(out, kept)
 
 
 @triton.jit
-def _route_rows_kernel(idx_ptr, row_ptr, starts_ptr, tok_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
-    """row = start of the expert's group + position; token_index[row] = token."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
+def _route_rows_kernel(idx_ptr, row_ptr, starts_ptr, tok_ptr, seg_ptr, n, E, K: tl.constexpr, BLOCK: tl.constexpr,
+                       SEQ: tl.constexpr):  # fmt: skip
+    """row = start of the group + position; token_index[row] = token. The group of an assignment is its
+    expert (starts [E]) or, SEQ (grid (S, blocks)), its (sequence, expert) pair (starts [S * E]), program
+    (s, b) covering block b of the assignments [seg_ptr[s], seg_ptr[s + 1])."""
+    if SEQ:
+        q = tl.program_id(0).to(tl.int64)
+        lo = tl.load(seg_ptr + q)
+        hi = tl.load(seg_ptr + q + 1)
+        offs = lo + tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < hi
+        base = q * E
+    else:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        base = 0
     pos = tl.load(row_ptr + offs, mask=m, other=-1)
     keep = m & (pos >= 0)
     e = tl.load(idx_ptr + offs, mask=keep, other=0)
-    row = tl.load(starts_ptr + e, mask=keep, other=0) + pos
+    row = tl.load(starts_ptr + base + e, mask=keep, other=0) + pos
     tl.store(row_ptr + offs, row, mask=keep)
     tl.store(tok_ptr + row, offs // K, mask=keep)
 
@@ -187,6 +214,21 @@ def _permute_kernel(x_ptr, row_ptr, w_ptr, out_ptr, H, N, K: tl.constexpr, BLOCK
             tl.store(out_ptr + rr * H + cols, _cast(v.to(tl.float32) * w, out_ptr.dtype.element_ty), mask=m & ok)
         else:
             tl.store(out_ptr + rr * H + cols, v, mask=m & ok)
+
+
+@triton.jit
+def _permute_padded_kernel(x_ptr, tok_ptr, out_ptr, H, T, BLOCK_H: tl.constexpr):
+    """The permute of a padded routing, one program per row and column block: out[i] = x[token_index[i]],
+    zeros where token_index[i] is -1 (a padding row; an index outside [0, T) is not read either)."""
+    i = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = cols < H
+    t = tl.load(tok_ptr + i)
+    tb = cols * 0 + t  # [BLOCK_H] (a scalar mask is not accepted everywhere)
+    ok = (tb >= 0) & (tb < T)
+    tt = tl.where((t >= 0) & (t < T), t, 0)
+    v = tl.load(x_ptr + tt * H + cols, mask=m & ok, other=0.0)
+    tl.store(out_ptr + i * H + cols, v, mask=m)
 
 
 @triton.jit

@@ -1,9 +1,11 @@
 """Mixture-of-experts routing ops: fused router top-k with capacity, permute and unpermute, router losses.
 
-Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dropped assignments``.
+Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dropped assignments`` (padded:
+``N = E * capacity``).
 
 - ``moe_route(logits [T, E], k=, score=, renormalize=, score_bias=, n_group=, topk_group=, scaling=,
-  capacity_factor=, drop_policy=)`` -> :class:`Routing`.
+  capacity_factor=, drop_policy=, capacity=, capacity_scope=, sequence_lengths=, pad_to_capacity=)`` ->
+  :class:`Routing`.
   Scores are computed in fp32: ``softmax`` over the E logits, or ``sigmoid`` of each. The K experts of
   a token are its K highest scores, in descending order; equal scores go to the lower expert index
   (ties are deterministic and the same for every provider). ``weights`` are the chosen scores,
@@ -21,18 +23,35 @@ Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dro
   ``check_finite``) counts as -inf in the selection keys and the group scores: it ranks below every real
   score, and an expert of a kept group with a NaN score still ranks above every expert of a dropped group.
   *Capacity*: with ``capacity_factor`` set, each expert keeps at most
-  ``C = ceil(T * K * capacity_factor / E)`` assignments; ``drop_policy="probability"`` keeps the C with
-  the highest scores (equal scores: lower token first), ``"position"`` the first C in token order.
-  Dropped assignments keep their weight in ``weights`` (renormalisation happens before dropping) and
+  ``C = ceil(T * K * capacity_factor / E)`` assignments (clamped to ``[1, T * K]``); with ``capacity`` (an
+  int >= 0; not together with ``capacity_factor``) at most ``C = capacity`` (0 drops everything; more than
+  T * K limits nothing). ``drop_policy="probability"`` keeps the C with the highest scores (equal scores:
+  lower token first), ``"position"`` the first C in token order.
+  ``capacity_scope="sequence"`` with ``sequence_lengths`` (L_s >= 0 summing to T, the tokens laid out
+  sequence after sequence) applies the capacity per (sequence, expert) pair, as Switch Transformers does
+  per group: sequence s keeps at most ``C_s = capacity`` or ``ceil(L_s * K * capacity_factor / E)``
+  (clamped to ``[1, L_s * K]``; 0 for an empty sequence) assignments per expert, the policy ranking inside
+  the pair; the rows stay grouped by expert, token order inside (sequence after sequence).
+  ``routing.capacity`` is then ``sum_s C_s`` (an expert's most rows in the call), ``routing.sequence_capacity``
+  the C_s. Dropped assignments keep their weight in ``weights`` (renormalisation happens before dropping) and
   are marked in ``dropped`` and by ``row_map == -1``; the unpermute ignores them, so a token whose every
   assignment was dropped comes back as zeros (the caller's residual connection carries it, as in
   Switch/GShard). Gradients reach ``logits`` through ``weights``.
+  *Padding* (``pad_to_capacity=True``, which needs a capacity; Megatron's ``moe_pad_expert_input_to_capacity``):
+  every expert's group of permuted rows is padded at its end with zero rows to ``routing.capacity`` rows, so
+  ``N = E * capacity`` is known on the host from the shapes alone (no device read of the counts; meta
+  tensors route too) and the permuted tensor is ``[E, capacity, H]`` viewed flat. ``tokens_per_expert``
+  stays the kept counts (for losses and balancing); ``routing.rows_per_expert`` is the group sizes of the
+  layout (``capacity`` for every expert; ``tokens_per_expert`` unpadded), for the expert GEMMs and the
+  all-to-all splits; ``token_index`` is -1 at the padding rows and no ``row_map`` entry points there.
 - ``moe_permute(x [T, H], routing)`` -> ``x_perm [N, H]``: rows grouped by expert in ascending expert
-  order, token order kept inside each group; group sizes are ``routing.tokens_per_expert``.
-  Row ``routing.row_map[t, j]`` of the result is ``x[t]``.
+  order, token order kept inside each group; group sizes are ``routing.rows_per_expert``.
+  Row ``routing.row_map[t, j]`` of the result is ``x[t]``; padding rows are exact zeros, and their
+  gradient reaches no token.
 - ``moe_unpermute(y_perm [N, H], routing)`` -> ``y [T, H]``:
   ``y[t] = sum_j weights[t, j] * y_perm[row_map[t, j]]`` over the kept assignments, accumulated in fp32
   in the order j = 0..K-1 and cast once to ``y_perm``'s dtype (``weights=False`` sums without weights).
+  Padding rows are never read; their gradient is zero.
 - ``moe_aux_loss(logits_or_probs, routing, scale=, groups=)``: the Switch/GShard load-balancing loss.
   The T tokens form G groups (``groups=None``: one group of all T; an int S: consecutive groups of S
   tokens, S dividing T; a list/tuple of lengths summing to T: consecutive groups of those lengths). In
@@ -56,20 +75,24 @@ Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dro
 - ``moe_z_loss(logits)``: ``mean_t logsumexp(logits[t])**2`` (ST-MoE's router z-loss).
 
 Providers: ``moe_route``, ``moe_permute`` and ``moe_unpermute`` (and their backward passes) have Triton,
-Numba CUDA and torch implementations. The route runs three kernels: per token block, scoring and top-K
+Numba CUDA, cpu and torch implementations. The route runs three kernels: per token block, scoring and top-K
 (also counting tokens whose probabilities are NaN; the bias, the group scores, the kept groups and the
-scaling are computed there too, in registers); per expert, the count, the capacity threshold
-(a bisection over the fp32 score bits) and each kept assignment's position in its expert's group; per
-assignment, the final row and its inverse (the token of each row). The permute reads each token's row
-once and writes it to its K rows; the unpermute reads the K rows of a token and writes it once; the
-unpermute's backward writes the weighted gradient rows and the weight gradients in one pass.
+scaling are computed there too, in registers); per expert (per (sequence, expert) pair in the sequence
+scope), the count, the capacity threshold (a bisection over the fp32 score bits) and each kept assignment's
+position in its group; per assignment, the final row (the group's start: the expert's earlier rows and,
+per sequence, the earlier sequences' rows of that expert; padded, e * capacity) and its inverse (the token
+of each row). The permute reads each token's row once and writes it to its K rows (padded: one pass over
+the rows, each written once, from its token or as zeros); the unpermute reads the K rows of a token and
+writes it once; the unpermute's backward writes the weighted gradient rows and the weight gradients in one
+pass (padded: into a zeroed buffer).
 The backward of the route (a few [T, E] elementwise operations) is plain torch for every provider. The two
 losses are tiny next to the [T, H] traffic: the torch formula on every device (autograd differentiates it,
 torch.compile fuses it) and, on CPU tensors, the cpu provider's kernels (one pass forward and one backward
 over [T, E], every scale and grouping; see ``_moe_cpu.py``).
 
-Integer outputs are int64. ``routing.num_rows`` (N) is a host integer: with capacity it costs one
-device-to-host copy of the expert counts, which the permute needs anyway to size its output.
+Integer outputs are int64. ``routing.num_rows`` (N) is a host integer: with a capacity and no padding it
+costs one device-to-host copy of the expert counts, which the permute needs anyway to size its output;
+padded, it is E * capacity and nothing is read. ``sequence_lengths`` given as a tensor is read on the host.
 
 The kernels live in ``_moe_triton.py`` and ``_moe_numba.py`` (imported on a provider's first launch),
 :class:`Routing` and the capacity rule in ``_moe_routing.py``.
@@ -77,6 +100,7 @@ The kernels live in ``_moe_triton.py`` and ``_moe_numba.py`` (imported on a prov
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Sequence
@@ -95,11 +119,13 @@ from . import _eager
 from ._common import _check_int, _check_strided, _check_tensor, _count, _on, _short
 from ._moe_routing import (
     _SEALED,
+    CAPACITY_SCOPES,
     Routing,
-    check_capacity_factor,
+    check_capacity_factor,  # noqa: F401 (the layers import it from here)
     check_routing,
     expert_capacity,
     out_of_range,
+    plan_capacity,
     seal,
     sealed,
     sealed_rows,
@@ -108,6 +134,7 @@ from .registry import Op, check_provider
 
 __all__ = [
     "AUX_SCALES",
+    "CAPACITY_SCOPES",
     "DROP_POLICIES",
     "SCORES",
     "Routing",
@@ -241,10 +268,20 @@ def moe_route_ref(
     scaling: float = 1.0,
     capacity_factor: float | None = None,
     drop_policy: str = "probability",
+    capacity: int | None = None,
+    capacity_scope: str = "call",
+    sequence_lengths: list[int] | tuple[int, ...] | torch.Tensor | None = None,
+    pad_to_capacity: bool = False,
 ) -> Routing:
     """Plain PyTorch routing (see the module docstring); ``weights`` is differentiable by autograd (in the
-    logits; never in ``score_bias``). The arguments are taken as valid (``moe_route`` checks them)."""
+    logits; never in ``score_bias``). The selection arguments are taken as valid (``moe_route`` checks them);
+    the capacity options are checked as :func:`moe_route` checks them."""
     T, E = logits.shape
+    plan = plan_capacity(
+        "torsh_kernels.moe_route_ref", T, k, E, capacity=capacity, capacity_factor=capacity_factor,
+        capacity_scope=capacity_scope, sequence_lengths=sequence_lengths, pad_to_capacity=pad_to_capacity,
+        device=logits.device,
+    )  # fmt: skip
     p = _scores_ref(logits, score)  # [T, E] fp32
     indices = _choose_ref(p, k, score_bias, n_group or 0, topk_group or 0)  # [T, K]
     scores = p.gather(1, indices)  # [T, K]
@@ -254,31 +291,45 @@ def moe_route_ref(
     flat = indices.reshape(-1)  # [T*K] token-major
     onehot = torch.nn.functional.one_hot(flat, E)  # [T*K, E]
     keep = torch.ones_like(flat, dtype=torch.bool)
-    capacity = None
-    if capacity_factor is not None:
-        capacity = expert_capacity(T, k, E, capacity_factor)
-        if drop_policy == "position":
-            order_a = torch.arange(flat.numel(), device=flat.device)
-        else:  # highest score first; equal scores: lower token first (stable sort)
-            s = torch.nan_to_num(scores.detach().reshape(-1), nan=-1.0)
-            order_a = torch.sort(s, descending=True, stable=True).indices
-        rank_sorted = (torch.cumsum(onehot[order_a], 0) - 1).gather(1, flat[order_a, None]).squeeze(1)
-        rank = torch.empty_like(rank_sorted)
-        rank[order_a] = rank_sorted
-        keep = rank < capacity
+    if plan.limited:
+        # (first token, end, capacity) of each span the capacity applies to: the call, or each sequence
+        if plan.sequence_lengths is None:
+            spans = [(0, T, plan.kernel_capacity)]
+        else:
+            ends = itertools.accumulate(plan.sequence_lengths)
+            spans = [(e - n, e, c) for e, n, c in zip(ends, plan.sequence_lengths, plan.kernel_sequence_capacity)]
+        s_all = torch.nan_to_num(scores.detach().reshape(-1), nan=-1.0)
+        for a, b, c in spans:  # each assignment's rank among its expert's in the span, by the policy's order
+            sl = slice(a * k, b * k)
+            fl, oh = flat[sl], onehot[sl]
+            if drop_policy == "position":
+                order_a = torch.arange(fl.numel(), device=flat.device)
+            else:  # highest score first; equal scores: lower token first (stable sort)
+                order_a = torch.sort(s_all[sl], descending=True, stable=True).indices
+            rank_sorted = (torch.cumsum(oh[order_a], 0) - 1).gather(1, fl[order_a, None]).squeeze(1)
+            rank = torch.empty_like(rank_sorted)
+            rank[order_a] = rank_sorted
+            keep[sl] = rank < c
     kept = onehot * keep[:, None]
     counts = kept.sum(0)  # [E]
     pos = (torch.cumsum(kept, 0) - 1).gather(1, flat[:, None]).squeeze(1)
-    starts = torch.cumsum(counts, 0) - counts
-    rows = torch.where(keep, starts[flat] + pos, -1)
-    if capacity is None:  # every assignment kept: N = T * K, known without reading the counts
-        n = flat.numel()
-        token_index = torch.empty(n, dtype=torch.int64, device=logits.device)
-        token_index[rows] = torch.arange(n, device=logits.device) // k
-    else:
-        n = int(counts.sum())
-        token_index = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if plan.padded_capacity >= 0:  # expert e's group: rows [e * C, (e + 1) * C), the kept ones first
+        C = plan.padded_capacity
+        rows = torch.where(keep, flat * C + pos, -1)
+        n = E * C
+        token_index = torch.full((n,), -1, dtype=torch.int64, device=logits.device)
         token_index[rows[keep]] = torch.arange(flat.numel(), device=logits.device)[keep] // k
+    else:
+        starts = torch.cumsum(counts, 0) - counts
+        rows = torch.where(keep, starts[flat] + pos, -1)
+        if not plan.limited:  # every assignment kept: N = T * K, known without reading the counts
+            n = flat.numel()
+            token_index = torch.empty(n, dtype=torch.int64, device=logits.device)
+            token_index[rows] = torch.arange(n, device=logits.device) // k
+        else:
+            n = int(counts.sum())
+            token_index = torch.empty(n, dtype=torch.int64, device=logits.device)
+            token_index[rows[keep]] = torch.arange(flat.numel(), device=logits.device)[keep] // k
     return Routing(
         indices=indices,
         weights=weights,
@@ -289,13 +340,19 @@ def moe_route_ref(
         dropped=~keep.view(T, k),
         num_experts=E,
         num_rows=n,
-        capacity=capacity,
+        capacity=plan.capacity,
         score=score,
+        sequence_lengths=plan.sequence_lengths,
+        sequence_capacity=plan.sequence_capacity,
+        padded=plan.padded_capacity >= 0,
     )
 
 
 def moe_permute_ref(x: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """x[token_index]: the rows of each token at its assignments' rows."""
+    """x[token_index]: the rows of each token at its assignments' rows (zero rows where padded)."""
+    if routing.padded:
+        ti = routing.token_index
+        return torch.where((ti >= 0)[:, None], x[ti.clamp(min=0)] if x.shape[0] else x.new_zeros(1, x.shape[1]), 0)
     return x[routing.token_index]
 
 
@@ -304,9 +361,10 @@ def moe_unpermute_ref(y_perm: torch.Tensor, routing: Routing, *, weights: bool =
     T, K = routing.row_map.shape
     rows = routing.row_map
     out = torch.zeros(T, y_perm.shape[1], dtype=torch.float32, device=y_perm.device)
+    src = y_perm if y_perm.shape[0] else y_perm.new_zeros(1, y_perm.shape[1])  # (no rows: every assignment dropped)
     for j in range(K):
         ok = rows[:, j] >= 0
-        v = y_perm[rows[:, j].clamp(min=0)].float()
+        v = src[rows[:, j].clamp(min=0)].float()
         if weights:
             v = v * routing.weights[:, j : j + 1]
         out = out + torch.where(ok[:, None], v, 0.0)
@@ -499,9 +557,11 @@ def _topk_cpu(logits, k, score, renorm, bias, n_group, topk_group, scaling):
     return M.route_topk(logits, k, score, renorm, bias, n_group, topk_group, scaling)
 
 
-# assignment -> row: (indices [T, K], scores [T, K]) -> row_map [T*K] (-1 dropped), counts [E], token_index [N]
+# assignment -> row: (indices [T, K], scores [T, K]) -> row_map [T*K] (-1 dropped), counts [E], token_index [N].
+# ``cap``: the call's capacity (policy != _NO_CAP), or ``seq`` = (L_s, C_s) per sequence; ``pad`` >= 0: every
+# expert's group padded to ``pad`` rows (N = E * pad, token_index -1 at the padding rows).
 @_assign.register("torch")
-def _assign_torch(idx, s, E, cap, policy):
+def _assign_torch(idx, s, E, cap, policy, seq=None, pad=-1):
     """Stable sorts instead of one pass per expert: rows ordered by (expert, token)."""
     flat = idx.reshape(-1)  # [T*K] token-major
     n, k = flat.numel(), idx.shape[1]
@@ -510,76 +570,149 @@ def _assign_torch(idx, s, E, cap, policy):
     if policy == _NO_CAP:
         keep = None
     else:
-        counts_all = torch.bincount(flat, minlength=E)
+        if seq is None:  # ranks inside each expert
+            group, groups, limit = flat, E, cap
+        else:  # ranks inside each (expert, sequence): group e * S + s (the sequences are in token order)
+            S = len(seq[0])
+            sid = torch.repeat_interleave(torch.arange(S, device=dev), torch.tensor(seq[0], device=dev) * k,
+                                          output_size=n)  # fmt: skip
+            group, groups = flat * S + sid, E * S
+            limit = torch.tensor(seq[1], dtype=torch.int64, device=dev)[sid]  # [T*K] each assignment's C_s
+        counts_all = torch.bincount(group, minlength=groups)
         starts_all = torch.cumsum(counts_all, 0) - counts_all
         if policy == _CAP_POSITION:
-            order = torch.sort(flat, stable=True).indices  # by expert, then token
-        else:  # by expert, then score descending, then token
+            order = torch.sort(group, stable=True).indices  # by group, then token
+        else:  # by group, then score descending, then token
             by_score = torch.sort(s.reshape(-1), descending=True, stable=True).indices
-            order = by_score[torch.sort(flat[by_score], stable=True).indices]
-        rank_sorted = ar - starts_all[flat[order]]  # rank of each assignment inside its expert
+            order = by_score[torch.sort(group[by_score], stable=True).indices]
+        rank_sorted = ar - starts_all[group[order]]  # rank of each assignment inside its group
         keep = torch.empty(n, dtype=torch.bool, device=dev)
-        keep[order] = rank_sorted < cap
+        keep[order] = rank_sorted < (limit if seq is None else limit[order])
     key = flat if keep is None else torch.where(keep, flat, E)  # dropped ones sort last
     order = torch.sort(key, stable=True).indices  # kept rows grouped by expert, token order inside
     counts = torch.bincount(key, minlength=E + 1)[:E]
-    n_rows = n if keep is None else int(counts.sum())
     rows = torch.empty(n, dtype=torch.int64, device=dev)
-    rows[order] = ar
-    if keep is not None:
-        rows.masked_fill_(~keep, -1)
-    tok = order[:n_rows] // k
-    return rows, counts, tok
-
-
-def _finish_rows(name, idx, pos, counts, policy, k):
-    """Kernels: per-expert positions -> rows (in place) and the inverse map."""
-    n = idx.numel()
-    n_rows = n if policy == _NO_CAP else int(counts.sum())
+    if pad < 0:
+        n_rows = n if keep is None else int(counts.sum())
+        rows[order] = ar
+        if keep is not None:
+            rows.masked_fill_(~keep, -1)
+        return rows, counts, order[:n_rows] // k
+    # padded: expert e's kept rows at e * pad + their rank; N = E * pad without reading the counts
     starts = torch.cumsum(counts, 0) - counts
-    tok = torch.empty(n_rows, dtype=torch.int64, device=idx.device)
+    ks = key[order]  # [T*K] expert of each sorted assignment (E: dropped, sorted last)
+    ok = ks < E
+    ke = ks.clamp(max=E - 1)
+    r_sorted = torch.where(ok, ke * pad + (ar - starts[ke]), -1)
+    rows[order] = r_sorted
+    tok = torch.full((E * pad + 1,), -1, dtype=torch.int64, device=dev)  # (the last slot takes the dropped ones)
+    tok.scatter_(0, torch.where(ok, r_sorted, E * pad), torch.where(ok, order // k, -1))
+    return rows, counts, tok[: E * pad]
+
+
+def _segments(seq, k: int, device: torch.device) -> torch.Tensor:
+    """[S + 1] int64 on ``device``: the first assignment of each sequence, then T*K."""
+    ends = list(itertools.accumulate(seq[0], initial=0))
+    return torch.tensor(ends, dtype=torch.int64, device=device) * k
+
+
+def _finish_rows(name, idx, pos, counts, policy, k, E, seq, pad, seg):
+    """Kernels: per-group positions (``counts`` [E] per expert, or [S, E] per sequence and expert) -> rows (in
+    place, ``pos``) and the inverse map; -> (rows, tokens_per_expert, token_index)."""
+    n = idx.numel()
+    if seq is None:
+        tpe, within = counts, None
+    else:
+        c = counts.view(len(seq[0]), E)
+        tpe = c.sum(0)
+        within = torch.cumsum(c, 0) - c  # [S, E] rows of expert e kept from earlier sequences
+    if pad < 0:
+        n_rows = n if policy == _NO_CAP else int(tpe.sum())
+        starts = torch.cumsum(tpe, 0) - tpe
+        tok = torch.empty(n_rows, dtype=torch.int64, device=idx.device)
+    else:
+        starts = torch.arange(E, dtype=torch.int64, device=idx.device) * pad
+        tok = torch.full((E * pad,), -1, dtype=torch.int64, device=idx.device)
+    if within is not None:
+        starts = (starts.unsqueeze(0) + within).reshape(-1)  # [S * E]
     if name == "triton":
         import triton
 
         from . import _moe_triton as kt
 
-        kt._route_rows_kernel[(triton.cdiv(n, 1024),)](idx, pos, starts, tok, n, K=k, BLOCK=1024)
+        if seq is None:
+            kt._route_rows_kernel[(triton.cdiv(n, 1024),)](idx, pos, starts, tok, idx, n, E, K=k, BLOCK=1024,
+                                                            SEQ=False)  # fmt: skip
+        else:
+            grid = (len(seq[0]), triton.cdiv(max(seq[0]) * k, 1024))
+            kt._route_rows_kernel[grid](idx, pos, starts, tok, seg, n, E, K=k, BLOCK=1024, SEQ=True)
     else:
         from . import _moe_numba as M
 
-        M.route_rows(idx, pos, starts, tok, k)
-    return pos, counts, tok
+        M.route_rows(idx, pos, starts, tok, k, seg, E)
+    return pos, tpe, tok
 
 
 @_assign.register("triton")
-def _assign_triton(idx, s, E, cap, policy):
+def _assign_triton(idx, s, E, cap, policy, seq=None, pad=-1):
     from . import _moe_triton as kt
 
     n = idx.numel()
-    pos = torch.empty(n, dtype=torch.int64, device=idx.device)
-    counts = torch.empty(E, dtype=torch.int64, device=idx.device)
-    kt._route_assign_kernel[(E,)](idx, s, pos, counts, n, cap, BLOCK=_ASSIGN_BLOCK, POLICY=policy)
-    return _finish_rows("triton", idx, pos, counts, policy, idx.shape[1])
+    dev = idx.device
+    pos = torch.empty(n, dtype=torch.int64, device=dev)
+    if seq is None:
+        seg = None
+        counts = torch.empty(E, dtype=torch.int64, device=dev)
+        kt._route_assign_kernel[(E,)](idx, s, pos, counts, idx, idx, n, cap, E, BLOCK=_ASSIGN_BLOCK, POLICY=policy,
+                                      SEQ=False)  # fmt: skip
+    else:  # one program per (sequence, expert)
+        S = len(seq[0])
+        seg = _segments(seq, idx.shape[1], dev)
+        caps = torch.tensor(seq[1], dtype=torch.int64, device=dev)
+        counts = torch.empty(S * E, dtype=torch.int64, device=dev)
+        kt._route_assign_kernel[(S, E)](idx, s, pos, counts, seg, caps, n, 0, E, BLOCK=_ASSIGN_BLOCK, POLICY=policy,
+                                        SEQ=True)  # fmt: skip
+    return _finish_rows("triton", idx, pos, counts, policy, idx.shape[1], E, seq, pad, seg)
 
 
 @_assign.register("numba")
-def _assign_numba(idx, s, E, cap, policy):
+def _assign_numba(idx, s, E, cap, policy, seq=None, pad=-1):
     from . import _moe_numba as M
 
-    pos, counts = M.route_assign(idx, s, E, cap, policy)
-    return _finish_rows("numba", idx, pos, counts, policy, idx.shape[1])
+    seg = None if seq is None else _segments(seq, idx.shape[1], idx.device)
+    caps = None if seq is None else torch.tensor(seq[1], dtype=torch.int64, device=idx.device)
+    pos, counts = M.route_assign(idx, s, E, cap, policy, seg, caps)
+    return _finish_rows("numba", idx, pos, counts, policy, idx.shape[1], E, seq, pad, seg)
 
 
 @_assign.register("cpu")
-def _assign_cpu(idx, s, E, cap, policy):
+def _assign_cpu(idx, s, E, cap, policy, seq=None, pad=-1):
     from . import _moe_cpu as M
 
-    return M.route_assign(idx, s, E, cap, policy)
+    if seq is None:
+        return M.route_assign(idx, s, E, cap, policy, None, None, pad)
+    caps = torch.tensor(seq[1], dtype=torch.int64)
+    return M.route_assign(idx, s, E, cap, policy, _segments(seq, idx.shape[1], idx.device), caps, pad)
 
 
-# scatter rows: out[row_map[t, j]] = x[t] (* w[t, j]); tok = the inverse map (out[i] = x[tok[i]] * ...)
+# scatter rows: out[row_map[t, j]] = x[t] (* w[t, j]); tok = the inverse map (out[i] = x[tok[i]] * ...).
+# ``padded`` (the permute of a padded routing, w None): out[i] = x[tok[i]], zeros where tok[i] is -1.
 @_scatter_rows.register("torch")
-def _scatter_rows_torch(x, rows, tok, w, out):
+def _scatter_rows_torch(x, rows, tok, w, out, padded=False):
+    if padded:  # a gather through the inverse map, then the padding rows zeroed
+        if x.shape[0] == 0:  # no tokens: every row is padding (a token index here is out of range)
+            if tok.numel() and int(tok.max()) >= 0:
+                raise out_of_range("moe_permute")
+            out.zero_()
+            return
+        try:
+            torch.index_select(x, 0, tok.clamp(min=0), out=out)
+        except (IndexError, RuntimeError):
+            if tok.numel() and not (int(tok.min()) >= -1 and int(tok.max()) < x.shape[0]):
+                raise out_of_range("moe_permute") from None
+            raise
+        out.masked_fill_((tok < 0).unsqueeze(1), 0)
+        return
     if w is None:  # a gather through the inverse map: one pass, no masks (torch checks every index first)
         try:
             torch.index_select(x, 0, tok, out=out)
@@ -597,7 +730,7 @@ def _scatter_rows_torch(x, rows, tok, w, out):
 
 
 @_scatter_rows.register("triton")
-def _scatter_rows_triton(x, rows, tok, w, out):
+def _scatter_rows_triton(x, rows, tok, w, out, padded=False):
     import triton
 
     from . import _moe_triton as kt
@@ -605,44 +738,59 @@ def _scatter_rows_triton(x, rows, tok, w, out):
     T, K = rows.shape
     H = x.shape[1]
     BH = _block_h(H)
+    if padded:  # one program per row and column block: every row written once, padding rows as zeros
+        kt._permute_padded_kernel[(out.shape[0], triton.cdiv(H, BH))](x, tok, out, H, T, BLOCK_H=BH)
+        return
     kt._permute_kernel[(T, triton.cdiv(H, BH))](x, rows, w if w is not None else rows, out, H, out.shape[0], K=K,
                                                  BLOCK_H=BH, HAS_W=w is not None)  # fmt: skip
 
 
 @_scatter_rows.register("numba")
-def _scatter_rows_numba(x, rows, tok, w, out):
+def _scatter_rows_numba(x, rows, tok, w, out, padded=False):
     from . import _moe_numba as M
 
-    M.scatter_rows(x, rows, w, out)
+    if padded:
+        M.permute_padded(x, tok, out)
+    else:
+        M.scatter_rows(x, rows, w, out)
 
 
 @_scatter_rows.register("cpu")
-def _scatter_rows_cpu(x, rows, tok, w, out):
+def _scatter_rows_cpu(x, rows, tok, w, out, padded=False):
     from . import _moe_cpu as M
 
-    if w is None or M.weighted_ok(x, w, out):
+    if padded:
+        M.permute_padded(x, tok, out)
+    elif w is None or M.weighted_ok(x, w, out):
         M.scatter_rows(x, rows, tok, w, out)
     else:  # 16-bit rows with weights: torch's implementation (see _moe_cpu)
         _scatter_rows_torch(x, rows, tok, w, out)
 
 
-# gather rows: out[t] = sum_j w[t, j] * y[row_map[t, j]]
+# gather rows: out[t] = sum_j w[t, j] * y[row_map[t, j]] (``padded``: y has padding rows, which no row_map entry
+# names; the kernels read only the rows named, the torch provider needs to know that N < T*K no longer rules out
+# drops)
 @_gather_rows.register("torch")
-def _gather_rows_torch(y, rows, w, out):
+def _gather_rows_torch(y, rows, w, out, padded=False):
     try:  # torch checks every index before it reads (a bad one: an IndexError here, typed below)
-        _gather_rows_torch_impl(y, rows, w, out)
+        _gather_rows_torch_impl(y, rows, w, out, padded)
     except (IndexError, RuntimeError):
         if rows.numel() and int(rows.max()) >= y.shape[0]:
             raise out_of_range("moe_unpermute") from None
         raise
 
 
-def _gather_rows_torch_impl(y, rows, w, out):
+def _gather_rows_torch_impl(y, rows, w, out, padded=False):
     T, K = rows.shape
-    if K == 1 and w is None and y.shape[0] == T:  # no drops: a plain gather
+    if y.shape[0] == 0:  # no rows (a capacity of 0): every assignment dropped, every token zeros
+        if rows.numel() and int(rows.max()) >= 0:
+            raise out_of_range("moe_unpermute")
+        out.zero_()
+        return
+    if K == 1 and w is None and y.shape[0] == T and not padded:  # no drops: a plain gather
         torch.index_select(y, 0, rows.view(-1), out=out)
         return
-    drops = y.shape[0] < T * K  # without drops every row index is valid and no mask is needed
+    drops = padded or y.shape[0] < T * K  # without drops every row index is valid and no mask is needed
     ww = torch.ones(rows.shape, dtype=torch.float32, device=y.device) if w is None else w
     # On the CPU, token blocks whose fp32 accumulator stays in cache (about 2 MiB), through reused
     # buffers: 10x faster than whole-tensor temporaries at T=16k, H=4096. On a GPU one block.
@@ -667,7 +815,7 @@ def _gather_rows_torch_impl(y, rows, w, out):
 
 
 @_gather_rows.register("triton")
-def _gather_rows_triton(y, rows, w, out):
+def _gather_rows_triton(y, rows, w, out, padded=False):
     import triton
 
     from . import _moe_triton as kt
@@ -680,20 +828,20 @@ def _gather_rows_triton(y, rows, w, out):
 
 
 @_gather_rows.register("numba")
-def _gather_rows_numba(y, rows, w, out):
+def _gather_rows_numba(y, rows, w, out, padded=False):
     from . import _moe_numba as M
 
     M.gather_rows(y, rows, w, out)
 
 
 @_gather_rows.register("cpu")
-def _gather_rows_cpu(y, rows, w, out):
+def _gather_rows_cpu(y, rows, w, out, padded=False):
     from . import _moe_cpu as M
 
     if M.weighted_ok(y, w, out):
         M.gather_rows(y, rows, w, out)
     else:  # 16-bit rows: torch's implementation (see _moe_cpu)
-        _gather_rows_torch(y, rows, w, out)
+        _gather_rows_torch(y, rows, w, out, padded)
 
 
 # unpermute backward: grad_y_perm rows and grad_w [T, K] fp32
@@ -702,6 +850,8 @@ def _gather_rows_bwd_torch(gy, y, rows, w, gyp):
     _scatter_rows_torch(gy, rows, None, w, gyp)
     ok = rows >= 0
     gw = torch.zeros(rows.shape, dtype=torch.float32, device=gy.device)
+    if y.shape[0] == 0:  # no rows: every assignment dropped, no weight gradient
+        return gw
     for j in range(rows.shape[1]):
         yj = y.index_select(0, rows[:, j].clamp(min=0)).float()
         gw[:, j] = torch.where(ok[:, j], (gy.float() * yj).sum(1), 0.0)
@@ -799,34 +949,51 @@ def _check_bias_finite(bias: torch.Tensor) -> None:
 
 @torch.library.custom_op("torsh::moe_route", mutates_args=())
 def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, score_bias: torch.Tensor | None,
-              n_group: int, topk_group: int, scaling: float, capacity: int, drop_policy: str, check_finite: bool,
+              n_group: int, topk_group: int, scaling: float, capacity: int, drop_policy: str,
+              sequence_lengths: list[int], sequence_capacity: list[int], padded_capacity: int, check_finite: bool,
               provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                       torch.Tensor]:  # fmt: skip
     """-> weights, indices, scores [T, K]; tokens_per_expert [E]; row_map [T, K]; token_index [N] (the
     differentiable output first). ``n_group`` = 0: no groups. ``score_bias``'s values are checked here (at
-    run time, also under torch.compile), the rest by ``moe_route``."""
+    run time, also under torch.compile), the rest by ``moe_route``. ``capacity``: the call's (clamped to
+    T*K), -1 for none; ``sequence_lengths`` and ``sequence_capacity`` (each C_s clamped to L_s*K): the
+    sequence scope, empty otherwise; ``padded_capacity`` >= 0: every expert's group padded to that many
+    rows, -1 for no padding."""
     T, E = logits.shape
     if score_bias is not None:
         _check_bias_finite(score_bias)
     if T == 0:
         i = torch.empty(0, k, dtype=torch.int64, device=logits.device)
         f = torch.empty(0, k, dtype=torch.float32, device=logits.device)
-        return f, i, f.clone(), torch.zeros(E, dtype=torch.int64, device=logits.device), i.clone(), i.new_empty(0)
+        tok = i.new_empty(0) if padded_capacity < 0 else i.new_full((E * padded_capacity,), -1)
+        return f, i, f.clone(), torch.zeros(E, dtype=torch.int64, device=logits.device), i.clone(), tok
     name = _select(_topk, logits, provider, k, E)
     with _on(logits.device):
         idx, w, s, bad = _topk(name, logits, k, score, renormalize, score_bias, n_group, topk_group, scaling)
         if check_finite and (b := _count(bad)):
             _raise_nan_scores(b, T)
-        policy = _NO_CAP if capacity < 0 else _POLICY[drop_policy]
-        rows, counts, tok = _assign(name, idx, s, E, capacity, policy)
+        if sequence_lengths:
+            seq = (tuple(sequence_lengths), tuple(sequence_capacity))
+            rows, counts, tok = _assign(name, idx, s, E, -1, _POLICY[drop_policy], seq, padded_capacity)
+        else:
+            policy = _NO_CAP if capacity < 0 else _POLICY[drop_policy]
+            if padded_capacity < 0:
+                rows, counts, tok = _assign(name, idx, s, E, capacity, policy)
+            else:
+                rows, counts, tok = _assign(name, idx, s, E, capacity, policy, None, padded_capacity)
     return w, idx, s, counts, rows.view(T, k), tok
 
 
 @_route_op.register_fake
-def _(logits, k, score, renormalize, score_bias, n_group, topk_group, scaling, capacity, drop_policy, check_finite,
-      provider):  # fmt: skip
+def _(logits, k, score, renormalize, score_bias, n_group, topk_group, scaling, capacity, drop_policy,
+      sequence_lengths, sequence_capacity, padded_capacity, check_finite, provider):  # fmt: skip
     T, E = logits.shape
-    n = T * k if capacity < 0 else torch.library.get_ctx().new_dynamic_size()
+    if padded_capacity >= 0:  # padded: N = E * capacity, whatever the values
+        n = E * padded_capacity
+    elif capacity < 0 and not sequence_lengths:
+        n = T * k
+    else:
+        n = torch.library.get_ctx().new_dynamic_size()
     i64, f32 = torch.int64, torch.float32
     tk = logits.new_empty(T, k, dtype=i64)
     w = logits.new_empty(T, k, dtype=f32)
@@ -869,37 +1036,43 @@ def _route_backward(ctx, g_w, g_idx, g_s, g_counts, g_rows, g_tok):
         else:
             gs = g if c == 1.0 else g * c
         grad.scatter_(1, idx, gs * s * (1.0 - s))
-    return grad.to(ctx.logits_dtype), None, None, None, None, None, None, None, None, None, None, None
+    return grad.to(ctx.logits_dtype), *([None] * 14)
 
 
 torch.library.register_autograd("torsh::moe_route", _route_backward, setup_context=_route_setup)
 
 
 @torch.library.custom_op("torsh::moe_permute", mutates_args=())
-def _permute_op(x: torch.Tensor, row_map: torch.Tensor, token_index: torch.Tensor, provider: str) -> torch.Tensor:
+def _permute_op(x: torch.Tensor, row_map: torch.Tensor, token_index: torch.Tensor, provider: str,
+                padded: bool = False) -> torch.Tensor:  # fmt: skip
+    """``padded``: the routing's groups are padded (token_index -1 at the padding rows, written as zeros)."""
     out = x.new_empty(token_index.shape[0], x.shape[1])
     if out.numel():
         name = _select(_scatter_rows, x, provider, row_map.shape[1])
         with _on(x.device):
-            _scatter_rows(name, x, row_map, token_index, None, out)
+            if padded:
+                _scatter_rows(name, x, row_map, token_index, None, out, True)
+            else:
+                _scatter_rows(name, x, row_map, token_index, None, out)
     return out
 
 
 @_permute_op.register_fake
-def _(x, row_map, token_index, provider):
+def _(x, row_map, token_index, provider, padded=False):
     return x.new_empty(token_index.shape[0], x.shape[1])
 
 
 def _permute_setup(ctx, inputs, output):
-    _, row_map, token_index, provider = inputs
+    _, row_map, token_index, provider, *rest = inputs
     ctx.save_for_backward(row_map, token_index)
-    ctx.provider = provider
+    ctx.provider, ctx.padded = provider, bool(rest and rest[0])
 
 
 def _permute_backward(ctx, g):
+    """The sum of each token's rows (the padding rows' gradient goes nowhere: no token came from them)."""
     row_map, token_index = ctx.saved_tensors
-    gx = _eager.call_autograd(_unpermute_op, g.contiguous(), row_map, token_index, None, ctx.provider)
-    return gx, None, None, None
+    gx = _eager.call_autograd(_unpermute_op, g.contiguous(), row_map, token_index, None, ctx.provider, ctx.padded)
+    return gx, None, None, None, None
 
 
 torch.library.register_autograd("torsh::moe_permute", _permute_backward, setup_context=_permute_setup)
@@ -907,25 +1080,30 @@ torch.library.register_autograd("torsh::moe_permute", _permute_backward, setup_c
 
 @torch.library.custom_op("torsh::moe_unpermute", mutates_args=())
 def _unpermute_op(y_perm: torch.Tensor, row_map: torch.Tensor, token_index: torch.Tensor, weights: torch.Tensor | None,
-                  provider: str) -> torch.Tensor:  # fmt: skip
+                  provider: str, padded: bool = False) -> torch.Tensor:  # fmt: skip
+    """``padded``: y_perm has padding rows (no row_map entry names them; they are not read)."""
     T = row_map.shape[0]
     out = y_perm.new_empty(T, y_perm.shape[1])
     if T and y_perm.shape[1]:
         name = _select(_gather_rows, y_perm, provider, row_map.shape[1])
         with _on(y_perm.device):
-            _gather_rows(name, y_perm, row_map, weights, out)
+            if padded:
+                _gather_rows(name, y_perm, row_map, weights, out, True)
+            else:
+                _gather_rows(name, y_perm, row_map, weights, out)
     return out
 
 
 @_unpermute_op.register_fake
-def _(y_perm, row_map, token_index, weights, provider):
+def _(y_perm, row_map, token_index, weights, provider, padded=False):
     return y_perm.new_empty(row_map.shape[0], y_perm.shape[1])
 
 
 @torch.library.custom_op("torsh::moe_unpermute_backward", mutates_args=())
 def _unpermute_bwd_op(grad_y: torch.Tensor, y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor,
-                      provider: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    gyp = torch.empty_like(y_perm)
+                      provider: str, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``padded``: the gradient of y_perm's padding rows (which no assignment read) is zero."""
+    gyp = torch.zeros_like(y_perm) if padded else torch.empty_like(y_perm)
     if row_map.shape[0] == 0 or y_perm.shape[1] == 0:
         return gyp.zero_(), torch.zeros(row_map.shape, dtype=torch.float32, device=y_perm.device)
     name = _select(_gather_rows_bwd, y_perm, provider, row_map.shape[1])
@@ -935,26 +1113,27 @@ def _unpermute_bwd_op(grad_y: torch.Tensor, y_perm: torch.Tensor, row_map: torch
 
 
 @_unpermute_bwd_op.register_fake
-def _(grad_y, y_perm, row_map, weights, provider):
+def _(grad_y, y_perm, row_map, weights, provider, padded=False):
     return torch.empty_like(y_perm), weights.new_empty(row_map.shape, dtype=torch.float32)
 
 
 def _unpermute_setup(ctx, inputs, output):
-    y_perm, row_map, token_index, weights, provider = inputs
+    y_perm, row_map, token_index, weights, provider, *rest = inputs
     ctx.save_for_backward(y_perm, row_map, token_index, weights)
-    ctx.provider = provider
+    ctx.provider, ctx.padded = provider, bool(rest and rest[0])
 
 
 def _unpermute_backward(ctx, g):
     y_perm, row_map, token_index, weights = ctx.saved_tensors
     g = g.contiguous()
+    p, padded = ctx.provider, ctx.padded
     if weights is None:
-        return _eager.call_autograd(_permute_op, g, row_map, token_index, ctx.provider), None, None, None, None
+        return _eager.call_autograd(_permute_op, g, row_map, token_index, p, padded), None, None, None, None, None
     if torch.is_grad_enabled():  # a double backward: the registered op (it has no autograd of its own)
-        gyp, gw = _unpermute_bwd_op(g, y_perm, row_map, weights, ctx.provider)
+        gyp, gw = _unpermute_bwd_op(g, y_perm, row_map, weights, p, padded)
     else:
-        gyp, gw = _eager.call(_unpermute_bwd_op, (), g, y_perm, row_map, weights, ctx.provider)
-    return gyp, None, None, gw if ctx.needs_input_grad[3] else None, None
+        gyp, gw = _eager.call(_unpermute_bwd_op, (), g, y_perm, row_map, weights, p, padded)
+    return gyp, None, None, gw if ctx.needs_input_grad[3] else None, None, None
 
 
 torch.library.register_autograd("torsh::moe_unpermute", _unpermute_backward, setup_context=_unpermute_setup)
@@ -976,6 +1155,10 @@ def moe_route(
     scaling: float = 1.0,
     capacity_factor: float | None = None,
     drop_policy: str = "probability",
+    capacity: int | None = None,
+    capacity_scope: str = "call",
+    sequence_lengths: list[int] | tuple[int, ...] | torch.Tensor | None = None,
+    pad_to_capacity: bool = False,
     check_finite: bool = True,
     provider: str | None = None,
 ) -> Routing:
@@ -996,9 +1179,19 @@ def moe_route(
         scaling: finite and > 0; the weights are multiplied by it after the renormalisation (DeepSeek-V3's
             ``routed_scaling_factor``).
         capacity_factor: None for no limit, else each expert keeps at most
-            ``ceil(T * k * capacity_factor / E)`` assignments.
+            ``ceil(T * k * capacity_factor / E)`` assignments (per sequence: ``ceil(L_s * k * capacity_factor / E)``).
         drop_policy: which assignments an overfull expert keeps: "probability" (highest scores) or
             "position" (earliest tokens).
+        capacity: a fixed capacity per expert (an int >= 0; per sequence and expert in the sequence scope);
+            not together with ``capacity_factor``.
+        capacity_scope: "call" (the capacity applies to all T tokens) or "sequence" (to each sequence of
+            ``sequence_lengths`` and expert, as Switch Transformers does per group).
+        sequence_lengths: with ``capacity_scope="sequence"``: the tokens of each sequence (ints >= 0 summing to T,
+            the tokens laid out sequence after sequence), a list or tuple of ints or a 1-D integer tensor (read on
+            the host).
+        pad_to_capacity: pad each expert's group of permuted rows with zero rows to ``routing.capacity`` rows
+            (needs a capacity): ``num_rows = E * capacity`` without reading the device (Megatron's
+            ``moe_pad_expert_input_to_capacity``).
         check_finite: raise :class:`NonFiniteError` when a token's scores are NaN (one host sync).
         provider: "triton", "numba", "cpu" or "torch"; None selects automatically.
     """
@@ -1009,6 +1202,7 @@ def moe_route(
         and (drop_policy == "probability" or drop_policy == "position")
         and (capacity_factor is None or (capacity_factor.__class__ is float and 0.0 < capacity_factor < math.inf))
         and (score_bias is None or _eager.plain(score_bias))
+        and capacity is None and sequence_lengths is None and pad_to_capacity is False and capacity_scope == "call"
         and _eager.fast()
         and _topk.select(_CPU, _F32, logits.numel(), provider or None) == "cpu"
     ):  # fmt: skip
@@ -1023,6 +1217,7 @@ def moe_route(
         if logits.requires_grad and torch.is_grad_enabled():
             w, idx, s, counts, rows, tok = _eager.autograd_fast(
                 _route_op, _route_cpu_impl, logits, k, score, bool(renormalize), bias, G, TG, c, cap, drop_policy,
+                (), (), -1,
                 bool(check_finite), provider or "",
             )  # fmt: skip
             dropped, n = rows < 0, tok.shape[0]
@@ -1033,7 +1228,8 @@ def moe_route(
                             token_index=tok, dropped=dropped, num_experts=E, num_rows=n,
                             capacity=None if cap < 0 else cap, score=score))  # fmt: skip
     if (
-        capacity_factor is None and score_bias is None and n_group is None and topk_group is None
+        capacity_factor is None and capacity is None and sequence_lengths is None and pad_to_capacity is False
+        and capacity_scope == "call" and score_bias is None and n_group is None and topk_group is None
         and scaling.__class__ is float and scaling == 1.0 and type(logits) is _T and logits.dtype is _F32
         and logits.is_cpu and logits.dim() == 2 and logits.is_contiguous() and k.__class__ is int
         and 1 <= k <= 8 and k <= (E := logits.shape[1]) and (T := logits.shape[0]) > 0
@@ -1054,14 +1250,17 @@ def moe_route(
     score = _check_choice(score, what, "score", SCORES)
     bias, G, TG, c = _check_selection(score_bias, n_group, topk_group, scaling, logits, k)
     drop_policy = _check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
-    capacity_factor = check_capacity_factor(capacity_factor, what)
-    if capacity_factor is not None and logits.is_meta:
+    plan = plan_capacity(
+        what, T, k, E, capacity=capacity, capacity_factor=capacity_factor, capacity_scope=capacity_scope,
+        sequence_lengths=sequence_lengths, pad_to_capacity=pad_to_capacity, device=logits.device,
+    )  # fmt: skip
+    if plan.limited and plan.padded_capacity < 0 and logits.is_meta:
+        limit = f"capacity={capacity}" if capacity is not None else f"capacity_factor={capacity_factor}"
         raise InvalidArgumentError(
-            f"{what}: logits are meta tensors and capacity_factor={capacity_factor}: the number of kept rows depends "
-            "on the router's values, which meta tensors do not have; route without a capacity, or trace the model "
-            "with torch.compile (a data-dependent size there)"
+            f"{what}: logits are meta tensors and {limit}: the number of kept rows depends on the router's values, "
+            "which meta tensors do not have; route without a capacity, pad to it (pad_to_capacity=True: E * capacity "
+            "rows), or trace the model with torch.compile (a data-dependent size there)"
         )
-    capacity = -1 if capacity_factor is None else expert_capacity(T, k, E, capacity_factor)
     w, idx, s, counts, rows, tok = _eager.call_autograd(
         _route_op,
         logits.contiguous(),
@@ -1072,8 +1271,11 @@ def moe_route(
         G,
         TG,
         c,
-        capacity,
+        plan.kernel_capacity,
         drop_policy,
+        list(plan.sequence_lengths or ()),
+        list(plan.kernel_sequence_capacity),
+        plan.padded_capacity,
         bool(check_finite),
         provider or "",
     )
@@ -1087,8 +1289,11 @@ def moe_route(
         dropped=rows < 0,
         num_experts=E,
         num_rows=tok.shape[0],
-        capacity=None if capacity < 0 else capacity,
+        capacity=plan.capacity,
         score=score,
+        sequence_lengths=plan.sequence_lengths,
+        sequence_capacity=plan.sequence_capacity,
+        padded=plan.padded_capacity >= 0,
     )
     return r if _eager.compiling() else seal(r)  # (while torch.compile traces: nothing to seal)
 
@@ -1181,14 +1386,15 @@ def _route_cpu(logits, T, E, k, score, renorm, bias, G, TG, c, cap, drop_policy,
 
 
 def _route_cpu_impl(logits, k, score, renormalize, score_bias, n_group, topk_group, scaling, capacity, drop_policy,
-                    check_finite, provider):  # fmt: skip
-    """:func:`_route_cpu` with the custom op's signature and outputs (the forward of its autograd)."""
+                    sequence_lengths, sequence_capacity, padded_capacity, check_finite, provider):  # fmt: skip
+    """:func:`_route_cpu` with the custom op's signature and outputs (the forward of its autograd; the call
+    scope without padding, the fast path's case)."""
     T, E = logits.shape
     return _route_cpu(logits, T, E, k, score, renormalize, score_bias, n_group, topk_group, scaling, capacity,
                       drop_policy, check_finite)[:6]  # fmt: skip
 
 
-def _permute_cpu_impl(x, row_map, token_index, provider):
+def _permute_cpu_impl(x, row_map, token_index, provider, padded=False):
     """The cpu provider's permute on plain contiguous CPU rows (the custom op's signature and output)."""
     M = _cpu_kernels()
     out = x.new_empty(token_index.shape[0], x.shape[1])
@@ -1196,7 +1402,7 @@ def _permute_cpu_impl(x, row_map, token_index, provider):
     return out
 
 
-def _unpermute_cpu_impl(y_perm, row_map, token_index, weights, provider):
+def _unpermute_cpu_impl(y_perm, row_map, token_index, weights, provider, padded=False):
     """The cpu provider's unpermute on fp32 contiguous CPU rows and weights (the custom op's signature)."""
     M = _cpu_kernels()
     T, K = row_map.shape
@@ -1259,8 +1465,8 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
         type(routing) is Routing and type(x) is _T and x.is_cpu and x.dim() == 2 and x.is_contiguous()
         and (x.dtype is _F32 or x.dtype is torch.float16 or x.dtype is torch.bfloat16)
         and _eager.fast()  # (before the row count, a data-dependent size while torch.compile traces)
-        and sealed_rows(routing) and x.shape[0] == routing.indices.shape[0] and x.shape[1] and routing.num_rows
-        and (tok := routing.token_index).is_cpu and routing.row_map.is_cpu
+        and sealed_rows(routing) and not routing.padded and x.shape[0] == routing.indices.shape[0] and x.shape[1]
+        and routing.num_rows and (tok := routing.token_index).is_cpu and routing.row_map.is_cpu
         and (sel := _select(_scatter_rows, x, provider or "", routing.row_map.shape[1])) in ("torch", "cpu")
     ):  # fmt: skip
         # The common case on the CPU: the provider's gather through the inverse map, into a new tensor
@@ -1272,7 +1478,8 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
                 return x.index_select(0, tok)
         elif tok.dtype is torch.int64 and tok.numel() == routing.num_rows:
             if grad:
-                return _eager.autograd_fast(_permute_op, _permute_cpu_impl, x, routing.row_map, tok, provider or "")
+                return _eager.autograd_fast(_permute_op, _permute_cpu_impl, x, routing.row_map, tok, provider or "",
+                                            False)  # fmt: skip
             try:  # (the cpu provider's permute is torch's index_select: one pass over whole rows)
                 return x.index_select(0, tok)
             except (IndexError, RuntimeError):
@@ -1282,7 +1489,8 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
     routing = _check_routing(routing, what, "rows")
     x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")
     _check_strided(x, what, "x")
-    return _eager.call_autograd(_permute_op, x.contiguous(), routing.row_map, routing.token_index, provider or "")
+    return _eager.call_autograd(_permute_op, x.contiguous(), routing.row_map, routing.token_index, provider or "",
+                                routing.padded)  # fmt: skip
 
 
 def moe_unpermute(
@@ -1303,7 +1511,7 @@ def moe_unpermute(
         # needed, as the forward of the op's registered autograd.
         if torch.is_grad_enabled() and (y_perm.requires_grad or (weights and w.requires_grad)):
             return _eager.autograd_fast(_unpermute_op, _unpermute_cpu_impl, y_perm, rows, routing.token_index,
-                                        w if weights else None, provider or "")  # fmt: skip
+                                        w if weights else None, provider or "", routing.padded)  # fmt: skip
         M = _cpu_kernels()
         out = torch.empty(rows.shape[0], y_perm.shape[1])
         if M.gather_rows_ptr(y_perm.data_ptr(), y_perm.shape[0], y_perm.shape[1], rows.data_ptr(), rows.shape[0],
@@ -1312,7 +1520,7 @@ def moe_unpermute(
     if (
         weights and type(routing) is Routing and type(y_perm) is _T and y_perm.dtype is _F32 and y_perm.is_cpu
         and y_perm.dim() == 2 and _eager.fast()  # (before the sizes: data-dependent while torch.compile traces)
-        and y_perm.is_contiguous() and (H := y_perm.shape[1]) and sealed(routing)
+        and y_perm.is_contiguous() and (H := y_perm.shape[1]) and sealed(routing) and not routing.padded
         and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
         and (T := rows.shape[0]) and y_perm.shape[0] == routing.num_rows == T * (K := rows.shape[1])
         and max(16, (1 << 21) // (4 * H)) >= T
@@ -1334,7 +1542,7 @@ def moe_unpermute(
     _check_strided(y_perm, what, "y_perm")
     w = routing.weights if weights else None
     return _eager.call_autograd(
-        _unpermute_op, y_perm.contiguous(), routing.row_map, routing.token_index, w, provider or ""
+        _unpermute_op, y_perm.contiguous(), routing.row_map, routing.token_index, w, provider or "", routing.padded
     )
 
 

@@ -54,7 +54,8 @@ Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dro
   Padding rows are never read; their gradient is zero.
 - ``moe_aux_loss(logits_or_probs, routing, scale=, groups=)``: the Switch/GShard load-balancing loss.
   The T tokens form G groups (``groups=None``: one group of all T; an int S: consecutive groups of S
-  tokens, S dividing T; a list/tuple of lengths summing to T: consecutive groups of those lengths). In
+  tokens, S dividing T; a list/tuple of lengths >= 0 summing to T: consecutive groups of those lengths,
+  e.g. ``routing.sequence_lengths``; an empty group has no tokens to balance and is left out). In
   group g of S_g tokens, ``c_ge`` is the number of the group's assignments (``routing.indices``, K per
   token) that chose expert e, counted before capacity drops (the loss penalises the router's choices, and
   with a ``score_bias`` these are the biased selections, as DeepSeek-V3 counts them), and ``P_ge`` the mean
@@ -376,7 +377,8 @@ AUX_SCALES = ("balanced-one", "hf")
 
 def _check_groups(groups: object, T: int, what: str) -> int | tuple[int, ...] | None:
     """``groups=`` of the aux loss, checked against the T tokens: None, the group size S (an int dividing
-    T) or the tuple of the group lengths (ints >= 1 summing to T)."""
+    T) or the tuple of the non-empty group lengths (ints >= 0 summing to T; the empty groups, which have no
+    tokens to balance, are left out of the mean)."""
     if groups is None:
         return None
     if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
@@ -398,11 +400,11 @@ def _check_groups(groups: object, T: int, what: str) -> int | tuple[int, ...] | 
     for i, n in enumerate(lengths):
         if isinstance(n, bool) or not isinstance(n, int):
             raise ArgumentTypeError(f"{what}: groups[{i}] must be an int length, got {type(n).__name__} {n!r}")
-        if n < 1:
-            raise InvalidArgumentError(f"{what}: groups[{i}]={n}; a group length must be >= 1")
+        if n < 0:
+            raise InvalidArgumentError(f"{what}: groups[{i}]={n}; a group length must be >= 0")
     if sum(lengths) != T:
         raise ShapeError(f"{what}: the group lengths sum to {sum(lengths)}, the routing has T={T} tokens")
-    return lengths
+    return lengths if all(lengths) else tuple(n for n in lengths if n)
 
 
 def _num_groups(groups: int | tuple[int, ...] | None, T: int) -> int:
@@ -1568,7 +1570,8 @@ def moe_aux_loss(
             Switch Transformers' with ``groups``).
         groups: None (all T tokens one group), an int group size S dividing T, or a list/tuple of the
             lengths of consecutive groups summing to T (the sequence lengths: DeepSeek-V3's sequence-wise
-            loss, Megatron's ``seq_aux_loss``). The loss is the unweighted mean of the groups' losses.
+            loss, Megatron's ``seq_aux_loss``; ``routing.sequence_lengths``). The loss is the unweighted mean
+            of the non-empty groups' losses.
         provider: "cpu" (one kernel forward and one backward, CPU tensors) or "torch" (plain torch, which
             autograd differentiates and ``torch.compile`` fuses); None selects automatically.
     """

@@ -295,7 +295,7 @@ def test_bench_ddp_signatures_pairs_the_exchange_on_and_off_run_by_run():
 def test_bench_moe_prints_tables_and_writes_json(tmp_path, capsys):
     out = tmp_path / "moe.json"
     rc = main(["bench", "moe", "--device", "cpu", "--providers", "torch", "--tokens", "257", "--hidden", "33",
-               "--experts", "3,8", "--reps", "2", "--json", str(out)])  # fmt: skip
+               "--experts", "3,8", "--reps", "2", "--blocks", "none", "--json", str(out)])  # fmt: skip
     assert rc == 0
     text = capsys.readouterr().out
     for needle in ("T=257 H=33 E=3 k=2", "E=8", "Mixtral block", "route+permute+unpermute", "index_select", "GB/s"):
@@ -327,7 +327,7 @@ def test_bench_harness_json_and_compare(tmp_path, capsys):
     """`torsh bench SUITE SUITE --json` runs both through one harness; `--compare` against that JSON passes,
     against a baseline where our cases were 10x faster it fails and names them; peers never fail it."""
     out = tmp_path / "all.json"
-    small = ["--args", 'moe=--tokens 257 --hidden 33 --experts 3 --reps 2',
+    small = ["--args", 'moe=--tokens 257 --hidden 33 --experts 3 --reps 2 --blocks none',
              "--args", "offload=--sizes 0.25 --width 64 --layers 2 --steps 2 --reps 2"]  # fmt: skip
     assert main(["bench", "moe", "offload", "--json", str(out), *small]) == 0
     doc = json.loads(out.read_text())

@@ -52,10 +52,27 @@ Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dro
   ``y[t] = sum_j weights[t, j] * y_perm[row_map[t, j]]`` over the kept assignments, accumulated in fp32
   in the order j = 0..K-1 and cast once to ``y_perm``'s dtype (``weights=False`` sums without weights).
   Padding rows are never read; their gradient is zero.
-- ``moe_aux_loss(logits_or_probs, routing)``: the Switch/GShard load-balancing loss
-  ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the T*K assignments the router sent to expert e
-  (before capacity drops: the loss penalises the router's choices) and ``P_e`` the mean router
-  probability of e (softmax; for sigmoid scores, the per-token normalised scores). 1.0 when balanced.
+- ``moe_aux_loss(logits_or_probs, routing, scale=, groups=)``: the Switch/GShard load-balancing loss.
+  The T tokens form G groups (``groups=None``: one group of all T; an int S: consecutive groups of S
+  tokens, S dividing T; a list/tuple of lengths >= 0 summing to T: consecutive groups of those lengths,
+  e.g. ``routing.sequence_lengths``; an empty group has no tokens to balance and is left out). In
+  group g of S_g tokens, ``c_ge`` is the number of the group's assignments (``routing.indices``, K per
+  token) that chose expert e, counted before capacity drops (the loss penalises the router's choices, and
+  with a ``score_bias`` these are the biased selections, as DeepSeek-V3 counts them), and ``P_ge`` the mean
+  over the group's tokens of e's probability, from ``logits_or_probs`` (softmax of the logits for a
+  softmax routing; for sigmoid, each token's scores divided by their sum; ``from_probs=True``: the values
+  as given). The loss is the mean over groups of ``E * sum_e f_ge * P_ge``, with
+  ``f_ge = c_ge / (K * S_g)`` for ``scale="balanced-one"`` (the default: 1.0 when every expert gets the
+  same share, whatever K) and ``f_ge = c_ge / S_g`` for ``scale="hf"`` (K times as large: Hugging Face's
+  ``load_balancing_loss_func`` of Mixtral, Qwen2-MoE and OLMoE, without an attention mask, for G = 1;
+  Switch Transformers' ``load_balancing_loss_func``, per group of ``[G, S, E]`` router probabilities, with
+  groups=S). With ``groups`` the sequence lengths and the default scale it is DeepSeek-V3's
+  sequence-wise balance loss (paper eq. 17-20, without its alpha) and Megatron-Core's ``seq_aux_loss``
+  (averaged over sequences): per sequence ``E / (K * S) * c_e`` times the mean normalised score.
+  A group is a run of consecutive rows of the [T, E] logits, as in Hugging Face's [batch, seq] flattening
+  (in Megatron's [seq, batch] layout a sequence's rows are not consecutive: route [batch, seq] rows). No
+  tokens (T = 0): 0. HF's masked form (``attention_mask``: the loss over the unmasked tokens) is not
+  provided.
 - ``moe_z_loss(logits)``: ``mean_t logsumexp(logits[t])**2`` (ST-MoE's router z-loss).
 
 Providers: ``moe_route``, ``moe_permute`` and ``moe_unpermute`` (and their backward passes) have Triton,
@@ -69,8 +86,10 @@ of each row). The permute reads each token's row once and writes it to its K row
 the rows, each written once, from its token or as zeros); the unpermute reads the K rows of a token and
 writes it once; the unpermute's backward writes the weighted gradient rows and the weight gradients in one
 pass (padded: into a zeroed buffer).
-The backward of the route (a few [T, E] elementwise operations) and the two losses are plain torch for
-every provider: they are tiny next to the [T, H] traffic and autograd differentiates them.
+The backward of the route (a few [T, E] elementwise operations) is plain torch for every provider. The two
+losses are tiny next to the [T, H] traffic: the torch formula on every device (autograd differentiates it,
+torch.compile fuses it) and, on CPU tensors, the cpu provider's kernels (one pass forward and one backward
+over [T, E], every scale and grouping; see ``_moe_cpu.py``).
 
 Integer outputs are int64. ``routing.num_rows`` (N) is a host integer: with a capacity and no padding it
 costs one device-to-host copy of the expert counts, which the permute needs anyway to size its output;
@@ -85,6 +104,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
+from collections.abc import Sequence
 
 import torch
 
@@ -114,6 +134,7 @@ from ._moe_routing import (
 from .registry import Op, check_provider
 
 __all__ = [
+    "AUX_SCALES",
     "CAPACITY_SCOPES",
     "DROP_POLICIES",
     "SCORES",
@@ -351,22 +372,90 @@ def moe_unpermute_ref(y_perm: torch.Tensor, routing: Routing, *, weights: bool =
     return out.to(y_perm.dtype)
 
 
-def moe_aux_loss_ref(logits_or_probs: torch.Tensor, routing: Routing, *, from_probs: bool = False) -> torch.Tensor:
-    """E * sum_e f_e * P_e (see the module docstring)."""
-    E, T, K = routing.num_experts, routing.num_tokens, routing.k
+AUX_SCALES = ("balanced-one", "hf")
+
+
+def _check_groups(groups: object, T: int, what: str) -> int | tuple[int, ...] | None:
+    """``groups=`` of the aux loss, checked against the T tokens: None, the group size S (an int dividing
+    T) or the tuple of the non-empty group lengths (ints >= 0 summing to T; the empty groups, which have no
+    tokens to balance, are left out of the mean)."""
+    if groups is None:
+        return None
+    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
+        hint = " (a tensor of lengths: pass lengths.tolist())" if isinstance(groups, torch.Tensor) else ""
+        raise ArgumentTypeError(
+            f"{what}: groups must be None, an int group size or a list/tuple of group lengths, got "
+            f"{type(groups).__name__}{hint}"
+        )
+    if isinstance(groups, int):
+        if groups < 1:
+            raise InvalidArgumentError(f"{what}: groups={groups}; a group size must be >= 1")
+        if T % groups:
+            raise ShapeError(
+                f"{what}: the group size groups={groups} does not divide the T={T} tokens; pass the group "
+                "lengths as a list instead"
+            )
+        return groups
+    lengths = tuple(groups)
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ArgumentTypeError(f"{what}: groups[{i}] must be an int length, got {type(n).__name__} {n!r}")
+        if n < 0:
+            raise InvalidArgumentError(f"{what}: groups[{i}]={n}; a group length must be >= 0")
+    if sum(lengths) != T:
+        raise ShapeError(f"{what}: the group lengths sum to {sum(lengths)}, the routing has T={T} tokens")
+    return lengths if all(lengths) else tuple(n for n in lengths if n)
+
+
+def _num_groups(groups: int | tuple[int, ...] | None, T: int) -> int:
+    return 1 if groups is None else T // groups if isinstance(groups, int) else len(groups)
+
+
+def _aux_probs(x: torch.Tensor, routing: Routing, from_probs: bool) -> torch.Tensor:
+    """[T, E] fp32 probabilities of the aux loss (see the module docstring)."""
     if from_probs:
-        p = logits_or_probs.float()
-    elif routing.score == "softmax":
-        p = torch.softmax(logits_or_probs.float(), dim=-1)
-    else:
-        s = torch.sigmoid(logits_or_probs.float())
-        p = s / s.sum(-1, keepdim=True)
-    idx = routing.indices.reshape(-1)  # (a count per expert of static shape [E]: bincount's size depends on the data)
-    f = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx)).float()
-    f = f / max(T * K, 1)
+        return x.float()
+    if routing.score == "softmax":
+        return torch.softmax(x.float(), dim=-1)
+    s = torch.sigmoid(x.float())
+    return s / s.sum(-1, keepdim=True)
+
+
+def moe_aux_loss_ref(
+    logits_or_probs: torch.Tensor,
+    routing: Routing,
+    *,
+    from_probs: bool = False,
+    scale: str = "balanced-one",
+    groups: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The mean over groups of E * sum_e f_ge * P_ge (see the module docstring), in plain torch."""
+    what = "torsh_kernels.moe_aux_loss_ref"
+    E, T, K = routing.num_experts, routing.num_tokens, routing.k
+    kf = K if _check_choice(scale, what, "scale", AUX_SCALES) == "balanced-one" else 1
+    groups = _check_groups(groups, T, what)
+    p = _aux_probs(logits_or_probs, routing, from_probs)
     if T == 0:  # no tokens: no imbalance (a mean over no tokens would be NaN and spoil the summed loss)
         return (p.sum() * 0.0).reshape(())
-    return E * (f * p.mean(0)).sum()
+    if groups is None:  # (a count per expert of static shape [E]: bincount's size depends on the data)
+        idx = routing.indices.reshape(-1)
+        f = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx)).float()
+        return E * (f / (T * kf) * p.mean(0)).sum()
+    G = _num_groups(groups, T)
+    dev = routing.indices.device
+    if isinstance(groups, int):  # G groups of S tokens
+        gid = torch.arange(T, device=dev) // groups
+        psum = p.view(G, groups, E).sum(1)  # [G, E]
+        sizes = torch.full((G,), float(groups), device=p.device)
+    else:
+        lengths = torch.tensor(groups)
+        gid = torch.repeat_interleave(torch.arange(G), lengths).to(dev)
+        psum = p.new_zeros(G, E).index_add(0, gid.to(p.device), p)
+        sizes = lengths.to(device=p.device, dtype=torch.float32)
+    key = (gid[:, None] * E + routing.indices).reshape(-1)  # [T*K]: group-major expert slot
+    counts = torch.zeros(G * E, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    per_group = (counts.view(G, E).float() * psum).sum(1) / sizes.square()  # [G]
+    return (E / (kf * G)) * per_group.sum()
 
 
 def moe_z_loss_ref(logits: torch.Tensor) -> torch.Tensor:
@@ -1460,14 +1549,32 @@ def moe_unpermute(
 
 
 def moe_aux_loss(
-    logits_or_probs: torch.Tensor, routing: Routing, *, from_probs: bool = False, provider: str | None = None
+    logits_or_probs: torch.Tensor,
+    routing: Routing,
+    *,
+    from_probs: bool = False,
+    scale: str = "balanced-one",
+    groups: int | Sequence[int] | None = None,
+    provider: str | None = None,
 ) -> torch.Tensor:
-    """The load-balancing loss ``E * sum_e f_e * P_e`` (fp32 scalar, differentiable in the input).
+    """The load-balancing loss: the mean over token groups of ``E * sum_e f_ge * P_ge`` (fp32 scalar,
+    differentiable in the input; see the module docstring).
 
-    ``logits_or_probs`` is the [T, E] router logits (scored like the routing) or, with
-    ``from_probs=True``, probabilities the caller already computed. ``provider``: "cpu" (one kernel
-    forward and one backward, CPU tensors) or "torch" (plain torch, which autograd differentiates and
-    ``torch.compile`` fuses); None selects automatically."""
+    Args:
+        logits_or_probs: the [T, E] router logits (scored like the routing: softmax, or sigmoid scores
+            divided by their sum per token) or, with ``from_probs=True``, probabilities the caller already
+            computed. With a ``score_bias`` routing, the unbiased logits.
+        routing: the :class:`Routing` of these logits; its ``indices`` (before capacity drops) are counted.
+        scale: "balanced-one" (``f_ge = c_ge / (K * S_g)``: 1.0 when balanced) or "hf" (``c_ge / S_g``,
+            K times that: Hugging Face's Mixtral / Qwen2-MoE / OLMoE ``load_balancing_loss_func``, and
+            Switch Transformers' with ``groups``).
+        groups: None (all T tokens one group), an int group size S dividing T, or a list/tuple of the
+            lengths of consecutive groups summing to T (the sequence lengths: DeepSeek-V3's sequence-wise
+            loss, Megatron's ``seq_aux_loss``; ``routing.sequence_lengths``). The loss is the unweighted mean
+            of the non-empty groups' losses.
+        provider: "cpu" (one kernel forward and one backward, CPU tensors) or "torch" (plain torch, which
+            autograd differentiates and ``torch.compile`` fuses); None selects automatically.
+    """
     what = "torsh_kernels.moe_aux_loss"
     routing = _check_routing(routing, what, "experts")
     x = _check_tensor(logits_or_probs, what, "logits_or_probs")
@@ -1481,7 +1588,11 @@ def moe_aux_loss(
         raise DeviceMismatchError(f"{what}: logits_or_probs is on {x.device}, the routing on {routing.indices.device}")
     if not x.is_contiguous():
         _check_strided(x, what, "logits_or_probs")
-    return _aux_loss(_loss_provider(_aux_loss, x, provider), x, routing, bool(from_probs))
+    if scale != "balanced-one":
+        _check_choice(scale, what, "scale", AUX_SCALES)
+    if groups is not None:
+        groups = _check_groups(groups, routing.num_tokens, what)
+    return _aux_loss(_loss_provider(_aux_loss, x, provider), x, routing, bool(from_probs), scale, groups)
 
 
 def moe_z_loss(logits: torch.Tensor, *, provider: str | None = None) -> torch.Tensor:
@@ -1498,7 +1609,11 @@ def moe_z_loss(logits: torch.Tensor, *, provider: str | None = None) -> torch.Te
 # mode, or for a tensor subclass the torch formulas run.
 _aux_loss = Op("moe_aux_loss")
 _z_loss = Op("moe_z_loss")
-_aux_loss.register("torch")(lambda x, routing, from_probs: moe_aux_loss_ref(x, routing, from_probs=from_probs))
+_aux_loss.register("torch")(
+    lambda x, routing, from_probs, scale, groups: moe_aux_loss_ref(
+        x, routing, from_probs=from_probs, scale=scale, groups=groups
+    )
+)
 _z_loss.register("torch")(moe_z_loss_ref)
 
 
@@ -1515,10 +1630,11 @@ def _loss_provider(op, x: torch.Tensor, provider: str | None) -> str:
 
 
 @_aux_loss.register("cpu")
-def _aux_loss_cpu(x, routing, from_probs):
+def _aux_loss_cpu(x, routing, from_probs, scale, groups):
     M = _cpu_kernels()
     mode = M.PROBS if from_probs else M.SOFTMAX if routing.score == "softmax" else M.SIGMOID
-    return M.aux_loss(x.float().contiguous(), mode, routing.indices)
+    kf = routing.k if scale == "balanced-one" else 1
+    return M.aux_loss(x.float().contiguous(), mode, routing.indices, kf, groups)
 
 
 @_z_loss.register("cpu")

@@ -19,8 +19,9 @@ machine's, not ours). A run that compares nothing is an error (exit status 2).
 extra): DRAM throughput and occupancy per kernel; where `ncu`, nsight-python or a GPU is missing it says
 which and exits with status 2.
 
-Sizes: on a GPU the suites' own defaults; on a CPU, unless `--full`, reduced sizes (each suite a few
-seconds to a minute; the full CPU run takes most of an hour). `--args SUITE="..."` passes options to a
+Sizes: on a GPU the suites' own defaults (and the moe suite's layer cases at their target size,
+`--layer-full`); on a CPU, unless `--full`, reduced sizes (each suite a few seconds to a minute; the full
+CPU run takes most of an hour). `--args SUITE="..."` passes options to a
 suite.
 """
 
@@ -65,6 +66,9 @@ QUICK: dict[str, list[str]] = {
     "trace": ["--calls", "50000", "--reps", "5"],
     "overhead": ["--calls", "100", "--reps", "7"],
 }
+# Options a suite adds to its own defaults in the full runs (a GPU, or --full): the sizes its defaults keep small
+# because a direct call of the suite runs them (the moe suite's layer cases: a smoke size unless --layer-full).
+FULL: dict[str, list[str]] = {"moe": ["--layer-full"]}
 HAS_DEVICE = ("bucket", "compression", "moe", "offload")
 
 
@@ -263,7 +267,8 @@ def _plan(args: argparse.Namespace, baseline: Baseline | None) -> list[tuple[str
         if recorded is not None:
             argv = list(recorded) + (["--device", str(device)] if args.device and name in HAS_DEVICE else [])
         else:
-            argv = (QUICK[name] if quick else []) + (["--device", str(device)] if name in HAS_DEVICE else [])
+            argv = QUICK[name] if quick else FULL.get(name, [])
+            argv = argv + (["--device", str(device)] if name in HAS_DEVICE else [])
         ns = parser.parse_args(argv + extra.get(name, []))
         ns.options = _cli.argv_of(parser, ns, skip={"json"})
         plan.append((name, mod, ns))

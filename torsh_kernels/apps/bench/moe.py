@@ -15,11 +15,32 @@ and router logits. The experts are the identity, so what is timed is the routing
 GB/s counts the bytes the fused ops must move: permute reads [T, H] and writes [N, H]; unpermute reads
 [N, H] and writes [T, H]; the path adds the logits. The baseline is a same-device copy of the [N, H]
 permuted tensor; "of copy" is the ratio to its bandwidth.
+
+The full layer (``--blocks``, default mixtral and deepseek-v3): a training step, forward and backward of
+``<y, dy>`` with the input requiring a gradient, of torsh's ``MoELayer`` and of Hugging Face's block
+(transformers' ``MixtralSparseMoeBlock``, ``DeepseekV3MoE``: DeepSeek-V3's grouped top-k over sigmoid
+scores with a score correction bias, routed scaling 2.5 and one shared expert) holding the same weights,
+on the same tokens, per expert count of ``--experts`` with ``--k``. Sizes: T=256, H=64 by default (a
+smoke test), T=4096, H=1024 with ``--layer-full`` (the harness adds it in its full runs); the experts'
+width 3.5 x H for E <= 16 (Mixtral) and H / 2 above (fine-grained: OLMoE's ratio), see
+:func:`expert_width`. Before anything is timed, the bench checks that both do the same math: the outputs,
+the input's gradient and every weight's gradient within a relative 1e-4 (fp32) of HF's; else it stops.
+Hugging Face's ``experts_implementation="grouped_mm"`` (the same block, its experts through
+``torch.nn.functional.grouped_mm``) is timed too and reported in its own column. Reported: the median
+step in ms with its 20th-80th percentiles (interleaved repetitions), tokens/s, GFLOP/s (3x the forward's
+multiply-adds x 2), and our speedup over each HF variant with its range (the ratio of the medians; low:
+their p20 over our p80, high: their p80 over our p20). ``--profile-layer`` times each phase of our layer
+alone (router, route, permute, experts and their GEMMs alone, unpermute; each backward alone). Our layer
+runs without its aux loss (``aux_loss_coef=0``): HF's blocks compute none either.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +50,7 @@ from ...ops import moe_permute, moe_route, moe_unpermute
 from . import (
     Case,
     Result,
+    Timing,
     add_device,
     add_providers,
     emit,
@@ -37,6 +59,7 @@ from . import (
     resolve_device,
     result_doc,
     select_providers,
+    time_interleaved,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -128,6 +151,297 @@ def run_case(T: int, H: int, E: int, k: int, dtype: torch.dtype, device: torch.d
     return results
 
 
+# ------------------------------------------------------------------------------------------------- layer
+# The full layer, forward + backward, against Hugging Face's blocks on the same weights and tokens.
+
+LAYER_BLOCKS = ("mixtral", "deepseek-v3")
+SMOKE_LAYER = (256, 64)
+"""(T, H) of the layer cases by default: a smoke size, seconds on a CPU."""
+FULL_LAYER = (4096, 1024)
+"""(T, H) with ``--layer-full``: the issue's target (E=8 and 64, k=2, fp32)."""
+# Each case's relative error bound, per dtype, on the outputs and every gradient (max |a - b| / max |b|).
+LAYER_TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+
+
+def expert_width(hidden: int, experts: int) -> int:
+    """The experts' inner width unless ``--expert-width`` says: coarse experts (E <= 16) are Mixtral's
+    3.5 x hidden (14336 / 4096); fine-grained ones (E > 16) hidden / 2, OLMoE's ratio (1024 / 2048; between
+    DeepSeek-V3's 2048 / 7168 = 0.29 and DeepSeek-V2-Lite's or Qwen1.5-MoE's 1408 / 2048 = 0.69)."""
+    return max(1, int(3.5 * hidden)) if experts <= 16 else max(1, hidden // 2)
+
+
+def deepseek_groups(experts: int, k: int) -> tuple[int, int]:
+    """(n_group, topk_group) of the DeepSeek-V3 cases: DeepSeek-V3's 8 groups with 4 kept where E allows it
+    (2 experts per group at least: the group score sums a group's top 2; the kept groups holding k experts
+    at least), else 4 or 2 groups with half kept, else one group."""
+    for n in (8, 4, 2):
+        if experts % n == 0 and experts // n >= 2 and (n // 2) * (experts // n) >= k:
+            return n, n // 2
+    return 1, 1
+
+
+def hf_block(kind: str, H: int, width: int, E: int, k: int, experts_impl: str, gen: torch.Generator):
+    """A Hugging Face MoE block (transformers), weights drawn from ``gen``: every parameter
+    N(0, 1 / fan_in), DeepSeek-V3's score correction bias N(0, 0.02) (it changes some selections)."""
+    if kind == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        cfg = MixtralConfig(hidden_size=H, intermediate_size=width, num_local_experts=E, num_experts_per_tok=k,
+                            router_jitter_noise=0.0)  # fmt: skip
+        cls = MixtralSparseMoeBlock
+    else:
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+        n_group, topk_group = deepseek_groups(E, k)
+        cfg = DeepseekV3Config(hidden_size=H, moe_intermediate_size=width, n_routed_experts=E, num_experts_per_tok=k,
+                               n_shared_experts=1, n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5,
+                               norm_topk_prob=True)  # fmt: skip
+        cls = DeepseekV3MoE
+    cfg._experts_implementation = experts_impl
+    block = cls(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        for name, b in block.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.02)
+    return block
+
+
+def _t(g: torch.Tensor) -> torch.Tensor:
+    return g.transpose(-2, -1)
+
+
+def torsh_layer(kind: str, block) -> tuple[object, dict[str, list]] | None:
+    """The torsh :class:`~torsh_kernels.parallel.MoELayer` of a Hugging Face block with its weights, and how
+    its parameters' gradients map onto the block's (our name -> [(their name, our gradient -> theirs)]): None
+    when MoELayer cannot express the block yet."""
+    from ...parallel import MoELayer
+
+    if kind != "mixtral":
+        return None  # DeepSeek-V3: the score bias, grouped top-k, scaling and shared experts are not in MoELayer
+    # (MoELayer.from_hf replaces this port once it exists)
+    ex = block.experts
+    E, two_w, H = ex.gate_up_proj.shape
+    layer = MoELayer(H, two_w // 2, E, block.top_k, aux_loss_coef=0.0, device=ex.gate_up_proj.device,
+                     dtype=ex.gate_up_proj.dtype)  # fmt: skip
+    with torch.no_grad():
+        layer.router.weight.copy_(block.gate.weight)
+        layer.w_in.copy_(ex.gate_up_proj.transpose(1, 2))  # [E, H, 2w]: gate and up side by side, as HF's rows
+        layer.w_out.copy_(ex.down_proj.transpose(1, 2))
+    return layer, {"router.weight": [("gate.weight", lambda g: g)], "w_in": [("experts.gate_up_proj", _t)],
+                   "w_out": [("experts.down_proj", _t)]}  # fmt: skip
+
+
+def _fwd_bwd(module, x: torch.Tensor, gy: torch.Tensor):
+    """One training step of ``module`` on ``x`` (requiring a gradient, as inside a model): forward, then
+    backward of ``<y, gy>``; the parameters' gradients dropped after, so none accumulates."""
+
+    def step():
+        xx = x.detach().requires_grad_()
+        module(xx).backward(gy)
+        for p in module.parameters():
+            p.grad = None
+        return xx.grad
+
+    return step
+
+
+def _outputs(module, x: torch.Tensor, gy: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The output, the input's gradient and every parameter's gradient of one step (fp32 copies)."""
+    xx = x.detach().requires_grad_()
+    y = module(xx)
+    y.backward(gy)
+    out = {"y": y.detach().float(), "grad x": xx.grad.float()}
+    for n, p in module.named_parameters():
+        out[f"grad {n}"] = p.grad.detach().float()
+        p.grad = None
+    return out
+
+
+def _same_math(name: str, got: dict, want: dict, mapping: dict[str, list], tol: float) -> dict[str, float]:
+    """The relative error (max |a - b| / max |b|) of each output of ``got`` against ``want``, our parameters'
+    gradients through ``mapping`` (see :func:`torsh_layer`); an AssertionError, and no timing, where one
+    exceeds ``tol`` or where a gradient of either side has nothing to compare with."""
+    pairs = []
+    for key, a in got.items():
+        if key.startswith("grad ") and key[5:] in mapping:
+            pairs += [(f"grad {theirs}", fn(a)) for theirs, fn in mapping[key[5:]]]
+        else:
+            pairs.append((key, a))
+    errs = {}
+    for key, a in pairs:
+        if key not in want:
+            raise AssertionError(f"moe layer: {name}'s {key} has nothing to compare with in the Hugging Face block")
+        b = want[key]
+        err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+        errs[key] = err
+        if not err <= tol:
+            raise AssertionError(f"moe layer: {name} differs from the Hugging Face block in {key}: relative "
+                                 f"error {err:.3g} > {tol}; not timing it")  # fmt: skip
+    missing = set(want) - set(errs)
+    if missing:
+        raise AssertionError(f"moe layer: {name} has nothing to compare with {sorted(missing)}")
+    return errs
+
+
+def _flops(kind: str, T: int, H: int, width: int, E: int, k: int) -> float:
+    """Multiply-adds x 2 of one forward: router, the k experts' three projections per token (SwiGLU), and
+    DeepSeek-V3's shared expert (one, of the same width)."""
+    f = 2 * T * H * E + 2 * T * k * 3 * H * width
+    return f + (2 * T * 3 * H * width if kind == "deepseek-v3" else 0)
+
+
+def run_layer_case(kind: str, T: int, H: int, E: int, k: int, width: int, dtype: torch.dtype, device: torch.device,
+                   reps: int, grouped_mm: bool, profile: bool) -> tuple[list[Result], dict | None]:  # fmt: skip
+    """Ours against the Hugging Face block (and its grouped_mm experts): the same math checked first, then
+    forward + backward timed, interleaved; the profile of ours by phase when asked."""
+    title = f"layer {kind}: T={T} H={H} E={E} k={k} width={width} {str(dtype).removeprefix('torch.')}"
+    g = torch.Generator().manual_seed(1000 + E)
+    hf = hf_block(kind, H, width, E, k, "eager", g)
+    cls = type(hf).__name__
+    peers = [(f"HF {cls} (eager experts)", hf)]
+    if grouped_mm:
+        hg = hf_block(kind, H, width, E, k, "grouped_mm", torch.Generator())
+        hg.load_state_dict(hf.state_dict())
+        peers.append((f"HF {cls} (grouped_mm experts)", hg))
+    ported = torsh_layer(kind, hf)
+    x = torch.randn(1, T, H, generator=g).to(device=device, dtype=dtype)
+    gy = torch.randn(1, T, H, generator=g).to(device=device, dtype=dtype)
+    for _, m in peers:
+        m.to(device=device, dtype=dtype)
+    flops = 3 * _flops(kind, T, H, width, E, k)
+    extra = {"block": kind, "tokens": T, "hidden": H, "experts": E, "k": k, "expert_width": width,
+             "dtype": str(dtype).removeprefix("torch."), "gflop_per_step": flops / 1e9}  # fmt: skip
+    if kind == "deepseek-v3":
+        extra.update(zip(("n_group", "topk_group"), deepseek_groups(E, k)), shared_experts=1,
+                     routed_scaling_factor=2.5)  # fmt: skip
+    # the same math first: HF's grouped_mm against HF's eager, ours against HF's eager
+    want = _outputs(hf, x, gy)
+    tol = LAYER_TOL[dtype]
+    checks = {}
+    for name, m in peers[1:]:
+        checks[name] = _same_math(name, _outputs(m, x, gy), want, {}, tol)
+    fns, rows = [], []
+    if ported is not None:
+        layer, mapping = ported
+        layer.to(device=device, dtype=dtype)
+        checks["torsh MoELayer"] = _same_math("torsh MoELayer", _outputs(layer, x, gy), want, mapping, tol)
+        fns.append(_fwd_bwd(layer, x, gy))
+        rows.append(("torsh MoELayer", "ours", "layer fwd+bwd"))
+    else:
+        extra["note"] = "no torsh layer: MoELayer cannot express this block yet"
+    fns.append(_fwd_bwd(hf, x, gy))
+    rows.append((peers[0][0], "peer", "layer fwd+bwd"))
+    for name, m in peers[1:]:
+        fns.append(_fwd_bwd(m, x, gy))
+        rows.append((name, "peer", "layer fwd+bwd, HF grouped_mm experts"))
+    timings = time_interleaved(fns, device, warmup=1, reps=reps)
+    results = []
+    for (impl, kind_, op), t in zip(rows, timings):
+        s = t.median_ms / 1e3
+        results.append(Result(case=title, op=op, impl=impl, kind=kind_, bytes_moved=0, timing=t,
+                              extra={**extra, "tokens_per_s": T / s, "gflops": flops / s / 1e9,
+                                     "max_rel_error": checks.get(impl, {})}))  # fmt: skip
+    ours = [r for r in results if r.kind == "ours"]
+    for r in ours:
+        for peer in results[1:]:
+            key = "eager" if peer.op == "layer fwd+bwd" else "grouped_mm"
+            ratio = _ratio(peer.timing, r.timing)
+            r.extra[f"speedup_vs_hf_{key}"] = ratio
+            if key == "eager":
+                r.speedup_vs_best_peer = ratio["median"]
+    prof = _profile_layer(ported[0], x, gy, reps) if profile and ported is not None else None
+    return results, prof
+
+
+def _ratio(slow: Timing, fast: Timing) -> dict[str, float]:
+    """slow / fast: the ratio of the medians, and its range from their 20th and 80th percentiles (the
+    lowest: slow's p20 over fast's p80; the highest: slow's p80 over fast's p20)."""
+    return {"median": slow.median_ms / fast.median_ms, "low": slow.p20_ms / fast.p80_ms,
+            "high": slow.p80_ms / fast.p20_ms}  # fmt: skip
+
+
+def _timed(fn, reps: int) -> float:
+    """Median wall time of ``fn`` in ms (one warm-up call)."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def _profile_layer(layer, x: torch.Tensor, gy: torch.Tensor, reps: int) -> dict[str, float]:
+    """Where a torsh MoELayer's step goes (median ms): each phase of its forward run and timed on its own, as
+    in training (grad mode on, the weights requiring gradients), then each phase's backward alone (its graph
+    built once and backpropagated with retain_graph); the experts' GEMMs also alone (the same matmuls
+    without the rest); and the whole step. No profiler runs: a profiler turns the ops' fast paths off."""
+    from ...ops import moe_permute, moe_route, moe_unpermute
+
+    H, w = layer.hidden, layer.ffn_hidden
+    x2 = x.detach().reshape(-1, H)
+    route = dict(k=layer.k, score=layer.score, renormalize=layer.renormalize, capacity_factor=layer.capacity_factor,
+                 drop_policy=layer.drop_policy, provider=layer.provider)  # fmt: skip
+    gen = torch.Generator().manual_seed(7)
+
+    def like(t):
+        return torch.randn(t.shape, generator=gen).to(t)
+
+    xr = x2.clone().requires_grad_()
+    logits = layer.router(xr)
+    lg = logits.detach().requires_grad_()
+    r = moe_route(lg, **route)
+    counts = r.tokens_per_expert.tolist()
+    xp = moe_permute(xr, r)
+    xpr = xp.detach().requires_grad_()
+    yp = layer._experts(xpr, counts)
+    ypr = yp.detach().requires_grad_()
+    y = moe_unpermute(ypr, r)
+    out: dict[str, float] = {}
+    out["fwd router matmul"] = _timed(lambda: layer.router(xr), reps)
+    out["fwd moe_route"] = _timed(lambda: moe_route(lg, **route), reps)
+    out["fwd moe_permute"] = _timed(lambda: moe_permute(xr, r), reps)
+    out["fwd experts"] = _timed(lambda: layer._experts(xpr, counts), reps)
+    out["fwd moe_unpermute"] = _timed(lambda: moe_unpermute(ypr, r), reps)
+    bwd = {
+        "router matmul": (logits, [xr, layer.router.weight]),
+        "moe_route": (r.weights, [lg]),
+        "moe_permute": (xp, [xr]),
+        "experts": (yp, [xpr, layer.w_in, layer.w_out]),
+        "moe_unpermute": (y, [ypr, r.weights]),
+    }
+    for name, (o, inputs) in bwd.items():
+        g = like(o)
+        out[f"bwd {name}"] = _timed(lambda o=o, i=inputs, g=g: torch.autograd.grad(o, i, g, retain_graph=True), reps)
+    # the experts' GEMMs alone: per expert, forward x @ w_in, h @ w_out; backward the four products
+    chunks = torch.split(xp.detach(), counts)
+    hs = [c @ layer.w_in[e].detach() for e, c in enumerate(chunks)]
+    acts = [h[:, :w] for h in hs]  # (the activation's shape)
+    gys = torch.split(like(yp), counts)
+    ghs = [like(h) for h in hs]
+    with torch.no_grad():
+
+        def fwd_gemms():
+            for e, c in enumerate(chunks):
+                (c @ layer.w_in[e])[:, :w] @ layer.w_out[e]
+
+        def bwd_gemms():
+            for e, c in enumerate(chunks):
+                gys[e] @ layer.w_out[e].T  # d act
+                acts[e].T @ gys[e]  # d w_out
+                ghs[e] @ layer.w_in[e].T  # d x
+                c.T @ ghs[e]  # d w_in
+
+        out["fwd experts: GEMMs alone"] = _timed(fwd_gemms, reps)
+        out["bwd experts: GEMMs alone"] = _timed(bwd_gemms, reps)
+    out["whole step (fwd+bwd)"] = _timed(_fwd_bwd(layer, x, gy), reps)
+    return out
+
+
 def _counts(text: str) -> list[int]:
     try:
         out = [int(e) for e in text.split(",")]
@@ -136,6 +450,12 @@ def _counts(text: str) -> list[int]:
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expert counts must be >= 1, got {text!r}")
     return out
+
+
+def _blocks(text: str) -> list[str]:
+    if text.strip() in ("none", ""):  # ("": how a recorded baseline replays none)
+        return []
+    return _cli.choice_list(LAYER_BLOCKS, "block")(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,7 +468,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activation and logit dtype")
     p.add_argument("--reps", type=_cli.int_at_least(1), default=None,
                    help="timed repetitions per measurement (default 20 GPU, 5 CPU)")  # fmt: skip
+    g = p.add_argument_group("the full layer against Hugging Face's blocks (forward + backward)")
+    g.add_argument("--blocks", default=list(LAYER_BLOCKS), type=_blocks,
+                   help=f"Hugging Face blocks to compare the layer with, from {', '.join(LAYER_BLOCKS)}, or none "
+                   "(default: both)")  # fmt: skip
+    g.add_argument("--layer-full", action="store_true",
+                   help=f"the target size T={FULL_LAYER[0]}, H={FULL_LAYER[1]} (default: a smoke size, "
+                   f"T={SMOKE_LAYER[0]}, H={SMOKE_LAYER[1]})")  # fmt: skip
+    g.add_argument("--layer-tokens", type=_cli.int_at_least(1), default=None, help="the layer's T (overrides)")
+    g.add_argument("--layer-hidden", type=_cli.int_at_least(1), default=None, help="the layer's H (overrides)")
+    g.add_argument("--expert-width", type=_cli.int_at_least(1), default=None,
+                   help="the experts' inner width (default: 3.5 x H for E <= 16, H / 2 above)")  # fmt: skip
+    g.add_argument("--layer-dtype", default="fp32", choices=sorted(DTYPES), help="the layer's dtype (default fp32)")
+    g.add_argument("--layer-reps", type=_cli.int_at_least(1), default=None,
+                   help="timed steps per implementation (default 10 GPU, 3 CPU)")  # fmt: skip
+    g.add_argument("--no-hf-grouped-mm", dest="hf_grouped_mm", action="store_false",
+                   help="leave out Hugging Face's experts_implementation='grouped_mm' (timed and reported "
+                   "separately)")  # fmt: skip
+    g.add_argument("--profile-layer", action="store_true",
+                   help="also time each phase of the torsh layer's forward and backward on its own")  # fmt: skip
+    p.add_argument("--note", default=None, help="a note kept in the JSON (e.g. the machine and its load)")
     _cli.add_json(p)
+
+
+def _print_layer(results: list[Result], profiles: dict[str, dict[str, float]]) -> None:
+    console = _cli.console()
+    for case in dict.fromkeys(r.case for r in results):
+        cols = ["implementation", "median", "p20-p80", "tokens/s", "GFLOP/s", "vs HF eager", "vs HF grouped_mm"]
+        table = _cli.table(case, cols, text=("implementation",))
+        for r in (r for r in results if r.case == case):
+            t = r.timing
+            vs = []
+            for key in ("eager", "grouped_mm"):
+                q = r.extra.get(f"speedup_vs_hf_{key}")
+                vs.append(f"{q['median']:.2f}x [{q['low']:.2f}-{q['high']:.2f}]" if q else "")
+            table.add_row(r.impl, f"{t.median_ms:.1f} ms", f"{t.p20_ms:.1f}-{t.p80_ms:.1f}",
+                          f"{r.extra['tokens_per_s']:.0f}", f"{r.extra['gflops']:.1f}", *vs,
+                          style="bold" if r.kind == "ours" else None)  # fmt: skip
+        console.print(table)
+        note = next((r.extra["note"] for r in results if r.case == case and r.extra.get("note")), None)
+        if note:
+            console.print(f"  ({note})")
+        prof = profiles.get(case)
+        if prof:
+            step = prof["whole step (fwd+bwd)"]
+            pt = _cli.table(f"torsh MoELayer by phase: {case}", ["phase", "median", "of the step"], text=("phase",))
+            for name, ms in prof.items():
+                pt.add_row(name, f"{ms:.2f} ms", f"{100 * ms / step:.0f}%")
+            console.print(pt)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,5 +531,36 @@ def run(args: argparse.Namespace) -> int:
     print_tables(results, "torsh bench moe", env)
     config = {"providers": providers, "reps": reps, "tokens": args.tokens, "hidden": args.hidden,
               "experts": ",".join(map(str, args.experts)), "k": args.k, "dtype": args.dtype}  # fmt: skip
+    if args.note is not None:
+        config["note"] = args.note
+    if args.blocks:
+        try:
+            import transformers
+        except ImportError:
+            raise _cli.UsageError("--blocks: the layer cases compare with Hugging Face's blocks, which need "
+                                  "transformers (the dev extra); --blocks none leaves them out") from None  # fmt: skip
+        T, H = FULL_LAYER if args.layer_full else SMOKE_LAYER
+        T, H = args.layer_tokens or T, args.layer_hidden or H
+        dtype = DTYPES[args.layer_dtype]
+        layer_reps = args.layer_reps or (10 if device.type == "cuda" else 3)
+        layer: list[Result] = []
+        profiles: dict[str, dict[str, float]] = {}
+        load = os.getloadavg() if hasattr(os, "getloadavg") else None  # (a shared machine: say how loaded)
+        for E in args.experts:
+            width = args.expert_width or expert_width(H, E)
+            for kind in args.blocks:
+                rs, prof = run_layer_case(kind, T, H, E, args.k, width, dtype, device, layer_reps, args.hf_grouped_mm,
+                                          args.profile_layer)  # fmt: skip
+                layer += rs
+                if prof:
+                    profiles[rs[0].case] = prof
+                    rs[0].extra["profile_ms"] = prof
+                _print_layer(rs, profiles)  # (each case as it ends: at the target size a case takes minutes)
+        load = (load, os.getloadavg() if hasattr(os, "getloadavg") else None)
+        results += layer
+        config["layer"] = {"blocks": ",".join(args.blocks), "tokens": T, "hidden": H, "dtype": args.layer_dtype,
+                           "load_average_before_after": load, "reps": layer_reps,
+                           "expert_width": args.expert_width or "3.5 x H for E <= 16, H / 2 above",
+                           "hf_grouped_mm": args.hf_grouped_mm, "transformers": transformers.__version__}  # fmt: skip
     emit(args, result_doc("moe", env, results, config))
     return 0

@@ -81,6 +81,21 @@ def test_deepseek_layer_routes_and_balances_as_megatron():
     torch.testing.assert_close(layer.balancer.bias, before + torch.sign(mean - load) * 0.01)
 
 
+def test_deepseek_seq_aux_loss_is_megatrons_per_sequence_loss():
+    """Megatron-Core's seq_aux_loss: the Switch loss of each sequence, averaged (moe_aux_loss with the
+    sequences as groups), weighted by moe_aux_loss_coeff; the sequences of a [B, S, H] input."""
+    torch.manual_seed(10)
+    layer = MoELayer.from_megatron(DEEPSEEK)
+    assert layer.load_balancing == "seq_aux_loss"
+    x = torch.randn(3, 10, 16)
+    layer(x)
+    with torch.no_grad():
+        logits = layer.router(x.view(-1, 16))
+    r = layer.last_routing
+    torch.testing.assert_close(layer.aux_loss.detach(), 1e-3 * moe_aux_loss(logits, r, groups=[10, 10, 10]))
+    assert not torch.allclose(layer.aux_loss.detach(), 1e-3 * moe_aux_loss(logits, r))
+
+
 class _OneRank:
     rank, world_size = 0, 1
 

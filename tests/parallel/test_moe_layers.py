@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from tests.helpers import count_calls
 from torsh_kernels.collectives import run_local
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError, ShapeError
+from torsh_kernels.ops import moe_aux_loss
 from torsh_kernels.parallel import ExpertParallelMoE, MoELayer, _moe_experts
+from torsh_kernels.parallel.moe import LOAD_BALANCING
 
 H, FFN = 12, 10
 
@@ -125,6 +127,33 @@ def test_moe_layer_padding_and_sequences_change_only_what_they_should():
         seq(x0)  # a [T, H] input is one sequence: the call's capacity
         assert seq.last_routing.sequence_lengths == (30,)
         assert not torch.equal(r3.dropped, plain.last_routing.dropped)
+
+
+def test_moe_layer_load_balancing_kinds():
+    """The load-balancing kinds. "aux_loss": moe_aux_loss over the call; "seq_aux_loss": its mean over the
+    sequences (a [B, S, H] input, or sequence_lengths, empty ones left out); "none": no load-balancing loss
+    whatever the coefficient."""
+    torch.manual_seed(12)
+    layers = {kind: MoELayer(16, 8, 4, 2, load_balancing=kind, aux_loss_coef=0.1) for kind in LOAD_BALANCING}
+    for layer in layers.values():
+        layer.load_state_dict(layers["aux_loss"].state_dict())
+    x = torch.randn(3, 5, 16)
+    aux = {}
+    for kind, layer in layers.items():
+        layer(x)
+        aux[kind] = layer.aux_loss
+    logits = layers["aux_loss"].router(x.view(15, 16))
+    r = layers["aux_loss"].last_routing
+    torch.testing.assert_close(aux["aux_loss"], 0.1 * moe_aux_loss(logits, r))
+    torch.testing.assert_close(aux["seq_aux_loss"], 0.1 * moe_aux_loss(logits, r, groups=[5, 5, 5]))
+    assert aux["none"] == 0 and not torch.equal(aux["aux_loss"], aux["seq_aux_loss"])
+    seq = layers["seq_aux_loss"]
+    seq(x.view(15, 16), sequence_lengths=[0, 9, 0, 6])
+    torch.testing.assert_close(seq.aux_loss, 0.1 * moe_aux_loss(logits, r, groups=[9, 6]))
+    seq(x.view(15, 16))  # one sequence: the call's loss
+    torch.testing.assert_close(seq.aux_loss, aux["aux_loss"])
+    seq.aux_loss.backward()
+    assert seq.router.weight.grad.abs().sum() > 0
 
 
 @pytest.fixture
@@ -346,7 +375,7 @@ EP_CASES = {
     "shared-wide-gelu": (8, 3, dict(shared_experts=1, shared_ffn_hidden=20, activation="gelu"), "T"),
     "bias-groups-scaling": (8, 3, dict(score="sigmoid", expert_bias=True, n_group=4, topk_group=2, scaling=2.5), "T"),
     "capacity-call": (4, 2, dict(capacity=3, drop_policy="position", shared_experts=1), "T"),
-    "capacity-sequence": (4, 2, dict(capacity_factor=1.0, capacity_scope="sequence"),
+    "capacity-sequence": (4, 2, dict(capacity_factor=1.0, capacity_scope="sequence", load_balancing="seq_aux_loss"),
                           "BS"),
     "padded": (4, 2, dict(capacity_factor=1.25, pad_to_capacity=True, expert_bias=True, score="sigmoid"), "P"),
 }  # fmt: skip

@@ -214,25 +214,37 @@ def _t(g: torch.Tensor) -> torch.Tensor:
     return g.transpose(-2, -1)
 
 
-def torsh_layer(kind: str, block) -> tuple[object, dict[str, list]] | None:
-    """The torsh :class:`~torsh_kernels.parallel.MoELayer` of a Hugging Face block with its weights, and how
-    its parameters' gradients map onto the block's (our name -> [(their name, our gradient -> theirs)]): None
-    when MoELayer cannot express the block yet."""
+def torsh_layer(kind: str, block) -> tuple[object, dict[str, list]]:
+    """The torsh :class:`~torsh_kernels.parallel.MoELayer` of a Hugging Face block, through
+    :meth:`MoELayer.from_hf <torsh_kernels.parallel.MoELayer.from_hf>` (its weights copied), and how its
+    parameters' gradients map onto the block's (our name -> [(their name, our gradient -> theirs)])."""
     from ...parallel import MoELayer
 
-    if kind != "mixtral":
-        return None  # DeepSeek-V3: the score bias, grouped top-k, scaling and shared experts are not in MoELayer
-    # (MoELayer.from_hf replaces this port once it exists)
-    ex = block.experts
-    E, two_w, H = ex.gate_up_proj.shape
-    layer = MoELayer(H, two_w // 2, E, block.top_k, aux_loss_coef=0.0, device=ex.gate_up_proj.device,
-                     dtype=ex.gate_up_proj.dtype)  # fmt: skip
-    with torch.no_grad():
-        layer.router.weight.copy_(block.gate.weight)
-        layer.w_in.copy_(ex.gate_up_proj.transpose(1, 2))  # [E, H, 2w]: gate and up side by side, as HF's rows
-        layer.w_out.copy_(ex.down_proj.transpose(1, 2))
-    return layer, {"router.weight": [("gate.weight", lambda g: g)], "w_in": [("experts.gate_up_proj", _t)],
-                   "w_out": [("experts.down_proj", _t)]}  # fmt: skip
+    layer = MoELayer.from_hf(block)
+    mapping: dict[str, list] = {
+        "router.weight": [("gate.weight", lambda g: g)],
+        "w_in": [("experts.gate_up_proj", _t)],  # [E, H, 2w]: gate and up side by side, as HF's rows
+        "w_out": [("experts.down_proj", _t)],
+    }
+    if kind == "deepseek-v3":  # the shared MLP: shared_w_in [H, 2S] (gate columns first), shared_w_out [S, H]
+        S = layer.shared_w_out.shape[0]
+        mapping["shared_w_in"] = [("shared_experts.gate_proj.weight", lambda g: g[:, :S].T),
+                                  ("shared_experts.up_proj.weight", lambda g: g[:, S:].T)]  # fmt: skip
+        mapping["shared_w_out"] = [("shared_experts.down_proj.weight", _t)]
+    return layer, mapping
+
+
+def _experts_mode(layer, x: torch.Tensor) -> str:
+    """Which expert compute our layer runs on ``x``'s device and dtype: "grouped" (one grouped GEMM per
+    projection) or "loop" with the reason."""
+    from ...parallel._moe_experts import grouped_fits, grouped_supported
+
+    if layer.expert_compute == "loop":
+        return "loop"
+    ok, why = grouped_supported(x.device, x.dtype)
+    if ok:
+        why = grouped_fits(x.reshape(-1, x.shape[-1]), layer.w_in, layer.w_out)
+    return "grouped" if not why else f"loop ({why})"
 
 
 def _fwd_bwd(module, x: torch.Tensor, gy: torch.Tensor):
@@ -307,7 +319,7 @@ def run_layer_case(kind: str, T: int, H: int, E: int, k: int, width: int, dtype:
         hg = hf_block(kind, H, width, E, k, "grouped_mm", torch.Generator())
         hg.load_state_dict(hf.state_dict())
         peers.append((f"HF {cls} (grouped_mm experts)", hg))
-    ported = torsh_layer(kind, hf)
+    layer, mapping = torsh_layer(kind, hf)
     x = torch.randn(1, T, H, generator=g).to(device=device, dtype=dtype)
     gy = torch.randn(1, T, H, generator=g).to(device=device, dtype=dtype)
     for _, m in peers:
@@ -324,15 +336,11 @@ def run_layer_case(kind: str, T: int, H: int, E: int, k: int, width: int, dtype:
     checks = {}
     for name, m in peers[1:]:
         checks[name] = _same_math(name, _outputs(m, x, gy), want, {}, tol)
-    fns, rows = [], []
-    if ported is not None:
-        layer, mapping = ported
-        layer.to(device=device, dtype=dtype)
-        checks["torsh MoELayer"] = _same_math("torsh MoELayer", _outputs(layer, x, gy), want, mapping, tol)
-        fns.append(_fwd_bwd(layer, x, gy))
-        rows.append(("torsh MoELayer", "ours", "layer fwd+bwd"))
-    else:
-        extra["note"] = "no torsh layer: MoELayer cannot express this block yet"
+    layer.to(device=device, dtype=dtype)
+    checks["torsh MoELayer"] = _same_math("torsh MoELayer", _outputs(layer, x, gy), want, mapping, tol)
+    extra["expert_compute"] = _experts_mode(layer, x)
+    fns = [_fwd_bwd(layer, x, gy)]
+    rows = [("torsh MoELayer", "ours", "layer fwd+bwd")]
     fns.append(_fwd_bwd(hf, x, gy))
     rows.append((peers[0][0], "peer", "layer fwd+bwd"))
     for name, m in peers[1:]:
@@ -353,7 +361,7 @@ def run_layer_case(kind: str, T: int, H: int, E: int, k: int, width: int, dtype:
             r.extra[f"speedup_vs_hf_{key}"] = ratio
             if key == "eager":
                 r.speedup_vs_best_peer = ratio["median"]
-    prof = _profile_layer(ported[0], x, gy, reps) if profile and ported is not None else None
+    prof = _profile_layer(layer, x, gy, reps) if profile else None
     return results, prof
 
 
@@ -385,7 +393,9 @@ def _profile_layer(layer, x: torch.Tensor, gy: torch.Tensor, reps: int) -> dict[
     H, w = layer.hidden, layer.ffn_hidden
     x2 = x.detach().reshape(-1, H)
     route = dict(k=layer.k, score=layer.score, renormalize=layer.renormalize, capacity_factor=layer.capacity_factor,
-                 drop_policy=layer.drop_policy, provider=layer.provider)  # fmt: skip
+                 drop_policy=layer.drop_policy, provider=layer.provider, **layer._route_options())  # fmt: skip
+    if layer.balancer is not None:
+        route["score_bias"] = layer.balancer.bias
     gen = torch.Generator().manual_seed(7)
 
     def like(t):
@@ -398,15 +408,19 @@ def _profile_layer(layer, x: torch.Tensor, gy: torch.Tensor, reps: int) -> dict[
     counts = r.tokens_per_expert.tolist()
     xp = moe_permute(xr, r)
     xpr = xp.detach().requires_grad_()
-    yp = layer._experts(xpr, counts)
+    yp = layer._experts(xpr, r.rows_per_expert, counts)
     ypr = yp.detach().requires_grad_()
     y = moe_unpermute(ypr, r)
     out: dict[str, float] = {}
     out["fwd router matmul"] = _timed(lambda: layer.router(xr), reps)
     out["fwd moe_route"] = _timed(lambda: moe_route(lg, **route), reps)
     out["fwd moe_permute"] = _timed(lambda: moe_permute(xr, r), reps)
-    out["fwd experts"] = _timed(lambda: layer._experts(xpr, counts), reps)
+    out["fwd experts"] = _timed(lambda: layer._experts(xpr, r.rows_per_expert, counts), reps)
     out["fwd moe_unpermute"] = _timed(lambda: moe_unpermute(ypr, r), reps)
+    yr = y.detach().requires_grad_()
+    ys = layer._add_shared(yr, xr)
+    if ys is not yr:
+        out["fwd shared experts"] = _timed(lambda: layer._add_shared(yr, xr), reps)
     bwd = {
         "router matmul": (logits, [xr, layer.router.weight]),
         "moe_route": (r.weights, [lg]),
@@ -414,6 +428,8 @@ def _profile_layer(layer, x: torch.Tensor, gy: torch.Tensor, reps: int) -> dict[
         "experts": (yp, [xpr, layer.w_in, layer.w_out]),
         "moe_unpermute": (y, [ypr, r.weights]),
     }
+    if ys is not yr:
+        bwd["shared experts"] = (ys, [xr, *(p for p in (layer.shared_w_in, layer.shared_w_out) if p is not None)])
     for name, (o, inputs) in bwd.items():
         g = like(o)
         out[f"bwd {name}"] = _timed(lambda o=o, i=inputs, g=g: torch.autograd.grad(o, i, g, retain_graph=True), reps)

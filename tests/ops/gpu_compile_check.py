@@ -302,15 +302,14 @@ def moe_numba_variants(nt):
     f32, i64 = float32[::1], int64[::1]
     for x in (torch.float32, torch.float16, torch.bfloat16):
         n = TL[x]
+        route = (a[x], f32, f32, int32[::1], i64, f32, f32, int32[::1], int64, int64, int64, int64, int64, float32)
         for softmax in (False, True):
             for renorm in (False, True):
-                yield (f"moe_route_topk {n} softmax={softmax} renorm={renorm}", K._topk_kernel(x, softmax, renorm),
-                       (a[x], i64, f32, f32, int32[::1], int64, int64, int64, float32))  # fmt: skip
+                yield (f"moe_route_topk {n} softmax={softmax} renorm={renorm}",
+                       K._topk_kernel(x, softmax, renorm, False, False), route)  # fmt: skip
         for bias, grouped in ((True, False), (False, True), (True, True)):  # DeepSeek-V3's: sigmoid, renormalised
-            yield (f"moe_route_select {n} bias={bias} grouped={grouped}",
-                   K._select_kernel(x, False, True, bias, grouped),
-                   (a[x], f32, f32, int32[::1], i64, f32, f32, int32[::1], int64, int64, int64, int64, int64,
-                    float32))  # fmt: skip
+            yield (f"moe_route_topk {n} bias={bias} grouped={grouped}", K._topk_kernel(x, False, True, bias, grouped),
+                   route)  # fmt: skip
         for has_w in (False, True):
             yield (f"moe_permute {n} weights={has_w}", K._scatter_kernel(x, x, has_w),
                    (a[x], i64, f32, a[x], int64, int64))  # fmt: skip

@@ -31,75 +31,11 @@ def _blocks(n: int, threads: int) -> int:
 
 
 @cache
-def _topk_kernel(dtype: torch.dtype, softmax: bool, renorm: bool):
-    load = nb.loader(dtype, "f32")
-
-    @cuda.jit(device=True, inline=True)
-    def prob(logits, base, e, mx, tot):
-        v = load(logits, base + e)
-        if softmax:
-            return math.exp(v - mx) / tot
-        return float32(1.0) / (float32(1.0) + math.exp(-v))
-
-    @cuda.jit
-    def kernel(logits, idx, w, s, bad, T, E, K, scale):
-        t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if t >= T:
-            return
-        base = t * E
-        mx = float32(-math.inf)
-        tot = float32(0.0)
-        if softmax:
-            for e in range(E):
-                v = load(logits, base + e)
-                if v > mx:
-                    mx = v
-            for e in range(E):
-                tot += math.exp(load(logits, base + e) - mx)
-        nan_row = False
-        total = float32(0.0)
-        for j in range(K):
-            best = float32(-3.0)
-            pick = int64(-1)
-            for e in range(E):
-                taken = False
-                for i in range(j):
-                    if idx[t * K + i] == e:
-                        taken = True
-                if taken:
-                    continue
-                p = prob(logits, base, e, mx, tot)
-                key = p
-                if p != p:
-                    key = float32(-1.0)
-                    nan_row = True
-                if key > best:  # strict: equal scores keep the lower expert
-                    best = key
-                    pick = e
-            idx[t * K + j] = pick
-            pj = prob(logits, base, pick, mx, tot)
-            s[t * K + j] = pj
-            total += pj
-        for e in range(E):  # count rows with NaN scores even where no NaN was chosen
-            p = prob(logits, base, e, mx, tot)
-            if p != p:
-                nan_row = True
-        if nan_row:
-            cuda.atomic.add(bad, 0, 1)
-        for j in range(K):
-            if renorm and total != 0:
-                w[t * K + j] = s[t * K + j] / total * scale
-            else:
-                w[t * K + j] = s[t * K + j] * scale
-
-    return kernel
-
-
-@cache
-def _select_kernel(dtype: torch.dtype, softmax: bool, renorm: bool, has_bias: bool, grouped: bool):
-    """The top-K with moe.py's selection options: keys ``score + bias`` (NaN scores: -inf), the TG best of G
-    groups (kept groups in ``gkeep`` [T, G], group scores in ``gsc`` [T, G], both scratch), K rounds of a strict
-    maximum of the keys over the kept groups' experts."""
+def _topk_kernel(dtype: torch.dtype, softmax: bool, renorm: bool, has_bias: bool, grouped: bool):
+    """The routing top-K, one thread per token, with moe.py's selection options: keys ``score + bias`` (NaN
+    scores: -inf, so they rank last; the plain route has no bias), the TG best of G groups (kept groups in
+    ``gkeep`` [T, G], group scores in ``gsc`` [T, G], both scratch), K rounds of a strict maximum of the keys
+    over the kept groups' experts (equal keys keep the lower expert); weights from the unbiased scores."""
     load = nb.loader(dtype, "f32")
     ninf = float32(-math.inf)
 
@@ -199,12 +135,7 @@ def route_topk(logits: torch.Tensor, k: int, softmax: bool, renorm: bool, bias: 
     s = torch.empty(T * k, dtype=torch.float32, device=dev)
     bad = torch.zeros(1, dtype=torch.int32, device=dev)
     common = (nb.as_array(idx), nb.as_array(w), nb.as_array(s), nb.as_array(bad), T, E, k)
-    if bias is None and not G:
-        kernel = _topk_kernel(logits.dtype, softmax, renorm)
-        nb.launch(kernel, _blocks(T, nb.THREADS), nb.THREADS, dev, nb.as_array(logits.reshape(-1)), *common,
-                  float32(scaling))  # fmt: skip
-        return idx.view(T, k), w.view(T, k), s.view(T, k), bad
-    kernel = _select_kernel(logits.dtype, softmax, renorm, bias is not None, G > 0)
+    kernel = _topk_kernel(logits.dtype, softmax, renorm, bias is not None, G > 0)
     gsc = torch.empty(max(T * G, 1), dtype=torch.float32, device=dev)  # scratch: group scores, kept groups
     gkeep = torch.empty(max(T * G, 1), dtype=torch.int32, device=dev)
     b = bias.contiguous() if bias is not None else w  # (not read without a bias)

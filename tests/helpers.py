@@ -209,3 +209,12 @@ def count_calls(cls: type, *names: str):
     finally:
         for n, fn in originals.items():
             setattr(cls, n, fn)
+
+
+def assert_named_on_every_rank(out: list[dict], named: dict[str, str]) -> None:
+    """A mismatch test's check: for each case of ``named``, every rank's result (``out[rank][case]``: the
+    error message, None where none was raised) holds the expected text and is the same message as rank 0's."""
+    for res in out:
+        for name, want in named.items():
+            assert res[name] is not None, f"{name}: no error"
+            assert want in res[name] and res[name] == out[0][name], (name, res[name])

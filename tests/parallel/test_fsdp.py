@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.helpers import assert_named_on_every_rank
 from torsh_kernels.collectives import run_local
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError
 from torsh_kernels.ops import dequantize, quantize
@@ -679,10 +680,8 @@ def test_ranks_whose_quantized_comms_differ_all_raise_naming_the_difference():
              "rs_op": "reduce scale: 0.5 on rank 0, 1.0 on rank 1",
              "apply": "grads: int8 on rank 0, int4 on rank 1"}  # fmt: skip
     out = run_local(_mismatch_worker, 2, op_timeout=30)
+    assert_named_on_every_rank(out, named)
     for res in out:
-        for name, want in named.items():
-            assert res[name] is not None, f"{name}: no error"
-            assert want in res[name] and res[name] == out[0][name], (name, res[name])
         assert res["untouched"]  # the mismatched apply_quantized_comm installed nothing
         assert res["matching"] == (1, 3, True)  # one exchange for three calls of one configuration
         assert res["installed"] == 3  # the three layers (the root holds no parameter of its own)

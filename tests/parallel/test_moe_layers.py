@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import count_calls
+from tests.helpers import assert_named_on_every_rank, count_calls
 from torsh_kernels.collectives import run_local
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError, ShapeError
 from torsh_kernels.ops import moe_aux_loss
@@ -504,9 +504,7 @@ def test_ranks_whose_moe_layers_differ_all_raise_naming_the_difference():
              "padding": "pad_to_capacity: False on rank 0, True on rank 1",
              "padded capacity": "padded capacity: 3 on rank 0, 5 on rank 1"}  # fmt: skip
     out = run_local(_mismatch_worker, 2, timeout=60)
+    assert_named_on_every_rank(out, named)
     for res in out:
-        for name, want in named.items():
-            assert res[name] is not None, f"{name}: no error"
-            assert want in res[name] and res[name] == out[0][name], (name, res[name])
         assert res["matching"] == (1, True)  # one exchange, at construction; the forwards add none
         assert res["padded after"] == (5, H)

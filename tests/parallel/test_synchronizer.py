@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import helpers
-from tests.helpers import MLP, count_calls
+from tests.helpers import MLP, assert_named_on_every_rank, count_calls
 from torsh_kernels.collectives import run_local
 from torsh_kernels.compression import PowerSGD, TopK
 from torsh_kernels.errors import InvalidArgumentError
@@ -435,10 +435,8 @@ def test_ranks_whose_bucket_layers_differ_all_raise_naming_the_difference():
              "dtype": "dtypes: ['float32', 'float32', 'float32', 'float32'] on rank 0, ['bfloat16'",
              "tensors": "tensors: 1 on rank 0, 2 on rank 1", "numel": "numel: 64 on rank 0, 72 on rank 1"}  # fmt: skip
     out = run_local(_mismatch_worker, 2, op_timeout=30)
+    assert_named_on_every_rank(out, named)
     for res in out:
-        for name, want in named.items():
-            assert res[name] is not None, f"{name}: no error"
-            assert want in res[name] and res[name] == out[0][name], (name, res[name])
         steps, buckets = res["steps None"]
         assert buckets > 1
         # one exchange (an all-gather) per bucket at the first step, none later; none with the switch off

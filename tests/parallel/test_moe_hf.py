@@ -153,3 +153,71 @@ def test_from_hf_refuses_what_it_cannot_map():
         MoELayer.from_hf(_init(gelu, 1))
     layer = MoELayer.from_hf(_init(_mixtral(), 1), aux_loss_coef=0.02, expert_compute="loop")  # overrides
     assert layer.aux_loss_coef == 0.02 and layer.expert_compute == "loop"
+
+
+def _switch(act: str = "relu", capacity: int = 3, **cfg):
+    from transformers.models.switch_transformers.modeling_switch_transformers import (
+        SwitchTransformersConfig,
+        SwitchTransformersSparseMLP,
+    )
+
+    cfg = SwitchTransformersConfig(d_model=H, d_ff=FF, num_experts=4, expert_capacity=capacity, dense_act_fn=act,
+                                   router_jitter_noise=0.0, dropout_rate=0.0, **cfg)  # fmt: skip
+    return SwitchTransformersSparseMLP(cfg)
+
+
+def _switch_grads(block) -> dict[str, torch.Tensor]:
+    ex = [block.experts[f"expert_{e}"] for e in range(len(block.experts))]
+    return {"router": block.router.classifier.weight.grad,
+            "w_in": torch.stack([m.wi.weight.grad.t() for m in ex]),
+            "w_out": torch.stack([m.wo.weight.grad.t() for m in ex])}  # fmt: skip
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_from_hf_matches_switch_with_capacity_per_sequence(act):
+    """Switch Transformers' sparse MLP: top-1 softmax, each expert keeping its first expert_capacity tokens of
+    each sequence (the rows of [B, S, H]); the dropped tokens' output is 0. The router is skewed so that every
+    sequence overflows some expert: the outputs and every gradient agree, tokens are dropped, and the same
+    tokens routed as one call (capacity per call) would drop other tokens."""
+    B, S, C = 3, 11, 3
+    block = _init(_switch(act, C), seed=7)
+    with torch.no_grad():
+        block.router.classifier.weight[0] += 0.5  # expert 0 preferred: it overflows in each sequence
+    layer = MoELayer.from_hf(block)
+    assert (layer.k, layer.capacity, layer.capacity_scope, layer.drop_policy, layer.renormalize, layer.activation) == (
+        1, C, "sequence", "position", False, act)  # fmt: skip
+    g = torch.Generator().manual_seed(8)
+    x, gy = torch.randn(B, S, H, generator=g), torch.randn(B, S, H, generator=g)
+    xb, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yb, yl = block(xb), layer(xl)
+    torch.testing.assert_close(yl, yb, atol=1e-5, rtol=1e-5)
+    r = layer.last_routing
+    assert r.sequence_capacity == (C,) * B and 0 < r.num_dropped < B * S
+    dropped = r.dropped[:, 0].view(B, S)
+    assert torch.equal(yb.detach()[dropped], torch.zeros(int(dropped.sum()), H))  # HF's dropped tokens: 0
+    (yb * gy).sum().backward()
+    (yl * gy).sum().backward()
+    torch.testing.assert_close(xl.grad, xb.grad, atol=1e-5, rtol=1e-5)
+    theirs, ours = _switch_grads(block), _layer_grads(layer)
+    for name, t in theirs.items():
+        assert t.abs().sum() > 0, name
+        torch.testing.assert_close(ours[name], t, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    with torch.no_grad():  # per call, the capacity would drop other tokens: the scope matters here
+        call = MoELayer.from_hf(block, capacity=C * B, capacity_scope="call")
+        call(x)
+    assert not torch.equal(call.last_routing.dropped, r.dropped)
+
+
+def test_from_hf_refuses_switch_settings_it_cannot_map():
+    with pytest.raises(InvalidArgumentError, match=r"router_jitter_noise=0\.1"):
+        MoELayer.from_hf(_switch_with(jitter=0.1))
+    with pytest.raises(InvalidArgumentError, match="router_bias"):
+        MoELayer.from_hf(_switch(router_bias=True))
+    with pytest.raises(InvalidArgumentError, match="ReLU or exact GELU"):
+        MoELayer.from_hf(_switch("gelu_new"))
+
+
+def _switch_with(jitter: float):
+    block = _switch()
+    block.router.jitter_noise = jitter
+    return block

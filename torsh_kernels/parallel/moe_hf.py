@@ -19,13 +19,19 @@ block (its router)          routing in the layer
                             of ``n_group`` groups by the sum of their top-2 biased scores; renormalised when
                             ``norm_topk_prob``; times ``routed_scaling_factor`` (``scaling``); the shared experts
                             (``shared_experts``, one MLP of width ``moe_intermediate_size * n_shared_experts``)
+``SwitchTransformers        softmax, top-1, not renormalised (the weight is the chosen probability); each
+SparseMLP``                 expert keeps its first ``expert_capacity`` tokens per sequence (``capacity``,
+                            ``capacity_scope="sequence"``, ``drop_policy="position"``: the rows of a [B, S, H]
+                            input are the sequences; a dropped token's output is 0, as HF's); its experts
+                            ``wo(act(wi(x)))``, ReLU or exact GELU; ``router_jitter_noise`` must be 0
 ==========================  =====================================================================================
 
-The experts' activation must be SiLU (torsh's gated expert is SwiGLU); the shared experts' MLPs must have no
-bias terms. The blocks compute no loss themselves (Hugging Face adds the load-balancing loss at the model
-level, from every layer's router logits), so the layer's ``aux_loss_coef`` and ``z_loss_coef`` default to 0
-here; pass them (and any other constructor argument: ``dtype``, ``device``, ``capacity_factor``, ...) as
-``overrides``. Differences in rounding remain: DeepSeek-V3's router adds 1e-20 to the renormalising sum (torsh
+Switch's router runs in ``router_dtype`` (fp32) whatever the model's dtype; torsh's router runs in the layer's. The
+other blocks' experts are stacked; their activation must be SiLU (torsh's gated expert is SwiGLU); the shared
+experts' MLPs must have no bias terms. The blocks compute no loss themselves (Hugging Face adds the load-balancing
+loss at the model level, from every layer's router logits), so the layer's ``aux_loss_coef`` and ``z_loss_coef``
+default to 0 here; pass them (and any other constructor argument: ``dtype``, ``device``, ``capacity_factor``, ...)
+as ``overrides``. Differences in rounding remain: DeepSeek-V3's router adds 1e-20 to the renormalising sum (torsh
 does not), and its top-k order is unsorted (the output sums over the k experts, so it does not matter).
 """
 
@@ -41,7 +47,13 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["HF_BLOCKS", "layer_from_hf"]
 
-HF_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "DeepseekV3MoE")
+HF_BLOCKS = (
+    "MixtralSparseMoeBlock",
+    "Qwen2MoeSparseMoeBlock",
+    "OlmoeSparseMoeBlock",
+    "DeepseekV3MoE",
+    "SwitchTransformersSparseMLP",
+)
 """The Hugging Face blocks ``from_hf`` maps (by class name; the attributes are read as they are)."""
 
 _WHAT = "MoELayer.from_hf"
@@ -90,6 +102,8 @@ def layer_from_hf(cls: type, block: nn.Module, overrides: dict[str, Any]) -> Any
         raise ArgumentTypeError(
             f"{_WHAT}: block is a {name}; the blocks that map are {', '.join(HF_BLOCKS)} (transformers 5)"
         )
+    if name == "SwitchTransformersSparseMLP":
+        return _switch_layer(cls, block, overrides)
     gate, experts = _attr(block, "gate", name), _attr(block, "experts", name)
     router_w = _attr(gate, "weight", f"{name}.gate")
     gate_up, down = _attr(experts, "gate_up_proj", f"{name}.experts"), _attr(experts, "down_proj", f"{name}.experts")
@@ -150,4 +164,66 @@ def layer_from_hf(cls: type, block: nn.Module, overrides: dict[str, Any]) -> Any
             layer.shared_expert_gate.weight.copy_(gate_w)
         if name == "DeepseekV3MoE" and layer.balancer is not None:
             layer.balancer.bias.copy_(_attr(gate, "e_score_correction_bias", f"{name}.gate"))
+    return layer
+
+
+def _act_name(act: Any) -> str | None:
+    """Which of torsh's plain expert activations ``act`` computes ("relu", "gelu": exact), checked on values."""
+    t = torch.linspace(-6.0, 6.0, 25)
+    for name, fn in (("relu", F.relu), ("gelu", F.gelu)):
+        try:
+            with torch.no_grad():
+                if torch.allclose(act(t), fn(t), rtol=1e-6, atol=1e-7):
+                    return name
+        except Exception:
+            return None
+    return None
+
+
+def _switch_layer(cls: type, block: nn.Module, overrides: dict[str, Any]) -> Any:
+    """Switch Transformers' sparse MLP: a top-1 softmax router whose weight is the selected probability (not
+    renormalised), each expert keeping its first ``expert_capacity`` tokens *per sequence* (the batch rows of a
+    [B, S, H] input; the others dropped: their output is 0), experts ``wo(act(wi(x)))`` with ReLU or GELU."""
+    name = type(block).__name__
+    router, experts = _attr(block, "router", name), _attr(block, "experts", name)
+    clf = _attr(router, "classifier", f"{name}.router")
+    if getattr(clf, "bias", None) is not None:
+        raise InvalidArgumentError(
+            f"{_WHAT}: {name}.router.classifier has a bias (router_bias); torsh's router has none"
+        )
+    jitter = float(getattr(router, "jitter_noise", 0.0) or 0.0)
+    if jitter:
+        raise InvalidArgumentError(
+            f"{_WHAT}: the router multiplies its input by random jitter in training (router_jitter_noise={jitter}), "
+            "which torsh's layer does not; set the router's jitter_noise (the config's router_jitter_noise) to 0"
+        )
+    E, H = clf.weight.shape
+    mlps = [_attr(experts, f"expert_{e}", f"{name}.experts") for e in range(E)]
+    wi = [_attr(m, "wi", f"{name}.experts.expert_{e}") for e, m in enumerate(mlps)]
+    wo = [_attr(m, "wo", f"{name}.experts.expert_{e}") for e, m in enumerate(mlps)]
+    F_ = wi[0].weight.shape[0]
+    for e in range(E):
+        if getattr(wi[e], "bias", None) is not None or getattr(wo[e], "bias", None) is not None:
+            raise InvalidArgumentError(f"{_WHAT}: {name}.experts.expert_{e} has bias terms; torsh's experts have none")
+        if tuple(wi[e].weight.shape) != (F_, H) or tuple(wo[e].weight.shape) != (H, F_):
+            raise InvalidArgumentError(
+                f"{_WHAT}: {name}.experts.expert_{e} has wi {tuple(wi[e].weight.shape)} and wo "
+                f"{tuple(wo[e].weight.shape)}; expected [{F_}, {H}] and [{H}, {F_}] as expert_0's"
+            )
+    act = _act_name(_attr(mlps[0], "act", f"{name}.experts.expert_0"))
+    if act is None:
+        raise InvalidArgumentError(
+            f"{_WHAT}: {name}'s experts use {mlps[0].act!r}; torsh's plain experts compute ReLU or exact GELU"
+        )
+    cap = int(_attr(router, "expert_capacity", f"{name}.router"))
+    w = clf.weight
+    kw: dict[str, Any] = dict(score="softmax", renormalize=False, capacity=cap, capacity_scope="sequence",
+                              drop_policy="position", activation=act, aux_loss_coef=0.0, z_loss_coef=0.0,
+                              dtype=w.dtype, device=w.device)  # fmt: skip
+    kw.update(overrides)
+    layer = cls(H, F_, E, 1, **kw)
+    with torch.no_grad():
+        layer.router.weight.copy_(w)
+        layer.w_in.copy_(torch.stack([m.weight.T for m in wi]))
+        layer.w_out.copy_(torch.stack([m.weight.T for m in wo]))
     return layer

@@ -1,5 +1,5 @@
-"""Megatron-Core's DeepSeek-V3-style MoE settings through MoELayer.from_megatron: what each maps to, the
-layer's routing against Megatron-Core's topk_routing_with_score_function transcribed (expert bias, groups,
+"""Megatron-Core's DeepSeek-V3-style MoE settings through ``config.from_megatron(...).moe_layer()``: what each
+maps to, the layer's routing against Megatron-Core's topk_routing_with_score_function transcribed (expert bias, groups,
 scaling), its bias update against get_updated_expert_bias, and the settings that cannot map."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_deepseek_settings_map():
 
 def test_deepseek_layer_routes_and_balances_as_megatron():
     torch.manual_seed(9)
-    layer = MoELayer.from_megatron({**DEEPSEEK, "moe_router_load_balancing_type": "aux_loss"})
+    layer = from_megatron({**DEEPSEEK, "moe_router_load_balancing_type": "aux_loss"}).moe_layer()
     assert layer.shared_expert_gate is not None and layer.balancer.rate == 0.01
     with torch.no_grad():
         layer.balancer.bias.copy_(torch.randn(8) * 0.3)
@@ -85,7 +85,8 @@ def test_deepseek_seq_aux_loss_is_megatrons_per_sequence_loss():
     """Megatron-Core's seq_aux_loss: the Switch loss of each sequence, averaged (moe_aux_loss with the
     sequences as groups), weighted by moe_aux_loss_coeff; the sequences of a [B, S, H] input."""
     torch.manual_seed(10)
-    layer = MoELayer.from_megatron(DEEPSEEK)
+    layer = from_megatron(DEEPSEEK).moe_layer()
+    assert type(layer) is MoELayer
     assert layer.load_balancing == "seq_aux_loss"
     x = torch.randn(3, 10, 16)
     layer(x)
@@ -107,7 +108,8 @@ class _OneRank:
 
 
 def test_expert_parallel_from_megatron_and_what_cannot_map():
-    ep = ExpertParallelMoE.from_megatron({**DEEPSEEK, "expert_model_parallel_size": 1}, _OneRank())
+    ep = from_megatron({**DEEPSEEK, "expert_model_parallel_size": 1}).expert_parallel_moe(_OneRank())
+    assert type(ep) is ExpertParallelMoE
     assert ep.local_experts == 8 and ep.balancer.comm is not None  # the balancer sums over the layer's group
     for bad, key, text in [
         ({"moe_router_group_topk": 1}, "moe_router_group_topk", "top 2"),  # Megatron's group score: top-4 sums

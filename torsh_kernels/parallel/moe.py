@@ -495,16 +495,6 @@ class MoELayer(_MoEBase):
 
         return layer_from_hf(cls, block, overrides)
 
-    @classmethod
-    def from_megatron(cls, config: Any, **overrides: Any) -> MoELayer:
-        """A layer with Megatron-Core's MoE settings (a ``TransformerConfig``, Megatron's ``argparse.Namespace``,
-        a dict or any object with those attributes): :func:`torsh_kernels.config.from_megatron` then
-        ``moe_layer(**overrides)``; settings torsh cannot honour raise :class:`~torsh_kernels.errors.ConfigMappingError`
-        naming them."""
-        from ..config import from_megatron
-
-        return from_megatron(config).moe_layer(**overrides)
-
 
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` to the ranks in ``in_splits`` order; backward sends the gradients back."""
@@ -644,14 +634,6 @@ class ExpertParallelMoE(_MoEBase):
                 ep.balancer.bias.copy_(layer.balancer.bias)
                 ep.balancer.load.copy_(layer.balancer.load)
         return ep
-
-    @classmethod
-    def from_megatron(cls, config: Any, comm: Communicator, **overrides: Any) -> ExpertParallelMoE:
-        """:meth:`MoELayer.from_megatron` spread over ``comm`` (whose world size must be the configuration's
-        ``expert_model_parallel_size`` where it gives one)."""
-        from ..config import from_megatron
-
-        return from_megatron(config).expert_parallel_moe(comm, **overrides)
 
     def _agree(self, dtype: torch.dtype) -> None:
         """The configuration and the dtype of the rows dispatched, agreed once per dtype (module docstring)."""

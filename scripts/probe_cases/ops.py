@@ -2076,6 +2076,405 @@ for p in PROVIDERS:
 
 
 # ==================================================================================================
+# MoE routing options (issue 25): moe_route's score_bias, n_group / topk_group, scaling, capacity,
+# capacity_scope / sequence_lengths and pad_to_capacity; padded permute and unpermute; moe_aux_loss's scale
+# and groups. Accepted inputs are compared field by field with moe_route_ref (and, where an option has an
+# equivalent plain form, with that: one sequence as the call scope, capacity_factor as its integer capacity,
+# one group of all tokens as no groups, a group's loss as the loss of its tokens routed alone).
+
+_ROUTE_ARGS = ("k", "score", "renormalize", "score_bias", "n_group", "topk_group", "scaling", "capacity_factor",
+               "drop_policy", "capacity", "capacity_scope", "sequence_lengths", "pad_to_capacity")  # fmt: skip
+_ROUTING_INTS = ("indices", "row_map", "token_index", "tokens_per_expert", "dropped", "rows_per_expert")
+
+
+def _same_routing(r, ref, atol: float = 1e-5) -> bool:
+    """Every field of two routings equal (the weights and scores within ``atol``)."""
+    return (
+        all(torch.equal(getattr(r, f).cpu(), getattr(ref, f).cpu()) for f in _ROUTING_INTS)
+        and close(r.weights, ref.weights, atol, atol)
+        and close(r.scores, ref.scores, atol, atol)
+        and (r.num_rows, r.capacity, r.sequence_lengths, r.sequence_capacity, r.padded, r.num_experts, r.score)
+        == (ref.num_rows, ref.capacity, ref.sequence_lengths, ref.sequence_capacity, ref.padded, ref.num_experts,
+            ref.score)
+    )  # fmt: skip
+
+
+def _route_ref_of(b: dict):
+    return M.moe_route_ref(b["logits"], **{n: b[n] for n in _ROUTE_ARGS if n in b})
+
+
+def _rt_ref(extra=lambda r, kw, b: True, atol: float = 1e-5):
+    """verify: the routing equals moe_route_ref's of the same arguments, and ``extra`` holds."""
+    return lambda r, kw, b: _same_routing(r, _route_ref_of(b), atol) and bool(extra(r, kw, b))
+
+
+def _rt_same_as(**other):
+    """verify: the routing equals moe_route's (torch provider) of the same logits with ``other`` arguments
+    replacing the case's (the option's plain equivalent)."""
+
+    def verify(r, kw, b):
+        args = {n: b[n] for n in _ROUTE_ARGS if n in b and n not in other}
+        args.update({n: v for n, v in other.items() if v is not None})
+        return _same_routing(r, tk.moe_route(b["logits"], **args, provider="torch"))
+
+    return verify
+
+
+def _in_kept_groups(r, kw, b) -> bool:
+    """Each token's K experts lie in at most topk_group of the n_group groups."""
+    size = r.num_experts // kw["n_group"]
+    g = (r.indices // size).cpu()
+    return all(len(set(row.tolist())) <= kw["topk_group"] for row in g)
+
+
+def _grouped(r, kw, b) -> bool:
+    """The chosen experts lie in the kept groups, and the groups changed some token's choice (the data tests
+    the grouped selection: without groups the route differs)."""
+    plain = {n: b[n] for n in _ROUTE_ARGS if n in b and n not in ("n_group", "topk_group")}
+    return _in_kept_groups(r, kw, b) and not torch.equal(
+        r.indices.cpu(), M.moe_route_ref(b["logits"], **plain).indices.cpu()
+    )
+
+
+def _grp_base(p):
+    return {"logits": rnd(9, 8, seed=5, p=p), "k": 2, "n_group": 4, "topk_group": 2}
+
+
+def _seq_base(p):
+    return {"logits": rnd(7, 5, seed=5, p=p), "k": 2, "capacity_factor": 1.0, "capacity_scope": "sequence",
+            "sequence_lengths": [3, 0, 4]}  # fmt: skip
+
+
+def _bias(E: int = 5, seed: int = 3, dtype=F32):
+    return L(lambda p: rnd(E, seed=seed, p=p, scale=0.3).to(dtype))
+
+
+def _bias_with(v):
+    return L(lambda p: rnd(5, seed=3, p=p, scale=0.3).index_fill_(0, torch.tensor([2], device=_dev(p)), v))
+
+
+def _route_bias_nan_after_update(p: str):
+    """A bias that routed once (found finite), then set to NaN in place: the next route must see it."""
+    bias = rnd(5, seed=3, p=p, scale=0.3)
+    tk.moe_route(rnd(7, 5, p=p), k=2, score_bias=bias, provider=p)
+    bias[1] = math.nan
+    return tk.moe_route(rnd(7, 5, p=p), k=2, score_bias=bias, provider=p)
+
+
+def _route_bias_requires_grad(p: str):
+    """A bias that requires grad: the weights' gradient reaches the logits as moe_route_ref's does and none
+    reaches the bias (the bias is for the selection only)."""
+    logits = rnd(7, 5, p=p).requires_grad_()
+    bias = rnd(5, seed=3, p=p, scale=0.3).requires_grad_()
+    r = tk.moe_route(logits, k=2, score_bias=bias, scaling=2.0, provider=p)
+    g = rnd(7, 2, seed=8, p=p)
+    (r.weights * g).sum().backward()
+    lr = logits.detach().clone().requires_grad_()
+    ref = M.moe_route_ref(lr, k=2, score_bias=bias.detach(), scaling=2.0)
+    (ref.weights * g).sum().backward()
+    return (
+        _same_routing(r, ref)
+        and (bias.grad is None or not bool(bias.grad.any()))
+        and close(logits.grad, lr.grad, 1e-5, 1e-5)
+    )
+
+
+def _seq_bad(v):
+    return {"sequence_lengths": v}
+
+
+for p in PROVIDERS:
+    P = f"ops/moe_route/{p}"
+    # -- score_bias
+    for k, v in NOT_TENSORS.items():
+        if k != "none":  # (None: no bias, the default)
+            _err(f"{P}/score_bias_{k}", tk.moe_route, _rt_base, {"score_bias": v}, p)
+    for k, dt in {"fp16": F16, "bf16": BF16, "fp64": F64, "int64": I64, "int32": I32}.items():
+        _err(f"{P}/score_bias_{k}", tk.moe_route, _rt_base, {"score_bias": _bias(dtype=dt)}, p)
+    _err(f"{P}/score_bias_bool", tk.moe_route, _rt_base, {"score_bias": L(lambda p: rnd(5, p=p) > 0)}, p)
+    for k, shape in {"short": (4,), "long": (6,), "row": (1, 5), "column": (5, 1)}.items():
+        _err(f"{P}/score_bias_{k}", tk.moe_route, _rt_base, {"score_bias": L(lambda p, s=shape: rnd(*s, p=p))}, p)
+    _err(f"{P}/score_bias_scalar", tk.moe_route, _rt_base, {"score_bias": L(lambda p: torch.tensor(0.1))}, p)
+    _err(f"{P}/score_bias_on_meta", tk.moe_route, _rt_base, {"score_bias": _meta(5)}, p)
+    _err(f"{P}/score_bias_host_beside_meta_logits", tk.moe_route, _rt_base,
+         {"logits": _meta(7, 5), "score_bias": _bias()}, p)  # fmt: skip
+    for k, v in {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.items():
+        _err(f"{P}/score_bias_{k}", tk.moe_route, _rt_base, {"score_bias": _bias_with(v)}, p)
+    CASES.append(Case(f"{P}/score_bias_nan_after_an_inplace_update",
+                      functools.partial(_route_bias_nan_after_update, p)))  # fmt: skip
+    # -- n_group / topk_group
+    for kk, v in {**BAD_INTS, "zero": 0, "not_dividing_E": 3, "above_E": 16}.items():
+        if kk == "none":
+            continue  # (n_group=None: only topk_group given, below)
+        _err(f"{P}/n_group_{kk}", tk.moe_route, _grp_base, {"n_group": v}, p)
+    for kk, v in {**BAD_INTS, "zero": 0, "above_n_group": 5}.items():
+        if kk == "none":
+            continue
+        _err(f"{P}/topk_group_{kk}", tk.moe_route, _grp_base, {"topk_group": v}, p)
+    _err(f"{P}/n_group_without_topk_group", tk.moe_route, _grp_base, {"topk_group": None}, p)
+    _err(f"{P}/topk_group_without_n_group", tk.moe_route, _grp_base, {"n_group": None}, p)
+    _err(f"{P}/k_above_the_kept_groups", tk.moe_route, _grp_base, {"k": 5}, p)
+    _err(f"{P}/k_above_one_expert_groups", tk.moe_route, _grp_base, {"n_group": 8, "topk_group": 1}, p)
+    _err(f"{P}/n_group_of_a_meta_call", tk.moe_route, _grp_base, {"logits": _meta(9, 8), "n_group": 3}, p)
+    # -- scaling
+    for kk, v in {"zero": 0.0, "int_zero": 0, "negative": -1.0, "nan": math.nan, "inf": math.inf,
+                  "-inf": -math.inf, "bool": True, "str": "2.0", "none": None, "list": [2.0], "complex": 2j,
+                  "huge_int": 10**400, "tensor": L(lambda p: torch.tensor(2.0))}.items():  # fmt: skip
+        _err(f"{P}/scaling_{kk}", tk.moe_route, _rt_base, {"scaling": v}, p)
+    # -- capacity
+    for kk, v in {"negative": -1, "bool": True, "float": 2.0, "str": "2", "list": [2], "np_float": np.float64(2.0),
+                  "tensor": L(lambda p: torch.tensor(2))}.items():  # fmt: skip
+        _err(f"{P}/capacity_{kk}", tk.moe_route, _rt_base, {"capacity": v}, p)
+    _err(f"{P}/capacity_with_capacity_factor", tk.moe_route, _rt_base, {"capacity": 2, "capacity_factor": 1.0}, p)
+    _err(f"{P}/capacity_0_with_capacity_factor", tk.moe_route, _rt_base, {"capacity": 0, "capacity_factor": 1.0}, p)
+    _err(f"{P}/meta_with_fixed_capacity", tk.moe_route, _rt_base, {"logits": _meta(7, 5), "capacity": 2}, p)
+    # -- capacity_scope and sequence_lengths
+    for kk, v in {"unknown": "batch", "upper": "SEQUENCE", "none": None, "int": 1, "list": ["call"]}.items():
+        _err(f"{P}/capacity_scope_{kk}", tk.moe_route, _rt_base, {"capacity_scope": v, "capacity": 2}, p)
+        _err(f"{P}/capacity_scope_{kk}_without_capacity", tk.moe_route, _rt_base, {"capacity_scope": v}, p)
+    _err(f"{P}/sequence_scope_without_sequence_lengths", tk.moe_route, _seq_base, {"sequence_lengths": None}, p)
+    _err(f"{P}/sequence_scope_without_capacity", tk.moe_route, _seq_base, {"capacity_factor": None}, p)
+    _err(f"{P}/sequence_lengths_with_call_scope", tk.moe_route, _seq_base, {"capacity_scope": "call"}, p)
+    _err(f"{P}/sequence_lengths_alone", tk.moe_route, _rt_base, {"sequence_lengths": [7]}, p)
+    _err(f"{P}/sequence_scope_with_capacity_and_factor", tk.moe_route, _seq_base, {"capacity": 1}, p)
+    for kk, v in {
+        "sum_below_T": [3, 3],
+        "sum_above_T": [3, 5],
+        "empty": [],
+        "negative": [8, -1],
+        "float_entry": [3.0, 4],
+        "bool_entry": [True, 6],
+        "none_entry": [None, 7],
+        "str": "34",
+        "int": 7,
+        "set": {3, 4},
+        "ndarray": np.array([3, 4]),
+        "nested": [[3, 4]],
+        "tensor_fp32": L(lambda p: torch.tensor([3.0, 4.0])),
+        "tensor_bool": L(lambda p: torch.tensor([True, True])),
+        "tensor_2d": L(lambda p: torch.tensor([[3, 4]])),
+        "tensor_0d": L(lambda p: torch.tensor(7)),
+        "tensor_meta": L(lambda p: torch.empty(2, dtype=I64, device=META)),
+        "tensor_negative": L(lambda p: torch.tensor([8, -1])),
+        "tensor_sum_wrong": L(lambda p: torch.tensor([3, 3], dtype=I32)),
+    }.items():
+        _err(f"{P}/sequence_lengths_{kk}", tk.moe_route, _seq_base, _seq_bad(v), p)
+    # -- pad_to_capacity
+    for kk, v in {"int": 1, "str": "yes", "none": None, "np_bool": np.bool_(True),
+                  "tensor": L(lambda p: torch.tensor(True))}.items():  # fmt: skip
+        _err(f"{P}/pad_to_capacity_{kk}", tk.moe_route, _rt_base, {"pad_to_capacity": v, "capacity": 2}, p)
+    _err(f"{P}/pad_to_capacity_without_capacity", tk.moe_route, _rt_base, {"pad_to_capacity": True}, p)
+    _err(f"{P}/pad_to_capacity_sequence_scope_without_capacity", tk.moe_route, _seq_base,
+         {"pad_to_capacity": True, "capacity_factor": None}, p)  # fmt: skip
+    _err(f"{P}/pad_to_capacity_larger_than_memory", tk.moe_route, _rt_base,
+         {"pad_to_capacity": True, "capacity": 2**60}, p)  # fmt: skip
+
+    # -- accepted: each option against the reference
+    _ok(f"{P}/score_bias_matches_reference", tk.moe_route, _rt_base, {"score_bias": _bias()}, p, _rt_ref())
+    _ok(f"{P}/score_bias_changes_the_selection_not_the_weights", tk.moe_route, _rt_base,
+        {"score_bias": L(lambda p: torch.tensor([0.0, 0.0, 0.0, 0.0, 9.0], device=_dev(p)))}, p,
+        _rt_ref(lambda r, kw, b: bool((r.indices[:, 0] == 4).all())
+                and close(r.scores[:, 0], torch.softmax(b["logits"].float(), -1)[:, 4])))  # fmt: skip
+    _ok(f"{P}/score_bias_sigmoid_unnormalised", tk.moe_route, _rt_base,
+        {"score_bias": _bias(), "score": "sigmoid", "renormalize": False}, p, _rt_ref())  # fmt: skip
+    _ok(f"{P}/score_bias_strided_view", tk.moe_route, _rt_base,
+        {"score_bias": L(lambda p: rnd(10, seed=3, p=p, scale=0.3)[::2])}, p, _rt_ref())  # fmt: skip
+    _ok(f"{P}/score_bias_zero_equals_no_bias", tk.moe_route, _rt_base,
+        {"score_bias": L(lambda p: torch.zeros(5, device=_dev(p)))}, p, _rt_same_as(score_bias=None))  # fmt: skip
+    for name, dt, tol in (("fp16", F16, 2e-3), ("bf16", BF16, 1e-2)):
+        _ok(f"{P}/score_bias_{name}_logits", tk.moe_route,
+            lambda p, dt=dt: {"logits": rnd(7, 5, dtype=dt, p=p), "k": 2, "score_bias": _bias().f(p)}, {}, p,
+            _rt_ref(atol=tol))  # fmt: skip
+    _ok(f"{P}/score_bias_zero_tokens", tk.moe_route,
+        lambda p: {"logits": torch.empty(0, 5, device=_dev(p)), "k": 2, "score_bias": _bias().f(p)}, {}, p,
+        lambda r, kw, b: r.num_rows == 0 and r.indices.shape == (0, 2))  # fmt: skip
+    _ok(f"{P}/score_bias_meta", tk.moe_route,
+        lambda p: {"logits": _m(7, 5), "k": 2, "score_bias": _m(5)}, {}, p,
+        lambda r, kw, b: r.row_map.is_meta and r.num_rows == 14)  # fmt: skip
+    CASES.append(Case(f"{P}/score_bias_requires_grad", functools.partial(_route_bias_requires_grad, p), "ok",
+                      check=lambda v: v is True, timeout=60.0))  # fmt: skip
+    _ok(f"{P}/groups_match_reference", tk.moe_route, _grp_base, {}, p, _rt_ref(_grouped))
+    _ok(f"{P}/groups_deepseek_v3_like", tk.moe_route, _grp_base,
+        {"score": "sigmoid", "score_bias": _bias(8), "scaling": 2.5, "k": 3}, p, _rt_ref(_grouped))  # fmt: skip
+    _ok(f"{P}/groups_k_equals_the_kept_experts", tk.moe_route, _grp_base, {"k": 4}, p, _rt_ref(_grouped))
+    _ok(f"{P}/groups_of_one_expert_equal_no_groups", tk.moe_route, _grp_base,
+        {"n_group": 8, "topk_group": 3, "k": 3}, p, _rt_same_as(n_group=None, topk_group=None))  # fmt: skip
+    _ok(f"{P}/groups_one_group_equals_no_groups", tk.moe_route, _grp_base, {"n_group": 1, "topk_group": 1}, p,
+        _rt_same_as(n_group=None, topk_group=None))  # fmt: skip
+    _ok(f"{P}/groups_all_kept_equals_no_groups", tk.moe_route, _grp_base, {"n_group": 4, "topk_group": 4}, p,
+        _rt_same_as(n_group=None, topk_group=None))  # fmt: skip
+    _ok(f"{P}/groups_bf16_with_capacity", tk.moe_route,
+        lambda p: {**_grp_base(p), "logits": rnd(9, 8, seed=5, dtype=BF16, p=p), "capacity": 2}, {}, p,
+        _rt_ref(_grouped, atol=1e-2))  # fmt: skip
+    _ok(f"{P}/scaling_matches_reference", tk.moe_route, _rt_base, {"scaling": 2.5}, p, _rt_ref())
+    _ok(f"{P}/scaling_int", tk.moe_route, _rt_base, {"scaling": 3}, p,
+        _rt_ref(lambda r, kw, b: close(r.weights.sum(1), torch.full((7,), 3.0))))  # fmt: skip
+    _ok(f"{P}/scaling_sigmoid_unnormalised", tk.moe_route, _rt_base,
+        {"scaling": 0.5, "score": "sigmoid", "renormalize": False}, p, _rt_ref())  # fmt: skip
+    for pol in M.DROP_POLICIES:
+        _ok(f"{P}/capacity_2_{pol}", tk.moe_route, _rt_base, {"capacity": 2, "drop_policy": pol}, p,
+            _rt_ref(lambda r, kw, b: int(r.tokens_per_expert.max()) <= 2 and r.num_dropped > 0))  # fmt: skip
+        _ok(f"{P}/capacity_equals_its_factor_{pol}", tk.moe_route, _rt_base,
+            {"capacity": M.expert_capacity(7, 2, 5, 0.8), "drop_policy": pol}, p,
+            _rt_same_as(capacity=None, capacity_factor=0.8))  # fmt: skip
+        _ok(f"{P}/sequence_factor_{pol}", tk.moe_route, _seq_base, {"drop_policy": pol}, p,
+            _rt_ref(lambda r, kw, b: r.sequence_capacity == (2, 0, 2) and r.num_dropped > 0))  # fmt: skip
+        _ok(f"{P}/sequence_one_equals_call_{pol}", tk.moe_route, _seq_base,
+            {"sequence_lengths": [7], "capacity_factor": None, "capacity": 2, "drop_policy": pol}, p,
+            lambda r, kw, b: _same_routing(dataclasses.replace(r, sequence_lengths=None, sequence_capacity=None),
+                                           tk.moe_route(b["logits"], k=2, capacity=2, drop_policy=kw["drop_policy"],
+                                                        provider="torch")))  # fmt: skip
+    _ok(f"{P}/capacity_0_drops_everything", tk.moe_route, _rt_base, {"capacity": 0}, p,
+        _rt_ref(lambda r, kw, b: r.num_rows == 0 and bool(r.dropped.all())))  # fmt: skip
+    _ok(f"{P}/capacity_huge_limits_nothing", tk.moe_route, _rt_base, {"capacity": 2**70}, p,
+        _rt_ref(lambda r, kw, b: r.num_rows == 14 and r.capacity == 2**70 and r.num_dropped == 0))  # fmt: skip
+    _ok(f"{P}/capacity_numpy_int", tk.moe_route, _rt_base, {"capacity": np.int64(2)}, p,
+        _rt_same_as(capacity=2))  # fmt: skip
+    _ok(f"{P}/sequence_capacity_tensor_lengths_int32", tk.moe_route, _seq_base,
+        {"capacity_factor": None, "capacity": 1, "sequence_lengths": L(lambda p: torch.tensor([3, 0, 4], dtype=I32))},
+        p, _rt_same_as(sequence_lengths=[3, 0, 4]))  # fmt: skip
+    _ok(f"{P}/sequence_lengths_numpy_ints", tk.moe_route, _seq_base,
+        {"sequence_lengths": (np.int64(3), np.int32(0), np.int16(4))}, p,
+        _rt_same_as(sequence_lengths=[3, 0, 4]))  # fmt: skip
+    _ok(f"{P}/sequence_capacity_0", tk.moe_route, _seq_base, {"capacity_factor": None, "capacity": 0}, p,
+        _rt_ref(lambda r, kw, b: r.num_rows == 0))  # fmt: skip
+    _ok(f"{P}/sequence_zero_tokens", tk.moe_route,
+        lambda p: {**_seq_base(p), "logits": torch.empty(0, 5, device=_dev(p)), "sequence_lengths": [0, 0]}, {}, p,
+        lambda r, kw, b: r.num_rows == 0 and r.sequence_capacity == (0, 0))  # fmt: skip
+    for name, mut in (("capacity", {"capacity": 2}), ("factor", {"capacity_factor": 0.6}),
+                      ("sequence", {"capacity_scope": "sequence", "sequence_lengths": [3, 0, 4], "capacity": 1}),
+                      ("everything", {"capacity": 1, "capacity_scope": "sequence", "sequence_lengths": [3, 0, 4],
+                                      "score_bias": _bias(), "n_group": 5, "topk_group": 3, "scaling": 2.0,
+                                      "score": "sigmoid", "drop_policy": "position"})):  # fmt: skip
+        _ok(f"{P}/pad_to_capacity_{name}", tk.moe_route, _rt_base, {"pad_to_capacity": True, **mut}, p,
+            _rt_ref(lambda r, kw, b: r.padded and r.num_rows == 5 * r.capacity
+                    and torch.equal(r.rows_per_expert.cpu(), torch.full((5,), r.capacity))))  # fmt: skip
+    _ok(f"{P}/pad_to_capacity_0", tk.moe_route, _rt_base, {"pad_to_capacity": True, "capacity": 0}, p,
+        _rt_ref(lambda r, kw, b: r.num_rows == 0))  # fmt: skip
+    _ok(f"{P}/pad_to_capacity_false_with_capacity", tk.moe_route, _rt_base,
+        {"pad_to_capacity": False, "capacity": 2}, p, _rt_ref(lambda r, kw, b: not r.padded))  # fmt: skip
+    _ok(f"{P}/pad_to_capacity_zero_tokens", tk.moe_route,
+        lambda p: {"logits": torch.empty(0, 5, device=_dev(p)), "k": 2, "capacity": 2, "pad_to_capacity": True}, {},
+        p, lambda r, kw, b: r.num_rows == 10 and bool((r.token_index == -1).all()))  # fmt: skip
+    _ok(f"{P}/pad_to_capacity_meta", tk.moe_route,
+        lambda p: {"logits": _m(7, 5), "k": 2, "capacity": 3, "pad_to_capacity": True}, {}, p,
+        lambda r, kw, b: r.row_map.is_meta and r.num_rows == 15 and tuple(r.token_index.shape) == (15,))  # fmt: skip
+
+
+def _padded_routing(p, T=7, E=5, k=2):
+    return tk.moe_route(rnd(T, E, seed=9, p=p), k=k, capacity=2, pad_to_capacity=True, provider="torch")
+
+
+for p in PROVIDERS:
+    _ok(f"ops/moe_permute/{p}/padded_routing", tk.moe_permute,
+        lambda p: {"x": rnd(7, 3, p=p), "routing": _padded_routing(p)}, {}, p,
+        lambda r, kw, b: close(r, M.moe_permute_ref(b["x"], kw["routing"])) and r.shape == (10, 3)
+        and bool((r[kw["routing"].token_index < 0] == 0).all()))  # fmt: skip
+    _ok(f"ops/moe_unpermute/{p}/padded_routing", tk.moe_unpermute,
+        lambda p: {"y_perm": rnd(10, 3, p=p), "routing": _padded_routing(p)}, {}, p,
+        lambda r, kw, b: close(r, M.moe_unpermute_ref(b["y_perm"], kw["routing"]), 1e-5, 1e-5))  # fmt: skip
+    _err(f"ops/moe_unpermute/{p}/padded_routing_unpadded_rows", tk.moe_unpermute,
+         lambda p: {"y_perm": rnd(_padded_routing(p).tokens_per_expert.sum().item(), 3, p=p),
+                    "routing": _padded_routing(p)}, {}, p)  # fmt: skip
+
+
+# moe_aux_loss: scale= and groups=
+
+
+def _al8_base(p):
+    lg = rnd(8, 5, seed=10, p=p)
+    return {"logits_or_probs": lg, "routing": tk.moe_route(lg, k=2, provider="torch")}
+
+
+def _al_seq_base(p):
+    """A routing with a capacity per sequence (one empty), its sequence lengths as the groups."""
+    lg = rnd(7, 5, seed=9, p=p)
+    r = tk.moe_route(lg, k=2, capacity=1, capacity_scope="sequence", sequence_lengths=[3, 0, 4], provider="torch")
+    return {"logits_or_probs": lg, "routing": r, "groups": r.sequence_lengths}
+
+
+def _aux_alone(x, lengths, k=2, scale="balanced-one"):
+    """The mean over the non-empty groups of consecutive rows of the loss of each group's rows routed alone."""
+    losses, start = [], 0
+    for n in lengths:
+        if n:
+            sl = x[start : start + n]
+            losses.append(M.moe_aux_loss_ref(sl, tk.moe_route(sl, k=k, provider="torch"), scale=scale))
+        start += n
+    return torch.stack(losses).mean()
+
+
+def _aux_grad_matches(p: str) -> bool:
+    """The gradient in the logits of the loss with scale="hf" and groups, against the reference's."""
+    lg = rnd(7, 5, seed=9, p=p)
+    r = tk.moe_route(lg, k=2, provider="torch")
+    a, b = lg.clone().requires_grad_(), lg.clone().requires_grad_()
+    tk.moe_aux_loss(a, r, scale="hf", groups=[3, 0, 4], provider=p).backward()
+    M.moe_aux_loss_ref(b, r, scale="hf", groups=[3, 0, 4]).backward()
+    return close(a.grad, b.grad, 1e-6, 1e-5)
+
+
+for p in PROVIDERS:
+    P = f"ops/moe_aux_loss/{p}"
+    for kk, v in {"unknown": "mean", "upper": "HF", "empty": "", "none": None, "int": 1, "list": ["hf"]}.items():
+        _err(f"{P}/scale_{kk}", tk.moe_aux_loss, _al_base, {"scale": v}, p)
+    for kk, v in {
+        "zero": 0,
+        "negative": -7,
+        "bool": True,
+        "float": 7.0,
+        "str": "7",
+        "not_dividing_T": 2,
+        "above_T": 14,
+        "sum_below_T": [3, 3],
+        "sum_above_T": [3, 5],
+        "empty_list": [],
+        "negative_length": [8, -1],
+        "float_entry": [3.0, 4],
+        "bool_entry": [True, 6],
+        "none_entry": [None, 7],
+        "nested": [[3, 4]],
+        "tensor": L(lambda p: torch.tensor([3, 4])),
+        "ndarray": np.array([3, 4]),
+        "dict": {0: 7},
+    }.items():
+        _err(f"{P}/groups_{kk}", tk.moe_aux_loss, _al_base, {"groups": v}, p)
+    if p in ("triton", "numba"):  # (no loss kernels: checked above)
+        continue
+    _ok(f"{P}/scale_hf_matches_reference", tk.moe_aux_loss, _al_base, {"scale": "hf"}, p,
+        lambda r, kw, b: close(r, M.moe_aux_loss_ref(b["logits_or_probs"], kw["routing"], scale="hf"), 1e-5, 1e-5)
+        and close(r, 2 * M.moe_aux_loss_ref(b["logits_or_probs"], kw["routing"]), 1e-5, 1e-5))  # fmt: skip
+    _ok(f"{P}/scale_hf_sigmoid_from_probs", tk.moe_aux_loss,
+        lambda p: (lambda lg: {"logits_or_probs": torch.sigmoid(lg), "routing": tk.moe_route(lg, k=2, score="sigmoid"),
+                               "from_probs": True, "scale": "hf"})(rnd(7, 5, seed=2, p=p)), {}, p,
+        lambda r, kw, b: close(r, M.moe_aux_loss_ref(b["logits_or_probs"], kw["routing"], from_probs=True,
+                                                     scale="hf"), 1e-5, 1e-5))  # fmt: skip
+    _ok(f"{P}/groups_lengths_match_reference_and_groups_alone", tk.moe_aux_loss, _al_base, {"groups": [3, 0, 4]}, p,
+        lambda r, kw, b: close(r, M.moe_aux_loss_ref(b["logits_or_probs"], kw["routing"], groups=[3, 0, 4]))
+        and close(r, _aux_alone(b["logits_or_probs"], [3, 0, 4]), 1e-5, 1e-5))  # fmt: skip
+    _ok(f"{P}/groups_tuple_with_scale_hf", tk.moe_aux_loss, _al_base, {"groups": (1, 6), "scale": "hf"}, p,
+        lambda r, kw, b: close(r, _aux_alone(b["logits_or_probs"], [1, 6], scale="hf"), 1e-5, 1e-5))  # fmt: skip
+    _ok(f"{P}/groups_size_matches_groups_alone", tk.moe_aux_loss, _al8_base, {"groups": 4}, p,
+        lambda r, kw, b: close(r, M.moe_aux_loss_ref(b["logits_or_probs"], kw["routing"], groups=4))
+        and close(r, _aux_alone(b["logits_or_probs"], [4, 4]), 1e-5, 1e-5))  # fmt: skip
+    _ok(f"{P}/groups_one_group_equals_no_groups", tk.moe_aux_loss, _al_base, {"groups": 7}, p,
+        lambda r, kw, b: close(r, M.moe_aux_loss_ref(b["logits_or_probs"], kw["routing"]), 1e-6, 1e-6))  # fmt: skip
+    _ok(f"{P}/groups_size_1", tk.moe_aux_loss, _al_base, {"groups": 1, "scale": "hf"}, p,
+        lambda r, kw, b: close(r, _aux_alone(b["logits_or_probs"], [1] * 7, scale="hf"), 1e-5, 1e-5))  # fmt: skip
+    _ok(f"{P}/groups_of_a_sequence_routing", tk.moe_aux_loss,
+        _al_seq_base,
+        {}, p,
+        lambda r, kw, b: close(r, _aux_alone(b["logits_or_probs"], [3, 0, 4]), 1e-5, 1e-5),
+    )  # fmt: skip
+    _ok(f"{P}/groups_empty_list_of_zero_tokens", tk.moe_aux_loss,
+        lambda p: (lambda lg: {"logits_or_probs": lg, "routing": tk.moe_route(lg, k=2), "groups": []})(
+            torch.empty(0, 5, device=_dev(p))), {}, p,
+        lambda r, kw, b: float(r) == 0.0)  # fmt: skip
+    CASES.append(Case(f"{P}/groups_scale_hf_gradient", functools.partial(_aux_grad_matches, p), "ok",
+                      check=lambda v: v is True))  # fmt: skip
+
+
+# ==================================================================================================
 # registry and helpers
 
 

@@ -254,6 +254,10 @@ def test_moe_layer_arguments():
         (dict(scaling="2"), ArgumentTypeError, "scaling must be a number"),
         (dict(scaling=-1.0), InvalidArgumentError, r"MoELayer: scaling=-1\.0"),  # moe_route checks, named MoELayer
         (dict(n_group=2, topk_group=1), InvalidArgumentError, "MoELayer: n_group=2 does not split the E=3 experts"),
+        # an int too large for a float: refused as moe_route refuses it (the layer once raised OverflowError)
+        (dict(scaling=10**400), InvalidArgumentError, r"MoELayer: scaling=1000.* must be a finite number > 0"),
+        # the balancer's communicator without a balancer is refused, not ignored
+        (dict(bias_comm=object()), InvalidArgumentError, "bias_comm without an expert bias"),
     ]:
         with pytest.raises(err, match=text):
             MoELayer(H, FFN, 3, 1, **kw)
@@ -269,6 +273,7 @@ def test_moe_layer_arguments():
         ([3.0, 3], ArgumentTypeError, r"sequence_lengths\[0\] must be an int"),
         (torch.tensor([3.0, 3.0]), ArgumentTypeError, "1-D integers"),
         ("3,3", ArgumentTypeError, "list or tuple"),
+        (torch.tensor([3, 3], device="meta"), InvalidArgumentError, "meta tensor, which holds no lengths"),
     ]:
         with pytest.raises(err, match=text):
             layer(x, sequence_lengths=lengths)
@@ -446,6 +451,19 @@ def _bad_world_worker(comm):
     except InvalidArgumentError as e:
         return str(e)
     return None
+
+
+def test_expert_parallel_bias_comm_only_with_an_expert_bias():
+    """The balancer sums its counts over the layer's group by default, over bias_comm when given; bias_comm
+    without an expert bias is refused (it was once ignored)."""
+    from torsh_kernels.collectives.replica import ReplicaCommunicator
+
+    comm, other = ReplicaCommunicator(1), ReplicaCommunicator(1)
+    assert ExpertParallelMoE(H, FFN, 4, 2, comm, expert_bias=True).balancer.comm is comm
+    assert ExpertParallelMoE(H, FFN, 4, 2, comm, expert_bias=True, bias_comm=other).balancer.comm is other
+    assert ExpertParallelMoE(H, FFN, 4, 2, comm).balancer is None
+    with pytest.raises(InvalidArgumentError, match="ExpertParallelMoE: bias_comm without an expert bias"):
+        ExpertParallelMoE(H, FFN, 4, 2, comm, bias_comm=other)
 
 
 def test_expert_parallel_needs_divisible_experts():

@@ -189,13 +189,19 @@ class _MoEBase(nn.Module):
             raise InvalidArgumentError(
                 f"{what}: {given} without shared experts; pass shared_experts=1 (or more) to add a shared expert"
             )
+        if bias_comm is not None and not expert_bias:
+            raise InvalidArgumentError(
+                f"{what}: bias_comm without an expert bias (it is the balancer's communicator); pass "
+                "expert_bias=True, or leave bias_comm out"
+            )
         bias_update_rate = check_rate(bias_update_rate, what, "bias_update_rate")
         if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
             raise ArgumentTypeError(f"{what}: scaling must be a number, got {type(scaling).__name__} {scaling!r}")
         self.score, self.renormalize = score, bool(renormalize)
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.capacity, self.capacity_scope, self.pad_to_capacity = capacity, capacity_scope, pad_to_capacity
-        self.n_group, self.topk_group, self.scaling = n_group, topk_group, float(scaling)
+        self.n_group, self.topk_group = n_group, topk_group
+        self.scaling = scaling  # (as given until moe_route has checked it: float() of a huge int overflows)
         self.activation = activation
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.load_balancing = load_balancing
@@ -207,6 +213,7 @@ class _MoEBase(nn.Module):
         self.shared_ffn_hidden = (shared_ffn_hidden or ffn_hidden * shared_experts) if shared_experts else None
         self.expert_bias, self.bias_update_rate = expert_bias, bias_update_rate
         self._check_routing_options(what)
+        self.scaling = float(scaling)
         fk = dict(device=device, dtype=dtype)
         self.router = nn.Linear(hidden, num_experts, bias=False, **fk)
         gated = activation == "swiglu"
@@ -324,6 +331,10 @@ class _MoEBase(nn.Module):
                     f"{what}: sequence_lengths as a tensor must be 1-D integers, got {lengths.dtype} "
                     f"{tuple(lengths.shape)}"
                 )
+            if lengths.is_meta:
+                raise InvalidArgumentError(
+                    f"{what}: sequence_lengths is a meta tensor, which holds no lengths; pass them as a list of ints"
+                )
             lengths = lengths.tolist()
         if not isinstance(lengths, (list, tuple)):
             raise ArgumentTypeError(
@@ -420,7 +431,8 @@ _LAYER_ARGS = """
         expert_bias: DeepSeek-V3's aux-loss-free balancing: a :class:`BiasBalancer` (``layer.balancer``) whose
             bias is ``moe_route``'s ``score_bias``; call ``update_expert_bias()`` once per optimizer step.
         bias_update_rate: its step (1e-3).
-        bias_comm: the communicator the balancer sums the counts over (module docstring).
+        bias_comm: the communicator the balancer sums the counts over (module docstring); only with
+            ``expert_bias=True``.
         n_group, topk_group: grouped selection (``moe_route``'s; DeepSeek-V3's ``n_group`` / ``topk_group``).
         scaling: the routed scaling factor the combine weights are multiplied by (DeepSeek-V3's
             ``routed_scaling_factor``; 1.0: none).
@@ -587,9 +599,9 @@ class ExpertParallelMoE(_MoEBase):
             aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, provider=provider, device=device, dtype=dtype,
             shared_experts=shared_experts, shared_ffn_hidden=shared_ffn_hidden, shared_gate=shared_gate,
             expert_bias=expert_bias, bias_update_rate=bias_update_rate,
-            bias_comm=comm if bias_comm is None else bias_comm, n_group=n_group, topk_group=topk_group,
-            scaling=scaling, capacity=capacity, capacity_scope=capacity_scope, pad_to_capacity=pad_to_capacity,
-            load_balancing=load_balancing, expert_compute=expert_compute,
+            bias_comm=comm if bias_comm is None and expert_bias is True else bias_comm, n_group=n_group,
+            topk_group=topk_group, scaling=scaling, capacity=capacity, capacity_scope=capacity_scope,
+            pad_to_capacity=pad_to_capacity, load_balancing=load_balancing, expert_compute=expert_compute,
         )  # fmt: skip
         self.comm = comm
         self.last_dispatch: dict[str, object] = {}

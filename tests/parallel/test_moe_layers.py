@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tests.helpers import assert_named_on_every_rank, count_calls
 from torsh_kernels.collectives import run_local
-from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError, ShapeError
+from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, ShapeError
 from torsh_kernels.ops import moe_aux_loss
 from torsh_kernels.parallel import ExpertParallelMoE, MoELayer, _moe_experts
 from torsh_kernels.parallel.moe import LOAD_BALANCING
@@ -268,10 +268,11 @@ def test_moe_layer_arguments():
         layer.update_expert_bias()
     x = torch.randn(2, 3, H)
     for lengths, err, text in [
-        ([2, 3], ShapeError, "sum to 5; the input has 6 tokens"),
+        ([2, 3], ShapeError, "sum to 5, but the logits hold T=6 tokens"),
         ([7, -1], InvalidArgumentError, r"sequence_lengths\[1\]=-1"),
         ([3.0, 3], ArgumentTypeError, r"sequence_lengths\[0\] must be an int"),
-        (torch.tensor([3.0, 3.0]), ArgumentTypeError, "1-D integers"),
+        (torch.tensor([3.0, 3.0]), DTypeError, "expected an integer dtype"),
+        (torch.tensor([[3, 3]]), ShapeError, "must be 1-D"),
         ("3,3", ArgumentTypeError, "list or tuple"),
         (torch.tensor([3, 3], device="meta"), InvalidArgumentError, "meta tensor, which holds no lengths"),
     ]:

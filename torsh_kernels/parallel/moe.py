@@ -86,6 +86,7 @@ from ..collectives.agreement import agree, enabled
 from ..collectives.communicator import Communicator, as_communicator
 from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError, TorshKernelsError
 from ..ops import count_nonfinite
+from ..ops._moe_routing import check_sequence_lengths
 from ..ops.moe import (
     CAPACITY_SCOPES,
     DROP_POLICIES,
@@ -325,30 +326,7 @@ class _MoEBase(nn.Module):
                 S = x.shape[-2]
                 return (S,) * (T // S)
             return None
-        if isinstance(lengths, torch.Tensor):
-            if lengths.dim() != 1 or lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
-                raise ArgumentTypeError(
-                    f"{what}: sequence_lengths as a tensor must be 1-D integers, got {lengths.dtype} "
-                    f"{tuple(lengths.shape)}"
-                )
-            if lengths.is_meta:
-                raise InvalidArgumentError(
-                    f"{what}: sequence_lengths is a meta tensor, which holds no lengths; pass them as a list of ints"
-                )
-            lengths = lengths.tolist()
-        if not isinstance(lengths, (list, tuple)):
-            raise ArgumentTypeError(
-                f"{what}: sequence_lengths must be a list or tuple of ints (or a 1-D integer tensor), got "
-                f"{type(lengths).__name__}"
-            )
-        for i, n in enumerate(lengths):
-            if isinstance(n, bool) or not isinstance(n, int):
-                raise ArgumentTypeError(f"{what}: sequence_lengths[{i}] must be an int, got {type(n).__name__} {n!r}")
-            if n < 0:
-                raise InvalidArgumentError(f"{what}: sequence_lengths[{i}]={n} must be >= 0")
-        if sum(lengths) != T:
-            raise ShapeError(f"{what}: sequence_lengths sum to {sum(lengths)}; the input has {T} tokens")
-        return tuple(lengths)
+        return check_sequence_lengths(lengths, T, what)  # (moe_route's check: one home)
 
     def _route(self, x: torch.Tensor, what: str, sequence_lengths: object) -> tuple[torch.Tensor, Routing]:
         if not isinstance(x, torch.Tensor):

@@ -1,6 +1,10 @@
 """Convergence on the bundled digits data set: DDP with each compressor (error feedback where the compressor
 has it; compressor="auto" with whatever it chooses) ends within 2 accuracy points of uncompressed DDP.
-This is ``torsh demo``'s training run, on 2 real gloo ranks, with its default settings."""
+This is ``torsh demo``'s training run, on 2 real gloo ranks, with its default settings but 800 steps
+instead of 600: sign (EF-SignSGD, one scale per bucket chunk) converges more slowly than the others, and
+after 600 steps it ended 3 points behind on seeds 0, 1 and 4 of 0-5 on an Intel Xeon VM (level on the
+others; within 2 points on the AMD EPYC VM); after 800 steps every compressor was within 2 points on
+seeds 0-7 there (sign's worst: -1.4)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from torsh_kernels.collectives import run_local
 
 
 def test_every_compressor_ends_within_two_points_of_uncompressed():
-    cfg = DemoConfig(progress=False)
+    cfg = DemoConfig(progress=False, steps=800)
     rows = run_local(run_rank, 2, cfg, threads=1, timeout=900, op_timeout=120)[0]
     acc = {r["compressor"]: r["accuracy"] for r in rows}
     assert list(acc) == list(COMPRESSORS)

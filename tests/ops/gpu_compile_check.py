@@ -196,7 +196,9 @@ def compile_triton(cap: int) -> list[dict]:
     return results
 
 
-def compile_numba(cc: tuple[int, int]) -> list[dict]:
+def compile_numba(cc: tuple[int, int], shard: int = 0, shards: int = 1) -> list[dict]:
+    """Every Numba kernel variant to PTX for ``cc``; with ``shards`` > 1 only the variants whose index is
+    ``shard`` modulo ``shards`` (the test runs the shards in parallel processes)."""
     # Numba's built-in target compiles the device functions a kernel calls for the *current* GPU, and
     # asks the driver which that is. With no GPU, name the target instead; everything else is unchanged.
     import numba.cuda.dispatcher as dispatcher
@@ -210,7 +212,7 @@ def compile_numba(cc: tuple[int, int]) -> list[dict]:
 
     nt = {torch.float32: float32, torch.float16: float16, torch.bfloat16: int16, torch.float64: float64}
     table, tiles = int64[:, ::1], int32[::1]
-    results = []
+    todo = []
     for src in DTYPES:
         for dst in DTYPES:
             variants = [
@@ -230,11 +232,10 @@ def compile_numba(cc: tuple[int, int]) -> list[dict]:
                     (f"wire_cast {TL[src]}->{TL[dst]}", _bucket_numba.wire_cast_kernel(src, dst),
                      (nt[src][::1], nt[dst][::1], int64[::1], int64, float64, boolean))
                 )  # fmt: skip
-            for name, kernel, sig in variants:
-                results.append(_compile_ptx(cuda, name, kernel, sig, cc))
-    for name, kernel, sig in [*compress_numba_variants(nt), *moe_numba_variants(nt)]:
-        results.append(_compile_ptx(cuda, name, kernel, sig, cc))
-    return results
+            todo += variants
+    todo += [*compress_numba_variants(nt), *moe_numba_variants(nt)]
+    mine = [v for i, v in enumerate(todo) if i % shards == shard]
+    return [_compile_ptx(cuda, name, kernel, sig, cc) for name, kernel, sig in mine]
 
 
 def _compile_ptx(cuda, name, kernel, sig, cc) -> dict:
@@ -322,9 +323,9 @@ def moe_numba_variants(nt):
 
 
 def main() -> int:
-    which = sys.argv[1]
+    which = sys.argv[1]  # "triton", or "numba" [SHARD SHARDS]
     try:
-        res = compile_triton(90) if which == "triton" else compile_numba((9, 0))
+        res = compile_triton(90) if which == "triton" else compile_numba((9, 0), *map(int, sys.argv[2:4]))
     except Exception:
         traceback.print_exc()
         return 2

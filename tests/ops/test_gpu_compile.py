@@ -18,14 +18,27 @@ import pytest
 SCRIPT = Path(__file__).with_name("gpu_compile_check.py")
 
 
-def _run(which: str) -> dict:
+def _run(which: str, shards: int = 1) -> dict:
+    """The compile check of ``which`` in fresh processes: ``shards`` of them in parallel, each compiling every
+    ``shards``-th variant, their results joined."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
-    proc = subprocess.run([sys.executable, str(SCRIPT), which], env=env, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        raise AssertionError(f"{which} compile check crashed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    args = [[which]] if shards == 1 else [[which, str(i), str(shards)] for i in range(shards)]
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), *a], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for a in args]  # fmt: skip
+    results = []
+    for a, proc in zip(args, procs):
+        try:
+            out, err = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if not lines:
+            raise AssertionError(f"{' '.join(a)} compile check crashed:\n{out[-3000:]}\n{err[-3000:]}")
+        results += json.loads(lines[-1])["results"]
+    return {"which": which, "results": results}
 
 
 def test_triton_kernels_compile_to_hopper_cubins():
@@ -39,7 +52,7 @@ def test_triton_kernels_compile_to_hopper_cubins():
 
 
 def test_numba_kernels_compile_to_sm90_ptx():
-    res = _run("numba")
+    res = _run("numba", shards=2)  # (two processes: the machines that run the suite have two cores or more)
     errors = " ".join(r.get("error", "") for r in res["results"])
     if all(not r["ok"] for r in res["results"]) and ("NVVM" in errors or "libnvvm" in errors.lower()):
         pytest.skip(f"no CUDA toolkit NVVM for Numba to compile with here: {errors[:300]}")

@@ -3,8 +3,8 @@ has it; compressor="auto" with whatever it chooses) ends within 2 accuracy point
 This is ``torsh demo``'s training run, on 2 real gloo ranks, with its default settings but 800 steps
 instead of 600: sign (EF-SignSGD, one scale per bucket chunk) converges more slowly than the others, and
 after 600 steps it ended 3 points behind on seeds 0, 1 and 4 of 0-5 on an Intel Xeon VM (level on the
-others; within 2 points on the AMD EPYC VM); after 800 steps every compressor was within 2 points on
-seeds 0-7 there (sign's worst: -1.4)."""
+others; seed 0 passed at 600 steps on the AMD EPYC VM). After 800 steps sign was within 2 points on seeds
+0-7 there (its worst: -1.4), and every compressor on seeds 0 and 1."""
 
 from __future__ import annotations
 

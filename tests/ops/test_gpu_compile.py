@@ -27,17 +27,18 @@ def _run(which: str, shards: int = 1) -> dict:
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), *a], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for a in args]  # fmt: skip
     results = []
-    for a, proc in zip(args, procs):
-        try:
+    try:
+        for a, proc in zip(args, procs):
             out, err = proc.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            for p in procs:
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            if not lines:
+                raise AssertionError(f"{' '.join(a)} compile check crashed:\n{out[-3000:]}\n{err[-3000:]}")
+            results += json.loads(lines[-1])["results"]
+    finally:  # (a shard that timed out or crashed: the others are not left running)
+        for p in procs:
+            if p.poll() is None:
                 p.kill()
-            raise
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        if not lines:
-            raise AssertionError(f"{' '.join(a)} compile check crashed:\n{out[-3000:]}\n{err[-3000:]}")
-        results += json.loads(lines[-1])["results"]
+                p.communicate()
     return {"which": which, "results": results}
 
 

@@ -32,11 +32,12 @@ def test_residual_add_and_error_update(provider, gen, dtype, atol, rtol):
 # ---------------------------------------------------------------------------------------- non-finite
 
 
+@pytest.mark.parametrize("at", [1234, 2000], ids=["bulk", "tail"])  # (the Triton launch of the last n % 16 elements)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_residual_add_nonfinite_inputs_are_reported(provider, gen, bad):
+def test_residual_add_nonfinite_inputs_are_reported(provider, gen, bad, at):
     n = 2001
     x = rand(n, torch.float32, gen)
-    x[1234] = bad
+    x[at] = bad
     r = rand(n, torch.float32, gen)
     with pytest.raises(NonFiniteError):
         E.residual_add(x, r, provider=provider)

@@ -393,6 +393,27 @@ def _grid(n: int, block: int) -> tuple[int]:
     return (max(1, -(-n // block)),)
 
 
+VEC = 16
+"""Elements the bulk of an elementwise launch is a multiple of (see :func:`spans`)."""
+
+
+def spans(n: int, block: int) -> list[tuple[tuple[int], int, int]]:
+    """The Triton launches of an elementwise pass over ``n`` elements, as ``(grid, start, end)``; the kernel
+    covers ``start + pid * block + arange(block)``, masked to ``< end``.
+
+    Triton turns a masked access of 16-byte aligned data into 128-bit instructions only when it can prove the
+    mask constant over each vector, i.e. ``end`` divisible by the vector width: its JIT proves that for an
+    integer argument divisible by 16, and for nothing else. So the bulk ``[0, n - n % 16)`` is one launch whose
+    ``end`` is divisible by 16 (128-bit accesses, whatever ``n``), and the last ``n % 16`` elements, when there
+    are any, a second launch of one program (narrow accesses; its ``start`` is divisible by 16 too). With
+    ``n == 0``, one launch of one program with nothing to do (kernels that write per-launch results still do)."""
+    bulk = n - n % VEC
+    out = [((-(-bulk // block),), 0, bulk)] if bulk else []
+    if n % VEC or not bulk:
+        out.append(((1,), bulk, n))
+    return out
+
+
 def _select(op: Op, t: torch.Tensor, provider: str) -> str:
     return op.select(t.device, t.dtype, t.numel(), provider or None)
 

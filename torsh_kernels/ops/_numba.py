@@ -138,9 +138,17 @@ def _as_int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
+CAPTURE: list | None = None
+"""While a list (``torsh inspect``, :mod:`torsh_kernels.profiling.launches`): each launch is appended to it as
+``(kernel, blocks, threads, args)`` instead of running, and tensors (CPU ones) travel as NumPy arrays, which
+Numba types as it types the device arrays of a real launch."""
+
+
 def as_array(t: torch.Tensor):
     """A contiguous tensor as a Numba device array (or simulator array), sharing its memory."""
     t = _as_int_view(t.detach())
+    if CAPTURE is not None:
+        return t.numpy()
     if SIM:
         return FakeCUDAArray(t.numpy())
     return cuda.as_cuda_array(t, sync=False)
@@ -157,6 +165,8 @@ def span_array(ptr: int, n: int, dtype: torch.dtype):
     """A 1-D array of ``n`` elements of ``dtype`` starting at address ``ptr`` (kernels index only
     elements that belong to live tensors inside it)."""
     np_dtype = np.dtype(_NP_DTYPES[dtype])
+    if CAPTURE is not None:
+        return np.asarray(_HostSpan(ptr, n, np_dtype))
     if SIM:
         return FakeCUDAArray(np.asarray(_HostSpan(ptr, n, np_dtype)))
     desc = {"shape": (n,), "typestr": np_dtype.str, "data": (ptr, False), "version": 3, "strides": None}
@@ -165,6 +175,9 @@ def span_array(ptr: int, n: int, dtype: torch.dtype):
 
 def launch(kernel, blocks: int, threads: int, device: torch.device, *args) -> None:
     """Launch on torch's current stream of ``device`` (the simulator has no streams)."""
+    if CAPTURE is not None:
+        CAPTURE.append((kernel, blocks, threads, args))
+        return
     if SIM:
         kernel[blocks, threads](*args)
         return

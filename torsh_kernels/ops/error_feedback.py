@@ -24,13 +24,13 @@ from ._common import (
     _counter,
     _flat_inout,
     _flat_input,
-    _grid,
     _guards,
     _Memo,
     _no_overlap,
     _on,
     _raise_nonfinite,
     _select,
+    spans,
 )
 from .registry import Op, check_provider
 
@@ -84,8 +84,9 @@ def _axpby_triton(x, y, out, beta, count_bad):
     from . import _error_feedback_triton as K
 
     bad = _counter(x.device)
-    K._axpby_kernel[_grid(x.numel(), BLOCK)](x, y, out, bad, x.numel(), beta, BLOCK=BLOCK, COUNT_BAD=count_bad,
-                                             num_warps=WARPS, enable_fp_fusion=False)  # fmt: skip
+    for grid, start, end in spans(x.numel(), BLOCK):
+        K._axpby_kernel[grid](x, y, out, bad, start, end, beta, BLOCK=BLOCK, COUNT_BAD=count_bad, num_warps=WARPS,
+                              enable_fp_fusion=False)  # fmt: skip
     return bad if count_bad else None
 
 
@@ -118,9 +119,10 @@ def _err_update_torch(acc, approx, res, out):
 def _err_update_triton(acc, approx, res, out):
     from . import _error_feedback_triton as K
 
-    n = acc.numel()
-    K._error_update_kernel[_grid(n, BLOCK)](acc, approx, res, out if out is not None else res, n, BLOCK=BLOCK,
-                                            HAS_OUT=out is not None, num_warps=WARPS)  # fmt: skip
+    block = BLOCK // 2 if out is not None else BLOCK  # four streams: 8 elements a thread keep it at 64 registers
+    for grid, start, end in spans(acc.numel(), block):
+        K._error_update_kernel[grid](acc, approx, res, out if out is not None else res, start, end, BLOCK=block,
+                                     HAS_OUT=out is not None, num_warps=WARPS)  # fmt: skip
 
 
 @_err_update.register("numba")

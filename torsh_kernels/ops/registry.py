@@ -57,6 +57,7 @@ __all__ = [
     "can_run",
     "check_provider",
     "forced_meta",
+    "implementation",
     "providers",
     "reload",
     "set_tuned_lookup",
@@ -383,6 +384,18 @@ class Op:
             return self.impls[provider](*args, **kwargs)
         with rec.op(self.name, provider, args):
             return self.impls[provider](*args, **kwargs)
+
+
+def implementation(op: str, provider: str) -> Callable[..., object]:
+    """The implementation ``provider`` registered for ``op`` (an :class:`Op`'s name): the function a call runs
+    once its inputs are validated and its outputs allocated. ``torsh inspect`` drives it to see the launches a
+    provider makes. Raises :class:`ProviderUnavailableError` for an op or provider with none."""
+    o = _OPS.get(op)
+    if o is None or provider not in o.impls:
+        have = sorted(_OPS) if o is None else sorted(o.impls)
+        what = f"no op named {op!r}" if o is None else f"torsh.{op} has no {provider!r} implementation"
+        raise ProviderUnavailableError(f"{what}; there are {', '.join(have)}")
+    return o.impls[provider]
 
 
 def untuned_default(op: str, device: torch.device) -> str:

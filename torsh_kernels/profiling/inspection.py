@@ -1,0 +1,303 @@
+"""``torsh inspect``: every GPU kernel variant compiled for a named target as its launcher specializes it,
+its machine code read, and a bandwidth bound per benchmark case beside a plain copy kernel of the same bytes.
+
+No GPU is needed. Each case of :mod:`torsh_kernels.ops.launch_cases` (an op family's provider implementation
+called at benchmark size on aligned contiguous, unaligned or strided tensors) runs with its launches
+captured (:mod:`.launches`); every distinct specialization is compiled once for the target (Triton's own
+pipeline; Numba's PTX through ``ptxas``) and read (:mod:`.sass`): registers, spills, shared memory,
+theoretical occupancy at the launched warp count, global memory instructions by width and the share of
+bytes they move with 128-bit accesses, instructions per element, and the time a bandwidth bound allows on
+the target's GPUs (H100 and H200 for sm_90), next to the same bound for the anchors (:mod:`.anchors`).
+
+Goals for memory-bound kernels on aligned contiguous data (``GOALS``): at least 90% of global bytes moved
+by 128-bit accesses, at most 64 registers per thread and at least 50% theoretical occupancy; no spills in
+any kernel. Where the data type or layout does not allow 128-bit accesses, :data:`EXCEPTIONS` says why and
+what the kernel is held to instead. Numba cannot express vector loads: its kernels are held to the register,
+occupancy and spill goals only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _cli
+from ..errors import InvalidArgumentError
+from .sass import ARCHS, GPUS, Arch, SassStats, analyze, estimate, occupancy
+
+__all__ = ["EXCEPTIONS", "GOALS", "add_arguments", "check", "inspect_kernels", "run"]
+
+PROVIDERS = ("triton", "numba")
+
+
+@dataclass(frozen=True, slots=True)
+class Goals:
+    """The thresholds a memory-bound kernel is held to (aligned contiguous data; spills: every kernel)."""
+
+    share_128: float = 0.90
+    """Least share of global bytes moved by 128-bit accesses."""
+    registers: int = 64
+    """Most registers per thread."""
+    occupancy: float = 0.5
+    """Least theoretical occupancy at the launched warp count."""
+
+
+GOALS = Goals()
+
+EXCEPTIONS: dict[str, tuple[float, str]] = {}
+"""Case-name pattern (regular expression, matched from the start) -> (the 128-bit share that case is held to
+instead of ``GOALS.share_128``, why no more is possible)."""
+
+
+def _exception(name: str) -> tuple[float, str] | None:
+    for pat, v in EXCEPTIONS.items():
+        if re.match(pat, name):
+            return v
+    return None
+
+
+def _anchor_cases() -> list[tuple[str, Callable[[Callable], object], int]]:
+    import torch
+
+    from . import anchors
+
+    n = 1 << 24  # the best case: a size divisible by 16
+    x = torch.empty(n)
+    return [("copy fp32", lambda: anchors.copy(x, torch.empty(n)), 8),
+            ("cast fp32->bf16", lambda: anchors.cast(x, torch.empty(n, dtype=torch.bfloat16)), 6)]  # fmt: skip
+
+
+class _Reader:
+    """Compiles and reads each distinct specialization once."""
+
+    def __init__(self, arch: Arch) -> None:
+        self.arch = arch
+        self.kernels: dict[str, dict[str, Any]] = {}
+        self.stats: dict[str, SassStats] = {}
+
+    def read(self, launch) -> tuple[str, SassStats]:
+        from .launches import compile_launch
+
+        key = launch.key()
+        if key not in self.stats:
+            kid = f"{launch.provider}:{launch.kernel}#{sum(1 for k in self.kernels if k.startswith(launch.provider + ':' + launch.kernel + '#'))}"  # noqa: E501
+            compiled = compile_launch(launch, self.arch)
+            st = analyze(compiled.cubin, compiled.shared_bytes)
+            self.stats[key] = st
+            blocks, occ = occupancy(st.registers, launch.warps, st.shared_bytes, self.arch)
+            self.kernels[kid] = {"key": key, **launch.describe(), **st.to_dict(), "occupancy": round(occ, 4),
+                                 "blocks_per_sm": blocks}  # fmt: skip
+            self.ids = getattr(self, "ids", {})
+            self.ids[key] = kid
+        return self.ids[key], self.stats[key]
+
+
+def _summarize(reader: _Reader, launches, nbytes: int, elements: int) -> dict[str, Any]:
+    """One case's figures from its launches: bytes weighted by each launch's programs x warps."""
+    arch = reader.arch
+    rows: list[dict[str, Any]] = []
+    lane: dict[int, float] = {}
+    dyn_total = 0.0
+    parts = []
+    for ln in launches:
+        kid, st = reader.read(ln)
+        w = ln.programs * ln.warps
+        for width, b in st.lane_bytes.items():
+            lane[width] = lane.get(width, 0.0) + b * w
+        dyn = st.global_bytes_per_warp * w
+        dyn_total += dyn
+        parts.append((ln, st, dyn))
+        rows.append({"kernel": kid, "grid": list(ln.grid), "warps": ln.warps})
+    total = sum(lane.values())
+    occs = [occupancy(st.registers, ln.warps, st.shared_bytes, arch)[1] for ln, st, _ in parts]
+    instr = sum(st.instructions * ln.programs * ln.warps * 32 for ln, st, _ in parts)
+    est = {}
+    for g in arch.gpus:
+        gpu = GPUS[g]
+        us = 0.0
+        for ln, st, dyn in parts:
+            share = dyn / dyn_total if dyn_total else 1.0 / len(parts)
+            us += estimate(st, warps=ln.warps, programs=ln.programs, nbytes=int(nbytes * share), arch=arch,
+                           gpu=gpu)["us"]  # fmt: skip
+        est[g] = {"us": round(us, 3)}
+    return {
+        "launches": rows,
+        "registers": max((st.registers for _, st, _ in parts), default=0),
+        "local_bytes": max((st.local_bytes for _, st, _ in parts), default=0),
+        "occupancy": round(min(occs, default=1.0), 4),
+        "share_128": round(lane.get(128, 0.0) / total, 4) if total else 1.0,
+        "instructions_per_element": round(instr / elements, 2) if elements else None,
+        "estimate": est,
+    }
+
+
+def check(case: dict[str, Any], goals: Goals = GOALS) -> list[str]:
+    """The goals ``case`` (an entry of the report) misses, one line each naming the figure and the threshold."""
+    out = []
+    if case["local_bytes"]:
+        out.append(f"{case['local_bytes']} bytes of local memory (spills): the goal is none")
+    if not case["memory_bound"]:
+        return out
+    if case["registers"] > goals.registers:
+        out.append(f"{case['registers']} registers per thread: the goal is at most {goals.registers}")
+    if case["occupancy"] < goals.occupancy:
+        out.append(f"{case['occupancy']:.1%} theoretical occupancy: the goal is at least {goals.occupancy:.0%}")
+    if case["provider"] == "triton" and case["layout"] == "aligned":
+        floor, why = _exception(case["name"]) or (goals.share_128, "")
+        if case["share_128"] < floor:
+            out.append(f"{case['share_128']:.1%} of global bytes by 128-bit accesses: the goal is at least "
+                       f"{floor:.0%}" + (f" ({why})" if why else ""))  # fmt: skip
+    return out
+
+
+def inspect_kernels(
+    arch: str = "sm_90",
+    *,
+    providers: Iterable[str] = PROVIDERS,
+    families: Iterable[str] | None = None,
+    match: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """The report (a JSON-able dict) of every kernel variant of ``families`` (default: all) on ``providers``,
+    compiled for ``arch``; ``match`` keeps the cases whose name contains it."""
+    from ..ops import launch_cases
+    from .launches import capture
+
+    if arch not in ARCHS:
+        raise InvalidArgumentError(f"arch {arch!r} is not one of {', '.join(ARCHS)}")
+    providers = tuple(providers)
+    for p in providers:
+        if p not in PROVIDERS:
+            raise InvalidArgumentError(f"provider {p!r} is not one of {', '.join(PROVIDERS)}")
+    fams = tuple(families) if families is not None else launch_cases.FAMILIES
+    for f in fams:
+        if f not in launch_cases.FAMILIES:
+            raise InvalidArgumentError(f"family {f!r} is not one of {', '.join(launch_cases.FAMILIES)}")
+    a = ARCHS[arch]
+    reader = _Reader(a)
+    report: dict[str, Any] = {"arch": arch, "goals": vars_of(GOALS), "gpus": {g: vars_of(GPUS[g]) for g in a.gpus},
+                              "versions": _versions(), "anchors": {}, "cases": [], "errors": []}  # fmt: skip
+    anchors = {}
+    for name, fn, bpe in _anchor_cases():
+        launches = capture("triton", a, fn)
+        anchors[name] = _summarize(reader, launches, (1 << 24) * bpe, 1 << 24)
+        anchors[name]["launches_of"] = launches
+    for name, an in anchors.items():
+        report["anchors"][name] = {k: v for k, v in an.items() if k != "launches_of"}
+    for case in launch_cases.cases(fams):
+        if match and match not in case.name:
+            continue
+        for p in providers:
+            if progress:
+                progress(f"{p} {case.name}")
+            try:
+                launches = capture(p, a, lambda c=case, p=p: c.run(p))
+                entry = {"name": case.name, "family": case.family, "provider": p, "layout": case.layout,
+                         "memory_bound": case.memory_bound, "bytes": case.nbytes, "elements": case.elements,
+                         **_summarize(reader, launches, case.nbytes, case.elements)}  # fmt: skip
+            except Exception as exc:  # a kernel that does not compile is a finding, not the end of the report
+                report["errors"].append({"name": case.name, "provider": p, "error": f"{type(exc).__name__}: {exc}"[
+                    :2000]})  # fmt: skip
+                continue
+            for g, e in entry["estimate"].items():
+                copy = anchors["copy fp32"]["launches_of"]
+                ref = _summarize(reader, copy, case.nbytes, case.nbytes // 8)["estimate"][g]["us"]
+                e["copy_us"] = ref
+                e["vs_copy"] = round(e["us"] / ref, 3) if ref else None
+            exc = _exception(case.name)
+            if exc and p == "triton":
+                entry["exception"] = exc[1]
+            entry["misses"] = check(entry)
+            report["cases"].append(entry)
+    report["kernels"] = reader.kernels
+    report["summary"] = _summary(report)
+    return report
+
+
+def vars_of(obj: Any) -> dict[str, Any]:
+    return {k: getattr(obj, k) for k in obj.__slots__} if hasattr(obj, "__slots__") else dict(vars(obj))
+
+
+def _versions() -> dict[str, str | None]:
+    from .._env import package_version
+
+    return {p: package_version(p) for p in ("torch", "triton", "numba", "torsh-kernels")}
+
+
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for c in report["cases"]:
+        s = out.setdefault(f"{c['provider']} {c['family']}", {"cases": 0, "memory_bound": 0, "meeting_goals": 0,
+                                                                "registers": [1 << 30, 0], "share_128": [1.0, 0.0]})
+        s["cases"] += 1
+        s["registers"] = [min(s["registers"][0], c["registers"]), max(s["registers"][1], c["registers"])]
+        if c["memory_bound"]:
+            s["memory_bound"] += 1
+            s["meeting_goals"] += not c["misses"]
+            if c["layout"] == "aligned":
+                s["share_128"] = [min(s["share_128"][0], c["share_128"]), max(s["share_128"][1], c["share_128"])]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The command
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    from ..ops.launch_cases import FAMILIES
+
+    ap.add_argument("--arch", default="sm_90", choices=list(ARCHS), help="the GPU target (default sm_90)")
+    ap.add_argument("--provider", dest="providers", type=_cli.choice_list(PROVIDERS, "provider"),
+                    default=list(PROVIDERS), help="comma-separated providers (default: triton,numba)")  # fmt: skip
+    ap.add_argument("--family", dest="families", type=_cli.choice_list(FAMILIES, "family"), default=None,
+                    help=f"comma-separated op families (default: all of {', '.join(FAMILIES)})")  # fmt: skip
+    ap.add_argument("--match", default=None, help="only the cases whose name contains this text")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a kernel misses a goal")
+    _cli.add_json(ap, "the report")
+    ap.add_argument("--width", type=_cli.int_at_least(40), default=None, help="columns (default: the terminal's)")
+
+
+def run(a: argparse.Namespace) -> int:
+    import sys
+
+    quiet = a.json == "-"
+    con = _cli.console(width=a.width, stderr=quiet)
+    rep = inspect_kernels(a.arch, providers=a.providers, families=a.families, match=a.match,
+                          progress=(lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if con.is_terminal
+                          else None)  # fmt: skip
+    print_report(rep, con)
+    _cli.write_json(a.json, rep)
+    missed = sum(bool(c["misses"]) for c in rep["cases"])
+    return 1 if (a.check and (missed or rep["errors"])) else 0
+
+
+def print_report(rep: dict[str, Any], con) -> None:
+    gpus = list(rep["gpus"])
+    cols = ["case", "prov", "layout", "regs", "occ", "spill B", "128-bit", "instr/elem",
+            *(f"{g.split('-')[0]} us" for g in gpus), "vs copy", "goals"]  # fmt: skip
+    t = _cli.table(f"torsh inspect: {rep['arch']} (versions: {rep['versions']})", cols,
+                   text=("case", "prov", "layout", "goals"))  # fmt: skip
+    for name, an in rep["anchors"].items():
+        t.add_row(f"anchor: {name}", "triton", "aligned", str(an["registers"]), f"{an['occupancy']:.0%}",
+                  str(an["local_bytes"]), f"{an['share_128']:.0%}", f"{an['instructions_per_element']}",
+                  *("" for _ in gpus), "", "")  # fmt: skip
+    for c in rep["cases"]:
+        est = [f"{c['estimate'][g]['us']:.1f}" for g in gpus]
+        vs = c["estimate"][gpus[0]].get("vs_copy")
+        goals = "-" if not c["memory_bound"] and not c["misses"] else ("ok" if not c["misses"] else
+                                                                         "; ".join(c["misses"]))  # fmt: skip
+        t.add_row(c["name"], c["provider"], c["layout"], str(c["registers"]), f"{c['occupancy']:.0%}",
+                  str(c["local_bytes"]), f"{c['share_128']:.0%}" if c["provider"] == "triton" else "n/a",
+                  str(c["instructions_per_element"]), *est, f"{vs:.2f}x" if vs else "", goals)  # fmt: skip
+    con.print(t)
+    for e in rep["errors"]:
+        con.print(f"[{e['provider']}] {e['name']}: {e['error']}", markup=False)
+    n = len(rep["cases"])
+    mb = [c for c in rep["cases"] if c["memory_bound"]]
+    ok = sum(not c["misses"] for c in mb)
+    con.print(f"{ok} of {len(mb)} memory-bound cases meet the goals ({n} cases, {len(rep['kernels'])} kernels "
+              f"compiled for {rep['arch']}); estimates are bandwidth bounds (no caches, contention or launch "
+              "overhead)", markup=False)  # fmt: skip

@@ -1,0 +1,388 @@
+"""Machine code of a GPU kernel, read without a GPU: resource usage, global memory accesses by width,
+theoretical occupancy and a bandwidth-bound time estimate.
+
+A kernel compiled to a cubin for a named target (Triton's own pipeline, or Numba's PTX through ``ptxas``)
+is read with the CUDA binary utilities that Triton's wheel ships (``triton/backends/nvidia/bin``:
+``ptxas``, ``cuobjdump``, ``nvdisasm``; a CUDA toolkit's, on ``PATH`` or under ``CUDA_HOME``, otherwise):
+
+- ``cuobjdump --dump-resource-usage``: registers per thread, local memory (spills and stack), shared memory;
+- ``nvdisasm``: the SASS. Every global memory instruction (``LDG``, ``STG``, ``LD``/``ST``, ``ATOMG``,
+  ``RED``, ``LDGSTS``) is counted by access width (8 to 128 bits). An access whose address does not depend
+  on the thread (a table entry, a scalar argument every thread reads) moves one lane's bytes per warp; one
+  whose address does moves 32 lanes' bytes. Which addresses depend on the thread is found by following
+  ``SR_TID``/``SR_LANEID`` through the registers they flow into (a fixed point over the code, so loops are
+  covered). The share of bytes moved by 128-bit accesses is the headline figure: a memory-bound kernel
+  reaches the hardware's bandwidth with fewer instructions in flight when each moves 16 bytes.
+
+The counts are static: each instruction once, whichever paths run and however often a loop turns. Each
+kernel variant of torsh-kernels is one path for its data (the host picks the variant), so for them the
+static share is the share of the bytes the kernel moves, up to loop trip counts.
+
+The time estimate is a bound, not a prediction: bytes / (HBM bandwidth x the fraction of it the launch
+can keep in flight). Little's law gives that fraction: at full bandwidth a GPU needs about
+bandwidth x latency bytes of loads outstanding; a launch has at most (resident threads) x (bytes each
+thread loads before it must wait) in flight. An instruction-issue bound (SASS instructions x warps / the
+SMs' issue rate) is taken too, whichever is slower. It does not see caches, DRAM page effects, contention
+with other kernels, or launch overhead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import ProviderUnavailableError
+
+__all__ = ["ARCHS", "GPUS", "Arch", "Gpu", "SassStats", "analyze", "estimate", "occupancy", "ptx_to_cubin", "tools"]
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    """A compile target and the per-SM limits theoretical occupancy is computed from."""
+
+    name: str
+    """``sm_80``, ``sm_90``, ``sm_100``."""
+    capability: int
+    """Compute capability as Triton writes it (80, 90, 100)."""
+    max_warps: int
+    """Resident warps per SM."""
+    max_blocks: int
+    """Resident thread blocks per SM."""
+    registers: int
+    """32-bit registers per SM."""
+    shared: int
+    """Shared memory per SM usable by blocks, in bytes."""
+    block_reserved_shared: int
+    """Shared memory the system reserves per block, in bytes."""
+    gpus: tuple[str, ...]
+    """The GPUs (keys of :data:`GPUS`) whose time the report estimates for this target."""
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """One GPU model's figures for the bandwidth-bound estimate (vendor datasheet values)."""
+
+    name: str
+    sms: int
+    """Streaming multiprocessors."""
+    hbm_gbps: float
+    """Peak HBM bandwidth, GB/s (10^9 bytes per second)."""
+    clock_ghz: float
+    """SM clock under sustained load, GHz (the issue bound)."""
+    latency_ns: float = 800.0
+    """DRAM latency under load assumed by Little's law, ns (microbenchmarks put an idle HBM access at 500-600 ns
+    on Hopper; queues at full bandwidth add to it). The estimate's in-flight term scales with it."""
+
+
+# sm_80: A100 (164 KiB shared per SM); sm_90 / sm_100: 228 KiB. 64 warps, 32 blocks, 64 Ki registers per SM.
+ARCHS: dict[str, Arch] = {
+    "sm_80": Arch("sm_80", 80, 64, 32, 65536, 167936, 1024, ("A100-SXM4-80GB",)),
+    "sm_90": Arch("sm_90", 90, 64, 32, 65536, 233472, 1024, ("H100-SXM5-80GB", "H200-SXM-141GB")),
+    "sm_100": Arch("sm_100", 100, 64, 32, 65536, 233472, 1024, ("B200",)),
+}
+
+GPUS: dict[str, Gpu] = {
+    "A100-SXM4-80GB": Gpu("A100-SXM4-80GB", 108, 2039.0, 1.41),
+    "H100-SXM5-80GB": Gpu("H100-SXM5-80GB", 132, 3350.0, 1.755),
+    "H200-SXM-141GB": Gpu("H200-SXM-141GB", 132, 4800.0, 1.755),
+    "B200": Gpu("B200", 148, 8000.0, 1.85),
+}
+
+_TOOLS = ("ptxas", "cuobjdump", "nvdisasm")
+
+
+def _dirs() -> list[Path]:
+    dirs = []
+    try:
+        import triton
+
+        dirs.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin")
+    except Exception:  # no Triton: a toolkit's tools still serve Numba's PTX
+        pass
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            dirs.append(Path(os.environ[var]) / "bin")
+    return dirs
+
+
+def _found(name: str) -> list[str]:
+    """Every executable ``name`` in :func:`_dirs`, then on ``PATH`` (no duplicates)."""
+    out = [str(d / name) for d in _dirs() if (d / name).is_file() and os.access(d / name, os.X_OK)]
+    p = shutil.which(name)
+    if p and p not in out:
+        out.append(p)
+    return out
+
+
+def tools() -> dict[str, str]:
+    """Paths of ``ptxas``, ``cuobjdump`` and ``nvdisasm`` (and ``ptxas-blackwell`` where Triton ships it).
+
+    Looked for in Triton's wheel first (the versions its compiler uses), then under ``CUDA_HOME`` /
+    ``CUDA_PATH``, then on ``PATH``. Raises :class:`ProviderUnavailableError` naming what is missing and how
+    to get it."""
+    found = {name: paths[0] for name in (*_TOOLS, "ptxas-blackwell") if (paths := _found(name))}
+    missing = [t for t in _TOOLS if t not in found]
+    if missing:
+        raise ProviderUnavailableError(
+            f"torsh inspect needs {', '.join(missing)} (CUDA binary utilities) and found none in Triton's wheel, "
+            f"CUDA_HOME/CUDA_PATH or PATH. Install Triton (pip install triton: its wheel ships them) or a CUDA "
+            f"toolkit (its bin/ on PATH, or CUDA_HOME set)"
+        )
+    return found
+
+
+def _run(args: list[str], what: str) -> str:
+    p = subprocess.run(args, capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"{what} failed ({' '.join(args[:2])} ...): {p.stderr.strip()[:2000]}")
+    return p.stdout
+
+
+def ptx_to_cubin(ptx: str, arch: Arch) -> tuple[bytes, str]:
+    """(cubin, the ``ptxas`` used): PTX assembled for ``arch`` at ``ptxas``'s default optimisation level (-O3, as
+    the driver's JIT does when a Numba kernel is loaded). Every ``ptxas`` found is tried in turn (Triton's
+    first), since a PTX file names the ISA version it needs and an older ``ptxas`` refuses a newer one (Numba
+    emits the version of the NVVM it found, which may be a newer toolkit's than Triton's)."""
+    tools()
+    names = ("ptxas-blackwell", "ptxas") if arch.capability >= 100 else ("ptxas",)
+    candidates = [p for n in names for p in _found(n)]
+    errors = []
+    with tempfile.TemporaryDirectory(prefix="torsh-sass-") as d:
+        src, out = Path(d) / "k.ptx", Path(d) / "k.cubin"
+        src.write_text(ptx)
+        for ptxas in candidates:
+            try:
+                _run([ptxas, f"-arch={arch.name}", "-o", str(out), str(src)], "ptxas")
+                return out.read_bytes(), ptxas
+            except RuntimeError as e:
+                errors.append(str(e))
+    raise RuntimeError("no ptxas here assembles this PTX: " + " | ".join(errors))
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading the cubin
+
+
+@dataclass(slots=True)
+class SassStats:
+    """What the machine code of one kernel says."""
+
+    registers: int
+    local_bytes: int
+    """Local memory per thread (spill slots and stack), bytes: 0 for a kernel that does not spill."""
+    spill_instructions: int
+    """``LDL``/``STL`` instructions."""
+    shared_bytes: int
+    """Static shared memory per block (Triton reports its dynamic share separately; added by the caller)."""
+    instructions: int
+    """SASS instructions (NOPs and the closing self-branch left out)."""
+    accesses: dict[str, int] = field(default_factory=dict)
+    """Global memory instructions by kind and width, e.g. ``"load.128": 4``, ``"store.32": 2``,
+    ``"atomic.64": 1``; an access whose address is the same for every thread is counted under ``"uniform"``
+    (``"uniform.load.64"``)."""
+    lane_bytes: dict[int, int] = field(default_factory=dict)
+    """Bytes one warp moves through global memory, by access width in bits (a thread-independent address
+    counts one lane)."""
+    load_bytes_per_thread: int = 0
+    """Bytes one thread loads from thread-dependent global addresses (the loads a thread has in flight)."""
+
+    @property
+    def global_bytes_per_warp(self) -> int:
+        return sum(self.lane_bytes.values())
+
+    @property
+    def share_128(self) -> float:
+        """Share of the global bytes moved by 128-bit accesses (1.0 for a kernel that moves none)."""
+        total = self.global_bytes_per_warp
+        return self.lane_bytes.get(128, 0) / total if total else 1.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["lane_bytes"] = {str(k): v for k, v in sorted(self.lane_bytes.items())}
+        d["share_128"] = round(self.share_128, 4)
+        return d
+
+
+_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+_LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;")
+_REG = re.compile(r"\b(U?R)(\d+)(\.64)?\b")
+_PRED = re.compile(r"^@!?(U?P\d|U?PT)\s+")
+_GLOBAL = {"LDG": "load", "LD": "load", "LDGSTS": "load", "STG": "store", "ST": "store", "ATOMG": "atomic",
+           "ATOM": "atomic", "RED": "atomic", "REDG": "atomic"}  # fmt: skip
+_NO_DEST = {"STG", "ST", "STS", "STL", "RED", "REDG", "BAR", "BRA", "BRX", "EXIT", "RET", "CALL", "BSYNC", "BSSY",
+            "WARPSYNC", "NOP", "MEMBAR", "FENCE", "ERRBAR", "CCTL", "DEPBAR", "YIELD", "LDGSTS", "LDGDEPBAR",
+            "ARRIVES", "SYNCS", "BPT", "KILL", "JMP", "RPCMOV", "UTMALDG", "UTMASTG", "UBLKCP"}  # fmt: skip
+_WIDE = ("DADD", "DMUL", "DFMA", "DSETP", "DMNMX")
+
+
+def _width(op: str) -> int:
+    """Access width in bits of a memory opcode (``LDG.E.128`` -> 128, ``STG.E.U16`` -> 16, ``LDG.E`` -> 32)."""
+    parts = op.split(".")[1:]
+    for p in parts:
+        if p == "128":
+            return 128
+        if p in ("64", "U64", "S64", "F64"):
+            return 64
+        if p in ("U16", "S16"):
+            return 16
+        if p in ("U8", "S8"):
+            return 8
+    return 32
+
+
+def _dest_regs(op: str, operands: list[str]) -> list[str]:
+    """Registers (``R5``, ``P0``) an instruction writes: its first operand (and the register after a leading
+    predicate, as in ``SHFL PT, R3, ...``; a carry-out predicate second, as in ``IADD3 R2, P0, ...``)."""
+    base = op.split(".")[0]
+    if base in _NO_DEST or not operands:
+        return []
+    out = []
+    first = operands[0]
+    n = 1
+    if ".128" in op:
+        n = 4
+    elif ".64" in op or ".WIDE" in op or base in _WIDE or base == "CS2R" or ".F64" in op:
+        n = 2
+    m = re.fullmatch(r"(U?R)(\d+)(\.64)?", first)
+    if m:
+        if m.group(1) == "R":
+            out += [f"R{int(m.group(2)) + i}" for i in range(n)]
+        if len(operands) > 1 and re.fullmatch(r"U?P\d", operands[1]):
+            out.append(operands[1])
+    elif re.fullmatch(r"U?P(\d|T)", first):
+        if first != "PT":
+            out.append(first)
+        if len(operands) > 1:
+            m2 = re.fullmatch(r"R(\d+)(\.64)?", operands[1])
+            if m2:
+                out += [f"R{int(m2.group(1)) + i}" for i in range(n)]
+    return out
+
+
+def _src_regs(text: str) -> set[str]:
+    regs = set()
+    for kind, num, wide in _REG.findall(text):
+        if kind == "R":
+            regs.add(f"R{num}")
+            if wide:
+                regs.add(f"R{int(num) + 1}")
+    regs.update(re.findall(r"\bP\d\b", text))
+    return regs
+
+
+def _parse(sass: str) -> list[tuple[str | None, str, list[str]]]:
+    """(guard predicate, opcode, operands) per instruction."""
+    out = []
+    for line in sass.splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        text = m.group(1)
+        guard = None
+        g = _PRED.match(text)
+        if g:
+            guard = g.group(1)
+            text = text[g.end() :]
+        op, _, rest = text.partition(" ")
+        operands = [o.strip() for o in rest.split(",")] if rest.strip() else []
+        out.append((guard, op, operands))
+    return out
+
+
+def _thread_dependent(instrs: list[tuple[str | None, str, list[str]]]) -> set[str]:
+    """Registers and predicates whose value may differ between the threads of a warp: those written by
+    ``S2R ..., SR_TID.*``/``SR_LANEID`` and everything computed from them (to a fixed point: loops)."""
+    tainted: set[str] = set()
+    for _ in range(32):
+        before = len(tainted)
+        for guard, op, operands in instrs:
+            dests = _dest_regs(op, operands)
+            if not dests:
+                continue
+            srcs = " ".join(operands[1:]) if not operands[0].startswith("P") else " ".join(operands[2:])
+            if op.startswith("S2R") and any(s in srcs for s in ("SR_TID", "SR_LANEID")):
+                tainted.update(dests)
+                continue
+            if (guard and guard.lstrip("!") in tainted) or (_src_regs(srcs) & tainted):
+                tainted.update(dests)
+        if len(tainted) == before:
+            break
+    return tainted
+
+
+def analyze(cubin: bytes, shared_extra: int = 0) -> SassStats:
+    """Resource usage and global memory accesses of the (single) kernel in ``cubin``."""
+    t = tools()
+    with tempfile.TemporaryDirectory(prefix="torsh-sass-") as d:
+        path = Path(d) / "k.cubin"
+        path.write_bytes(cubin)
+        res = _run([t["cuobjdump"], "--dump-resource-usage", str(path)], "cuobjdump")
+        sass = _run([t["nvdisasm"], "-c", str(path)], "nvdisasm")
+    m = _RES.search(res)
+    if not m:
+        raise RuntimeError(f"cuobjdump printed no resource usage: {res[:500]}")
+    regs, stack, shared, local = map(int, m.groups())
+    instrs = _parse(sass)
+    while instrs and instrs[-1][1] in ("NOP", "BRA"):  # the closing `BRA self` and padding
+        instrs.pop()
+    tainted = _thread_dependent(instrs)
+    stats = SassStats(registers=regs, local_bytes=stack + local, spill_instructions=0,
+                      shared_bytes=shared + shared_extra, instructions=0)  # fmt: skip
+    for _guard, op, operands in instrs:
+        if op == "NOP":
+            continue
+        stats.instructions += 1
+        base = op.split(".")[0]
+        if base in ("LDL", "STL"):
+            stats.spill_instructions += 1
+            continue
+        kind = _GLOBAL.get(base)
+        if kind is None:
+            continue
+        addr = next((o for o in reversed(operands) if "[" in o), "")
+        per_thread = bool(_src_regs(re.sub(r"desc\[[^\]]*\]", "", addr)) & tainted)
+        w = _width(op)
+        key = f"{kind}.{w}" if per_thread else f"uniform.{kind}.{w}"
+        stats.accesses[key] = stats.accesses.get(key, 0) + 1
+        stats.lane_bytes[w] = stats.lane_bytes.get(w, 0) + (w // 8) * (32 if per_thread else 1)
+        if per_thread and kind == "load":
+            stats.load_bytes_per_thread += w // 8
+    return stats
+
+
+# --------------------------------------------------------------------------------------------------
+# Occupancy and the estimate
+
+
+def occupancy(registers: int, warps: int, shared_bytes: int, arch: Arch) -> tuple[int, float]:
+    """(resident blocks per SM, theoretical occupancy: resident warps / the SM's maximum)."""
+    per_warp_regs = -(-max(registers, 1) * 32 // 256) * 256  # allocated per warp in units of 256
+    limits = [arch.max_blocks, arch.max_warps // max(warps, 1), arch.registers // (per_warp_regs * max(warps, 1))]
+    if shared_bytes:
+        limits.append(arch.shared // (-(-(shared_bytes + arch.block_reserved_shared) // 128) * 128))
+    blocks = max(0, min(limits))
+    return blocks, blocks * warps / arch.max_warps
+
+
+def estimate(stats: SassStats, *, warps: int, programs: int, nbytes: int, arch: Arch, gpu: Gpu) -> dict:
+    """Bandwidth-bound time of one launch of ``programs`` programs moving ``nbytes`` bytes in all on ``gpu``:
+    ``{"us": ..., "bandwidth_share": ..., "bound": "memory"|"issue"}`` (see the module docstring)."""
+    blocks, _ = occupancy(stats.registers, warps, stats.shared_bytes, arch)
+    resident = min(programs, blocks * gpu.sms) if blocks else 0
+    in_flight = resident * warps * 32 * stats.load_bytes_per_thread
+    needed = gpu.hbm_gbps * gpu.latency_ns  # bytes (GB/s x ns)
+    share = min(1.0, in_flight / needed) if needed else 1.0
+    t_mem = nbytes / (gpu.hbm_gbps * 1e3 * share) if share > 0 else float("inf")  # us
+    # issue: every warp of every program runs the kernel's instructions once; 4 schedulers per SM, 1 per clock
+    warp_instr = programs * warps * stats.instructions
+    t_issue = warp_instr / (gpu.sms * 4 * gpu.clock_ghz * 1e3)  # us
+    return {
+        "us": round(max(t_mem, t_issue), 3),
+        "bandwidth_share": round(share, 4),
+        "bound": "memory" if t_mem >= t_issue else "issue",
+    }

@@ -85,7 +85,7 @@ class _Reader:
         if key not in self.stats:
             kid = f"{launch.provider}:{launch.kernel}#{sum(1 for k in self.kernels if k.startswith(launch.provider + ':' + launch.kernel + '#'))}"  # noqa: E501
             compiled = compile_launch(launch, self.arch)
-            st = analyze(compiled.cubin, compiled.shared_bytes)
+            st = analyze(compiled.cubin, compiled.shared_bytes, compiled.spill_bytes)
             self.stats[key] = st
             blocks, occ = occupancy(st.registers, launch.warps, st.shared_bytes, self.arch)
             self.kernels[kid] = {"key": key, **launch.describe(), **st.to_dict(), "occupancy": round(occ, 4),
@@ -127,6 +127,7 @@ def _summarize(reader: _Reader, launches, nbytes: int, elements: int) -> dict[st
         "launches": rows,
         "registers": max((st.registers for _, st, _ in parts), default=0),
         "local_bytes": max((st.local_bytes for _, st, _ in parts), default=0),
+        "spill_bytes": max((st.spill_bytes for _, st, _ in parts), default=0),
         "occupancy": round(min(occs, default=1.0), 4),
         "share_128": round(lane.get(128, 0.0) / total, 4) if total else 1.0,
         "instructions_per_element": round(instr / elements, 2) if elements else None,
@@ -137,8 +138,8 @@ def _summarize(reader: _Reader, launches, nbytes: int, elements: int) -> dict[st
 def check(case: dict[str, Any], goals: Goals = GOALS) -> list[str]:
     """The goals ``case`` (an entry of the report) misses, one line each naming the figure and the threshold."""
     out = []
-    if case["local_bytes"]:
-        out.append(f"{case['local_bytes']} bytes of local memory (spills): the goal is none")
+    if case["spill_bytes"]:
+        out.append(f"{case['spill_bytes']} bytes of register spills: the goal is none")
     if not case["memory_bound"]:
         return out
     if case["registers"] > goals.registers:
@@ -230,8 +231,10 @@ def _versions() -> dict[str, str | None]:
 def _summary(report: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for c in report["cases"]:
-        s = out.setdefault(f"{c['provider']} {c['family']}", {"cases": 0, "memory_bound": 0, "meeting_goals": 0,
-                                                                "registers": [1 << 30, 0], "share_128": [1.0, 0.0]})
+        s = out.setdefault(
+            f"{c['provider']} {c['family']}",
+            {"cases": 0, "memory_bound": 0, "meeting_goals": 0, "registers": [1 << 30, 0], "share_128": [1.0, 0.0]},
+        )
         s["cases"] += 1
         s["registers"] = [min(s["registers"][0], c["registers"]), max(s["registers"][1], c["registers"])]
         if c["memory_bound"]:
@@ -282,7 +285,7 @@ def print_report(rep: dict[str, Any], con) -> None:
                    text=("case", "prov", "layout", "goals"))  # fmt: skip
     for name, an in rep["anchors"].items():
         t.add_row(f"anchor: {name}", "triton", "aligned", str(an["registers"]), f"{an['occupancy']:.0%}",
-                  str(an["local_bytes"]), f"{an['share_128']:.0%}", f"{an['instructions_per_element']}",
+                  str(an["spill_bytes"]), f"{an['share_128']:.0%}", f"{an['instructions_per_element']}",
                   *("" for _ in gpus), "", "")  # fmt: skip
     for c in rep["cases"]:
         est = [f"{c['estimate'][g]['us']:.1f}" for g in gpus]
@@ -290,7 +293,7 @@ def print_report(rep: dict[str, Any], con) -> None:
         goals = "-" if not c["memory_bound"] and not c["misses"] else ("ok" if not c["misses"] else
                                                                          "; ".join(c["misses"]))  # fmt: skip
         t.add_row(c["name"], c["provider"], c["layout"], str(c["registers"]), f"{c['occupancy']:.0%}",
-                  str(c["local_bytes"]), f"{c['share_128']:.0%}" if c["provider"] == "triton" else "n/a",
+                  str(c["spill_bytes"]), f"{c['share_128']:.0%}" if c["provider"] == "triton" else "n/a",
                   str(c["instructions_per_element"]), *est, f"{vs:.2f}x" if vs else "", goals)  # fmt: skip
     con.print(t)
     for e in rep["errors"]:

@@ -189,6 +189,8 @@ class Compiled:
     cubin: bytes
     shared_bytes: int
     """Dynamic shared memory the launch asks for (Triton), bytes."""
+    spill_bytes: int | None = None
+    """Spill stores ``ptxas -v`` reported (Numba); None where every local byte is a spill (Triton)."""
 
 
 def compile_launch(launch: Launch, arch: Arch) -> Compiled:
@@ -204,8 +206,8 @@ def compile_launch(launch: Launch, arch: Arch) -> Compiled:
         return Compiled(k.asm["cubin"], int(getattr(k.metadata, "shared", 0) or 0))
     from .sass import ptx_to_cubin
 
-    cubin, _ = ptx_to_cubin(_numba_ptx(launch.fn, launch.spec["sig"], arch), arch)
-    return Compiled(cubin, 0)
+    cubin, spills = ptx_to_cubin(_numba_ptx(launch.fn, launch.spec["sig"], arch), arch)
+    return Compiled(cubin, 0, spills)
 
 
 def _numba_ptx(kernel: Any, sig: tuple, arch: Arch) -> str:
@@ -223,4 +225,3 @@ def _numba_ptx(kernel: Any, sig: tuple, arch: Arch) -> str:
     finally:
         dispatcher.get_current_device = saved
     return ptx
-

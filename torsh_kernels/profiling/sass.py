@@ -143,11 +143,21 @@ def _run(args: list[str], what: str) -> str:
     return p.stdout
 
 
-def ptx_to_cubin(ptx: str, arch: Arch) -> tuple[bytes, str]:
-    """(cubin, the ``ptxas`` used): PTX assembled for ``arch`` at ``ptxas``'s default optimisation level (-O3, as
-    the driver's JIT does when a Numba kernel is loaded). Every ``ptxas`` found is tried in turn (Triton's
-    first), since a PTX file names the ISA version it needs and an older ``ptxas`` refuses a newer one (Numba
-    emits the version of the NVVM it found, which may be a newer toolkit's than Triton's)."""
+def _run_log(args: list[str], what: str) -> str:
+    """Like :func:`_run`, returning what the tool printed on both streams (``ptxas -v`` logs to stderr)."""
+    p = subprocess.run(args, capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"{what} failed ({' '.join(args[:2])} ...): {p.stderr.strip()[:2000]}")
+    return p.stdout + p.stderr
+
+
+def ptx_to_cubin(ptx: str, arch: Arch) -> tuple[bytes, int]:
+    """(cubin, spill bytes: what ``ptxas -v`` reports as spill stores): PTX assembled for ``arch`` at
+    ``ptxas``'s default optimisation level (-O3, as the driver's JIT does when a Numba kernel is loaded).
+
+    Every ``ptxas`` found is tried in turn (Triton's first): a PTX file names the ISA version it needs and an
+    older ``ptxas`` refuses a newer one (Numba emits the version of the NVVM it found, which may be a newer
+    toolkit's than Triton's)."""
     tools()
     names = ("ptxas-blackwell", "ptxas") if arch.capability >= 100 else ("ptxas",)
     candidates = [p for n in names for p in _found(n)]
@@ -157,8 +167,9 @@ def ptx_to_cubin(ptx: str, arch: Arch) -> tuple[bytes, str]:
         src.write_text(ptx)
         for ptxas in candidates:
             try:
-                _run([ptxas, f"-arch={arch.name}", "-o", str(out), str(src)], "ptxas")
-                return out.read_bytes(), ptxas
+                log = _run_log([ptxas, "-v", f"-arch={arch.name}", "-o", str(out), str(src)], "ptxas")
+                spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill stores", log))
+                return out.read_bytes(), spills
             except RuntimeError as e:
                 errors.append(str(e))
     raise RuntimeError("no ptxas here assembles this PTX: " + " | ".join(errors))
@@ -174,9 +185,12 @@ class SassStats:
 
     registers: int
     local_bytes: int
-    """Local memory per thread (spill slots and stack), bytes: 0 for a kernel that does not spill."""
+    """Local memory per thread (stack frame: spill slots and local arrays), bytes."""
+    spill_bytes: int
+    """Of that, bytes of register spills (``ptxas -v``'s spill stores; Triton kernels have no local arrays, so
+    all their local memory is spills)."""
     spill_instructions: int
-    """``LDL``/``STL`` instructions."""
+    """``LDL``/``STL`` instructions (spills and local arrays)."""
     shared_bytes: int
     """Static shared memory per block (Triton reports its dynamic share separately; added by the caller)."""
     instructions: int
@@ -315,8 +329,9 @@ def _thread_dependent(instrs: list[tuple[str | None, str, list[str]]]) -> set[st
     return tainted
 
 
-def analyze(cubin: bytes, shared_extra: int = 0) -> SassStats:
-    """Resource usage and global memory accesses of the (single) kernel in ``cubin``."""
+def analyze(cubin: bytes, shared_extra: int = 0, spill_bytes: int | None = None) -> SassStats:
+    """Resource usage and global memory accesses of the (single) kernel in ``cubin``; ``spill_bytes`` as
+    ``ptxas -v`` reported it (None: all local memory counts as spills)."""
     t = tools()
     with tempfile.TemporaryDirectory(prefix="torsh-sass-") as d:
         path = Path(d) / "k.cubin"
@@ -331,7 +346,8 @@ def analyze(cubin: bytes, shared_extra: int = 0) -> SassStats:
     while instrs and instrs[-1][1] in ("NOP", "BRA"):  # the closing `BRA self` and padding
         instrs.pop()
     tainted = _thread_dependent(instrs)
-    stats = SassStats(registers=regs, local_bytes=stack + local, spill_instructions=0,
+    stats = SassStats(registers=regs, local_bytes=stack + local,
+                      spill_bytes=stack + local if spill_bytes is None else spill_bytes, spill_instructions=0,
                       shared_bytes=shared + shared_extra, instructions=0)  # fmt: skip
     for _guard, op, operands in instrs:
         if op == "NOP":

@@ -19,14 +19,19 @@ occupancy and spill goals only.
 from __future__ import annotations
 
 import argparse
+import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _cli
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, ProviderUnavailableError
 from .sass import ARCHS, GPUS, Arch, SassStats, analyze, estimate, occupancy
+
+if TYPE_CHECKING:
+    from .launches import Launch
 
 __all__ = ["EXCEPTIONS", "GOALS", "add_arguments", "check", "inspect_kernels", "run"]
 
@@ -59,80 +64,90 @@ def _exception(name: str) -> tuple[float, str] | None:
     return None
 
 
-def _anchor_cases() -> list[tuple[str, Callable[[Callable], object], int]]:
+ANCHOR_ELEMENTS = 1 << 24
+"""Elements of the anchors' launches (divisible by 16: the best case a plain kernel can be compiled for)."""
+
+
+def _anchor_cases() -> list[tuple[str, Callable[[], object], int]]:
+    """(name, the launch, bytes per element) of each anchor."""
     import torch
 
     from . import anchors
 
-    n = 1 << 24  # the best case: a size divisible by 16
+    n = ANCHOR_ELEMENTS
     x = torch.empty(n)
     return [("copy fp32", lambda: anchors.copy(x, torch.empty(n)), 8),
             ("cast fp32->bf16", lambda: anchors.cast(x, torch.empty(n, dtype=torch.bfloat16)), 6)]  # fmt: skip
 
 
 class _Reader:
-    """Compiles and reads each distinct specialization once."""
+    """Compiles and reads each distinct specialization once; names it ``provider:kernel#i``."""
 
     def __init__(self, arch: Arch) -> None:
         self.arch = arch
-        self.kernels: dict[str, dict[str, Any]] = {}
-        self.stats: dict[str, SassStats] = {}
+        self.kernels: dict[str, dict[str, Any]] = {}  # kernel id -> its figures (the report's "kernels")
+        self._seen: dict[str, tuple[str, SassStats]] = {}  # specialization key -> (kernel id, figures)
 
-    def read(self, launch) -> tuple[str, SassStats]:
+    def read(self, launch: Launch) -> tuple[str, SassStats]:
         from .launches import compile_launch
 
         key = launch.key()
-        if key not in self.stats:
-            kid = f"{launch.provider}:{launch.kernel}#{sum(1 for k in self.kernels if k.startswith(launch.provider + ':' + launch.kernel + '#'))}"  # noqa: E501
+        if key not in self._seen:
+            stem = f"{launch.provider}:{launch.kernel}#"
+            kid = stem + str(sum(k.startswith(stem) for k in self.kernels))
             compiled = compile_launch(launch, self.arch)
             st = analyze(compiled.cubin, compiled.shared_bytes, compiled.spill_bytes)
-            self.stats[key] = st
             blocks, occ = occupancy(st.registers, launch.warps, st.shared_bytes, self.arch)
-            self.kernels[kid] = {"key": key, **launch.describe(), **st.to_dict(), "occupancy": round(occ, 4),
+            self.kernels[kid] = {**launch.describe(), **st.to_dict(), "occupancy": round(occ, 4),
                                  "blocks_per_sm": blocks}  # fmt: skip
-            self.ids = getattr(self, "ids", {})
-            self.ids[key] = kid
-        return self.ids[key], self.stats[key]
+            self._seen[key] = (kid, st)
+        return self._seen[key]
 
 
-def _summarize(reader: _Reader, launches, nbytes: int, elements: int) -> dict[str, Any]:
-    """One case's figures from its launches: bytes weighted by each launch's programs x warps."""
+def _summarize(reader: _Reader, launches: list[Launch], nbytes: int, elements: int) -> dict[str, Any]:
+    """One case's figures from its launches. A launch's bytes count with its weight, programs x warps (each
+    program runs the same code once); the case's ``nbytes`` are shared among launches in that proportion for
+    the estimate."""
     arch = reader.arch
-    rows: list[dict[str, Any]] = []
-    lane: dict[int, float] = {}
-    dyn_total = 0.0
     parts = []
     for ln in launches:
         kid, st = reader.read(ln)
-        w = ln.programs * ln.warps
+        parts.append((ln, kid, st, ln.programs * ln.warps))
+    lane: dict[int, float] = {}
+    for _, _, st, w in parts:
         for width, b in st.lane_bytes.items():
             lane[width] = lane.get(width, 0.0) + b * w
-        dyn = st.global_bytes_per_warp * w
-        dyn_total += dyn
-        parts.append((ln, st, dyn))
-        rows.append({"kernel": kid, "grid": list(ln.grid), "warps": ln.warps})
+    dyn = [st.global_bytes_per_warp * w for _, _, st, w in parts]
     total = sum(lane.values())
-    occs = [occupancy(st.registers, ln.warps, st.shared_bytes, arch)[1] for ln, st, _ in parts]
-    instr = sum(st.instructions * ln.programs * ln.warps * 32 for ln, st, _ in parts)
     est = {}
     for g in arch.gpus:
-        gpu = GPUS[g]
         us = 0.0
-        for ln, st, dyn in parts:
-            share = dyn / dyn_total if dyn_total else 1.0 / len(parts)
-            us += estimate(st, warps=ln.warps, programs=ln.programs, nbytes=int(nbytes * share), arch=arch,
-                           gpu=gpu)["us"]  # fmt: skip
+        for (ln, _, st, _), d in zip(parts, dyn):
+            part = nbytes * (d / sum(dyn) if sum(dyn) else 1 / len(parts))
+            us += estimate(st, warps=ln.warps, programs=ln.programs, nbytes=int(part), arch=arch, gpu=GPUS[g])["us"]
         est[g] = {"us": round(us, 3)}
+    instr = sum(st.instructions * w * 32 for _, _, st, w in parts)
     return {
-        "launches": rows,
-        "registers": max((st.registers for _, st, _ in parts), default=0),
-        "local_bytes": max((st.local_bytes for _, st, _ in parts), default=0),
-        "spill_bytes": max((st.spill_bytes for _, st, _ in parts), default=0),
-        "occupancy": round(min(occs, default=1.0), 4),
+        "launches": [{"kernel": kid, "grid": list(ln.grid), "warps": ln.warps} for ln, kid, _, _ in parts],
+        "registers": max((st.registers for _, _, st, _ in parts), default=0),
+        "local_bytes": max((st.local_bytes for _, _, st, _ in parts), default=0),
+        "spill_bytes": max((st.spill_bytes for _, _, st, _ in parts), default=0),
+        "occupancy": round(
+            min((occupancy(st.registers, ln.warps, st.shared_bytes, arch)[1] for ln, _, st, _ in parts), default=1.0), 4
+        ),
         "share_128": round(lane.get(128, 0.0) / total, 4) if total else 1.0,
         "instructions_per_element": round(instr / elements, 2) if elements else None,
         "estimate": est,
     }
+
+
+def _copy_us(copy: tuple[Launch, SassStats], nbytes: int, arch: Arch, gpu: str) -> float:
+    """The bound for the copy anchor moving ``nbytes`` (half read, half written), at its own launch geometry."""
+    from . import anchors
+
+    launch, st = copy
+    programs = max(1, -(-nbytes // 8 // anchors.BLOCK))
+    return estimate(st, warps=launch.warps, programs=programs, nbytes=nbytes, arch=arch, gpu=GPUS[gpu])["us"]
 
 
 def check(case: dict[str, Any], goals: Goals = GOALS) -> list[str]:
@@ -160,10 +175,16 @@ def inspect_kernels(
     providers: Iterable[str] = PROVIDERS,
     families: Iterable[str] | None = None,
     match: str | None = None,
+    meta: dict[str, dict[str, int]] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The report (a JSON-able dict) of every kernel variant of ``families`` (default: all) on ``providers``,
-    compiled for ``arch``; ``match`` keeps the cases whose name contains it."""
+    compiled for ``arch``; ``match`` keeps the cases whose name contains it; ``meta`` forces meta-parameters per
+    op (``{"flatten": {"BLOCK": 4096, "num_warps": 8}}``, as a tuned winner would set them) where the launchers
+    would use their defaults.
+
+    Runs in a process where Triton compiles (``TRITON_INTERPRET`` unset) and Numba targets the GPU
+    (``NUMBA_ENABLE_CUDASIM`` unset); raises :class:`ProviderUnavailableError` otherwise."""
     from ..ops import launch_cases
     from .launches import capture
 
@@ -177,45 +198,66 @@ def inspect_kernels(
     for f in fams:
         if f not in launch_cases.FAMILIES:
             raise InvalidArgumentError(f"family {f!r} is not one of {', '.join(launch_cases.FAMILIES)}")
+    _check_modes(providers)
     a = ARCHS[arch]
     reader = _Reader(a)
     report: dict[str, Any] = {"arch": arch, "goals": vars_of(GOALS), "gpus": {g: vars_of(GPUS[g]) for g in a.gpus},
                               "versions": _versions(), "anchors": {}, "cases": [], "errors": []}  # fmt: skip
-    anchors = {}
-    for name, fn, bpe in _anchor_cases():
-        launches = capture("triton", a, fn)
-        anchors[name] = _summarize(reader, launches, (1 << 24) * bpe, 1 << 24)
-        anchors[name]["launches_of"] = launches
-    for name, an in anchors.items():
-        report["anchors"][name] = {k: v for k, v in an.items() if k != "launches_of"}
-    for case in launch_cases.cases(fams):
-        if match and match not in case.name:
-            continue
-        for p in providers:
-            if progress:
-                progress(f"{p} {case.name}")
-            try:
-                launches = capture(p, a, lambda c=case, p=p: c.run(p))
-                entry = {"name": case.name, "family": case.family, "provider": p, "layout": case.layout,
-                         "memory_bound": case.memory_bound, "bytes": case.nbytes, "elements": case.elements,
-                         **_summarize(reader, launches, case.nbytes, case.elements)}  # fmt: skip
-            except Exception as exc:  # a kernel that does not compile is a finding, not the end of the report
-                report["errors"].append({"name": case.name, "provider": p, "error": f"{type(exc).__name__}: {exc}"[
-                    :2000]})  # fmt: skip
+    copy = None
+    with _meta_forced(meta):
+        for name, fn, bpe in _anchor_cases():
+            launches = capture("triton", a, fn)
+            report["anchors"][name] = _summarize(reader, launches, ANCHOR_ELEMENTS * bpe, ANCHOR_ELEMENTS)
+            if copy is None:
+                copy = (launches[0], reader.read(launches[0])[1])
+        for case in launch_cases.cases(fams):
+            if match and match not in case.name:
                 continue
-            for g, e in entry["estimate"].items():
-                copy = anchors["copy fp32"]["launches_of"]
-                ref = _summarize(reader, copy, case.nbytes, case.nbytes // 8)["estimate"][g]["us"]
-                e["copy_us"] = ref
-                e["vs_copy"] = round(e["us"] / ref, 3) if ref else None
-            exc = _exception(case.name)
-            if exc and p == "triton":
-                entry["exception"] = exc[1]
-            entry["misses"] = check(entry)
-            report["cases"].append(entry)
+            for p in providers:
+                if progress:
+                    progress(f"{p} {case.name}")
+                try:
+                    launches = capture(p, a, lambda c=case, p=p: c.run(p))
+                    entry = {"name": case.name, "family": case.family, "provider": p, "layout": case.layout,
+                             "memory_bound": case.memory_bound, "bytes": case.nbytes, "elements": case.elements,
+                             **_summarize(reader, launches, case.nbytes, case.elements)}  # fmt: skip
+                except Exception as exc:  # a kernel that does not compile is a finding, not the end of the report
+                    report["errors"].append({"name": case.name, "provider": p,
+                                             "error": f"{type(exc).__name__}: {exc}"[:2000]})  # fmt: skip
+                    continue
+                for g, e in entry["estimate"].items():
+                    e["copy_us"] = ref = round(_copy_us(copy, case.nbytes, a, g), 3)
+                    e["vs_copy"] = round(e["us"] / ref, 3) if ref else None
+                report["cases"].append(entry)
+    for entry in report["cases"]:
+        exc = _exception(entry["name"])
+        if exc and entry["provider"] == "triton":
+            entry["exception"] = exc[1]
+        entry["misses"] = check(entry)
     report["kernels"] = reader.kernels
     report["summary"] = _summary(report)
     return report
+
+
+def _check_modes(providers: tuple[str, ...]) -> None:
+    flags = {"triton": "TRITON_INTERPRET", "numba": "NUMBA_ENABLE_CUDASIM"}
+    for p in providers:
+        if os.environ.get(flags[p], "0").strip().lower() in ("1", "true", "on", "yes"):
+            raise ProviderUnavailableError(
+                f"torsh inspect compiles the {p} kernels for a GPU, but {flags[p]} is set here (the kernels then "
+                f"run in {'Triton' if p == 'triton' else 'Numba'}'s {'interpreter' if p == 'triton' else 'simulator'}"
+                f"): run it with {flags[p]} unset (env -u {flags[p]} torsh inspect ...)"
+            )
+
+
+@contextmanager
+def _meta_forced(meta: dict[str, dict[str, int]] | None) -> Iterator[None]:
+    from ..ops.registry import forced_meta
+
+    with ExitStack() as stack:
+        for op, m in (meta or {}).items():
+            stack.enter_context(forced_meta(op, m))
+        yield
 
 
 def vars_of(obj: Any) -> dict[str, Any]:
@@ -258,9 +300,32 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--family", dest="families", type=_cli.choice_list(FAMILIES, "family"), default=None,
                     help=f"comma-separated op families (default: all of {', '.join(FAMILIES)})")  # fmt: skip
     ap.add_argument("--match", default=None, help="only the cases whose name contains this text")
+    ap.add_argument("--meta", action="append", type=_meta_arg, default=[], metavar="OP:NAME=V[,NAME=V]",
+                    help="launch OP's Triton kernels with these meta-parameters (values from its tuning space, "
+                    "e.g. flatten:BLOCK=4096,num_warps=8: what a tuned winner would set); repeatable")  # fmt: skip
     ap.add_argument("--check", action="store_true", help="exit 1 if a kernel misses a goal")
     _cli.add_json(ap, "the report")
     ap.add_argument("--width", type=_cli.int_at_least(40), default=None, help="columns (default: the terminal's)")
+
+
+def _meta_arg(text: str) -> tuple[str, dict[str, int]]:
+    """``OP:NAME=V,...`` -> (op, {name: value}), checked against the op's tuning space."""
+    from ..ops import tuning
+
+    op, sep, rest = text.partition(":")
+    space = tuning.spaces().get(op)
+    if not sep or space is None:
+        ops = ", ".join(sorted(tuning.spaces()))
+        raise argparse.ArgumentTypeError(f"expected OP:NAME=V[,NAME=V] with OP one of {ops}, got {text!r}")
+    allowed = space.meta.get("triton", {})
+    out = {}
+    for item in rest.split(","):
+        name, eq, v = item.partition("=")
+        if not eq or name not in allowed or not v.strip().lstrip("-").isdigit() or int(v) not in allowed[name]:
+            choices = "; ".join(f"{k} in {list(vs)}" for k, vs in allowed.items()) or "none"
+            raise argparse.ArgumentTypeError(f"{item!r}: {op}'s Triton meta-parameters are {choices}")
+        out[name] = int(v)
+    return op, out
 
 
 def run(a: argparse.Namespace) -> int:
@@ -268,7 +333,7 @@ def run(a: argparse.Namespace) -> int:
 
     quiet = a.json == "-"
     con = _cli.console(width=a.width, stderr=quiet)
-    rep = inspect_kernels(a.arch, providers=a.providers, families=a.families, match=a.match,
+    rep = inspect_kernels(a.arch, providers=a.providers, families=a.families, match=a.match, meta=dict(a.meta),
                           progress=(lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if con.is_terminal
                           else None)  # fmt: skip
     print_report(rep, con)

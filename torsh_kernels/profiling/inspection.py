@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -175,13 +175,16 @@ def inspect_kernels(
     providers: Iterable[str] = PROVIDERS,
     families: Iterable[str] | None = None,
     match: str | None = None,
+    names: Collection[str] | None = None,
+    shard: tuple[int, int] | None = None,
     meta: dict[str, dict[str, int]] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The report (a JSON-able dict) of every kernel variant of ``families`` (default: all) on ``providers``,
-    compiled for ``arch``; ``match`` keeps the cases whose name contains it; ``meta`` forces meta-parameters per
-    op (``{"flatten": {"BLOCK": 4096, "num_warps": 8}}``, as a tuned winner would set them) where the launchers
-    would use their defaults.
+    compiled for ``arch``; ``match`` keeps the cases whose name contains it, ``names`` those named (each must
+    exist), ``shard=(i, n)`` every n-th case from the i-th (parallel processes share a run); ``meta`` forces
+    meta-parameters per op (``{"flatten": {"BLOCK": 4096, "num_warps": 8}}``, as a tuned winner would set them)
+    where the launchers would use their defaults.
 
     Runs in a process where Triton compiles (``TRITON_INTERPRET`` unset) and Numba targets the GPU
     (``NUMBA_ENABLE_CUDASIM`` unset); raises :class:`ProviderUnavailableError` otherwise."""
@@ -210,9 +213,7 @@ def inspect_kernels(
             report["anchors"][name] = _summarize(reader, launches, ANCHOR_ELEMENTS * bpe, ANCHOR_ELEMENTS)
             if copy is None:
                 copy = (launches[0], reader.read(launches[0])[1])
-        for case in launch_cases.cases(fams):
-            if match and match not in case.name:
-                continue
+        for case in _selected(launch_cases.cases(fams), match, names, shard):
             for p in providers:
                 if progress:
                     progress(f"{p} {case.name}")
@@ -237,6 +238,16 @@ def inspect_kernels(
     report["kernels"] = reader.kernels
     report["summary"] = _summary(report)
     return report
+
+
+def _selected(cases: list, match: str | None, names: Collection[str] | None, shard: tuple[int, int] | None) -> list:
+    if names is not None:
+        unknown = set(names) - {c.name for c in cases}
+        if unknown:
+            raise InvalidArgumentError(f"no launch case named {', '.join(sorted(unknown))}")
+        cases = [c for c in cases if c.name in names]
+    cases = [c for c in cases if not match or match in c.name]
+    return cases[shard[0] :: shard[1]] if shard else cases
 
 
 def _check_modes(providers: tuple[str, ...]) -> None:

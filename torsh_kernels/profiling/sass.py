@@ -38,7 +38,8 @@ from pathlib import Path
 
 from ..errors import ProviderUnavailableError
 
-__all__ = ["ARCHS", "GPUS", "Arch", "Gpu", "SassStats", "analyze", "estimate", "occupancy", "ptx_to_cubin", "tools"]
+__all__ = ["ARCHS", "GPUS", "Arch", "Gpu", "SassStats", "analyze", "estimate", "occupancy", "ptx_to_cubin", "read",
+           "tools"]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,9 +339,14 @@ def analyze(cubin: bytes, shared_extra: int = 0, spill_bytes: int | None = None)
         path.write_bytes(cubin)
         res = _run([t["cuobjdump"], "--dump-resource-usage", str(path)], "cuobjdump")
         sass = _run([t["nvdisasm"], "-c", str(path)], "nvdisasm")
-    m = _RES.search(res)
+    return read(res, sass, shared_extra, spill_bytes)
+
+
+def read(resource_usage: str, sass: str, shared_extra: int = 0, spill_bytes: int | None = None) -> SassStats:
+    """What :func:`analyze` reads, from the text ``cuobjdump --dump-resource-usage`` and ``nvdisasm -c`` printed."""
+    m = _RES.search(resource_usage)
     if not m:
-        raise RuntimeError(f"cuobjdump printed no resource usage: {res[:500]}")
+        raise RuntimeError(f"cuobjdump printed no resource usage: {resource_usage[:500]}")
     regs, stack, shared, local = map(int, m.groups())
     instrs = _parse(sass)
     while instrs and instrs[-1][1] in ("NOP", "BRA"):  # the closing `BRA self` and padding

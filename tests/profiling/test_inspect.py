@@ -36,12 +36,32 @@ SASS = """
 LOOP = """
         /*0000*/                   S2R R0, SR_TID.X ;
         /*0010*/                   LDC.64 R12, c[0x0][0x210] ;
+.L_x_0:
         /*0020*/                   MOV R20, R12 ;
         /*0030*/                   MOV R21, R13 ;
         /*0040*/                   LDG.E R22, desc[UR6][R20.64] ;
         /*0050*/                   IMAD.WIDE R12, R0, 0x4, R12 ;
-        /*0060*/              @P0 BRA 0x20 ;
+        /*0060*/               @P0 BRA `(.L_x_0) ;
         /*0070*/                   EXIT ;
+"""
+
+# Register reuse: R4 holds a per-thread address, then (written again from a constant) a table's address: the
+# second load is uniform. And a branch on a thread-dependent predicate: R8 is the same for the threads that skip
+# the MOV and for those that run it, but not between them, so after the join the load through R8 is per thread.
+REUSE = """
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   IMAD.WIDE R4, R0, 0x4, RZ ;
+        /*0020*/                   LDG.E.128 R12, desc[UR6][R4.64] ;
+        /*0030*/                   LDC.64 R4, c[0x0][0x218] ;
+        /*0040*/                   LDG.E.64 R16, desc[UR6][R4.64] ;
+        /*0050*/                   LDC.64 R8, c[0x0][0x220] ;
+        /*0060*/                   ISETP.NE.AND P1, PT, R0, RZ, PT ;
+        /*0070*/               @P1 BRA `(.L_x_1) ;
+        /*0080*/                   LDC.64 R8, c[0x0][0x228] ;
+        /*0090*/                   STG.E.64 desc[UR6][R8.64], R16 ;
+.L_x_1:
+        /*00a0*/                   LDG.E R18, desc[UR6][R8.64] ;
+        /*00b0*/                   EXIT ;
 """
 
 
@@ -50,7 +70,7 @@ def test_read_counts_widths_lanes_and_local_memory():
     assert (st.registers, st.local_bytes, st.spill_bytes, st.spill_instructions) == (40, 16, 16, 1)
     assert st.accesses == {"uniform.load.64": 1, "load.128": 1, "store.16": 1, "uniform.atomic.64": 1}
     # per warp: a thread-dependent access moves 32 lanes, a uniform one a single lane
-    assert st.lane_bytes == {64: 8 + 8, 128: 16 * 32, 16: 2 * 32}
+    assert st.lane_bytes == {"load": {64: 8, 128: 16 * 32}, "store": {16: 2 * 32}, "atomic": {64: 8}}
     assert st.share_128 == pytest.approx(512 / (512 + 64 + 16))
     assert st.load_bytes_per_thread == 16  # the uniform table load is not in flight per thread
     assert st.instructions == 11  # NOPs and the closing self-branch left out
@@ -60,6 +80,11 @@ def test_read_counts_widths_lanes_and_local_memory():
 def test_thread_dependence_follows_loops_to_a_fixed_point():
     st = read(RES, LOOP)
     assert st.accesses == {"load.32": 1}
+
+
+def test_thread_dependence_is_per_point_and_joins_divergent_branches():
+    st = read(RES, REUSE)
+    assert st.accesses == {"load.128": 1, "uniform.load.64": 1, "uniform.store.64": 1, "load.32": 1}
 
 
 def test_read_refuses_text_that_is_not_cuobjdump_output():

@@ -200,25 +200,33 @@ class SassStats:
     """Global memory instructions by kind and width, e.g. ``"load.128": 4``, ``"store.32": 2``,
     ``"atomic.64": 1``; an access whose address is the same for every thread is counted under ``"uniform"``
     (``"uniform.load.64"``)."""
-    lane_bytes: dict[int, int] = field(default_factory=dict)
-    """Bytes one warp moves through global memory, by access width in bits (a thread-independent address
-    counts one lane)."""
+    lane_bytes: dict[str, dict[int, int]] = field(default_factory=dict)
+    """Bytes one warp moves through global memory, by kind (``load``, ``store``, ``atomic``) and access width in
+    bits (a thread-independent address counts one lane)."""
     load_bytes_per_thread: int = 0
     """Bytes one thread loads from thread-dependent global addresses (the loads a thread has in flight)."""
 
+    def widths(self, kinds: tuple[str, ...] = ("load", "store", "atomic")) -> dict[int, int]:
+        """Warp bytes by access width over ``kinds``."""
+        out: dict[int, int] = {}
+        for k in kinds:
+            for w, b in self.lane_bytes.get(k, {}).items():
+                out[w] = out.get(w, 0) + b
+        return out
+
     @property
     def global_bytes_per_warp(self) -> int:
-        return sum(self.lane_bytes.values())
+        return sum(self.widths().values())
 
     @property
     def share_128(self) -> float:
         """Share of the global bytes moved by 128-bit accesses (1.0 for a kernel that moves none)."""
-        total = self.global_bytes_per_warp
-        return self.lane_bytes.get(128, 0) / total if total else 1.0
+        w = self.widths()
+        return w.get(128, 0) / sum(w.values()) if w else 1.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["lane_bytes"] = {str(k): v for k, v in sorted(self.lane_bytes.items())}
+        d["lane_bytes"] = {k: {str(w): b for w, b in sorted(v.items())} for k, v in sorted(self.lane_bytes.items())}
         d["share_128"] = round(self.share_128, 4)
         return d
 
@@ -227,6 +235,8 @@ _RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 _LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;")
 _REG = re.compile(r"\b(U?R)(\d+)(\.64)?\b")
 _PRED = re.compile(r"^@!?(U?P\d|U?PT)\s+")
+_LABEL = re.compile(r"^\s*([\w.$]+):\s*$")
+_TARGET = re.compile(r"`\(([^)]+)\)")
 _GLOBAL = {"LDG": "load", "LD": "load", "LDGSTS": "load", "STG": "store", "ST": "store", "ATOMG": "atomic",
            "ATOM": "atomic", "RED": "atomic", "REDG": "atomic"}  # fmt: skip
 _NO_DEST = {"STG", "ST", "STS", "STL", "RED", "REDG", "BAR", "BRA", "BRX", "EXIT", "RET", "CALL", "BSYNC", "BSSY",
@@ -250,33 +260,54 @@ def _width(op: str) -> int:
     return 32
 
 
-def _dest_regs(op: str, operands: list[str]) -> list[str]:
-    """Registers (``R5``, ``P0``) an instruction writes: its first operand (and the register after a leading
-    predicate, as in ``SHFL PT, R3, ...``; a carry-out predicate second, as in ``IADD3 R2, P0, ...``)."""
-    base = op.split(".")[0]
-    if base in _NO_DEST or not operands:
-        return []
-    out = []
-    first = operands[0]
-    n = 1
-    if ".128" in op:
-        n = 4
-    elif ".64" in op or ".WIDE" in op or base in _WIDE or base == "CS2R" or ".F64" in op:
-        n = 2
-    m = re.fullmatch(r"(U?R)(\d+)(\.64)?", first)
+@dataclass(frozen=True, slots=True)
+class _Instr:
+    guard: str | None
+    """The guarding predicate (``P0`` for ``@P0`` and ``@!P0``), or None."""
+    op: str
+    operands: tuple[str, ...]
+    target: str | None
+    """A branch's or call's target label."""
+
+    @property
+    def base(self) -> str:
+        return self.op.split(".")[0]
+
+    @property
+    def unconditional(self) -> bool:
+        return self.guard is None or self.guard == "PT"
+
+
+def _dests_and_sources(ins: _Instr) -> tuple[list[str], str]:
+    """(registers and predicates the instruction writes, the text of its source operands): the first operand (and
+    the register after a leading predicate, as in ``SHFL PT, R3, ...``; a carry-out predicate second, as in
+    ``IADD3 R2, P0, ...``). A destination that is a register pair or quad (``.64``, ``.128``, ``.WIDE``, fp64
+    arithmetic) names each of its registers."""
+    ops = ins.operands
+    if ins.base in _NO_DEST or not ops:
+        return [], " ".join(ops)
+    n = 4 if ".128" in ins.op else 2 if (".64" in ins.op or ".WIDE" in ins.op or ".F64" in ins.op or
+                                           ins.base in _WIDE or ins.base == "CS2R") else 1  # fmt: skip
+    out: list[str] = []
+    used = 1
+    if ops[0] == "PR":  # R2P: every predicate
+        return [f"P{i}" for i in range(7)], " ".join(ops[1:])
+    m = re.fullmatch(r"(U?R)(\d+)(\.64)?", ops[0])
     if m:
         if m.group(1) == "R":
             out += [f"R{int(m.group(2)) + i}" for i in range(n)]
-        if len(operands) > 1 and re.fullmatch(r"U?P\d", operands[1]):
-            out.append(operands[1])
-    elif re.fullmatch(r"U?P(\d|T)", first):
-        if first != "PT":
-            out.append(first)
-        if len(operands) > 1:
-            m2 = re.fullmatch(r"R(\d+)(\.64)?", operands[1])
+        if len(ops) > 1 and re.fullmatch(r"U?P\d", ops[1]):
+            out.append(ops[1])
+            used = 2
+    elif re.fullmatch(r"U?P(\d|T)", ops[0]):
+        if ops[0] != "PT":
+            out.append(ops[0])
+        if len(ops) > 1:
+            m2 = re.fullmatch(r"R(\d+)(\.64)?", ops[1])
             if m2:
                 out += [f"R{int(m2.group(1)) + i}" for i in range(n)]
-    return out
+            used = 2
+    return out, " ".join(ops[used:])
 
 
 def _src_regs(text: str) -> set[str]:
@@ -287,13 +318,20 @@ def _src_regs(text: str) -> set[str]:
             if wide:
                 regs.add(f"R{int(num) + 1}")
     regs.update(re.findall(r"\bP\d\b", text))
+    if re.search(r"\bPR\b", text):  # P2R / R2P read or write every predicate at once
+        regs.add("PR")
     return regs
 
 
-def _parse(sass: str) -> list[tuple[str | None, str, list[str]]]:
-    """(guard predicate, opcode, operands) per instruction."""
-    out = []
+def _parse(sass: str) -> tuple[list[_Instr], dict[str, int]]:
+    """The instructions, and each label's instruction index."""
+    instrs: list[_Instr] = []
+    labels: dict[str, int] = {}
     for line in sass.splitlines():
+        lab = _LABEL.match(line)
+        if lab:
+            labels[lab.group(1)] = len(instrs)
+            continue
         m = _LINE.match(line)
         if not m:
             continue
@@ -304,30 +342,108 @@ def _parse(sass: str) -> list[tuple[str | None, str, list[str]]]:
             guard = g.group(1)
             text = text[g.end() :]
         op, _, rest = text.partition(" ")
-        operands = [o.strip() for o in rest.split(",")] if rest.strip() else []
-        out.append((guard, op, operands))
+        t = _TARGET.search(rest)
+        operands = tuple(o.strip() for o in rest.split(",")) if rest.strip() else ()
+        instrs.append(_Instr(guard, op, operands, t.group(1) if t else None))
+    return instrs, labels
+
+
+def _successors(instrs: list[_Instr], labels: dict[str, int]) -> list[list[int]]:
+    n = len(instrs)
+    returns = [i + 1 for i, ins in enumerate(instrs) if ins.base == "CALL" and i + 1 < n]
+    out = []
+    for i, ins in enumerate(instrs):
+        nxt = [i + 1] if i + 1 < n else []
+        tgt = labels.get(ins.target) if ins.target else None
+        if ins.base in ("BRA", "JMP"):
+            s = ([tgt] if tgt is not None else nxt) + ([] if ins.unconditional else nxt)
+        elif ins.base == "EXIT":
+            s = [] if ins.unconditional else nxt
+        elif ins.base == "RET":
+            s = returns
+        elif ins.base == "CALL":
+            s = [tgt] if tgt is not None else nxt  # (back through RET)
+        elif ins.base in ("BRX", "JMX"):  # an indirect branch: anywhere labelled
+            s = sorted(set(labels.values()) | set(nxt))
+        else:
+            s = nxt
+        out.append(sorted(set(j for j in s if j < n)))
     return out
 
 
-def _thread_dependent(instrs: list[tuple[str | None, str, list[str]]]) -> set[str]:
-    """Registers and predicates whose value may differ between the threads of a warp: those written by
-    ``S2R ..., SR_TID.*``/``SR_LANEID`` and everything computed from them (to a fixed point: loops)."""
-    tainted: set[str] = set()
-    for _ in range(32):
-        before = len(tainted)
-        for guard, op, operands in instrs:
-            dests = _dest_regs(op, operands)
-            if not dests:
-                continue
-            srcs = " ".join(operands[1:]) if not operands[0].startswith("P") else " ".join(operands[2:])
-            if op.startswith("S2R") and any(s in srcs for s in ("SR_TID", "SR_LANEID")):
-                tainted.update(dests)
-                continue
-            if (guard and guard.lstrip("!") in tainted) or (_src_regs(srcs) & tainted):
-                tainted.update(dests)
-        if len(tainted) == before:
+def _flow(instrs: list[_Instr], succ: list[list[int]], joins: dict[int, set[str]]) -> list[frozenset[str] | None]:
+    """The registers and predicates that may differ between the threads of a warp before each instruction (None:
+    unreachable). Sources: ``S2R ..., SR_TID.*``/``SR_LANEID``; a write of a value computed from a
+    thread-dependent one (or under a thread-dependent guard) makes its destination thread-dependent, an
+    unguarded write of a uniform value makes it uniform again; ``joins`` adds what divergent branches leave
+    thread-dependent where they reconverge. Forward over the control flow graph to a fixed point (loops)."""
+    before: list[frozenset[str] | None] = [None] * len(instrs)
+    if not instrs:
+        return before
+    before[0] = frozenset(joins.get(0, ()))
+    work = [0]
+    while work:
+        i = work.pop()
+        state = set(before[i] or ())
+        ins = instrs[i]
+        dests, srcs = _dests_and_sources(ins)
+        if dests:
+            src = _src_regs(srcs)
+            if "PR" in src:
+                src |= {r for r in state if r.startswith("P")}
+            dependent = (ins.base == "S2R" and ("SR_TID" in srcs or "SR_LANEID" in srcs)) or bool(src & state) or (
+                ins.guard is not None and ins.guard in state)  # fmt: skip
+            if dependent:
+                state.update(dests)
+            elif ins.unconditional:
+                state.difference_update(dests)
+        out = frozenset(state)
+        for j in succ[i]:
+            new = (out if before[j] is None else before[j] | out) | joins.get(j, frozenset())
+            if new != before[j]:
+                before[j] = new
+                work.append(j)
+    return before
+
+
+def _divergent_joins(instrs: list[_Instr], labels: dict[str, int], before: list) -> dict[int, set[str]]:
+    """Where a branch taken by some threads of a warp and not others reconverges, what its arms wrote differs
+    between threads: for a forward branch, the writes it skips (and an else arm's, ended by a branch past it),
+    at its target (and past the else arm); for a backward branch (a loop the threads leave at different
+    iterations), the loop's writes, after it."""
+    joins: dict[int, set[str]] = {}
+
+    def writes(a: int, b: int) -> set[str]:
+        return {r for k in range(a, b) for r in _dests_and_sources(instrs[k])[0]}
+
+    for i, ins in enumerate(instrs):
+        t = labels.get(ins.target) if ins.target else None
+        if ins.base != "BRA" or t is None or ins.unconditional or before[i] is None or ins.guard not in before[i]:
+            continue
+        if t > i:
+            w = writes(i + 1, t)
+            joins.setdefault(t, set()).update(w)
+            last = instrs[t - 1]
+            u = labels.get(last.target) if last.target else None
+            if last.base == "BRA" and last.unconditional and u is not None and u > t:
+                joins.setdefault(u, set()).update(w | writes(t, u))
+        elif i + 1 < len(instrs):
+            joins.setdefault(i + 1, set()).update(writes(t, i + 1))
+    return joins
+
+
+def _thread_dependent(instrs: list[_Instr], labels: dict[str, int]) -> list[frozenset[str] | None]:
+    """:func:`_flow` with the divergent branches' joins, to a fixed point (which branches diverge depends on
+    what is thread-dependent)."""
+    succ = _successors(instrs, labels)
+    joins: dict[int, set[str]] = {}
+    for _ in range(16):
+        before = _flow(instrs, succ, joins)
+        new = _divergent_joins(instrs, labels, before)
+        if new == joins:
             break
-    return tainted
+        joins = new
+    return before
 
 
 def analyze(cubin: bytes, shared_extra: int = 0, spill_bytes: int | None = None) -> SassStats:
@@ -348,30 +464,32 @@ def read(resource_usage: str, sass: str, shared_extra: int = 0, spill_bytes: int
     if not m:
         raise RuntimeError(f"cuobjdump printed no resource usage: {resource_usage[:500]}")
     regs, stack, shared, local = map(int, m.groups())
-    instrs = _parse(sass)
-    while instrs and instrs[-1][1] in ("NOP", "BRA"):  # the closing `BRA self` and padding
+    instrs, labels = _parse(sass)
+    while instrs and instrs[-1].base in ("NOP", "BRA") and instrs[-1].unconditional:  # the closing `BRA self`
         instrs.pop()
-    tainted = _thread_dependent(instrs)
+    before = _thread_dependent(instrs, labels)
+    everything = frozenset(f"R{i}" for i in range(256))
     stats = SassStats(registers=regs, local_bytes=stack + local,
                       spill_bytes=stack + local if spill_bytes is None else spill_bytes, spill_instructions=0,
                       shared_bytes=shared + shared_extra, instructions=0)  # fmt: skip
-    for _guard, op, operands in instrs:
-        if op == "NOP":
+    for i, ins in enumerate(instrs):
+        if ins.base == "NOP":
             continue
         stats.instructions += 1
-        base = op.split(".")[0]
-        if base in ("LDL", "STL"):
+        if ins.base in ("LDL", "STL"):
             stats.spill_instructions += 1
             continue
-        kind = _GLOBAL.get(base)
+        kind = _GLOBAL.get(ins.base)
         if kind is None:
             continue
-        addr = next((o for o in reversed(operands) if "[" in o), "")
-        per_thread = bool(_src_regs(re.sub(r"desc\[[^\]]*\]", "", addr)) & tainted)
-        w = _width(op)
+        addr = next((o for o in reversed(ins.operands) if "[" in o), "")
+        dependent = before[i] if before[i] is not None else everything  # (unreachable: counted as per thread)
+        per_thread = bool(_src_regs(re.sub(r"desc\[[^\]]*\]", "", addr)) & dependent)
+        w = _width(ins.op)
         key = f"{kind}.{w}" if per_thread else f"uniform.{kind}.{w}"
         stats.accesses[key] = stats.accesses.get(key, 0) + 1
-        stats.lane_bytes[w] = stats.lane_bytes.get(w, 0) + (w // 8) * (32 if per_thread else 1)
+        by = stats.lane_bytes.setdefault(kind, {})
+        by[w] = by.get(w, 0) + (w // 8) * (32 if per_thread else 1)
         if per_thread and kind == "load":
             stats.load_bytes_per_thread += w // 8
     return stats

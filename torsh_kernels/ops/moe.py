@@ -481,8 +481,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _block_h(H: int) -> int:
-    return min(1024, _pow2(H))
+# The permute kernels: a program moves up to ROW_BLOCK columns of a row (a whole row at H <= ROW_BLOCK), 32 elements
+# a thread at ROW_WARPS; the unpermute backward loops over a row in BWD_BLOCK columns.
+ROW_BLOCK, ROW_WARPS = 4096, 4
+BWD_BLOCK, BWD_WARPS = 2048, 4
+
+
+def _block_h(H: int, block: int | None = None) -> int:
+    return min(block or ROW_BLOCK, _pow2(H))
 
 
 # scoring and top-k: (logits [T, E], k, score, renorm, bias [E] | None, n_group, topk_group (0: no groups),
@@ -741,10 +747,12 @@ def _scatter_rows_triton(x, rows, tok, w, out, padded=False):
     H = x.shape[1]
     BH = _block_h(H)
     if padded:  # one program per row and column block: every row written once, padding rows as zeros
-        kt._permute_padded_kernel[(out.shape[0], triton.cdiv(H, BH))](x, tok, out, H, T, BLOCK_H=BH)
+        kt._permute_padded_kernel[(out.shape[0], triton.cdiv(H, BH))](x, tok, out, H, T, BLOCK_H=BH,
+                                                                       num_warps=ROW_WARPS)  # fmt: skip
         return
     kt._permute_kernel[(T, triton.cdiv(H, BH))](x, rows, w if w is not None else rows, out, H, out.shape[0], K=K,
-                                                 BLOCK_H=BH, HAS_W=w is not None)  # fmt: skip
+                                                 BLOCK_H=BH, HAS_W=w is not None,
+                                                 num_warps=ROW_WARPS)  # fmt: skip
 
 
 @_scatter_rows.register("numba")
@@ -826,7 +834,8 @@ def _gather_rows_triton(y, rows, w, out, padded=False):
     H = out.shape[1]
     BH = _block_h(H)
     kt._unpermute_kernel[(T, triton.cdiv(H, BH))](y, rows, w if w is not None else rows, out, H, y.shape[0], K=K,
-                                                   BLOCK_H=BH, HAS_W=w is not None)  # fmt: skip
+                                                   BLOCK_H=BH, HAS_W=w is not None,
+                                                   num_warps=ROW_WARPS)  # fmt: skip
 
 
 @_gather_rows.register("numba")
@@ -869,7 +878,7 @@ def _gather_rows_bwd_triton(gy, y, rows, w, gyp):
     gw = torch.empty(T, K, dtype=torch.float32, device=gy.device)
     if T:
         kt._unpermute_bwd_kernel[(T,)](gy, y, rows, w, gyp, gw, H, y.shape[0], K=K, KP=max(2, _pow2(K)),
-                                       BLOCK_H=_block_h(H))  # fmt: skip
+                                       BLOCK_H=_block_h(H, BWD_BLOCK), num_warps=BWD_WARPS)  # fmt: skip
     return gw
 
 

@@ -540,13 +540,16 @@ def _topk_triton(logits, k, score, renorm, bias, n_group, topk_group, scaling):
     s = torch.empty(T, k, dtype=torch.float32, device=dev)
     bad = torch.zeros(1, dtype=torch.int32, device=dev)
     EP = max(2, _pow2(E))
-    BT = max(1, min(64, 4096 // EP))
+    # a [BT, EP] tile of scores, 32 a thread at 4 warps; the selection options (bias, groups) hold more such tiles
+    # live (keys, the experts still choosable): 8 a thread at 8 warps, or E=256, k=8 spilled at 195-246 registers
+    options = bias is not None or n_group > 0
+    BT = max(1, min(64, (2048 if options else 4096) // EP))
     kt._route_topk_kernel[(triton.cdiv(T, BT),)](
         logits, bias if bias is not None else logits, idx, w, s, bad, T, E, logits.stride(0), n_group, topk_group,
         E // max(n_group, 1), scaling,
         K=k, KP=max(2, _pow2(k)), EP=EP, GP=max(2, _pow2(n_group)), BLOCK_T=BT,
         SCORE=_SOFTMAX if score == "softmax" else _SIGMOID, RENORM=renorm, HAS_BIAS=bias is not None,
-        GROUPED=n_group > 0,
+        GROUPED=n_group > 0, num_warps=8 if options else 4,
     )  # fmt: skip
     return idx, w, s, bad
 

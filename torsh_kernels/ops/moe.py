@@ -482,13 +482,22 @@ def _pow2(n: int) -> int:
 
 
 # The permute kernels: a program moves up to ROW_BLOCK columns of a row (a whole row at H <= ROW_BLOCK), 32 elements
-# a thread at ROW_WARPS; the unpermute backward loops over a row in BWD_BLOCK columns.
-ROW_BLOCK, ROW_WARPS = 4096, 4
+# a thread at ROW_WARPS, unless that leaves fewer than ROW_PROGRAMS programs (few tokens: down to 1024 columns, 8 a
+# thread, for more programs); the unpermute backward loops over a row in BWD_BLOCK columns.
+ROW_BLOCK, ROW_WARPS, ROW_PROGRAMS = 4096, 4, 1024
 BWD_BLOCK, BWD_WARPS = 2048, 4
 
 
 def _block_h(H: int, block: int | None = None) -> int:
     return min(block or ROW_BLOCK, _pow2(H))
+
+
+def _row_block(rows: int, H: int) -> int:
+    """Columns a program of the permute kernels moves, for ``rows`` programs' rows of H columns."""
+    bh = _block_h(H)
+    while bh > 1024 and rows * -(-H // bh) < ROW_PROGRAMS:
+        bh //= 2
+    return bh
 
 
 # scoring and top-k: (logits [T, E], k, score, renorm, bias [E] | None, n_group, topk_group (0: no groups),
@@ -748,7 +757,7 @@ def _scatter_rows_triton(x, rows, tok, w, out, padded=False):
 
     T, K = rows.shape
     H = x.shape[1]
-    BH = _block_h(H)
+    BH = _row_block(out.shape[0] if padded else T, H)
     if padded:  # one program per row and column block: every row written once, padding rows as zeros
         kt._permute_padded_kernel[(out.shape[0], triton.cdiv(H, BH))](x, tok, out, H, T, BLOCK_H=BH,
                                                                        num_warps=ROW_WARPS)  # fmt: skip
@@ -835,7 +844,7 @@ def _gather_rows_triton(y, rows, w, out, padded=False):
 
     T, K = rows.shape
     H = out.shape[1]
-    BH = _block_h(H)
+    BH = _row_block(T, H)
     kt._unpermute_kernel[(T, triton.cdiv(H, BH))](y, rows, w if w is not None else rows, out, H, y.shape[0], K=K,
                                                    BLOCK_H=BH, HAS_W=w is not None,
                                                    num_warps=ROW_WARPS)  # fmt: skip

@@ -181,6 +181,42 @@ def test_permute_unpermute_match_reference(provider, gen, dtype, atol, rtol, T, 
         torch.testing.assert_close(y, M.moe_unpermute_ref(y_perm, r, weights=weights), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("block", [16, 64])
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
+def test_permute_kernels_over_several_column_blocks(provider, gen, monkeypatch, block, dtype, atol, rtol):
+    """Rows longer than a program's columns (the Triton launchers' ROW_BLOCK and BWD_BLOCK made small: H = 37 is
+    three programs a row or one masked one, the backward's loop turns three times or once), with drops and padding
+    rows, and the implementations below the public ops (the weighted permute; the unpermute backward), outputs
+    poisoned: exact where the reference is exact."""
+    monkeypatch.setattr(M, "ROW_BLOCK", block)
+    monkeypatch.setattr(M, "BWD_BLOCK", block)
+    T, E, K, H = 11, 4, 2, 37
+    logits = rand((T, E), torch.float32, gen)
+    x = rand((T, H), dtype, gen)
+    for pad in (False, True):
+        r = M.moe_route(logits, k=K, capacity_factor=0.7, pad_to_capacity=pad, provider="torch")
+        assert bool(r.dropped.any())
+        _poison_allocator(r.num_rows * H * x.element_size())
+        assert torch.equal(M.moe_permute(x, r, provider=provider), M.moe_permute_ref(x, r))
+        yp = rand((r.num_rows, H), dtype, gen)
+        for weights in (True, False):
+            _poison_allocator(T * H * x.element_size())
+            y = M.moe_unpermute(yp, r, weights=weights, provider=provider)
+            torch.testing.assert_close(y, M.moe_unpermute_ref(yp, r, weights=weights), atol=atol, rtol=rtol)
+    rows, tok, w = r.row_map, r.token_index, r.weights
+    got, want = torch.full_like(yp, float("nan")), torch.full_like(yp, float("nan"))
+    M._scatter_rows.impls[provider](x, rows, tok, w, got)
+    M._scatter_rows_torch(x, rows, tok, w, want)
+    assert torch.equal(got.isnan(), want.isnan()), "padding rows untouched, every kept row written"
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=True)
+    gy = rand((T, H), dtype, gen)
+    got, want = torch.full_like(yp, float("nan")), torch.full_like(yp, float("nan"))
+    gw = M._gather_rows_bwd.impls[provider](gy, yp, rows, w, got)
+    gw_ref = M._gather_rows_bwd_torch(gy, yp, rows, w, want)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=True)
+    torch.testing.assert_close(gw, gw_ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 def test_permute_then_unpermute_is_weighted_identity(provider, gen, dtype):
     """With renormalised weights and no drops, unpermute(permute(x)) == x (weights sum to one)."""

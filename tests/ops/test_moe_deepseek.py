@@ -30,6 +30,7 @@ CASES = [
     pytest.param(19, 12, 3, "sigmoid", False, 0.0, 6, 3, 1.0, None, id="groups-only-raw"),
     pytest.param(17, 5, 2, "softmax", True, 0.3, 5, 2, 1.5, None, id="groups-of-one"),
     pytest.param(31, 8, 2, "sigmoid", True, 0.3, 4, 2, 2.5, 0.75, id="with-capacity"),
+    pytest.param(19, 256, 8, "sigmoid", True, 0.3, 8, 4, 2.5, None, id="E256-g8-tg4-k8"),  # DeepSeek-V3's: 3 programs
 ]
 
 

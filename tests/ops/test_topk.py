@@ -121,6 +121,59 @@ def test_topk_falls_back_to_exact_when_ties_defeat_the_threshold(provider, gen):
     assert bool((x[idx.long()] == values).all())
 
 
+def _candidates_ref(x, r, thr):
+    """(global indices ascending, their fp32 values, non-finite count) of the candidates |x + r| >= thr."""
+    acc = x.float() + (r.float() if r is not None else 0)
+    fin = torch.isfinite(acc)
+    idx = ((acc.abs() >= thr) & fin).nonzero().view(-1)
+    return idx, acc[idx], int((~fin).sum())
+
+
+@pytest.mark.parametrize("n", [1, 3, 17, 4097, 8195])  # bulk + tail launches: the tail alone, both, several programs
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_topk_candidates_pass_at_any_size(provider, gen, n, dtype, with_residual, idx_dtype):
+    """The candidate pass itself: every candidate once with its global index and fp32 value (any order), the
+    count of all candidates and of the non-finite elements, with NaN/Inf in the bulk and in the tail; with a
+    buffer too small, the count still counts all and the buffer holds `cap` distinct candidates."""
+    x = rand(n, dtype, gen)
+    r = rand(n, torch.float32, gen) * 0.5 if with_residual else None
+    for i, bad in ((n - 1, float("nan")), (n - 2, float("inf")), (3, float("-inf")), (n // 2, float("nan"))):
+        if 0 <= i < n:
+            x[i] = bad
+    want, wval, wbad = _candidates_ref(x, r, 0.5)
+    impl = K._candidates.impls[provider]
+    for cap in (n, max(1, want.numel() // 2)):
+        cval, cidx, cnt = impl(x, r, 0.5, cap, idx_dtype)
+        count, nbad = cnt if type(cnt) is tuple else cnt.tolist()
+        assert (count, nbad) == (want.numel(), wbad)
+        kept = min(count, cap)
+        assert cidx.dtype == idx_dtype and cval.dtype == torch.float32
+        got, order = cidx[:kept].long().sort()
+        if kept == want.numel():
+            assert torch.equal(got, want)
+        else:
+            assert bool((got[1:] > got[:-1]).all()) and bool(torch.isin(got, want).all())
+        assert torch.equal(cval[:kept][order], wval[torch.searchsorted(want, got)])
+
+
+@pytest.mark.parametrize("k", [1, 3, 17, 4097])  # bulk + tail launches
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_topk_decompress_at_any_size(provider, gen, k, idx_dtype, dtype, accumulate):
+    n = 5003
+    values = rand(k, dtype, gen)
+    idx = torch.randperm(n, generator=gen)[:k].to(idx_dtype).to(DEVICE)
+    base = rand(n, dtype, gen)
+    out = base.clone() if accumulate else poison((n,), dtype)
+    K.topk_decompress(values, idx, n, out=out, accumulate=accumulate, alpha=-1.5, provider=provider)
+    ref = K.topk_decompress_ref(values, idx, n, out=base.clone() if accumulate else None, accumulate=accumulate,
+                                alpha=-1.5)  # fmt: skip
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPE_TOLS)
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_topk_decompress_matches_reference(provider, gen, dtype, atol, rtol, accumulate):
@@ -137,11 +190,12 @@ def test_topk_decompress_matches_reference(provider, gen, dtype, atol, rtol, acc
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_topk_decompress_sums_repeated_indices(provider, gen, out_dtype):
+@pytest.mark.parametrize("per_rank", [1, 5, 200])
+def test_topk_decompress_sums_repeated_indices(provider, gen, out_dtype, per_rank):
     """Concatenated payloads of several ranks: repeated indices add up (atomics, or an fp32 copy)."""
     n = 999
-    idx = torch.cat([torch.randperm(n, generator=gen)[:200] for _ in range(3)]).to(torch.int32).to(DEVICE)
-    values = rand(600, torch.float32, gen)
+    idx = torch.cat([torch.randperm(n, generator=gen)[:per_rank] for _ in range(3)]).to(torch.int32).to(DEVICE)
+    values = rand(3 * per_rank, torch.float32, gen)
     out = torch.zeros(n, dtype=out_dtype, device=DEVICE)
     K.topk_decompress(values, idx, n, out=out, accumulate=True, provider=provider)
     ref = torch.zeros(n, device=DEVICE).index_add_(0, idx.long(), values)

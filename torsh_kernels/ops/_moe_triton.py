@@ -196,29 +196,36 @@ def _route_rows_kernel(idx_ptr, row_ptr, starts_ptr, tok_ptr, seg_ptr, n, E, K: 
 
 
 @triton.jit
+def _token_row(row_ptr, t, j, N, K: tl.constexpr):
+    """Token t's row of choice j, -1 for a row outside [0, N) (-1: dropped; anything else: a bad row map, which the
+    public op refuses first). A thread-independent scalar load (one transaction a warp)."""
+    r = tl.load(row_ptr + t * K + j)
+    return tl.where((r >= 0) & (r < N), r, -1)
+
+
+@triton.jit
 def _permute_kernel(x_ptr, row_ptr, w_ptr, out_ptr, H, N, K: tl.constexpr, BLOCK_H: tl.constexpr,
                     HAS_W: tl.constexpr):  # fmt: skip
-    """out[row_map[t, j]] = x[t] (times weights[t, j] with HAS_W) for the kept assignments. A row outside
-    [0, N) (-1: dropped; anything else: a bad row map, which the public op refuses first) is not written."""
+    """out[row_map[t, j]] = x[t] (times weights[t, j] with HAS_W) for the kept assignments, one program per token
+    and BLOCK_H columns (a row when H <= BLOCK_H). A row outside [0, N) is not written."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = cols < H
     v = tl.load(x_ptr + t * H + cols, mask=m, other=0.0)
     for j in tl.static_range(K):
-        r = tl.load(row_ptr + t * K + j)
-        rb = cols * 0 + r  # [BLOCK_H] (a scalar mask is not accepted everywhere)
-        ok = (rb >= 0) & (rb < N)
-        rr = tl.where((r >= 0) & (r < N), r, 0)
+        r = _token_row(row_ptr, t, j, N, K)
+        ok = m & ((cols * 0 + r) >= 0)  # [BLOCK_H] (a scalar mask is not accepted everywhere)
+        dst = out_ptr + tl.maximum(r, 0) * H + cols
         if HAS_W:
             w = tl.load(w_ptr + t * K + j)
-            tl.store(out_ptr + rr * H + cols, _cast(v.to(tl.float32) * w, out_ptr.dtype.element_ty), mask=m & ok)
+            tl.store(dst, _cast(v.to(tl.float32) * w, out_ptr.dtype.element_ty), mask=ok)
         else:
-            tl.store(out_ptr + rr * H + cols, v, mask=m & ok)
+            tl.store(dst, v, mask=ok)
 
 
 @triton.jit
 def _permute_padded_kernel(x_ptr, tok_ptr, out_ptr, H, T, BLOCK_H: tl.constexpr):
-    """The permute of a padded routing, one program per row and column block: out[i] = x[token_index[i]],
+    """The permute of a padded routing, one program per row and BLOCK_H columns: out[i] = x[token_index[i]],
     zeros where token_index[i] is -1 (a padding row; an index outside [0, T) is not read either)."""
     i = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -234,17 +241,16 @@ def _permute_padded_kernel(x_ptr, tok_ptr, out_ptr, H, T, BLOCK_H: tl.constexpr)
 @triton.jit
 def _unpermute_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, N, K: tl.constexpr, BLOCK_H: tl.constexpr,
                       HAS_W: tl.constexpr):  # fmt: skip
-    """out[t] = sum_j weights[t, j] * y[row_map[t, j]] over the kept assignments, in fp32 (a row outside
-    [0, N) is not read)."""
+    """out[t] = sum_j weights[t, j] * y[row_map[t, j]] over the kept assignments, in fp32, one program per token and
+    BLOCK_H columns (a row outside [0, N) is not read)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(K):
-        r = tl.load(row_ptr + t * K + j)
-        rb = cols * 0 + r
-        ok = (rb >= 0) & (rb < N)
-        v = tl.load(y_ptr + tl.where((r >= 0) & (r < N), r, 0) * H + cols, mask=m & ok, other=0.0).to(tl.float32)
+        r = _token_row(row_ptr, t, j, N, K)
+        ok = m & ((cols * 0 + r) >= 0)
+        v = tl.load(y_ptr + tl.maximum(r, 0) * H + cols, mask=ok, other=0.0).to(tl.float32)
         if HAS_W:
             v = v * tl.load(w_ptr + t * K + j)
         acc += v
@@ -256,21 +262,24 @@ def _unpermute_bwd_kernel(
     gy_ptr, y_ptr, row_ptr, w_ptr, gyp_ptr, gw_ptr, H, N, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr
 ):
     """grad_y_perm[row_map[t, j]] = weights[t, j] * grad_y[t]; grad_w[t, j] = <grad_y[t], y_perm[row]> (a row
-    outside [0, N) is neither read nor written)."""
+    outside [0, N) is neither read nor written), one program per token; its rows and weights are read once, before
+    the loop over the row's column blocks."""
     t = tl.program_id(0).to(tl.int64)
     kcols = tl.arange(0, KP)
+    rows = ()
+    ws = ()
+    for j in tl.static_range(K):
+        rows = rows + (_token_row(row_ptr, t, j, N, K),)  # noqa: RUF005 (no starred tuples in Triton)
+        ws = ws + (tl.load(w_ptr + t * K + j),)  # noqa: RUF005
     dots = tl.zeros((KP,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H).to(tl.int64)
         m = cols < H
         g = tl.load(gy_ptr + t * H + cols, mask=m, other=0.0).to(tl.float32)
         for j in tl.static_range(K):
-            r = tl.load(row_ptr + t * K + j)
-            rb = cols * 0 + r
-            ok = (rb >= 0) & (rb < N)
-            rr = tl.where((r >= 0) & (r < N), r, 0)
-            w = tl.load(w_ptr + t * K + j)
-            tl.store(gyp_ptr + rr * H + cols, _cast(g * w, gyp_ptr.dtype.element_ty), mask=m & ok)
-            y = tl.load(y_ptr + rr * H + cols, mask=m & ok, other=0.0).to(tl.float32)
+            ok = m & ((cols * 0 + rows[j]) >= 0)
+            rr = tl.maximum(rows[j], 0)
+            tl.store(gyp_ptr + rr * H + cols, _cast(g * ws[j], gyp_ptr.dtype.element_ty), mask=ok)
+            y = tl.load(y_ptr + rr * H + cols, mask=ok, other=0.0).to(tl.float32)
             dots = tl.where(kcols == j, dots + tl.sum(g * y, axis=0), dots)
     tl.store(gw_ptr + t * K + kcols, dots, mask=kcols < K)

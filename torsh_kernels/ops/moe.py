@@ -481,8 +481,23 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _block_h(H: int) -> int:
-    return min(1024, _pow2(H))
+# The permute kernels: a program moves up to ROW_BLOCK columns of a row (a whole row at H <= ROW_BLOCK), 32 elements
+# a thread at ROW_WARPS, unless that leaves fewer than ROW_PROGRAMS programs (few tokens: down to 1024 columns, 8 a
+# thread, for more programs); the unpermute backward loops over a row in BWD_BLOCK columns.
+ROW_BLOCK, ROW_WARPS, ROW_PROGRAMS = 4096, 4, 1024
+BWD_BLOCK, BWD_WARPS = 2048, 4
+
+
+def _block_h(H: int, block: int | None = None) -> int:
+    return min(block or ROW_BLOCK, _pow2(H))
+
+
+def _row_block(rows: int, H: int) -> int:
+    """Columns a program of the permute kernels moves, for ``rows`` programs' rows of H columns."""
+    bh = _block_h(H)
+    while bh > 1024 and rows * -(-H // bh) < ROW_PROGRAMS:
+        bh //= 2
+    return bh
 
 
 # scoring and top-k: (logits [T, E], k, score, renorm, bias [E] | None, n_group, topk_group (0: no groups),
@@ -534,13 +549,16 @@ def _topk_triton(logits, k, score, renorm, bias, n_group, topk_group, scaling):
     s = torch.empty(T, k, dtype=torch.float32, device=dev)
     bad = torch.zeros(1, dtype=torch.int32, device=dev)
     EP = max(2, _pow2(E))
-    BT = max(1, min(64, 4096 // EP))
+    # a [BT, EP] tile of scores, 32 a thread at 4 warps; the selection options (bias, groups) hold more such tiles
+    # live (keys, the experts still choosable): 8 a thread at 8 warps, or E=256, k=8 spilled at 195-246 registers
+    options = bias is not None or n_group > 0
+    BT = max(1, min(64, (2048 if options else 4096) // EP))
     kt._route_topk_kernel[(triton.cdiv(T, BT),)](
         logits, bias if bias is not None else logits, idx, w, s, bad, T, E, logits.stride(0), n_group, topk_group,
         E // max(n_group, 1), scaling,
         K=k, KP=max(2, _pow2(k)), EP=EP, GP=max(2, _pow2(n_group)), BLOCK_T=BT,
         SCORE=_SOFTMAX if score == "softmax" else _SIGMOID, RENORM=renorm, HAS_BIAS=bias is not None,
-        GROUPED=n_group > 0,
+        GROUPED=n_group > 0, num_warps=8 if options else 4,
     )  # fmt: skip
     return idx, w, s, bad
 
@@ -739,12 +757,14 @@ def _scatter_rows_triton(x, rows, tok, w, out, padded=False):
 
     T, K = rows.shape
     H = x.shape[1]
-    BH = _block_h(H)
+    BH = _row_block(out.shape[0] if padded else T, H)
     if padded:  # one program per row and column block: every row written once, padding rows as zeros
-        kt._permute_padded_kernel[(out.shape[0], triton.cdiv(H, BH))](x, tok, out, H, T, BLOCK_H=BH)
+        kt._permute_padded_kernel[(out.shape[0], triton.cdiv(H, BH))](x, tok, out, H, T, BLOCK_H=BH,
+                                                                       num_warps=ROW_WARPS)  # fmt: skip
         return
     kt._permute_kernel[(T, triton.cdiv(H, BH))](x, rows, w if w is not None else rows, out, H, out.shape[0], K=K,
-                                                 BLOCK_H=BH, HAS_W=w is not None)  # fmt: skip
+                                                 BLOCK_H=BH, HAS_W=w is not None,
+                                                 num_warps=ROW_WARPS)  # fmt: skip
 
 
 @_scatter_rows.register("numba")
@@ -824,9 +844,10 @@ def _gather_rows_triton(y, rows, w, out, padded=False):
 
     T, K = rows.shape
     H = out.shape[1]
-    BH = _block_h(H)
+    BH = _row_block(T, H)
     kt._unpermute_kernel[(T, triton.cdiv(H, BH))](y, rows, w if w is not None else rows, out, H, y.shape[0], K=K,
-                                                   BLOCK_H=BH, HAS_W=w is not None)  # fmt: skip
+                                                   BLOCK_H=BH, HAS_W=w is not None,
+                                                   num_warps=ROW_WARPS)  # fmt: skip
 
 
 @_gather_rows.register("numba")
@@ -869,7 +890,7 @@ def _gather_rows_bwd_triton(gy, y, rows, w, gyp):
     gw = torch.empty(T, K, dtype=torch.float32, device=gy.device)
     if T:
         kt._unpermute_bwd_kernel[(T,)](gy, y, rows, w, gyp, gw, H, y.shape[0], K=K, KP=max(2, _pow2(K)),
-                                       BLOCK_H=_block_h(H))  # fmt: skip
+                                       BLOCK_H=_block_h(H, BWD_BLOCK), num_warps=BWD_WARPS)  # fmt: skip
     return gw
 
 

@@ -36,6 +36,8 @@ MAX_ITERS = 8
 rounding for condition numbers up to ~1e7, 3 (CholeskyQR3) beyond; each further one only repeats the last.
 (The Triton kernel unrolls its iterations, so a huge ``iters`` would otherwise compile without end.)"""
 ORTHO_ELEMS = 4096  # elements of the [ROWS, RP, RP] product tile in the orthogonalize kernel
+# 16 of them a thread (fp64 products): at 4 warps (32 a thread) fp32 rank 8 and 32 and bf16 rank 32 spilled 16 bytes
+ORTHO_WARPS = 8
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,7 +207,7 @@ def _ortho_triton(mats, rtol, iters):
     rows = max(1, min(256, triton.next_power_of_2(max(1, ORTHO_ELEMS // (rp * rp)))))
     table = _ptr_table([v for m in mats for v in (m.data_ptr(), m.shape[0])], mats[0].device, "ortho")
     K._orthogonalize_kernel[(len(mats),)](table, mats[0], r, rtol * rtol, ROWS=rows, RP=rp, ITERS=iters,
-                                          num_warps=4)  # fmt: skip
+                                          num_warps=ORTHO_WARPS)  # fmt: skip
 
 
 @_ortho.register("numba")

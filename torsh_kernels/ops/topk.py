@@ -36,9 +36,8 @@ from ..errors import (
 )
 from . import _eager
 from ._common import (
-    BLOCK,
     HOST_BYTES,
-    WARPS,
+    VEC,
     _acc_ref,
     _acc_torch,
     _check_alpha,
@@ -52,12 +51,12 @@ from ._common import (
     _finite_sum,
     _flat_inout,
     _flat_input,
-    _grid,
     _no_overlap,
     _on,
     _raise_nonfinite,
     _scratch,
     _select,
+    spans,
 )
 from .error_feedback import _axpby
 from .registry import Op, check_provider
@@ -129,6 +128,16 @@ _F32 = torch.float32
 _I32 = torch.int32
 _I64 = torch.int64
 _CPU = torch.device("cpu")
+# Triton launches (see _topk_triton): the candidate pass's int32 block scan and one-element compaction stores keep
+# 8 elements a thread under 64 registers (16 took 124-129); the scatter's 64-bit scattered addresses likewise.
+CAND_BLOCK, CAND_WARPS = 4096, 16
+SCATTER_BLOCK, SCATTER_WARPS = 1024, 4
+
+
+def _spans(n: int, block: int, warps: int) -> list[tuple[tuple[int], int, int, int, int]]:
+    """:func:`_common.spans` with each launch's block and warps: the tail (fewer than VEC elements) is one
+    program of one warp over VEC elements, not a block of ``block`` elements nearly all masked off."""
+    return [(g, s, e, block, warps) if e - s >= VEC else (g, s, e, VEC, 1) for g, s, e in spans(n, block)]
 
 
 # candidates: (cval fp32 [cap], cidx [cap], cnt int64 [2] = (count, non-finite))
@@ -161,10 +170,10 @@ def _cand_triton(x, r, thr, cap, idx_dtype):
     cval = torch.empty(cap, dtype=torch.float32, device=x.device)
     cidx = torch.empty(cap, dtype=idx_dtype, device=x.device)
     cnt = _counter(x.device, 2)
-    K._topk_candidates_kernel[_grid(x.numel(), BLOCK)](
-        x, r if r is not None else x, cval, cidx, cnt, x.numel(), thr, cap,
-        BLOCK=BLOCK, HAS_R=r is not None, num_warps=WARPS,
-    )  # fmt: skip
+    vec = 16 // min(x.element_size(), (r if r is not None else x).element_size())  # elements in 16 bytes
+    for grid, start, end, block, warps in _spans(x.numel(), CAND_BLOCK, CAND_WARPS):
+        K._topk_candidates_kernel[grid](x, r if r is not None else x, cval, cidx, cnt, start, end, thr, cap,
+                                        BLOCK=block, VEC=vec, HAS_R=r is not None, num_warps=warps)  # fmt: skip
     return cval, cidx, cnt
 
 
@@ -213,9 +222,10 @@ def _scatter_triton(values, indices, out, alpha, accumulate, unique):
     from . import _topk_triton as K
 
     def launch(values, indices, out, alpha, accumulate, atomic):
-        k = values.numel()
-        K._scatter_kernel[_grid(k, BLOCK)](values, indices, out, k, out.numel(), alpha, BLOCK=BLOCK,
-                                           ACCUMULATE=accumulate, ATOMIC=atomic, num_warps=WARPS)  # fmt: skip
+        vec = 16 // min(values.element_size(), indices.element_size())  # elements in 16 bytes
+        for grid, start, end, block, warps in _spans(values.numel(), SCATTER_BLOCK, SCATTER_WARPS):
+            K._scatter_kernel[grid](values, indices, out, start, end, out.numel(), alpha, BLOCK=block, VEC=vec,
+                                    ACCUMULATE=accumulate, ATOMIC=atomic, num_warps=warps)  # fmt: skip
 
     _scatter_with(launch, values, indices, out, alpha, accumulate, unique)
 

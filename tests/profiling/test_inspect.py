@@ -87,6 +87,30 @@ def test_thread_dependence_is_per_point_and_joins_divergent_branches():
     assert st.accesses == {"load.128": 1, "uniform.load.64": 1, "uniform.store.64": 1, "load.32": 1}
 
 
+# A gather and a scatter: each thread loads an index (contiguous, 128-bit), then reads and writes out[index]: the
+# addresses come from memory, one element each. A warp-shared index (uniform load) does not make an access indirect.
+GATHER = """
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   IMAD.WIDE R2, R0, 0x10, RZ ;
+        /*0020*/                   LDG.E.128 R4, desc[UR6][R2.64] ;
+        /*0030*/                   IMAD.WIDE R8, R4, 0x4, RZ ;
+        /*0040*/                   LDG.E R10, desc[UR6][R8.64] ;
+        /*0050*/                   STG.E desc[UR6][R8.64], R10 ;
+        /*0060*/                   LDC.64 R12, c[0x0][0x210] ;
+        /*0070*/                   LDG.E R14, desc[UR6][R12.64] ;
+        /*0080*/                   IMAD.WIDE R16, R14, 0x4, R2 ;
+        /*0090*/                   STG.E.128 desc[UR6][R16.64], R4 ;
+        /*00a0*/                   EXIT ;
+"""
+
+
+def test_gathers_and_scatters_are_told_from_direct_accesses():
+    st = read(RES, GATHER)
+    assert st.accesses == {"load.128": 1, "gather.32": 1, "scatter.32": 1, "uniform.load.32": 1, "store.128": 1}
+    assert st.share_128 == pytest.approx(1024 / (1024 + 4))  # direct bytes only: the uniform index load and two
+    assert st.widths(("gather", "scatter")) == {32: 256}  # 128-bit accesses; the gather and scatter apart
+
+
 def test_read_refuses_text_that_is_not_cuobjdump_output():
     with pytest.raises(RuntimeError, match="no resource usage"):
         read("nothing here", SASS)

@@ -38,8 +38,8 @@ from pathlib import Path
 
 from ..errors import ProviderUnavailableError
 
-__all__ = ["ARCHS", "GPUS", "Arch", "Gpu", "SassStats", "analyze", "estimate", "occupancy", "ptx_to_cubin", "read",
-           "tools"]  # fmt: skip
+__all__ = ["ARCHS", "DIRECT", "GPUS", "KINDS", "Arch", "Gpu", "SassStats", "analyze", "estimate", "occupancy",
+           "ptx_to_cubin", "read", "tools"]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +95,9 @@ GPUS: dict[str, Gpu] = {
 }
 
 _TOOLS = ("ptxas", "cuobjdump", "nvdisasm")
+DIRECT = ("load", "store", "atomic")
+"""The access kinds at addresses computed from the thread index and the arguments (vectorizable in principle)."""
+KINDS = (*DIRECT, "gather", "scatter")
 
 
 def _dirs() -> list[Path]:
@@ -201,12 +204,14 @@ class SassStats:
     ``"atomic.64": 1``; an access whose address is the same for every thread is counted under ``"uniform"``
     (``"uniform.load.64"``)."""
     lane_bytes: dict[str, dict[int, int]] = field(default_factory=dict)
-    """Bytes one warp moves through global memory, by kind (``load``, ``store``, ``atomic``) and access width in
-    bits (a thread-independent address counts one lane)."""
+    """Bytes one warp moves through global memory, by kind and access width in bits (a thread-independent address
+    counts one lane). Kinds: ``load``, ``store``, ``atomic`` at addresses computed from the thread and the
+    arguments; ``gather`` (loads) and ``scatter`` (stores, atomics) at addresses computed from what each thread
+    read from memory (an index, a compaction's position): one element each, which no vector access can do."""
     load_bytes_per_thread: int = 0
     """Bytes one thread loads from thread-dependent global addresses (the loads a thread has in flight)."""
 
-    def widths(self, kinds: tuple[str, ...] = ("load", "store", "atomic")) -> dict[int, int]:
+    def widths(self, kinds: tuple[str, ...] = KINDS) -> dict[int, int]:
         """Warp bytes by access width over ``kinds``."""
         out: dict[int, int] = {}
         for k in kinds:
@@ -220,8 +225,9 @@ class SassStats:
 
     @property
     def share_128(self) -> float:
-        """Share of the global bytes moved by 128-bit accesses (1.0 for a kernel that moves none)."""
-        w = self.widths()
+        """Share of the direct (not gathered or scattered) global bytes moved by 128-bit accesses (1.0 for a kernel
+        that moves none)."""
+        w = self.widths(DIRECT)
         return w.get(128, 0) / sum(w.values()) if w else 1.0
 
     def to_dict(self) -> dict:
@@ -243,6 +249,7 @@ _NO_DEST = {"STG", "ST", "STS", "STL", "RED", "REDG", "BAR", "BRA", "BRX", "EXIT
             "WARPSYNC", "NOP", "MEMBAR", "FENCE", "ERRBAR", "CCTL", "DEPBAR", "YIELD", "LDGSTS", "LDGDEPBAR",
             "ARRIVES", "SYNCS", "BPT", "KILL", "JMP", "RPCMOV", "UTMALDG", "UTMASTG", "UBLKCP"}  # fmt: skip
 _WIDE = ("DADD", "DMUL", "DFMA", "DSETP", "DMNMX")
+_LOADS = {"LDG", "LD", "LDS", "LDSM", "ATOMG", "ATOM", "ATOMS"}  # (their sources are their address operands)
 
 
 def _width(op: str) -> int:
@@ -376,7 +383,11 @@ def _flow(instrs: list[_Instr], succ: list[list[int]], joins: dict[int, set[str]
     unreachable). Sources: ``S2R ..., SR_TID.*``/``SR_LANEID``; a write of a value computed from a
     thread-dependent one (or under a thread-dependent guard) makes its destination thread-dependent, an
     unguarded write of a uniform value makes it uniform again; ``joins`` adds what divergent branches leave
-    thread-dependent where they reconverge. Forward over the control flow graph to a fixed point (loops)."""
+    thread-dependent where they reconverge. Forward over the control flow graph to a fixed point (loops).
+
+    The same state also holds ``@R5`` for a register whose value comes from memory each thread read at its own
+    address (a per-thread load, and what is computed from it): an access through such an address is a gather or
+    a scatter (an index table, a compaction), which no vector instruction can do."""
     before: list[frozenset[str] | None] = [None] * len(instrs)
     if not instrs:
         return before
@@ -393,10 +404,16 @@ def _flow(instrs: list[_Instr], succ: list[list[int]], joins: dict[int, set[str]
                 src |= {r for r in state if r.startswith("P")}
             dependent = (ins.base == "S2R" and ("SR_TID" in srcs or "SR_LANEID" in srcs)) or bool(src & state) or (
                 ins.guard is not None and ins.guard in state)  # fmt: skip
+            loaded = any("@" + r in state for r in src) or (ins.guard is not None and "@" + ins.guard in state) or (
+                ins.base in _LOADS and bool(src & state))  # fmt: skip
             if dependent:
                 state.update(dests)
             elif ins.unconditional:
                 state.difference_update(dests)
+            if loaded:
+                state.update("@" + d for d in dests)
+            elif ins.unconditional:
+                state.difference_update("@" + d for d in dests)
         out = frozenset(state)
         for j in succ[i]:
             new = (out if before[j] is None else before[j] | out) | joins.get(j, frozenset())
@@ -484,13 +501,16 @@ def read(resource_usage: str, sass: str, shared_extra: int = 0, spill_bytes: int
             continue
         addr = next((o for o in reversed(ins.operands) if "[" in o), "")
         dependent = before[i] if before[i] is not None else everything  # (unreachable: counted as per thread)
-        per_thread = bool(_src_regs(re.sub(r"desc\[[^\]]*\]", "", addr)) & dependent)
+        regs = _src_regs(re.sub(r"desc\[[^\]]*\]", "", addr))
+        per_thread = bool(regs & dependent)
+        if per_thread and any("@" + r in dependent for r in regs):
+            kind = "gather" if kind == "load" else "scatter"
         w = _width(ins.op)
         key = f"{kind}.{w}" if per_thread else f"uniform.{kind}.{w}"
         stats.accesses[key] = stats.accesses.get(key, 0) + 1
         by = stats.lane_bytes.setdefault(kind, {})
         by[w] = by.get(w, 0) + (w // 8) * (32 if per_thread else 1)
-        if per_thread and kind == "load":
+        if per_thread and kind in ("load", "gather"):
             stats.load_bytes_per_thread += w // 8
     return stats
 

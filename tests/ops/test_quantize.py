@@ -57,6 +57,45 @@ def test_dequantize_matches_reference(provider, gen, dtype, atol, rtol, bits, ac
     close(got, ref, atol, rtol)
 
 
+# The Triton kernels run a bulk of whole programs (4096 elements; 1024 for fp32 -> int4) unmasked and the rest in
+# a masked tail of 256-element programs: sizes below, at and across a program, whose last block straddles the
+# end, every element checked in outputs poisoned beforehand.
+@pytest.mark.parametrize("n", [17, 257, 1025, 4096 + 300])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_bulk_and_tail_bit_for_bit(provider, gen, n, bits):
+    x = rand(n, torch.float32, gen) * 3
+    q = torch.full((n if bits == 8 else -(-n // 2),), 0x5A, dtype=torch.int8 if bits == 8 else torch.uint8,
+                   device=DEVICE)  # fmt: skip
+    s = poison((-(-n // 256),), torch.float32)
+    quantize(x, bits=bits, block=256, stochastic=True, seed=77, out=(q, s), provider=provider)
+    q_ref, s_ref = quantize_ref(x, bits=bits, block=256, stochastic=True, seed=77)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    for accumulate in (False, True):
+        base = rand(n, torch.bfloat16, gen)
+        out = base.clone() if accumulate else poison((n,), torch.bfloat16)
+        dequantize(q, s, block=256, numel=n, out=out, accumulate=accumulate, alpha=0.5, provider=provider)
+        ref = dequantize_ref(q_ref, s_ref, numel=n, block=256, dtype=torch.bfloat16,
+                             out=base.clone() if accumulate else None, accumulate=accumulate, alpha=0.5)  # fmt: skip
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("n", [3, 4097, 8192 + 300])
+@pytest.mark.parametrize("block", [2, 16, 2048])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_triton_blocks_across_bulk_and_tail(gen, n, block, dtype, bits):
+    """The Triton layouts at block sizes below a 16-element vector, at it and above a program's usual tile
+    (the numba simulator is too slow at these sizes for small blocks; the other providers are covered above)."""
+    x = rand(n, dtype, gen) * 3
+    for stochastic in (False, True):
+        q, s = quantize(x, bits=bits, block=block, stochastic=stochastic, seed=5, provider="triton")
+        q_ref, s_ref = quantize_ref(x, bits=bits, block=block, stochastic=stochastic, seed=5)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref), stochastic
+    out = poison((n,), dtype)
+    dequantize(q, s, block=block, numel=n, out=out, alpha=-2.0, provider="triton")
+    assert torch.equal(out, dequantize_ref(q_ref, s_ref, numel=n, block=block, dtype=dtype, alpha=-2.0))
+
+
 @HYP
 @given(n=st.integers(1, 700), block=st.sampled_from([2, 16, 64, 256]), bits=st.sampled_from([8, 4]),
        stochastic=st.booleans(), seed=st.integers(0, 2**40), scale=st.floats(1e-6, 1e6))  # fmt: skip
@@ -136,6 +175,26 @@ def test_quantize_nonfinite_inputs_are_reported(provider, gen, bad):
         quantize(x, provider=provider)
     _, s = quantize(x, block=256, check_finite=False, provider=provider)
     assert torch.isnan(s[1234 // 256]) and torch.isfinite(torch.cat([s[: 1234 // 256], s[1234 // 256 + 1 :]])).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_nonfinite_in_bulk_and_tail_blocks(provider, gen, bits):
+    """An Inf in the Triton bulk and a NaN in the tail's last, partial block: both counted in the error, both
+    blocks (only they) get NaN scales, every other block's codes and scale as the reference's (the codes of a
+    NaN-scaled block decode to NaN whatever they are; the torch provider's differ)."""
+    n = 4096 + 300
+    x = rand(n, torch.float32, gen)
+    x[1000] = float("inf")
+    x[n - 5] = float("nan")
+    with pytest.raises(NonFiniteError, match="holds 2 non-finite"):
+        quantize(x, bits=bits, provider=provider)
+    q, s = quantize(x, bits=bits, check_finite=False, provider=provider)
+    q_ref, s_ref = quantize_ref(x, bits=bits)
+    bad = torch.zeros(s.numel(), dtype=torch.bool, device=s.device)
+    bad[[1000 // 256, (n - 5) // 256]] = True
+    assert torch.equal(torch.isnan(s), bad) and torch.equal(s[~bad], s_ref[~bad])
+    keep = ~bad.repeat_interleave(256 if bits == 8 else 128)[: q.numel()]
+    assert torch.equal(q[keep], q_ref[keep])
 
 
 # -------------------------------------------------------------------------------------------- errors

@@ -38,6 +38,30 @@ def test_sign_matches_reference(provider, gen, n, dtype, with_residual):
         close(sent + r, x.float() + old, 2e-6, 2e-6)  # error feedback loses nothing
 
 
+# The Triton kernels run a bulk of whole programs unmasked (abs_sum and pack: 4096 elements; unpack: 8192, 16384
+# into 16-bit outputs) and the rest in a masked tail of 256-element programs: sizes below, across and above them,
+# every element checked in outputs poisoned beforehand.
+@pytest.mark.parametrize("n", [17, 4103, 16384 + 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sign_bulk_and_tail(provider, gen, n, dtype):
+    x = rand(n, dtype, gen)
+    r = rand(n, torch.float32, gen) * 0.3
+    r_ref = r.clone()
+    bits, scale = S.sign_compress(x, r, provider=provider)
+    b_ref, s_ref = S.sign_compress_ref(x, r_ref)
+    assert torch.equal(bits, b_ref)
+    close(scale, s_ref, 0, 1e-6)
+    close(r, r_ref, 1e-6, 1e-6)
+    assert torch.equal(S.sign_compress(x, provider=provider)[0], S.sign_compress_ref(x)[0])
+    for accumulate in (False, True):
+        base = rand(n, dtype, gen)
+        out = base.clone() if accumulate else poison((n,), dtype)
+        S.sign_decompress(bits, scale, n, out=out, accumulate=accumulate, alpha=-0.5, provider=provider)
+        ref = S.sign_decompress_ref(b_ref, scale, n, dtype=dtype, out=base.clone() if accumulate else None,
+                                    accumulate=accumulate, alpha=-0.5)  # fmt: skip
+        close(out, ref, 0, 0)
+
+
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_sign_decompress_accumulate_and_alpha(provider, gen, accumulate):
     n = 1003
@@ -75,6 +99,24 @@ def test_sign_nonfinite_inputs_are_reported_and_change_nothing(provider, gen, ba
     with pytest.raises(NonFiniteError):
         S.sign_compress(x, r, provider=provider)
     assert torch.equal(r, keep)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the interpreter's and simulator's numpy
+def test_sign_nonfinite_in_bulk_and_tail_are_counted(provider, gen):
+    """An Inf in the Triton bulk and a NaN in its tail are both counted; finite x and residual whose sum
+    overflows fp32 count too (v = x + r is what is compressed); the residual is left as it was."""
+    n = 4103
+    x = rand(n, torch.float32, gen)
+    x[100] = float("inf")
+    x[n - 2] = float("nan")
+    r = rand(n, torch.float32, gen)
+    keep = r.clone()
+    with pytest.raises(NonFiniteError, match="holds 2 non-finite"):
+        S.sign_compress(x, r, provider=provider)
+    assert torch.equal(r, keep)
+    x = torch.full((n,), 3e38, device=DEVICE)
+    with pytest.raises(NonFiniteError, match=f"holds {n} non-finite"):
+        S.sign_compress(x, x.clone(), provider=provider)
 
 
 # -------------------------------------------------------------------------------------------- errors

@@ -2,6 +2,15 @@
 
 Imported by the triton launchers on first use, so ``import torsh_kernels`` does not import Triton. Triton
 reads ``TRITON_INTERPRET`` when these kernels are defined, i.e. on that first import.
+
+Each kernel runs in two launches (see ``quantize._tiles``): the bulk (``EVEN``), whole programs of GROUP
+quantization blocks from element 0, unmasked, so every access of a 16-byte aligned tensor is vectorized
+(Triton cannot prove a mask constant over a vector for an arbitrary size); then the rest, whole and partial
+blocks from ``start`` (a multiple of QBLOCK), masked to ``< end``. A program loads its elements as one
+contiguous tile and regroups them in registers ([GROUP, QBLOCK] for the scales; for int4, codes [TILE/4, 4]
+packed into 16-bit words in the bulk, or split into nibble pairs [TILE/2, 2] in the tail), so int4's loads
+and stores are as wide as int8's. The non-finite count is not kept here: a block holding NaN/Inf gets a NaN
+scale, and the launcher counts from that when asked (``quantize._NonFiniteCount``).
 """
 
 from __future__ import annotations
@@ -9,15 +18,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton import _cast, _nonfinite, _uniform
+from ._triton import _cast, _uniform
 
 
 @triton.jit
-def _codes(v, s, e, key, QMAXV: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Integer codes (as fp32) of values v with block scales s."""
+def _codes(v, s, e0, key, QMAXV: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Integer codes (as fp32) of values v [G, QBLOCK] with block scales s [G, 1]; e0 is the index of v[0, 0]."""
     y = tl.where(s > 0, tl.math.div_rn(v, tl.where(s > 0, s, 1.0)), 0.0)
     if STOCHASTIC:
-        q = tl.floor(y + _uniform(e, key))
+        # The element indices, with a term the compiler cannot fold that makes each element's hash wait for
+        # its division (|y| is at most QMAXV, or a few hundred with a subnormal scale: z is 0); else it
+        # computes every index and hash of the thread's tile first and holds them (int4: 91 registers, not 56).
+        z = (y > 3.0e38).to(tl.uint32)
+        G: tl.constexpr = v.shape[0]
+        QB: tl.constexpr = v.shape[1]
+        off = (tl.arange(0, G)[:, None] * QB + tl.arange(0, QB)[None, :]).to(tl.uint32)
+        q = tl.floor(y + _uniform((e0.to(tl.uint32) + off) | z, key))
     else:
         q = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds fp32 |y| < 2**22 to nearest even
     q = tl.where(q == q, q, 0.0)
@@ -26,69 +42,86 @@ def _codes(v, s, e, key, QMAXV: tl.constexpr, STOCHASTIC: tl.constexpr):
 
 @triton.jit(do_not_specialize=["key"])
 def _quantize_kernel(
-    x_ptr, q_ptr, s_ptr, bad_ptr, n, nblocks, key, QBLOCK: tl.constexpr, GROUP: tl.constexpr,
-    BITS: tl.constexpr, QMAXV: tl.constexpr, STOCHASTIC: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, start, end, key, QBLOCK: tl.constexpr, GROUP: tl.constexpr,
+    BITS: tl.constexpr, QMAXV: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    blk = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)  # [G] quantization blocks
-    key = key.to(tl.uint32)
-    if BITS == 8:
-        e = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]  # [G, QBLOCK]
-        m = e < n
-        v = tl.load(x_ptr + e, mask=m, other=0.0).to(tl.float32)
-        nbad = tl.sum((_nonfinite(v) & m).to(tl.int32), axis=1)
-        s = tl.math.div_rn(tl.max(tl.where(m, tl.abs(v), 0.0), axis=1), QMAXV)
-        s = tl.where(nbad > 0, float("nan"), s)
-        q = _codes(v, s[:, None], e, key, QMAXV, STOCHASTIC)
-        tl.store(q_ptr + e, q.to(tl.int8), mask=m)
+    """GROUP blocks of QBLOCK elements a program: EVEN, whole programs from element 0 (``start``/``end``
+    unused); else from element ``start`` (a multiple of QBLOCK), masked to ``< end``."""
+    TILE: tl.constexpr = GROUP * QBLOCK
+    pid = tl.program_id(0).to(tl.int64)
+    blk0 = pid * GROUP if EVEN else start // QBLOCK + pid * GROUP
+    e = blk0 * QBLOCK + tl.arange(0, TILE)  # [TILE] element indices (the noise's counter)
+    if EVEN:
+        v = tl.load(x_ptr + e).to(tl.float32)
     else:
-        HALF: tl.constexpr = QBLOCK // 2
-        j = tl.arange(0, HALF)[None, :]
-        e0 = blk[:, None] * QBLOCK + 2 * j  # [G, HALF] even elements; e0 + 1 the odd ones
-        m0 = e0 < n
-        m1 = (e0 + 1) < n
-        v0 = tl.load(x_ptr + e0, mask=m0, other=0.0).to(tl.float32)
-        v1 = tl.load(x_ptr + e0 + 1, mask=m1, other=0.0).to(tl.float32)
-        nbad = tl.sum((_nonfinite(v0) & m0).to(tl.int32), axis=1)
-        nbad += tl.sum((_nonfinite(v1) & m1).to(tl.int32), axis=1)
-        amax = tl.max(tl.where(m0, tl.abs(v0), 0.0), axis=1)
-        amax = tl.maximum(amax, tl.max(tl.where(m1, tl.abs(v1), 0.0), axis=1))
-        s = tl.where(nbad > 0, float("nan"), tl.math.div_rn(amax, QMAXV))
-        q0 = _codes(v0, s[:, None], e0, key, QMAXV, STOCHASTIC).to(tl.int32)
-        q1 = _codes(v1, s[:, None], e0 + 1, key, QMAXV, STOCHASTIC).to(tl.int32)
-        q1 = tl.where(m1, q1, 0)
-        byte = (q0 & 15) | ((q1 & 15) << 4)
-        tl.store(q_ptr + blk[:, None] * HALF + j, byte.to(tl.uint8), mask=m0)
-    tl.store(s_ptr + blk, s, mask=blk < nblocks)
-    tl.atomic_add(bad_ptr, tl.sum(nbad).to(tl.int64))
+        v = tl.load(x_ptr + e, mask=e < end, other=0.0).to(tl.float32)  # masked elements: 0, finite, code 0
+    v = tl.reshape(v, [GROUP, QBLOCK])
+    a = tl.abs(v)
+    amax = tl.max(tl.where(a == a, a, float("inf")), axis=1)  # [GROUP]: inf iff the block holds NaN or Inf
+    s = tl.where(amax < float("inf"), tl.math.div_rn(amax, QMAXV), float("nan"))
+    q = _codes(v, s[:, None], blk0 * QBLOCK, key.to(tl.uint32), QMAXV, STOCHASTIC)
+    if BITS == 8:
+        q = tl.reshape(q, [TILE]).to(tl.int8)
+        if EVEN:
+            tl.store(q_ptr + e, q)
+        else:
+            tl.store(q_ptr + e, q, mask=e < end)
+    elif EVEN and TILE >= 4:
+        # nibbles packed into 16-bit words of 4 codes (each within one thread's contiguous elements), stored
+        # through a 16-bit view of q
+        c = tl.reshape(q.to(tl.int32) & 15, [TILE // 4, 4])
+        w = tl.sum(c << (tl.arange(0, 4) * 4)[None, :], axis=1).to(tl.int16)
+        tl.store(q_ptr.to(tl.pointer_type(tl.int16)) + pid * (TILE // 4) + tl.arange(0, TILE // 4), w)
+    else:
+        lo, hi = tl.split(tl.reshape(q.to(tl.int32), [TILE // 2, 2]))  # elements 2i and 2i + 1
+        byte = ((lo & 15) | ((hi & 15) << 4)).to(tl.uint8)
+        b = blk0 * (QBLOCK // 2) + tl.arange(0, TILE // 2)
+        tl.store(q_ptr + b, byte, mask=2 * b < end)
+    blk = blk0 + tl.arange(0, GROUP)
+    if EVEN:
+        tl.store(s_ptr + blk, s)
+    else:
+        tl.store(s_ptr + blk, s, mask=blk * QBLOCK < end)
 
 
 @triton.jit
 def _dequantize_kernel(
-    q_ptr, s_ptr, out_ptr, n, nblocks, alpha, QBLOCK: tl.constexpr, GROUP: tl.constexpr,
-    BITS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    q_ptr, s_ptr, out_ptr, start, end, alpha, QBLOCK: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+    ACCUMULATE: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    blk = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
-    s = tl.load(s_ptr + blk, mask=blk < nblocks, other=0.0)[:, None]
+    """GROUP blocks of QBLOCK elements a program, as in _quantize_kernel."""
+    TILE: tl.constexpr = GROUP * QBLOCK
+    pid = tl.program_id(0).to(tl.int64)
+    blk0 = pid * GROUP if EVEN else start // QBLOCK + pid * GROUP
+    e = blk0 * QBLOCK + tl.arange(0, TILE)
     if BITS == 8:
-        e = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
-        m = e < n
-        v = tl.load(q_ptr + e, mask=m, other=0).to(tl.float32) * s * alpha
+        blk = blk0 + tl.arange(0, GROUP)
+        if EVEN:
+            s = tl.load(s_ptr + blk)
+            c = tl.load(q_ptr + e)
+        else:
+            s = tl.load(s_ptr + blk, mask=blk * QBLOCK < end, other=0.0)
+            c = tl.load(q_ptr + e, mask=e < end, other=0)
+        v = tl.reshape(tl.reshape(c.to(tl.float32), [GROUP, QBLOCK]) * s[:, None], [TILE]) * alpha
+    else:
+        HALF: tl.constexpr = QBLOCK // 2
+        b = blk0 * HALF + tl.arange(0, TILE // 2)
+        if EVEN:
+            byte = tl.load(q_ptr + b)
+            s = tl.load(s_ptr + b // HALF)  # each byte's scale: one address per thread's 16 bytes
+        else:
+            byte = tl.load(q_ptr + b, mask=2 * b < end, other=0)
+            s = tl.load(s_ptr + b // HALF, mask=2 * b < end, other=0.0)
+        byte = byte.to(tl.int8, bitcast=True).to(tl.int32)
+        lo = ((byte << 28) >> 28).to(tl.float32) * s  # arithmetic shifts sign-extend the nibbles
+        hi = (byte >> 4).to(tl.float32) * s
+        v = tl.interleave(lo, hi) * alpha
+    if EVEN:
+        if ACCUMULATE:
+            v = tl.load(out_ptr + e).to(tl.float32) + v
+        tl.store(out_ptr + e, _cast(v, out_ptr.dtype.element_ty))
+    else:
+        m = e < end
         if ACCUMULATE:
             v = tl.load(out_ptr + e, mask=m, other=0.0).to(tl.float32) + v
         tl.store(out_ptr + e, _cast(v, out_ptr.dtype.element_ty), mask=m)
-    else:
-        HALF: tl.constexpr = QBLOCK // 2
-        j = tl.arange(0, HALF)[None, :]
-        e0 = blk[:, None] * QBLOCK + 2 * j
-        m0 = e0 < n
-        m1 = (e0 + 1) < n
-        byte = tl.load(q_ptr + blk[:, None] * HALF + j, mask=m0, other=0).to(tl.int32)
-        lo = byte & 15
-        hi = (byte >> 4) & 15
-        v0 = tl.where(lo >= 8, lo - 16, lo).to(tl.float32) * s * alpha
-        v1 = tl.where(hi >= 8, hi - 16, hi).to(tl.float32) * s * alpha
-        if ACCUMULATE:
-            v0 = tl.load(out_ptr + e0, mask=m0, other=0.0).to(tl.float32) + v0
-            v1 = tl.load(out_ptr + e0 + 1, mask=m1, other=0.0).to(tl.float32) + v1
-        tl.store(out_ptr + e0, _cast(v0, out_ptr.dtype.element_ty), mask=m0)
-        tl.store(out_ptr + e0 + 1, _cast(v1, out_ptr.dtype.element_ty), mask=m1)

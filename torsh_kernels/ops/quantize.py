@@ -29,15 +29,12 @@ from ..errors import (
 from . import _eager
 from ._common import (
     COMPRESS_DTYPES,
-    WARPS,
     _check_alpha,
     _check_int,
     _check_tensor,
     _count,
-    _counter,
     _decode_out,
     _flat_input,
-    _grid,
     _no_overlap,
     _on,
     _raise_nonfinite,
@@ -59,7 +56,16 @@ __all__ = [
 ]
 
 QMAX = {8: 127.0, 4: 7.0}
-QTILE = 4096  # elements per Triton quantize program (several quantization blocks)
+QTILE = 4096
+"""Elements per Triton program of the bulk (several quantization blocks; int8 quantize tunes it per shape
+bucket, with num_warps)."""
+QWARPS = {8: 8, 4: 4}
+"""Warps per Triton program of the bulk by bit width: 16 elements a thread for int8 (16 code bytes: a 128-bit
+store or load), 32 for int4 (16 packed bytes). Quantizing fp32 to int4 runs 1 warp and QTILE / 4 elements a
+program instead: at 4 warps a block's 256 elements (4 a chunk) span two warps, and the reduction across them
+and the 8 blocks a thread then touches take 70 registers (80 stochastic), at 1 warp 56 (63)."""
+QTAIL = 256
+"""Elements per Triton program of the tail (the last partial program's blocks; small: few registers)."""
 
 
 # On the CPU the torch providers work through the elements in slices of about this many, so that their
@@ -248,20 +254,54 @@ def _quantize_torch_range(x, q, scales, bits, block, stochastic, key, offset):
     return int((~torch.isfinite(blocks[bad_blocks])).sum())  # rare: count the elements for the message
 
 
+def _tiles(n: int, block: int, group: int) -> list[tuple[tuple[int], int, int, bool]]:
+    """The Triton launches over ``n`` elements in quantization blocks of ``block``, as ``(grid, group, start,
+    even)``: the bulk, whole programs of ``group`` blocks from element 0, unmasked (``even``: with 16-byte
+    aligned tensors every access is as wide as the layout allows, whatever ``n``); then, if anything is left,
+    programs of about QTAIL elements (whole blocks: a block never spans two launches) from ``start``, the
+    bulk's end, masked to ``< n``."""
+    tile = group * block
+    full = n // tile
+    out = [((full,), group, 0, True)] if full else []
+    if n > full * tile:
+        tail = max(1, min(group, QTAIL // block))
+        out.append(((-(-(n - full * tile) // (tail * block)),), tail, full * tile, False))
+    return out
+
+
+class _NonFiniteCount:
+    """The Triton quantizer's count of non-finite elements, worked out when read (``_common._count`` calls
+    ``item()``; nobody does with ``check_finite=False``). A block's scale is NaN exactly when the block holds
+    NaN or Inf (finite blocks have finite scales, so the scales' sum is NaN only then); only then are the
+    elements counted. The kernels need no counter: no atomics, and no memset launch per call."""
+
+    __slots__ = ("_scales", "_x")
+
+    def __init__(self, x: torch.Tensor, scales: torch.Tensor) -> None:
+        self._x, self._scales = x, scales
+
+    def item(self) -> int:
+        if not math.isnan(self._scales.sum().item()):
+            return 0
+        return int((~torch.isfinite(self._x)).sum())
+
+
 @_quantize.register("triton")
 def _quantize_triton(x, q, scales, bits, block, stochastic, key):
     from . import _quantize_triton as K
 
-    bad = _counter(x.device)
-    m = tuned_meta("quantize", x.device, x.dtype, x.numel(), "triton")
-    group = max(1, m.get("QTILE", QTILE) // block)
-    nb = scales.numel()
-    K._quantize_kernel[_grid(nb, group)](
-        x, q, scales, bad, x.numel(), nb, key,
-        QBLOCK=block, GROUP=group, BITS=bits, QMAXV=QMAX[bits], STOCHASTIC=stochastic,
-        num_warps=m.get("num_warps", WARPS),
-    )  # fmt: skip
-    return bad
+    n = x.numel()
+    if bits == 8:  # the tuned configuration (``torsh tune`` runs int8)
+        m = tuned_meta("quantize", x.device, x.dtype, n, "triton")
+        tile, warps = m.get("QTILE", QTILE), m.get("num_warps", QWARPS[8])
+    else:
+        tile, warps = (QTILE // 4, 1) if x.dtype == torch.float32 else (QTILE, QWARPS[4])
+    for grid, g, start, even in _tiles(n, block, max(1, tile // block)):
+        K._quantize_kernel[grid](
+            x, q, scales, start, n, key,
+            QBLOCK=block, GROUP=g, BITS=bits, QMAXV=QMAX[bits], STOCHASTIC=stochastic, EVEN=even, num_warps=warps,
+        )  # fmt: skip
+    return _NonFiniteCount(x, scales)
 
 
 @_quantize.register("numba")
@@ -309,12 +349,13 @@ def _dequantize_torch_range(q, scales, out, bits, block, alpha, accumulate):
 def _dequantize_triton(q, scales, out, bits, block, alpha, accumulate):
     from . import _quantize_triton as K
 
-    group = max(1, QTILE // block)
-    nb = scales.numel()
-    K._dequantize_kernel[_grid(nb, group)](
-        q, scales, out, out.numel(), nb, alpha,
-        QBLOCK=block, GROUP=group, BITS=bits, ACCUMULATE=accumulate, num_warps=WARPS, enable_fp_fusion=False,
-    )  # fmt: skip
+    n = out.numel()
+    for grid, g, start, even in _tiles(n, block, max(1, QTILE // block)):
+        K._dequantize_kernel[grid](
+            q, scales, out, start, n, alpha,
+            QBLOCK=block, GROUP=g, BITS=bits, ACCUMULATE=accumulate, EVEN=even, num_warps=QWARPS[bits],
+            enable_fp_fusion=False,
+        )  # fmt: skip
 
 
 @_dequantize.register("numba")

@@ -16,7 +16,6 @@ import torch
 from ..errors import DeviceMismatchError, DTypeError, ShapeError
 from . import _eager
 from ._common import (
-    BLOCK,
     WARPS,
     _acc_ref,
     _acc_torch,
@@ -24,11 +23,9 @@ from ._common import (
     _check_int,
     _check_tensor,
     _count,
-    _counter,
     _decode_out,
     _flat_inout,
     _flat_input,
-    _grid,
     _no_overlap,
     _on,
     _raise_nonfinite,
@@ -39,7 +36,45 @@ from .registry import Op, check_provider
 
 __all__ = ["sign_compress", "sign_compress_ref", "sign_decompress", "sign_decompress_ref"]
 
-SIGN_BYTES = 512  # packed bytes per Triton sign program
+SUM_BLOCK = 4096
+"""Elements per Triton abs_sum program of the bulk (32 a thread at 4 warps, 16 with a residual at 8)."""
+SIGN_BYTES = 512
+"""Packed bytes per Triton sign_pack program of the bulk (16 elements a thread at 8 warps)."""
+UNPACK_BYTES = 1024
+"""Packed bytes per Triton sign_unpack program of the bulk (32 elements a thread at 8 warps); twice as many into
+16-bit outputs without accumulate (64 a thread: 8 bytes of signs a thread, a 64-bit load, beside 128 output
+bytes)."""
+SIGN_TAIL = 256
+"""Elements per Triton program of the tail (what the bulk's whole programs leave; small: few registers)."""
+
+
+def _parts(n: int, block: int) -> list[tuple[tuple[int], int, bool]]:
+    """The Triton launches over ``n`` elements, as ``(grid, start, even)``: the bulk, whole programs of ``block``
+    elements (a multiple of 8) from element 0, unmasked (``even``: with 16-byte aligned tensors every access is
+    as wide as the layout allows, whatever ``n``); then, if anything is left, programs of SIGN_TAIL elements
+    from ``start``, the bulk's end (whole sign bytes: a byte never spans two launches), masked to ``< n``."""
+    full = n // block
+    out = [((full,), 0, True)] if full else []
+    if n > full * block:
+        out.append(((-(-(n - full * block) // SIGN_TAIL),), full * block, False))
+    return out
+
+
+class _NonFiniteCount:
+    """The Triton abs_sum's count of non-finite elements of ``x + r``, worked out when read
+    (``_common._count`` calls ``item()``; nobody does with ``check_finite=False``): the sum of ``|x + r|`` is
+    finite unless an element is NaN/Inf (or, rarely, fp32 partial sums overflow); only then are the elements
+    counted. The kernel needs no counter: no atomics, and no memset launch per call."""
+
+    __slots__ = ("_r", "_total", "_x")
+
+    def __init__(self, total: torch.Tensor, x: torch.Tensor, r: torch.Tensor | None) -> None:
+        self._total, self._x, self._r = total, x, r
+
+    def item(self) -> int:
+        if math.isfinite(self._total.item()):
+            return 0
+        return int((~torch.isfinite(_acc_torch(self._x, self._r))).sum())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,12 +130,17 @@ def _abs_sum_torch(x, r):
 def _abs_sum_triton(x, r):
     from . import _sign_triton as K
 
-    grid = _grid(x.numel(), BLOCK)
-    part = torch.empty(grid[0], dtype=torch.float32, device=x.device)
-    bad = _counter(x.device)
-    K._abs_sum_kernel[grid](x, r if r is not None else x, part, bad, x.numel(), BLOCK=BLOCK, HAS_R=r is not None,
-                            num_warps=WARPS)  # fmt: skip
-    return part.sum(dtype=torch.float64), bad
+    n = x.numel()
+    parts = _parts(n, SUM_BLOCK)
+    part = torch.empty(sum(g[0] for g, _, _ in parts), dtype=torch.float32, device=x.device)
+    p0 = 0
+    for grid, start, even in parts:
+        K._abs_sum_kernel[grid](x, r if r is not None else x, part, p0, start, n,
+                                BLOCK=SUM_BLOCK if even else SIGN_TAIL, HAS_R=r is not None, EVEN=even,
+                                num_warps=WARPS if r is not None else 4)  # fmt: skip
+        p0 += grid[0]
+    total = part.sum(dtype=torch.float64)
+    return total, _NonFiniteCount(total, x, r)
 
 
 @_abs_sum.register("numba")
@@ -130,10 +170,11 @@ def _sign_pack_torch(x, r, bits, scale):
 def _sign_pack_triton(x, r, bits, scale):
     from . import _sign_triton as K
 
-    K._sign_pack_kernel[_grid(bits.numel(), SIGN_BYTES)](
-        x, r if r is not None else x, bits, scale, x.numel(), bits.numel(),
-        BYTES=SIGN_BYTES, HAS_R=r is not None, num_warps=WARPS,
-    )  # fmt: skip
+    n = x.numel()
+    for grid, start, even in _parts(n, 8 * SIGN_BYTES):
+        K._sign_pack_kernel[grid](x, r if r is not None else x, bits, scale, start, n,
+                                  BYTES=SIGN_BYTES if even else SIGN_TAIL // 8, HAS_R=r is not None, EVEN=even,
+                                  num_warps=WARPS)  # fmt: skip
 
 
 @_sign_pack.register("numba")
@@ -194,10 +235,12 @@ def _sign_unpack_torch(bits, scale, out, alpha, accumulate):
 def _sign_unpack_triton(bits, scale, out, alpha, accumulate):
     from . import _sign_triton as K
 
-    K._sign_unpack_kernel[_grid(bits.numel(), SIGN_BYTES)](
-        bits, scale, out, out.numel(), bits.numel(), alpha,
-        BYTES=SIGN_BYTES, ACCUMULATE=accumulate, num_warps=WARPS, enable_fp_fusion=False,
-    )  # fmt: skip
+    n = out.numel()
+    nb = UNPACK_BYTES * (2 if out.element_size() == 2 and not accumulate else 1)
+    for grid, start, even in _parts(n, 8 * nb):
+        K._sign_unpack_kernel[grid](bits, scale, out, start, n, alpha, BYTES=nb if even else SIGN_TAIL // 8,
+                                    ACCUMULATE=accumulate, EVEN=even, num_warps=WARPS,
+                                    enable_fp_fusion=False)  # fmt: skip
 
 
 @_sign_unpack.register("numba")

@@ -79,6 +79,19 @@ def test_quantize_bulk_and_tail_bit_for_bit(provider, gen, n, bits):
         assert torch.equal(out, ref)
 
 
+def test_int4_codes_at_an_odd_address(provider, gen):
+    """The Triton int4 bulk stores packed codes as 16-bit words: a code buffer one byte off takes the byte path
+    (on a GPU a 16-bit store there would fault); the codes are the same."""
+    n = 4096 + 300
+    x = rand(n, torch.float32, gen)
+    buf = torch.full((-(-n // 2) + 1,), 0x5A, dtype=torch.uint8, device=DEVICE)
+    q, s = buf[1:], poison((-(-n // 256),), torch.float32)
+    assert q.data_ptr() % 2 == 1
+    quantize(x, bits=4, block=256, out=(q, s), provider=provider)
+    q_ref, s_ref = quantize_ref(x, bits=4, block=256)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref) and buf[0] == 0x5A
+
+
 @pytest.mark.parametrize("n", [3, 4097, 8192 + 300])
 @pytest.mark.parametrize("block", [2, 16, 2048])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])

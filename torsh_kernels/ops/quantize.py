@@ -254,14 +254,14 @@ def _quantize_torch_range(x, q, scales, bits, block, stochastic, key, offset):
     return int((~torch.isfinite(blocks[bad_blocks])).sum())  # rare: count the elements for the message
 
 
-def _tiles(n: int, block: int, group: int) -> list[tuple[tuple[int], int, int, bool]]:
+def _tiles(n: int, block: int, group: int, bulk: bool = True) -> list[tuple[tuple[int], int, int, bool]]:
     """The Triton launches over ``n`` elements in quantization blocks of ``block``, as ``(grid, group, start,
     even)``: the bulk, whole programs of ``group`` blocks from element 0, unmasked (``even``: with 16-byte
     aligned tensors every access is as wide as the layout allows, whatever ``n``); then, if anything is left,
     programs of about QTAIL elements (whole blocks: a block never spans two launches) from ``start``, the
-    bulk's end, masked to ``< n``."""
+    bulk's end, masked to ``< n``. With ``bulk=False``, only the latter, from element 0."""
     tile = group * block
-    full = n // tile
+    full = n // tile if bulk else 0
     out = [((full,), group, 0, True)] if full else []
     if n > full * tile:
         tail = max(1, min(group, QTAIL // block))
@@ -296,7 +296,8 @@ def _quantize_triton(x, q, scales, bits, block, stochastic, key):
         tile, warps = m.get("QTILE", QTILE), m.get("num_warps", QWARPS[8])
     else:
         tile, warps = (QTILE // 4, 1) if x.dtype == torch.float32 else (QTILE, QWARPS[4])
-    for grid, g, start, even in _tiles(n, block, max(1, tile // block)):
+    # the int4 bulk stores 16-bit words of packed codes: a code buffer at an odd address takes the byte path
+    for grid, g, start, even in _tiles(n, block, max(1, tile // block), bulk=bits == 8 or q.data_ptr() % 2 == 0):
         K._quantize_kernel[grid](
             x, q, scales, start, n, key,
             QBLOCK=block, GROUP=g, BITS=bits, QMAXV=QMAX[bits], STOCHASTIC=stochastic, EVEN=even, num_warps=warps,

@@ -100,14 +100,20 @@ GATHER = """
         /*0070*/                   LDG.E R14, desc[UR6][R12.64] ;
         /*0080*/                   IMAD.WIDE R16, R14, 0x4, R2 ;
         /*0090*/                   STG.E.128 desc[UR6][R16.64], R4 ;
-        /*00a0*/                   EXIT ;
+        /*00a0*/                   FSETP.GT.AND P1, PT, R10, RZ, PT ;
+        /*00b0*/                   IADD3 R18, P0, P1, R2, UR7, RZ ;
+        /*00c0*/                   IADD3.X R19, R3, UR5, RZ, P0, P1 ;
+        /*00d0*/                   STG.E.128 desc[UR6][R18.64], R4 ;
+        /*00e0*/                   EXIT ;
 """
 
 
 def test_gathers_and_scatters_are_told_from_direct_accesses():
     st = read(RES, GATHER)
-    assert st.accesses == {"load.128": 1, "gather.32": 1, "scatter.32": 1, "uniform.load.32": 1, "store.128": 1}
-    assert st.share_128 == pytest.approx(1024 / (1024 + 4))  # direct bytes only: the uniform index load and two
+    # (the last store's address is R2 plus a constant: IADD3's second carry-out P1 overwrites the data-dependent
+    # predicate, it does not read it)
+    assert st.accesses == {"load.128": 1, "gather.32": 1, "scatter.32": 1, "uniform.load.32": 1, "store.128": 2}
+    assert st.share_128 == pytest.approx(1536 / (1536 + 4))  # direct bytes only: the uniform index load and three
     assert st.widths(("gather", "scatter")) == {32: 256}  # 128-bit accesses; the gather and scatter apart
 
 

@@ -287,8 +287,8 @@ class _Instr:
 
 def _dests_and_sources(ins: _Instr) -> tuple[list[str], str]:
     """(registers and predicates the instruction writes, the text of its source operands): the first operand (and
-    the register after a leading predicate, as in ``SHFL PT, R3, ...``; a carry-out predicate second, as in
-    ``IADD3 R2, P0, ...``). A destination that is a register pair or quad (``.64``, ``.128``, ``.WIDE``, fp64
+    the register after a leading predicate, as in ``SHFL PT, R3, ...``; the carry-out predicates right after it,
+    as in ``IADD3 R16, P0, P1, ...``). A destination that is a register pair or quad (``.64``, ``.128``, ``.WIDE``, fp64
     arithmetic) names each of its registers."""
     ops = ins.operands
     if ins.base in _NO_DEST or not ops:
@@ -303,9 +303,10 @@ def _dests_and_sources(ins: _Instr) -> tuple[list[str], str]:
     if m:
         if m.group(1) == "R":
             out += [f"R{int(m.group(2)) + i}" for i in range(n)]
-        if len(ops) > 1 and re.fullmatch(r"U?P\d", ops[1]):
-            out.append(ops[1])
-            used = 2
+        while ins.base != "VOTE" and used < len(ops) and re.fullmatch(r"U?P(\d|T)", ops[used]):
+            if ops[used] != "PT":  # carry-outs: IADD3 R16, P0, P1, ... writes both
+                out.append(ops[used])
+            used += 1
     elif re.fullmatch(r"U?P(\d|T)", ops[0]):
         if ops[0] != "PT":
             out.append(ops[0])

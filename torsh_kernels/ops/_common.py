@@ -16,7 +16,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -187,6 +187,24 @@ def _check_alloc(numel: int, itemsize: int, device: torch.device, what: str, nam
 def _count(bad) -> int:
     """A provider's count (a host int from the cpu provider, an int64 tensor from the others) as an int."""
     return bad if type(bad) is int else int(bad.item())
+
+
+class LazyNonFiniteCount:
+    """A non-finite count a provider returns instead of a device counter its kernels would keep with atomics,
+    worked out when read (``_count`` calls ``item()``; nobody does with ``check_finite=False``). ``summary`` is a
+    tensor whose sum is NaN or Inf only when ``values()`` holds NaN/Inf (the quantizer's block scales: NaN for a
+    block holding one; the sign compressor's sum of ``|x + r|``): one read answers 0 in the common case; else the
+    elements are counted (a finite sum that overflowed counts 0, rightly)."""
+
+    __slots__ = ("_summary", "_values")
+
+    def __init__(self, summary: torch.Tensor, values: Callable[[], torch.Tensor]) -> None:
+        self._summary, self._values = summary, values
+
+    def item(self) -> int:
+        if math.isfinite(self._summary.sum().item()):
+            return 0
+        return int((~torch.isfinite(self._values())).sum())
 
 
 def _raise_nonfinite(bad: int, what: str, name: str) -> None:

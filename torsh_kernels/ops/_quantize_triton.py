@@ -10,7 +10,7 @@ blocks from ``start`` (a multiple of QBLOCK), masked to ``< end``. A program loa
 contiguous tile and regroups them in registers ([GROUP, QBLOCK] for the scales; for int4, codes [TILE/4, 4]
 packed into 16-bit words in the bulk, or split into nibble pairs [TILE/2, 2] in the tail), so int4's loads
 and stores are as wide as int8's. The non-finite count is not kept here: a block holding NaN/Inf gets a NaN
-scale, and the launcher counts from that when asked (``quantize._NonFiniteCount``).
+scale, and the launcher counts from that when asked (``_common.LazyNonFiniteCount``).
 """
 
 from __future__ import annotations

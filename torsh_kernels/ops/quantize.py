@@ -29,6 +29,7 @@ from ..errors import (
 from . import _eager
 from ._common import (
     COMPRESS_DTYPES,
+    LazyNonFiniteCount,
     _check_alpha,
     _check_int,
     _check_tensor,
@@ -269,23 +270,6 @@ def _tiles(n: int, block: int, group: int, bulk: bool = True) -> list[tuple[tupl
     return out
 
 
-class _NonFiniteCount:
-    """The Triton quantizer's count of non-finite elements, worked out when read (``_common._count`` calls
-    ``item()``; nobody does with ``check_finite=False``). A block's scale is NaN exactly when the block holds
-    NaN or Inf (finite blocks have finite scales, so the scales' sum is NaN only then); only then are the
-    elements counted. The kernels need no counter: no atomics, and no memset launch per call."""
-
-    __slots__ = ("_scales", "_x")
-
-    def __init__(self, x: torch.Tensor, scales: torch.Tensor) -> None:
-        self._x, self._scales = x, scales
-
-    def item(self) -> int:
-        if not math.isnan(self._scales.sum().item()):
-            return 0
-        return int((~torch.isfinite(self._x)).sum())
-
-
 @_quantize.register("triton")
 def _quantize_triton(x, q, scales, bits, block, stochastic, key):
     from . import _quantize_triton as K
@@ -302,7 +286,7 @@ def _quantize_triton(x, q, scales, bits, block, stochastic, key):
             x, q, scales, start, n, key,
             QBLOCK=block, GROUP=g, BITS=bits, QMAXV=QMAX[bits], STOCHASTIC=stochastic, EVEN=even, num_warps=warps,
         )  # fmt: skip
-    return _NonFiniteCount(x, scales)
+    return LazyNonFiniteCount(scales, lambda: x)  # a block holding NaN/Inf has a NaN scale
 
 
 @_quantize.register("numba")

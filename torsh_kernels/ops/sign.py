@@ -17,6 +17,7 @@ from ..errors import DeviceMismatchError, DTypeError, ShapeError
 from . import _eager
 from ._common import (
     WARPS,
+    LazyNonFiniteCount,
     _acc_ref,
     _acc_torch,
     _check_alpha,
@@ -58,23 +59,6 @@ def _parts(n: int, block: int) -> list[tuple[tuple[int], int, bool]]:
     if n > full * block:
         out.append(((-(-(n - full * block) // SIGN_TAIL),), full * block, False))
     return out
-
-
-class _NonFiniteCount:
-    """The Triton abs_sum's count of non-finite elements of ``x + r``, worked out when read
-    (``_common._count`` calls ``item()``; nobody does with ``check_finite=False``): the sum of ``|x + r|`` is
-    finite unless an element is NaN/Inf (or, rarely, fp32 partial sums overflow); only then are the elements
-    counted. The kernel needs no counter: no atomics, and no memset launch per call."""
-
-    __slots__ = ("_r", "_total", "_x")
-
-    def __init__(self, total: torch.Tensor, x: torch.Tensor, r: torch.Tensor | None) -> None:
-        self._total, self._x, self._r = total, x, r
-
-    def item(self) -> int:
-        if math.isfinite(self._total.item()):
-            return 0
-        return int((~torch.isfinite(_acc_torch(self._x, self._r))).sum())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,7 +124,7 @@ def _abs_sum_triton(x, r):
                                 num_warps=WARPS if r is not None else 4)  # fmt: skip
         p0 += grid[0]
     total = part.sum(dtype=torch.float64)
-    return total, _NonFiniteCount(total, x, r)
+    return total, LazyNonFiniteCount(total, lambda: _acc_torch(x, r))  # sum |x + r| is finite unless x + r is not
 
 
 @_abs_sum.register("numba")

@@ -13,35 +13,6 @@ from ._triton import _cast, _nonfinite
 
 
 @triton.jit
-def _element_offsets(row, idx):
-    """Element offsets (from the tensor's address) of linear indices ``idx`` of one table row."""
-    contig = tl.load(row + 4)
-    if contig != 0:
-        off = idx
-    else:
-        s1 = tl.load(row + 5)
-        s2 = tl.load(row + 6)
-        s3 = tl.load(row + 7)
-        i3 = idx % s3
-        r = idx // s3
-        i2 = r % s2
-        r = r // s2
-        i1 = r % s1
-        i0 = r // s1
-        off = i0 * tl.load(row + 8) + i1 * tl.load(row + 9) + i2 * tl.load(row + 10) + i3 * tl.load(row + 11)
-    return off
-
-
-@triton.jit
-def _tile(table_ptr, tile_ptr, BLOCK: tl.constexpr, NCOL: tl.constexpr):
-    """This program's table row, its tensor's offset in the flat buffer, its indices and mask."""
-    pid = tl.program_id(0).to(tl.int64)
-    row = table_ptr + tl.load(tile_ptr + pid).to(tl.int64) * NCOL
-    idx = (pid - tl.load(row + 3)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    return row, tl.load(row + 2), idx, idx < tl.load(row + 1)
-
-
-@triton.jit
 def _scaled(x, scale_bits, HAS_SCALE: tl.constexpr, COMPUTE_F64: tl.constexpr):
     """x in the compute dtype, times the scale (passed as its fp64 bits; rounded once for fp32)."""
     if COMPUTE_F64:
@@ -56,43 +27,129 @@ def _scaled(x, scale_bits, HAS_SCALE: tl.constexpr, COMPUTE_F64: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize=["scale_bits"])
-def _flatten_kernel(
-    table_ptr,
-    tile_ptr,
-    out_ptr,
-    ref_ptr,
-    scale_bits,
-    BLOCK: tl.constexpr,
-    NCOL: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    COMPUTE_F64: tl.constexpr,
-):
-    row, flat_off, idx, mask = _tile(table_ptr, tile_ptr, BLOCK, NCOL)
-    src = tl.load(row).to(ref_ptr.dtype)
-    x = _scaled(tl.load(src + _element_offsets(row, idx), mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
-    tl.store(out_ptr + flat_off + idx, _cast(x, out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["scale_bits"])
-def _unflatten_kernel(
-    table_ptr,
-    tile_ptr,
+@triton.jit(do_not_specialize=["scale_bits", "tensor_ref"])
+def _segment_kernel(
+    rows_ptr,
     flat_ptr,
-    ref_ptr,
+    tensor_ref,
     scale_bits,
     BLOCK: tl.constexpr,
-    NCOL: tl.constexpr,
+    TO_FLAT: tl.constexpr,
+    ALIGN_TENSOR: tl.constexpr,
+    ALIGN_FLAT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     COMPUTE_F64: tl.constexpr,
 ):
-    row, flat_off, idx, mask = _tile(table_ptr, tile_ptr, BLOCK, NCOL)
-    dst = tl.load(row).to(ref_ptr.dtype) + _element_offsets(row, idx)
-    x = _scaled(tl.load(flat_ptr + flat_off + idx, mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
+    """dst = cast(src * scale [+ dst]) over one tile of a contiguous segment: flat -> tensor, or tensor -> flat
+    with TO_FLAT. A program's row (``_bucket_tables.copy_plan``), read with one 128-bit load: the tile's tensor
+    address, and its flat offset | its element count << 48. ALIGN_TENSOR / ALIGN_FLAT: the host built the rows
+    so that side's address is 16-byte aligned and every count a multiple of 16 elements (flat_ptr itself is
+    16-byte aligned, as Triton specializes it, whenever ALIGN_FLAT), stated here: the accesses are 128-bit."""
+    addr, packed = tl.split(tl.load(rows_ptr + 2 * tl.program_id(0) + tl.arange(0, 2)))
+    t = addr.to(tensor_ref.dtype)
+    f = flat_ptr + (packed & 0xFFFFFFFFFFFF)
+    n = (packed >> 48).to(tl.int32)
+    if ALIGN_TENSOR:
+        t = tl.multiple_of(t, 16)
+    if ALIGN_FLAT:
+        f = tl.multiple_of(f, 16)
+    if ALIGN_TENSOR or ALIGN_FLAT:
+        n = tl.multiple_of(n, 16)
+    if TO_FLAT:
+        src = t
+        dst = f
+    else:
+        src = f
+        dst = t
+    idx = tl.arange(0, BLOCK)
+    mask = idx < n
+    x = _scaled(tl.load(src + idx, mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
+    if ACCUMULATE:
+        x = tl.load(dst + idx, mask=mask).to(x.dtype) + x
+    tl.store(dst + idx, _cast(x, dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _strided_offsets(row, idx, NDIM: tl.constexpr, IDX64: tl.constexpr):
+    """Element offsets of linear indices ``idx`` in a gather row's tensor (its last NDIM sizes and strides);
+    unsigned division in 32 bits unless IDX64. A row of one dimension (a contiguous piece, a 1-D strided view)
+    skips the divisions whatever NDIM is: a branch uniform over the program."""
+    ty = tl.int64 if IDX64 else tl.uint32
+    off = idx * tl.load(row + 10).to(ty)
+    if NDIM > 1:  # noqa: SIM102 (a compile-time test, then a run-time one: kept apart)
+        if tl.load(row + 11) > 1:
+            s3 = tl.load(row + 6).to(ty)
+            r = idx // s3
+            off = (idx - r * s3) * tl.load(row + 10).to(ty)
+            if NDIM == 2:
+                off += r * tl.load(row + 9).to(ty)
+            else:
+                s2 = tl.load(row + 5).to(ty)
+                q = r // s2
+                off += (r - q * s2) * tl.load(row + 9).to(ty)
+                if NDIM == 3:
+                    off += q * tl.load(row + 8).to(ty)
+                else:
+                    s1 = tl.load(row + 4).to(ty)
+                    p = q // s1
+                    off += (q - p * s1) * tl.load(row + 8).to(ty) + p * tl.load(row + 7).to(ty)
+    return off
+
+
+@triton.jit(do_not_specialize=["scale_bits", "src_ref", "dst_ref"])
+def _gather_kernel(
+    rows_ptr,
+    tiles_ptr,
+    src_ref,
+    dst_ref,
+    scale_bits,
+    BLOCK: tl.constexpr,
+    NDIM: tl.constexpr,
+    IDX64: tl.constexpr,
+    STRIDED_DST: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    COMPUTE_F64: tl.constexpr,
+):
+    """What the segment kernel does, for rows of any layout: strided tensors (the tensor's side, the source for
+    flatten and the destination with STRIDED_DST, walks up to NDIM dimensions; the flat side is contiguous) and
+    the unaligned heads and tails of contiguous tensors (one dimension, stride 1)."""
+    pid = tl.program_id(0)
+    row = rows_ptr + tl.load(tiles_ptr + pid) * 12
+    local = pid - tl.load(row + 3).to(tl.int32)
+    if IDX64:
+        idx = local.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        mask = idx < tl.load(row + 2)
+    else:
+        idx = (local * BLOCK + tl.arange(0, BLOCK)).to(tl.uint32)
+        mask = idx < tl.load(row + 2).to(tl.uint32)
+    off = _strided_offsets(row, idx, NDIM, IDX64)
+    src = tl.load(row).to(src_ref.dtype)
+    dst = tl.load(row + 1).to(dst_ref.dtype)
+    if STRIDED_DST:
+        src += idx
+        dst += off
+    else:
+        src += off
+        dst += idx
+    x = _scaled(tl.load(src, mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
     if ACCUMULATE:
         x = tl.load(dst, mask=mask).to(x.dtype) + x
-    tl.store(dst, _cast(x, ref_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, _cast(x, dst_ref.dtype.element_ty), mask=mask)
+
+
+def copy(plan, flat, tensor_ref, scale_bits: int, has_scale: bool, accumulate: bool, f64: bool, warps: int) -> None:
+    """Launch a copy plan (``_bucket_tables.copy_plan``) between ``flat`` and tensors of ``tensor_ref``'s dtype:
+    one launch per variant it holds."""
+    for ln in plan:
+        common = dict(HAS_SCALE=has_scale, ACCUMULATE=accumulate, COMPUTE_F64=f64, num_warps=warps,
+                      enable_fp_fusion=False)  # fmt: skip
+        if ln.kernel == "segments":
+            _segment_kernel[(ln.n_tiles,)](ln.rows, flat, tensor_ref, scale_bits, **ln.meta, **common)
+        else:
+            src, dst = (flat, tensor_ref) if ln.meta["STRIDED_DST"] else (tensor_ref, flat)
+            _gather_kernel[(ln.n_tiles,)](ln.rows, ln.tiles, src, dst, scale_bits, **ln.meta, **common)
 
 
 @triton.jit

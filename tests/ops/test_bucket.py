@@ -292,6 +292,25 @@ def test_bucket_reduce_in_place_into_first_buffer(provider, gen):
     assert_close(buffers[0], expected, 1e-6, 1e-6)
 
 
+@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("n", [1, 3, 17, 4097])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_bucket_reduce_unaligned_buffers_and_odd_sizes(provider, op, n, k, gen):
+    """Buffers off the 16-byte grid (the unaligned variant), odd K (the last pair half masked), sizes with and
+    without a bulk."""
+    buffers = [rand((n + 1,), torch.float32, gen)[1:] if i % 2 else rand((n,), torch.float32, gen) for i in range(k)]
+    out = poison((n,), torch.float32)
+    tk.bucket_reduce(buffers, op=op, out=out, provider=provider)
+    assert_close(out, bucket_reduce_ref(buffers, op, torch.float32), 1e-6, 1e-6)
+
+
+def test_bucket_reduce_keeps_negative_zero(provider):
+    """The masked second buffer of an odd K adds -0.0: a sum of -0.0s stays -0.0, bit for bit."""
+    buffers = [torch.full((33,), -0.0, device=DEVICE) for _ in range(3)]
+    res = tk.bucket_reduce(buffers, op="sum", provider=provider)
+    assert torch.equal(res.cpu().view(torch.int32), torch.full((33,), -0.0).view(torch.int32))
+
+
 def test_bucket_reduce_max_propagates_nan(provider, gen):
     a, b = rand((37,), torch.float32, gen), rand((37,), torch.float32, gen)
     a[3] = float("nan")
@@ -414,13 +433,17 @@ def test_numba_launch_count_does_not_grow_with_tensor_count(gen, monkeypatch):
     assert len(launches) == 3
 
 
-def test_triton_bucket_reduce_single_launch(gen, monkeypatch):
+@pytest.mark.parametrize(("n", "launches"), [(4096, 1), (5000, 2), (7, 1)])
+def test_triton_bucket_reduce_bulk_and_tail_launches(n, launches, gen, monkeypatch):
+    """One launch for the bulk (a multiple of 16 elements), one for the tail, only when there is one."""
     from torsh_kernels.ops import _bucket_triton
 
     counter = _LaunchCounter(_bucket_triton._bucket_reduce_kernel)
     monkeypatch.setattr(_bucket_triton, "_bucket_reduce_kernel", counter)
-    tk.bucket_reduce([rand((5000,), torch.float32, gen) for _ in range(7)], provider="triton")
-    assert counter.launches == 1
+    buffers = [rand((n,), torch.float32, gen) for _ in range(7)]
+    res = tk.bucket_reduce(buffers, provider="triton")
+    assert counter.launches == launches
+    assert_close(res, bucket_reduce_ref(buffers, "sum", torch.float32), 1e-6, 1e-6)
 
 
 # ------------------------------------------------------------------------------ reuse across steps

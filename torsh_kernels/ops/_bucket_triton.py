@@ -153,30 +153,53 @@ def copy(plan, flat, tensor_ref, scale_bits: int, has_scale: bool, accumulate: b
 
 
 @triton.jit
+def _buffer_pair(ptrs_ptr, j, K, idx, mask, ref_ptr, OP: tl.constexpr, ALIGNED: tl.constexpr, ACC: tl.constexpr):
+    """Buffers 2j and 2j + 1 at ``idx`` in the compute dtype: their two addresses read with one 128-bit load (the
+    table is padded to an even length); the second, when 2j + 1 == K, masked to the identity of the reduction
+    (-0.0 adds exactly, -inf never wins a max and NaN still propagates)."""
+    pa, pb = tl.split(tl.load(ptrs_ptr + 2 * j + tl.arange(0, 2)))
+    a = pa.to(ref_ptr.dtype)
+    b = pb.to(ref_ptr.dtype)
+    if ALIGNED:
+        a = tl.multiple_of(a, 16)
+        b = tl.multiple_of(b, 16)
+    xa = tl.load(a + idx, mask=mask).to(ACC)
+    xb = tl.load(b + idx, mask=tl.where(2 * j + 1 < K, mask, False), other=float("-inf") if OP == 2 else -0.0).to(ACC)
+    return xa, xb
+
+
+@triton.jit
+def _combine(acc, x, OP: tl.constexpr):
+    if OP == 2:
+        return tl.maximum(acc, x, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        return acc + x
+
+
+@triton.jit
 def _bucket_reduce_kernel(
     ptrs_ptr,
     out_ptr,
     ref_ptr,
-    numel,
+    start,
+    end,
     K,
     BLOCK: tl.constexpr,
     OP: tl.constexpr,
     COMPUTE_F64: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = idx < numel
-    acc = tl.load(tl.load(ptrs_ptr).to(ref_ptr.dtype) + idx, mask=mask)
-    if COMPUTE_F64:
-        acc = acc.to(tl.float64)
-    else:
-        acc = acc.to(tl.float32)
-    for k in range(1, K):
-        x = tl.load(tl.load(ptrs_ptr + k).to(ref_ptr.dtype) + idx, mask=mask).to(acc.dtype)
-        if OP == 2:
-            acc = tl.maximum(acc, x, propagate_nan=tl.PropagateNan.ALL)
-        else:
-            acc = acc + x
+    """out = the K buffers at the addresses in ``ptrs_ptr`` reduced in order, over [start, end) (``_common.spans``:
+    the bulk's end is divisible by 16), two buffers a step. ALIGNED: the host checked every buffer 16-byte
+    aligned, stated here so the loads are 128-bit (``out_ptr``'s alignment Triton specializes itself)."""
+    idx = start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < end
+    ACC: tl.constexpr = tl.float64 if COMPUTE_F64 else tl.float32
+    acc, x = _buffer_pair(ptrs_ptr, 0, K, idx, mask, ref_ptr, OP, ALIGNED, ACC)
+    acc = _combine(acc, x, OP)
+    for j in range(1, (K + 1) // 2):
+        xa, xb = _buffer_pair(ptrs_ptr, j, K, idx, mask, ref_ptr, OP, ALIGNED, ACC)
+        acc = _combine(_combine(acc, xa, OP), xb, OP)
     if OP == 1:
         acc = acc / K
     tl.store(out_ptr + idx, _cast(acc, out_ptr.dtype.element_ty), mask=mask)

@@ -15,7 +15,8 @@ on the host from a cached copy plan (``_bucket_tables.copy_plan``): the 16-byte 
 (128-bit accesses, alignment and extent stated with ``tl.multiple_of``), the segments of tensors whose
 address and flat offset disagree modulo 16 bytes (128-bit on one side), and a gather of the rest (strided
 tensors, the heads and tails of odd-sized ones) with the strided index math. Launches therefore grow with
-the number of distinct dtypes, never with the number of tensors. The Numba kernels take a table in
+the number of distinct dtypes, never with the number of tensors. bucket_reduce launches a bulk whose end is
+divisible by 16 and a one-program tail (``_common.spans``). The Numba kernels take a table in
 device memory that holds, per tensor, its element offset from the lowest address, size, offset in the flat
 buffer, first tile and (for non-contiguous tensors) up to four coalesced sizes and strides; a second table
 maps each tile (program) to its tensor, in the manner of Triton's grouped-GEMM tutorial. Tables and plans
@@ -47,6 +48,7 @@ from ..errors import (
 from . import _eager
 from ._bucket_tables import _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable, copy_plan
 from ._common import (
+    VEC,
     _check_strided,
     _count,
     _count_nonfinite,
@@ -61,6 +63,7 @@ from ._common import (
     _ptrs,
     _Ranges,
     device_bytes,
+    spans,
 )
 from .registry import Op, check_provider, tuned_meta
 from .tuning import TuneSpace, register_space
@@ -495,24 +498,33 @@ def _reduce_torch(buffers: list[torch.Tensor], out: torch.Tensor | None, op: str
     return out
 
 
+def _spans(n: int, block: int, warps: int):
+    """``_common.spans`` with each launch's BLOCK: the one-program tail (< 16 elements, narrow accesses) at one
+    element a thread, so its scalar addressing stays within the bulk's registers."""
+    for grid, start, end in spans(n, block):
+        yield grid, start, end, (block if end % VEC == 0 and end > start else 32 * warps)
+
+
 @_reduce.register("triton")
 def _reduce_triton(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> None:
-    import triton
-
     from . import _bucket_triton as K
 
     numel = out.numel()
     if numel == 0:
         return
-    ptrs = _ptr_table([b.data_ptr() for b in buffers], out.device, "triton-reduce")
+    addrs = [b.data_ptr() for b in buffers]
+    ptrs = _ptr_table(addrs + [0] * (len(addrs) % 2), out.device, "triton-reduce")  # (read in pairs)
     m = tuned_meta("bucket_reduce", out.device, buffers[0].dtype, numel, "triton")
-    block, warps = m.get("BLOCK", TRITON_BLOCK), m.get("num_warps", TRITON_WARPS)
-    K._bucket_reduce_kernel[(triton.cdiv(numel, block),)](
-        ptrs, out, buffers[0], numel, len(buffers),
-        BLOCK=block, OP=_REDUCE_CODE[op],
-        COMPUTE_F64=_compute_dtype(buffers[0].dtype, out.dtype) == torch.float64,
-        num_warps=warps, enable_fp_fusion=False,
-    )  # fmt: skip
+    f64 = _compute_dtype(buffers[0].dtype, out.dtype) == torch.float64
+    warps = m.get("num_warps", TRITON_WARPS)
+    bulk = m.get("BLOCK") or (TRITON_BLOCK // 2 if f64 else TRITON_BLOCK) * warps // TRITON_WARPS
+    aligned = all(a % 16 == 0 for a in addrs)
+    for grid, start, end, block in _spans(numel, bulk, warps):
+        K._bucket_reduce_kernel[grid](
+            ptrs, out, buffers[0], start, end, len(buffers),
+            BLOCK=block, OP=_REDUCE_CODE[op], COMPUTE_F64=f64, ALIGNED=aligned, num_warps=warps,
+            enable_fp_fusion=False,
+        )  # fmt: skip
 
 
 @_reduce.register("numba")

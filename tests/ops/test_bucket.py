@@ -709,6 +709,20 @@ def test_wire_cast_counts_nonfinite_values(provider):
     assert out.float().isinf().sum() == 3 and out.float().isnan().sum() == 1
 
 
+@_OVERFLOW
+@pytest.mark.parametrize("n", [3, 17, 4096, 4097])
+def test_wire_cast_bulk_and_tail_sizes_and_counts(provider, gen, n):
+    """Sizes with only a tail, a bulk and a tail, only a bulk; non-finite values counted in both."""
+    x = rand((n,), torch.float32, gen) * 100
+    bad = [0, n - 1] + ([n // 2] if n > 16 else [])
+    x[bad] = float("inf")
+    ref = wire_cast_ref(x.cpu(), torch.float16, 3.0)
+    with pytest.raises(NonFiniteError, match=f"{len(bad)} non-finite"):
+        tk.wire_cast(x, torch.float16, divisor=3, out=poison((n,), torch.float16), provider=provider)
+    got = tk.wire_cast(x, torch.float16, divisor=3, check_finite=False, provider=provider)
+    assert torch.equal(_bits(got.cpu()), _bits(ref))
+
+
 def test_wire_cast_in_place_and_typed_errors(provider, gen):
     x = rand(1000, torch.float32, gen)
     ref = wire_cast_ref(x, torch.float32, 3.0)

@@ -210,21 +210,23 @@ def _wire_cast_kernel(
     x_ptr,
     out_ptr,
     bad_ptr,
-    n,
+    start,
+    end,
     divisor,
     BLOCK: tl.constexpr,
     DIVIDE: tl.constexpr,
     COUNT_BAD: tl.constexpr,
 ):
     """out = dtype(dtype(x) / divisor): rounded to the wire dtype, then divided in fp32 and rounded again
-    (PyTorch's fp16_compress_hook arithmetic), counting the NaN/Inf it writes."""
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < n
+    (PyTorch's fp16_compress_hook arithmetic), counting the NaN/Inf it writes into ``bad_ptr`` (int32 when the
+    host knows the count fits); over [start, end) (``_common.spans``)."""
+    offs = start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < end
     h = _cast(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), out_ptr.dtype.element_ty)
     if DIVIDE:
         h = _cast(tl.math.div_rn(h.to(tl.float32), divisor), out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, h, mask=mask)
     if COUNT_BAD:
-        bad = tl.sum((_nonfinite(h.to(tl.float32)) & mask).to(tl.int64), axis=0)
-        tl.atomic_add(bad_ptr, bad)
+        bad = tl.sum((_nonfinite(h.to(tl.float32)) & mask).to(bad_ptr.dtype.element_ty), axis=0)
+        if bad != 0:  # (the common case, all finite: no atomic)
+            tl.atomic_add(bad_ptr, bad)

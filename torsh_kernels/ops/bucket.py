@@ -15,8 +15,8 @@ on the host from a cached copy plan (``_bucket_tables.copy_plan``): the 16-byte 
 (128-bit accesses, alignment and extent stated with ``tl.multiple_of``), the segments of tensors whose
 address and flat offset disagree modulo 16 bytes (128-bit on one side), and a gather of the rest (strided
 tensors, the heads and tails of odd-sized ones) with the strided index math. Launches therefore grow with
-the number of distinct dtypes, never with the number of tensors. bucket_reduce launches a bulk whose end is
-divisible by 16 and a one-program tail (``_common.spans``). The Numba kernels take a table in
+the number of distinct dtypes, never with the number of tensors. bucket_reduce and wire_cast launch a bulk
+whose end is divisible by 16 and a one-program tail (``_common.spans``). The Numba kernels take a table in
 device memory that holds, per tensor, its element offset from the lowest address, size, offset in the flat
 buffer, first tile and (for non-contiguous tensors) up to four coalesced sizes and strides; a second table
 maps each tile (program) to its tensor, in the manner of Triton's grouped-GEMM tutorial. Tables and plans
@@ -572,12 +572,13 @@ def _wire_torch(x, out, divisor, count_bad):
 def _wire_triton(x, out, divisor, count_bad):
     from . import _bucket_triton as K
 
-    bad = torch.zeros(1, dtype=torch.int64, device=x.device)
     n = x.numel()
-    K._wire_cast_kernel[(max(1, -(-n // TRITON_BLOCK)),)](
-        x, out, bad, n, float(divisor), BLOCK=TRITON_BLOCK, DIVIDE=divisor != 1.0, COUNT_BAD=bool(count_bad),
-        num_warps=TRITON_WARPS,
-    )  # fmt: skip
+    bad = torch.zeros(1, dtype=torch.int32 if n < 2**31 else torch.int64, device=x.device)  # (holds at most n)
+    for grid, start, end, block in _spans(n, TRITON_BLOCK, TRITON_WARPS):
+        K._wire_cast_kernel[grid](
+            x, out, bad, start, end, float(divisor), BLOCK=block, DIVIDE=divisor != 1.0,
+            COUNT_BAD=bool(count_bad), num_warps=TRITON_WARPS,
+        )  # fmt: skip
     return bad
 
 

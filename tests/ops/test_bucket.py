@@ -211,6 +211,8 @@ def test_copy_plan_covers_every_element_once_in_three_variants(gen):
     covered += int(plan[2].rows[:, 2].sum())
     assert covered == flat.numel()
     assert copy_plan(tensors, offsets, flat, True, True, 2048, 512) is plan  # cached
+    # the rows hold flat offsets: another buffer at the same address modulo 16 reuses the plan
+    assert copy_plan(tensors, offsets, torch.empty_like(flat), True, True, 2048, 512) is plan
 
 
 @pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
@@ -244,6 +246,27 @@ def test_unflatten_mixed_alignments_and_layouts(provider, dtype, atol, rtol, fla
         tk.unflatten(flat, layout, dests, scale=0.5, accumulate=accumulate, provider=provider)
         for d, e in zip(dests, expected):
             assert_close(d, e, atol, rtol)
+
+
+def test_triton_gather_with_64_bit_index_math(gen, monkeypatch):
+    """The IDX64 gather (extents of 2**31 elements or more), on small tensors: the threshold lowered."""
+    from collections import OrderedDict
+
+    monkeypatch.setattr(_bucket_tables, "_I32", 0)
+    monkeypatch.setattr(_common, "_TABLES", OrderedDict())  # no plan built with the real threshold
+    tensors = mixed_bucket(torch.float32, gen)
+    layout = BucketLayout.for_tensors(tensors)
+    plan = _bucket_tables.copy_plan(tensors, layout.offsets, torch.empty(layout.total, device=DEVICE), True, True,
+                                    2048, 512)  # fmt: skip
+    assert plan[-1].kernel == "gather" and plan[-1].meta["IDX64"] and plan[-1].meta["BLOCK"] == 128
+    flat, _ = tk.flatten(tensors, out=poison((layout.total,), torch.float32), provider="triton")
+    assert_close(flat, flatten_ref(tensors, torch.float32), 0, 0)
+    dests = [like(t, gen) for t in tensors]
+    expected = [d.clone() for d in dests]
+    unflatten_ref(flat, layout, expected, scale=0.5, accumulate=True)
+    tk.unflatten(flat, layout, dests, scale=0.5, accumulate=True, provider="triton")
+    for d, e in zip(dests, expected):
+        assert_close(d, e, 1e-6, 1e-6)
 
 
 def test_mixed_alignments_roundtrip_is_exact(provider, gen):

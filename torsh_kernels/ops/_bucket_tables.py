@@ -8,7 +8,7 @@ addresses), so steady-state training steps do not rebuild or re-upload them. Als
 tensors into launches (one per dtype; for Numba also per address alignment) and the stand-ins for
 tensors whose strides need more than ``MAX_DIMS`` dimensions.
 
-Triton: a copy plan (:func:`copy_plan`, cached the same way, the flat buffer's address in the key) splits
+Triton: a copy plan (:func:`copy_plan`, cached the same way, with the flat buffer's address modulo 16) splits
 each dtype group into at most three launches, each a constexpr variant of its kernel (``_bucket_triton.py``):
 
 - ``segments``, both sides aligned: element ranges of contiguous tensors that start where the source and the
@@ -18,9 +18,9 @@ each dtype group into at most three launches, each a constexpr variant of its ke
   (e.g. every tensor after an odd-sized one), aligned on the side that moves more bytes: 128-bit accesses
   there, element-wide ones on the other;
 - ``gather``: the rest, with the strided index math: strided tensors (the tensor's side strided, the flat
-  side contiguous), the heads and tails (< 16 elements) of the contiguous tensors and the contiguous tensors
-  that fit in one gather tile, as 1-D rows; int32
-  index math unless a row's extent needs int64, and only as many dimensions as its rows need.
+  side contiguous), and as 1-D rows the heads and tails (< 16 elements) of the contiguous tensors and the
+  contiguous tensors that fit in one gather tile; 32-bit index math unless a row's extent needs 64, and only
+  as many dimensions as its rows need.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def _numba_groups(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
 # --------------------------------------------------------------------------------------------------
 # Triton copy plans (flatten / unflatten)
 
-GEN_COLS = 12  # gather rows: src address, dst address, numel, first tile, size1..3, stride0..3, dims
+GEN_COLS = 12  # gather rows: tensor address, flat offset, numel, first tile, size1..3, stride0..3, dims
 VEC = 16  # bytes of a 128-bit access; an aligned segment's length is a multiple of this many elements
 N_SHIFT = 48  # a segment tile row: (tensor address, flat offset | count << N_SHIFT)
 _I32 = 1 << 31
@@ -191,12 +191,12 @@ def _aligned_start(n: int, sides: Sequence[tuple[int, int]]) -> int | None:
     return None
 
 
-def _piece(src: int, dst: int, n: int) -> tuple[int, ...]:
+def _piece(taddr: int, foff: int, n: int) -> tuple[int, ...]:
     """A contiguous piece as a gather row: one dimension of n elements, stride 1."""
-    return (src, dst, n, 0, 1, 1, n, 0, 0, 0, 1, 1)
+    return (taddr, foff, n, 0, 1, 1, n, 0, 0, 0, 1, 1)
 
 
-def _split(taddr, tsz, foff, fbase, fsz, n, to_flat, prefer_tensor, both, half, gen) -> None:
+def _split(taddr, tsz, foff, fbase, fsz, n, prefer_tensor, both, half, gen) -> None:
     """A contiguous tensor's elements [0, n) as a segment (tensor address, flat offset, length; a multiple of
     16 elements starting where both sides, else the preferred side, are 16-byte aligned), its head and tail as
     gather pieces."""
@@ -209,8 +209,7 @@ def _split(taddr, tsz, foff, fbase, fsz, n, to_flat, prefer_tensor, both, half, 
     end = a + (n - a) // VEC * VEC if a is not None and n - a >= VEC else 0
     for lo, hi in ((0, a), (end, n)) if end else ((0, n),):
         if hi > lo:
-            t, f = taddr + lo * tsz, faddr + lo * fsz
-            gen.append(_piece(t, f, hi - lo) if to_flat else _piece(f, t, hi - lo))
+            gen.append(_piece(taddr + lo * tsz, foff + lo, hi - lo))
     if end:
         out.append((taddr + a * tsz, foff + a, end - a))
 
@@ -243,13 +242,14 @@ def copy_plan(
     gen_block: int,
 ) -> list[Launch]:
     """The launches that copy one dtype group between ``tensors`` and their ``offsets`` in ``flat`` (into flat
-    when ``to_flat``: flatten; out of it: unflatten), cached like :func:`_tables` (the flat buffer's address in
-    the key). ``prefer_tensor``: tensors whose two sides cannot both be aligned are aligned on the tensor's
-    side (else the flat side). Empty variants are left out."""
+    when ``to_flat``: flatten; out of it: unflatten), cached like :func:`_tables`. The rows hold flat offsets,
+    not addresses, so only the flat buffer's address modulo 16 is in the key (a new buffer per step reuses the
+    plan). ``prefer_tensor``: tensors whose two sides cannot both be aligned are aligned on the tensor's side
+    (else the flat side). Empty variants are left out."""
     addrs = tuple(t.data_ptr() for t in tensors)
     device = flat.device
     key = (
-        "copy", device, _stream_key(device), to_flat, prefer_tensor, seg_block, gen_block, flat.data_ptr(),
+        "copy", device, _stream_key(device), to_flat, prefer_tensor, seg_block, gen_block, flat.data_ptr() % VEC,
         flat.element_size(), tensors[0].element_size(), addrs, tuple(t.shape for t in tensors),
         tuple(t.stride() for t in tensors), tuple(offsets),
     )  # fmt: skip
@@ -257,7 +257,7 @@ def copy_plan(
 
 
 def _build(tensors, offsets, addrs, flat, to_flat, prefer_tensor, seg_block, gen_block) -> list[Launch]:
-    tsz, fsz, fbase = tensors[0].element_size(), flat.element_size(), flat.data_ptr()
+    tsz, fsz, fbase = tensors[0].element_size(), flat.element_size(), flat.data_ptr() % VEC
     both: list = []
     half: list = []
     gen: list = []
@@ -268,15 +268,12 @@ def _build(tensors, offsets, addrs, flat, to_flat, prefer_tensor, seg_block, gen
         assert g is not None  # callers replace tensors of more than MAX_DIMS dims first
         contig, sizes, strides = g
         if contig and n > gen_block:
-            _split(addr, tsz, off, fbase, fsz, n, to_flat, prefer_tensor, both, half, gen)
+            _split(addr, tsz, off, fbase, fsz, n, prefer_tensor, both, half, gen)
             extent = max(extent, n)
         elif contig:  # fits one gather tile: one program, rather than a segment and up to two pieces
-            t, f = addr, fbase + off * fsz
-            gen.append(_piece(t, f, n) if to_flat else _piece(f, t, n))
+            gen.append(_piece(addr, off, n))
         else:
-            faddr = fbase + off * fsz
-            src, dst = (addr, faddr) if to_flat else (faddr, addr)
-            gen.append((src, dst, n, 0, *sizes[1:], *strides, sum(1 for s in sizes if s > 1) or 1))
+            gen.append((addr, off, n, 0, *sizes[1:], *strides, sum(1 for s in sizes if s > 1) or 1))
             extent = max(extent, n, 1 + sum((s - 1) * st for s, st in zip(sizes, strides)))
     seg = {"BLOCK": seg_block, "TO_FLAT": to_flat}
     parts = []  # (kernel, rows, tile map, meta)
@@ -287,9 +284,11 @@ def _build(tensors, offsets, addrs, flat, to_flat, prefer_tensor, seg_block, gen
         parts.append(("segments", _segment_tiles(half, seg_block, tsz), None,
                       {**seg, "ALIGN_TENSOR": prefer_tensor, "ALIGN_FLAT": not prefer_tensor}))  # fmt: skip
     if gen:
-        rows, tmap = _gather_tiles(gen, gen_block)
-        parts.append(("gather", rows, tmap, {"BLOCK": gen_block, "NDIM": int(rows[:, 11].max()),
-                                             "IDX64": extent >= _I32, "STRIDED_DST": not to_flat}))  # fmt: skip
+        idx64 = extent >= _I32
+        block = gen_block // 4 if idx64 else gen_block  # (64-bit divisions: one element a thread, <= 64 registers)
+        rows, tmap = _gather_tiles(gen, block)
+        parts.append(("gather", rows, tmap, {"BLOCK": block, "NDIM": int(rows[:, 11].max()), "IDX64": idx64,
+                                             "TO_FLAT": to_flat}))  # fmt: skip
     # one host buffer, one upload: every variant's rows (a segment tile row is 16 bytes, read as one 128-bit
     # load: each part starts at an even int64 offset), then the gather tile map (int32, padded to 8 bytes)
     chunks = [r.reshape(-1) for _, r, _, _ in parts]

@@ -44,8 +44,8 @@ def _segment_kernel(
     """dst = cast(src * scale [+ dst]) over one tile of a contiguous segment: flat -> tensor, or tensor -> flat
     with TO_FLAT. A program's row (``_bucket_tables.copy_plan``), read with one 128-bit load: the tile's tensor
     address, and its flat offset | its element count << 48. ALIGN_TENSOR / ALIGN_FLAT: the host built the rows
-    so that side's address is 16-byte aligned and every count a multiple of 16 elements (flat_ptr itself is
-    16-byte aligned, as Triton specializes it, whenever ALIGN_FLAT), stated here: the accesses are 128-bit."""
+    so that side's address (flat_ptr + the offset, for the flat side) is 16-byte aligned and every count a
+    multiple of 16 elements, stated here: the accesses are 128-bit."""
     addr, packed = tl.split(tl.load(rows_ptr + 2 * tl.program_id(0) + tl.arange(0, 2)))
     t = addr.to(tensor_ref.dtype)
     f = flat_ptr + (packed & 0xFFFFFFFFFFFF)
@@ -97,24 +97,25 @@ def _strided_offsets(row, idx, NDIM: tl.constexpr, IDX64: tl.constexpr):
     return off
 
 
-@triton.jit(do_not_specialize=["scale_bits", "src_ref", "dst_ref"])
+@triton.jit(do_not_specialize=["scale_bits", "tensor_ref"])
 def _gather_kernel(
     rows_ptr,
     tiles_ptr,
-    src_ref,
-    dst_ref,
+    flat_ptr,
+    tensor_ref,
     scale_bits,
     BLOCK: tl.constexpr,
     NDIM: tl.constexpr,
     IDX64: tl.constexpr,
-    STRIDED_DST: tl.constexpr,
+    TO_FLAT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     COMPUTE_F64: tl.constexpr,
 ):
-    """What the segment kernel does, for rows of any layout: strided tensors (the tensor's side, the source for
-    flatten and the destination with STRIDED_DST, walks up to NDIM dimensions; the flat side is contiguous) and
-    the unaligned heads and tails of contiguous tensors (one dimension, stride 1)."""
+    """What the segment kernel does, for rows of any layout: strided tensors (the tensor's side walks up to NDIM
+    dimensions, the flat side is contiguous) and contiguous pieces (one dimension, stride 1). A row: tensor
+    address, flat offset, element count, first tile, sizes 1..3, strides 0..3, dimensions; ``tiles_ptr`` maps
+    each program to its row."""
     pid = tl.program_id(0)
     row = rows_ptr + tl.load(tiles_ptr + pid) * 12
     local = pid - tl.load(row + 3).to(tl.int32)
@@ -124,19 +125,18 @@ def _gather_kernel(
     else:
         idx = (local * BLOCK + tl.arange(0, BLOCK)).to(tl.uint32)
         mask = idx < tl.load(row + 2).to(tl.uint32)
-    off = _strided_offsets(row, idx, NDIM, IDX64)
-    src = tl.load(row).to(src_ref.dtype)
-    dst = tl.load(row + 1).to(dst_ref.dtype)
-    if STRIDED_DST:
-        src += idx
-        dst += off
+    t = tl.load(row).to(tensor_ref.dtype) + _strided_offsets(row, idx, NDIM, IDX64)
+    f = flat_ptr + tl.load(row + 1) + idx
+    if TO_FLAT:
+        src = t
+        dst = f
     else:
-        src += off
-        dst += idx
+        src = f
+        dst = t
     x = _scaled(tl.load(src, mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
     if ACCUMULATE:
         x = tl.load(dst, mask=mask).to(x.dtype) + x
-    tl.store(dst, _cast(x, dst_ref.dtype.element_ty), mask=mask)
+    tl.store(dst, _cast(x, dst.dtype.element_ty), mask=mask)
 
 
 def copy(plan, flat, tensor_ref, scale_bits: int, has_scale: bool, accumulate: bool, f64: bool, warps: int) -> None:
@@ -148,8 +148,7 @@ def copy(plan, flat, tensor_ref, scale_bits: int, has_scale: bool, accumulate: b
         if ln.kernel == "segments":
             _segment_kernel[(ln.n_tiles,)](ln.rows, flat, tensor_ref, scale_bits, **ln.meta, **common)
         else:
-            src, dst = (flat, tensor_ref) if ln.meta["STRIDED_DST"] else (tensor_ref, flat)
-            _gather_kernel[(ln.n_tiles,)](ln.rows, ln.tiles, src, dst, scale_bits, **ln.meta, **common)
+            _gather_kernel[(ln.n_tiles,)](ln.rows, ln.tiles, flat, tensor_ref, scale_bits, **ln.meta, **common)
 
 
 @triton.jit

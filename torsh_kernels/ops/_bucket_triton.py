@@ -27,7 +27,7 @@ def _scaled(x, scale_bits, HAS_SCALE: tl.constexpr, COMPUTE_F64: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize=["scale_bits", "tensor_ref"])
+@triton.jit(do_not_specialize=["scale_bits", "flat_ptr", "tensor_ref"])
 def _segment_kernel(
     rows_ptr,
     flat_ptr,
@@ -97,7 +97,7 @@ def _strided_offsets(row, idx, NDIM: tl.constexpr, IDX64: tl.constexpr):
     return off
 
 
-@triton.jit(do_not_specialize=["scale_bits", "tensor_ref"])
+@triton.jit(do_not_specialize=["scale_bits", "flat_ptr", "tensor_ref"])
 def _gather_kernel(
     rows_ptr,
     tiles_ptr,

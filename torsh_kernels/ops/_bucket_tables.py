@@ -269,12 +269,11 @@ def _build(tensors, offsets, addrs, flat, to_flat, prefer_tensor, seg_block, gen
         contig, sizes, strides = g
         if contig and n > gen_block:
             _split(addr, tsz, off, fbase, fsz, n, prefer_tensor, both, half, gen)
-            extent = max(extent, n)
         elif contig:  # fits one gather tile: one program, rather than a segment and up to two pieces
             gen.append(_piece(addr, off, n))
         else:
             gen.append((addr, off, n, 0, *sizes[1:], *strides, sum(1 for s in sizes if s > 1) or 1))
-            extent = max(extent, n, 1 + sum((s - 1) * st for s, st in zip(sizes, strides)))
+            extent = max(extent, 1 + sum((s - 1) * st for s, st in zip(sizes, strides)))
     seg = {"BLOCK": seg_block, "TO_FLAT": to_flat}
     parts = []  # (kernel, rows, tile map, meta)
     if both:
@@ -284,7 +283,7 @@ def _build(tensors, offsets, addrs, flat, to_flat, prefer_tensor, seg_block, gen
         parts.append(("segments", _segment_tiles(half, seg_block, tsz), None,
                       {**seg, "ALIGN_TENSOR": prefer_tensor, "ALIGN_FLAT": not prefer_tensor}))  # fmt: skip
     if gen:
-        idx64 = extent >= _I32
+        idx64 = max(extent, max(r[2] for r in gen)) >= _I32  # (the elements of a row, the span of its strides)
         block = gen_block // 4 if idx64 else gen_block  # (64-bit divisions: one element a thread, <= 64 registers)
         rows, tmap = _gather_tiles(gen, block)
         parts.append(("gather", rows, tmap, {"BLOCK": block, "NDIM": int(rows[:, 11].max()), "IDX64": idx64,

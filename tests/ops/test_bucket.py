@@ -197,7 +197,7 @@ def test_copy_plan_covers_every_element_once_in_three_variants(gen):
     flat = torch.empty(sum(t.numel() for t in tensors))
     plan = copy_plan(tensors, offsets, flat, True, True, 2048, 512)
     assert [(ln.kernel, ln.meta.get("ALIGN_TENSOR"), ln.meta.get("ALIGN_FLAT")) for ln in plan] == [
-        ("segments", True, True), ("segments", True, False), ("gather", None, None)]  # fmt: skip
+        ("segments", 16, 16), ("segments", 16, 4), ("gather", None, None)]  # fmt: skip
     assert plan[2].meta["NDIM"] == 3 and not plan[2].meta["IDX64"]
     covered = 0
     for ln in plan[:2]:
@@ -205,8 +205,9 @@ def test_copy_plan_covers_every_element_once_in_three_variants(gen):
         count = packed >> N_SHIFT
         assert ((count % 16 == 0) & (count > 0) & (count <= 2048)).all() and ln.n_tiles == len(ln.rows)
         assert (addr % 16 == 0).all()  # the tensor side, aligned in both variants (prefer_tensor)
-        flat_aligned = ((packed & ((1 << N_SHIFT) - 1)) * 4 + flat.data_ptr()) % 16 == 0
-        assert flat_aligned.all() if ln.meta["ALIGN_FLAT"] else not flat_aligned.any()
+        flat_addr = (packed & ((1 << N_SHIFT) - 1)) * 4 + flat.data_ptr()
+        assert (flat_addr % ln.meta["ALIGN_FLAT"] == 0).all()
+        assert (flat_addr % 16 == 0).all() if ln.meta["ALIGN_FLAT"] == 16 else not (flat_addr % 16 == 0).any()
         covered += int(count.sum())
     covered += int(plan[2].rows[:, 2].sum())
     assert covered == flat.numel()

@@ -16,7 +16,7 @@ each dtype group into at most three launches, each a constexpr variant of its ke
   states that (``tl.multiple_of``), so every access is 128-bit;
 - ``segments``, one side aligned: the same for tensors whose source and destination disagree modulo 16 bytes
   (e.g. every tensor after an odd-sized one), aligned on the side that moves more bytes: 128-bit accesses
-  there, element-wide ones on the other;
+  there, on the other as wide as the alignment all its segments share (64-bit at an 8-byte shift);
 - ``gather``: the rest, with the strided index math: strided tensors (the tensor's side strided, the flat
   side contiguous), and as 1-D rows the heads and tails (< 16 elements) of the contiguous tensors and the
   contiguous tensors that fit in one gather tile; 32-bit index math unless a row's extent needs 64, and only
@@ -196,10 +196,15 @@ def _piece(taddr: int, foff: int, n: int) -> tuple[int, ...]:
     return (taddr, foff, n, 0, 1, 1, n, 0, 0, 0, 1, 1)
 
 
+def _alignment(p: int) -> int:
+    """The largest power of two, up to 16, that divides the address ``p``."""
+    return min(VEC, p & -p) if p else VEC
+
+
 def _split(taddr, tsz, foff, fbase, fsz, n, prefer_tensor, both, half, gen) -> None:
-    """A contiguous tensor's elements [0, n) as a segment (tensor address, flat offset, length; a multiple of
-    16 elements starting where both sides, else the preferred side, are 16-byte aligned), its head and tail as
-    gather pieces."""
+    """A contiguous tensor's elements [0, n) as a segment (tensor address, flat offset, length: a multiple of
+    16 elements starting where both sides, else the preferred side, are 16-byte aligned; and the other side's
+    alignment there), its head and tail as gather pieces."""
     faddr = fbase + foff * fsz
     a = _aligned_start(n, ((taddr, tsz), (faddr, fsz)))
     out = both
@@ -211,12 +216,13 @@ def _split(taddr, tsz, foff, fbase, fsz, n, prefer_tensor, both, half, gen) -> N
         if hi > lo:
             gen.append(_piece(taddr + lo * tsz, foff + lo, hi - lo))
     if end:
-        out.append((taddr + a * tsz, foff + a, end - a))
+        t, f = taddr + a * tsz, faddr + a * fsz
+        out.append((t, foff + a, end - a, _alignment(f if prefer_tensor else t)))
 
 
-def _segment_tiles(segs: list[tuple[int, int, int]], block: int, tsz: int) -> np.ndarray:
+def _segment_tiles(segs: list[tuple[int, ...]], block: int, tsz: int) -> np.ndarray:
     """One row per tile of ``block`` elements: (tensor address, flat offset | count << N_SHIFT)."""
-    arr = np.array(segs, dtype=np.int64)
+    arr = np.array([sg[:3] for sg in segs], dtype=np.int64)
     per = -(-arr[:, 2] // block)
     seg = np.repeat(np.arange(len(segs)), per)
     t = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
@@ -278,10 +284,12 @@ def _build(tensors, offsets, addrs, flat, to_flat, prefer_tensor, seg_block, gen
     parts = []  # (kernel, rows, tile map, meta)
     if both:
         parts.append(("segments", _segment_tiles(both, seg_block, tsz), None,
-                      {**seg, "ALIGN_TENSOR": True, "ALIGN_FLAT": True}))  # fmt: skip
-    if half:
+                      {**seg, "ALIGN_TENSOR": VEC, "ALIGN_FLAT": VEC}))  # fmt: skip
+    if half:  # the other side at the alignment every segment has (all shifted alike after an odd size: 8 often)
+        other = min(sg[3] for sg in half)
         parts.append(("segments", _segment_tiles(half, seg_block, tsz), None,
-                      {**seg, "ALIGN_TENSOR": prefer_tensor, "ALIGN_FLAT": not prefer_tensor}))  # fmt: skip
+                      {**seg, "ALIGN_TENSOR": VEC if prefer_tensor else other,
+                       "ALIGN_FLAT": other if prefer_tensor else VEC}))  # fmt: skip
     if gen:
         idx64 = max(extent, max(r[2] for r in gen)) >= _I32  # (the elements of a row, the span of its strides)
         block = gen_block // 4 if idx64 else gen_block  # (64-bit divisions: one element a thread, <= 64 registers)

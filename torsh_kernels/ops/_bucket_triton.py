@@ -43,19 +43,14 @@ def _segment_kernel(
 ):
     """dst = cast(src * scale [+ dst]) over one tile of a contiguous segment: flat -> tensor, or tensor -> flat
     with TO_FLAT. A program's row (``_bucket_tables.copy_plan``), read with one 128-bit load: the tile's tensor
-    address, and its flat offset | its element count << 48. ALIGN_TENSOR / ALIGN_FLAT: the host built the rows
-    so that side's address (flat_ptr + the offset, for the flat side) is 16-byte aligned and every count a
-    multiple of 16 elements, stated here: the accesses are 128-bit."""
+    address, and its flat offset | its element count << 48 (``_bucket_tables.N_SHIFT``). The host built the
+    rows so that every count is a multiple of 16 elements and each side's address (flat_ptr + the offset, for
+    the flat side) a multiple of ALIGN_TENSOR / ALIGN_FLAT bytes (16 on at least one side), stated here: the
+    accesses on a 16-byte side are 128-bit, on the other as wide as its alignment allows."""
     addr, packed = tl.split(tl.load(rows_ptr + 2 * tl.program_id(0) + tl.arange(0, 2)))
-    t = addr.to(tensor_ref.dtype)
-    f = flat_ptr + (packed & 0xFFFFFFFFFFFF)
-    n = (packed >> 48).to(tl.int32)
-    if ALIGN_TENSOR:
-        t = tl.multiple_of(t, 16)
-    if ALIGN_FLAT:
-        f = tl.multiple_of(f, 16)
-    if ALIGN_TENSOR or ALIGN_FLAT:
-        n = tl.multiple_of(n, 16)
+    t = tl.multiple_of(addr.to(tensor_ref.dtype), ALIGN_TENSOR)
+    f = tl.multiple_of(flat_ptr + (packed & 0xFFFFFFFFFFFF), ALIGN_FLAT)
+    n = tl.multiple_of((packed >> 48).to(tl.int32), 16)
     if TO_FLAT:
         src = t
         dst = f

@@ -1,18 +1,33 @@
 """Launch tables of the bucket kernels: how one Triton or Numba launch sees N tensors of any layout.
 
-A table in device memory holds, per tensor, its address (Numba: its element offset from the lowest
+Numba: a table in device memory holds, per tensor, its address (Numba: its element offset from the lowest
 address, see ``_numba.py``), size, offset in the flat buffer, first tile and (for non-contiguous tensors)
 up to ``MAX_DIMS`` coalesced sizes and strides; a second table maps each tile (program) to its tensor, in
 the manner of Triton's grouped-GEMM tutorial. Tables are cached per (device, stream, geometry,
 addresses), so steady-state training steps do not rebuild or re-upload them. Also here: the grouping of
 tensors into launches (one per dtype; for Numba also per address alignment) and the stand-ins for
 tensors whose strides need more than ``MAX_DIMS`` dimensions.
+
+Triton: a copy plan (:func:`copy_plan`, cached the same way, with the flat buffer's address modulo 16) splits
+each dtype group into at most three launches, each a constexpr variant of its kernel (``_bucket_triton.py``):
+
+- ``segments``, both sides aligned: element ranges of contiguous tensors that start where the source and the
+  destination address are both 16-byte aligned and whose length is a multiple of 16 elements; the kernel
+  states that (``tl.multiple_of``), so every access is 128-bit;
+- ``segments``, one side aligned: the same for tensors whose source and destination disagree modulo 16 bytes
+  (e.g. every tensor after an odd-sized one), aligned on the side that moves more bytes: 128-bit accesses
+  there, on the other as wide as the alignment all its segments share (64-bit at an 8-byte shift);
+- ``gather``: the rest, with the strided index math: strided tensors (the tensor's side strided, the flat
+  side contiguous), and as 1-D rows the heads and tails (< 16 elements) of the contiguous tensors and the
+  contiguous tensors that fit in one gather tile; 32-bit index math unless a row's extent needs 64, and only
+  as many dimensions as its rows need.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -145,3 +160,159 @@ def _numba_groups(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
             g[0].append(t)
             g[1].append(off)
     return out.values()
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton copy plans (flatten / unflatten)
+
+GEN_COLS = 12  # gather rows: tensor address, flat offset, numel, first tile, size1..3, stride0..3, dims
+VEC = 16  # bytes of a 128-bit access; an aligned segment's length is a multiple of this many elements
+N_SHIFT = 48  # a segment tile row: (tensor address, flat offset | count << N_SHIFT)
+_I32 = 1 << 31
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One launch of a copy plan: its kernel, its table (and tile -> row map for ``gather``), grid, constexprs."""
+
+    kernel: str
+    """``segments`` or ``gather``."""
+    rows: torch.Tensor
+    tiles: torch.Tensor | None
+    n_tiles: int
+    meta: dict
+
+
+def _aligned_start(n: int, sides: Sequence[tuple[int, int]]) -> int | None:
+    """The first element index (< 16) at which every (address, element size) side is 16-byte aligned."""
+    for a in range(min(VEC, n)):
+        if all((p + a * s) % VEC == 0 for p, s in sides):
+            return a
+    return None
+
+
+def _piece(taddr: int, foff: int, n: int) -> tuple[int, ...]:
+    """A contiguous piece as a gather row: one dimension of n elements, stride 1."""
+    return (taddr, foff, n, 0, 1, 1, n, 0, 0, 0, 1, 1)
+
+
+def _alignment(p: int) -> int:
+    """The largest power of two, up to 16, that divides the address ``p``."""
+    return min(VEC, p & -p) if p else VEC
+
+
+def _split(taddr, tsz, foff, fbase, fsz, n, prefer_tensor, both, half, gen) -> None:
+    """A contiguous tensor's elements [0, n) as a segment (tensor address, flat offset, length: a multiple of
+    16 elements starting where both sides, else the preferred side, are 16-byte aligned; and the other side's
+    alignment there), its head and tail as gather pieces."""
+    faddr = fbase + foff * fsz
+    a = _aligned_start(n, ((taddr, tsz), (faddr, fsz)))
+    out = both
+    if a is None or n - a < VEC:
+        a = _aligned_start(n, ((taddr, tsz),) if prefer_tensor else ((faddr, fsz),))
+        out = half
+    end = a + (n - a) // VEC * VEC if a is not None and n - a >= VEC else 0
+    for lo, hi in ((0, a), (end, n)) if end else ((0, n),):
+        if hi > lo:
+            gen.append(_piece(taddr + lo * tsz, foff + lo, hi - lo))
+    if end:
+        t, f = taddr + a * tsz, faddr + a * fsz
+        out.append((t, foff + a, end - a, _alignment(f if prefer_tensor else t)))
+
+
+def _segment_tiles(segs: list[tuple[int, ...]], block: int, tsz: int) -> np.ndarray:
+    """One row per tile of ``block`` elements: (tensor address, flat offset | count << N_SHIFT)."""
+    arr = np.array([sg[:3] for sg in segs], dtype=np.int64)
+    per = -(-arr[:, 2] // block)
+    seg = np.repeat(np.arange(len(segs)), per)
+    t = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
+    count = np.minimum(block, arr[seg, 2] - t * block)
+    return np.stack((arr[seg, 0] + t * (block * tsz), (arr[seg, 1] + t * block) | (count << N_SHIFT)), axis=1)
+
+
+def _gather_tiles(rows: list[tuple[int, ...]], block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows with their first tile filled in, tile -> row map)."""
+    arr = np.array(rows, dtype=np.int64)
+    per = -(-arr[:, 2] // block)
+    arr[:, 3] = np.cumsum(per) - per
+    return arr, np.repeat(np.arange(len(rows), dtype=np.int32), per)
+
+
+def copy_plan(
+    tensors: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    flat: torch.Tensor,
+    to_flat: bool,
+    prefer_tensor: bool,
+    seg_block: int,
+    gen_block: int,
+) -> list[Launch]:
+    """The launches that copy one dtype group between ``tensors`` and their ``offsets`` in ``flat`` (into flat
+    when ``to_flat``: flatten; out of it: unflatten), cached like :func:`_tables`. The rows hold flat offsets,
+    not addresses, so only the flat buffer's address modulo 16 is in the key (a new buffer per step reuses the
+    plan). ``prefer_tensor``: tensors whose two sides cannot both be aligned are aligned on the tensor's side
+    (else the flat side). Empty variants are left out."""
+    addrs = tuple(t.data_ptr() for t in tensors)
+    device = flat.device
+    key = (
+        "copy", device, _stream_key(device), to_flat, prefer_tensor, seg_block, gen_block, flat.data_ptr() % VEC,
+        flat.element_size(), tensors[0].element_size(), addrs, tuple(t.shape for t in tensors),
+        tuple(t.stride() for t in tensors), tuple(offsets),
+    )  # fmt: skip
+    return _cached(key, lambda: _build(tensors, offsets, addrs, flat, to_flat, prefer_tensor, seg_block, gen_block))
+
+
+def _build(tensors, offsets, addrs, flat, to_flat, prefer_tensor, seg_block, gen_block) -> list[Launch]:
+    tsz, fsz, fbase = tensors[0].element_size(), flat.element_size(), flat.data_ptr() % VEC
+    both: list = []
+    half: list = []
+    gen: list = []
+    extent = 0
+    for t, off, addr in zip(tensors, offsets, addrs):
+        n = t.numel()
+        g = _geometry(t)
+        assert g is not None  # callers replace tensors of more than MAX_DIMS dims first
+        contig, sizes, strides = g
+        if contig and n > gen_block:
+            _split(addr, tsz, off, fbase, fsz, n, prefer_tensor, both, half, gen)
+        elif contig:  # fits one gather tile: one program, rather than a segment and up to two pieces
+            gen.append(_piece(addr, off, n))
+        else:
+            gen.append((addr, off, n, 0, *sizes[1:], *strides, sum(1 for s in sizes if s > 1) or 1))
+            extent = max(extent, 1 + sum((s - 1) * st for s, st in zip(sizes, strides)))
+    seg = {"BLOCK": seg_block, "TO_FLAT": to_flat}
+    parts = []  # (kernel, rows, tile map, meta)
+    if both:
+        parts.append(("segments", _segment_tiles(both, seg_block, tsz), None,
+                      {**seg, "ALIGN_TENSOR": VEC, "ALIGN_FLAT": VEC}))  # fmt: skip
+    if half:  # the other side at the alignment every segment has (all shifted alike after an odd size: 8 often)
+        other = min(sg[3] for sg in half)
+        parts.append(("segments", _segment_tiles(half, seg_block, tsz), None,
+                      {**seg, "ALIGN_TENSOR": VEC if prefer_tensor else other,
+                       "ALIGN_FLAT": other if prefer_tensor else VEC}))  # fmt: skip
+    if gen:
+        idx64 = max(extent, max(r[2] for r in gen)) >= _I32  # (the elements of a row, the span of its strides)
+        block = gen_block // 4 if idx64 else gen_block  # (64-bit divisions: one element a thread, <= 64 registers)
+        rows, tmap = _gather_tiles(gen, block)
+        parts.append(("gather", rows, tmap, {"BLOCK": block, "NDIM": int(rows[:, 11].max()), "IDX64": idx64,
+                                             "TO_FLAT": to_flat}))  # fmt: skip
+    # one host buffer, one upload: every variant's rows (a segment tile row is 16 bytes, read as one 128-bit
+    # load: each part starts at an even int64 offset), then the gather tile map (int32, padded to 8 bytes)
+    chunks = [r.reshape(-1) for _, r, _, _ in parts]
+    chunks += [
+        np.concatenate((m, np.zeros(len(m) % 2, np.int32))).view(np.int64) for _, _, m, _ in parts if m is not None
+    ]
+    buf = torch.from_numpy(np.concatenate(chunks))
+    if flat.device.type == "cuda":
+        buf = buf.to(flat.device)
+    out, pos = [], 0
+    map_pos = sum(c.size for c in chunks[: len(parts)])
+    for kernel, rows, tmap, meta in parts:
+        view = buf[pos : pos + rows.size].view(rows.shape)
+        pos += rows.size
+        if tmap is None:
+            out.append(Launch(kernel, view, None, len(rows), meta))
+        else:
+            tiles = buf[map_pos:].view(torch.int32)[: len(tmap)]
+            out.append(Launch(kernel, view, tiles, len(tmap), meta))
+    return out

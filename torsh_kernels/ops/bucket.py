@@ -10,13 +10,18 @@
   ``dtype(dtype(x) / divisor)``, two roundings, PyTorch's ``fp16_compress_hook`` arithmetic (so a hook
   built on it gives PyTorch's bits), counting the NaN/Inf it writes (an fp16 overflow above 65504).
 
-The Triton kernels take all tensors of one dtype in one launch: a table in device memory holds, per
-tensor, its address, size, offset in the flat buffer, first tile and (for non-contiguous tensors) up to
-four coalesced sizes and strides; a second table maps each tile (program) to its tensor, in the manner
-of Triton's grouped-GEMM tutorial. Launches therefore grow with the number of distinct dtypes, never
-with the number of tensors. The Numba kernels use the same tables, with addresses replaced by element
-offsets from the lowest address (see ``_numba.py``). Tables are cached per (device, stream, geometry,
-addresses), so steady-state training steps do not rebuild or re-upload them (``_bucket_tables.py``).
+The Triton kernels take all tensors of one dtype in at most three launches, each a constexpr variant chosen
+on the host from a cached copy plan (``_bucket_tables.copy_plan``): the 16-byte aligned contiguous segments
+(128-bit accesses, alignment and extent stated with ``tl.multiple_of``), the segments of tensors whose
+address and flat offset disagree modulo 16 bytes (128-bit on one side), and a gather of the rest (strided
+tensors, the heads and tails of odd-sized ones) with the strided index math. Launches therefore grow with
+the number of distinct dtypes, never with the number of tensors. bucket_reduce and wire_cast launch a bulk
+whose end is divisible by 16 and a one-program tail (``_common.spans``). The Numba kernels take a table in
+device memory that holds, per tensor, its element offset from the lowest address, size, offset in the flat
+buffer, first tile and (for non-contiguous tensors) up to four coalesced sizes and strides; a second table
+maps each tile (program) to its tensor, in the manner of Triton's grouped-GEMM tutorial. Tables and plans
+are cached per (device, stream, geometry, addresses), so steady-state training steps do not rebuild or
+re-upload them (``_bucket_tables.py``).
 The kernels live in ``_bucket_triton.py`` and ``_bucket_numba.py``, imported on a provider's first launch.
 """
 
@@ -41,8 +46,9 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
-from ._bucket_tables import NCOLS, _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable
+from ._bucket_tables import _by_dtype, _numba_groups, _readable, _scale_bits, _tables, _Writable, copy_plan
 from ._common import (
+    VEC,
     _check_strided,
     _count,
     _count_nonfinite,
@@ -57,6 +63,7 @@ from ._common import (
     _ptrs,
     _Ranges,
     device_bytes,
+    spans,
 )
 from .registry import Op, check_provider, tuned_meta
 from .tuning import TuneSpace, register_space
@@ -83,6 +90,7 @@ _REDUCE_CODE = {"sum": 0, "avg": 1, "max": 2}
 # Kernel geometry. The autotuner (a later issue) searches these; the defaults suit memory-bound copies.
 TRITON_BLOCK = 2048
 TRITON_WARPS = 4
+GATHER_BLOCK = 512  # the strided / unaligned pieces: 4 elements a thread keep the index math within 64 registers
 NUMBA_TILE = 2048
 
 
@@ -367,15 +375,19 @@ def _flatten_triton(tensors: list[torch.Tensor], out: torch.Tensor, scale: float
 
     tensors = [_readable(t) for t in tensors]
     for dtype, (ts, offs) in _by_dtype(tensors, _offsets(tensors)):
-        m = tuned_meta("flatten", out.device, out.dtype, out.numel(), "triton")
-        block, warps = m.get("BLOCK", TRITON_BLOCK), m.get("num_warps", TRITON_WARPS)
-        table, tile_map, n_tiles = _tables(ts, offs, [t.data_ptr() for t in ts], block, out.device, "triton")
-        K._flatten_kernel[(n_tiles,)](
-            table, tile_map, out, ts[0], _scale_bits(scale),
-            BLOCK=block, NCOL=NCOLS, HAS_SCALE=scale != 1.0,
-            COMPUTE_F64=_compute_dtype(dtype, out.dtype) == torch.float64,
-            num_warps=warps, enable_fp_fusion=False,
-        )  # fmt: skip
+        f64 = _compute_dtype(dtype, out.dtype) == torch.float64
+        seg, gen, warps = _copy_geometry("flatten", out, f64, False)
+        plan = copy_plan(ts, offs, out, True, ts[0].element_size() >= out.element_size(), seg, gen)
+        K.copy(plan, out, ts[0], _scale_bits(scale), scale != 1.0, False, f64, warps)
+
+
+def _copy_geometry(op: str, flat: torch.Tensor, f64: bool, accumulate: bool) -> tuple[int, int, int]:
+    """(segment kernel BLOCK, gather kernel BLOCK, warps): the tuned BLOCK for the segments, else 16 elements a
+    thread (8 with fp64 compute or an accumulating read, to stay within 64 registers)."""
+    m = tuned_meta(op, flat.device, flat.dtype, flat.numel(), "triton")
+    warps = m.get("num_warps", TRITON_WARPS)
+    seg = m.get("BLOCK") or (TRITON_BLOCK // 2 if f64 or accumulate else TRITON_BLOCK) * warps // TRITON_WARPS
+    return seg, GATHER_BLOCK, warps
 
 
 @_flatten.register("numba")
@@ -427,15 +439,11 @@ def _unflatten_triton(flat: torch.Tensor, tensors: list[torch.Tensor], scale: fl
 
     w = _Writable(tensors, accumulate)
     for dtype, (ts, offs) in _by_dtype(w.targets, _offsets(w.targets)):
-        m = tuned_meta("unflatten", flat.device, flat.dtype, flat.numel(), "triton")
-        block, warps = m.get("BLOCK", TRITON_BLOCK), m.get("num_warps", TRITON_WARPS)
-        table, tile_map, n_tiles = _tables(ts, offs, [t.data_ptr() for t in ts], block, flat.device, "triton")
-        K._unflatten_kernel[(n_tiles,)](
-            table, tile_map, flat, ts[0], _scale_bits(scale),
-            BLOCK=block, NCOL=NCOLS, HAS_SCALE=scale != 1.0, ACCUMULATE=accumulate,
-            COMPUTE_F64=_compute_dtype(dtype, flat.dtype) == torch.float64,
-            num_warps=warps, enable_fp_fusion=False,
-        )  # fmt: skip
+        f64 = _compute_dtype(dtype, flat.dtype) == torch.float64
+        seg, gen, warps = _copy_geometry("unflatten", flat, f64, accumulate)
+        prefer_tensor = ts[0].element_size() * (2 if accumulate else 1) > flat.element_size()  # ties: loads
+        plan = copy_plan(ts, offs, flat, False, prefer_tensor, seg, gen)
+        K.copy(plan, flat, ts[0], _scale_bits(scale), scale != 1.0, accumulate, f64, warps)
     w.finish()
 
 
@@ -490,24 +498,33 @@ def _reduce_torch(buffers: list[torch.Tensor], out: torch.Tensor | None, op: str
     return out
 
 
+def _spans(n: int, block: int, warps: int):
+    """``_common.spans`` with each launch's BLOCK: the one-program tail (< 16 elements, narrow accesses) at one
+    element a thread, so its scalar addressing stays within the bulk's registers."""
+    for grid, start, end in spans(n, block):
+        yield grid, start, end, (block if end % VEC == 0 and end > start else 32 * warps)
+
+
 @_reduce.register("triton")
 def _reduce_triton(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> None:
-    import triton
-
     from . import _bucket_triton as K
 
     numel = out.numel()
     if numel == 0:
         return
-    ptrs = _ptr_table([b.data_ptr() for b in buffers], out.device, "triton-reduce")
+    addrs = [b.data_ptr() for b in buffers]
+    ptrs = _ptr_table(addrs + [0] * (len(addrs) % 2), out.device, "triton-reduce")  # (read in pairs)
     m = tuned_meta("bucket_reduce", out.device, buffers[0].dtype, numel, "triton")
-    block, warps = m.get("BLOCK", TRITON_BLOCK), m.get("num_warps", TRITON_WARPS)
-    K._bucket_reduce_kernel[(triton.cdiv(numel, block),)](
-        ptrs, out, buffers[0], numel, len(buffers),
-        BLOCK=block, OP=_REDUCE_CODE[op],
-        COMPUTE_F64=_compute_dtype(buffers[0].dtype, out.dtype) == torch.float64,
-        num_warps=warps, enable_fp_fusion=False,
-    )  # fmt: skip
+    f64 = _compute_dtype(buffers[0].dtype, out.dtype) == torch.float64
+    warps = m.get("num_warps", TRITON_WARPS)
+    bulk = m.get("BLOCK") or (TRITON_BLOCK // 2 if f64 else TRITON_BLOCK) * warps // TRITON_WARPS
+    aligned = all(a % 16 == 0 for a in addrs)
+    for grid, start, end, block in _spans(numel, bulk, warps):
+        K._bucket_reduce_kernel[grid](
+            ptrs, out, buffers[0], start, end, len(buffers),
+            BLOCK=block, OP=_REDUCE_CODE[op], COMPUTE_F64=f64, ALIGNED=aligned, num_warps=warps,
+            enable_fp_fusion=False,
+        )  # fmt: skip
 
 
 @_reduce.register("numba")
@@ -555,12 +572,13 @@ def _wire_torch(x, out, divisor, count_bad):
 def _wire_triton(x, out, divisor, count_bad):
     from . import _bucket_triton as K
 
-    bad = torch.zeros(1, dtype=torch.int64, device=x.device)
     n = x.numel()
-    K._wire_cast_kernel[(max(1, -(-n // TRITON_BLOCK)),)](
-        x, out, bad, n, float(divisor), BLOCK=TRITON_BLOCK, DIVIDE=divisor != 1.0, COUNT_BAD=bool(count_bad),
-        num_warps=TRITON_WARPS,
-    )  # fmt: skip
+    bad = torch.zeros(1, dtype=torch.int32 if n < 2**31 else torch.int64, device=x.device)  # (holds at most n)
+    for grid, start, end, block in _spans(n, TRITON_BLOCK, TRITON_WARPS):
+        K._wire_cast_kernel[grid](
+            x, out, bad, start, end, float(divisor), BLOCK=block, DIVIDE=divisor != 1.0,
+            COUNT_BAD=bool(count_bad), num_warps=TRITON_WARPS,
+        )  # fmt: skip
     return bad
 
 

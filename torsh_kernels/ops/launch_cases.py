@@ -67,10 +67,11 @@ def _e(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 # A transformer layer's gradients at hidden 1024 (sizes multiples of 16: a dense bucket of them keeps every
-# tensor 16-byte aligned relative to its source), 12.6 Mi elements; the unaligned bucket puts three odd
-# sizes first, so every later tensor's offset in the flat buffer disagrees with its address.
+# tensor 16-byte aligned relative to its source), 12.6 Mi elements; the unaligned bucket puts odd sizes first
+# (53,265 elements: 1 more than a multiple of 16), so every later tensor's offset in the flat buffer disagrees
+# with its address by one element.
 _LAYER = [(1024, 1024)] * 4 + [(1024,)] * 4 + [(4096, 1024), (4096,), (1024, 4096), (1024,), (1024,), (1024,)]
-_ODD = [(1000, 3), (7,), (50257,)]
+_ODD = [(1000, 3), (7,), (50257,), (1,)]
 
 
 def _bucket_tensors(layout: str, dtype: torch.dtype) -> list[torch.Tensor]:

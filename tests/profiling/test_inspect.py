@@ -144,6 +144,13 @@ def test_estimate_is_the_bandwidth_bound_when_enough_is_in_flight():
     small = estimate(st, warps=4, programs=1, nbytes=8192, arch=ARCHS["sm_90"], gpu=gpu)
     assert small["bandwidth_share"] == pytest.approx(128 * 64 / (3350 * 800), rel=0.02)  # (rounded to 4 places)
     assert small["us"] > 8192 / 3350e3
+    # a kernel that mostly stores (sign_unpack: a byte of signs read for 32 bytes written) needs only its loads'
+    # share of the traffic in flight: 4 bytes a thread at full occupancy keep 1/33 of HBM's demand busy
+    unpack = SassStats(registers=32, local_bytes=0, spill_bytes=0, spill_instructions=0, shared_bytes=0,
+                       instructions=60, load_bytes_per_thread=4,
+                       lane_bytes={"load": {32: 128}, "store": {128: 4096}})  # fmt: skip
+    e = estimate(unpack, warps=8, programs=8192, nbytes=69_000_000, arch=ARCHS["sm_90"], gpu=gpu)
+    assert e["bandwidth_share"] == 1.0 and e["bound"] == "memory"
 
 
 # ---------------------------------------------------------------------------------------------- the command

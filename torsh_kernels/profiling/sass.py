@@ -536,7 +536,10 @@ def estimate(stats: SassStats, *, warps: int, programs: int, nbytes: int, arch: 
     blocks, _ = occupancy(stats.registers, warps, stats.shared_bytes, arch)
     resident = min(programs, blocks * gpu.sms) if blocks else 0
     in_flight = resident * warps * 32 * stats.load_bytes_per_thread
-    needed = gpu.hbm_gbps * gpu.latency_ns  # bytes (GB/s x ns)
+    # a thread waits for its loads, not its stores: the loads need to keep their share of the traffic in flight
+    total = stats.global_bytes_per_warp
+    reads = sum(stats.widths(("load", "gather")).values()) / total if total else 1.0
+    needed = gpu.hbm_gbps * gpu.latency_ns * reads  # bytes (GB/s x ns)
     share = min(1.0, in_flight / needed) if needed else 1.0
     t_mem = nbytes / (gpu.hbm_gbps * 1e3 * share) if share > 0 else float("inf")  # us
     # issue: every warp of every program runs the kernel's instructions once; 4 schedulers per SM, 1 per clock

@@ -73,7 +73,7 @@ def main() -> int:
                                          | {"kernels": sorted({ln["kernel"] for ln in c["launches"]})}
                                          for c in rep["cases"]],
                "errors": rep["errors"], "kernels": len(rep["kernels"])}  # fmt: skip
-        if gate and which == "triton" and (shard is None or shard[0] == 0):
+        if gate and which == "triton" and (shard is None or shard[0] == 0):  # (once, in the first shard)
             out["canary"] = canary()
     except Exception:
         traceback.print_exc()

@@ -22,32 +22,40 @@ import pytest
 SCRIPT = Path(__file__).with_name("gpu_compile_check.py")
 
 
-def _run(which: str, *extra: str, shards: int = 1) -> dict:
-    """The compile check of ``which`` in fresh processes: ``shards`` of them in parallel, each taking every
-    ``shards``-th case, their results joined."""
+def _start(which: str, *extra: str, shards: int = 1) -> list[tuple[list[str], subprocess.Popen]]:
+    """The compile check of ``which`` started in fresh processes: ``shards`` of them, each taking every
+    ``shards``-th case."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
     args = [[which, *extra]] if shards == 1 else [[which, *extra, str(i), str(shards)] for i in range(shards)]
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), *a], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for a in args]  # fmt: skip
-    joined: dict = {"which": which, "cases": [], "errors": [], "kernels": 0}
+    return [(a, subprocess.Popen([sys.executable, str(SCRIPT), *a], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)) for a in args]  # fmt: skip
+
+
+def _join(*started: list[tuple[list[str], subprocess.Popen]]) -> list[dict]:
+    """Each started check's results, its processes' joined; none is left running (a shard that timed out or
+    crashed: the others are killed)."""
+    out = []
     try:
-        for a, proc in zip(args, procs):
-            out, err = proc.communicate(timeout=900)
-            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-            if not lines:
-                raise AssertionError(f"{' '.join(a)} compile check crashed:\n{out[-3000:]}\n{err[-3000:]}")
-            res = json.loads(lines[-1])
-            joined["cases"] += res["cases"]
-            joined["errors"] += res["errors"]
-            joined["kernels"] += res["kernels"]
-            if "canary" in res:
-                joined["canary"] = res["canary"]
-    finally:  # (a shard that timed out or crashed: the others are not left running)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    return joined
+        for procs in started:
+            joined: dict = {"cases": [], "errors": [], "kernels": 0}
+            for a, proc in procs:
+                stdout, err = proc.communicate(timeout=900)
+                lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+                if not lines:
+                    raise AssertionError(f"{' '.join(a)} compile check crashed:\n{stdout[-3000:]}\n{err[-3000:]}")
+                res = json.loads(lines[-1])
+                for k in ("cases", "errors", "kernels"):
+                    joined[k] += res[k]
+                if "canary" in res:
+                    joined["canary"] = res["canary"]
+            out.append(joined)
+    finally:
+        for procs in started:
+            for _, p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+    return out
 
 
 def _no_numba_nvvm(res: dict) -> bool:
@@ -68,12 +76,12 @@ def test_sass_gate():
     pytest.importorskip("triton")
     from tests.ops.gpu_compile_check import GATE
 
-    res = _run("triton", "--gate")
+    # Triton in two processes and Numba beside them (the machines that run the suite have two cores or more)
+    res, num = _join(_start("triton", "--gate", shards=2), _start("numba", "--gate"))
     assert not res["errors"], json.dumps(res["errors"], indent=1)[:4000]
     assert len(res["cases"]) == len(GATE)
     assert any("128-bit" in m for m in res["canary"]), res["canary"]
     _check_goals(res, "Triton cases")
-    num = _run("numba", "--gate")
     if _no_numba_nvvm(num):
         pytest.skip("no CUDA toolkit NVVM for Numba to compile with here")
     assert not num["errors"], json.dumps(num["errors"], indent=1)[:4000]
@@ -86,7 +94,7 @@ def test_triton_kernels_compile_to_hopper_cubins():
 
     from torsh_kernels.ops.launch_cases import cases
 
-    res = _run("triton", shards=2)
+    (res,) = _join(_start("triton", shards=2))
     assert not res["errors"], json.dumps(res["errors"], indent=1)[:4000]
     assert len(res["cases"]) == len(cases())
     _check_goals(res, "Triton cases")
@@ -95,7 +103,7 @@ def test_triton_kernels_compile_to_hopper_cubins():
 def test_numba_kernels_compile_to_sm90_ptx():
     from torsh_kernels.ops.launch_cases import cases
 
-    res = _run("numba", shards=2)  # (two processes: the machines that run the suite have two cores or more)
+    (res,) = _join(_start("numba", shards=2))  # (two processes: the suite's machines have two cores or more)
     if _no_numba_nvvm(res):
         pytest.skip("no CUDA toolkit NVVM for Numba to compile with here")
     assert not res["errors"], json.dumps(res["errors"], indent=1)[:4000]

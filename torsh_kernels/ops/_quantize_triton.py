@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton import _cast, _uniform
+from ._triton import _store_out, _uniform
 
 
 @triton.jit
@@ -116,12 +116,4 @@ def _dequantize_kernel(
         lo = ((byte << 28) >> 28).to(tl.float32) * s  # arithmetic shifts sign-extend the nibbles
         hi = (byte >> 4).to(tl.float32) * s
         v = tl.interleave(lo, hi) * alpha
-    if EVEN:
-        if ACCUMULATE:
-            v = tl.load(out_ptr + e).to(tl.float32) + v
-        tl.store(out_ptr + e, _cast(v, out_ptr.dtype.element_ty))
-    else:
-        m = e < end
-        if ACCUMULATE:
-            v = tl.load(out_ptr + e, mask=m, other=0.0).to(tl.float32) + v
-        tl.store(out_ptr + e, _cast(v, out_ptr.dtype.element_ty), mask=m)
+    _store_out(out_ptr, e, v, end, ACCUMULATE, EVEN)

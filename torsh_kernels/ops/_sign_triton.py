@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton import _cast, _load_acc
+from ._triton import _cast, _load_acc, _store_out
 
 
 @triton.jit
@@ -76,12 +76,4 @@ def _sign_unpack_kernel(bits_ptr, scale_ptr, out_ptr, start, end, alpha, BYTES: 
     else:
         byte = tl.load(bits_ptr + b, mask=8 * b < end, other=0).to(tl.int32)
     v = tl.where(((byte[:, None] >> j[None, :]) & 1) != 0, s, -s)
-    if EVEN:
-        if ACCUMULATE:
-            v = tl.load(out_ptr + e).to(tl.float32) + v
-        tl.store(out_ptr + e, _cast(v, out_ptr.dtype.element_ty))
-    else:
-        m = e < end
-        if ACCUMULATE:
-            v = tl.load(out_ptr + e, mask=m, other=0.0).to(tl.float32) + v
-        tl.store(out_ptr + e, _cast(v, out_ptr.dtype.element_ty), mask=m)
+    _store_out(out_ptr, e, v, end, ACCUMULATE, EVEN)

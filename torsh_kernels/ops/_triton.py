@@ -50,3 +50,18 @@ def _load_acc(x_ptr, r_ptr, offs, mask, HAS_R: tl.constexpr):
     if HAS_R:
         v = v + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return v
+
+
+@triton.jit
+def _store_out(out_ptr, e, v, end, ACCUMULATE: tl.constexpr, EVEN: tl.constexpr):
+    """out[e] = v (plus out[e] with ACCUMULATE, in fp32), rounded to out's dtype; unmasked for a bulk program
+    (EVEN), else masked to e < end (a decoder's last step: dequantize, sign_unpack)."""
+    if EVEN:
+        if ACCUMULATE:
+            v = tl.load(out_ptr + e).to(tl.float32) + v
+        tl.store(out_ptr + e, _cast(v, out_ptr.dtype.element_ty))
+    else:
+        m = e < end
+        if ACCUMULATE:
+            v = tl.load(out_ptr + e, mask=m, other=0.0).to(tl.float32) + v
+        tl.store(out_ptr + e, _cast(v, out_ptr.dtype.element_ty), mask=m)

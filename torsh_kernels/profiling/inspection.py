@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import _cli
@@ -227,7 +227,7 @@ def inspect_kernels(
     _check_modes(providers)
     a = ARCHS[arch]
     reader = _Reader(a)
-    report: dict[str, Any] = {"arch": arch, "goals": vars_of(GOALS), "gpus": {g: vars_of(GPUS[g]) for g in a.gpus},
+    report: dict[str, Any] = {"arch": arch, "goals": asdict(GOALS), "gpus": {g: asdict(GPUS[g]) for g in a.gpus},
                               "versions": _versions(), "anchors": {}, "cases": [], "errors": []}  # fmt: skip
     copy = None
     with _meta_forced(meta):
@@ -292,10 +292,6 @@ def _meta_forced(meta: dict[str, dict[str, int]] | None) -> Iterator[None]:
         for op, m in (meta or {}).items():
             stack.enter_context(forced_meta(op, m))
         yield
-
-
-def vars_of(obj: Any) -> dict[str, Any]:
-    return {k: getattr(obj, k) for k in obj.__slots__} if hasattr(obj, "__slots__") else dict(vars(obj))
 
 
 def _versions() -> dict[str, str | None]:

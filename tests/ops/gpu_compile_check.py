@@ -66,7 +66,10 @@ def main() -> int:
     try:
         from torsh_kernels.profiling.inspection import inspect_kernels
 
+        # the full check reads Numba's resource usage only (its goals: registers, occupancy, spills); the gate
+        # disassembles everything
         rep = inspect_kernels("sm_90", providers=(which,), names=GATE if gate else None, shard=shard,
+                              disassemble=("triton", "numba") if gate else ("triton",),
                               progress=lambda s: print(s, flush=True))  # fmt: skip
         out = {"which": which, "cases": [{k: c[k] for k in ("name", "provider", "layout", "registers", "occupancy",
                                                             "share_128", "spill_bytes", "misses")}

@@ -194,3 +194,42 @@ def test_the_command_refuses_bad_input_in_one_line():
         assert r.returncode == 2 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
     r = _inspect("--family", "sign", env_extra={"TRITON_INTERPRET": "1"})
     assert r.returncode == 1 and "TRITON_INTERPRET is set" in r.stderr
+
+
+PTX = """
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry k(.param .u64 p)
+{
+    .reg .b64 %rd<4>;
+    .reg .b32 %r<3>;
+    .reg .f32 %f<2>;
+    ld.param.u64 %rd1, [p];
+    cvta.to.global.u64 %rd2, %rd1;
+    mov.u32 %r1, %tid.x;
+    mul.wide.u32 %rd3, %r1, 4;
+    add.s64 %rd2, %rd2, %rd3;
+    ld.global.f32 %f1, [%rd2];
+    st.global.f32 [%rd2], %f1;
+    ret;
+}
+"""
+
+
+def test_disassembly_is_kept_in_the_cache(tmp_path, monkeypatch):
+    """nvdisasm costs a third of a second a cubin: the second reading of one comes from the cache directory."""
+    from torsh_kernels.profiling import sass
+
+    cubin, spills = sass.ptx_to_cubin(PTX, ARCHS["sm_90"])
+    monkeypatch.setenv("TORSH_KERNELS_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = sass._run
+    monkeypatch.setattr(sass, "_run", lambda args, what: calls.append(what) or real(args, what))
+    first = sass.analyze(cubin, spill_bytes=spills)
+    assert calls == ["cuobjdump", "nvdisasm"] and len(list((tmp_path / "sass").iterdir())) == 1
+    second = sass.analyze(cubin, spill_bytes=spills)
+    assert calls == ["cuobjdump", "nvdisasm"] and second == first
+    assert first.accesses == {"load.32": 1, "store.32": 1} and spills == 0
+    (next((tmp_path / "sass").iterdir())).write_bytes(b"not gzip")  # a damaged entry is read again, not trusted
+    assert sass.analyze(cubin, spill_bytes=spills) == first and calls[-1] == "nvdisasm"

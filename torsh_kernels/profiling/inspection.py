@@ -95,8 +95,9 @@ def _anchor_cases() -> list[tuple[str, Callable[[], object], int]]:
 class _Reader:
     """Compiles and reads each distinct specialization once; names it ``provider:kernel#i``."""
 
-    def __init__(self, arch: Arch) -> None:
+    def __init__(self, arch: Arch, disassemble: Collection[str] = ("triton", "numba")) -> None:
         self.arch = arch
+        self.disassemble = disassemble
         self.kernels: dict[str, dict[str, Any]] = {}  # kernel id -> its figures (the report's "kernels")
         self._seen: dict[str, tuple[str, SassStats]] = {}  # specialization key -> (kernel id, figures)
 
@@ -108,7 +109,8 @@ class _Reader:
             stem = f"{launch.provider}:{launch.kernel}#"
             kid = stem + str(sum(k.startswith(stem) for k in self.kernels))
             compiled = compile_launch(launch, self.arch)
-            st = analyze(compiled.cubin, compiled.shared_bytes, compiled.spill_bytes)
+            st = analyze(compiled.cubin, compiled.shared_bytes, compiled.spill_bytes,
+                         code=launch.provider in self.disassemble)  # fmt: skip
             blocks, occ = occupancy(st.registers, launch.warps, st.shared_bytes, self.arch)
             self.kernels[kid] = {**launch.describe(), **st.to_dict(), "occupancy": round(occ, 4),
                                  "blocks_per_sm": blocks}  # fmt: skip
@@ -141,7 +143,7 @@ def _summarize(reader: _Reader, launches: list[Launch], nbytes: int, elements: i
 
     dyn = [st.global_bytes_per_warp * w for _, _, st, w in parts]
     est = {}
-    for g in arch.gpus:
+    for g in arch.gpus if all(st.instructions for _, _, st, _ in parts) else ():  # (code not read: no bound)
         us = 0.0
         for (ln, _, st, _), d in zip(parts, dyn):
             part = nbytes * (d / sum(dyn) if sum(dyn) else 1 / len(parts))
@@ -201,13 +203,15 @@ def inspect_kernels(
     names: Collection[str] | None = None,
     shard: tuple[int, int] | None = None,
     meta: dict[str, dict[str, int]] | None = None,
+    disassemble: Collection[str] = PROVIDERS,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The report (a JSON-able dict) of every kernel variant of ``families`` (default: all) on ``providers``,
     compiled for ``arch``; ``match`` keeps the cases whose name contains it, ``names`` those named (each must
     exist), ``shard=(i, n)`` every n-th case from the i-th (parallel processes share a run); ``meta`` forces
     meta-parameters per op (``{"flatten": {"BLOCK": 4096, "num_warps": 8}}``, as a tuned winner would set them)
-    where the launchers would use their defaults.
+    where the launchers would use their defaults. The code of ``disassemble``'s kernels is read (the others':
+    registers, spills and occupancy only, no widths and no bound: nvdisasm costs a third of a second a kernel).
 
     Runs in a process where Triton compiles (``TRITON_INTERPRET`` unset) and Numba targets the GPU
     (``NUMBA_ENABLE_CUDASIM`` unset); raises :class:`ProviderUnavailableError` otherwise."""
@@ -226,7 +230,7 @@ def inspect_kernels(
             raise InvalidArgumentError(f"family {f!r} is not one of {', '.join(launch_cases.FAMILIES)}")
     _check_modes(providers)
     a = ARCHS[arch]
-    reader = _Reader(a)
+    reader = _Reader(a, tuple(disassemble))
     report: dict[str, Any] = {"arch": arch, "goals": asdict(GOALS), "gpus": {g: asdict(GPUS[g]) for g in a.gpus},
                               "versions": _versions(), "anchors": {}, "cases": [], "errors": []}  # fmt: skip
     copy = None
@@ -384,8 +388,8 @@ def print_report(rep: dict[str, Any], con) -> None:
                   f"{an['instructions_per_element']}",
                   *("" for _ in gpus), "", "")  # fmt: skip
     for c in rep["cases"]:
-        est = [f"{c['estimate'][g]['us']:.1f}" for g in gpus]
-        vs = c["estimate"][gpus[0]].get("vs_copy")
+        est = [f"{c['estimate'][g]['us']:.1f}" if g in c["estimate"] else "" for g in gpus]
+        vs = c["estimate"].get(gpus[0], {}).get("vs_copy")
         goals = "-" if not c["memory_bound"] and not c["misses"] else ("ok" if not c["misses"] else
                                                                          "; ".join(c["misses"]))  # fmt: skip
         t.add_row(c["name"], c["provider"], c["layout"], str(c["registers"]), f"{c['occupancy']:.0%}",

@@ -28,6 +28,8 @@ with other kernels, or launch overhead.
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import os
 import re
 import shutil
@@ -379,7 +381,7 @@ def _successors(instrs: list[_Instr], labels: dict[str, int]) -> list[list[int]]
     return out
 
 
-def _flow(instrs: list[_Instr], succ: list[list[int]], joins: dict[int, set[str]]) -> list[frozenset[str] | None]:
+def _flow(steps: list[_Step], succ: list[list[int]], joins: dict[int, set[str]]) -> list[frozenset[str] | None]:
     """The registers and predicates that may differ between the threads of a warp before each instruction (None:
     unreachable). Sources: ``S2R ..., SR_TID.*``/``SR_LANEID``; a write of a value computed from a
     thread-dependent one (or under a thread-dependent guard) makes its destination thread-dependent, an
@@ -389,39 +391,54 @@ def _flow(instrs: list[_Instr], succ: list[list[int]], joins: dict[int, set[str]
     The same state also holds ``@R5`` for a register whose value comes from memory each thread read at its own
     address (a per-thread load, and what is computed from it): an access through such an address is a gather or
     a scatter (an index table, a compaction), which no vector instruction can do."""
-    before: list[frozenset[str] | None] = [None] * len(instrs)
-    if not instrs:
+    before: list[frozenset[str] | None] = [None] * len(steps)
+    if not steps:
         return before
     before[0] = frozenset(joins.get(0, ()))
-    work = [0]
+    work, pending = [0], {0}  # in program order: a loop's body settles before what follows it
     while work:
-        i = work.pop()
+        i = heapq.heappop(work)
+        pending.discard(i)
         state = set(before[i] or ())
-        ins = instrs[i]
-        dests, srcs = _dests_and_sources(ins)
+        dests, at_dests, src, at_src, reads_pr, tid, guard, strong, load = steps[i]
         if dests:
-            src = _src_regs(srcs)
-            if "PR" in src:
-                src |= {r for r in state if r.startswith("P")}
-            dependent = (ins.base == "S2R" and ("SR_TID" in srcs or "SR_LANEID" in srcs)) or bool(src & state) or (
-                ins.guard is not None and ins.guard in state)  # fmt: skip
-            loaded = any("@" + r in state for r in src) or (ins.guard is not None and "@" + ins.guard in state) or (
-                ins.base in _LOADS and bool(src & state))  # fmt: skip
+            dependent = tid or not src.isdisjoint(state) or (guard is not None and guard in state) or (
+                reads_pr and any(r[0] == "P" for r in state))  # fmt: skip
+            loaded = not at_src.isdisjoint(state) or (guard is not None and "@" + guard in state) or (
+                load and not src.isdisjoint(state)) or (reads_pr and any(r[:2] == "@P" for r in state))  # fmt: skip
             if dependent:
-                state.update(dests)
-            elif ins.unconditional:
-                state.difference_update(dests)
+                state |= dests
+            elif strong:
+                state -= dests
             if loaded:
-                state.update("@" + d for d in dests)
-            elif ins.unconditional:
-                state.difference_update("@" + d for d in dests)
+                state |= at_dests
+            elif strong:
+                state -= at_dests
         out = frozenset(state)
         for j in succ[i]:
             new = (out if before[j] is None else before[j] | out) | joins.get(j, frozenset())
             if new != before[j]:
                 before[j] = new
-                work.append(j)
+                if j not in pending:
+                    pending.add(j)
+                    heapq.heappush(work, j)
     return before
+
+
+_Step = tuple  # (dests, @dests, sources, @sources, reads PR, reads the thread index, guard, unguarded, a load)
+
+
+def _steps(instrs: list[_Instr]) -> list[_Step]:
+    """Each instruction's part in :func:`_flow`, worked out once."""
+    out = []
+    for ins in instrs:
+        dests, srcs = _dests_and_sources(ins)
+        src = _src_regs(srcs)
+        out.append((frozenset(dests), frozenset("@" + d for d in dests), frozenset(src - {"PR"}),
+                    frozenset("@" + r for r in src), "PR" in src,
+                    ins.base == "S2R" and ("SR_TID" in srcs or "SR_LANEID" in srcs), ins.guard, ins.unconditional,
+                    ins.base in _LOADS))  # fmt: skip
+    return out
 
 
 def _divergent_joins(instrs: list[_Instr], labels: dict[str, int], before: list) -> dict[int, set[str]]:
@@ -454,9 +471,10 @@ def _thread_dependent(instrs: list[_Instr], labels: dict[str, int]) -> list[froz
     """:func:`_flow` with the divergent branches' joins, to a fixed point (which branches diverge depends on
     what is thread-dependent)."""
     succ = _successors(instrs, labels)
+    steps = _steps(instrs)
     joins: dict[int, set[str]] = {}
     for _ in range(16):
-        before = _flow(instrs, succ, joins)
+        before = _flow(steps, succ, joins)
         new = _divergent_joins(instrs, labels, before)
         if new == joins:
             break
@@ -464,16 +482,47 @@ def _thread_dependent(instrs: list[_Instr], labels: dict[str, int]) -> list[froz
     return before
 
 
-def analyze(cubin: bytes, shared_extra: int = 0, spill_bytes: int | None = None) -> SassStats:
+def analyze(cubin: bytes, shared_extra: int = 0, spill_bytes: int | None = None, *, code: bool = True) -> SassStats:
     """Resource usage and global memory accesses of the (single) kernel in ``cubin``; ``spill_bytes`` as
-    ``ptxas -v`` reported it (None: all local memory counts as spills)."""
-    t = tools()
-    with tempfile.TemporaryDirectory(prefix="torsh-sass-") as d:
-        path = Path(d) / "k.cubin"
-        path.write_bytes(cubin)
-        res = _run([t["cuobjdump"], "--dump-resource-usage", str(path)], "cuobjdump")
-        sass = _run([t["nvdisasm"], "-c", str(path)], "nvdisasm")
+    ``ptxas -v`` reported it (None: all local memory counts as spills). ``code=False``: the resource usage
+    alone (registers, local and shared memory: what occupancy needs), without disassembling the code."""
+    if not code:
+        with tempfile.TemporaryDirectory(prefix="torsh-sass-") as d:
+            (Path(d) / "k.cubin").write_bytes(cubin)
+            res = _run([tools()["cuobjdump"], "--dump-resource-usage", str(Path(d) / "k.cubin")], "cuobjdump")
+        return read(res, "", shared_extra, spill_bytes)
+    res, sass = _disassembled(cubin)
     return read(res, sass, shared_extra, spill_bytes)
+
+
+def _disassembled(cubin: bytes) -> tuple[str, str]:
+    """What ``cuobjdump --dump-resource-usage`` and ``nvdisasm -c`` print for ``cubin``. ``nvdisasm`` takes a
+    third of a second a cubin whatever its size, so the text is kept in the tuning cache's directory
+    (``sass/``, compressed, keyed by the cubin's and the tools' identity): a second report, or the suite's
+    full compile check after its gate, reads it back. A cache that cannot be read or written is skipped."""
+    import gzip
+    import hashlib
+
+    from .._files import write_atomic
+    from ..ops.tuning import cache_dir
+
+    t = tools()
+    ident = hashlib.sha256(cubin + "|".join((t["cuobjdump"], t["nvdisasm"])).encode()).hexdigest()
+    path = cache_dir() / "sass" / f"{ident}.txt.gz"
+    try:
+        res, _, sass = gzip.decompress(path.read_bytes()).decode().partition("\0")
+        if sass:
+            return res, sass
+    except (OSError, ValueError, EOFError):
+        pass
+    with tempfile.TemporaryDirectory(prefix="torsh-sass-") as d:
+        f = Path(d) / "k.cubin"
+        f.write_bytes(cubin)
+        res = _run([t["cuobjdump"], "--dump-resource-usage", str(f)], "cuobjdump")
+        sass = _run([t["nvdisasm"], "-c", str(f)], "nvdisasm")
+    with contextlib.suppress(Exception):  # (a read-only or full cache directory costs time, never the report)
+        write_atomic(path, gzip.compress(f"{res}\0{sass}".encode()), fsync=False, what="SASS cache entry")
+    return res, sass
 
 
 def read(resource_usage: str, sass: str, shared_extra: int = 0, spill_bytes: int | None = None) -> SassStats:

@@ -13,6 +13,15 @@ from ._triton import _cast, _nonfinite
 
 
 @triton.jit
+def _direction(tensor, flat, TO_FLAT: tl.constexpr):
+    """(source, destination) pointers: from the tensor to the flat buffer (flatten) or back (unflatten)."""
+    if TO_FLAT:
+        return tensor, flat
+    else:
+        return flat, tensor
+
+
+@triton.jit
 def _scaled(x, scale_bits, HAS_SCALE: tl.constexpr, COMPUTE_F64: tl.constexpr):
     """x in the compute dtype, times the scale (passed as its fp64 bits; rounded once for fp32)."""
     if COMPUTE_F64:
@@ -51,12 +60,7 @@ def _segment_kernel(
     t = tl.multiple_of(addr.to(tensor_ref.dtype), ALIGN_TENSOR)
     f = tl.multiple_of(flat_ptr + (packed & 0xFFFFFFFFFFFF), ALIGN_FLAT)
     n = tl.multiple_of((packed >> 48).to(tl.int32), 16)
-    if TO_FLAT:
-        src = t
-        dst = f
-    else:
-        src = f
-        dst = t
+    src, dst = _direction(t, f, TO_FLAT)
     idx = tl.arange(0, BLOCK)
     mask = idx < n
     x = _scaled(tl.load(src + idx, mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
@@ -122,12 +126,7 @@ def _gather_kernel(
         mask = idx < tl.load(row + 2).to(tl.uint32)
     t = tl.load(row).to(tensor_ref.dtype) + _strided_offsets(row, idx, NDIM, IDX64)
     f = flat_ptr + tl.load(row + 1) + idx
-    if TO_FLAT:
-        src = t
-        dst = f
-    else:
-        src = f
-        dst = t
+    src, dst = _direction(t, f, TO_FLAT)
     x = _scaled(tl.load(src, mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
     if ACCUMULATE:
         x = tl.load(dst, mask=mask).to(x.dtype) + x

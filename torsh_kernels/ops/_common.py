@@ -407,10 +407,6 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else _NO_DEVICE
 
 
-def _grid(n: int, block: int) -> tuple[int]:
-    return (max(1, -(-n // block)),)
-
-
 VEC = 16
 """Elements the bulk of an elementwise launch is a multiple of (see :func:`spans`)."""
 
@@ -429,6 +425,19 @@ def spans(n: int, block: int) -> list[tuple[tuple[int], int, int]]:
     out = [((-(-bulk // block),), 0, bulk)] if bulk else []
     if n % VEC or not bulk:
         out.append(((1,), bulk, n))
+    return out
+
+
+def whole_programs(n: int, tile: int, tail: int, bulk: bool = True) -> list[tuple[tuple[int], int, bool]]:
+    """The Triton launches of a pass over ``n`` elements in units that must not span two launches (quantization
+    blocks, sign bytes), as ``(grid, start, even)``: the bulk, whole programs of ``tile`` elements from element 0,
+    unmasked (``even``: with 16-byte aligned tensors every access is as wide as the layout allows, whatever
+    ``n``); then, if anything is left, programs of ``tail`` elements from ``start``, the bulk's end, masked to
+    ``< n``. ``tile`` and ``tail`` are multiples of the unit. With ``bulk=False``, only the latter, from 0."""
+    full = n // tile if bulk else 0
+    out = [((full,), 0, True)] if full else []
+    if n > full * tile:
+        out.append(((-(-(n - full * tile) // tail),), full * tile, False))
     return out
 
 

@@ -3,7 +3,7 @@
 Imported by the triton launchers on first use, so ``import torsh_kernels`` does not import Triton. Triton
 reads ``TRITON_INTERPRET`` when these kernels are defined, i.e. on that first import.
 
-Each kernel runs in two launches (see ``sign._parts``): the bulk (``EVEN``), whole programs from element 0,
+Each kernel runs in two launches (see ``_common.whole_programs``): the bulk (``EVEN``), whole programs from element 0,
 unmasked, so every access of a 16-byte aligned tensor is vectorized (Triton cannot prove a mask constant
 over a vector for an arbitrary size); then the rest, from ``start`` (a multiple of 8: whole sign bytes),
 masked to ``< end``.

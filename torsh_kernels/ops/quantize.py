@@ -41,6 +41,7 @@ from ._common import (
     _raise_nonfinite,
     _select,
     _store_ref,
+    whole_programs,
 )
 from .registry import Op, check_provider, tuned_meta
 from .tuning import TuneSpace, register_space
@@ -256,18 +257,12 @@ def _quantize_torch_range(x, q, scales, bits, block, stochastic, key, offset):
 
 
 def _tiles(n: int, block: int, group: int, bulk: bool = True) -> list[tuple[tuple[int], int, int, bool]]:
-    """The Triton launches over ``n`` elements in quantization blocks of ``block``, as ``(grid, group, start,
-    even)``: the bulk, whole programs of ``group`` blocks from element 0, unmasked (``even``: with 16-byte
-    aligned tensors every access is as wide as the layout allows, whatever ``n``); then, if anything is left,
-    programs of about QTAIL elements (whole blocks: a block never spans two launches) from ``start``, the
-    bulk's end, masked to ``< n``. With ``bulk=False``, only the latter, from element 0."""
-    tile = group * block
-    full = n // tile if bulk else 0
-    out = [((full,), group, 0, True)] if full else []
-    if n > full * tile:
-        tail = max(1, min(group, QTAIL // block))
-        out.append(((-(-(n - full * tile) // (tail * block)),), tail, full * tile, False))
-    return out
+    """:func:`_common.whole_programs` in quantization blocks of ``block``, as ``(grid, group, start, even)``: the
+    bulk in programs of ``group`` blocks, the rest in programs of about QTAIL elements (whole blocks: a block
+    never spans two launches)."""
+    tail = max(1, min(group, QTAIL // block))
+    return [(grid, group if even else tail, start, even)
+            for grid, start, even in whole_programs(n, group * block, tail * block, bulk)]  # fmt: skip
 
 
 @_quantize.register("triton")

@@ -32,6 +32,7 @@ from ._common import (
     _raise_nonfinite,
     _select,
     _store_ref,
+    whole_programs,
 )
 from .registry import Op, check_provider
 
@@ -47,18 +48,6 @@ UNPACK_BYTES = 1024
 bytes)."""
 SIGN_TAIL = 256
 """Elements per Triton program of the tail (what the bulk's whole programs leave; small: few registers)."""
-
-
-def _parts(n: int, block: int) -> list[tuple[tuple[int], int, bool]]:
-    """The Triton launches over ``n`` elements, as ``(grid, start, even)``: the bulk, whole programs of ``block``
-    elements (a multiple of 8) from element 0, unmasked (``even``: with 16-byte aligned tensors every access is
-    as wide as the layout allows, whatever ``n``); then, if anything is left, programs of SIGN_TAIL elements
-    from ``start``, the bulk's end (whole sign bytes: a byte never spans two launches), masked to ``< n``."""
-    full = n // block
-    out = [((full,), 0, True)] if full else []
-    if n > full * block:
-        out.append(((-(-(n - full * block) // SIGN_TAIL),), full * block, False))
-    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,7 +104,7 @@ def _abs_sum_triton(x, r):
     from . import _sign_triton as K
 
     n = x.numel()
-    parts = _parts(n, SUM_BLOCK)
+    parts = whole_programs(n, SUM_BLOCK, SIGN_TAIL)
     part = torch.empty(sum(g[0] for g, _, _ in parts), dtype=torch.float32, device=x.device)
     p0 = 0
     for grid, start, even in parts:
@@ -155,7 +144,7 @@ def _sign_pack_triton(x, r, bits, scale):
     from . import _sign_triton as K
 
     n = x.numel()
-    for grid, start, even in _parts(n, 8 * SIGN_BYTES):
+    for grid, start, even in whole_programs(n, 8 * SIGN_BYTES, SIGN_TAIL):
         K._sign_pack_kernel[grid](x, r if r is not None else x, bits, scale, start, n,
                                   BYTES=SIGN_BYTES if even else SIGN_TAIL // 8, HAS_R=r is not None, EVEN=even,
                                   num_warps=WARPS)  # fmt: skip
@@ -221,7 +210,7 @@ def _sign_unpack_triton(bits, scale, out, alpha, accumulate):
 
     n = out.numel()
     nb = UNPACK_BYTES * (2 if out.element_size() == 2 and not accumulate else 1)
-    for grid, start, even in _parts(n, 8 * nb):
+    for grid, start, even in whole_programs(n, 8 * nb, SIGN_TAIL):
         K._sign_unpack_kernel[grid](bits, scale, out, start, n, alpha, BYTES=nb if even else SIGN_TAIL // 8,
                                     ACCUMULATE=accumulate, EVEN=even, num_warps=WARPS,
                                     enable_fp_fusion=False)  # fmt: skip

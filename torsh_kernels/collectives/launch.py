@@ -119,11 +119,27 @@ def _child(rank, world, fn, args, init, backend, op_timeout, threads, results, e
         status = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
     results.put((rank, *status))
     if status[0] == "ok":
+        # Stay until every rank has returned: a rank that leaves at once (no collective in fn) closes its
+        # sockets while a slower peer may still be connecting its gloo mesh in init_process_group, which
+        # then fails with "Connection closed by peer". A store of its own, so that waiting here never
+        # interleaves with a peer's collectives; a failed peer never arrives, and the parent, which has
+        # every report by then, terminates this rank (or the wait ends after op_timeout).
+        with contextlib.suppress(Exception):
+            store = dist.FileStore(_finished_path(init), world)
+            store.set_timeout(datetime.timedelta(seconds=op_timeout))
+            if store.add("finished", 1) == world:
+                store.set("all-finished", "1")
+            store.wait(["all-finished"])
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     results.close()
     results.join_thread()
     os._exit(0 if status[0] == "ok" else 1)  # skip interpreter teardown (threads of a failed backend)
+
+
+def _finished_path(init: str) -> str:
+    """The file of the store where ranks wait for each other before they exit (beside the init store)."""
+    return init.removeprefix("file://") + ".finished"
 
 
 def _preload(ctx, fn: Callable[..., Any]) -> bool:

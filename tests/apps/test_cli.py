@@ -74,10 +74,44 @@ def test_case_sizes_match_the_issue():
     assert len(b) == 2000 and set(b) == {1024}
 
 
+def _providers_table(env: dict[str, str]) -> dict[str, list[str]]:
+    """`torsh providers` in a fresh process: provider name -> [its header line, cuda line, cpu line]."""
+    out = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "providers"], env=env, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    lines = out.splitlines()
+    assert len(lines) == 12, out  # four providers, three lines each
+    return {lines[i].split()[0]: [line.strip() for line in lines[i : i + 3]] for i in range(0, 12, 3)}
+
+
 def test_console_script_providers():
-    out = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "providers"], capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
-    assert "triton" in out and "numba" in out and "torch" in out
+    """Each row follows this machine's state: the versions installed, and whether triton and numba run on CPU
+    tensors, which depends on the interpreter/simulator switches (set here by conftest.py where no GPU is)."""
+    from importlib.metadata import version
+
+    from torsh_kernels.ops import registry
+
+    interpreted = not GPU  # conftest.py set TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1, the subprocess inherits them
+    rows = _providers_table(dict(os.environ))
+    assert list(rows) == ["triton", "numba", "cpu", "torch"]
+    assert rows["triton"][0].split()[1] == version("triton") and rows["numba"][0].split()[1] == version("numba")
+    assert rows["torch"][0].split()[1] == torch.__version__
+    for name in ("triton", "numba"):  # this process has the same switches, so the same answer
+        why = registry.can_run(name, torch.device("cpu"))
+        assert rows[name][2] == "cpu tensors:   " + ("yes" if why is None else f"no: {why}"), rows[name]
+        assert ("interpreter (TRITON_INTERPRET=1)" in rows[name][0] or "CUDA simulator" in rows[name][0]) == interpreted
+        if interpreted:
+            assert why is None
+    assert rows["cpu"][2] == rows["torch"][2] == "cpu tensors:   yes"
+    cuda = "yes" if torch.cuda.is_available() else "no: torch reports no usable CUDA device"
+    assert rows["torch"][1] == f"cuda tensors:  {cuda}"
+    # the same command with both switches off: triton and numba refuse CPU tensors and say how to enable them
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
+    rows = _providers_table(env)
+    assert rows["triton"][2].startswith("cpu tensors:   no: Triton compiles for GPUs and got cpu tensors; set "
+                                        "TRITON_INTERPRET=1")  # fmt: skip
+    assert rows["numba"][2].startswith("cpu tensors:   no: Numba CUDA kernels need CUDA tensors and got cpu tensors")
+    assert rows["triton"][0].endswith("compiled kernels on CUDA devices")
+    assert rows["cpu"][2] == rows["torch"][2] == "cpu tensors:   yes"
 
 
 def test_bench_compression_prints_tables_and_writes_json(tmp_path, capsys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torsh_kernels.collectives import Link, Topology, all_gather_time, all_reduce_time
-from torsh_kernels.compression import FP16, PowerSGD, Quantize, Sign, TopK, compressed_time, plan
+from torsh_kernels.compression import DEFAULT_CANDIDATES, FP16, PowerSGD, Quantize, Sign, TopK, compressed_time, plan
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError
 
 A, BW = 10e-6, 1e9  # 10 us, 1 GB/s
@@ -51,7 +51,12 @@ def test_argument_errors():
 def test_plan_picks_the_cheapest():
     slow = Link.gbit(1)
     p = plan(32 << 20, 2, slow)
-    assert p.compressor is not None and p.seconds == min(s for _, _, s in p.candidates)
+    # each default candidate priced on its own: the plan is the cheapest of them, and says so
+    priced = {"none" if c is None else c.label(): compressed_time(c, ((32 << 20) // 4,), 2, slow)[1]
+              for c in DEFAULT_CANDIDATES}  # fmt: skip
+    cheapest = min(priced, key=priced.__getitem__)
+    assert cheapest != "none" and p.compressor.label() == cheapest and p.seconds == priced[cheapest]
+    assert [name for name, _, _ in p.candidates] == sorted(priced, key=priced.__getitem__)
     assert [name for name, _, _ in p.candidates][-1] == "none"  # uncompressed is slowest at 1 Gbit/s
     # a tiny buffer on a high-latency link: latency dominates, one-step algorithms win
     p = plan(64, 8, Link(latency=1e-3, bandwidth=1e10), compressors=(None,))
@@ -75,7 +80,10 @@ def test_measured_compute_decides_where_the_link_is_fast():
     assert set(cs) == {"none", "fp16", "topk(0.01)"} and all(s > 0 for s in cs.values())
     # a fixed, known compute cost: compression wins on a slow link and loses on a fast one
     known = {"none": 0.0, "fp16": 1e-3, "topk(0.01)": 2e-3}
-    assert plan(64 << 20, 2, Link.gbit(0.1), compressors=cands, compute_seconds=known).compressor is not None
+    # at 0.1 Gbit/s the 64 MiB wire time (seconds) dwarfs the ms of compute: the fewest bytes win, top-k 1%
+    p = plan(64 << 20, 2, Link.gbit(0.1), compressors=cands, compute_seconds=known)
+    wire = {n: s for n, _, s in plan(64 << 20, 2, Link.gbit(0.1), compressors=cands).candidates}
+    assert p.compressor.label() == min(known, key=lambda n: wire[n] + known[n]) == "topk(0.01)"
     assert plan(64 << 20, 2, Link.gbit(1000), compressors=cands, compute_seconds=known).compressor is None
     # the measured seconds are added to the wire time, exactly
     p = plan(1 << 20, 2, LINK, compressors=cands, compute_seconds=known)

@@ -156,9 +156,16 @@ def test_modes_subclasses_and_gradients_take_the_dispatcher(direct_calls):
     direct_calls.clear()
     r = tk.moe_route(logits, k=2)
     assert not direct_calls and r.weights.requires_grad
-    y = tk.moe_unpermute(tk.moe_permute(torch.randn(9, 3), r), r)
-    y.sum().backward()
-    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    # each expert row scaled differently (an "expert"), else the routing weights, summing to 1 per token, get
+    # no gradient; the same gradient as the torch provider's autograd (the reference) gives, and not zero
+    tokens, scale = torch.randn(9, 3), torch.randn(9 * 2, 1)
+    tk.moe_unpermute(tk.moe_permute(tokens, r) * scale, r).sum().backward()
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    rr = tk.moe_route(ref_logits, k=2, provider="torch")
+    assert torch.equal(rr.row_map, r.row_map)  # the same rows in the same order, so the same scale per row
+    tk.moe_unpermute(tk.moe_permute(tokens, rr, provider="torch") * scale, rr, provider="torch").sum().backward()
+    torch.testing.assert_close(logits.grad, ref_logits.grad)
+    assert logits.grad.abs().sum() > 0.1
     with torch.no_grad():
         r2 = tk.moe_route(logits, k=2, provider="torch")
         r3 = tk.moe_route(logits, k=2)  # the cpu provider's fast path: the kernel r came from, bit for bit

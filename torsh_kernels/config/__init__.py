@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from .collectives.communicator import as_communicator
-from .compression import BF16, FP16, Compressor, PowerSGD, Sign
-from .errors import ArgumentTypeError, ConfigMappingError, InvalidArgumentError
-from .parallel import CompressionHookState, ExpertParallelMoE, MoELayer, OffloadedOptimizer, ParameterOffloader
+from ..collectives.communicator import as_communicator
+from ..compression import BF16, FP16, Compressor, PowerSGD, Sign
+from ..errors import ArgumentTypeError, ConfigMappingError, InvalidArgumentError
+from ..parallel import CompressionHookState, ExpertParallelMoE, MoELayer, OffloadedOptimizer, ParameterOffloader
 
 __all__ = ["Migration", "from_deepspeed", "from_megatron", "from_torch_hook"]
 
@@ -154,7 +154,7 @@ class Migration:
             raise InvalidArgumentError(
                 f"Migration.apply_quantized_comm: the {self.source} settings quantize no FSDP communication"
             )
-        from .parallel import apply_quantized_comm
+        from ..parallel import apply_quantized_comm
 
         return apply_quantized_comm(module, **{**self.quantized_comm, **overrides})
 

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from .._env import __version__
 from ..errors import ArgumentTypeError, CollectiveMismatchError, InvalidArgumentError
+from ..specs import plain
 from .coalesce import Coalescer
 from .communicator import TorchCommunicator
 from .replica import ReplicaCommunicator
@@ -110,19 +111,6 @@ def exchanging(comm: object) -> bool:
 
 def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
-
-
-_PLAIN = (int, float, str, bool, type(None), torch.dtype)
-
-
-def plain(value: object) -> object:
-    """``value`` if it is plain (a number, a string, None, a dtype, a tuple of them), else its type's name:
-    what a field may hold so that its ``repr`` is the same on every rank (no memory addresses)."""
-    if isinstance(value, _PLAIN):
-        return value
-    if isinstance(value, (tuple, list, torch.Size)):
-        return tuple(plain(v) for v in value)
-    return f"<{type(value).__name__}>"
 
 
 def _text(value: object) -> str:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_bool
 from ..collectives.agreement import plain
 from ..collectives.communicator import Communicator
 from ..collectives.cost_model import Round
@@ -208,33 +209,6 @@ def check_state_dict(sd: object, what: str) -> tuple[int, int, dict[str, torch.T
 
 
 # -- helpers every compressor module uses -------------------------------------------------------------
-
-
-def check_bool(v: object, what: str, name: str) -> bool:
-    """A setting that must be True or False (ArgumentTypeError for anything else, 0 and 1 included)."""
-    if not isinstance(v, bool):
-        raise ArgumentTypeError(f"{what}: {name} must be True or False, got {type(v).__name__} {v!r}")
-    return v
-
-
-def check_int(v: object, what: str, name: str, lo: int) -> int:
-    """An int setting of at least ``lo`` (a bool or a float is an ArgumentTypeError)."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise ArgumentTypeError(f"{what}: {name} must be an int, got {type(v).__name__} {v!r}")
-    if v < lo:
-        raise InvalidArgumentError(f"{what}: {name} must be an int >= {lo}, got {v!r}")
-    return int(v)
-
-
-def check_number(v: object, what: str, name: str, *, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
-    """A finite real setting in [lo, hi] ((lo, hi] with ``lo_open``); a bool is an ArgumentTypeError."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise ArgumentTypeError(f"{what}: {name} must be a number, got {type(v).__name__} {v!r}")
-    f = float(v)
-    if not math.isfinite(f) or f > hi or f < lo or (lo_open and f == lo):
-        rng = f"{'>' if lo_open else '>='} {lo:g}" if hi == math.inf else f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise InvalidArgumentError(f"{what}: {name} must be a finite number {rng}, got {v!r}")
-    return f
 
 
 def check_settings(c: object, what: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import KW_ONLY, dataclass
 
 import torch
 
+from ..checks import check_bool, check_int, check_number
 from ..collectives.communicator import Communicator
 from ..collectives.cost_model import Round
 from ..errors import InvalidArgumentError
@@ -23,10 +24,7 @@ from .base import (
     Compressor,
     Payload,
     Rounds,
-    check_bool,
     check_input,
-    check_int,
-    check_number,
     check_out,
     check_settings,
     decode_plain,

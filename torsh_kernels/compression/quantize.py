@@ -20,6 +20,7 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 import torch.nn.functional as F
 
+from ..checks import check_bool, check_int
 from ..collectives.communicator import Communicator
 from ..collectives.cost_model import Link, Round, Topology, rounds_time
 from ..errors import InvalidArgumentError, NonFiniteError
@@ -29,9 +30,7 @@ from .base import (
     Compressor,
     Payload,
     Rounds,
-    check_bool,
     check_input,
-    check_int,
     check_out,
     check_settings,
     gathered_rounds,

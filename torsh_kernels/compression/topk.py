@@ -8,14 +8,13 @@ from dataclasses import KW_ONLY, dataclass
 
 import torch
 
+from ..checks import check_bool, check_number
 from ..errors import InvalidArgumentError
 from ..ops import topk_compress, topk_count, topk_decompress
 from .base import (
     Compressor,
     Payload,
-    check_bool,
     check_input,
-    check_number,
     check_out,
     check_settings,
     itemsize,

@@ -113,22 +113,6 @@ def _check_alpha(alpha: object, what: str) -> float:
     return float(alpha)
 
 
-def _check_int(v: object, what: str, name: str, lo: int | None = None, hi: int | None = None) -> int:
-    """``v`` as an int in [lo, hi] (either bound optional); a bool, float, str, tensor... is an ArgumentTypeError."""
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ArgumentTypeError(f"{what}: {name} must be an int, got {type(v).__name__} {_short(v)}")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
-        raise InvalidArgumentError(f"{what}: {name}={_short(v)} must be {rng}")
-    return v
-
-
-def _short(v: object) -> str:
-    """``repr(v)``, cut to a readable length (a huge int or a long list in a message)."""
-    r = repr(v) if not isinstance(v, torch.Tensor) else f"tensor{tuple(v.shape)}"
-    return r if len(r) <= 60 else r[:57] + "..."
-
-
 class Sealable:
     """A base for the ops' result objects a later op trusts (:class:`Routing`, :class:`Packed`): a ``_seal``
     slot that is not a dataclass field, so it is no argument of ``__init__`` and ``dataclasses.replace``,

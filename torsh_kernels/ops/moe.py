@@ -108,6 +108,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..checks import check_choice, check_int, short
 from ..errors import (
     ArgumentTypeError,
     DeviceMismatchError,
@@ -117,7 +118,7 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
-from ._common import _check_int, _check_strided, _check_tensor, _count, _on, _short
+from ._common import _check_strided, _check_tensor, _count, _on
 from ._moe_routing import (
     _SEALED,
     CAPACITY_SCOPES,
@@ -172,12 +173,6 @@ _NO_CAP, _CAP_POSITION, _CAP_PROBABILITY = 0, 1, 2
 def _check_act_dtype(t: torch.Tensor, what: str, name: str) -> None:
     if t.dtype not in ACT_DTYPES:
         raise DTypeError(f"{what}: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
-
-
-def _check_choice(v: object, what: str, name: str, choices: tuple[str, ...]) -> str:
-    if v not in choices:
-        raise InvalidArgumentError(f"{what}: {name}={v!r}; expected one of {', '.join(map(repr, choices))}")
-    return v  # type: ignore[return-value]
 
 
 def _check_logits(logits: object, what: str) -> torch.Tensor:
@@ -432,7 +427,7 @@ def moe_aux_loss_ref(
     """The mean over groups of E * sum_e f_ge * P_ge (see the module docstring), in plain torch."""
     what = "torsh_kernels.moe_aux_loss_ref"
     E, T, K = routing.num_experts, routing.num_tokens, routing.k
-    kf = K if _check_choice(scale, what, "scale", AUX_SCALES) == "balanced-one" else 1
+    kf = K if check_choice(scale, what, "scale", AUX_SCALES) == "balanced-one" else 1
     groups = _check_groups(groups, T, what)
     p = _aux_probs(logits_or_probs, routing, from_probs)
     if T == 0:  # no tokens: no imbalance (a mean over no tokens would be NaN and spoil the summed loss)
@@ -1269,10 +1264,10 @@ def moe_route(
     logits = _check_logits(logits, what)
     _check_strided(logits, what, "logits")
     T, E = logits.shape
-    k = _check_int(k, what, "k", 1, E)
-    score = _check_choice(score, what, "score", SCORES)
+    k = check_int(k, what, "k", 1, E)
+    score = check_choice(score, what, "score", SCORES)
     bias, G, TG, c = _check_selection(score_bias, n_group, topk_group, scaling, logits, k)
-    drop_policy = _check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
+    drop_policy = check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
     plan = plan_capacity(
         what, T, k, E, capacity=capacity, capacity_factor=capacity_factor, capacity_scope=capacity_scope,
         sequence_lengths=sequence_lengths, pad_to_capacity=pad_to_capacity, device=logits.device,
@@ -1351,25 +1346,25 @@ def _check_selection(
             f"{what}: n_group={n_group!r} and topk_group={topk_group!r}; give both (grouped selection) or neither"
         )
     if n_group is not None:
-        G = _check_int(n_group, what, "n_group", 1, E)
+        G = check_int(n_group, what, "n_group", 1, E)
         if E % G:
             raise InvalidArgumentError(
                 f"{what}: n_group={G} does not split the E={E} experts into equal groups; pass a divisor of {E}"
             )
-        TG = _check_int(topk_group, what, "topk_group", 1, G)
+        TG = check_int(topk_group, what, "topk_group", 1, G)
         if k > TG * (E // G):
             raise InvalidArgumentError(
                 f"{what}: k={k} is more than the {TG * (E // G)} experts of the topk_group={TG} kept groups of "
                 f"{E // G}; raise topk_group or lower k"
             )
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-        raise ArgumentTypeError(f"{what}: scaling must be a number, got {type(scaling).__name__} {_short(scaling)}")
+        raise ArgumentTypeError(f"{what}: scaling must be a number, got {type(scaling).__name__} {short(scaling)}")
     try:
         c = float(scaling)
     except OverflowError:
         c = math.inf
     if not (math.isfinite(c) and c > 0):
-        raise InvalidArgumentError(f"{what}: scaling={_short(scaling)} must be a finite number > 0 (1.0: no scaling)")
+        raise InvalidArgumentError(f"{what}: scaling={short(scaling)} must be a finite number > 0 (1.0: no scaling)")
     return bias, G, TG, c
 
 
@@ -1610,7 +1605,7 @@ def moe_aux_loss(
     if not x.is_contiguous():
         _check_strided(x, what, "logits_or_probs")
     if scale != "balanced-one":
-        _check_choice(scale, what, "scale", AUX_SCALES)
+        check_choice(scale, what, "scale", AUX_SCALES)
     if groups is not None:
         groups = _check_groups(groups, routing.num_tokens, what)
     return _aux_loss(_loss_provider(_aux_loss, x, provider), x, routing, bool(from_probs), scale, groups)

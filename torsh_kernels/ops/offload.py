@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int
 from ..errors import (
     ArgumentTypeError,
     DTypeError,
@@ -39,7 +40,7 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
-from ._common import Sealable, _check_int, _check_strided, _no_overlap
+from ._common import Sealable, _check_strided, _no_overlap
 from .bucket import _TORCH_IMPL, BucketLayout, flatten, unflatten
 from .bucket import _flatten as _flatten_op
 from .quantize import dequantize, quantize
@@ -67,7 +68,7 @@ def _layout(numel: int, fmt: str, block: int) -> tuple[int, int]:
 def packed_nbytes(numel: int, fmt: str, block: int = 256) -> int:
     """Bytes a packed tensor of ``numel`` elements occupies (the size ``pack``'s ``out`` needs)."""
     what = "torsh_kernels.packed_nbytes"
-    numel = _check_int(numel, what, "numel", 0)
+    numel = check_int(numel, what, "numel", 0)
     _check_fmt(fmt, what)
     return _layout(numel, fmt, _check_block(block, what))[1]
 

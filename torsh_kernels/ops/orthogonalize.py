@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as _np
 import torch
 
+from ..checks import check_int
 from ..errors import (
     ArgumentTypeError,
     DeviceMismatchError,
@@ -24,7 +25,7 @@ from ..errors import (
     ShapeError,
 )
 from . import _eager
-from ._common import COMPRESS_DTYPES, _check_dtype, _check_int, _check_tensor, _on, _ptr_table, _Ranges
+from ._common import COMPRESS_DTYPES, _check_dtype, _check_tensor, _on, _ptr_table, _Ranges
 from .registry import Op, check_provider
 
 __all__ = ["MAX_ITERS", "default_rtol", "orthogonalize", "orthogonalize_ref"]
@@ -356,7 +357,7 @@ def orthogonalize(
     traced = _eager.compiling() or m0.is_meta
     if not traced:
         _check_clash(mats)
-    iters = _check_int(iters, what, "iters", 1, MAX_ITERS)
+    iters = check_int(iters, what, "iters", 1, MAX_ITERS)
     tol = default_rtol(m0.dtype) if rtol is None else rtol
     if isinstance(tol, bool) or not isinstance(tol, (int, float)):
         raise ArgumentTypeError(f"{what}: rtol must be None or a number in [0, 1), got {type(rtol).__name__}")

@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from ..checks import check_int
 from ..errors import (
     ArgumentTypeError,
     DeviceMismatchError,
@@ -31,7 +32,6 @@ from ._common import (
     COMPRESS_DTYPES,
     LazyNonFiniteCount,
     _check_alpha,
-    _check_int,
     _check_tensor,
     _count,
     _decode_out,
@@ -94,7 +94,7 @@ def _lowbias32_int(h: int) -> int:
 def seed_key(seed: int) -> int:
     """The 32-bit key the kernels mix with element indices (any Python int seed, folded to 64 bits)."""
     if seed.__class__ is not int:
-        _check_int(seed, "torsh_kernels.seed_key", "seed")
+        check_int(seed, "torsh_kernels.seed_key", "seed")
     s = seed & 0xFFFFFFFFFFFFFFFF
     return _lowbias32_int((s & _M32) ^ _lowbias32_int((s >> 32) + 0x9E3779B9))
 
@@ -200,8 +200,8 @@ def block_codes(
     if isinstance(qmax, bool) or not isinstance(qmax, (int, float)) or not 0 < qmax < math.inf:
         raise InvalidArgumentError(f"{what}: qmax={qmax!r} must be a positive finite number")
     if stochastic:
-        _check_int(key, what, "key")
-    _check_int(offset, what, "offset", 0)
+        check_int(key, what, "key")
+    check_int(offset, what, "offset", 0)
     return _block_codes(blocks, scales, qmax, stochastic, key, offset)
 
 
@@ -421,10 +421,10 @@ _cpu_kernels = _eager.lazy_module("_quantize_cpu")  # the cpu provider's kernels
 
 
 def _check_quant_args(bits, block, what) -> tuple[int, int]:
-    bits = _check_int(bits, what, "bits")
+    bits = check_int(bits, what, "bits")
     if bits not in QMAX:
         raise InvalidArgumentError(f"{what}: bits={bits}; expected 8 or 4")
-    block = _check_int(block, what, "block")
+    block = check_int(block, what, "block")
     if block < 2 or block > 65536 or block & (block - 1):
         raise InvalidArgumentError(f"{what}: block={block}; expected a power of two in [2, 65536]")
     return bits, block
@@ -498,10 +498,10 @@ def quantize(
         else:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,)).item())
-            seed = _check_int(seed, what, "seed")
+            seed = check_int(seed, what, "seed")
             key = seed_key(seed)
     elif seed is not None:
-        _check_int(seed, what, "seed")
+        check_int(seed, what, "seed")
     if out is None:
         if drawn is not None:
             return _quantize_op(xf, bits, block, True, 0, bool(check_finite), provider or "", drawn)
@@ -600,7 +600,7 @@ def dequantize(
     bits, block = _check_quant_args(bits, block, what)
     if numel is None:
         numel = q.numel() if bits == 8 else 2 * q.numel()
-    numel = _check_int(numel, what, "numel", 0)
+    numel = check_int(numel, what, "numel", 0)
     want_q = numel if bits == 8 else -(-numel // 2)
     if q.numel() != want_q:
         raise ShapeError(f"{what}: {numel} elements at {bits} bits need {want_q} code bytes, q has {q.numel()}")

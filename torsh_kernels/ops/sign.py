@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ..checks import check_int
 from ..errors import DeviceMismatchError, DTypeError, ShapeError
 from . import _eager
 from ._common import (
@@ -21,7 +22,6 @@ from ._common import (
     _acc_ref,
     _acc_torch,
     _check_alpha,
-    _check_int,
     _check_tensor,
     _count,
     _decode_out,
@@ -377,7 +377,7 @@ def sign_decompress(
     bits = _check_tensor(bits, what, "bits")
     if bits.dtype != torch.uint8:
         raise DTypeError(f"{what}: bits have dtype {bits.dtype}; expected uint8")
-    numel = _check_int(numel, what, "numel", 0)
+    numel = check_int(numel, what, "numel", 0)
     if bits.numel() != -(-numel // 8):
         raise ShapeError(f"{what}: {numel} signs need {-(-numel // 8)} bytes, bits has {bits.numel()}")
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):

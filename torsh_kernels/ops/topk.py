@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from ..checks import check_int
 from ..errors import (
     ArgumentTypeError,
     DeviceMismatchError,
@@ -42,7 +43,6 @@ from ._common import (
     _acc_torch,
     _check_alpha,
     _check_dtype,
-    _check_int,
     _check_tensor,
     _count,
     _count_nonfinite,
@@ -75,10 +75,10 @@ _TOPK_TARGET = 1 + TOPK_SLACK / 2  # aim at the middle of the band
 def topk_count(numel: int, ratio: float) -> int:
     """k for a density ``ratio`` of ``numel`` elements: ceil(ratio * numel), at least 1."""
     if numel.__class__ is not int or ratio.__class__ is not float:  # (the callers' common types: no checks)
-        _check_int(numel, "torsh_kernels.topk_count", "numel", 0)
+        check_int(numel, "torsh_kernels.topk_count", "numel", 0)
         ratio = _check_ratio(ratio, "torsh_kernels.topk_count")
     elif numel < 0 or not 0.0 < ratio <= 1.0:
-        _check_int(numel, "torsh_kernels.topk_count", "numel", 0)
+        check_int(numel, "torsh_kernels.topk_count", "numel", 0)
         _check_ratio(ratio, "torsh_kernels.topk_count")
     return min(numel, max(1, math.ceil(ratio * numel)))
 
@@ -520,7 +520,7 @@ def topk_decompress(
         )
     if values.device != indices.device:
         raise DeviceMismatchError(f"{what}: values are on {values.device}, indices on {indices.device}")
-    numel = _check_int(numel, what, "numel", 0)
+    numel = check_int(numel, what, "numel", 0)
     alpha = _check_alpha(alpha, what)
     # the index range and memory checks run in the op while torch.compile traces (meta: nothing to check)
     traced = _eager.deferred(values, indices, out if isinstance(out, torch.Tensor) else None)

@@ -82,6 +82,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..checks import check_bool, check_choice, check_int
 from ..collectives.agreement import agree, enabled
 from ..collectives.communicator import Communicator, as_communicator
 from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError, TorshKernelsError
@@ -92,7 +93,6 @@ from ..ops.moe import (
     DROP_POLICIES,
     SCORES,
     Routing,
-    _check_choice,
     check_capacity_factor,
     moe_aux_loss,
     moe_permute,
@@ -108,20 +108,6 @@ __all__ = ["ACTIVATIONS", "LOAD_BALANCING", "BiasBalancer", "ExpertParallelMoE",
 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
-
-
-def _check_pos_int(v: object, what: str, name: str, lo: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ArgumentTypeError(f"{what}: {name} must be an int, got {type(v).__name__} {v!r}")
-    if v < lo:
-        raise InvalidArgumentError(f"{what}: {name}={v} must be >= {lo}")
-    return v
-
-
-def _check_bool(v: object, what: str, name: str) -> bool:
-    if not isinstance(v, bool):
-        raise ArgumentTypeError(f"{what}: {name} must be True or False, got {type(v).__name__} {v!r}")
-    return v
 
 
 class _MoEBase(nn.Module):
@@ -163,28 +149,28 @@ class _MoEBase(nn.Module):
         expert_compute: str,
     ) -> None:
         super().__init__()
-        self.hidden = _check_pos_int(hidden, what, "hidden")
-        self.ffn_hidden = _check_pos_int(ffn_hidden, what, "ffn_hidden")
-        self.num_experts = _check_pos_int(num_experts, what, "num_experts")
-        self.k = _check_pos_int(k, what, "k")
+        self.hidden = check_int(hidden, what, "hidden", 1)
+        self.ffn_hidden = check_int(ffn_hidden, what, "ffn_hidden", 1)
+        self.num_experts = check_int(num_experts, what, "num_experts", 1)
+        self.k = check_int(k, what, "k", 1)
         if k > num_experts:
             raise InvalidArgumentError(f"{what}: k={k} exceeds num_experts={num_experts}")
-        _check_choice(score, what, "score", SCORES)
-        _check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
-        _check_choice(activation, what, "activation", ACTIVATIONS)
-        _check_choice(capacity_scope, what, "capacity_scope", CAPACITY_SCOPES)
-        _check_choice(load_balancing, what, "load_balancing", LOAD_BALANCING)
-        _check_choice(expert_compute, what, "expert_compute", EXPERT_COMPUTE)
+        check_choice(score, what, "score", SCORES)
+        check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
+        check_choice(activation, what, "activation", ACTIVATIONS)
+        check_choice(capacity_scope, what, "capacity_scope", CAPACITY_SCOPES)
+        check_choice(load_balancing, what, "load_balancing", LOAD_BALANCING)
+        check_choice(expert_compute, what, "expert_compute", EXPERT_COMPUTE)
         capacity_factor = check_capacity_factor(capacity_factor, what)
         for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise InvalidArgumentError(f"{what}: {name}={v!r} must be a finite number >= 0")
-        shared_experts = _check_pos_int(shared_experts, what, "shared_experts", 0)
+        shared_experts = check_int(shared_experts, what, "shared_experts", 0)
         for name, v in (("shared_gate", shared_gate), ("expert_bias", expert_bias),
                         ("pad_to_capacity", pad_to_capacity)):  # fmt: skip
-            _check_bool(v, what, name)
+            check_bool(v, what, name)
         if shared_ffn_hidden is not None:
-            _check_pos_int(shared_ffn_hidden, what, "shared_ffn_hidden")
+            check_int(shared_ffn_hidden, what, "shared_ffn_hidden", 1)
         if not shared_experts and (shared_ffn_hidden is not None or shared_gate):
             given = "shared_ffn_hidden" if shared_ffn_hidden is not None else "shared_gate=True"
             raise InvalidArgumentError(
@@ -564,7 +550,7 @@ class ExpertParallelMoE(_MoEBase):
             comm, what, dim=mesh_dim, needs=("rank", "world_size", "all_to_all", "broadcast", "all_reduce")
         )
         W = comm.world_size
-        _check_pos_int(num_experts, what, "num_experts")
+        check_int(num_experts, what, "num_experts", 1)
         if num_experts % W:
             raise InvalidArgumentError(
                 f"{what}: num_experts={num_experts} is not divisible by the world size {W}; every rank holds "

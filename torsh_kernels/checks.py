@@ -1,0 +1,90 @@
+"""The argument checks every layer shares: one typed error per kind of mistake, one wording.
+
+Each check takes the value, ``what`` (the function or class that was called, as the user wrote it) and
+``name`` (the argument), and returns the value as the caller uses it (an ``int`` for a NumPy integer, a
+``float`` for an int given where a real number goes). A value of the wrong type is an
+:class:`~torsh_kernels.errors.ArgumentTypeError` (``True`` is not an int here, and ``1`` is not a bool); a
+value of the right type out of range is an :class:`~torsh_kernels.errors.InvalidArgumentError`. A message
+says what was given and what was expected::
+
+    MoELayer: top_k=9 must be an int in [1, 8]
+    Quantize: stochastic must be True or False, got int 1
+
+Specs (:mod:`torsh_kernels.specs`) call these in ``__post_init__``, once per spec: a layer that holds a
+spec validates nothing more per call.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from .errors import ArgumentTypeError, InvalidArgumentError
+
+__all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_optional_int", "short"]
+
+
+def short(v: object) -> str:
+    """``repr(v)``, cut to a readable length (a huge int or a long list in a message); a tensor by its shape."""
+    r = repr(v) if not isinstance(v, torch.Tensor) else f"tensor{tuple(v.shape)}"
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def check_bool(v: object, what: str, name: str) -> bool:
+    """True or False; anything else (0 and 1 included) is an ArgumentTypeError."""
+    if not isinstance(v, bool):
+        raise ArgumentTypeError(f"{what}: {name} must be True or False, got {type(v).__name__} {short(v)}")
+    return v
+
+
+def _range(lo: float | None, hi: float | None, lo_open: bool = False, hi_open: bool = False) -> str:
+    if hi is None or hi == math.inf:
+        return f"{'>' if lo_open else '>='} {lo:g}" if isinstance(lo, float) else f"{'>' if lo_open else '>='} {lo}"
+    if lo is None or lo == -math.inf:
+        return f"{'<' if hi_open else '<='} {hi:g}" if isinstance(hi, float) else f"{'<' if hi_open else '<='} {hi}"
+    a, b = (f"{x:g}" if isinstance(x, float) else str(x) for x in (lo, hi))
+    return f"in {'(' if lo_open else '['}{a}, {b}{')' if hi_open else ']'}"
+
+
+def check_int(v: object, what: str, name: str, lo: int | None = None, hi: int | None = None) -> int:
+    """An int in [lo, hi] (either bound optional); a bool, float, str, tensor... is an ArgumentTypeError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ArgumentTypeError(f"{what}: {name} must be an int, got {type(v).__name__} {short(v)}")
+    i = int(v)
+    if (lo is not None and i < lo) or (hi is not None and i > hi):
+        raise InvalidArgumentError(f"{what}: {name}={short(v)} must be an int {_range(lo, hi)}")
+    return i
+
+
+def check_optional_int(v: object, what: str, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    """None, or :func:`check_int`."""
+    return None if v is None else check_int(v, what, name, lo, hi)
+
+
+def check_number(
+    v: object, what: str, name: str, *, lo: float = -math.inf, hi: float = math.inf, lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:  # fmt: skip
+    """A finite real number in [lo, hi] (an open end with ``lo_open`` / ``hi_open``), as a float; a bool, str,
+    tensor... is an ArgumentTypeError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ArgumentTypeError(f"{what}: {name} must be a number, got {type(v).__name__} {short(v)}")
+    try:
+        f = float(v)
+    except OverflowError:  # an int too large for a float
+        f = math.inf if v > 0 else -math.inf
+    if not math.isfinite(f) or f < lo or f > hi or (lo_open and f == lo) or (hi_open and f == hi):
+        rng = _range(float(lo), float(hi), lo_open, hi_open)
+        raise InvalidArgumentError(f"{what}: {name}={short(v)} must be a finite number {rng}")
+    return f
+
+
+def check_choice(v: object, what: str, name: str, choices: Sequence[str]) -> str:
+    """One of ``choices`` (strings); anything else, of any type, is an InvalidArgumentError (a choice is a
+    value among names, as PyTorch's own ``reduction="mean"`` arguments are checked)."""
+    if not isinstance(v, str) or v not in choices:
+        raise InvalidArgumentError(f"{what}: {name}={short(v)}; expected one of {', '.join(map(repr, choices))}")
+    return v

@@ -93,6 +93,30 @@ def _get(w: Walk, a: dict, key: str) -> Any:
 
 
 def map_moe(w: Walk, a: dict, m: Migration) -> None:
+    """The MoE layer's settings: ``m.moe`` (where every one of them maps) and ``m.expert_parallel_size``."""
+    experts = _m_experts(w, a)
+    if experts is None:
+        return
+    _m_off(w, a)
+    kw: dict[str, Any] = {"num_experts": experts}
+    k, score = _m_router(w, a, kw, experts)
+    _m_scaling(w, a, kw)
+    _m_bias(w, a, kw, score)
+    _m_groups(w, a, kw, experts, k)
+    _m_shared(w, a, kw)
+    _m_losses(w, a, kw)
+    _m_capacity(w, a, kw)
+    _m_sizes(w, a, kw)
+    _m_activation(w, a, kw)
+    _m_bias_linear(w, a)
+    _m_router_dtype(w, a)
+    _m_expert_parallel(w, a, m, experts)
+    if all(v is not BAD for v in kw.values()):
+        m.moe = kw
+
+
+def _m_experts(w: Walk, a: dict) -> int | None:
+    """The number of experts (either spelling), or None: no MoE layer, and every MoE setting is skipped."""
     experts = None
     unset = []
     for key in ("num_moe_experts", "num_experts"):
@@ -110,12 +134,16 @@ def map_moe(w: Walk, a: dict, m: Migration) -> None:
     if experts is not None:
         for key in unset:
             w.skip(key, "None; the number of experts is the other spelling's")
-    else:
-        why = "no MoE layer: the number of experts (num_moe_experts, or num_experts) is not set"
-        for key in sorted((MOE_HANDLED | set(MOE_OFF)) & set(a)):
-            if key not in w.ignored and key not in w.errors:
-                w.skip(key, why)
-        return
+        return experts
+    why = "no MoE layer: the number of experts (num_moe_experts, or num_experts) is not set"
+    for key in sorted((MOE_HANDLED | set(MOE_OFF)) & set(a)):
+        if key not in w.ignored and key not in w.errors:
+            w.skip(key, why)
+    return None
+
+
+def _m_off(w: Walk, a: dict) -> None:
+    """The settings torsh has no equivalent for: skipped where off, refused otherwise."""
     for key, (off, what) in MOE_OFF.items():
         if w.take(a, key):
             v = a[key]
@@ -123,7 +151,10 @@ def map_moe(w: Walk, a: dict, m: Migration) -> None:
                 w.skip(key, f"{v!r}: {what} is off")
             else:
                 w.bad(key, f"{show_value(v)}: {what} has no torsh equivalent (only {off!r} maps)")
-    kw: dict[str, Any] = {"num_experts": experts}
+
+
+def _m_router(w: Walk, a: dict, kw: dict, experts: int) -> tuple[Any, Any]:
+    """``k``, ``score`` and ``renormalize``; returns k and the score function (either may be BAD)."""
     k = check_int(w, "moe_router_topk", _get(w, a, "moe_router_topk"), 1)
     if k is not BAD and k > experts:
         k = w.bad("moe_router_topk", f"{k} exceeds the number of experts, {experts}")
@@ -153,29 +184,30 @@ def map_moe(w: Walk, a: dict, m: Migration) -> None:
         w.map("moe_router_topk", "moe['k']")
     if score is not BAD:
         w.map("moe_router_score_function", "moe['score']")
+    return k, score
+
+
+def _m_scaling(w: Walk, a: dict, kw: dict) -> None:
     key = "moe_router_topk_scaling_factor"
-    if w.take(a, key):
-        f = a[key]
-        if f is None:
-            w.skip(key, "None: no scaling")
-        elif (f := check_num(w, key, f, 0.0, strict=True)) is not BAD:
-            if f != 1.0:
-                kw["scaling"] = f
-            w.map(key, f"moe['scaling'] = {f}" if f != 1.0 else "1.0: no scaling (moe['scaling'] stays 1.0)")
-            if f != 1.0:
-                w.note(
-                    key,
-                    "the combine weights are multiplied by it after any renormalisation, as Megatron-Core's "
-                    "topk_routing_with_score_function does (for every score function, whatever "
-                    "moe_router_pre_softmax: its docstring's 'only with pre-softmax' is not what its code does)",
-                )
-    _m_bias(w, a, kw, score)
-    _m_groups(w, a, kw, experts, k)
-    _m_shared(w, a, kw)
-    _m_losses(w, a, kw)
-    _m_capacity(w, a, kw)
-    _m_sizes(w, a, kw)
-    _m_activation(w, a, kw)
+    if not w.take(a, key):
+        return
+    f = a[key]
+    if f is None:
+        w.skip(key, "None: no scaling")
+    elif (f := check_num(w, key, f, 0.0, strict=True)) is not BAD:
+        if f != 1.0:
+            kw["scaling"] = f
+        w.map(key, f"moe['scaling'] = {f}" if f != 1.0 else "1.0: no scaling (moe['scaling'] stays 1.0)")
+        if f != 1.0:
+            w.note(
+                key,
+                "the combine weights are multiplied by it after any renormalisation, as Megatron-Core's "
+                "topk_routing_with_score_function does (for every score function, whatever "
+                "moe_router_pre_softmax: its docstring's 'only with pre-softmax' is not what its code does)",
+            )
+
+
+def _m_bias_linear(w: Walk, a: dict) -> None:
     bias = check_bool(w, "add_bias_linear", _get(w, a, "add_bias_linear"))
     if bias is True:
         w.bad(
@@ -185,20 +217,19 @@ def map_moe(w: Walk, a: dict, m: Migration) -> None:
         )
     elif bias is False:
         w.map("add_bias_linear", "false: experts without bias terms, as torsh's")
+
+
+def _m_router_dtype(w: Walk, a: dict) -> None:
     key = "moe_router_dtype"
-    if w.take(a, key):
-        d = a[key]
-        if d is None or d in ("fp32", "fp64"):
-            w.map(key, "torsh computes the scores and combine weights in fp32, whatever the logits' dtype")
-            if d != "fp32":
-                w.note(
-                    key, f"{d!r}: Megatron then routes in " + ("fp64" if d else "the logits' dtype") + "; torsh in fp32"
-                )
-        else:
-            w.bad(key, f"must be None, 'fp32' or 'fp64', got {show_value(d)}")
-    _m_expert_parallel(w, a, m, experts)
-    if all(v is not BAD for v in kw.values()):
-        m.moe = kw
+    if not w.take(a, key):
+        return
+    d = a[key]
+    if d is None or d in ("fp32", "fp64"):
+        w.map(key, "torsh computes the scores and combine weights in fp32, whatever the logits' dtype")
+        if d != "fp32":
+            w.note(key, f"{d!r}: Megatron then routes in " + ("fp64" if d else "the logits' dtype") + "; torsh in fp32")
+    else:
+        w.bad(key, f"must be None, 'fp32' or 'fp64', got {show_value(d)}")
 
 
 def _m_losses(w: Walk, a: dict, kw: dict) -> None:

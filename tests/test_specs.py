@@ -115,11 +115,11 @@ def test_build_from_keywords():
     base = _Demo(k=2)
     assert _Demo.build(base, {}, "f") is base
     assert _Demo.build(base, {"mode": "b"}, "f") == _Demo(k=2, mode="b")  # keywords refine a spec
-    with pytest.raises(ArgumentTypeError, match="f: unexpected keyword argument.*'kk'.*fields are k, mode, provider"):
+    with pytest.raises(ArgumentTypeError, match=r"f: unexpected keyword argument.*'kk'.*fields are k, mode, provider"):
         _Demo.build(None, {"kk": 3}, "f")
-    with pytest.raises(ArgumentTypeError, match="f: .*missing 1 required keyword-only argument: 'k'"):
+    with pytest.raises(ArgumentTypeError, match=r"f: .*missing 1 required keyword-only argument: 'k'"):
         _Demo.build(None, {}, "f")
     with pytest.raises(ArgumentTypeError, match="f: spec must be a _Demo or None, got dict"):
         _Demo.build({"k": 1}, {}, "f")
-    with pytest.raises(InvalidArgumentError, match="f|_Demo: k=0"):
+    with pytest.raises(InvalidArgumentError, match="f: _Demo: k=0"):
         _Demo.build(None, {"k": 0}, "f")

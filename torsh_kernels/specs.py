@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import ArgumentTypeError
+from .errors import ArgumentTypeError, TorshKernelsError
 
 __all__ = ["LOCAL", "Spec", "local", "plain"]
 
@@ -97,8 +97,10 @@ class Spec:
         """``cls(**fields)``, a missing required field an ArgumentTypeError that names ``what``."""
         try:
             return cls(**fields)
-        except ArgumentTypeError:
-            raise
+        except TorshKernelsError as e:  # a field's check: say who was called too
+            if what == cls.__name__:
+                raise
+            raise type(e)(f"{what}: {e}") from None
         except TypeError as e:  # a required field missing (the dataclass's own message)
             raise ArgumentTypeError(f"{what}: {e}") from None
 
@@ -106,6 +108,10 @@ class Spec:
         """Store a field's checked value (an ``int`` for a NumPy integer...) from ``__post_init__``, which a
         frozen dataclass cannot assign."""
         object.__setattr__(self, name, value)
+
+    def fields(self) -> dict[str, Any]:
+        """The fields by name (not a deep copy)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def replace(self: S, **changes: Any) -> S:
         """A copy with ``changes``, validated again."""
@@ -135,7 +141,7 @@ class Spec:
                 f"{what}: unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the {cls.__name__} "
                 f"fields are {', '.join(sorted(fields))}"
             )
-        made = spec.replace(**options) if spec is not None else cls.make(what, **options)
+        made = cls.make(what, **{**spec.fields(), **options}) if spec is not None else cls.make(what, **options)
         if key is not None:
             if len(_BUILT) >= 4096:
                 _BUILT.clear()

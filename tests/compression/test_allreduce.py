@@ -11,7 +11,9 @@ step, as in DDP.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -135,13 +137,17 @@ def _powersgd_ref(c: PowerSGD, xs, sims, shape):
 TOLS = {"none": 1e-5, "fp16": 3e-3, "bf16": 3e-2, "powersgd": 1e-4}
 
 
+def with_scheme(c, scheme: str):
+    """``c`` with this wire scheme if it is a Quantize (the others have one way over the wire)."""
+    return dataclasses.replace(c, scheme=scheme) if isinstance(c, Quantize) else c
+
+
 def _compressed_worker(comm: TorchCommunicator, names: list[str], provider: str | None, steps: int = STEPS) -> int:
     comm = TorchCommunicator(comm.group, timeout=30, check_consistency=True)
     ws, me = comm.world_size, comm.rank
     checks = 0
     for name in names:
-        c = make(name, provider)
-        mode = "shared_scale" if name.endswith("shared") else "all_gather"
+        c = with_scheme(make(name, provider), "shared_scale" if name.endswith("shared") else "all_gather")
         states = [c.new_state(seed=me) if c is not None else None for _ in SHAPES]
         # every rank's state, simulated here (stochastic rounding uses each rank's own seed)
         sims = [[c.new_state(seed=r) if c is not None else None for r in range(ws)] for _ in SHAPES]
@@ -153,14 +159,14 @@ def _compressed_worker(comm: TorchCommunicator, names: list[str], provider: str 
             for b, shape in enumerate(SHAPES):  # several buckets per step
                 xs = [inputs(step, r, shape) for r in range(ws)]
                 t = xs[me].clone()
-                compressed_all_reduce(t, comm, c, states[b], quantize_mode=mode)
+                compressed_all_reduce(t, comm, c, states[b])
                 if c is None or isinstance(c, (FP16, BF16)):
                     want = torch.stack([x if c is None else x.to(c.dtype).float() for x in xs]).mean(0)
                 elif isinstance(c, Sign):
                     want = _sign_ref(xs, sims[b]).view(shape)
                 elif isinstance(c, PowerSGD):
                     want = _powersgd_ref(c, xs, sims[b], shape).view(shape)
-                elif mode == "shared_scale":
+                elif isinstance(c, Quantize) and c.scheme == "shared_scale":
                     want = _shared_ref(c, xs, sims[b], step).view(shape)
                 else:
                     want = _gather_ref(c, xs, sims[b]).view(shape)
@@ -243,8 +249,7 @@ def _list_worker(comm: TorchCommunicator, names: list[str]) -> int:
     ws, me = comm.world_size, comm.rank
     checks = 0
     for name in names:
-        c = make(name)
-        mode = "shared_scale" if name.endswith("shared") else "all_gather"
+        c = with_scheme(make(name), "shared_scale" if name.endswith("shared") else "all_gather")
         one = [c.new_state(seed=me) if c is not None else None for _ in SHAPES]
         many = [c.new_state(seed=me) if c is not None else None for _ in SHAPES]
         piped = [c.new_state(seed=me) if c is not None else None for _ in SHAPES]
@@ -252,13 +257,13 @@ def _list_worker(comm: TorchCommunicator, names: list[str]) -> int:
             xs = [inputs(step, me, shape) for shape in SHAPES]
             want = [x.clone() for x in xs]
             for t, st in zip(want, one):
-                compressed_all_reduce(t, comm, c, st, quantize_mode=mode)
+                compressed_all_reduce(t, comm, c, st)
             got = [x.clone() for x in xs]
             states = many if c is not None else None
-            assert compressed_all_reduce(got, comm, c, states, quantize_mode=mode) is got
+            assert compressed_all_reduce(got, comm, c, states) is got
             # one reduction per tensor, all in flight, advanced round-robin (as the DDP hook does)
             pipe = [x.clone() for x in xs]
-            rs = [start_compressed_all_reduce(t, comm, c, st, quantize_mode=mode) for t, st in zip(pipe, piped)]
+            rs = [start_compressed_all_reduce(t, comm, c, st) for t, st in zip(pipe, piped)]
             while not all(r.done for r in rs):
                 for r in rs:
                     r.step()
@@ -289,11 +294,11 @@ def _bytes_worker(comm: TorchCommunicator) -> list[tuple[str, int, int]]:
              ("int4", "shared_scale", "shared_scale_all_reduce"), ("sign", "auto", "all_to_all+all_gather"),
              ("powersgd", "auto", "all_reduce")]  # fmt: skip
     for name, mode, scheme in cases:
-        c = make_compressor(name, start_iter=0) if name == "powersgd" else make_compressor(name)
+        c = make_compressor(name, start_iter=0) if name == "powersgd" else with_scheme(make_compressor(name), mode)
         for shape in SHAPES:
             t = inputs(0, comm.rank, shape)
             st = c.new_state(seed=comm.rank) if c is not None else None
-            r = start_compressed_all_reduce(t, comm, c, st, quantize_mode=mode)
+            r = start_compressed_all_reduce(t, comm, c, st)
             r.wait()
             declared = (c or NoCompression()).schemes(shape, t.dtype, comm.world_size)[scheme]
             out.append((f"{name} {shape}", r.bytes_sent, int(sum(x.nbytes for x in declared))))
@@ -411,25 +416,28 @@ def _mismatch_worker(comm) -> dict:
 
     used = PowerSGD(1).new_state(seed=me)
     roundtrip(PowerSGD(1), t(30, 20), used)  # a state one step old, against a fresh one
-    cases = {  # name: (compressor, tensor(s), quantize_mode, state(s) or None for fresh ones)
-        "class": (Quantize(8) if odd else TopK(0.1), t(300), "auto", None),
-        "ratio": (TopK(0.2 if odd else 0.1), t(300), "auto", None),
-        "rank": (PowerSGD(2 if odd else 1), t(30, 20), "auto", None),
-        "bits": (Quantize(4 if odd else 8), t(300), "auto", None),
-        "block": (Quantize(8, 64 if odd else 256), t(300), "auto", None),
-        "dtype": (TopK(0.1), t(300, dtype=torch.bfloat16 if odd else torch.float32), "auto", None),
-        "shapes": (TopK(0.1), t(20, 30) if odd else t(30, 20), "auto", None),
-        "numel": (TopK(0.1), t(301 if odd else 300), "auto", None),
-        "tensors": (TopK(0.1), [t(30, 20), t(7)] + ([t(5)] if odd else []), "auto", None),
-        "quantize_mode": (Quantize(8), t(300), "shared_scale" if odd else "all_gather", None),
-        "state_age": (PowerSGD(1), t(30, 20), "auto", used if odd else PowerSGD(1).new_state(seed=me)),
+    cases = {  # name: (compressor, tensor(s), the deprecated quantize_mode or None, state(s) or None: fresh ones)
+        "class": (Quantize(8) if odd else TopK(0.1), t(300), None, None),
+        "ratio": (TopK(0.2 if odd else 0.1), t(300), None, None),
+        "rank": (PowerSGD(2 if odd else 1), t(30, 20), None, None),
+        "bits": (Quantize(4 if odd else 8), t(300), None, None),
+        "block": (Quantize(8, 64 if odd else 256), t(300), None, None),
+        "dtype": (TopK(0.1), t(300, dtype=torch.bfloat16 if odd else torch.float32), None, None),
+        "shapes": (TopK(0.1), t(20, 30) if odd else t(30, 20), None, None),
+        "numel": (TopK(0.1), t(301 if odd else 300), None, None),
+        "tensors": (TopK(0.1), [t(30, 20), t(7)] + ([t(5)] if odd else []), None, None),
+        "scheme": (Quantize(8, scheme="shared_scale" if odd else "all_gather"), t(300), None, None),
+        "quantize_mode": (Quantize(8), t(300), "shared_scale" if odd else "all_gather", None),  # the same, deprecated
+        "state_age": (PowerSGD(1), t(30, 20), None, used if odd else PowerSGD(1).new_state(seed=me)),
     }
     out = {}
     for name, (c, x, mode, st) in cases.items():
         if st is None:
             st = [c.new_state(seed=me) for _ in x] if isinstance(x, list) else c.new_state(seed=me)
         try:
-            compressed_all_reduce(x, comm, c, st, quantize_mode=mode)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                compressed_all_reduce(x, comm, c, st, **({} if mode is None else {"quantize_mode": mode}))
             out[name] = None
         except CollectiveMismatchError as e:
             out[name] = str(e)
@@ -464,7 +472,8 @@ def test_ranks_that_differ_all_raise_a_collective_mismatch_naming_the_difference
              "dtype": "dtypes: ['float32'] on rank 0, ['bfloat16'] on rank 1",
              "shapes": "shapes: [(30, 20)] on rank 0, [(20, 30)] on rank 1", "numel": "numel: 300 on rank 0, 301",
              "tensors": "tensors: 2 on rank 0, 3 on rank 1",
-             "quantize_mode": "quantize_mode: all_gather on rank 0, shared_scale on rank 1",
+             "scheme": "compressor.scheme: all_gather on rank 0, shared_scale on rank 1",
+             "quantize_mode": "compressor.scheme: all_gather on rank 0, shared_scale on rank 1",
              "state_age": "state phases: [3] on rank 0, [2] on rank 1"}  # fmt: skip
     out = run_local(_mismatch_worker, 2, op_timeout=30)
     assert_named_on_every_rank(out, named)

@@ -15,7 +15,7 @@ collectives in the same order, whatever the number of buckets.
 Each rank keeps its own ``state`` per bucket (error-feedback residuals are per rank by design).
 
 Agreement: before the first call with a new configuration on a communicator (compressor class and
-settings, ``quantize_mode``, ``link``, the tensors' shapes and dtypes, the states' phases), the ranks
+settings, its scheme among them, ``link``, the tensors' shapes and dtypes, the states' phases), the ranks
 exchange its signature (:func:`~torsh_kernels.collectives.agreement.agree_once`: one small all-gather of a
 fixed size, remembered per process group) and every rank raises
 :class:`~torsh_kernels.errors.CollectiveMismatchError` naming what differs if any rank's differs, before
@@ -40,6 +40,7 @@ from ..ops import COMPRESS_DTYPES
 from .base import CompressionState, Compressor
 from .cast import NoCompression
 from .quantize import SCHEMES as QUANTIZE_MODES
+from .quantize import apply_quantize_mode
 
 __all__ = ["QUANTIZE_MODES", "CompressedReduction", "compressed_all_reduce", "start_compressed_all_reduce"]
 
@@ -214,15 +215,17 @@ def compressed_all_reduce(
     compressor: Compressor | None = None,
     state: CompressionState | Sequence[CompressionState] | None = None,
     *,
-    quantize_mode: str = "auto",
     link: Link | None = None,
     check_signatures: bool | None = None,
+    quantize_mode: str | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Average ``tensor`` over the ranks of ``comm`` (a Communicator, or a ProcessGroup, a 1-D DeviceMesh
     or ``(mesh, dim)``) through ``compressor`` (None: uncompressed), in place; returns ``tensor``.
     ``state`` is this rank's state for this tensor (bucket), from ``compressor.new_state()``; it may
     be None only for stateless compressors (none, FP16, BF16).
-    ``link`` (e.g. from ``probe``) informs ``quantize_mode="auto"``. ``check_signatures``: exchange the
+    ``link`` (e.g. from ``probe``) informs a compressor that picks its scheme by the cost model
+    (``Quantize(scheme="auto")``). ``quantize_mode``: deprecated, ``Quantize(scheme=...)`` replaces it
+    (:func:`~torsh_kernels.compression.quantize.apply_quantize_mode`). ``check_signatures``: exchange the
     call's signature with the other ranks the first time a configuration is used (see the module
     docstring; None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``).
 
@@ -230,8 +233,8 @@ def compressed_all_reduce(
     compressed on its own, and the payloads of a round share one collective where the compressor
     allows it (linear compressors: one flat all-reduce per round; top-k and gathered int8/int4: one
     all-gather)."""
-    r = start_compressed_all_reduce(tensor, comm, compressor, state, quantize_mode=quantize_mode, link=link,
-                                    check_signatures=check_signatures)  # fmt: skip
+    r = start_compressed_all_reduce(tensor, comm, compressor, state, link=link, check_signatures=check_signatures,
+                                    quantize_mode=quantize_mode)  # fmt: skip
     r.wait()
     return tensor
 
@@ -242,9 +245,9 @@ def start_compressed_all_reduce(
     compressor: Compressor | None = None,
     state: CompressionState | Sequence[CompressionState] | None = None,
     *,
-    quantize_mode: str = "auto",
     link: Link | None = None,
     check_signatures: bool | None = None,
+    quantize_mode: str | None = None,
 ) -> CompressedReduction:
     """Validate, compress and issue the first round of :func:`compressed_all_reduce`; returns the
     :class:`CompressedReduction` to ``step()`` or ``wait()`` on. Arguments as for
@@ -274,6 +277,8 @@ def start_compressed_all_reduce(
         compressor = _UNCOMPRESSED
     if not isinstance(compressor, Compressor):
         raise ArgumentTypeError(f"{what}: compressor must be a Compressor or None, got {type(compressor).__name__}")
+    if quantize_mode is not None:
+        compressor = apply_quantize_mode(compressor, quantize_mode, what)
     stateful = compressor.stateful
     if single:
         states = [state]
@@ -296,29 +301,26 @@ def start_compressed_all_reduce(
             raise ArgumentTypeError(f"{what}: state must be a CompressionState, got {type(s).__name__}")
     if stateful and len({id(s) for s in states}) != len(states):
         raise InvalidArgumentError(f"{what}: each tensor needs its own state; the same state was given twice")
-    if quantize_mode not in QUANTIZE_MODES:
-        raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
     if link is not None and not isinstance(link, Link):
         raise ArgumentTypeError(f"{what}: link must be a Link (e.g. from probe()) or None, got {type(link).__name__}")
     if enabled(check_signatures, what):
-        agree_call(comm, tensors, states, compressor, quantize_mode, link)
-    return issue(tensors, states, comm, compressor, quantize_mode=quantize_mode, link=link)
+        agree_call(comm, tensors, states, compressor, link)
+    return issue(tensors, states, comm, compressor, link=link)
 
 
 def agree_call(comm: Communicator, tensors: Sequence[torch.Tensor], states: Sequence[CompressionState],
-               compressor: Compressor, quantize_mode: str = "auto", link: Link | None = None) -> bool:  # fmt: skip
+               compressor: Compressor, link: Link | None = None) -> bool:  # fmt: skip
     """The signature exchange of :func:`start_compressed_all_reduce` (once per configuration and process
     group, see the module docstring); returns whether it exchanged."""
     if not exchanging(comm):
         return False
     layout = tuple((t.shape, t.dtype) for t in tensors)
     phases = tuple(compressor.phase(s) for s in states)
-    key = ("compressed_all_reduce", compressor.signature(), quantize_mode, link, layout, phases)
+    key = ("compressed_all_reduce", compressor.signature(), link, layout, phases)
 
     def fields() -> list[tuple[str, object]]:
         return [
             *compressor.signature_fields(),
-            ("quantize_mode", quantize_mode),
             ("link", link),
             ("tensors", len(tensors)),
             ("numel", sum(t.numel() for t in tensors)),
@@ -329,14 +331,14 @@ def agree_call(comm: Communicator, tensors: Sequence[torch.Tensor], states: Sequ
 
     return agree_once(
         comm, key, "a compressed all-reduce", fields, what="compressed_all_reduce",
-        fix="Call it on every rank at the same point with the same compressor (class and settings), quantize_mode, "
+        fix="Call it on every rank at the same point with the same compressor (class and settings), "
         "link, tensor shapes and dtypes, and states of the same age.",
     )  # fmt: skip
 
 
 def issue(
     tensors: list[torch.Tensor], states: list[CompressionState], comm: Communicator, compressor: Compressor, *,
-    quantize_mode: str = "auto", link: Link | None = None, single_round: bool = False,
+    link: Link | None = None, single_round: bool = False,
     plain: Sequence[torch.Tensor] = (),
 ) -> CompressedReduction:  # fmt: skip
     """:func:`start_compressed_all_reduce` without its checks, for callers that validated the tensors,
@@ -344,15 +346,14 @@ def issue(
     ``plain``: tensors averaged uncompressed in the first round's collective (only for a compressor
     that ``carries_plain``, with non-empty ``tensors``)."""
     if plain:
-        gen, alg = compressor.reduce(tensors, states, comm, scheme=quantize_mode, link=link, plain=plain)
+        gen, alg = compressor.reduce(tensors, states, comm, link=link, plain=plain)
         return CompressedReduction([*tensors, *plain], gen, compressor.name, alg, single_round=single_round)
     if all(t.numel() for t in tensors):
-        gen, alg = compressor.reduce(tensors, states, comm, scheme=quantize_mode, link=link)
+        gen, alg = compressor.reduce(tensors, states, comm, link=link)
     else:
         live = [(t, s) for t, s in zip(tensors, states) if t.numel()]
         if live:
-            gen, alg = compressor.reduce([t for t, _ in live], [s for _, s in live], comm, scheme=quantize_mode,
-                                         link=link)  # fmt: skip
+            gen, alg = compressor.reduce([t for t, _ in live], [s for _, s in live], comm, link=link)
         else:
             gen, alg = iter(()), "none"
     return CompressedReduction(tensors, gen, compressor.name, alg, single_round=single_round)

@@ -396,12 +396,13 @@ class Compressor:
 
     def reduce(
         self, tensors: list[torch.Tensor], states: list[CompressionState], comm: Communicator, *,
-        scheme: str = "auto", link=None, plain: Sequence[torch.Tensor] = (),
+        link=None, plain: Sequence[torch.Tensor] = (),
     ) -> tuple[Rounds, str]:  # fmt: skip
         """The rounds that average ``tensors`` (non-empty, validated, one state each) over ``comm`` in
-        place, and the scheme's name. ``scheme`` and ``link`` let a compressor with several schemes pick
-        one ("auto": by the cost model); the others ignore them. ``plain``: see ``carries_plain`` (a
-        compressor that overrides ``reduce`` without it leaves ``carries_plain`` False)."""
+        place, and the scheme's name. ``link`` informs a compressor with several schemes that picks one by
+        the cost model (its own setting, e.g. ``Quantize(scheme="auto")``); the others ignore it.
+        ``plain``: see ``carries_plain`` (a compressor that overrides ``reduce`` without it leaves
+        ``carries_plain`` False)."""
         if self.is_linear:
             return linear_rounds(tensors, states, comm, self, plain), "all_reduce"
         return gathered_rounds(tensors, states, comm, self, plain), "all_gather"

@@ -67,7 +67,7 @@ class _Cast(Compressor):
     def payload_nbytes(self, shape, dtype=torch.float32):
         return numel_of(shape) * itemsize(self.dtype)
 
-    def reduce(self, tensors, states, comm: Communicator, *, scheme="auto", link=None) -> tuple[Rounds, str]:
+    def reduce(self, tensors, states, comm: Communicator, *, link=None) -> tuple[Rounds, str]:
         return self._cast_rounds(tensors, states, comm), "all_reduce"
 
     def _cast_rounds(self, tensors, states, comm: Communicator) -> Rounds:
@@ -133,7 +133,7 @@ class NoCompression(_Cast):
     def payload_nbytes(self, shape, dtype=torch.float32):
         return numel_of(shape) * itemsize(dtype)
 
-    def reduce(self, tensors, states, comm: Communicator, *, scheme="auto", link=None) -> tuple[Rounds, str]:
+    def reduce(self, tensors, states, comm: Communicator, *, link=None) -> tuple[Rounds, str]:
         return self._rounds(tensors, states, comm), "all_reduce"
 
     def _rounds(self, tensors, states, comm: Communicator) -> Rounds:

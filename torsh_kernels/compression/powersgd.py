@@ -207,7 +207,7 @@ class PowerSGD(Compressor):
         rows, cols, r = plan
         return {"all_reduce": (Round("all_reduce", 4 * rows * r), Round("all_reduce", 4 * cols * r))}
 
-    def reduce(self, tensors, states, comm: Communicator, *, scheme="auto", link=None, plain=()) -> tuple[Rounds, str]:
+    def reduce(self, tensors, states, comm: Communicator, *, link=None, plain=()) -> tuple[Rounds, str]:
         return self._rounds(tensors, states, comm, plain), "all_reduce"
 
     def _rounds(self, tensors, states, comm: Communicator, plain=()) -> Rounds:

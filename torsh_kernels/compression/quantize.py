@@ -6,21 +6,25 @@
   scales, the codes are summed exactly by an integer all-reduce (int8 where ``world_size * qmax <= 127``,
   else int32) and decoded once.
 
-``scheme="auto"`` (the driver's ``quantize_mode``) asks the cost model which moves fewer bytes for this
-world size. Both give the mean of the ranks' dequantized contributions (with the shared scale, each
+``Quantize(scheme=...)`` picks one; ``"auto"`` (the default) asks the cost model which moves fewer bytes
+for this world size and link, per bucket. The scheme is a setting of the compressor like its bits: it is
+part of ``signature()``, so ranks agree on it with the rest (it once travelled beside the compressor as
+the hook's, the synchronizer's and ``compressed_all_reduce``'s ``quantize_mode``: see
+:func:`apply_quantize_mode`). Both give the mean of the ranks' dequantized contributions (with the shared scale, each
 contribution is quantized on a coarser common grid). Give each rank a different seed
 (``new_state(seed=rank)``) when stochastic rounding is used, so the ranks' rounding noise is independent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import KW_ONLY, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_bool, check_int
+from ..checks import check_bool, check_choice, check_int
 from ..collectives.communicator import Communicator
 from ..collectives.cost_model import Link, Round, Topology, rounds_time
 from ..errors import InvalidArgumentError, NonFiniteError
@@ -39,10 +43,12 @@ from .base import (
     numel_of,
 )
 
-__all__ = ["SCHEMES", "Quantize", "quantize_codes_dtype", "quantize_shared_scale_cheaper"]
+__all__ = ["SCHEMES", "Quantize", "apply_quantize_mode", "quantize_codes_dtype", "quantize_shared_scale_cheaper"]
 
 SCHEMES = ("auto", "all_gather", "shared_scale")
-"""What ``quantize_mode`` / ``scheme`` may ask for."""
+"""What ``Quantize(scheme=...)`` may ask for."""
+
+_ROUNDS = {"all_gather": "all_gather", "shared_scale": "shared_scale_all_reduce"}  # scheme -> schemes() key
 
 
 @dataclass(slots=True)
@@ -56,6 +62,9 @@ class Quantize(Compressor):
     stochastic: bool = False
     """Stochastic rounding (unbiased), noise from the state's seed and step."""
     _: KW_ONLY
+    scheme: str = "auto"
+    """How the payload travels: "all_gather" of (codes, scales), "shared_scale" (an all-reduce of the scales,
+    then an integer all-reduce of the codes), or "auto": the one the cost model prices cheaper per bucket."""
     error_feedback: bool = True
     """Keep the quantization error in the state and add it to the next step's input."""
     check_finite: bool = True
@@ -74,10 +83,15 @@ class Quantize(Compressor):
         if self.block & (self.block - 1) or self.block > 1 << 30:
             raise InvalidArgumentError(f"Quantize: block must be a power of two in [2, 2**30], got {self.block!r}")
         check_bool(self.stochastic, "Quantize", "stochastic")
+        check_choice(self.scheme, "Quantize", "scheme", SCHEMES)
         check_settings(self, "Quantize")
 
     def label(self) -> str:
-        return f"int{self.bits}" + ("-stochastic" if self.stochastic else "")
+        return (
+            f"int{self.bits}"
+            + ("-stochastic" if self.stochastic else "")
+            + ("" if self.scheme == "auto" else f"-{self.scheme}")
+        )
 
     def step_seed(self, state: CompressionState) -> int:
         """The stochastic-rounding seed of this step: from the state's seed and step count."""
@@ -119,21 +133,44 @@ class Quantize(Compressor):
     def schemes(self, shape, dtype, world_size):
         numel = numel_of(shape)
         codes = numel * itemsize(quantize_codes_dtype(self.bits, world_size))
-        return {
+        ways = {
             "all_gather": (Round("all_gather", self.payload_nbytes(numel, dtype)),),
             "shared_scale_all_reduce": (Round("all_reduce", 4 * -(-numel // self.block)), Round("all_reduce", codes)),
         }
+        return ways if self.scheme == "auto" else {_ROUNDS[self.scheme]: ways[_ROUNDS[self.scheme]]}
 
-    def reduce(self, tensors, states, comm: Communicator, *, scheme="auto", link=None) -> tuple[Rounds, str]:
-        if scheme not in SCHEMES:
-            raise InvalidArgumentError(f"Quantize: scheme must be one of {SCHEMES}, got {scheme!r}")
-        shared = scheme == "shared_scale"
-        if scheme == "auto":
+    def reduce(self, tensors, states, comm: Communicator, *, link=None) -> tuple[Rounds, str]:
+        shared = self.scheme == "shared_scale"
+        if self.scheme == "auto":
             shared = quantize_shared_scale_cheaper(max(t.numel() for t in tensors), self, comm.world_size, link)
         if shared:
             return lockstep([_shared_scale_rounds(t, comm, self, s) for t, s in zip(tensors, states)]), \
                 "shared-scale all_reduce"  # fmt: skip
         return gathered_rounds(tensors, states, comm, self), "all_gather"
+
+
+def apply_quantize_mode(compressor: object, quantize_mode: str, what: str) -> object:
+    """The compressor that the deprecated ``quantize_mode=`` keyword (of the DDP hook, the synchronizer and
+    ``compressed_all_reduce``) asks for: a :class:`Quantize` with that ``scheme`` (its own "auto" replaced;
+    another scheme of its own that differs is an error, not overridden), anything else unchanged (the mode
+    only ever applied to Quantize). "auto" changes nothing. Warns with FutureWarning whatever the value."""
+    import warnings
+
+    warnings.warn(
+        f"{what}: quantize_mode= is deprecated and will be removed; the scheme is a setting of the compressor: "
+        "pass Quantize(..., scheme='all_gather' | 'shared_scale' | 'auto')",
+        FutureWarning,
+        stacklevel=3,
+    )
+    mode = check_choice(quantize_mode, what, "quantize_mode", SCHEMES)
+    if mode == "auto" or not isinstance(compressor, Quantize) or compressor.scheme == mode:
+        return compressor
+    if compressor.scheme != "auto":
+        raise InvalidArgumentError(
+            f"{what}: quantize_mode={mode!r} and the compressor's own scheme={compressor.scheme!r} disagree; "
+            "drop quantize_mode (deprecated) and set Quantize(scheme=...) alone"
+        )
+    return dataclasses.replace(compressor, scheme=mode)
 
 
 def quantize_codes_dtype(bits: int, world_size: int) -> torch.dtype:

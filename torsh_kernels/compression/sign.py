@@ -75,7 +75,7 @@ class Sign(Compressor):
         seg = sign_segment_bytes(numel_of(shape), world_size)
         return {"all_to_all+all_gather": (Round("all_to_all", world_size * seg), Round("all_gather", seg))}
 
-    def reduce(self, tensors, states, comm: Communicator, *, scheme="auto", link=None) -> tuple[Rounds, str]:
+    def reduce(self, tensors, states, comm: Communicator, *, link=None) -> tuple[Rounds, str]:
         return lockstep([_two_phase_rounds(t, comm, self, s) for t, s in zip(tensors, states)]), "two-phase sign"
 
 

@@ -8,6 +8,7 @@ takes about a second)."""
 
 from __future__ import annotations
 
+from .buckets import BucketSpec
 from .hooks import CompressionHookState, HookStats, compression_hook
 from .moe import ExpertParallelMoE, MoELayer
 from .moe_balance import BiasBalancer
@@ -17,6 +18,7 @@ from .synchronizer import GradientConsistency, GradientSynchronizer, SyncStats
 
 __all__ = [
     "BiasBalancer",
+    "BucketSpec",
     "CompressionHookState",
     "ExpertParallelMoE",
     "GradientConsistency",

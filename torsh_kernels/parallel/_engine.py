@@ -25,8 +25,8 @@ all-reduce per bucket.
 Agreement. The first time a bucket layout is seen (and again after ``set_compressor``, ``compressor="auto"``'s
 choice or ``load_state_dict``), its plan is made and the ranks exchange its signature before any of its
 collectives (:func:`~torsh_kernels.collectives.agreement.agree`: one all-gather of a fixed size): the
-compressor's class and settings, the engine's settings (policy, quantize_mode, start_iter, min_numel,
-min_compression_rate, the resolved non-finite policy, auto's candidates and choice), the bucket (its
+compressor's signature, the bucket settings' (:class:`~torsh_kernels.parallel.BucketSpec`, its non-finite
+policy resolved), auto's candidates and choice), the bucket (its
 parameters, tensor count, element count, shapes, dtypes), the iteration count and the step counts of its
 states. If any rank's differ, every rank raises :class:`~torsh_kernels.errors.CollectiveMismatchError`
 naming each difference; nothing of the bucket was sent. Later steps on that layout exchange nothing.
@@ -51,23 +51,17 @@ from .. import _trace
 from ..collectives.agreement import agree, enabled
 from ..collectives.communicator import Communicator
 from ..compression import (
-    QUANTIZE_MODES,
     CompressedReduction,
     CompressionState,
     Compressor,
     NoCompression,
 )
 from ..compression.allreduce import issue
+from ..compression.quantize import apply_quantize_mode
 from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError, NonFiniteError, ShapeError
 from ..ops import COMPRESS_DTYPES, count_nonfinite, flatten, unflatten
-from .auto import AUTO, AutoSelector
-
-POLICIES = ("layerwise", "bucket")
-NONFINITE = ("auto", "propagate", "raise")
-"""What the bucket layer does with NaN/Inf gradients (see :class:`BucketCompressor`)."""
-AUTO_START_ITER = 2
-"""``compressor="auto"``'s default warm-up: DDP rebuilds its buckets after the first iteration, so the
-second one shows the layout the job keeps; the choice is made as the third begins."""
+from .auto import AUTO, AutoSelector, default_candidates
+from .buckets import BucketSpec
 
 
 class ReductionPipeline:
@@ -206,8 +200,8 @@ class BucketCompressor:
     a change of bucket layout (DDP rebuilds its buckets after the first iteration)."""
 
     __slots__ = (
-        "_auto_rate",
         "_created",
+        "_given",
         "_mode",
         "_plain_c",
         "_plans",
@@ -223,33 +217,28 @@ class BucketCompressor:
         "check_signatures",
         "compressor",
         "iteration",
-        "min_compression_rate",
-        "min_numel",
-        "nonfinite",
         "nonfinite_steps",
-        "policy",
-        "quantize_mode",
         "shapes",
         "signature_checks",
         "signature_s",
-        "start_iter",
+        "spec",
         "states",
     )
 
     def __init__(
         self,
-        compressor: Compressor | None,
+        compressor: Compressor | str | None,
+        spec: BucketSpec | None = None,
         *,
-        start_iter: int | None = None,
-        min_compression_rate: float | None = None,
-        min_numel: int = 1024,
-        policy: str = "layerwise",
-        quantize_mode: str = "auto",
         auto_candidates: Sequence[Compressor | None] | None = None,
-        nonfinite: str = "auto",
         check_signatures: bool | None = None,
+        quantize_mode: str | None = None,
         what: str = "BucketCompressor",
+        **options: object,
     ) -> None:
+        """``spec`` with ``options`` (:class:`~torsh_kernels.parallel.BucketSpec`'s fields as keywords)
+        applied: the bucket settings; ``quantize_mode``: deprecated (``Quantize(scheme=...)``)."""
+        spec = BucketSpec.build(spec, options, what, "bucket")
         auto = isinstance(compressor, str)
         if auto and compressor != AUTO:
             raise ArgumentTypeError(f"{what}: compressor must be a Compressor, None or 'auto', got {compressor!r}")
@@ -257,32 +246,21 @@ class BucketCompressor:
             raise InvalidArgumentError(
                 f"{what}: auto_candidates is for compressor='auto', got compressor={compressor!r}"
             )
+        if quantize_mode is not None:  # deprecated: the scheme is Quantize's own setting
+            if auto:
+                auto_candidates = [apply_quantize_mode(c, quantize_mode, what) for c in
+                                   (default_candidates() if auto_candidates is None else auto_candidates)]  # fmt: skip
+            else:
+                compressor = apply_quantize_mode(compressor, quantize_mode, what)
         if auto or compressor is None:
             compressor = NoCompression()  # 'auto': uncompressed until the choice is made
         if not isinstance(compressor, Compressor):
             raise ArgumentTypeError(
                 f"{what}: compressor must be a Compressor, None or 'auto', got {type(compressor).__name__}"
             )
-        self._auto_rate = min_compression_rate
-        default_start, default_rate = compressor.warmup()
-        if auto and start_iter is None:
-            start_iter = AUTO_START_ITER
-        if start_iter is None:
-            start_iter = default_start
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-            raise InvalidArgumentError(f"{what}: start_iter must be an int >= 0, got {start_iter!r}")
-        if min_compression_rate is None:
-            min_compression_rate = default_rate
-        if not isinstance(min_compression_rate, (int, float)) or min_compression_rate < 0:
-            raise InvalidArgumentError(f"{what}: min_compression_rate must be >= 0, got {min_compression_rate!r}")
-        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
-            raise InvalidArgumentError(f"{what}: min_numel must be an int >= 0, got {min_numel!r}")
-        if policy not in POLICIES:
-            raise InvalidArgumentError(f"{what}: policy must be one of {POLICIES}, got {policy!r}")
-        if quantize_mode not in QUANTIZE_MODES:
-            raise InvalidArgumentError(f"{what}: quantize_mode must be one of {QUANTIZE_MODES}, got {quantize_mode!r}")
-        if nonfinite not in NONFINITE:
-            raise InvalidArgumentError(f"{what}: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        self._given = spec  # as given (None: the compressor's own warm-up), for auto's candidates
+        self.spec = spec.resolved(compressor.warmup(), auto)
+        """The bucket settings, ``start_iter`` and ``min_compression_rate`` resolved."""
         self.check_signatures = enabled(check_signatures, what)
         """Exchange each new bucket layout's signature with the other ranks (see the module docstring)."""
         self.signature_checks = 0
@@ -291,20 +269,14 @@ class BucketCompressor:
         """Seconds they took (this rank, wall clock)."""
         self._what = what
         # the warm-up and the size rule are decided here, per tensor; the compressor must not repeat them
-        self.compressor = compressor.per_tensor(min_compression_rate)
+        self.compressor = compressor.per_tensor(self.spec.min_compression_rate)
         self._unchecked = _unchecked(self.compressor)
-        self.nonfinite = nonfinite
-        self._mode = None if nonfinite == "auto" else nonfinite  # "auto" is resolved at the first bucket
+        self._mode = None if self.spec.nonfinite == "auto" else self.spec.nonfinite  # "auto": at the first bucket
         self.nonfinite_steps = 0
         self._skip = False  # a bucket of this iteration held NaN/Inf on some rank ("propagate")
         self._snapshots: dict[tuple[int, ...], tuple[int, int, dict[str, torch.Tensor]]] = {}
         self._saved: set[tuple[int, ...]] = set()  # states saved this iteration
         self._created: set[tuple[int, ...]] = set()  # states first made this iteration
-        self.start_iter = start_iter
-        self.min_compression_rate = float(min_compression_rate)
-        self.min_numel = min_numel
-        self.policy = policy
-        self.quantize_mode = quantize_mode
         self.iteration = 0
         self.states: dict[tuple[int, ...], CompressionState] = {}
         self.shapes: dict[int, tuple[int, ...]] = {}
@@ -320,24 +292,24 @@ class BucketCompressor:
 
     def _candidate_engine(self, c: Compressor | None) -> BucketCompressor:
         """The engine a candidate of ``auto`` would run in: this one's size rules, no warm-up."""
-        return BucketCompressor(c, start_iter=0, min_compression_rate=self._auto_rate, min_numel=self.min_numel,
-                                policy=self.policy, quantize_mode=self.quantize_mode, nonfinite=self.mode(),
-                                check_signatures=False)  # fmt: skip
+        spec = self._given.replace(start_iter=0, nonfinite=self.mode())
+        return BucketCompressor(c, spec, check_signatures=False)
 
     def _apply_auto(self, compressor: Compressor | None) -> None:
-        rate = self._auto_rate
+        rate = self._given.min_compression_rate
         if rate is None:
-            rate = compressor.warmup()[1] if compressor is not None else self.min_compression_rate
-        self.min_compression_rate = float(rate)
-        self.set_compressor(compressor)
+            rate = compressor.warmup()[1] if compressor is not None else self.spec.min_compression_rate
+        start = self.spec.start_iter
         if compressor is not None:  # a candidate with a warm-up of its own (PowerSGD(start_iter=...)) keeps it
-            self.start_iter = max(self.start_iter, compressor.warmup()[0])
+            start = max(start, compressor.warmup()[0])
+        self.spec = self.spec.replace(min_compression_rate=float(rate), start_iter=start)
+        self.set_compressor(compressor)
 
     def _auto_turn(self, grads, keys: Sequence[int], comm: Communicator, flat: torch.Tensor | None):
         """While ``auto`` has not chosen: note the bucket during the warm-up, or choose (the first bucket
         of iteration ``start_iter`` on every rank, when no collective of the job is in flight) once a whole
         iteration has been seen. Returns the gradients if it had to fetch them."""
-        if self.iteration >= self.start_iter and self.auto.ready:
+        if self.iteration >= self.spec.start_iter and self.auto.ready:
             self._apply_auto(self.auto.decide(comm).compressor)
             return grads
         if callable(grads):
@@ -354,7 +326,7 @@ class BucketCompressor:
             compressor = NoCompression()
         if not isinstance(compressor, Compressor):
             raise ArgumentTypeError(f"set_compressor: expected a Compressor or None, got {type(compressor).__name__}")
-        self.compressor = compressor.per_tensor(self.min_compression_rate)
+        self.compressor = compressor.per_tensor(self.spec.min_compression_rate)
         self._unchecked = _unchecked(self.compressor)
         self.states = {}
         self._plans = {}
@@ -372,10 +344,10 @@ class BucketCompressor:
             return False
         if getattr(c, "elementwise", False):
             return True
-        if t.dim() < 2 or t.numel() < max(1, self.min_numel):
+        if t.dim() < 2 or t.numel() < max(1, self.spec.min_numel):
             return False
         wire = c.payload_nbytes(tuple(t.shape), t.dtype)
-        return wire > 0 and t.numel() * t.element_size() / wire >= self.min_compression_rate
+        return wire > 0 and t.numel() * t.element_size() / wire >= self.spec.min_compression_rate
 
     def prepare(self, grads, keys: Sequence[int], comm: Communicator, *, flat: torch.Tensor | None = None):
         """Call before a bucket's first collective (before :meth:`screen`): the first time its layout is
@@ -409,12 +381,7 @@ class BucketCompressor:
         fields = [
             *self.compressor.signature_fields(),
             ("auto", None if auto is None else (repr(auto), auto.decision.choice if auto.decision else None)),
-            ("policy", self.policy),
-            ("quantize_mode", self.quantize_mode),
-            ("start_iter", self.start_iter),
-            ("min_numel", self.min_numel),
-            ("min_compression_rate", self.min_compression_rate),
-            ("nonfinite", self.mode()),
+            *self.spec.replace(nonfinite=self.mode()).signature_fields("bucket"),
             ("parameters", list(keys)),
             ("tensors", len(grads)),
             ("numel", sum(g.numel() for g in grads)),
@@ -448,7 +415,7 @@ class BucketCompressor:
             return _BucketPlan([], [])
         comp = [i for i, g in enumerate(grads) if self.eligible(g)]
         plain = sorted(set(range(len(grads))) - set(comp))
-        if self.policy == "layerwise":
+        if self.spec.policy == "layerwise":
             groups = [[i] for i in comp]
             shapes = [tuple(grads[i].shape) for i in comp]
         else:
@@ -457,8 +424,6 @@ class BucketCompressor:
         single = True
         for shape in shapes:
             schemes = c.schemes(shape, grads[0].dtype, comm.world_size)
-            if self.quantize_mode in schemes:
-                schemes = {self.quantize_mode: schemes[self.quantize_mode]}
             single = single and all(len(rounds) == 1 for rounds in schemes.values())
         state_keys = [tuple(keys[i] for i in g) for g in groups]
         return _BucketPlan(groups, plain, single, state_keys)
@@ -499,7 +464,7 @@ class BucketCompressor:
         Call it before :meth:`start` for every bucket: with ``compressor="auto"`` the choice is made here
         when it is due, so that the bucket is screened for the chosen compressor."""
         mode = self.mode()
-        if self.auto is not None and self.auto.decision is None and self.iteration >= self.start_iter \
+        if self.auto is not None and self.auto.decision is None and self.iteration >= self.spec.start_iter \
                 and self.auto.ready:  # fmt: skip
             self._apply_auto(self.auto.decide(comm).compressor)
         if not self.compressor.stateful or mode != "propagate":
@@ -616,7 +581,7 @@ class BucketCompressor:
         c = self._unchecked if propagate else self.compressor
         if flat is not None:  # the whole bucket may travel as it is: no need to look at its gradients
             plan = self._plans.get((tuple(keys), flat.dtype, comm.world_size))
-            if plan is not None and (self.iteration < self.start_iter or c.identity):
+            if plan is not None and (self.iteration < self.spec.start_iter or c.identity):
                 return [self._plain([], flat, comm, propagate)], None
             if plan is not None and not plan.compressed and not plan.plain:
                 return [self._whole([], flat, comm, c, plan.work)], None
@@ -625,7 +590,7 @@ class BucketCompressor:
         if not isinstance(grads, list):
             grads = list(grads)
         plan = self._plan(grads, keys, comm)
-        if self.iteration < self.start_iter or c.identity:
+        if self.iteration < self.spec.start_iter or c.identity:
             return [self._plain(grads, flat, comm, propagate)], None
         if not plan.compressed and not plan.plain:  # elementwise: the bucket as one tensor
             return [self._whole(grads, flat, comm, c, plan.work)], None
@@ -645,10 +610,10 @@ class BucketCompressor:
         if propagate and c.stateful:
             for k, st in zip(plan.state_keys, states):
                 self._save(k, st)
-        if self.policy == "layerwise":
+        if self.spec.policy == "layerwise":
             if states:
                 tensors = [grads[g[0]] for g in plan.compressed]
-                reductions.append(issue(tensors, states, comm, c, quantize_mode=self.quantize_mode,
+                reductions.append(issue(tensors, states, comm, c,
                                         single_round=plan.single_round, plain=plain))  # fmt: skip
         elif plan.compressed:
             members = [grads[i] for i in plan.compressed[0]]
@@ -659,7 +624,7 @@ class BucketCompressor:
                 def finish() -> None:
                     unflatten(one, layout, members)
 
-            reductions.append(issue([one], states, comm, c, quantize_mode=self.quantize_mode,
+            reductions.append(issue([one], states, comm, c,
                                     single_round=plan.single_round, plain=plain))  # fmt: skip
         return reductions, finish
 
@@ -742,7 +707,7 @@ class BucketCompressor:
     def state_dict(self) -> dict:
         return {
             "iteration": self.iteration,
-            "policy": self.policy,
+            "policy": self.spec.policy,
             "compressor": repr(self.compressor),
             "shapes": dict(self.shapes),
             "states": {k: s.state_dict() for k, s in self.states.items()},
@@ -764,10 +729,10 @@ class BucketCompressor:
                 f"{w}: expected a dict from state_dict() with keys {sorted(need)} (and 'compressor', 'auto'); "
                 f"missing {sorted(need - sd.keys())}, unexpected {sorted(map(str, sd.keys() - known))}"
             )
-        if sd["policy"] != self.policy:
+        if sd["policy"] != self.spec.policy:
             raise InvalidArgumentError(
                 f"{w}: the checkpoint was saved with policy={sd['policy']!r}, this state "
-                f"uses {self.policy!r}; construct the state with the same policy"
+                f"uses {self.spec.policy!r}; construct the state with the same policy"
             )
         iteration = sd["iteration"]
         if isinstance(iteration, bool) or not isinstance(iteration, int):
@@ -852,9 +817,9 @@ class BucketCompressor:
 
     def _auto_compressor(self, compressor: Compressor | None) -> Compressor:
         """The compressor :meth:`_apply_auto` would install for ``compressor`` (nothing changed)."""
-        rate = self._auto_rate
+        rate = self._given.min_compression_rate
         if rate is None:
-            rate = compressor.warmup()[1] if compressor is not None else self.min_compression_rate
+            rate = compressor.warmup()[1] if compressor is not None else self.spec.min_compression_rate
         return (compressor if compressor is not None else NoCompression()).per_tensor(float(rate))
 
 

@@ -85,6 +85,7 @@ from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, InvalidArgumentError, TorshKernelsError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
+from .buckets import BucketSpec
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -254,24 +255,15 @@ class CompressionHookState:
             ``stats.auto``).
         auto_candidates: with ``compressor="auto"``, the compressors to choose among (None in it:
             uncompressed); default: uncompressed, fp16, bf16, top-k 1%, int8, int4, sign, PowerSGD rank 4.
-        start_iter: iterations of plain all-reduce before compression starts (None: PowerSGD's own
-            ``start_iter``; 2 for ``"auto"``; else 0).
-        min_compression_rate: compress a gradient only if its bytes over its payload's bytes reach this
-            (None: PowerSGD's own value, else 2.0).
-        min_numel: gradients with fewer elements are sent uncompressed.
-        policy: ``"layerwise"`` (each gradient on its own) or ``"bucket"`` (the bucket's eligible
-            gradients as one tensor).
-        quantize_mode: for :class:`~torsh_kernels.compression.Quantize`: ``"auto"``, ``"all_gather"``
-            or ``"shared_scale"`` (see ``compressed_all_reduce``).
+        bucket: a :class:`~torsh_kernels.parallel.BucketSpec`: which gradients are compressed, from which
+            iteration, what a NaN/Inf gradient does (``start_iter``, ``min_compression_rate``,
+            ``min_numel``, ``policy``, ``nonfinite``); None: its defaults. Its fields may also be given
+            here as keywords (``CompressionHookState(pg, PowerSGD(), start_iter=10)``), which refine
+            ``bucket``. With ``nonfinite="propagate"`` and a stateful compressor each bucket costs one more
+            all-reduce of a flag, and each compressor state one copy per step; ``"auto"`` (default) resolves
+            at the first bucket, so create a ``torch.amp.GradScaler`` before the first backward, on every
+            rank alike.
         timeout: seconds a collective may take before it fails with ``CollectiveError``.
-        nonfinite: what a NaN/Inf gradient does. ``"propagate"``: every rank's gradient receives it (the bucket
-            is averaged uncompressed), so ``torch.amp.GradScaler`` skips the step, and the hook's state
-            (residuals, PowerSGD's Q, step counts, the iteration count) is left exactly as before that
-            iteration; with a stateful compressor each bucket costs one more all-reduce of a flag, and each
-            compressor state one copy per step. ``"raise"``: the compressor raises ``NonFiniteError`` on the
-            rank that holds it. ``"auto"`` (default): ``"propagate"`` when the process holds an enabled
-            ``torch.amp.GradScaler`` at the first bucket (create the scaler before the first backward, on
-            every rank alike), else ``"raise"``.
         check_signatures: before the first collective of each new bucket layout (and after a compressor
             change or ``load_state_dict``), exchange with the other ranks what it is about to send (the
             compressor's class and settings, these settings, the bucket's shapes, the iteration count):
@@ -279,6 +271,7 @@ class CompressionHookState:
             differs if anything does, instead of one rank aborting in gloo (see
             :mod:`torsh_kernels.collectives.agreement` for what it cannot catch). None (default): on
             unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``.
+        quantize_mode: deprecated: ``Quantize(scheme=...)`` (the scheme is the compressor's own setting).
     """
 
     __slots__ = ("_comm", "_engine", "_futures", "_given", "_keys", "_pipeline", "_seen", "_signatures", "_task",
@@ -291,14 +284,11 @@ class CompressionHookState:
         *,
         mesh_dim: str | int | None = None,
         auto_candidates: Sequence[Compressor | None] | None = None,
-        start_iter: int | None = None,
-        min_compression_rate: float | None = None,
-        min_numel: int = 1024,
-        policy: str = "layerwise",
-        quantize_mode: str = "auto",
+        bucket: BucketSpec | None = None,
         timeout: float | None = None,
-        nonfinite: str = "auto",
         check_signatures: bool | None = None,
+        quantize_mode: str | None = None,
+        **options: object,
     ) -> None:
         self._given = None  # a Communicator the caller gave instead of a group
         if is_communicator(process_group, ("all_reduce", "all_gather", "world_size")):
@@ -310,15 +300,12 @@ class CompressionHookState:
         self.process_group = resolve_group(process_group, mesh_dim, "CompressionHookState")
         self._engine = BucketCompressor(
             compressor,
-            start_iter=start_iter,
-            min_compression_rate=min_compression_rate,
-            min_numel=min_numel,
-            policy=policy,
-            quantize_mode=quantize_mode,
+            bucket,
             auto_candidates=auto_candidates,
-            nonfinite=nonfinite,
             check_signatures=check_signatures,
+            quantize_mode=quantize_mode,
             what="CompressionHookState",
+            **options,
         )
         self._signatures = (0, 0.0)  # the engine's exchange count and seconds already in stats
         self._timeout = timeout
@@ -337,25 +324,30 @@ class CompressionHookState:
         return self._engine.compressor
 
     @property
+    def bucket(self) -> BucketSpec:
+        """The bucket settings, ``start_iter`` and ``min_compression_rate`` resolved."""
+        return self._engine.spec
+
+    @property
     def start_iter(self) -> int:
-        return self._engine.start_iter
+        return self._engine.spec.start_iter
 
     @property
     def min_compression_rate(self) -> float:
-        return self._engine.min_compression_rate
+        return self._engine.spec.min_compression_rate
 
     @property
     def min_numel(self) -> int:
-        return self._engine.min_numel
+        return self._engine.spec.min_numel
 
     @property
     def policy(self) -> str:
-        return self._engine.policy
+        return self._engine.spec.policy
 
     @property
     def nonfinite(self) -> str:
         """The non-finite policy as given ("auto", "propagate" or "raise")."""
-        return self._engine.nonfinite
+        return self._engine.spec.nonfinite
 
     @property
     def iteration(self) -> int:
@@ -409,9 +401,8 @@ class CompressionHookState:
     def __repr__(self) -> str:
         e = self._engine
         return (
-            f"CompressionHookState(compressor={e.compressor!r}, start_iter={e.start_iter}, "
-            f"min_compression_rate={e.min_compression_rate}, min_numel={e.min_numel}, policy={e.policy!r}, "
-            f"nonfinite={e.nonfinite!r}, iteration={e.iteration}, states={len(e.states)})"
+            f"CompressionHookState(compressor={e.compressor!r}, bucket={e.spec!r}, iteration={e.iteration}, "
+            f"states={len(e.states)})"
         )
 
 

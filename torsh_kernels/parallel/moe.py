@@ -100,8 +100,9 @@ from ..ops.moe import (
     moe_unpermute,
     moe_z_loss,
 )
-from ._engine import NONFINITE, grad_scaler_in_use
+from ._engine import grad_scaler_in_use
 from ._moe_experts import EXPERT_COMPUTE, activation, run_experts
+from .buckets import NONFINITE
 from .moe_balance import BiasBalancer, check_rate
 
 __all__ = ["ACTIVATIONS", "LOAD_BALANCING", "BiasBalancer", "ExpertParallelMoE", "MoELayer"]

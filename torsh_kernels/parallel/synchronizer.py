@@ -53,6 +53,7 @@ from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
 from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
+from .buckets import BucketSpec
 
 __all__ = ["GradientConsistency", "GradientSynchronizer", "SyncStats"]
 
@@ -147,8 +148,8 @@ class GradientSynchronizer:
             (largest first).
         broadcast_parameters: copy rank 0's parameters and buffers to every rank at construction.
         find_unused_parameters: agree across ranks on parameters no rank used (they keep ``grad=None``).
-        auto_candidates, start_iter, min_compression_rate, min_numel, policy, quantize_mode, nonfinite,
-            check_signatures: as for :class:`~torsh_kernels.parallel.CompressionHookState` (the exchanges are
+        auto_candidates, bucket (and its fields as keywords), check_signatures, quantize_mode
+            (deprecated): as for :class:`~torsh_kernels.parallel.CompressionHookState` (the exchanges are
             counted in ``get_sync_stats()["signature_checks"]``).
     """
 
@@ -165,14 +166,11 @@ class GradientSynchronizer:
         order: str = "ready",
         broadcast_parameters: bool = True,
         find_unused_parameters: bool = False,
-        start_iter: int | None = None,
-        min_compression_rate: float | None = None,
-        min_numel: int = 1024,
-        policy: str = "layerwise",
-        quantize_mode: str = "auto",
         mesh_dim: str | int | None = None,
-        nonfinite: str = "auto",
+        bucket: BucketSpec | None = None,
         check_signatures: bool | None = None,
+        quantize_mode: str | None = None,
+        **options: object,
     ) -> None:
         what = "GradientSynchronizer"
         if not isinstance(model, torch.nn.Module):
@@ -220,15 +218,12 @@ class GradientSynchronizer:
         self.find_unused_parameters = bool(find_unused_parameters)
         self._engine = BucketCompressor(
             compressor,
-            start_iter=start_iter,
-            min_compression_rate=min_compression_rate,
-            min_numel=min_numel,
-            policy=policy,
-            quantize_mode=quantize_mode,
+            bucket,
             auto_candidates=auto_candidates,
-            nonfinite=nonfinite,
             check_signatures=check_signatures,
+            quantize_mode=quantize_mode,
             what=what,
+            **options,
         )
         self._pipeline = ReductionPipeline()
         self._coalescer = Coalescer(comm)
@@ -524,6 +519,11 @@ class GradientSynchronizer:
         return any(p.grad is not None for p in self.params)
 
     # -- information --------------------------------------------------------------------------------
+
+    @property
+    def bucket(self) -> BucketSpec:
+        """The bucket settings, ``start_iter`` and ``min_compression_rate`` resolved."""
+        return self._engine.spec
 
     def get_sync_stats(self) -> SyncStats:
         """Statistics of the last ``sync_gradients()``: parameters with gradients, total MB, per-bucket

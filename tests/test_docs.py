@@ -185,6 +185,7 @@ def started(tmp_path_factory):
     pool.shutdown(wait=True, cancel_futures=True)
 
 
+@pytest.mark.slow  # every page's code, in a process per page: the runner's own tests below stay in the fast tier
 @pytest.mark.parametrize("doc", WITH_CODE, ids=_rel)
 def test_snippets_run(doc: Path, started) -> None:
     problems = parse(doc)[1]

@@ -173,6 +173,7 @@ def test_bench_collectives_rejects_bad_arguments(capsys):
     assert main(["bench", "collectives", "--sizes", "1T"]) == 2
 
 
+@pytest.mark.slow  # a training run in subprocesses
 def test_torsh_demo_trains_every_compressor_and_prints_one_table(tmp_path):
     """The README's first command, shortened: real ranks, real DDP, the table and the JSON. With --json and no
     path the JSON is all of stdout: the tables, and rank 0's progress bar, go to stderr."""
@@ -192,6 +193,7 @@ def test_torsh_demo_trains_every_compressor_and_prints_one_table(tmp_path):
     assert len(auto["candidates"]) == 6 and all(c["compute_s"] > 0 and c["bytes_sent"] > 0 for c in auto["candidates"])
 
 
+@pytest.mark.slow  # a training run in subprocesses
 def test_torsh_demo_fsdp_trains_each_quantized_comm_and_prints_one_table(tmp_path):
     out = tmp_path / "demo.json"
     r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--fsdp", "--steps", "40",
@@ -227,6 +229,7 @@ def test_torsh_demo_link_without_root_falls_back_with_a_message(monkeypatch, cap
     assert "loopback" in cap.out and "none" in cap.out
 
 
+@pytest.mark.slow  # a training run in subprocesses
 def test_bench_ddp_runs_every_case_and_writes_json(tmp_path):
     out = tmp_path / "ddp.json"
     r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "bench", "ddp", "--width", "64",
@@ -241,6 +244,7 @@ def test_bench_ddp_runs_every_case_and_writes_json(tmp_path):
     assert "speedup vs no hook" in r.stdout
 
 
+@pytest.mark.slow  # a training run in subprocesses
 def test_bench_fsdp_runs_every_case_and_writes_json(tmp_path):
     out = tmp_path / "fsdp.json"
     r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "bench", "fsdp", "--width", "128",
@@ -261,6 +265,7 @@ def test_bench_fsdp_runs_every_case_and_writes_json(tmp_path):
     assert "speedup vs plain" in r.stdout
 
 
+@pytest.mark.slow  # a training run in subprocesses
 def test_bench_fsdp_offload_counts_what_each_optimizer_holds(tmp_path):
     out = tmp_path / "offload.json"
     r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "bench", "fsdp", "--offload", "--width",

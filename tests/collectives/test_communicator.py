@@ -300,7 +300,7 @@ def _leaves_early_or_late(comm, pid_file):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("method", [pytest.param("spawn", marks=pytest.mark.slow), "forkserver"])
 def test_a_rank_that_returns_early_stays_until_every_rank_has_returned(tmp_path, method):
     """A rank that runs no collective must not exit (closing its gloo sockets) while a peer is still busy:
     a slower peer still connecting its mesh in init_process_group failed with "Connection closed by peer"
@@ -313,7 +313,7 @@ def _env_seen(comm, names):
     return [os.environ.get(n) for n in names]
 
 
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("method", [pytest.param("spawn", marks=pytest.mark.slow), "forkserver"])
 def test_run_local_ranks_see_the_callers_environment_as_it_is_now(monkeypatch, method):
     """Both start methods hand each rank the caller's current environment; a fork server started before a
     TORSH_ variable changed is not used for that launch (the ranks then start fresh, with the new value)."""

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a system test: minutes of compiling every variant (docs/testing.md)
+
 SCRIPT = Path(__file__).with_name("gpu_compile_check.py")
 
 

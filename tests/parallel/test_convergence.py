@@ -8,8 +8,12 @@ others; seed 0 passed at 600 steps on the AMD EPYC VM). After 800 steps sign was
 
 from __future__ import annotations
 
+import pytest
+
 from torsh_kernels.apps.demo import COMPRESSORS, DemoConfig, run_rank
 from torsh_kernels.collectives import run_local
+
+pytestmark = pytest.mark.slow  # a system test: whole training runs (docs/testing.md)
 
 
 def test_every_compressor_ends_within_two_points_of_uncompressed():

@@ -27,6 +27,8 @@ import pytest
 
 from tests.faults import KINDS, WORKLOADS, clean_run, phases, plan_for, run_matrix, summary
 
+pytestmark = pytest.mark.slow  # a system test: the whole fault matrix, in one module fixture (docs/testing.md)
+
 TIMEOUT = 2.0
 """The collectives' timeout in the scenarios (the process group's, and the communicators')."""
 SLACK = 4.0

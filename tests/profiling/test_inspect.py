@@ -163,7 +163,8 @@ def _inspect(*args: str, env_extra: dict | None = None) -> subprocess.CompletedP
                           text=True, env=env, timeout=600)  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
+@pytest.mark.parametrize("arch", [pytest.param("sm_80", marks=pytest.mark.slow), "sm_90",
+                                  pytest.param("sm_100", marks=pytest.mark.slow)])  # fmt: skip
 def test_the_command_compiles_and_reads_real_kernels(arch):
     pytest.importorskip("triton")
     r = _inspect("--arch", arch, "--family", "error_feedback", "--match", "error_update fp32->bf16 out", "--json")

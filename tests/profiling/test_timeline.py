@@ -195,6 +195,7 @@ def test_multiprocess_traces_validate(tmp_path):
     assert list(tr.ranks) == [0, 1] and len(tr.steps()) == 6
 
 
+@pytest.mark.slow  # runs `torsh demo` on real ranks
 def test_torsh_trace_env(tmp_path):
     d = tmp_path / "env"
     env = {**os.environ, "TORSH_TRACE": str(d)}

@@ -112,6 +112,8 @@ def test_signature_leaves_out_local_fields_and_nests_specs():
 def test_build_from_keywords():
     assert _Demo.build(None, {"k": 3}, "f") == _Demo(k=3)
     assert _Demo.build(None, {"k": 3}, "f") is _Demo.build(None, {"k": 3}, "f")  # built once per keywords
+    with pytest.raises(ArgumentTypeError, match="k must be an int"):  # equal to 3, cached, but not an int
+        _Demo.build(None, {"k": 3.0}, "f")
     base = _Demo(k=2)
     assert _Demo.build(base, {}, "f") is base
     assert _Demo.build(base, {"mode": "b"}, "f") == _Demo(k=2, mode="b")  # keywords refine a spec
@@ -121,5 +123,5 @@ def test_build_from_keywords():
         _Demo.build(None, {}, "f")
     with pytest.raises(ArgumentTypeError, match="f: spec must be a _Demo or None, got dict"):
         _Demo.build({"k": 1}, {}, "f")
-    with pytest.raises(InvalidArgumentError, match="f: _Demo: k=0"):
+    with pytest.raises(InvalidArgumentError, match="f: k=0"):
         _Demo.build(None, {"k": 0}, "f")

@@ -89,18 +89,27 @@ class Spec:
         return (("spec", type(self).__qualname__), *((n, plain(getattr(self, n))) for n in self.agreed_fields()))
 
     def signature_fields(self, prefix: str) -> list[tuple[str, object]]:
-        """The signature as fields of an exchange, each named ``prefix.field``."""
-        return [(f"{prefix}.{n}", v) for n, v in self.signature()[1:]]
+        """The signature as fields of an exchange, each named ``prefix.field``; a nested spec's fields
+        flattened (``layer.route.k``), so that a mismatch message names the one field that differs."""
+        out: list[tuple[str, object]] = []
+        for n in self.agreed_fields():
+            v = getattr(self, n)
+            if isinstance(v, Spec):
+                out += v.signature_fields(f"{prefix}.{n}")
+            else:
+                out.append((f"{prefix}.{n}", plain(v)))
+        return out
 
     @classmethod
     def make(cls: type[S], what: str, **fields: Any) -> S:
         """``cls(**fields)``, a missing required field an ArgumentTypeError that names ``what``."""
         try:
             return cls(**fields)
-        except TorshKernelsError as e:  # a field's check: say who was called too
+        except TorshKernelsError as e:  # a field's check: named after who was called
             if what == cls.__name__:
                 raise
-            raise type(e)(f"{what}: {e}") from None
+            msg = str(e).removeprefix(f"{cls.__name__}: ")
+            raise type(e)(f"{what}: {msg}") from None
         except TypeError as e:  # a required field missing (the dataclass's own message)
             raise ArgumentTypeError(f"{what}: {e}") from None
 
@@ -128,7 +137,7 @@ class Spec:
         if not options:
             return spec if spec is not None else cls.make(what)
         try:
-            key = (cls, spec, tuple(options.items()))
+            key = (cls, spec, tuple((n, type(v), v) for n, v in options.items()))  # 2.0 == 2 == True: not alike
             hash(key)
         except TypeError:  # an unhashable value (a list): build it, uncached
             key = None

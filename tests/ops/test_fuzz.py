@@ -837,6 +837,10 @@ def draw_moe_route(data, p):
             and close(r.weights, ref.weights, F32, 5)
         )
 
+    opts = ("k", "score", "capacity_factor", "drop_policy", "renormalize")
+    if bad is None and data.draw(st.booleans()):  # the same options as one RouterSpec
+        spec = M.RouterSpec(**{a: kw[a] for a in opts})
+        return Call(lambda: tk.moe_route(lg, spec, provider=p), verify, {"logits": lg}, bad=bad)
     return Call(lambda: tk.moe_route(**kw, provider=p), verify, {"logits": kw["logits"]}, bad=bad)
 
 
@@ -993,6 +997,7 @@ def test_the_fuzz_covers_every_public_op():
         "ProviderInfo",
         "ProviderReport",
         "Routing",
+        "RouterSpec",  # moe_route's options: drawn by its drawer, as keywords and as a spec
         "providers",
         "set_tuned_lookup",
         "block_codes",

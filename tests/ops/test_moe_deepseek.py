@@ -300,7 +300,7 @@ def _assert_option_errors(lg: torch.Tensor, provider: str | None) -> None:
         with pytest.raises(InvalidArgumentError, match="give both"):
             route(**kw)
     for ng in (0, -1, 13):
-        with pytest.raises(InvalidArgumentError, match=f"n_group={ng} must be an int in"):
+        with pytest.raises(InvalidArgumentError, match=f"n_group={ng} must be an int"):
             route(n_group=ng, topk_group=1)
     with pytest.raises(InvalidArgumentError, match="n_group=5 does not split"):
         route(n_group=5, topk_group=1)
@@ -308,7 +308,7 @@ def _assert_option_errors(lg: torch.Tensor, provider: str | None) -> None:
         with pytest.raises(ArgumentTypeError, match="n_group must be an int"):
             route(n_group=ng, topk_group=2)
     for tg in (0, 5):
-        with pytest.raises(InvalidArgumentError, match=f"topk_group={tg} must be an int in"):
+        with pytest.raises(InvalidArgumentError, match=f"topk_group={tg} must be an int"):
             route(n_group=4, topk_group=tg)
     with pytest.raises(ArgumentTypeError, match="topk_group must be an int"):
         route(n_group=4, topk_group=2.0)

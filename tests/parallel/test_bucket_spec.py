@@ -51,7 +51,7 @@ def test_the_hook_takes_the_spec_or_its_fields_as_keywords():
     assert (c.bucket.start_iter, c.bucket.min_numel) == (4, 8)
     with pytest.raises(ArgumentTypeError, match=r"CompressionHookState: unexpected keyword argument.*'min_nume'"):
         CompressionHookState(None, TopK(0.1), min_nume=8)
-    with pytest.raises(InvalidArgumentError, match="CompressionHookState: BucketSpec: min_numel=-1"):
+    with pytest.raises(InvalidArgumentError, match="CompressionHookState: min_numel=-1"):
         CompressionHookState(None, TopK(0.1), min_numel=-1)
     with pytest.raises(ArgumentTypeError, match="bucket must be a BucketSpec or None, got dict"):
         CompressionHookState(None, TopK(0.1), bucket={"min_numel": 8})

@@ -23,6 +23,7 @@ from .bucket import (
 )
 from .error_feedback import error_update, error_update_ref, residual_add, residual_add_ref
 from .moe import (
+    RouterSpec,
     Routing,
     moe_aux_loss,
     moe_aux_loss_ref,
@@ -51,6 +52,7 @@ __all__ = [
     "Packed",
     "ProviderInfo",
     "ProviderReport",
+    "RouterSpec",
     "Routing",
     "block_codes",
     "bucket_reduce",

@@ -1,9 +1,9 @@
 """The routing contract of the MoE op family: :class:`Routing` and the capacity rule.
 
 ``moe_route`` returns a :class:`Routing`; ``moe_permute``, ``moe_unpermute``, the router losses and the
-expert-parallel layers consume it. The capacity rule (``expert_capacity``, ``check_capacity_factor``,
-``check_capacity``, ``check_sequence_lengths`` and :func:`plan_capacity`, which turns ``moe_route``'s capacity
-options into a :class:`CapacityPlan`) decides how many assignments each expert keeps, per call or per
+expert-parallel layers consume it. The capacity rule (``expert_capacity``, ``check_sequence_lengths`` and
+:func:`plan_capacity`, which turns a :class:`~torsh_kernels.ops.router.RouterSpec`'s capacity options and a
+call's sequences into a :class:`CapacityPlan`) decides how many assignments each expert keeps, per call or per
 sequence, and whether each expert's group of rows is padded to its capacity. See ``moe.py`` for the ops.
 
 **Layout.** The permuted rows are grouped by expert in ascending expert order, token order inside each
@@ -40,13 +40,11 @@ import torch
 
 from ..errors import ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, ShapeError
 from ._common import Sealable, device_bytes
+from .router import RouterSpec
 
 __all__ = [
-    "CAPACITY_SCOPES",
     "CapacityPlan",
     "Routing",
-    "check_capacity",
-    "check_capacity_factor",
     "check_routing",
     "check_sequence_lengths",
     "expert_capacity",
@@ -156,33 +154,6 @@ def expert_capacity(num_tokens: int, k: int, num_experts: int, capacity_factor: 
     return max(1, min(num_tokens * k, math.ceil(c) if c < 2.0**62 else 2**62))
 
 
-def check_capacity_factor(capacity_factor: object, what: str) -> float | None:
-    """None (no limit) or a positive finite float; a typed error otherwise."""
-    if capacity_factor is None:
-        return None
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-        raise ArgumentTypeError(f"{what}: capacity_factor must be a number or None, got {capacity_factor!r}")
-    if not math.isfinite(capacity_factor) or capacity_factor <= 0:
-        raise InvalidArgumentError(
-            f"{what}: capacity_factor={capacity_factor} must be a positive finite number (or None for no limit)"
-        )
-    return float(capacity_factor)
-
-
-CAPACITY_SCOPES = ("call", "sequence")
-
-
-def check_capacity(capacity: object, what: str) -> int | None:
-    """None (no fixed capacity) or an int >= 0; a typed error otherwise."""
-    if capacity is None:
-        return None
-    if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
-        raise ArgumentTypeError(f"{what}: capacity must be an int or None, got {type(capacity).__name__} {capacity!r}")
-    if capacity < 0:
-        raise InvalidArgumentError(f"{what}: capacity={capacity} must be >= 0 (0 drops every assignment)")
-    return int(capacity)
-
-
 def check_sequence_lengths(lengths: object, num_tokens: int, what: str) -> tuple[int, ...]:
     """``lengths`` (a list or tuple of ints, or a 1-D integer tensor, which is read: a device-to-host copy for a
     GPU tensor) as a tuple of ints >= 0 summing to ``num_tokens``; a typed error otherwise."""
@@ -246,72 +217,43 @@ NO_CAPACITY = CapacityPlan(None, -1, None, None, (), -1)
 def plan_capacity(
     what: str,
     num_tokens: int,
-    k: int,
     num_experts: int,
-    *,
-    capacity: object = None,
-    capacity_factor: object = None,
-    capacity_scope: object = "call",
+    spec: RouterSpec,
     sequence_lengths: object = None,
-    pad_to_capacity: object = False,
     device: torch.device | None = None,
 ) -> CapacityPlan:
-    """Check ``moe_route``'s capacity options (typed errors, before anything is allocated) and return the plan:
+    """What ``spec``'s capacity options (checked when it was made) come to for a call of ``num_tokens`` tokens
+    with these ``sequence_lengths`` (typed errors, before anything is allocated):
 
-    - ``capacity`` (an int >= 0) or ``capacity_factor`` (C = ``expert_capacity``), not both;
+    - ``capacity`` or ``capacity_factor`` (C = ``expert_capacity``);
     - ``capacity_scope="call"``: one C per expert for all T tokens; ``"sequence"`` (with ``sequence_lengths``,
       summing to T): C_s per (sequence, expert), ``capacity`` or ``expert_capacity(L_s, k, E, capacity_factor)``
-      (0 for an empty sequence). It needs a capacity, and ``sequence_lengths`` needs it;
-    - ``pad_to_capacity`` (a bool; needs a capacity): every expert's group padded to ``capacity`` rows
-      (call scope: C; sequence scope: sum of C_s), whose token index must fit in ``device``'s memory."""
-    if (
-        capacity is None and capacity_factor is None and sequence_lengths is None and pad_to_capacity is False
-        and type(capacity_scope) is str and capacity_scope == "call"
-    ):  # fmt: skip
+      (0 for an empty sequence). ``sequence_lengths`` needs the sequence scope, and it needs them;
+    - ``pad_to_capacity``: every expert's group padded to ``capacity`` rows (call scope: C; sequence scope: sum
+      of C_s), whose token index must fit in ``device``'s memory."""
+    if not spec.limited and sequence_lengths is None:
         return NO_CAPACITY
-    cf = check_capacity_factor(capacity_factor, what)
-    cap = check_capacity(capacity, what)
-    if cap is not None and cf is not None:
-        raise InvalidArgumentError(
-            f"{what}: capacity={cap} and capacity_factor={cf} both given; pass one (a fixed capacity per expert, or "
-            "a factor of the balanced load)"
-        )
-    if not isinstance(capacity_scope, str) or capacity_scope not in CAPACITY_SCOPES:
-        raise InvalidArgumentError(f"{what}: capacity_scope={capacity_scope!r}; expected 'call' or 'sequence'")
-    if not isinstance(pad_to_capacity, bool):
-        raise ArgumentTypeError(f"{what}: pad_to_capacity must be a bool, got {type(pad_to_capacity).__name__}")
-    limited = cap is not None or cf is not None
-    if pad_to_capacity and not limited:
-        raise InvalidArgumentError(
-            f"{what}: pad_to_capacity=True needs a capacity to pad to; pass capacity= or capacity_factor="
-        )
-    T, K, E = num_tokens, k, num_experts
-    if capacity_scope == "sequence":
+    T, K, E = num_tokens, spec.k, num_experts
+    cap, cf = spec.capacity, spec.capacity_factor
+    if spec.capacity_scope == "sequence":
         if sequence_lengths is None:
             raise InvalidArgumentError(
                 f"{what}: capacity_scope='sequence' needs sequence_lengths (the tokens of each sequence, summing to "
                 f"T={T})"
             )
-        if not limited:
-            raise InvalidArgumentError(
-                f"{what}: capacity_scope='sequence' without a capacity has nothing to apply per sequence; pass "
-                "capacity= or capacity_factor=, or leave capacity_scope and sequence_lengths out"
-            )
         lens = check_sequence_lengths(sequence_lengths, T, what)
         caps = tuple(cap if cf is None else (expert_capacity(n, K, E, cf) if n else 0) for n in lens)
         kcaps = tuple(min(c, n * K) for c, n in zip(caps, lens))
         total = sum(caps)
-        plan = CapacityPlan(total, -1, lens, caps, kcaps, total if pad_to_capacity else -1)
+        plan = CapacityPlan(total, -1, lens, caps, kcaps, total if spec.pad_to_capacity else -1)
     else:
         if sequence_lengths is not None:
             raise InvalidArgumentError(
                 f"{what}: sequence_lengths given with capacity_scope='call', which would ignore them; pass "
                 "capacity_scope='sequence' for a capacity per sequence"
             )
-        if not limited:
-            return NO_CAPACITY
         c = cap if cf is None else expert_capacity(T, K, E, cf)
-        plan = CapacityPlan(c, min(c, T * K), None, None, (), c if pad_to_capacity else -1)
+        plan = CapacityPlan(c, min(c, T * K), None, None, (), c if spec.pad_to_capacity else -1)
     if plan.padded_capacity > 0:
         rows = E * plan.padded_capacity
         dev = device if device is not None else torch.device("cpu")

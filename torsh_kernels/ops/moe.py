@@ -3,9 +3,10 @@
 Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dropped assignments`` (padded:
 ``N = E * capacity``).
 
-- ``moe_route(logits [T, E], k=, score=, renormalize=, score_bias=, n_group=, topk_group=, scaling=,
-  capacity_factor=, drop_policy=, capacity=, capacity_scope=, sequence_lengths=, pad_to_capacity=)`` ->
-  :class:`Routing`.
+- ``moe_route(logits [T, E], spec, score_bias=, sequence_lengths=)`` -> :class:`Routing`. ``spec`` is a
+  :class:`~torsh_kernels.ops.RouterSpec` (``k``, ``score``, ``renormalize``, ``n_group``, ``topk_group``,
+  ``scaling``, ``capacity_factor``, ``capacity``, ``capacity_scope``, ``drop_policy``, ``pad_to_capacity``,
+  ``check_finite``), or its fields given as keywords (``moe_route(logits, k=2)``).
   Scores are computed in fp32: ``softmax`` over the E logits, or ``sigmoid`` of each. The K experts of
   a token are its K highest scores, in descending order; equal scores go to the lower expert index
   (ties are deterministic and the same for every provider). ``weights`` are the chosen scores,
@@ -105,10 +106,11 @@ import itertools
 import math
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from ..checks import check_choice, check_int, short
+from ..checks import check_choice
 from ..errors import (
     ArgumentTypeError,
     DeviceMismatchError,
@@ -121,10 +123,9 @@ from . import _eager
 from ._common import _check_strided, _check_tensor, _count, _on
 from ._moe_routing import (
     _SEALED,
-    CAPACITY_SCOPES,
     Routing,
-    check_capacity_factor,  # noqa: F401 (the layers import it from here)
     check_routing,
+    check_sequence_lengths,
     expert_capacity,
     out_of_range,
     plan_capacity,
@@ -133,13 +134,16 @@ from ._moe_routing import (
     sealed_rows,
 )
 from .registry import Op, check_provider
+from .router import CAPACITY_SCOPES, DROP_POLICIES, SCORES, RouterSpec
 
 __all__ = [
     "AUX_SCALES",
     "CAPACITY_SCOPES",
     "DROP_POLICIES",
     "SCORES",
+    "RouterSpec",
     "Routing",
+    "check_sequence_lengths",
     "expert_capacity",
     "moe_aux_loss",
     "moe_aux_loss_ref",
@@ -153,8 +157,6 @@ __all__ = [
     "moe_z_loss_ref",
 ]
 
-SCORES = ("softmax", "sigmoid")
-DROP_POLICIES = ("probability", "position")
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Above this many experts a token's scores no longer fit one kernel tile (the Triton kernel holds a
 # [BLOCK_T, next_pow2(E)] tile in registers); the route then runs the torch path.
@@ -254,94 +256,93 @@ def _choose_ref(
 
 def moe_route_ref(
     logits: torch.Tensor,
+    spec: RouterSpec | None = None,
     *,
-    k: int,
-    score: str = "softmax",
-    renormalize: bool = True,
     score_bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    scaling: float = 1.0,
-    capacity_factor: float | None = None,
-    drop_policy: str = "probability",
-    capacity: int | None = None,
-    capacity_scope: str = "call",
-    sequence_lengths: list[int] | tuple[int, ...] | torch.Tensor | None = None,
-    pad_to_capacity: bool = False,
+    sequence_lengths: Sequence[int] | torch.Tensor | None = None,
+    **options: Any,
 ) -> Routing:
-    """Plain PyTorch routing (see the module docstring); ``weights`` is differentiable by autograd (in the
-    logits; never in ``score_bias``). The selection arguments are taken as valid (``moe_route`` checks them);
-    the capacity options are checked as :func:`moe_route` checks them."""
+    """Plain PyTorch routing (see the module docstring), with ``spec`` (or its fields as keywords) as
+    :func:`moe_route` takes them; ``weights`` is differentiable by autograd (in the logits; never in
+    ``score_bias``). The selection's fit to E is taken as valid (``moe_route`` checks it); the capacity options
+    are checked as :func:`moe_route` checks them."""
+    if options or spec is None or type(spec) is not RouterSpec:
+        spec = RouterSpec.build(spec, options, "torsh_kernels.moe_route_ref")
     T, E = logits.shape
-    plan = plan_capacity(
-        "torsh_kernels.moe_route_ref", T, k, E, capacity=capacity, capacity_factor=capacity_factor,
-        capacity_scope=capacity_scope, sequence_lengths=sequence_lengths, pad_to_capacity=pad_to_capacity,
-        device=logits.device,
-    )  # fmt: skip
-    p = _scores_ref(logits, score)  # [T, E] fp32
-    indices = _choose_ref(p, k, score_bias, n_group or 0, topk_group or 0)  # [T, K]
+    k = spec.k
+    plan = plan_capacity("torsh_kernels.moe_route_ref", T, E, spec, sequence_lengths, logits.device)
+    p = _scores_ref(logits, spec.score)  # [T, E] fp32
+    indices = _choose_ref(p, k, score_bias, spec.n_group or 0, spec.topk_group or 0)  # [T, K]
     scores = p.gather(1, indices)  # [T, K]
-    weights = scores / scores.sum(1, keepdim=True) if renormalize else scores
-    if scaling != 1.0:
-        weights = weights * scaling
+    weights = scores / scores.sum(1, keepdim=True) if spec.renormalize else scores
+    if spec.scaling != 1.0:
+        weights = weights * spec.scaling
     flat = indices.reshape(-1)  # [T*K] token-major
     onehot = torch.nn.functional.one_hot(flat, E)  # [T*K, E]
+    keep = (
+        _kept_ref(flat, onehot, scores, plan, k, spec.drop_policy)
+        if plan.limited
+        else torch.ones_like(flat, dtype=torch.bool)
+    )
+    rows, token_index, n = _rows_ref(flat, onehot, keep, plan, k, E)
+    return Routing(
+        indices=indices, weights=weights, scores=scores, tokens_per_expert=(onehot * keep[:, None]).sum(0),
+        row_map=rows.view(T, k), token_index=token_index, dropped=~keep.view(T, k), num_experts=E, num_rows=n,
+        capacity=plan.capacity, score=spec.score, sequence_lengths=plan.sequence_lengths,
+        sequence_capacity=plan.sequence_capacity, padded=plan.padded_capacity >= 0,
+    )  # fmt: skip
+
+
+def _kept_ref(flat, onehot, scores, plan, k: int, drop_policy: str) -> torch.Tensor:
+    """[T*K] bool: the assignments their expert keeps under the capacity, per span it applies to (the call, or
+    each sequence): those ranking below the capacity among their expert's, by the policy's order."""
+    T = flat.numel() // k
+    if plan.sequence_lengths is None:
+        spans = [(0, T, plan.kernel_capacity)]  # (first token, end, capacity)
+    else:
+        ends = itertools.accumulate(plan.sequence_lengths)
+        spans = [(e - n, e, c) for e, n, c in zip(ends, plan.sequence_lengths, plan.kernel_sequence_capacity)]
     keep = torch.ones_like(flat, dtype=torch.bool)
-    if plan.limited:
-        # (first token, end, capacity) of each span the capacity applies to: the call, or each sequence
-        if plan.sequence_lengths is None:
-            spans = [(0, T, plan.kernel_capacity)]
-        else:
-            ends = itertools.accumulate(plan.sequence_lengths)
-            spans = [(e - n, e, c) for e, n, c in zip(ends, plan.sequence_lengths, plan.kernel_sequence_capacity)]
-        s_all = torch.nan_to_num(scores.detach().reshape(-1), nan=-1.0)
-        for a, b, c in spans:  # each assignment's rank among its expert's in the span, by the policy's order
-            sl = slice(a * k, b * k)
-            fl, oh = flat[sl], onehot[sl]
-            if drop_policy == "position":
-                order_a = torch.arange(fl.numel(), device=flat.device)
-            else:  # highest score first; equal scores: lower token first (stable sort)
-                order_a = torch.sort(s_all[sl], descending=True, stable=True).indices
-            rank_sorted = (torch.cumsum(oh[order_a], 0) - 1).gather(1, fl[order_a, None]).squeeze(1)
-            rank = torch.empty_like(rank_sorted)
-            rank[order_a] = rank_sorted
-            keep[sl] = rank < c
+    s_all = torch.nan_to_num(scores.detach().reshape(-1), nan=-1.0)
+    for a, b, c in spans:
+        sl = slice(a * k, b * k)
+        fl, oh = flat[sl], onehot[sl]
+        if drop_policy == "position":
+            order_a = torch.arange(fl.numel(), device=flat.device)
+        else:  # highest score first; equal scores: lower token first (stable sort)
+            order_a = torch.sort(s_all[sl], descending=True, stable=True).indices
+        rank_sorted = (torch.cumsum(oh[order_a], 0) - 1).gather(1, fl[order_a, None]).squeeze(1)
+        rank = torch.empty_like(rank_sorted)
+        rank[order_a] = rank_sorted
+        keep[sl] = rank < c
+    return keep
+
+
+def _rows_ref(flat, onehot, keep, plan, k: int, E: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(row of each assignment [T*K], -1 where dropped; token of each permuted row [N]; N): rows grouped by
+    expert, token order inside each group; padded: expert e's group is rows [e * C, (e + 1) * C), kept first."""
+    dev = flat.device
     kept = onehot * keep[:, None]
     counts = kept.sum(0)  # [E]
     pos = (torch.cumsum(kept, 0) - 1).gather(1, flat[:, None]).squeeze(1)
-    if plan.padded_capacity >= 0:  # expert e's group: rows [e * C, (e + 1) * C), the kept ones first
+    if plan.padded_capacity >= 0:
         C = plan.padded_capacity
         rows = torch.where(keep, flat * C + pos, -1)
         n = E * C
-        token_index = torch.full((n,), -1, dtype=torch.int64, device=logits.device)
-        token_index[rows[keep]] = torch.arange(flat.numel(), device=logits.device)[keep] // k
-    else:
-        starts = torch.cumsum(counts, 0) - counts
-        rows = torch.where(keep, starts[flat] + pos, -1)
-        if not plan.limited:  # every assignment kept: N = T * K, known without reading the counts
-            n = flat.numel()
-            token_index = torch.empty(n, dtype=torch.int64, device=logits.device)
-            token_index[rows] = torch.arange(n, device=logits.device) // k
-        else:
-            n = int(counts.sum())
-            token_index = torch.empty(n, dtype=torch.int64, device=logits.device)
-            token_index[rows[keep]] = torch.arange(flat.numel(), device=logits.device)[keep] // k
-    return Routing(
-        indices=indices,
-        weights=weights,
-        scores=scores,
-        tokens_per_expert=counts,
-        row_map=rows.view(T, k),
-        token_index=token_index,
-        dropped=~keep.view(T, k),
-        num_experts=E,
-        num_rows=n,
-        capacity=plan.capacity,
-        score=score,
-        sequence_lengths=plan.sequence_lengths,
-        sequence_capacity=plan.sequence_capacity,
-        padded=plan.padded_capacity >= 0,
-    )
+        token_index = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        token_index[rows[keep]] = torch.arange(flat.numel(), device=dev)[keep] // k
+        return rows, token_index, n
+    starts = torch.cumsum(counts, 0) - counts
+    rows = torch.where(keep, starts[flat] + pos, -1)
+    if not plan.limited:  # every assignment kept: N = T * K, known without reading the counts
+        n = flat.numel()
+        token_index = torch.empty(n, dtype=torch.int64, device=dev)
+        token_index[rows] = torch.arange(n, device=dev) // k
+        return rows, token_index, n
+    n = int(counts.sum())
+    token_index = torch.empty(n, dtype=torch.int64, device=dev)
+    token_index[rows[keep]] = torch.arange(flat.numel(), device=dev)[keep] // k
+    return rows, token_index, n
 
 
 def moe_permute_ref(x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -1163,209 +1164,125 @@ torch.library.register_autograd("torsh::moe_unpermute", _unpermute_backward, set
 
 def moe_route(
     logits: torch.Tensor,
+    spec: RouterSpec | None = None,
     *,
-    k: int,
-    score: str = "softmax",
-    renormalize: bool = True,
     score_bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    scaling: float = 1.0,
-    capacity_factor: float | None = None,
-    drop_policy: str = "probability",
-    capacity: int | None = None,
-    capacity_scope: str = "call",
-    sequence_lengths: list[int] | tuple[int, ...] | torch.Tensor | None = None,
-    pad_to_capacity: bool = False,
-    check_finite: bool = True,
+    sequence_lengths: Sequence[int] | torch.Tensor | None = None,
     provider: str | None = None,
+    **options: Any,
 ) -> Routing:
     """Route T tokens to K of E experts (see the module docstring).
 
     Args:
         logits: [T, E] router logits (fp32, fp16 or bf16); scores are computed in fp32.
-        k: experts per token, 1 <= k <= E.
-        score: "softmax" over the experts, or "sigmoid" per expert.
-        renormalize: divide each token's K chosen scores by their sum.
+        spec: a :class:`~torsh_kernels.ops.RouterSpec`: ``k`` and the routing options (the score function,
+            renormalisation, grouped selection, scaling, capacity and drop policy, padding, the NaN check).
+        **options: the spec's fields as keywords (``moe_route(logits, k=2, score="sigmoid")``), which build
+            it (once per distinct set) or refine ``spec``.
         score_bias: None, or an fp32 [E] tensor on the logits' device, finite, added to the scores for the
             selection only (DeepSeek-V3's ``e_score_correction_bias``); ``weights`` and ``scores`` stay
             unbiased and no gradient reaches it. Its values are checked once per version of the tensor
             (an in-place update moves the version; a write through ``.data`` is not seen).
-        n_group, topk_group: grouped selection (both or neither): ``n_group`` divides E, 1 <= topk_group <=
-            n_group, k <= topk_group * E / n_group; the K experts come from the ``topk_group`` groups whose
-            two highest biased scores sum highest.
-        scaling: finite and > 0; the weights are multiplied by it after the renormalisation (DeepSeek-V3's
-            ``routed_scaling_factor``).
-        capacity_factor: None for no limit, else each expert keeps at most
-            ``ceil(T * k * capacity_factor / E)`` assignments (per sequence: ``ceil(L_s * k * capacity_factor / E)``).
-        drop_policy: which assignments an overfull expert keeps: "probability" (highest scores) or
-            "position" (earliest tokens).
-        capacity: a fixed capacity per expert (an int >= 0; per sequence and expert in the sequence scope);
-            not together with ``capacity_factor``.
-        capacity_scope: "call" (the capacity applies to all T tokens) or "sequence" (to each sequence of
-            ``sequence_lengths`` and expert, as Switch Transformers does per group).
         sequence_lengths: with ``capacity_scope="sequence"``: the tokens of each sequence (ints >= 0 summing to T,
             the tokens laid out sequence after sequence), a list or tuple of ints or a 1-D integer tensor (read on
             the host).
-        pad_to_capacity: pad each expert's group of permuted rows with zero rows to ``routing.capacity`` rows
-            (needs a capacity): ``num_rows = E * capacity`` without reading the device (Megatron's
-            ``moe_pad_expert_input_to_capacity``).
-        check_finite: raise :class:`NonFiniteError` when a token's scores are NaN (one host sync).
         provider: "triton", "numba", "cpu" or "torch"; None selects automatically.
     """
+    if options or spec is None or type(spec) is not RouterSpec:
+        spec = RouterSpec.build(spec, options, _ROUTE)
     if (
         type(logits) is _T and logits.dtype is _F32 and logits.is_cpu and logits.dim() == 2
-        and logits.is_contiguous() and k.__class__ is int and 1 <= k <= (E := logits.shape[1])
-        and (T := logits.shape[0]) > 0 and (score == "softmax" or score == "sigmoid")
-        and (drop_policy == "probability" or drop_policy == "position")
-        and (capacity_factor is None or (capacity_factor.__class__ is float and 0.0 < capacity_factor < math.inf))
-        and (score_bias is None or _eager.plain(score_bias))
-        and capacity is None and sequence_lengths is None and pad_to_capacity is False and capacity_scope == "call"
-        and _eager.fast()
-        and _topk.select(_CPU, _F32, logits.numel(), provider or None) == "cpu"
+        and logits.is_contiguous() and (T := logits.shape[0]) > 0 and spec.k <= (E := logits.shape[1])
+        and sequence_lengths is None and not spec.pad_to_capacity and spec.capacity is None
+        and (score_bias is None or _eager.plain(score_bias)) and _eager.fast()
     ):  # fmt: skip
-        # The common case on the CPU with the cpu provider: both steps of its route in one kernel call, on
-        # the tensors' memory; with a gradient needed, as the forward of the op's registered autograd.
-        no_groups = n_group is None and topk_group is None
-        if score_bias is None and no_groups and scaling.__class__ is float and scaling == 1.0:  # the defaults
-            bias, G, TG, c = None, 0, 0, 1.0
-        else:
-            bias, G, TG, c = _check_selection(score_bias, n_group, topk_group, scaling, logits, k)
-        cap = -1 if capacity_factor is None else expert_capacity(T, k, E, capacity_factor)
+        r = _route_fast_paths(logits, spec, score_bias, provider, T, E)
+        if r is not None:
+            return r
+    return _route_checked(logits, spec, score_bias, sequence_lengths, provider)
+
+
+_ROUTE = "torsh_kernels.moe_route"
+
+
+def _route_fast_paths(logits, spec: RouterSpec, score_bias, provider, T: int, E: int) -> Routing | None:
+    """The common cases on fp32 contiguous CPU logits (no fixed capacity, no sequences, no padding): the cpu
+    provider's route in one kernel call (with a gradient needed, as the forward of the op's registered
+    autograd), or torch's for small k without a gradient; None when neither applies."""
+    k, score = spec.k, spec.score
+    if _topk.select(_CPU, _F32, logits.numel(), provider or None) == "cpu":
+        G, TG = spec.selection(E, _ROUTE)
+        bias = None if score_bias is None else _check_bias(score_bias, logits, _ROUTE)
+        cf = spec.capacity_factor
+        cap = -1 if cf is None else expert_capacity(T, k, E, cf)
         if logits.requires_grad and torch.is_grad_enabled():
             w, idx, s, counts, rows, tok = _eager.autograd_fast(
-                _route_op, _route_cpu_impl, logits, k, score, bool(renormalize), bias, G, TG, c, cap, drop_policy,
-                (), (), -1,
-                bool(check_finite), provider or "",
+                _route_op, _route_cpu_impl, logits, k, score, spec.renormalize, bias, G, TG, spec.scaling, cap,
+                spec.drop_policy, (), (), -1, spec.check_finite, provider or "",
             )  # fmt: skip
             dropped, n = rows < 0, tok.shape[0]
         else:
-            w, idx, s, counts, rows, tok, dropped, n = _route_cpu(logits, T, E, k, score, bool(renormalize), bias, G,
-                                                                  TG, c, cap, drop_policy, check_finite)  # fmt: skip
+            w, idx, s, counts, rows, tok, dropped, n = _route_cpu(logits, T, E, k, score, spec.renormalize, bias, G,
+                                                                  TG, spec.scaling, cap, spec.drop_policy,
+                                                                  spec.check_finite)  # fmt: skip
         return seal(Routing(indices=idx, weights=w, scores=s.detach(), tokens_per_expert=counts, row_map=rows,
                             token_index=tok, dropped=dropped, num_experts=E, num_rows=n,
                             capacity=None if cap < 0 else cap, score=score))  # fmt: skip
     if (
-        capacity_factor is None and capacity is None and sequence_lengths is None and pad_to_capacity is False
-        and capacity_scope == "call" and score_bias is None and n_group is None and topk_group is None
-        and scaling.__class__ is float and scaling == 1.0 and type(logits) is _T and logits.dtype is _F32
-        and logits.is_cpu and logits.dim() == 2 and logits.is_contiguous() and k.__class__ is int
-        and 1 <= k <= 8 and k <= (E := logits.shape[1]) and (T := logits.shape[0]) > 0
-        and score in SCORES and drop_policy in DROP_POLICIES
-        and not (logits.requires_grad and torch.is_grad_enabled())
-        and _eager.fast()
-        and _select(_topk, logits, provider or "", k, E) == "torch"
+        k <= 8 and score_bias is None and not spec.grouped and spec.scaling == 1.0 and spec.capacity_factor is None
+        and not (logits.requires_grad and torch.is_grad_enabled()) and _select(_topk, logits, provider or "", k, E)
+        == "torch"
     ):  # fmt: skip
-        r = _eager.run(_route_fast, logits, T, E, k, score, bool(renormalize))
-        if r is not None:
-            return r
-    what = "torsh_kernels.moe_route"
+        return _eager.run(_route_fast, logits, T, E, k, score, spec.renormalize)
+    return None
+
+
+def _route_checked(logits, spec: RouterSpec, score_bias, sequence_lengths, provider) -> Routing:
+    """moe_route with every input checked (typed errors), on any device, dtype and provider."""
+    what = _ROUTE
     check_provider(provider)
     logits = _check_logits(logits, what)
     _check_strided(logits, what, "logits")
     T, E = logits.shape
-    k = check_int(k, what, "k", 1, E)
-    score = check_choice(score, what, "score", SCORES)
-    bias, G, TG, c = _check_selection(score_bias, n_group, topk_group, scaling, logits, k)
-    drop_policy = check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
-    plan = plan_capacity(
-        what, T, k, E, capacity=capacity, capacity_factor=capacity_factor, capacity_scope=capacity_scope,
-        sequence_lengths=sequence_lengths, pad_to_capacity=pad_to_capacity, device=logits.device,
-    )  # fmt: skip
+    G, TG = spec.selection(E, what)
+    bias = None if score_bias is None else _check_bias(score_bias, logits, what)
+    plan = plan_capacity(what, T, E, spec, sequence_lengths, logits.device)
     if plan.limited and plan.padded_capacity < 0 and logits.is_meta:
-        limit = f"capacity={capacity}" if capacity is not None else f"capacity_factor={capacity_factor}"
+        limit = f"capacity={spec.capacity}" if spec.capacity is not None else f"capacity_factor={spec.capacity_factor}"
         raise InvalidArgumentError(
             f"{what}: logits are meta tensors and {limit}: the number of kept rows depends on the router's values, "
             "which meta tensors do not have; route without a capacity, pad to it (pad_to_capacity=True: E * capacity "
             "rows), or trace the model with torch.compile (a data-dependent size there)"
         )
     w, idx, s, counts, rows, tok = _eager.call_autograd(
-        _route_op,
-        logits.contiguous(),
-        k,
-        score,
-        bool(renormalize),
-        bias,
-        G,
-        TG,
-        c,
-        plan.kernel_capacity,
-        drop_policy,
-        list(plan.sequence_lengths or ()),
-        list(plan.kernel_sequence_capacity),
-        plan.padded_capacity,
-        bool(check_finite),
-        provider or "",
-    )
+        _route_op, logits.contiguous(), spec.k, spec.score, spec.renormalize, bias, G, TG, spec.scaling,
+        plan.kernel_capacity, spec.drop_policy, list(plan.sequence_lengths or ()), list(plan.kernel_sequence_capacity),
+        plan.padded_capacity, spec.check_finite, provider or "",
+    )  # fmt: skip
     r = Routing(
-        indices=idx,
-        weights=w,
-        scores=s.detach(),
-        tokens_per_expert=counts,
-        row_map=rows,
-        token_index=tok,
-        dropped=rows < 0,
-        num_experts=E,
-        num_rows=tok.shape[0],
-        capacity=plan.capacity,
-        score=score,
-        sequence_lengths=plan.sequence_lengths,
-        sequence_capacity=plan.sequence_capacity,
+        indices=idx, weights=w, scores=s.detach(), tokens_per_expert=counts, row_map=rows, token_index=tok,
+        dropped=rows < 0, num_experts=E, num_rows=tok.shape[0], capacity=plan.capacity, score=spec.score,
+        sequence_lengths=plan.sequence_lengths, sequence_capacity=plan.sequence_capacity,
         padded=plan.padded_capacity >= 0,
-    )
+    )  # fmt: skip
     return r if _eager.compiling() else seal(r)  # (while torch.compile traces: nothing to seal)
 
 
-def _check_selection(
-    score_bias: object, n_group: object, topk_group: object, scaling: object, logits: torch.Tensor, k: int
-) -> tuple[torch.Tensor | None, int, int, float]:
-    """moe_route's selection options as the custom op takes them: (the bias, contiguous, or None; n_group and
-    topk_group, 0 without groups; the scaling as a float); a typed error for a bad one. The bias's values are
+def _check_bias(score_bias: object, logits: torch.Tensor, what: str) -> torch.Tensor:
+    """The score bias as the custom op takes it (contiguous); a typed error for a bad one. Its values are
     checked by the op (:func:`_check_bias_finite`), at run time."""
-    what = "torsh_kernels.moe_route"
     E = logits.shape[1]
-    bias = None
-    if score_bias is not None:
-        bias = _check_tensor(score_bias, what, "score_bias")
-        if bias.dtype != torch.float32:
-            raise DTypeError(
-                f"{what}: score_bias has dtype {bias.dtype}; expected float32 (one fp32 value per expert, added to the "
-                "fp32 scores): pass bias.float()"
-            )
-        if tuple(bias.shape) != (E,):
-            raise ShapeError(
-                f"{what}: score_bias must be [E={E}] (one value per expert), got shape {tuple(bias.shape)}"
-            )
-        if bias.device != logits.device:
-            raise DeviceMismatchError(f"{what}: score_bias is on {bias.device}, the logits on {logits.device}")
-        if not bias.is_contiguous():
-            bias = bias.contiguous()
-    G = TG = 0
-    if (n_group is None) != (topk_group is None):
-        raise InvalidArgumentError(
-            f"{what}: n_group={n_group!r} and topk_group={topk_group!r}; give both (grouped selection) or neither"
+    bias = _check_tensor(score_bias, what, "score_bias")
+    if bias.dtype != torch.float32:
+        raise DTypeError(
+            f"{what}: score_bias has dtype {bias.dtype}; expected float32 (one fp32 value per expert, added to the "
+            "fp32 scores): pass bias.float()"
         )
-    if n_group is not None:
-        G = check_int(n_group, what, "n_group", 1, E)
-        if E % G:
-            raise InvalidArgumentError(
-                f"{what}: n_group={G} does not split the E={E} experts into equal groups; pass a divisor of {E}"
-            )
-        TG = check_int(topk_group, what, "topk_group", 1, G)
-        if k > TG * (E // G):
-            raise InvalidArgumentError(
-                f"{what}: k={k} is more than the {TG * (E // G)} experts of the topk_group={TG} kept groups of "
-                f"{E // G}; raise topk_group or lower k"
-            )
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-        raise ArgumentTypeError(f"{what}: scaling must be a number, got {type(scaling).__name__} {short(scaling)}")
-    try:
-        c = float(scaling)
-    except OverflowError:
-        c = math.inf
-    if not (math.isfinite(c) and c > 0):
-        raise InvalidArgumentError(f"{what}: scaling={short(scaling)} must be a finite number > 0 (1.0: no scaling)")
-    return bias, G, TG, c
+    if tuple(bias.shape) != (E,):
+        raise ShapeError(f"{what}: score_bias must be [E={E}] (one value per expert), got shape {tuple(bias.shape)}")
+    if bias.device != logits.device:
+        raise DeviceMismatchError(f"{what}: score_bias is on {bias.device}, the logits on {logits.device}")
+    return bias if bias.is_contiguous() else bias.contiguous()
 
 
 _T = torch.Tensor

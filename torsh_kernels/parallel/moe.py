@@ -74,6 +74,7 @@ layer's communicator) at ``update_expert_bias()``, so every rank moves its bias 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -82,33 +83,32 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..checks import check_bool, check_choice, check_int
+from ..checks import check_choice
 from ..collectives.agreement import agree, enabled
 from ..collectives.communicator import Communicator, as_communicator
-from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError, TorshKernelsError
+from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError
 from ..ops import count_nonfinite
-from ..ops._moe_routing import check_sequence_lengths
 from ..ops.moe import (
-    CAPACITY_SCOPES,
-    DROP_POLICIES,
-    SCORES,
     Routing,
-    check_capacity_factor,
+    check_sequence_lengths,
     moe_aux_loss,
     moe_permute,
     moe_route,
     moe_unpermute,
     moe_z_loss,
 )
+from ..ops.registry import check_provider
+from ..ops.router import RouterSpec
 from ._engine import grad_scaler_in_use
 from ._moe_experts import EXPERT_COMPUTE, activation, run_experts
 from .buckets import NONFINITE
-from .moe_balance import BiasBalancer, check_rate
+from .moe_balance import BiasBalancer
+from .moe_spec import ACTIVATIONS, LOAD_BALANCING, MoESpec
 
-__all__ = ["ACTIVATIONS", "LOAD_BALANCING", "BiasBalancer", "ExpertParallelMoE", "MoELayer"]
+__all__ = ["ACTIVATIONS", "LOAD_BALANCING", "BiasBalancer", "ExpertParallelMoE", "MoELayer", "MoESpec"]
 
-ACTIVATIONS = ("swiglu", "gelu", "relu")
-LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+_LAYER_FIELDS = frozenset(f.name for f in dataclasses.fields(MoESpec)) - {"route"}
+_ROUTE_FIELDS = frozenset(f.name for f in dataclasses.fields(RouterSpec))
 
 
 class _MoEBase(nn.Module):
@@ -116,151 +116,78 @@ class _MoEBase(nn.Module):
 
     def __init__(
         self,
-        what: str,
-        hidden: int,
-        ffn_hidden: int,
-        num_experts: int,
-        k: int,
+        spec: MoESpec,
         local_experts: int,
         first_expert: int,
         *,
-        score: str,
-        renormalize: bool,
-        capacity_factor: float | None,
-        drop_policy: str,
-        activation: str,
-        aux_loss_coef: float,
-        z_loss_coef: float,
         provider: str | None,
         device: torch.device | str | None,
         dtype: torch.dtype | None,
-        shared_experts: int,
-        shared_ffn_hidden: int | None,
-        shared_gate: bool,
-        expert_bias: bool,
-        bias_update_rate: float,
         bias_comm: Communicator | None,
-        n_group: int | None,
-        topk_group: int | None,
-        scaling: float,
-        capacity: int | None,
-        capacity_scope: str,
-        pad_to_capacity: bool,
-        load_balancing: str,
         expert_compute: str,
+        what: str,
     ) -> None:
         super().__init__()
-        self.hidden = check_int(hidden, what, "hidden", 1)
-        self.ffn_hidden = check_int(ffn_hidden, what, "ffn_hidden", 1)
-        self.num_experts = check_int(num_experts, what, "num_experts", 1)
-        self.k = check_int(k, what, "k", 1)
-        if k > num_experts:
-            raise InvalidArgumentError(f"{what}: k={k} exceeds num_experts={num_experts}")
-        check_choice(score, what, "score", SCORES)
-        check_choice(drop_policy, what, "drop_policy", DROP_POLICIES)
-        check_choice(activation, what, "activation", ACTIVATIONS)
-        check_choice(capacity_scope, what, "capacity_scope", CAPACITY_SCOPES)
-        check_choice(load_balancing, what, "load_balancing", LOAD_BALANCING)
         check_choice(expert_compute, what, "expert_compute", EXPERT_COMPUTE)
-        capacity_factor = check_capacity_factor(capacity_factor, what)
-        for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise InvalidArgumentError(f"{what}: {name}={v!r} must be a finite number >= 0")
-        shared_experts = check_int(shared_experts, what, "shared_experts", 0)
-        for name, v in (("shared_gate", shared_gate), ("expert_bias", expert_bias),
-                        ("pad_to_capacity", pad_to_capacity)):  # fmt: skip
-            check_bool(v, what, name)
-        if shared_ffn_hidden is not None:
-            check_int(shared_ffn_hidden, what, "shared_ffn_hidden", 1)
-        if not shared_experts and (shared_ffn_hidden is not None or shared_gate):
-            given = "shared_ffn_hidden" if shared_ffn_hidden is not None else "shared_gate=True"
-            raise InvalidArgumentError(
-                f"{what}: {given} without shared experts; pass shared_experts=1 (or more) to add a shared expert"
-            )
-        if bias_comm is not None and not expert_bias:
+        if bias_comm is not None and not spec.expert_bias:
             raise InvalidArgumentError(
                 f"{what}: bias_comm without an expert bias (it is the balancer's communicator); pass "
                 "expert_bias=True, or leave bias_comm out"
             )
-        bias_update_rate = check_rate(bias_update_rate, what, "bias_update_rate")
-        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-            raise ArgumentTypeError(f"{what}: scaling must be a number, got {type(scaling).__name__} {scaling!r}")
-        self.score, self.renormalize = score, bool(renormalize)
-        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
-        self.capacity, self.capacity_scope, self.pad_to_capacity = capacity, capacity_scope, pad_to_capacity
-        self.n_group, self.topk_group = n_group, topk_group
-        self.scaling = scaling  # (as given until moe_route has checked it: float() of a huge int overflows)
-        self.activation = activation
-        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
-        self.load_balancing = load_balancing
+        check_provider(provider)
+        self.spec = spec
+        """What this layer is (:class:`~torsh_kernels.parallel.MoESpec`); its fields (and its route's) read as
+        the layer's attributes: ``layer.k``, ``layer.score``, ``layer.hidden``..."""
         self.expert_compute = expert_compute
         """"auto" (grouped GEMM where it runs, else the loop), "grouped" or "loop"; may be changed at any time."""
         self.provider = provider
         self.local_experts, self.first_expert = local_experts, first_expert
-        self.shared_experts = shared_experts
-        self.shared_ffn_hidden = (shared_ffn_hidden or ffn_hidden * shared_experts) if shared_experts else None
-        self.expert_bias, self.bias_update_rate = expert_bias, bias_update_rate
-        self._check_routing_options(what)
-        self.scaling = float(scaling)
-        fk = dict(device=device, dtype=dtype)
-        self.router = nn.Linear(hidden, num_experts, bias=False, **fk)
-        gated = activation == "swiglu"
-        self.w_in = nn.Parameter(torch.empty(local_experts, hidden, ffn_hidden * (2 if gated else 1), **fk))
-        self.w_out = nn.Parameter(torch.empty(local_experts, ffn_hidden, hidden, **fk))
-        if shared_experts:
-            S = self.shared_ffn_hidden
-            self.shared_w_in = nn.Parameter(torch.empty(hidden, S * (2 if gated else 1), **fk))
-            self.shared_w_out = nn.Parameter(torch.empty(S, hidden, **fk))
+        H, F, fk = spec.hidden, spec.ffn_hidden, dict(device=device, dtype=dtype)
+        self.router = nn.Linear(H, spec.num_experts, bias=False, **fk)
+        gated = spec.activation == "swiglu"
+        self.w_in = nn.Parameter(torch.empty(local_experts, H, F * (2 if gated else 1), **fk))
+        self.w_out = nn.Parameter(torch.empty(local_experts, F, H, **fk))
+        if spec.shared_experts:
+            S = spec.shared_ffn_hidden
+            self.shared_w_in = nn.Parameter(torch.empty(H, S * (2 if gated else 1), **fk))
+            self.shared_w_out = nn.Parameter(torch.empty(S, H, **fk))
         else:
             self.register_parameter("shared_w_in", None)
             self.register_parameter("shared_w_out", None)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, **fk) if shared_gate else None
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False, **fk) if spec.shared_gate else None
         with torch.no_grad():  # nn.Linear's default: uniform(+-1/sqrt(fan_in))
-            self.w_in.uniform_(-1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
-            self.w_out.uniform_(-1 / math.sqrt(ffn_hidden), 1 / math.sqrt(ffn_hidden))
-            if shared_experts:
-                self.shared_w_in.uniform_(-1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
-                bound = 1 / math.sqrt(self.shared_ffn_hidden)
+            self.w_in.uniform_(-1 / math.sqrt(H), 1 / math.sqrt(H))
+            self.w_out.uniform_(-1 / math.sqrt(F), 1 / math.sqrt(F))
+            if spec.shared_experts:
+                self.shared_w_in.uniform_(-1 / math.sqrt(H), 1 / math.sqrt(H))
+                bound = 1 / math.sqrt(spec.shared_ffn_hidden)
                 self.shared_w_out.uniform_(-bound, bound)
         self.balancer = None
-        if expert_bias:
-            self.balancer = BiasBalancer(num_experts, rate=bias_update_rate, comm=bias_comm, device=device)
+        if spec.expert_bias:
+            self.balancer = BiasBalancer(spec.num_experts, rate=spec.bias_update_rate, comm=bias_comm, device=device)
         self.aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
 
-    # -- configuration ------------------------------------------------------------------------------------
-
-    def _route_options(self) -> dict[str, Any]:
-        """The routing options beyond k, score, renormalize, capacity_factor and drop_policy, as moe_route's
-        keyword arguments: only those set (the bias and the sequences are added per call)."""
-        kw: dict[str, Any] = {}
-        if self.n_group is not None or self.topk_group is not None:
-            kw["n_group"], kw["topk_group"] = self.n_group, self.topk_group
-        if self.scaling != 1.0:
-            kw["scaling"] = self.scaling
-        if self.capacity is not None:
-            kw["capacity"] = self.capacity
-        if self.capacity_scope != "call":
-            kw["capacity_scope"] = self.capacity_scope
-        if self.pad_to_capacity:
-            kw["pad_to_capacity"] = True
-        return kw
-
-    def _check_routing_options(self, what: str) -> None:
-        """moe_route's own checks of the routing options (one home), on an empty [0, E] call, re-raised with
-        this layer's name."""
-        kw = self._route_options()
-        if self.expert_bias:
-            kw["score_bias"] = torch.zeros(self.num_experts)
-        if self.capacity_scope == "sequence":
-            kw["sequence_lengths"] = [0]
+    def __getattr__(self, name: str) -> Any:
         try:
-            moe_route(torch.empty(0, self.num_experts), k=self.k, score=self.score, renormalize=self.renormalize,
-                      capacity_factor=self.capacity_factor, drop_policy=self.drop_policy, provider=self.provider,
-                      **kw)  # fmt: skip
-        except TorshKernelsError as e:
-            msg = str(e).removeprefix("torsh_kernels.moe_route: ")
-            raise type(e)(f"{what}: {msg}") from None
+            return super().__getattr__(name)  # parameters, buffers, submodules
+        except AttributeError:
+            spec = self.__dict__.get("spec")
+            if spec is not None and name in _LAYER_FIELDS:
+                return getattr(spec, name)
+            if spec is not None and name in _ROUTE_FIELDS:
+                return getattr(spec.route, name)
+            raise
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (name in _LAYER_FIELDS or name in _ROUTE_FIELDS) and "spec" in self.__dict__:
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is part of the layer's spec, which is frozen (the weights' shapes and "
+                "the ranks' agreement depend on it); build a layer from layer.spec.replace(...)"
+            )
+        super().__setattr__(name, value)
+
+    # -- configuration ------------------------------------------------------------------------------------
 
     def extra_repr(self) -> str:
         s = (
@@ -318,32 +245,29 @@ class _MoEBase(nn.Module):
     def _route(self, x: torch.Tensor, what: str, sequence_lengths: object) -> tuple[torch.Tensor, Routing]:
         if not isinstance(x, torch.Tensor):
             raise ArgumentTypeError(f"{what}: input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != self.hidden:
-            raise ShapeError(f"{what}: input must be [..., hidden={self.hidden}], got shape {tuple(x.shape)}")
-        x2 = x.reshape(-1, self.hidden)
+        if x.dim() < 1 or x.shape[-1] != self.spec.hidden:
+            raise ShapeError(f"{what}: input must be [..., hidden={self.spec.hidden}], got shape {tuple(x.shape)}")
+        x2 = x.reshape(-1, self.spec.hidden)
         T = x2.shape[0]
         seqs = self._sequences(x, T, sequence_lengths, what)
         logits = self.router(x2)  # [T, E]
-        kw = self._route_options()
-        if self.balancer is not None:
-            kw["score_bias"] = self.balancer.bias
-        if self.capacity_scope == "sequence":
-            kw["sequence_lengths"] = list(seqs) if seqs is not None else [T]
-        r = moe_route(
-            logits, k=self.k, score=self.score, renormalize=self.renormalize, capacity_factor=self.capacity_factor,
-            drop_policy=self.drop_policy, provider=self.provider, **kw,
-        )  # fmt: skip
+        route = self.spec.route
+        seq_lens = None
+        if route.capacity_scope == "sequence":
+            seq_lens = list(seqs) if seqs is not None else [T]
+        bias = self.balancer.bias if self.balancer is not None else None
+        r = moe_route(logits, route, score_bias=bias, sequence_lengths=seq_lens, provider=self.provider)
         if self.balancer is not None and self.training and torch.is_grad_enabled():
             self.balancer.observe(r.tokens_per_expert)
         aux = None
-        if self.aux_loss_coef and self.load_balancing != "none":
+        if self.spec.aux_loss_coef and self.spec.load_balancing != "none":
             groups = None
-            if self.load_balancing == "seq_aux_loss" and seqs is not None:
+            if self.spec.load_balancing == "seq_aux_loss" and seqs is not None:
                 groups = [n for n in seqs if n] or None
             lb = moe_aux_loss(logits, r, groups=groups) if groups is not None else moe_aux_loss(logits, r)
-            aux = self.aux_loss_coef * lb
-        if self.z_loss_coef:
-            z = self.z_loss_coef * moe_z_loss(logits)
+            aux = self.spec.aux_loss_coef * lb
+        if self.spec.z_loss_coef:
+            z = self.spec.z_loss_coef * moe_z_loss(logits)
             aux = z if aux is None else aux + z
         self.aux_loss = aux if aux is not None else logits.new_zeros((), dtype=torch.float32)
         self.last_routing = r
@@ -351,61 +275,33 @@ class _MoEBase(nn.Module):
 
     def _experts(self, x: torch.Tensor, counts: torch.Tensor, host_counts: Sequence[int] | None = None) -> torch.Tensor:
         """Rows of x grouped by local expert (``counts[e]`` rows for expert e) through their experts."""
-        return run_experts(x, counts, self.w_in, self.w_out, self.activation, self.expert_compute,
+        return run_experts(x, counts, self.w_in, self.w_out, self.spec.activation, self.expert_compute,
                            type(self).__name__, host_counts)  # fmt: skip
 
     def _add_shared(self, y: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         """y plus the shared expert's output on the tokens x2 (times its sigmoid gate), or y itself."""
-        if not self.shared_experts:
+        if not self.spec.shared_experts:
             return y
-        s = activation(x2 @ self.shared_w_in, self.activation) @ self.shared_w_out
+        s = activation(x2 @ self.shared_w_in, self.spec.activation) @ self.shared_w_out
         if self.shared_expert_gate is not None:
             s = torch.sigmoid(self.shared_expert_gate(x2)) * s
         return y + s
 
-    def _options(self) -> dict[str, Any]:
-        """The constructor's keyword arguments that make a layer like this one (for from_layer)."""
-        return dict(
-            score=self.score, renormalize=self.renormalize, capacity_factor=self.capacity_factor,
-            drop_policy=self.drop_policy, activation=self.activation, aux_loss_coef=self.aux_loss_coef,
-            z_loss_coef=self.z_loss_coef, provider=self.provider, shared_experts=self.shared_experts,
-            shared_ffn_hidden=self.shared_ffn_hidden, shared_gate=self.shared_expert_gate is not None,
-            expert_bias=self.expert_bias, bias_update_rate=self.bias_update_rate, n_group=self.n_group,
-            topk_group=self.topk_group, scaling=self.scaling, capacity=self.capacity,
-            capacity_scope=self.capacity_scope, pad_to_capacity=self.pad_to_capacity,
-            load_balancing=self.load_balancing, expert_compute=self.expert_compute,
-        )  # fmt: skip
-
 
 _LAYER_ARGS = """
     Args:
-        hidden: model width H.
-        ffn_hidden: each expert's inner width.
-        num_experts: E.
-        k: experts per token.
-        score, renormalize, capacity_factor, drop_policy: as :func:`~torsh_kernels.ops.moe_route`.
-        activation: "swiglu" (default, Mixtral), "gelu" or "relu"; the shared expert's too.
-        aux_loss_coef: weight of the load-balancing loss in ``aux_loss`` (0.01 is common).
-        z_loss_coef: weight of the router z-loss in ``aux_loss`` (ST-MoE uses 0.001).
+        hidden, ffn_hidden, num_experts, k: the layer's shape: model width H, each expert's inner width, E, and
+            experts per token (or all of it in ``spec``).
+        spec: a :class:`~torsh_kernels.parallel.MoESpec`: the shape, the routing (a
+            :class:`~torsh_kernels.ops.RouterSpec`), the activation, the losses, the shared expert, the expert
+            bias (see their fields).
+        **options: the fields of MoESpec and of RouterSpec as keywords (``score="sigmoid"``,
+            ``capacity_factor=1.25``, ``shared_experts=2``, ``expert_bias=True``...), which build the spec or
+            refine ``spec``.
         provider: provider of the routing ops (None: automatic).
-        shared_experts: how many shared experts (DeepSeek; 0: none). They are one MLP of width
-            ``shared_ffn_hidden`` (default ``ffn_hidden * shared_experts``) run on every token.
-        shared_ffn_hidden: the shared MLP's width (Megatron's ``moe_shared_expert_intermediate_size``,
-            Qwen2-MoE's ``shared_expert_intermediate_size``).
-        shared_gate: multiply the shared output by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE).
-        expert_bias: DeepSeek-V3's aux-loss-free balancing: a :class:`BiasBalancer` (``layer.balancer``) whose
-            bias is ``moe_route``'s ``score_bias``; call ``update_expert_bias()`` once per optimizer step.
-        bias_update_rate: its step (1e-3).
+        device, dtype: of the parameters.
         bias_comm: the communicator the balancer sums the counts over (module docstring); only with
             ``expert_bias=True``.
-        n_group, topk_group: grouped selection (``moe_route``'s; DeepSeek-V3's ``n_group`` / ``topk_group``).
-        scaling: the routed scaling factor the combine weights are multiplied by (DeepSeek-V3's
-            ``routed_scaling_factor``; 1.0: none).
-        capacity: a fixed capacity per expert (instead of ``capacity_factor``).
-        capacity_scope: "call" (the capacity applies to the forward's tokens) or "sequence" (to each sequence).
-        pad_to_capacity: pad every expert's rows to its capacity (Megatron's ``moe_pad_expert_input_to_capacity``:
-            static shapes; in :class:`ExpertParallelMoE` the all-to-all splits need no count exchange).
-        load_balancing: "aux_loss", "seq_aux_loss" or "none" (module docstring).
         expert_compute: "auto", "grouped" or "loop" (module docstring).
 """
 
@@ -415,45 +311,22 @@ class MoELayer(_MoEBase):
 
     def __init__(
         self,
-        hidden: int,
-        ffn_hidden: int,
-        num_experts: int,
-        k: int,
+        hidden: int | None = None,
+        ffn_hidden: int | None = None,
+        num_experts: int | None = None,
+        k: int | None = None,
         *,
-        score: str = "softmax",
-        renormalize: bool = True,
-        capacity_factor: float | None = None,
-        drop_policy: str = "probability",
-        activation: str = "swiglu",
-        aux_loss_coef: float = 0.01,
-        z_loss_coef: float = 0.0,
+        spec: MoESpec | None = None,
         provider: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        shared_experts: int = 0,
-        shared_ffn_hidden: int | None = None,
-        shared_gate: bool = False,
-        expert_bias: bool = False,
-        bias_update_rate: float = 1e-3,
         bias_comm: Communicator | None = None,
-        n_group: int | None = None,
-        topk_group: int | None = None,
-        scaling: float = 1.0,
-        capacity: int | None = None,
-        capacity_scope: str = "call",
-        pad_to_capacity: bool = False,
-        load_balancing: str = "aux_loss",
         expert_compute: str = "auto",
+        **options: Any,
     ) -> None:
-        super().__init__(
-            "MoELayer", hidden, ffn_hidden, num_experts, k, num_experts, 0, score=score, renormalize=renormalize,
-            capacity_factor=capacity_factor, drop_policy=drop_policy, activation=activation,
-            aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, provider=provider, device=device, dtype=dtype,
-            shared_experts=shared_experts, shared_ffn_hidden=shared_ffn_hidden, shared_gate=shared_gate,
-            expert_bias=expert_bias, bias_update_rate=bias_update_rate, bias_comm=bias_comm, n_group=n_group,
-            topk_group=topk_group, scaling=scaling, capacity=capacity, capacity_scope=capacity_scope,
-            pad_to_capacity=pad_to_capacity, load_balancing=load_balancing, expert_compute=expert_compute,
-        )  # fmt: skip
+        spec = MoESpec.of((hidden, ffn_hidden, num_experts, k), spec, options, "MoELayer")
+        super().__init__(spec, spec.num_experts, 0, provider=provider, device=device, dtype=dtype, bias_comm=bias_comm,
+                         expert_compute=expert_compute, what="MoELayer")  # fmt: skip
 
     def forward(self, x: torch.Tensor, *, sequence_lengths: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
         x2, r = self._route(x, "MoELayer", sequence_lengths)
@@ -511,63 +384,43 @@ class ExpertParallelMoE(_MoEBase):
 
     def __init__(
         self,
-        hidden: int,
-        ffn_hidden: int,
-        num_experts: int,
-        k: int,
-        comm: Communicator,
+        hidden: int | None = None,
+        ffn_hidden: int | None = None,
+        num_experts: int | None = None,
+        k: int | None = None,
+        comm: Communicator | None = None,
         *,
-        score: str = "softmax",
-        renormalize: bool = True,
-        capacity_factor: float | None = None,
-        drop_policy: str = "probability",
-        activation: str = "swiglu",
-        aux_loss_coef: float = 0.01,
-        z_loss_coef: float = 0.0,
+        spec: MoESpec | None = None,
         provider: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         broadcast_router: bool = True,
         mesh_dim: str | int | None = None,
         check_signatures: bool | None = None,
-        shared_experts: int = 0,
-        shared_ffn_hidden: int | None = None,
-        shared_gate: bool = False,
-        expert_bias: bool = False,
-        bias_update_rate: float = 1e-3,
         bias_comm: Communicator | None = None,
-        n_group: int | None = None,
-        topk_group: int | None = None,
-        scaling: float = 1.0,
-        capacity: int | None = None,
-        capacity_scope: str = "call",
-        pad_to_capacity: bool = False,
-        load_balancing: str = "aux_loss",
         expert_compute: str = "auto",
+        **options: Any,
     ) -> None:
         what = "ExpertParallelMoE"
         check = enabled(check_signatures, what)
+        if comm is None:
+            raise ArgumentTypeError(f"{what}: comm is required: the expert-parallel group's Communicator, "
+                                    "ProcessGroup or DeviceMesh")  # fmt: skip
         comm = as_communicator(
             comm, what, dim=mesh_dim, needs=("rank", "world_size", "all_to_all", "broadcast", "all_reduce")
         )
-        W = comm.world_size
-        check_int(num_experts, what, "num_experts", 1)
-        if num_experts % W:
+        spec = MoESpec.of((hidden, ffn_hidden, num_experts, k), spec, options, what)
+        W, E = comm.world_size, spec.num_experts
+        if E % W:
             raise InvalidArgumentError(
-                f"{what}: num_experts={num_experts} is not divisible by the world size {W}; every rank holds "
-                f"E/W experts, so choose E as a multiple of {W}"
+                f"{what}: num_experts={E} is not divisible by the world size {W}; every rank holds E/W experts, so "
+                f"choose E as a multiple of {W}"
             )
-        El = num_experts // W
-        super().__init__(
-            what, hidden, ffn_hidden, num_experts, k, El, comm.rank * El, score=score, renormalize=renormalize,
-            capacity_factor=capacity_factor, drop_policy=drop_policy, activation=activation,
-            aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, provider=provider, device=device, dtype=dtype,
-            shared_experts=shared_experts, shared_ffn_hidden=shared_ffn_hidden, shared_gate=shared_gate,
-            expert_bias=expert_bias, bias_update_rate=bias_update_rate,
-            bias_comm=comm if bias_comm is None and expert_bias is True else bias_comm, n_group=n_group,
-            topk_group=topk_group, scaling=scaling, capacity=capacity, capacity_scope=capacity_scope,
-            pad_to_capacity=pad_to_capacity, load_balancing=load_balancing, expert_compute=expert_compute,
-        )  # fmt: skip
+        El = E // W
+        if bias_comm is None and spec.expert_bias:
+            bias_comm = comm
+        super().__init__(spec, El, comm.rank * El, provider=provider, device=device, dtype=dtype, bias_comm=bias_comm,
+                         expert_compute=expert_compute, what=what)  # fmt: skip
         self.comm = comm
         self.last_dispatch: dict[str, object] = {}
         self.check_signatures = check
@@ -599,8 +452,9 @@ class ExpertParallelMoE(_MoEBase):
                 f"ExpertParallelMoE.from_layer: layer must be a MoELayer, got {type(layer).__name__}"
             )
         w = layer.w_in
-        options = {**layer._options(), "device": w.device, "dtype": w.dtype, "broadcast_router": False, **kwargs}
-        ep = cls(layer.hidden, layer.ffn_hidden, layer.num_experts, layer.k, comm, **options)
+        options = {"provider": layer.provider, "device": w.device, "dtype": w.dtype, "broadcast_router": False,
+                   "expert_compute": layer.expert_compute, **kwargs}  # fmt: skip
+        ep = cls(comm=comm, spec=layer.spec, **options)
         lo, hi = ep.first_expert, ep.first_expert + ep.local_experts
         with torch.no_grad():
             for mine, theirs in zip(ep._replicated(), layer._replicated()):
@@ -616,17 +470,7 @@ class ExpertParallelMoE(_MoEBase):
         """The configuration and the dtype of the rows dispatched, agreed once per dtype (module docstring)."""
         if not self.check_signatures or dtype in self._agreed:
             return
-        fields = [
-            ("num_experts", self.num_experts), ("k", self.k), ("hidden", self.hidden), ("ffn_hidden", self.ffn_hidden),
-            ("activation", self.activation), ("score", self.score), ("renormalize", self.renormalize),
-            ("n_group", self.n_group), ("topk_group", self.topk_group), ("scaling", self.scaling),
-            ("capacity_factor", self.capacity_factor), ("capacity", self.capacity),
-            ("capacity_scope", self.capacity_scope), ("drop_policy", self.drop_policy),
-            ("pad_to_capacity", self.pad_to_capacity), ("shared_experts", self.shared_experts),
-            ("shared_ffn_hidden", self.shared_ffn_hidden), ("shared_gate", self.shared_expert_gate is not None),
-            ("expert_bias", self.expert_bias), ("bias_update_rate", self.bias_update_rate),
-            ("load_balancing", self.load_balancing), ("parameter dtype", self.w_in.dtype), ("dtype", dtype),
-        ]  # fmt: skip
+        fields = [*self.spec.signature_fields("layer"), ("parameter dtype", self.w_in.dtype), ("dtype", dtype)]
         fix = "Construct the layer with the same arguments on every rank and give it inputs of one dtype."
         agree(self.comm, "an expert-parallel MoE layer", fields, what="ExpertParallelMoE", fix=fix)
         self._agreed.add(dtype)
@@ -645,7 +489,7 @@ class ExpertParallelMoE(_MoEBase):
         self._agreed.add(key)
 
     def forward(self, x: torch.Tensor, *, sequence_lengths: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
-        W, El, H = self.comm.world_size, self.local_experts, self.hidden
+        W, El, H = self.comm.world_size, self.local_experts, self.spec.hidden
         x2, r = self._route(x, "ExpertParallelMoE", sequence_lengths)
         if x2.dtype not in self._agreed:
             self._agree(x2.dtype)

@@ -392,8 +392,7 @@ def _profile_layer(layer, x: torch.Tensor, gy: torch.Tensor, reps: int) -> dict[
 
     H, w = layer.hidden, layer.ffn_hidden
     x2 = x.detach().reshape(-1, H)
-    route = dict(k=layer.k, score=layer.score, renormalize=layer.renormalize, capacity_factor=layer.capacity_factor,
-                 drop_policy=layer.drop_policy, provider=layer.provider, **layer._route_options())  # fmt: skip
+    route = dict(spec=layer.spec.route, provider=layer.provider)
     if layer.balancer is not None:
         route["score_bias"] = layer.balancer.bias
     gen = torch.Generator().manual_seed(7)

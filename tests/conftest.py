@@ -53,3 +53,25 @@ def gen(request) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     return g
+
+
+_SLOW_WHEN_INTERPRETED = {torch.float16, torch.bfloat16}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The fast tier's one rule beyond the explicit ``slow`` marks (docs/testing.md): where Triton's interpreter
+    and Numba's simulator run the kernels (no GPU), an op test's triton and numba cases in 16-bit dtypes are
+    ``slow``. The simulator and interpreter run every thread in Python, so these cases take most of the op
+    tests' time; their fp32 (and fp64) cases, and every dtype on the cpu and torch providers, stay in the fast
+    tier, and plain ``pytest`` runs them all. On a GPU the kernels are compiled and nothing is marked."""
+    if GPU:
+        return
+    slow = pytest.mark.slow
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (
+            item.nodeid.startswith("tests/ops/")
+            and params.get("provider") in ("triton", "numba")
+            and params.get("dtype") in _SLOW_WHEN_INTERPRETED
+        ):
+            item.add_marker(slow)

@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CATALOGUE = textwrap.dedent(
@@ -44,6 +46,7 @@ CATALOGUE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # scripts/probe.py over a catalogue, in a subprocess
 def test_probe_tells_every_outcome_apart(tmp_path):
     (tmp_path / "toy.py").write_text(CATALOGUE)
     out = tmp_path / "probe.json"

@@ -114,6 +114,7 @@ def test_console_script_providers():
     assert rows["cpu"][2] == rows["torch"][2] == "cpu tensors:   yes"
 
 
+@pytest.mark.slow  # benchmark or demo runs in subprocesses
 def test_bench_compression_prints_tables_and_writes_json(tmp_path, capsys):
     out = tmp_path / "compression.json"
     rc = main(["bench", "compression", "--device", "cpu", "--providers", "torch", "--sizes", "0.25",
@@ -135,6 +136,7 @@ def test_bench_compression_prints_tables_and_writes_json(tmp_path, capsys):
     assert main(["bench", "compression", "--device", "cpu", "--sizes", "0"]) == 2
 
 
+@pytest.mark.slow  # benchmark or demo runs in subprocesses
 def test_bench_collectives_runs_real_ranks_and_writes_json(tmp_path, capsys):
     out = tmp_path / "coll.json"
     rc = main(["bench", "collectives", "--world-size", "2", "--sizes", "4K,64K", "--compress-sizes", "64K",
@@ -362,6 +364,7 @@ def test_bench_offload_prints_tables_and_writes_json(tmp_path, capsys):
     assert opt["OffloadedOptimizer(bf16)"]["peak_bytes"] == pytest.approx(opt["AdamW"]["peak_bytes"] / 2, rel=1e-3)
 
 
+@pytest.mark.slow  # benchmark or demo runs in subprocesses
 def test_bench_harness_json_and_compare(tmp_path, capsys):
     """`torsh bench SUITE SUITE --json` runs both through one harness; `--compare` against that JSON passes,
     against a baseline where our cases were 10x faster it fails and names them; peers never fail it."""
@@ -692,6 +695,7 @@ def _in_process_group(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # benchmark or demo runs in subprocesses
 def test_ctrl_c_stops_the_demo_and_every_rank():
     """Ctrl-C in a terminal signals the whole process group: the ranks ignore it, the command stops them, says so
     on one line and exits 130; no process it started outlives it."""
@@ -746,6 +750,7 @@ def _wrote(text: str) -> list[str]:
     return [line.removeprefix("wrote ") for line in text.splitlines() if line.startswith("wrote ")]
 
 
+@pytest.mark.slow  # benchmark or demo runs in subprocesses
 def test_a_suite_json_is_its_own_baseline(tmp_path, capsys):
     """`torsh bench bucket --json J`, then `torsh bench --compare J`: the suite runs again with J's options and every
     case of J is compared; every path printed exists afterwards. Keys that match nothing: exit 2, said so."""

@@ -16,7 +16,7 @@ from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentE
 from torsh_kernels.ops import _bucket_tables, _common
 from torsh_kernels.ops.bucket import BucketLayout, bucket_reduce_ref, flatten_ref, unflatten_ref, wire_cast_ref
 
-COUNTS = (1, 3, 130, 600)
+COUNTS = (1, 3, 130, pytest.param(600, marks=pytest.mark.slow))  # 600 tensors: tens of seconds interpreted
 
 
 def make_tensors(count: int, dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
@@ -430,7 +430,7 @@ class _NamedCounter:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("count", [1, 3, 130, 600])
+@pytest.mark.parametrize("count", [1, 3, 130, pytest.param(600, marks=pytest.mark.slow)])
 def test_triton_launch_count_does_not_grow_with_tensor_count(count, gen, monkeypatch):
     """At most three launches per dtype group (aligned segments, one-side-aligned segments, the gather of
     strided tensors and unaligned pieces), whatever the number of tensors."""

@@ -970,7 +970,11 @@ _ONLY = {"moe_losses": ("cpu", "torch"), "count_nonfinite": ("torch",)}  # the l
 PAIRS = [(op, p) for op in DRAWERS for p in PROVIDERS if p in _ONLY.get(op, PROVIDERS)]
 
 
-@pytest.mark.parametrize(("op", "provider"), PAIRS, ids=[f"{o}-{p}" for o, p in PAIRS])
+_SLOW_PAIRS = {("quantize", "numba")}  # over 10 s in Numba's simulator; the other pairs take a second or less
+PARAMS = [pytest.param(o, p, id=f"{o}-{p}", marks=pytest.mark.slow if (o, p) in _SLOW_PAIRS else ()) for o, p in PAIRS]
+
+
+@pytest.mark.parametrize(("op", "provider"), PARAMS)
 def test_fuzz(op, provider):
     drawer = DRAWERS[op]
 

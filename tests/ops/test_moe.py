@@ -159,7 +159,7 @@ PERM_CASES = [
     pytest.param(37, 6, 2, 19, None, id="T37-H19"),
     pytest.param(1, 3, 1, 7, None, id="T1"),
     pytest.param(23, 5, 5, 33, None, id="k=E"),
-    pytest.param(13, 7, 3, 1030, 0.5, id="cap-H1030"),  # C = ceil(0.5 * 13 * 3 / 7) = 3: drops
+    pytest.param(13, 7, 3, 1030, 0.5, id="cap-H1030", marks=pytest.mark.slow),  # C = ceil(0.5 * 13 * 3 / 7) = 3
 ]
 
 

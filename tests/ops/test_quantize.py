@@ -29,7 +29,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HYP = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.mark.parametrize("n", [1, 3, 255, 1000, 4097])
+@pytest.mark.parametrize("n", [1, 3, 255, 1000, pytest.param(4097, marks=pytest.mark.slow)])  # (the simulator)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])

@@ -42,7 +42,8 @@ def _max_rel(a: nn.Module, b: nn.Module) -> float:
     return max(((p - q).norm() / q.norm()).item() for p, q in zip(a.parameters(), b.parameters()))
 
 
-@pytest.mark.parametrize("chunk_mb", [1e-3, 32.0], ids=["many-chunks", "one-chunk"])
+@pytest.mark.parametrize("chunk_mb", [pytest.param(1e-3, id="many-chunks", marks=pytest.mark.slow),
+                                      pytest.param(32.0, id="one-chunk")])  # fmt: skip
 def test_fp32_state_equals_adamw_bit_for_bit(chunk_mb):
     ref, ours = _model(), _model()
     ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-3, weight_decay=0.01)

@@ -163,8 +163,8 @@ def _inspect(*args: str, env_extra: dict | None = None) -> subprocess.CompletedP
                           text=True, env=env, timeout=600)  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", [pytest.param("sm_80", marks=pytest.mark.slow), "sm_90",
-                                  pytest.param("sm_100", marks=pytest.mark.slow)])  # fmt: skip
+@pytest.mark.slow  # compiles real kernels with ptxas (the whole set: tests/ops/test_gpu_compile.py)
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
 def test_the_command_compiles_and_reads_real_kernels(arch):
     pytest.importorskip("triton")
     r = _inspect("--arch", arch, "--family", "error_feedback", "--match", "error_update fp32->bf16 out", "--json")
@@ -187,6 +187,7 @@ def test_the_command_compiles_and_reads_real_kernels(arch):
         assert by["numba"]["registers"] > 0 and by["numba"]["share_128"] == 0.0
 
 
+@pytest.mark.slow  # a fresh `torsh inspect` process per bad argument
 def test_the_command_refuses_bad_input_in_one_line():
     bad = [(["--arch", "sm_75"], "invalid choice"), (["--family", "nope"], "family"),
            (["--meta", "flatten:BLOCK=3"], "BLOCK in"), (["--meta", "nope:BLOCK=4096"], "OP one of")]  # fmt: skip

@@ -161,6 +161,7 @@ def test_interactive_needs_a_terminal(trace_dir):
     assert p.returncode == 2 and "needs a terminal" in p.stderr
 
 
+@pytest.mark.slow  # a real terminal session in a pseudo-terminal
 def test_interactive_in_a_pty(trace_dir):
     from tests.helpers import Pty
 

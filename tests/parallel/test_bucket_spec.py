@@ -94,3 +94,22 @@ def test_the_deprecated_quantize_mode_sets_the_scheme():
         a = CompressionHookState(None, "auto", quantize_mode="all_gather")
     want = [dataclasses.replace(c, scheme="all_gather") if isinstance(c, Quantize) else c for c in default_candidates()]
     assert list(a._engine.auto.candidates) == want
+
+
+def test_the_fsdp_comms_spec():
+    from torsh_kernels.parallel import QuantizedCommSpec
+    from torsh_kernels.parallel.fsdp_format import QuantizedFormat
+
+    s = QuantizedCommSpec(weights="int4", grads=None, block=64)
+    assert s.format("weights") == QuantizedFormat(bits=4, block=64) and s.format("grads") is None
+    assert dict(s.signature_fields("comms"))["comms.weights"] == "int4"
+    for bad, err, text in [
+        (dict(weights="fp8"), InvalidArgumentError, "weights='fp8'"),
+        (dict(block=48), InvalidArgumentError, "block must be a power of two"),
+        (dict(block=True), InvalidArgumentError, "block must be a power of two"),
+        (dict(error_feedback=1), ArgumentTypeError, "error_feedback must be True or False"),
+    ]:
+        with pytest.raises(err, match=text):
+            QuantizedCommSpec(**bad)
+    with pytest.raises(InvalidArgumentError, match=r"bits must be one of \(8, 4\)"):
+        QuantizedFormat(bits=2)

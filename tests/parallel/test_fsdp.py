@@ -672,10 +672,10 @@ def _mismatch_worker(comm) -> dict:
 
 
 def test_ranks_whose_quantized_comms_differ_all_raise_naming_the_difference():
-    named = {"ag_bits": "format: int8 on rank 0, int4 on rank 1", "ag_block": "block: 256 on rank 0, 64 on rank 1",
+    named = {"ag_bits": "format.bits: 8 on rank 0, 4 on rank 1", "ag_block": "block: 256 on rank 0, 64 on rank 1",
              "ag_dtype": "dtype: torch.float32 on rank 0, torch.bfloat16 on rank 1",
              "ag_path": "path: quantized on rank 0, unquantized on rank 1",
-             "rs_bits": "format: int8 on rank 0, int4 on rank 1",
+             "rs_bits": "format.bits: 8 on rank 0, 4 on rank 1",
              "rs_error_feedback": "error_feedback: True on rank 0, False on rank 1",
              "rs_op": "reduce scale: 0.5 on rank 0, 1.0 on rank 1",
              "apply": "grads: int8 on rank 0, int4 on rank 1"}  # fmt: skip

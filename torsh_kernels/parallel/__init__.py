@@ -9,9 +9,11 @@ takes about a second)."""
 from __future__ import annotations
 
 from .buckets import BucketSpec
+from .fsdp_format import QuantizedCommSpec
 from .hooks import CompressionHookState, HookStats, compression_hook
 from .moe import ExpertParallelMoE, MoELayer
 from .moe_balance import BiasBalancer
+from .moe_spec import MoESpec
 from .offload_optimizer import OffloadedOptimizer
 from .offload_params import ParameterOffloader
 from .synchronizer import GradientConsistency, GradientSynchronizer, SyncStats
@@ -25,9 +27,11 @@ __all__ = [
     "GradientSynchronizer",
     "HookStats",
     "MoELayer",
+    "MoESpec",
     "OffloadedOptimizer",
     "ParameterOffloader",
     "QuantizedAllGather",
+    "QuantizedCommSpec",
     "QuantizedReduceScatter",
     "SyncStats",
     "apply_quantized_comm",

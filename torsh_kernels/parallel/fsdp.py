@@ -58,7 +58,7 @@ from ..collectives.communicator import TorchCommunicator, as_communicator, is_co
 from ..collectives.traffic import wire_bytes as _on_wire
 from ..compression import Compressor, NoCompression, compressed_all_reduce
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..ops import dequantize, quantize
+from .fsdp_format import FORMATS, QuantizedCommSpec, QuantizedFormat, Wire, encoded_nbytes
 
 try:  # private in torch 2.13 (the public setters take instances of these)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGather
@@ -67,8 +67,11 @@ except ImportError:  # pragma: no cover - a torch without FSDP2's comm interface
     _AllGather = _ReduceScatter = object
 
 __all__ = [
+    "FORMATS",
     "Installed",
     "QuantizedAllGather",
+    "QuantizedCommSpec",
+    "QuantizedFormat",
     "QuantizedReduceScatter",
     "ReplicaAllReduce",
     "apply_quantized_comm",
@@ -82,45 +85,6 @@ RESIDUAL = "torsh_rs_residual"
 """Name of the error-feedback residual buffer :func:`apply_quantized_comm` registers on an FSDP module."""
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check(bits: object, block: object, what: str, allowed: Sequence[int]) -> None:
-    if isinstance(bits, bool) or bits not in allowed:
-        raise InvalidArgumentError(f"{what}: bits must be one of {tuple(allowed)}, got {bits!r}")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1):
-        raise InvalidArgumentError(f"{what}: block must be a power of two >= 2, got {block!r}")
-
-
-class _Wire:
-    """Where one rank's payload of ``n`` elements lies in its byte segment: codes, then fp32 scales at an
-    8-byte aligned offset; segments are 8-byte multiples so every rank's scales stay aligned."""
-
-    __slots__ = ("bits", "block", "n", "qbytes", "sc_off", "scales", "total")
-
-    def __init__(self, n: int, bits: int, block: int) -> None:
-        self.n, self.bits, self.block = n, bits, block
-        self.qbytes = n if bits == 8 else (n + 1) // 2
-        self.scales = -(-n // block)
-        self.sc_off = -(-self.qbytes // 8) * 8
-        self.total = -(-(self.sc_off + 4 * self.scales) // 8) * 8
-
-    def views(self, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = seg[: self.qbytes]
-        if self.bits == 8:
-            q = q.view(torch.int8)
-        return q, seg[self.sc_off : self.sc_off + 4 * self.scales].view(torch.float32)
-
-    def encode(self, x: torch.Tensor, seg: torch.Tensor) -> None:
-        quantize(x, bits=self.bits, block=self.block, out=self.views(seg))
-
-    def decode(self, seg: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0) -> None:
-        q, sc = self.views(seg)
-        dequantize(q, sc, block=self.block, numel=self.n, out=out, accumulate=accumulate, alpha=alpha)
-
-
-def encoded_nbytes(numel: int, bits: int = 8, block: int = 256) -> int:
-    """Bytes one rank's payload of ``numel`` elements takes on the wire (codes, scales, alignment)."""
-    return _Wire(numel, bits, block).total
 
 
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool):
@@ -244,7 +208,8 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
 
     def __init__(self, bits: int = 8, block: int = 256, *, shard_group_size: int | None = None,
                  comm: object = None, check_signatures: bool | None = None) -> None:  # fmt: skip
-        _check(bits, block, "QuantizedAllGather", (8, 4))
+        self.format = QuantizedFormat.build(None, {"bits": bits, "block": block}, "QuantizedAllGather")
+        """What it sends (bits, block): a spec, agreed with the other ranks."""
         self._set_comm(comm, "QuantizedAllGather")
         self._set_checks(check_signatures, "QuantizedAllGather")
         if shard_group_size is not None and (
@@ -253,7 +218,7 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
             raise InvalidArgumentError(
                 f"QuantizedAllGather: shard_group_size must be a positive int or None, got {shard_group_size!r}"
             )
-        self.bits, self.block, self.shard_group_size = bits, block, shard_group_size
+        self.bits, self.block, self.shard_group_size = self.format.bits, self.format.block, shard_group_size
         self.calls = 0
         """All-gathers run (quantized or passed through)."""
         self.plain_calls = 0
@@ -283,7 +248,7 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
         if not plain:
             self._check_ranks(group, what)
         self._agree(group, (n, x.dtype, out.dtype, ws, plain), [
-            ("path", "unquantized" if plain else "quantized"), ("format", f"int{self.bits}"), ("block", self.block),
+            ("path", "unquantized" if plain else "quantized"), *self.format.signature_fields("format"),
             ("shard_group_size", self.shard_group_size), ("shard numel", n), ("dtype", x.dtype),
             ("output dtype", out.dtype),
         ], what)  # fmt: skip
@@ -295,7 +260,7 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
                 return _all_gather(out, x, group, async_op)
             except Exception as e:
                 raise self._group_comm(group).failure("all_gather", e) from e
-        w = _Wire(n, self.bits, self.block)
+        w = Wire(n, self.bits, self.block)
         send = torch.empty(w.total, dtype=torch.uint8, device=x.device)
         w.encode(x, send)  # before anything overwrites x (FSDP2's input is a view of the output)
         recv = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
@@ -330,7 +295,8 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
     def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = True, *,
                  residual: torch.Tensor | None = None, comm: object = None,
                  check_signatures: bool | None = None) -> None:  # fmt: skip
-        _check(bits, block, "QuantizedReduceScatter", (8, 4))
+        self.format = QuantizedFormat.build(None, {"bits": bits, "block": block}, "QuantizedReduceScatter")
+        """What it sends (bits, block): a spec, agreed with the other ranks."""
         self._set_comm(comm, "QuantizedReduceScatter")
         self._set_checks(check_signatures, "QuantizedReduceScatter")
         if not isinstance(error_feedback, bool):
@@ -339,7 +305,7 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
             )
         if residual is not None and (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32):
             raise ArgumentTypeError("QuantizedReduceScatter: residual must be an fp32 torch.Tensor or None")
-        self.bits, self.block, self.error_feedback = bits, block, error_feedback
+        self.bits, self.block, self.error_feedback = self.format.bits, self.format.block, error_feedback
         self.residual = residual
         self.calls = 0
         self.bytes_sent = 0
@@ -382,8 +348,8 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
         if n and x.dtype not in _FLOATS:
             raise InvalidArgumentError(f"{what}: gradients must be fp32, bf16 or fp16, got {x.dtype}")
         self._agree(group, (n, x.dtype, ws, scale), [
-            ("format", f"int{self.bits}"), ("block", self.block), ("error_feedback", self.error_feedback),
-            ("shard numel", n), ("dtype", x.dtype), ("reduce scale", scale),
+            *self.format.signature_fields("format"), ("error_feedback", self.error_feedback), ("shard numel", n),
+            ("dtype", x.dtype), ("reduce scale", scale),
         ], what)  # fmt: skip
         self.calls += 1
         if n == 0:
@@ -401,7 +367,7 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
                     )
                 res = self.residual = torch.zeros(acc.numel(), dtype=torch.float32, device=acc.device)
             acc += res.view(-1)
-        w = _Wire(n, self.bits, self.block)
+        w = Wire(n, self.bits, self.block)
         send = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
         chunks = acc.view(ws, n)
         for r in range(ws):
@@ -550,9 +516,6 @@ def _residual_buffer(fsdp_mod: nn.Module, params: list[torch.Tensor]) -> torch.T
     return buf.to_local()
 
 
-_FORMATS = {"int8": 8, "int4": 4}
-
-
 @dataclass(frozen=True, slots=True)
 class Installed:
     """What :func:`apply_quantized_comm` installed on one FSDP module (their ``bytes_sent`` and ``calls``
@@ -629,7 +592,7 @@ def _hsdp_replicate(mods: list[nn.Module], replicate: object, what: str) -> obje
     return root, others[0]
 
 
-def _agree_install(mods, weights, grads, block, error_feedback, hsdp_grads, comm, what: str) -> None:
+def _agree_install(mods, spec: QuantizedCommSpec, hsdp_grads, comm, what: str) -> None:
     """:func:`apply_quantized_comm`'s settings and the sharded modules, agreed over the shard group (the
     mesh dimension FSDP2 shards over) before anything is installed."""
     params = [p for m in mods for p in managed_parameters(m)]
@@ -638,10 +601,7 @@ def _agree_install(mods, weights, grads, block, error_feedback, hsdp_grads, comm
         return  # nothing sharded: no collective will run
     shard = TorchCommunicator(mesh.get_group(mesh.ndim - 1))
     fields = [
-        ("weights", weights),
-        ("grads", grads),
-        ("block", block),
-        ("error_feedback", error_feedback),
+        *spec.signature_fields("comms"),
         ("hsdp_grads", None if hsdp_grads is None else hsdp_grads.describe()),
         # the transport the collectives take, not the class that carries them (a wrapper around the same
         # transport, e.g. a tracing or fault-injecting one on a single rank, issues the same collectives)
@@ -656,15 +616,13 @@ def _agree_install(mods, weights, grads, block, error_feedback, hsdp_grads, comm
 
 def apply_quantized_comm(
     module: nn.Module,
+    spec: QuantizedCommSpec | None = None,
     *,
-    weights: str | None = "int8",
-    grads: str | None = "int8",
-    block: int = 256,
-    error_feedback: bool = True,
     hsdp_grads: object = None,
     replicate: object = None,
     comm: object = None,
     check_signatures: bool | None = None,
+    **options: object,
 ) -> list[Installed]:
     """Install :class:`QuantizedAllGather` (``weights``: "int8", "int4" or None) and
     :class:`QuantizedReduceScatter` (``grads``: "int8", "int4" or None) on every ``FSDPModule`` of
@@ -692,12 +650,7 @@ def apply_quantized_comm(
     what differs otherwise, and the model is left as it was), and let the installed comms agree on each
     new call configuration (see the module docstring). None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``."""
     what = "apply_quantized_comm"
-    for name, v in (("weights", weights), ("grads", grads)):
-        if v is not None and v not in _FORMATS:
-            raise InvalidArgumentError(f"{what}: {name} must be 'int8', 'int4' or None, got {v!r}")
-    _check(8, block, what, (8,))
-    if not isinstance(error_feedback, bool):
-        raise ArgumentTypeError(f"{what}: error_feedback must be a bool, got {type(error_feedback).__name__}")
+    spec = QuantizedCommSpec.build(spec, options, what)
     if hsdp_grads is None and replicate is not None:
         raise InvalidArgumentError(
             f"{what}: replicate= is the replicas' dimension of hsdp_grads; pass hsdp_grads= too (a torsh "
@@ -719,7 +672,7 @@ def apply_quantized_comm(
         replicate = _hsdp_replicate(mods, replicate, what)
         rep = as_communicator(replicate, what, needs=("rank", "world_size", "device", "all_reduce", "all_gather"))
     if check:
-        _agree_install(mods, weights, grads, block, error_feedback, hsdp_grads, comm, what)
+        _agree_install(mods, spec, hsdp_grads, comm, what)
     if isinstance(hsdp_grads, NoCompression):
         hsdp_grads = None
     changed = []
@@ -728,13 +681,13 @@ def apply_quantized_comm(
         if not params:
             continue  # e.g. a root that only groups FSDP children: FSDP2 runs no collective for it
         ag = rs = None
-        if weights is not None:
-            ag = QuantizedAllGather(bits=_FORMATS[weights], block=block, shard_group_size=_shard_group_size(params),
-                                    comm=comm, check_signatures=check)  # fmt: skip
+        if (f := spec.format("weights")) is not None:
+            ag = QuantizedAllGather(bits=f.bits, block=f.block, shard_group_size=_shard_group_size(params), comm=comm,
+                                    check_signatures=check)  # fmt: skip
             m.set_custom_all_gather(ag)
-        if grads is not None:
-            res = _residual_buffer(m, params) if error_feedback else None
-            rs = QuantizedReduceScatter(bits=_FORMATS[grads], block=block, error_feedback=error_feedback, residual=res,
+        if (f := spec.format("grads")) is not None:
+            res = _residual_buffer(m, params) if spec.error_feedback else None
+            rs = QuantizedReduceScatter(bits=f.bits, block=f.block, error_feedback=spec.error_feedback, residual=res,
                                         comm=comm, check_signatures=check)  # fmt: skip
             m.set_custom_reduce_scatter(rs)
         hook = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import pytest
 import torch
@@ -73,7 +74,8 @@ def test_torch_profiler_trace_in_the_viewer(kineto_dir, capsys):
     assert cli(["timeline", str(kineto_dir), "--width", "140", "--step", str(n)]) == 0
     out = capsys.readouterr().out
     assert "2 rank(s) (kineto)" in out and f"step {n}" in out
-    assert "pt_gloo" in out or "gloo" in out  # the gloo threads' lanes
+    for r in (0, 1):  # each rank has a lane for a gloo thread (pt_gloo_...), not only its Python thread
+        assert re.search(rf"^r{r} thread \d+ \(pt_gloo", out, re.M), out
     assert "gloo:all_reduce" in out and "per-rank totals over its steps" in out
     # one file alone, gzip
     assert cli(["timeline", str(kineto_dir / "rank1.pt.trace.json.gz"), "--width", "120", "--top", "3"]) == 0

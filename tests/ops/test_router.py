@@ -59,6 +59,15 @@ def test_the_spec_is_checked_once_at_construction():
             moe_route(torch.randn(3, 8), **bad)
 
 
+@pytest.mark.parametrize("provider", ["cpu", "torch"])
+def test_the_sequence_scope_needs_its_sequences_on_the_fast_path_too(provider):
+    spec = RouterSpec(k=1, capacity_factor=1.0, capacity_scope="sequence")  # (the probe found it accepted)
+    with pytest.raises(InvalidArgumentError, match="capacity_scope='sequence' needs sequence_lengths"):
+        moe_route(torch.randn(6, 4), spec, provider=provider)
+    r = moe_route(torch.randn(6, 4), spec, sequence_lengths=[2, 4], provider=provider)
+    assert r.sequence_lengths == (2, 4)
+
+
 def test_what_depends_on_the_experts_is_checked_per_call():
     spec = RouterSpec(k=3, n_group=4, topk_group=1)
     with pytest.raises(InvalidArgumentError, match=r"k=3 must be an int in \[1, 2\]"):

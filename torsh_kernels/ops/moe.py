@@ -1193,7 +1193,8 @@ def moe_route(
     if (
         type(logits) is _T and logits.dtype is _F32 and logits.is_cpu and logits.dim() == 2
         and logits.is_contiguous() and (T := logits.shape[0]) > 0 and spec.k <= (E := logits.shape[1])
-        and sequence_lengths is None and not spec.pad_to_capacity and spec.capacity is None
+        and sequence_lengths is None and spec.capacity_scope == "call" and not spec.pad_to_capacity
+        and spec.capacity is None
         and (score_bias is None or _eager.plain(score_bias)) and _eager.fast()
     ):  # fmt: skip
         r = _route_fast_paths(logits, spec, score_bias, provider, T, E)

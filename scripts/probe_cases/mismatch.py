@@ -77,7 +77,7 @@ def _sync(comm, odd, *, model=None, **kw):
 
 def _engine(comm, odd, *, grads):
     from torsh_kernels.compression import TopK
-    from torsh_kernels.parallel._engine import BucketCompressor
+    from torsh_kernels.parallel.engine import BucketCompressor
 
     eng = BucketCompressor(TopK(0.1), min_numel=16)
     gs = grads(odd)

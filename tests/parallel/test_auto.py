@@ -12,8 +12,8 @@ from torsh_kernels.collectives import Link, Round, run_local
 from torsh_kernels.collectives.replica import ReplicaCommunicator
 from torsh_kernels.compression import FP16, TopK
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError
-from torsh_kernels.parallel._engine import BucketCompressor
 from torsh_kernels.parallel.auto import AutoSelector, price
+from torsh_kernels.parallel.engine import BucketCompressor
 
 
 def test_price_and_break_even():

@@ -242,7 +242,7 @@ def test_bad_arguments_raise_typed_errors():
 
 
 def test_bucket_policy_carries_residuals_into_new_groups():
-    from torsh_kernels.parallel._engine import BucketCompressor
+    from torsh_kernels.parallel.engine import BucketCompressor
 
     e = BucketCompressor(TopK(0.1), policy="bucket")
     e.shapes = {0: (2, 3), 1: (4,), 2: (5,)}
@@ -444,7 +444,7 @@ def test_uncompressed_tensors_ride_in_an_all_gather_only_while_cheap(name, ws, b
     # an all-gather carries them to every rank: (ws - 2) x their bytes more than their own all-reduce, so they
     # ride only below GATHER_PLAIN_BYTES of that; an all-reduce (PowerSGD's P) carries them at any size
     from torsh_kernels.collectives.replica import ReplicaCommunicator
-    from torsh_kernels.parallel._engine import GATHER_PLAIN_BYTES, BucketCompressor
+    from torsh_kernels.parallel.engine import GATHER_PLAIN_BYTES, BucketCompressor
 
     assert ((ws - 2) * 4 * bias <= GATHER_PLAIN_BYTES or ws <= 2 or name == "powersgd") == rides
     eng = BucketCompressor(make_compressor(name), start_iter=0, min_numel=16)
@@ -698,7 +698,7 @@ def _amp_train(comm, hook, state):
 def _amp_worker(comm, names):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from torsh_kernels.parallel._engine import BucketCompressor
+    from torsh_kernels.parallel.engine import BucketCompressor
 
     out = {"auto_without_scaler": BucketCompressor(TopK(0.1)).mode()}
     out["torch_fp16"] = _amp_train(comm, default_hooks.fp16_compress_hook, None)

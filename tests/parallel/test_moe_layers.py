@@ -14,7 +14,7 @@ from tests.helpers import assert_named_on_every_rank, count_calls
 from torsh_kernels.collectives import run_local
 from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, ShapeError
 from torsh_kernels.ops import moe_aux_loss
-from torsh_kernels.parallel import ExpertParallelMoE, MoELayer, _moe_experts
+from torsh_kernels.parallel import ExpertParallelMoE, MoELayer, moe_experts
 from torsh_kernels.parallel.moe import LOAD_BALANCING
 
 H, FFN = 12, 10
@@ -160,13 +160,13 @@ def test_moe_layer_load_balancing_kinds():
 def grouped_calls(monkeypatch):
     """Counts the grouped GEMMs the expert compute launches."""
     calls = []
-    real = _moe_experts._GROUPED_MM
+    real = moe_experts._GROUPED_MM
 
     def counted(*a, **kw):
         calls.append(a[0].shape)
         return real(*a, **kw)
 
-    monkeypatch.setattr(_moe_experts, "_GROUPED_MM", counted)
+    monkeypatch.setattr(moe_experts, "_GROUPED_MM", counted)
     return calls
 
 
@@ -205,7 +205,7 @@ def test_grouped_gemm_backward_takes_any_gradient_layout(grouped_calls):
     w_in, w_out = torch.randn(3, 16, 8, requires_grad=True), torch.randn(3, 8, 16, requires_grad=True)
     grads = {}
     for mode in ("grouped", "loop"):
-        y = _moe_experts.run_experts(x, counts, w_in, w_out, "gelu", mode, "test")
+        y = moe_experts.run_experts(x, counts, w_in, w_out, "gelu", mode, "test")
         grads[mode] = torch.autograd.grad(y.sum(), (x, w_in, w_out))
     assert len(grouped_calls) == 2
     for a, b in zip(grads["grouped"], grads["loop"]):
@@ -214,17 +214,17 @@ def test_grouped_gemm_backward_takes_any_gradient_layout(grouped_calls):
 
 
 def test_grouped_gemm_where_it_cannot_run(grouped_calls):
-    assert _moe_experts.grouped_supported("cpu", torch.float32) == (True, "")
-    ok, why = _moe_experts.grouped_supported("cpu", torch.float64)  # torch's grouped GEMM has no fp64
+    assert moe_experts.grouped_supported("cpu", torch.float32) == (True, "")
+    ok, why = moe_experts.grouped_supported("cpu", torch.float64)  # torch's grouped GEMM has no fp64
     assert not ok and why
     grouped_calls.clear()  # (the probes' own calls)
     x, counts = torch.randn(5, 16, dtype=torch.float64), torch.tensor([2, 3])
     w_in, w_out = torch.randn(2, 16, 8, dtype=torch.float64), torch.randn(2, 8, 16, dtype=torch.float64)
-    y = _moe_experts.run_experts(x, counts, w_in, w_out, "relu", "auto", "test")  # auto: the loop
+    y = moe_experts.run_experts(x, counts, w_in, w_out, "relu", "auto", "test")  # auto: the loop
     torch.testing.assert_close(y[:2], F.relu(x[:2] @ w_in[0]) @ w_out[0], atol=1e-12, rtol=1e-12)
     assert not grouped_calls
     with pytest.raises(InvalidArgumentError, match=r"expert_compute='grouped'.*got Double"):
-        _moe_experts.run_experts(x, counts, w_in, w_out, "relu", "grouped", "test")
+        moe_experts.run_experts(x, counts, w_in, w_out, "relu", "grouped", "test")
     odd = MoELayer(10, 8, 4, 2)  # H=10 fp32: rows of 40 bytes, not a multiple of 16
     y = odd(torch.randn(5, 10))
     assert y.shape == (5, 10) and not grouped_calls

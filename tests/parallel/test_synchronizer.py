@@ -362,7 +362,7 @@ def _mismatch_worker(comm) -> dict:
     from torsh_kernels.collectives.communicator import TorchCommunicator
     from torsh_kernels.compression import Quantize
     from torsh_kernels.errors import CollectiveMismatchError
-    from torsh_kernels.parallel._engine import BucketCompressor
+    from torsh_kernels.parallel.engine import BucketCompressor
 
     me = comm.rank
     odd = me == 1

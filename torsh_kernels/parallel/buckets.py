@@ -1,5 +1,5 @@
 """How a gradient bucket is reduced: :class:`BucketSpec`, the settings the DDP hook and the gradient
-synchronizer share (their engine, :mod:`torsh_kernels.parallel._engine`, runs them).
+synchronizer share (their engine, :mod:`torsh_kernels.parallel.engine`, runs them).
 
 The compressor is not among them: it is a spec of its own (a :class:`~torsh_kernels.compression.Compressor`,
 its wire scheme included); the bucket settings say which gradients of a bucket go through it, from which

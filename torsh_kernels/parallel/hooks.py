@@ -84,8 +84,8 @@ from ..collectives.communicator import TorchCommunicator, is_communicator, resol
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, InvalidArgumentError, TorshKernelsError
-from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
 from .buckets import BucketSpec
+from .engine import BucketCompressor, ReductionPipeline, bucket_span, totals
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -442,7 +442,7 @@ def compression_hook(
             nonfinite = engine.screen([buf], comm)
             # While older buckets have rounds to issue (PowerSGD's Q), this bucket's first round and theirs
             # go out as one all-reduce: the collectives issued below depend only on the bucket sequence, so
-            # every rank coalesces the same ones (see parallel/_engine.py)
+            # every rank coalesces the same ones (see parallel/engine.py)
             with comm.batch() if state._pipeline.multi_round() else contextlib.nullcontext():
                 fut = _start(state, grads, engine, comm, keys, buf, turn, span, nonfinite)
         if last:

@@ -39,7 +39,7 @@ no load-balancing loss whatever ``aux_loss_coef`` says.
 
 The experts run as one grouped GEMM per projection where torch's ``grouped_mm`` runs on the device and dtype
 (probed once), else a loop over the experts; ``expert_compute="grouped"`` / ``"loop"`` forces one (see
-:mod:`torsh_kernels.parallel._moe_experts`).
+:mod:`torsh_kernels.parallel.moe_experts`).
 
 Expert parallelism (:class:`ExpertParallelMoE`): rank r holds experts ``[r * E/W, (r + 1) * E/W)``;
 the router, the shared expert (and its gate) and the expert bias are replicated (broadcast from rank 0 at
@@ -99,10 +99,10 @@ from ..ops.moe import (
 )
 from ..ops.registry import check_provider
 from ..ops.router import RouterSpec
-from ._engine import grad_scaler_in_use
-from ._moe_experts import EXPERT_COMPUTE, activation, run_experts
 from .buckets import NONFINITE
+from .engine import grad_scaler_in_use
 from .moe_balance import BiasBalancer
+from .moe_experts import EXPERT_COMPUTE, activation, run_experts
 from .moe_spec import ACTIVATIONS, LOAD_BALANCING, MoESpec
 
 __all__ = ["ACTIVATIONS", "LOAD_BALANCING", "BiasBalancer", "ExpertParallelMoE", "MoELayer", "MoESpec"]

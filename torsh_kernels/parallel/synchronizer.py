@@ -52,8 +52,8 @@ from ..collectives.communicator import Communicator, as_communicator, is_dtensor
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
-from ._engine import BucketCompressor, ReductionPipeline, bucket_span, totals
 from .buckets import BucketSpec
+from .engine import BucketCompressor, ReductionPipeline, bucket_span, totals
 
 __all__ = ["GradientConsistency", "GradientSynchronizer", "SyncStats"]
 
@@ -375,7 +375,7 @@ class GradientSynchronizer:
         self._engine.prepare(grads, bucket.params, self._coalescer)  # a new layout: agree on it first
         nonfinite = self._engine.screen(grads, self._coalescer)
         # as in the DDP hook: while older buckets have rounds to issue, this bucket's first round and theirs
-        # go out as one all-reduce (decided alike on every rank, see parallel/_engine.py)
+        # go out as one all-reduce (decided alike on every rank, see parallel/engine.py)
         if self._pipeline.multi_round():
             with self._coalescer.batch():
                 self._start(b, bucket, grads, t0, span, nonfinite)

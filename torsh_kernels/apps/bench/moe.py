@@ -237,7 +237,7 @@ def torsh_layer(kind: str, block) -> tuple[object, dict[str, list]]:
 def _experts_mode(layer, x: torch.Tensor) -> str:
     """Which expert compute our layer runs on ``x``'s device and dtype: "grouped" (one grouped GEMM per
     projection) or "loop" with the reason."""
-    from ...parallel._moe_experts import grouped_fits, grouped_supported
+    from ...parallel.moe_experts import grouped_fits, grouped_supported
 
     if layer.expert_compute == "loop":
         return "loop"
@@ -527,7 +527,9 @@ def _print_layer(results: list[Result], profiles: dict[str, dict[str, float]]) -
         prof = profiles.get(case)
         if prof:
             step = prof["whole step (fwd+bwd)"]
-            pt = _cli.table(f"torsh MoELayer by phase: {case}", ["phase", "median", "of the step"], text=("phase",))
+            pt = _cli.table(
+                f"torsh MoELayer by phase: {case}", ["phase", "median", "of the step"], text=("phase",)
+            )
             for name, ms in prof.items():
                 pt.add_row(name, f"{ms:.2f} ms", f"{100 * ms / step:.0f}%")
             console.print(pt)

@@ -444,7 +444,8 @@ def test_uncompressed_tensors_ride_in_an_all_gather_only_while_cheap(name, ws, b
     # an all-gather carries them to every rank: (ws - 2) x their bytes more than their own all-reduce, so they
     # ride only below GATHER_PLAIN_BYTES of that; an all-reduce (PowerSGD's P) carries them at any size
     from torsh_kernels.collectives.replica import ReplicaCommunicator
-    from torsh_kernels.parallel.engine import GATHER_PLAIN_BYTES, BucketCompressor
+    from torsh_kernels.parallel.buckets import GATHER_PLAIN_BYTES
+    from torsh_kernels.parallel.engine import BucketCompressor
 
     assert ((ws - 2) * 4 * bias <= GATHER_PLAIN_BYTES or ws <= 2 or name == "powersgd") == rides
     eng = BucketCompressor(make_compressor(name), start_iter=0, min_numel=16)

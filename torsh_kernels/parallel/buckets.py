@@ -12,12 +12,28 @@ step, and what a non-finite gradient does::
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ..checks import check_choice, check_int, check_number
+from ..compression import CompressionState, Compressor
 from ..specs import Spec
 
-__all__ = ["AUTO_START_ITER", "NONFINITE", "POLICIES", "BucketSpec"]
+__all__ = [
+    "AUTO_START_ITER",
+    "GATHER_PLAIN_BYTES",
+    "NONFINITE",
+    "POLICIES",
+    "BucketPlan",
+    "BucketSpec",
+    "carries_plain",
+    "contiguous_span",
+    "flat_view",
+]
 
 POLICIES = ("layerwise", "bucket")
 """``BucketSpec.policy``: each gradient compressed on its own, or a bucket's eligible gradients as one tensor."""
@@ -71,3 +87,61 @@ class BucketSpec(Spec):
         if start == self.start_iter and rate == self.min_compression_rate:
             return self
         return self.replace(start_iter=start, min_compression_rate=rate)
+
+
+# -- what one bucket layout gets, worked out once ----------------------------------------------------
+
+
+def contiguous_span(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the tensors lie back to back in memory, in order (views of one flat buffer)."""
+    for a, b in itertools.pairwise(tensors):
+        if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size() or a.dtype != b.dtype:
+            return False
+    return all(t.is_contiguous() for t in tensors)
+
+
+def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A flat view covering ``tensors`` when they lie back to back, else None."""
+    if not contiguous_span(tensors):
+        return None
+    first = tensors[0]
+    total = sum(t.numel() for t in tensors)
+    return torch.as_strided(first, (total,), (1,), first.storage_offset())
+
+
+@dataclasses.dataclass(slots=True)
+class BucketPlan:
+    """What one bucket layout gets, worked out once (shapes checked, eligibility, round structure) and
+    reused every step."""
+
+    compressed: list[list[int]]
+    """Groups of tensor positions compressed together (one group per tensor: layerwise)."""
+    plain: list[int]
+    """Positions sent uncompressed, in one batched all-reduce."""
+    single_round: bool = True
+    """Every reduction of the bucket has one round (see the module docstring)."""
+    state_keys: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    """The compressor state of each compressed group."""
+    states: list[CompressionState] | None = None
+    """Those states, looked up once (reset when the states change)."""
+    work: CompressionState = dataclasses.field(default_factory=CompressionState)
+    """The state a stateless compressor (a cast) gets for this bucket: it keeps the wire buffer."""
+    carry: bool | None = None
+    """The plain tensors ride in the compressed tensors' first collective (decided at the first step)."""
+
+
+GATHER_PLAIN_BYTES = 64 << 10
+"""Uncompressed tensors ride in an all-gather (top-k's) only while the extra bytes every rank receives
+over a plain all-reduce of them, about ``(world_size - 2) * their bytes``, stay below this: about a
+collective's latency on a 10 Gbit/s link, the cost of the all-reduce the ride saves. An all-reduce (PowerSGD's
+P) carries them at no extra cost at any world size."""
+
+
+def carries_plain(c: Compressor, plan: BucketPlan, plain: list[torch.Tensor], world_size: int) -> bool:
+    """Whether the plan's plain tensors ride in the compressed tensors' first collective (see
+    :data:`GATHER_PLAIN_BYTES`)."""
+    if not (plan.compressed and c.carries_plain and len({t.dtype for t in plain}) == 1):
+        return False
+    if c.is_linear or world_size <= 2:
+        return True
+    return (world_size - 2) * sum(t.numel() * t.element_size() for t in plain) <= GATHER_PLAIN_BYTES

@@ -36,18 +36,12 @@ first exchange precedes the non-finite flag and auto's measurements, whose prese
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import gc
-import itertools
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import _trace
 from ..collectives.agreement import agree, enabled
 from ..collectives.communicator import Communicator
 from ..compression import (
@@ -58,138 +52,12 @@ from ..compression import (
 )
 from ..compression.allreduce import issue
 from ..compression.quantize import apply_quantize_mode
-from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError, NonFiniteError, ShapeError
+from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError, NonFiniteError
 from ..ops import COMPRESS_DTYPES, count_nonfinite, flatten, unflatten
 from .auto import AUTO, AutoSelector, default_candidates
-from .buckets import BucketSpec
-
-
-class ReductionPipeline:
-    """Buckets' reductions in flight, advanced in a rank-independent order (see the module docstring)."""
-
-    __slots__ = ("_inflight",)
-
-    def __init__(self) -> None:
-        self._inflight: deque[tuple[list[CompressedReduction], Callable[[], None] | None, object]] = deque()
-
-    def __len__(self) -> int:
-        return len(self._inflight)
-
-    def submit(self, reductions: list[CompressedReduction], on_done: Callable[[], None] | None = None,
-               span=None) -> None:  # fmt: skip
-        """Add a started bucket; every older bucket in flight with more rounds to issue then advances by
-        one round. Older one-round buckets are finished only if their collectives have completed (their
-        decode issues nothing, so this poll cannot change the order of collectives). ``span``: the
-        bucket's timeline interval (from :func:`bucket_span`), ended when the bucket is done."""
-        if self._inflight:
-            for rs, _, _ in self._inflight:
-                for r in rs:
-                    if not r.done and (not r.single_round or r.ready()):
-                        r.step()
-        self._inflight.append((reductions, on_done, span))
-        self._reap()
-
-    def multi_round(self) -> bool:
-        """Whether a bucket in flight still has rounds to issue. The same on every rank at the same point of
-        the bucket sequence: a multi-round reduction finishes only in ``step()``, which the pipeline calls
-        in a rank-independent order (one-round buckets, polled by timing, issue nothing)."""
-        for rs, _, _ in self._inflight:
-            for r in rs:
-                if not r.done and not r.single_round:
-                    return True
-        return False
-
-    def drain(self, batch: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
-        """Advance every bucket, oldest first, round by round, until all are done. ``batch``: a
-        ``Coalescer.batch`` under which each pass runs, so the rounds one pass issues go out together."""
-        while self._inflight:
-            with batch() if batch is not None and self.multi_round() else contextlib.nullcontext():
-                for rs, _, _ in list(self._inflight):
-                    for r in rs:
-                        r.step()
-            self._reap()
-
-    def _reap(self) -> None:
-        while self._inflight and all(r.done for r in self._inflight[0][0]):
-            _, on_done, span = self._inflight.popleft()
-            if on_done is not None:
-                on_done()
-            if span is not None:
-                span.end()
-
-
-def bucket_span(index: int, grads: Sequence[torch.Tensor], compressor: Compressor):
-    """A timeline interval for one bucket, from now until its reductions are done (None without a recorder)."""
-    rec = _trace.recorder
-    if rec is None:
-        return None
-    nbytes = sum(g.nbytes for g in grads)
-    name = compressor.name
-    dev = grads[0].device if grads else None
-    return rec.begin(f"bucket {index}", "bucket", {"bucket": index, "bytes": nbytes, "tensors": len(grads),
-                                                   "compressor": name}, lane="bucket", device=dev)  # fmt: skip
-
-
-def totals(reductions: Sequence[CompressedReduction]) -> dict[str, float]:
-    """What a bucket's reductions cost: bytes this rank sent, compute and wait seconds."""
-    return {
-        "bytes_sent": sum(r.bytes_sent for r in reductions),
-        "compress_s": sum(r.compute_s for r in reductions),
-        "wait_s": sum(r.wait_s for r in reductions),
-    }
-
-
-def _contiguous_span(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the tensors lie back to back in memory, in order (views of one flat buffer)."""
-    for a, b in itertools.pairwise(tensors):
-        if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size() or a.dtype != b.dtype:
-            return False
-    return all(t.is_contiguous() for t in tensors)
-
-
-def _as_one(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """A flat view covering ``tensors`` when they lie back to back, else None."""
-    if not _contiguous_span(tensors):
-        return None
-    first = tensors[0]
-    total = sum(t.numel() for t in tensors)
-    return torch.as_strided(first, (total,), (1,), first.storage_offset())
-
-
-@dataclasses.dataclass(slots=True)
-class _BucketPlan:
-    """What one bucket layout gets, worked out once (shapes checked, eligibility, round structure) and
-    reused every step."""
-
-    compressed: list[list[int]]
-    """Groups of tensor positions compressed together (one group per tensor: layerwise)."""
-    plain: list[int]
-    """Positions sent uncompressed, in one batched all-reduce."""
-    single_round: bool = True
-    """Every reduction of the bucket has one round (see the module docstring)."""
-    state_keys: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
-    """The compressor state of each compressed group."""
-    states: list[CompressionState] | None = None
-    """Those states, looked up once (reset when the states change)."""
-    work: CompressionState = dataclasses.field(default_factory=CompressionState)
-    """The state a stateless compressor (a cast) gets for this bucket: it keeps the wire buffer."""
-    carry: bool | None = None
-    """The plain tensors ride in the compressed tensors' first collective (decided at the first step)."""
-
-
-GATHER_PLAIN_BYTES = 64 << 10
-"""Uncompressed tensors ride in an all-gather (top-k's) only while the extra bytes every rank receives
-over a plain all-reduce of them, about ``(world_size - 2) * their bytes``, stay below this: about a
-collective's latency on a 10 Gbit/s link, the cost of the all-reduce the ride saves. An all-reduce (PowerSGD's
-P) carries them at no extra cost at any world size."""
-
-
-def _carries(c: Compressor, plan: _BucketPlan, plain: list[torch.Tensor], world_size: int) -> bool:
-    if not (plan.compressed and c.carries_plain and len({t.dtype for t in plain}) == 1):
-        return False
-    if c.is_linear or world_size <= 2:
-        return True
-    return (world_size - 2) * sum(t.numel() * t.element_size() for t in plain) <= GATHER_PLAIN_BYTES
+from .buckets import BucketPlan, BucketSpec, carries_plain, flat_view
+from .engine_state import checked_state, restore, snapshot
+from .pipeline import grad_scaler_in_use, summing, unchecked
 
 
 class BucketCompressor:
@@ -270,7 +138,7 @@ class BucketCompressor:
         self._what = what
         # the warm-up and the size rule are decided here, per tensor; the compressor must not repeat them
         self.compressor = compressor.per_tensor(self.spec.min_compression_rate)
-        self._unchecked = _unchecked(self.compressor)
+        self._unchecked = unchecked(self.compressor)
         self._mode = None if self.spec.nonfinite == "auto" else self.spec.nonfinite  # "auto": at the first bucket
         self.nonfinite_steps = 0
         self._skip = False  # a bucket of this iteration held NaN/Inf on some rank ("propagate")
@@ -280,7 +148,7 @@ class BucketCompressor:
         self.iteration = 0
         self.states: dict[tuple[int, ...], CompressionState] = {}
         self.shapes: dict[int, tuple[int, ...]] = {}
-        self._plans: dict[tuple, _BucketPlan] = {}
+        self._plans: dict[tuple, BucketPlan] = {}
         self._used: set[tuple[int, ...]] = set()
         self._plain_c = NoCompression(check_finite=False)
         self._sums: list = []  # this iteration's uncompressed averages and their sums, checked at its end
@@ -315,7 +183,7 @@ class BucketCompressor:
         if callable(grads):
             grads = grads()
         grads = list(grads)
-        self.auto.observe(grads, keys, packed=flat is not None or _as_one(grads) is not None)
+        self.auto.observe(grads, keys, packed=flat is not None or flat_view(grads) is not None)
         return grads
 
     def set_compressor(self, compressor: Compressor | None) -> None:
@@ -327,7 +195,7 @@ class BucketCompressor:
         if not isinstance(compressor, Compressor):
             raise ArgumentTypeError(f"set_compressor: expected a Compressor or None, got {type(compressor).__name__}")
         self.compressor = compressor.per_tensor(self.spec.min_compression_rate)
-        self._unchecked = _unchecked(self.compressor)
+        self._unchecked = unchecked(self.compressor)
         self.states = {}
         self._plans = {}
         self._used = set()
@@ -364,7 +232,7 @@ class BucketCompressor:
         self._plan(grads, keys, comm)
         return grads
 
-    def _plan(self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> _BucketPlan:
+    def _plan(self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> BucketPlan:
         # keys name parameters, whose shapes do not change: the shapes are checked when the plan is made
         sig = (tuple(keys), grads[0].dtype if grads else None, comm.world_size)  # as in start()
         plan = self._plans.get(sig)
@@ -375,7 +243,7 @@ class BucketCompressor:
             self._plans[sig] = plan
         return plan
 
-    def _agree(self, plan: _BucketPlan, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> None:
+    def _agree(self, plan: BucketPlan, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> None:
         """The signature exchange of a new bucket layout (see the module docstring)."""
         auto = self.auto
         fields = [
@@ -399,7 +267,7 @@ class BucketCompressor:
             self.signature_checks += 1
             self.signature_s += time.perf_counter() - t0
 
-    def _make_plan(self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> _BucketPlan:
+    def _make_plan(self, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> BucketPlan:
         what = "BucketCompressor"
         self.check_shapes(grads, keys)
         dev = comm.device
@@ -412,7 +280,7 @@ class BucketCompressor:
                 raise InvalidArgumentError(f"{what}: gradient {i} is on {t.device}, the communicator on {dev}")
         c = self.compressor
         if c.identity or getattr(c, "elementwise", False):
-            return _BucketPlan([], [])
+            return BucketPlan([], [])
         comp = [i for i, g in enumerate(grads) if self.eligible(g)]
         plain = sorted(set(range(len(grads))) - set(comp))
         if self.spec.policy == "layerwise":
@@ -426,7 +294,7 @@ class BucketCompressor:
             schemes = c.schemes(shape, grads[0].dtype, comm.world_size)
             single = single and all(len(rounds) == 1 for rounds in schemes.values())
         state_keys = [tuple(keys[i] for i in g) for g in groups]
-        return _BucketPlan(groups, plain, single, state_keys)
+        return BucketPlan(groups, plain, single, state_keys)
 
     def check_shapes(self, grads: Sequence[torch.Tensor], keys: Sequence[int]) -> None:
         for k, g in zip(keys, grads):
@@ -482,15 +350,7 @@ class BucketCompressor:
         if key in self._saved:
             return
         self._saved.add(key)
-        old = self._snapshots.get(key)
-        keep = {}
-        for name, t in st.tensors.items():
-            b = old[2].get(name) if old is not None else None
-            if b is not None and b.shape == t.shape and b.dtype == t.dtype and b.device == t.device:
-                keep[name] = b.copy_(t)
-            else:
-                keep[name] = t.clone()
-        self._snapshots[key] = (st.step, st.seed, keep)
+        self._snapshots[key] = snapshot(st, self._snapshots.get(key))
 
     def _restore(self) -> None:
         """Put every state touched this iteration back as it was before it (the step is skipped)."""
@@ -498,18 +358,8 @@ class BucketCompressor:
             self.states.pop(key, None)
         for key in self._saved - self._created:
             st = self.states.get(key)
-            step, seed, saved = self._snapshots[key]
-            if st is None:
-                continue
-            st.step, st.seed = step, seed
-            for name in [n for n in st.tensors if n not in saved]:
-                del st.tensors[name]
-            for name, b in saved.items():
-                t = st.tensors.get(name)
-                if t is not None and t.shape == b.shape and t.dtype == b.dtype and t.device == b.device:
-                    t.copy_(b)
-                else:
-                    st.tensors[name] = b.clone()
+            if st is not None:
+                restore(st, self._snapshots[key])
         if self._created:
             for plan in self._plans.values():  # they may hold the dropped states
                 plan.states = None
@@ -599,7 +449,7 @@ class BucketCompressor:
         plain: list[torch.Tensor] = [grads[i] for i in plan.plain]
         if plain:
             if plan.carry is None:
-                plan.carry = _carries(c, plan, plain, comm.world_size)
+                plan.carry = carries_plain(c, plan, plain, comm.world_size)
             if not plan.carry:
                 reductions.append(self._plain(plain, None, comm, propagate))
                 plain = []
@@ -617,7 +467,7 @@ class BucketCompressor:
                                         single_round=plan.single_round, plain=plain))  # fmt: skip
         elif plan.compressed:
             members = [grads[i] for i in plan.compressed[0]]
-            one = _as_one(members)
+            one = flat_view(members)
             if one is None:
                 one, layout = flatten(members)
 
@@ -637,12 +487,12 @@ class BucketCompressor:
         if propagate:
             return self._whole(grads, flat, comm, self._plain_c)
         if flat is None:
-            flat = grads[0].view(-1) if len(grads) == 1 and grads[0].is_contiguous() else _as_one(grads)
+            flat = grads[0].view(-1) if len(grads) == 1 and grads[0].is_contiguous() else flat_view(grads)
         tensors = [t for t in (grads if flat is None else [flat]) if t.numel()]
         if not tensors:
             return self._whole(grads, flat, comm, self._plain_c)
         gen, alg = self._plain_c.reduce(tensors, [self._stateless] * len(tensors), comm)
-        return CompressedReduction(tensors, _summing(gen, tensors, self._sums), "none", alg, single_round=True)
+        return CompressedReduction(tensors, summing(gen, tensors, self._sums), "none", alg, single_round=True)
 
     def check_averages(self) -> None:
         """Under "raise", once every bucket of the iteration is done: ``NonFiniteError`` if an uncompressed
@@ -667,7 +517,7 @@ class BucketCompressor:
         cast): of ``flat`` or the span the tensors cover when they lie back to back, else of the list
         (the compressor's rounds flatten it in one fused pass)."""
         if flat is None:
-            flat = grads[0].view(-1) if len(grads) == 1 and grads[0].is_contiguous() else _as_one(grads)
+            flat = grads[0].view(-1) if len(grads) == 1 and grads[0].is_contiguous() else flat_view(grads)
         tensors = grads if flat is None else [flat]
         st = st or self._stateless
         return issue(tensors, [st] * len(tensors), comm, c, single_round=True)
@@ -718,68 +568,8 @@ class BucketCompressor:
         """Restore from :meth:`state_dict`, all or nothing: every entry is checked (types, the policy, the
         compressor, the auto choice, the shapes against those this engine has seen, each state, each
         residual's size against its tensors' shapes) before anything changes; a typed error names the
-        first bad one."""
-        w = f"{what}.load_state_dict"
-        need = {"iteration", "policy", "shapes", "states"}
-        known = need | {"compressor", "auto"}
-        if not isinstance(sd, dict):
-            raise ArgumentTypeError(f"{w}: expected a dict from state_dict(), got {type(sd).__name__}")
-        if not need <= sd.keys() or not sd.keys() <= known:
-            raise InvalidArgumentError(
-                f"{w}: expected a dict from state_dict() with keys {sorted(need)} (and 'compressor', 'auto'); "
-                f"missing {sorted(need - sd.keys())}, unexpected {sorted(map(str, sd.keys() - known))}"
-            )
-        if sd["policy"] != self.spec.policy:
-            raise InvalidArgumentError(
-                f"{w}: the checkpoint was saved with policy={sd['policy']!r}, this state "
-                f"uses {self.spec.policy!r}; construct the state with the same policy"
-            )
-        iteration = sd["iteration"]
-        if isinstance(iteration, bool) or not isinstance(iteration, int):
-            raise ArgumentTypeError(f"{w}: 'iteration' must be an int, got {type(iteration).__name__} {iteration!r}")
-        if iteration < 0:
-            raise InvalidArgumentError(f"{w}: 'iteration' must be >= 0, got {iteration}")
-        decision, compressor = None, self.compressor
-        if sd.get("auto") is not None:
-            if self.auto is None:
-                choice = sd["auto"].get("choice") if isinstance(sd["auto"], dict) else sd["auto"]
-                raise InvalidArgumentError(
-                    f"{w}: the checkpoint was saved with compressor='auto' (which chose {choice!r}); construct this "
-                    "state with compressor='auto' too"
-                )
-            decision = self.auto.recorded(sd["auto"], what)  # the saved choice, not a new measurement
-            compressor = self._auto_compressor(decision.compressor)
-        saved = sd.get("compressor", repr(compressor))
-        if not isinstance(saved, str):
-            raise ArgumentTypeError(f"{w}: 'compressor' must be the compressor's repr, got {type(saved).__name__}")
-        if saved != repr(compressor):
-            raise InvalidArgumentError(f"{w}: the checkpoint was saved with {saved}, this state uses {compressor!r}")
-        shapes = self._checked_shapes(sd["shapes"], w)
-        raw = sd["states"]
-        if not isinstance(raw, dict):
-            raise ArgumentTypeError(
-                f"{w}: 'states' must be a dict of parameter keys -> state, got {type(raw).__name__}"
-            )
-        states = {}
-        for k, v in raw.items():
-            key = tuple(k) if isinstance(k, (tuple, list)) else None
-            if not key or any(isinstance(i, bool) or not isinstance(i, int) for i in key):
-                raise ArgumentTypeError(f"{w}: each key of 'states' must be a non-empty tuple of ints, got {k!r}")
-            if key in states:
-                raise InvalidArgumentError(f"{w}: 'states' holds the key {key} twice")
-            st = compressor.new_state()
-            st.load_state_dict(v)  # all-or-nothing per state; st is new, so a failure changes nothing here
-            r = st.tensors.get("residual")
-            if r is not None:
-                if not set(key) <= shapes.keys():
-                    raise InvalidArgumentError(f"{w}: state {key} names tensors whose shapes 'shapes' does not hold")
-                n = sum(math.prod(shapes[i]) for i in key)
-                if r.numel() != n:
-                    raise ShapeError(
-                        f"{w}: the residual of state {key} has {r.numel()} elements, its tensors (shapes "
-                        f"{[shapes[i] for i in key]}) have {n}; the checkpoint is of another model"
-                    )
-            states[key] = st
+        first bad one (:func:`~torsh_kernels.parallel.engine_state.checked_state`)."""
+        decision, iteration, shapes, states = checked_state(self, sd, what)
         # everything checked: now change
         if decision is not None:
             self._apply_auto(decision.compressor)
@@ -791,61 +581,9 @@ class BucketCompressor:
         self._used = set()
         self._snapshots, self._saved, self._created, self._skip = {}, set(), set(), False
 
-    def _checked_shapes(self, shapes: object, w: str) -> dict[int, tuple[int, ...]]:
-        """A checkpoint's ``shapes`` (parameter key -> shape), checked, and against the shapes seen so far."""
-        if not isinstance(shapes, dict):
-            raise ArgumentTypeError(
-                f"{w}: 'shapes' must be a dict of parameter key -> shape, got {type(shapes).__name__}"
-            )
-        out = {}
-        for k, v in shapes.items():
-            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                raise ArgumentTypeError(f"{w}: each key of 'shapes' must be an int >= 0, got {k!r}")
-            if not isinstance(v, (tuple, list, torch.Size)) or any(
-                isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in v
-            ):
-                raise ArgumentTypeError(f"{w}: shapes[{k}] must be a tuple of ints >= 0, got {v!r}")
-            shape = tuple(v)
-            known = self.shapes.get(k)
-            if known is not None and known != shape:
-                raise LayoutMismatchError(
-                    f"{w}: the checkpoint holds shape {shape} for tensor {k}, this state has seen {known}; load a "
-                    "state saved from the same model"
-                )
-            out[k] = shape
-        return out
-
-    def _auto_compressor(self, compressor: Compressor | None) -> Compressor:
-        """The compressor :meth:`_apply_auto` would install for ``compressor`` (nothing changed)."""
+    def auto_compressor(self, compressor: Compressor | None) -> Compressor:
+        """The compressor ``compressor="auto"``'s choice of ``compressor`` would install (nothing changed)."""
         rate = self._given.min_compression_rate
         if rate is None:
             rate = compressor.warmup()[1] if compressor is not None else self.spec.min_compression_rate
         return (compressor if compressor is not None else NoCompression()).per_tensor(float(rate))
-
-
-def _summing(gen, tensors: list[torch.Tensor], sink: list):
-    """``gen``'s rounds, then (average, its sum in fp32) of each tensor appended to ``sink`` (a list append:
-    safe from the backend's completion thread)."""
-    yield from gen
-    for t in tensors:
-        sink.append((t.sum(dtype=torch.float32).reshape(1), t))
-
-
-def _unchecked(c: Compressor) -> Compressor:
-    """``c`` without its NaN/Inf check (under "propagate" the bucket layer has screened the input)."""
-    if getattr(c, "check_finite", False):
-        return dataclasses.replace(c, check_finite=False)
-    return c
-
-
-def grad_scaler_in_use() -> bool:
-    """Whether this process holds an enabled ``torch.amp.GradScaler`` (or a subclass's instance): what
-    ``nonfinite="auto"`` resolves to "propagate" by. One look at the objects that refer to the scaler
-    classes (their instances), made once per hook state or synchronizer."""
-    base = torch.amp.GradScaler
-    classes, todo = [], [base]
-    while todo:
-        k = todo.pop()
-        classes.append(k)
-        todo.extend(k.__subclasses__())
-    return any(isinstance(o, base) and o.is_enabled() for o in gc.get_referrers(*classes))

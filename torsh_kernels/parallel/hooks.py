@@ -85,7 +85,8 @@ from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, InvalidArgumentError, TorshKernelsError
 from .buckets import BucketSpec
-from .engine import BucketCompressor, ReductionPipeline, bucket_span, totals
+from .engine import BucketCompressor
+from .pipeline import ReductionPipeline, bucket_span, totals
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

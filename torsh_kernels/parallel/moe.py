@@ -100,10 +100,10 @@ from ..ops.moe import (
 from ..ops.registry import check_provider
 from ..ops.router import RouterSpec
 from .buckets import NONFINITE
-from .engine import grad_scaler_in_use
 from .moe_balance import BiasBalancer
 from .moe_experts import EXPERT_COMPUTE, activation, run_experts
 from .moe_spec import ACTIVATIONS, LOAD_BALANCING, MoESpec
+from .pipeline import grad_scaler_in_use
 
 __all__ = ["ACTIVATIONS", "LOAD_BALANCING", "BiasBalancer", "ExpertParallelMoE", "MoELayer", "MoESpec"]
 

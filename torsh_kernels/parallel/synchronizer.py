@@ -53,7 +53,8 @@ from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
 from .buckets import BucketSpec
-from .engine import BucketCompressor, ReductionPipeline, bucket_span, totals
+from .engine import BucketCompressor
+from .pipeline import ReductionPipeline, bucket_span, totals
 
 __all__ = ["GradientConsistency", "GradientSynchronizer", "SyncStats"]
 

@@ -172,7 +172,7 @@ def _worker(comm: TorchCommunicator) -> dict:
     # 7. outside a batch and in a nested one: unchanged calls; the inner block joins the outer
     q, r_ = data(50, me, 3), data(51, me, 3)
     hq = c.all_reduce(q, async_op=True)
-    out["outside_is_inner_handle"] = type(hq).__name__ == "_TorchHandle"
+    out["outside_is_inner_handle"] = type(hq).__name__ == "TorchHandle"
     hq.wait()
     with c.batch():
         with c.batch():

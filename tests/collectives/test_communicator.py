@@ -326,9 +326,9 @@ def test_run_local_ranks_see_the_callers_environment_as_it_is_now(monkeypatch, m
     for seen in run_local(_env_seen, 2, names, start_method=method):
         assert seen == ["1", "abc"]
     if method == "forkserver":
-        assert not launch._preload(None, _env_seen)  # differs from the server's: spawn was used
+        assert not launch.preload_forkserver(None, _env_seen)  # differs from the server's: spawn was used
         monkeypatch.delenv("TORSH_TEST_ONLY_PLAIN_VAR_X")
-        if launch._server_env is not None and launch._import_env() == launch._server_env:
+        if launch.server_env_matches():
             monkeypatch.setenv("SOME_RUNTIME_ONLY_VAR", "def")  # not an import-time prefix: the forks get it
             for seen in run_local(_env_seen, 2, names, start_method=method):
                 assert seen == [None, "def"]

@@ -37,7 +37,6 @@ from torsh_kernels.collectives.rdma import (
     QueuePairState,
     RdmaCommunicator,
     RegistrationCache,
-    _open_device,
     chunk_spans,
     pack_endpoints,
     ring_plan,
@@ -45,6 +44,7 @@ from torsh_kernels.collectives.rdma import (
     sysfs_devices,
     unpack_endpoint,
 )
+from torsh_kernels.collectives.rdma_verbs import open_device
 from torsh_kernels.collectives.transports import KINDS, make_communicator, namespaces_supported, transports
 from torsh_kernels.errors import (
     ArgumentTypeError,
@@ -121,9 +121,9 @@ def test_nccl_datatype_matches_cupys_constants():
     for op, name in (("sum", "NCCL_SUM"), ("product", "NCCL_PROD"), ("max", "NCCL_MAX"), ("min", "NCCL_MIN"),
                      ("avg", "NCCL_AVG")):  # fmt: skip
         if hasattr(nccl, name):
-            from torsh_kernels.collectives.cupy_nccl import _NCCL_OPS
+            from torsh_kernels.collectives.cupy_nccl import NCCL_OPS
 
-            assert _NCCL_OPS[op] == getattr(nccl, name)
+            assert NCCL_OPS[op] == getattr(nccl, name)
 
 
 def test_unique_id_forms_round_trip():
@@ -269,13 +269,13 @@ def test_ring_reduce_scatter_and_all_gather_plans(world):
 def test_receive_side_consumes_chunks_as_bytes(op, dtype):
     """What the RDMA receive path does with each chunk landing in a staging slot (raw bytes): copy or
     reduce it into place at the message's offset; nothing outside the message is touched."""
-    from torsh_kernels.collectives.rdma import _copier
+    from torsh_kernels.collectives.rdma_ring import copier
 
     g = torch.Generator().manual_seed(7)
     flat = (torch.randn(50, generator=g) * 10).to(dtype)
     before = flat.clone()
     msg = (torch.randn(23, generator=g) * 10).to(dtype)
-    consume = _copier(flat, 11, op)
+    consume = copier(flat, 11, op)
     for eoff, n in chunk_spans(23, msg.element_size(), 24):
         consume(msg[eoff : eoff + n].clone().view(torch.uint8), eoff)  # the bytes a slot holds
     part = before[11:34]
@@ -502,7 +502,7 @@ def test_verbs_objects_built_with_the_real_pyverbs(tmp_path):
     pyverbs (no device is needed to build them) and read back field by field."""
     (tmp_path / "pyverbs").symlink_to(SYSTEM_PYVERBS)
     code = textwrap.dedent("""
-        from torsh_kernels.collectives import rdma
+        from torsh_kernels.collectives import rdma, rdma_verbs
         v = rdma.load_verbs()
         e = v.enums
         gid = bytes.fromhex("fe800000000000000202c9fffe000001")
@@ -525,7 +525,7 @@ def test_verbs_objects_built_with_the_real_pyverbs(tmp_path):
         assert w.send_flags == e.IBV_SEND_SIGNALED
         # (pyverbs does not expose a WR's SGE list for reading: the address, length and key are not checked)
         c = rdma.credit_request(v, 2, 0x2000, 0x12)
-        assert (c.opcode, c.imm_data) == (e.IBV_WR_SEND_WITH_IMM, rdma._IMM_CREDIT)
+        assert (c.opcode, c.imm_data) == (e.IBV_WR_SEND_WITH_IMM, rdma_verbs.IMM_CREDIT)
         rr = rdma.recv_request(v, 4, 0x3000, 64, 0x13)
         assert (rr.wr_id, rr.num_sge) == (4, 1)
         print("OK")
@@ -536,7 +536,7 @@ def test_verbs_objects_built_with_the_real_pyverbs(tmp_path):
 
 
 class _FakeVerbs:
-    """A stand-in for pyverbs' device listing only, to reach the port checks of _open_device (which a
+    """A stand-in for pyverbs' device listing only, to reach the port checks of open_device (which a
     machine without a NIC cannot reach with the real library)."""
 
     class enums:
@@ -568,17 +568,17 @@ class _FakeVerbs:
 
 def test_open_device_port_checks():
     v = _FakeVerbs({"mlx5_0": 1, "mlx5_1": 4})
-    assert _open_device(v, None, 1, "t").name == "mlx5_1"  # the first with an active port
+    assert open_device(v, None, 1, "t").name == "mlx5_1"  # the first with an active port
     assert v.closed == ["mlx5_0"]
     with pytest.raises(TransportUnavailableError, match="port 1 is not ACTIVE") as ei:
-        _open_device(v, "mlx5_0", 1, "t")
+        open_device(v, "mlx5_0", 1, "t")
     assert "DOWN" in ei.value.reason
     with pytest.raises(TransportUnavailableError, match="no RDMA device named 'rxe9'"):
-        _open_device(v, "rxe9", 1, "t")
+        open_device(v, "rxe9", 1, "t")
     with pytest.raises(TransportUnavailableError, match="has no port 2"):
-        _open_device(v, "mlx5_1", 2, "t")
+        open_device(v, "mlx5_1", 2, "t")
     with pytest.raises(TransportUnavailableError, match="no RDMA device"):
-        _open_device(_FakeVerbs({}), None, 1, "t")
+        open_device(_FakeVerbs({}), None, 1, "t")
 
 
 @pytest.mark.parametrize("cls", [CupyNcclCommunicator, RdmaCommunicator])

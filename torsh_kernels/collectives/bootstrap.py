@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 
 from ..errors import ArgumentTypeError, CollectiveTimeoutError, InvalidArgumentError
-from .communicator import resolve_group
+from .protocol import resolve_group
 
 __all__ = ["all_gather_bytes", "broadcast_bytes", "check_timeout", "default_store", "identity", "namespace"]
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..errors import CollectiveError
-from .communicator import Communicator, Handle
+from .protocol import Communicator, Handle
 
 __all__ = ["Coalescer"]
 
@@ -101,11 +101,11 @@ class _Deferred:
 
     @property
     def error(self):
-        """The typed error the batch's collective failed with (see ``_TorchHandle.error``), or None."""
+        """The typed error the batch's collective failed with (see ``TorchHandle.error``), or None."""
         return getattr(self._group.handle, "error", None)
 
     def future(self) -> torch.futures.Future | None:
-        """A future completing once the result is in the tensor (see ``_TorchHandle.future``); None where the
+        """A future completing once the result is in the tensor (see ``TorchHandle.future``); None where the
         transport's handle offers none. Sends the batch if it has not been sent."""
         g = self._group
         if g.abandoned:

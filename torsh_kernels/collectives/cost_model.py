@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from .communicator import Communicator
+from .protocol import Communicator
 
 __all__ = [
     "ALGORITHMS",

@@ -50,7 +50,7 @@ from ..errors import (
     TransportUnavailableError,
 )
 from . import bootstrap
-from .communicator import CommunicatorBase
+from .protocol import CommunicatorBase
 from .traffic import Traffic
 
 __all__ = [
@@ -77,7 +77,7 @@ NO_GPU_FIX = (
     "https://download.pytorch.org/whl/cu128)"
 )
 # ncclRedOp_t; avg since NCCL 2.10
-_NCCL_OPS = {"sum": 0, "product": 1, "max": 2, "min": 3, "avg": 4}
+NCCL_OPS = {"sum": 0, "product": 1, "max": 2, "min": 3, "avg": 4}
 _V2_10 = (2, 10, 0)
 
 
@@ -398,8 +398,8 @@ class CupyNcclCommunicator(CommunicatorBase):
         """(NCCL datatype, NCCL op, what runs after) of a reduction into ``result`` (its dtype already
         checked against this NCCL's reducible ones): ``avg`` before NCCL 2.10 is a sum, then a division."""
         if op == "avg" and self._version < _V2_10:
-            return _NCCL_DTYPES[result.dtype], _NCCL_OPS["sum"], lambda: result.div_(self._world)
-        return _NCCL_DTYPES[result.dtype], _NCCL_OPS[op], None
+            return _NCCL_DTYPES[result.dtype], NCCL_OPS["sum"], lambda: result.div_(self._world)
+        return _NCCL_DTYPES[result.dtype], NCCL_OPS[op], None
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False) -> _NcclHandle | None:
         what = "all_reduce"

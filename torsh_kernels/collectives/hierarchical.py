@@ -16,7 +16,7 @@ import torch
 
 from .. import _trace
 from ..errors import ArgumentTypeError, InvalidArgumentError, ShapeError
-from .communicator import Communicator
+from .protocol import Communicator
 
 __all__ = ["hierarchical_all_reduce", "node_groups"]
 

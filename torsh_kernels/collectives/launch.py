@@ -142,7 +142,7 @@ def _finished_path(init: str) -> str:
     return init.removeprefix("file://") + ".finished"
 
 
-def _preload(ctx, fn: Callable[..., Any]) -> bool:
+def preload_forkserver(ctx, fn: Callable[..., Any]) -> bool:
     """Set what the fork server imports before it forks any rank (only the first call's list counts: the
     server keeps running for the rest of the process). False when forks of the server would see other
     values of the import-time variables than the caller has now (see the module docstring)."""
@@ -158,7 +158,13 @@ def _preload(ctx, fn: Callable[..., Any]) -> bool:
         ctx.set_forkserver_preload(mods)
         _server_env = _import_env()
         return True
-    return _server_env is not None and _import_env() == _server_env  # (a server started elsewhere: unknown)
+    return server_env_matches()  # (a server started elsewhere: unknown)
+
+
+def server_env_matches() -> bool:
+    """Whether the fork server this process started had the import-time variables (prefixes in
+    ``_IMPORT_ENV``) the caller has now; False when no server was started here."""
+    return _server_env is not None and _import_env() == _server_env
 
 
 def run_local(
@@ -180,6 +186,33 @@ def run_local(
     torch, torsh_kernels and ``fn``'s module; see the module docstring); None: :func:`set_defaults`' choice,
     "spawn" unless changed.
     """
+    start_method, threads = _checked_run_args(fn, world_size, backend, threads, start_method)
+    ctx, env = _rank_context(start_method, fn)
+    tmp = tempfile.mkdtemp(prefix="torsh-run-")
+    init = "file://" + os.path.join(tmp, "store")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(r, world_size, fn, args, init, backend, op_timeout, threads, results, env),
+            name=f"torsh-rank{r}",
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        done = _collect_reports(procs, results, timeout, op_timeout)
+    finally:
+        _stop(procs)
+        results.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _values_or_raise(done, world_size)
+
+
+def _checked_run_args(fn, world_size, backend, threads, start_method) -> tuple[str, int]:
+    """:func:`run_local`'s arguments checked: (the start method, the torch threads per rank)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidArgumentError(f"run_local: world_size must be an int >= 1, got {world_size!r}")
     if not callable(fn):
@@ -194,67 +227,70 @@ def run_local(
         raise InvalidArgumentError(f"run_local: start_method must be one of {START_METHODS}, got {start_method!r}")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
+    return start_method, threads
+
+
+def _rank_context(start_method: str, fn: Callable[..., Any]) -> tuple[Any, dict[str, str] | None]:
+    """(the multiprocessing context that starts the ranks, the environment a fork of the server is handed:
+    None where the ranks are fresh interpreters)."""
     env = None
     if start_method == "forkserver":
         ctx = torch.multiprocessing.get_context("forkserver")
-        if _preload(ctx, fn):
+        if preload_forkserver(ctx, fn):
             env = dict(os.environ)
         else:  # the server's import-time environment differs from ours: fresh interpreters
             ctx = torch.multiprocessing.get_context("spawn")
     else:
         ctx = torch.multiprocessing.get_context(start_method)
-    tmp = tempfile.mkdtemp(prefix="torsh-run-")
-    init = "file://" + os.path.join(tmp, "store")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(r, world_size, fn, args, init, backend, op_timeout, threads, results, env),
-            name=f"torsh-rank{r}",
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    done: dict[int, tuple] = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        grace_end = None
-        while len(done) < world_size:
-            now = time.monotonic()
-            if now > deadline or (grace_end is not None and now > grace_end):
-                break
-            try:
-                rank, *status = results.get(timeout=0.05)
-                done[rank] = tuple(status)
-            except queue_mod.Empty:
-                pass
-            for r, p in enumerate(procs):
-                if r not in done and p.exitcode is not None:
-                    # give a just-exited process's queued report a moment to arrive
-                    try:
-                        rank, *status = results.get(timeout=0.5)
-                        done[rank] = tuple(status)
-                        continue
-                    except queue_mod.Empty:
-                        pass
-                    if r not in done:
-                        done[r] = ("exit", f"exited with code {p.exitcode} without reporting a result", "")
-            if grace_end is None and any(s[0] != "ok" for s in done.values()):
-                grace_end = time.monotonic() + op_timeout + 10.0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    return ctx, env
 
+
+def _collect_reports(procs: list, results, timeout: float, op_timeout: float) -> dict[int, tuple]:
+    """Each rank's report (status, value or error, traceback) by rank, as they arrive: until every rank has
+    reported or exited, ``timeout`` has passed, or ``op_timeout`` + 10 s after the first failure."""
+    world_size = len(procs)
+    done: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
+    grace_end = None
+    while len(done) < world_size:
+        now = time.monotonic()
+        if now > deadline or (grace_end is not None and now > grace_end):
+            break
+        try:
+            rank, *status = results.get(timeout=0.05)
+            done[rank] = tuple(status)
+        except queue_mod.Empty:
+            pass
+        for r, p in enumerate(procs):
+            if r not in done and p.exitcode is not None:
+                # give a just-exited process's queued report a moment to arrive
+                try:
+                    rank, *status = results.get(timeout=0.5)
+                    done[rank] = tuple(status)
+                    continue
+                except queue_mod.Empty:
+                    pass
+                if r not in done:
+                    done[r] = ("exit", f"exited with code {p.exitcode} without reporting a result", "")
+        if grace_end is None and any(s[0] != "ok" for s in done.values()):
+            grace_end = time.monotonic() + op_timeout + 10.0
+    return done
+
+
+def _stop(procs: list) -> None:
+    """Terminate the ranks still running, then kill those that outlive 5 s."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _values_or_raise(done: dict[int, tuple], world_size: int) -> list[Any]:
+    """The ranks' values in rank order, or ``RankFailedError`` naming each rank that failed or did not finish."""
     values: list[Any] = [None] * world_size
     failures: dict[int, str] = {}
     tracebacks: dict[int, str] = {}

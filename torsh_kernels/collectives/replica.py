@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from .communicator import REDUCE_OPS, CompletedHandle
 from .cost_model import Round
+from .protocol import REDUCE_OPS, CompletedHandle
 
 __all__ = ["ReplicaCommunicator"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from .communicator import Communicator
+from .protocol import Communicator
 
 __all__ = ["all_reduce_sparse", "sparse_nbytes"]
 

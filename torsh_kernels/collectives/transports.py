@@ -86,7 +86,7 @@ def _cupy_status() -> TransportStatus:
 
 
 def _rdma_status() -> TransportStatus:
-    from .rdma import NO_DEVICE_FIX, PORT_DOWN_FIX, SYSFS, load_verbs, sysfs_devices
+    from .rdma_verbs import NO_DEVICE_FIX, PORT_DOWN_FIX, SYSFS, load_verbs, sysfs_devices
 
     ports = sysfs_devices()
     active = [p for p in ports if p["state"] == "ACTIVE"]
@@ -151,7 +151,7 @@ def _auto(group: object, kwargs: dict) -> str:
             reason="no store-bootstrapped transport available",
             fix="call torch.distributed.init_process_group",
         )
-    from .communicator import resolve_group
+    from .protocol import resolve_group
 
     pg = resolve_group(group, kwargs.get("mesh_dim"), "make_communicator") if dist.is_initialized() else None
     gpu = dist.is_initialized() and "nccl" in str(dist.get_backend(pg)).lower()

@@ -259,14 +259,14 @@ def _versus_torch_fp16_worker(comm):
     """One backward per hook on the same model and batch; what the hook waits for and issues, counted."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from torsh_kernels.collectives.communicator import TorchCommunicator, _TorchHandle
+    from torsh_kernels.collectives.communicator import TorchCommunicator, TorchHandle
     from torsh_kernels.compression import FP16
 
     inside = [False]
     counts = {"wait": 0, "all_reduce": 0, "all_gather": 0, "buckets": 0, "pending_at_return": 0}
     layouts = set()  # the bucket layouts the hook saw: one signature exchange each
     orig = {n: getattr(TorchCommunicator, n) for n in ("all_reduce", "all_gather")}
-    orig_wait = _TorchHandle.wait
+    orig_wait = TorchHandle.wait
 
     def counting(name):
         def f(self, *a, **kw):
@@ -282,7 +282,7 @@ def _versus_torch_fp16_worker(comm):
         return orig_wait(self)
 
     TorchCommunicator.all_reduce, TorchCommunicator.all_gather = counting("all_reduce"), counting("all_gather")
-    _TorchHandle.wait = wait
+    TorchHandle.wait = wait
 
     def counted(state, bucket):
         inside[0] = True
@@ -319,7 +319,7 @@ def _versus_torch_fp16_worker(comm):
         _, cpsgd = grads(counted, CompressionHookState(compressor=make("powersgd"), min_numel=64))
     finally:
         TorchCommunicator.all_reduce, TorchCommunicator.all_gather = orig["all_reduce"], orig["all_gather"]
-        _TorchHandle.wait = orig_wait
+        TorchHandle.wait = orig_wait
     same = all(torch.equal(a, b) for a, b in zip(ours, theirs))
     same_view = all(torch.equal(a, b) for a, b in zip(ours_view, theirs))
     return same, same_view, c16, ctopk, cpsgd

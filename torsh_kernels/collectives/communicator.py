@@ -160,9 +160,6 @@ class TorchHandle:
         return self._done or all(w is None or w.is_completed() for w in self._works)
 
 
-_TorchHandle = TorchHandle  # the old name, for tests/parallel/test_hooks.py (being edited elsewhere)
-
-
 class TorchCommunicator(CommunicatorBase):
     """A :class:`Communicator` over a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
 

@@ -1,6 +1,6 @@
 """Environment and timing helpers that several layers share: which machine and library versions a result
 or a trace comes from, interleaved timing with caches flushed, byte and quantile formatting. Imports only
-torch and the standard library. (The console the commands print with is in ``_cli``.)"""
+torch and the standard library. (The console the commands print with is in ``cli_common``.)"""
 
 from __future__ import annotations
 

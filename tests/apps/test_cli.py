@@ -549,7 +549,7 @@ def test_tune_refuses_providers_that_cannot_run_here():
 
 
 def test_help_texts_are_plain_words(capsys):
-    from torsh_kernels._cli import plain
+    from torsh_kernels.cli_common import plain
 
     assert plain("via :func:`~torsh_kernels.parallel.compression_hook` and :data:`QUICK`") == (
         "via compression_hook and QUICK"
@@ -587,12 +587,13 @@ def test_json_without_a_path_is_all_of_stdout(tmp_path, capsys):
 def _table(console_kwargs: dict) -> str:
     import io
 
-    from torsh_kernels import _cli
+    from torsh_kernels import cli_common
 
     buf = io.StringIO()
-    con = _cli.console(file=buf, color_system=None, **console_kwargs)
-    t = _cli.table("a: 200 tensors of mixed sizes, 100 MiB", ["op", "implementation", "median", "bytes", "of copy"],
-                   text=("op", "implementation"))  # fmt: skip
+    con = cli_common.console(file=buf, color_system=None, **console_kwargs)
+    t = cli_common.table("a: 200 tensors of mixed sizes, 100 MiB",
+                         ["op", "implementation", "median", "bytes", "of copy"],
+                         text=("op", "implementation"))  # fmt: skip
     t.add_row("flatten", "torsh[cpu] through the fused kernel of the cpu provider, one call", "63.125 ms",
               "10.6 MiB", "97%")  # fmt: skip
     t.add_row("unflatten", "torch._utils._unflatten_dense_tensors + per-tensor copy_", "1234.567 ms", "100 MiB",
@@ -630,7 +631,7 @@ def test_demo_table_keeps_its_numbers_at_120_columns():
     """The issue's '10.6 MiB wrapped over two rows at 120 columns': the demo's own table, its long title."""
     import io
 
-    from torsh_kernels import _cli
+    from torsh_kernels import cli_common
     from torsh_kernels.apps import demo
 
     rows = [{"compressor": c, "chose": None, "step_ms": 12.345, "step_ms_p20": 11.1, "step_ms_p80": 13.9,
@@ -638,7 +639,7 @@ def test_demo_table_keeps_its_numbers_at_120_columns():
             for c, b in (("none", 11133440), ("powersgd", 91136), ("topk", 222677))]  # fmt: skip
     for width in (120, 80):
         buf = io.StringIO()
-        con = _cli.console(file=buf, force_terminal=True, width=width, color_system=None)
+        con = cli_common.console(file=buf, force_terminal=True, width=width, color_system=None)
         demo.print_table(rows, title="torsh demo: 2 ranks (gloo, loopback), MLP 64-512-512-10 (301,066 parameters, "
                          "1.15 MiB of gradients) on sklearn digits, 600 steps of 32/rank", console=con)  # fmt: skip
         out = buf.getvalue()

@@ -46,13 +46,13 @@ def canary() -> list[str]:
     import torch
 
     from torsh_kernels.profiling import anchors
-    from torsh_kernels.profiling.inspection import _Reader, _summarize, check
+    from torsh_kernels.profiling.inspection import KernelReader, check, summarize
     from torsh_kernels.profiling.launches import capture
     from torsh_kernels.profiling.sass import ARCHS
 
     n = (1 << 20) + 3
     launches = capture("triton", ARCHS["sm_90"], lambda: anchors.copy(torch.empty(n), torch.empty(n)))
-    entry = _summarize(_Reader(ARCHS["sm_90"]), launches, 8 * n, n)
+    entry = summarize(KernelReader(ARCHS["sm_90"]), launches, 8 * n, n)
     return check({**entry, "name": "canary: copy at an odd size", "provider": "triton", "layout": "aligned",
                   "memory_bound": True})  # fmt: skip
 

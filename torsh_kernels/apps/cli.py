@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from .. import _cli
+from .. import cli_common
 from ..errors import TorshKernelsError
 
 _HARNESS_FLAGS = ("--compare", "--max-regression", "--full", "--args", "--ncu")
@@ -58,7 +58,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from . import demo, doctor, tune_cli
     from .bench import harness
 
-    parser = _cli.Parser(prog="torsh", description=__doc__)
+    parser = cli_common.Parser(prog="torsh", description=__doc__)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {"providers": None, "doctor": doctor, "demo": demo, "bench": None, "tune": tune_cli,
@@ -81,7 +81,7 @@ def harness_parser() -> argparse.ArgumentParser:
     """``torsh bench [SUITE ...] [--json] [--compare] ...``: the harness's parser."""
     from .bench import harness
 
-    hp = _cli.Parser(prog="torsh bench", description=harness.__doc__)
+    hp = cli_common.Parser(prog="torsh bench", description=harness.__doc__)
     harness.add_arguments(hp)
     return hp
 
@@ -101,7 +101,9 @@ def _parse(argv: list[str]) -> tuple[str, argparse.Namespace, Callable[[argparse
         return prog, args, _providers
     if args.command == "bench":
         sp = suite_parsers[args.suite]
-        args.options = _cli.argv_of(sp, args, skip={"json"})  # recorded in the suite's JSON (a baseline replays it)
+        args.options = cli_common.argv_of(
+            sp, args, skip={"json"}
+        )  # recorded in the suite's JSON (a baseline replays it)
         return sp.prog, args, harness.suite_module(args.suite).run
     from ..profiling import inspection, report, viewer
     from . import demo, doctor, tune_cli
@@ -123,16 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     prog = "torsh"
     try:
         prog, args, handler = _parse(argv)
-        with _cli.json_to_stdout(getattr(args, "json", None) == "-"):
+        with cli_common.json_to_stdout(getattr(args, "json", None) == "-"):
             return handler(args)
     except SystemExit as e:  # argparse: a one-line error (2), --help or --version (0)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    except _cli.UsageError as e:
-        return _cli.fail(prog, e)
+    except cli_common.UsageError as e:
+        return cli_common.fail(prog, e)
     except TorshKernelsError as e:  # a typed error from below: one line, no traceback
         # bad input (a ValueError or TypeError kind: a value, a file, a trace) exits 2 like an argument error;
         # a failure while running (a collective, a transport, a provider that cannot run) exits 1
-        code = _cli.fail(prog, f"{e} ({type(e).__name__})")
+        code = cli_common.fail(prog, f"{e} ({type(e).__name__})")
         return code if isinstance(e, (ValueError, TypeError)) else 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

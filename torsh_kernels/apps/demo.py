@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .. import _cli
+from .. import cli_common
 from ..compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
 from ..errors import InvalidArgumentError
 from .bench import fmt_bytes, quantile
@@ -170,94 +170,17 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
     """One rank's part: train once per compressor. Rank 0 returns a row per compressor."""
     if cfg.fsdp:
         return _fsdp_rank(comm, cfg)
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from ..parallel import CompressionHookState, compression_hook
     from ..profiling import timeline
 
     dev = comm.device
     xtr, ytr, xte, yte = load_digits_split(cfg.seed)
-    xtr, ytr, xte, yte = (t.to(dev) for t in (xtr, ytr, xte, yte))
-    me, ws = comm.rank, comm.world_size
-    progress = None
-    if me == 0 and cfg.progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        progress = Progress(
-            TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=None, transient=False,
-        )  # fmt: skip
-        progress.start()
+    data = tuple(t.to(dev) for t in (xtr, ytr, xte, yte))
+    progress = _progress_bar() if comm.rank == 0 and cfg.progress else None
     rows = []
     rec = timeline.Recorder(cfg.trace, rank=comm.rank, world_size=comm.world_size) if cfg.trace else None
     try:
         for ci, name in enumerate(cfg.compressors):
-            compressor = _compressors()[name]
-            net = _mlp(cfg.hidden, cfg.seed).to(dev)
-            ddp = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None)
-            extra = {"auto_candidates": _auto_candidates(cfg.compressors)} if compressor == "auto" else {}
-            state = CompressionHookState(compressor=compressor, start_iter=cfg.warmup, **extra)
-            ddp.register_comm_hook(state, compression_hook)
-            opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=0.9)
-            g = torch.Generator().manual_seed(cfg.seed + 1)  # the same global batches for every compressor
-            task = progress.add_task(f"{name} ({ws} ranks)", total=cfg.steps) if progress else None
-            times = []
-            for i in range(cfg.steps):
-                idx = torch.randint(0, len(ytr), (ws * cfg.batch,), generator=g)[me * cfg.batch : (me + 1) * cfg.batch]
-                idx = idx.to(dev)
-                traced = rec is not None and i >= cfg.steps - cfg.trace_steps
-                if traced:
-                    rec.start()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                t0 = time.perf_counter()
-                with timeline.step(ci * cfg.steps + i, label=name):
-                    opt.zero_grad(set_to_none=True)
-                    with timeline.record("forward"):
-                        loss = torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx])
-                    with timeline.record("backward"):
-                        loss.backward()
-                    with timeline.record("optimizer"):
-                        opt.step()
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize(dev)
-                times.append(time.perf_counter() - t0)
-                if traced:
-                    rec.stop()
-                if progress:
-                    progress.update(task, advance=1)
-            with torch.no_grad():
-                acc = (net(xte).argmax(1) == yte).float().mean().item()
-            # the timed steps' figures (the hook keeps its last 100 iterations): wire bytes as the timeline
-            # and `torsh report` count them (collectives.wire_bytes), payload as the compressor counts it
-            timed = state.stats.per_iteration[-min(cfg.steps - cfg.warmup, 100) :]
-            gradient = timed[-1]["bytes_before"]
-            payload = statistics.fmean(it["bytes_after"] for it in timed)
-            auto = state.stats.auto
-            rows.append(
-                {
-                    "compressor": name,
-                    "chose": None if auto is None else auto["choice"],
-                    "spec": "uncompressed" if compressor is None else repr(state.compressor if auto else compressor),
-                    "auto": auto,
-                    "step_ms": 1e3 * statistics.median(times[cfg.warmup :]),
-                    "step_ms_p20": 1e3 * quantile(times[cfg.warmup :], 0.2),
-                    "step_ms_p80": 1e3 * quantile(times[cfg.warmup :], 0.8),
-                    "bytes_per_step": statistics.fmean(it["wire_bytes"] for it in timed),
-                    "payload_bytes_per_step": payload,
-                    "gradient_bytes": gradient,
-                    "ratio": gradient / payload if payload else None,
-                    "figures_from": "timer and hook",
-                    # the hook's wire bytes over the traced steps alone (from_trace checks them against the traces)
-                    "hook_traced_bytes_per_step": statistics.fmean(
-                        it["wire_bytes"] for it in state.stats.per_iteration[-min(cfg.trace_steps, 100) :]
-                    )
-                    if rec is not None
-                    else None,
-                    "accuracy": acc,
-                    "final_loss": loss.item(),
-                }
-            )
+            rows.append(_train(comm, cfg, ci, name, data, rec, progress))
     finally:
         if progress:
             progress.stop()
@@ -266,12 +189,105 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
     if rec is not None:
         rec.write()
         comm.barrier()  # every rank's file is written before rank 0 reads them
-    if me != 0:
+    if comm.rank != 0:
         return None
     base = next((r["step_ms"] for r in rows if r["compressor"] == "none"), None)
     for r in rows:
         r["speedup"] = base / r["step_ms"] if base else None
     return rows
+
+
+def _progress_bar():
+    """Rank 0's progress bars, one per compressor (started)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=None, transient=False,
+    )  # fmt: skip
+    progress.start()
+    return progress
+
+
+def _train(comm, cfg: DemoConfig, ci: int, name: str, data: tuple, rec, progress) -> dict:
+    """Train the model once with compressor ``name`` (the ``ci``-th): its row of the table."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..parallel import CompressionHookState, compression_hook
+    from ..profiling import timeline
+
+    dev = comm.device
+    xtr, ytr, xte, yte = data
+    me, ws = comm.rank, comm.world_size
+    compressor = _compressors()[name]
+    net = _mlp(cfg.hidden, cfg.seed).to(dev)
+    ddp = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None)
+    extra = {"auto_candidates": _auto_candidates(cfg.compressors)} if compressor == "auto" else {}
+    state = CompressionHookState(compressor=compressor, start_iter=cfg.warmup, **extra)
+    ddp.register_comm_hook(state, compression_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=0.9)
+    g = torch.Generator().manual_seed(cfg.seed + 1)  # the same global batches for every compressor
+    task = progress.add_task(f"{name} ({ws} ranks)", total=cfg.steps) if progress else None
+    times = []
+    for i in range(cfg.steps):
+        idx = torch.randint(0, len(ytr), (ws * cfg.batch,), generator=g)[me * cfg.batch : (me + 1) * cfg.batch]
+        idx = idx.to(dev)
+        traced = rec is not None and i >= cfg.steps - cfg.trace_steps
+        if traced:
+            rec.start()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        with timeline.step(ci * cfg.steps + i, label=name):
+            opt.zero_grad(set_to_none=True)
+            with timeline.record("forward"):
+                loss = torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx])
+            with timeline.record("backward"):
+                loss.backward()
+            with timeline.record("optimizer"):
+                opt.step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        if traced:
+            rec.stop()
+        if progress:
+            progress.update(task, advance=1)
+    with torch.no_grad():
+        acc = (net(xte).argmax(1) == yte).float().mean().item()
+    return _row(cfg, name, compressor, state, times, rec is not None, acc, loss.item())
+
+
+def _row(cfg: DemoConfig, name: str, compressor, state, times: list[float], traced: bool, acc: float,
+         loss: float) -> dict:  # fmt: skip
+    """One compressor's row: the timed steps' figures (the hook keeps its last 100 iterations): wire bytes as
+    the timeline and `torsh report` count them (collectives.wire_bytes), payload as the compressor counts it."""
+    timed = state.stats.per_iteration[-min(cfg.steps - cfg.warmup, 100) :]
+    gradient = timed[-1]["bytes_before"]
+    payload = statistics.fmean(it["bytes_after"] for it in timed)
+    auto = state.stats.auto
+    return {
+        "compressor": name,
+        "chose": None if auto is None else auto["choice"],
+        "spec": "uncompressed" if compressor is None else repr(state.compressor if auto else compressor),
+        "auto": auto,
+        "step_ms": 1e3 * statistics.median(times[cfg.warmup :]),
+        "step_ms_p20": 1e3 * quantile(times[cfg.warmup :], 0.2),
+        "step_ms_p80": 1e3 * quantile(times[cfg.warmup :], 0.8),
+        "bytes_per_step": statistics.fmean(it["wire_bytes"] for it in timed),
+        "payload_bytes_per_step": payload,
+        "gradient_bytes": gradient,
+        "ratio": gradient / payload if payload else None,
+        "figures_from": "timer and hook",
+        # the hook's wire bytes over the traced steps alone (from_trace checks them against the traces)
+        "hook_traced_bytes_per_step": statistics.fmean(
+            it["wire_bytes"] for it in state.stats.per_iteration[-min(cfg.trace_steps, 100) :]
+        )
+        if traced
+        else None,
+        "accuracy": acc,
+        "final_loss": loss,
+    }
 
 
 def _fsdp_rank(comm, cfg: DemoConfig) -> list[dict] | None:
@@ -335,9 +351,9 @@ def _fsdp_rank(comm, cfg: DemoConfig) -> list[dict] | None:
 
 
 def print_table(rows: list[dict], *, title: str, console=None) -> None:
-    console = console or _cli.console()
+    console = console or cli_common.console()
     base = "plain" if any(r["compressor"] == "plain" for r in rows) else "none"
-    t = _cli.table(title, ["compressor", "step time (ms)", "p20-p80 (ms)", "wire bytes / step", "compression",
+    t = cli_common.table(title, ["compressor", "step time (ms)", "p20-p80 (ms)", "wire bytes / step", "compression",
                            "test accuracy", f"speedup vs {base}"], text=("compressor",))  # fmt: skip
     for r in rows:
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
@@ -355,9 +371,9 @@ def print_table(rows: list[dict], *, title: str, console=None) -> None:
 
 def print_auto(auto: dict, *, console=None) -> None:
     """What ``compressor="auto"`` measured (``stats.auto`` of the hook or the synchronizer) and chose."""
-    console = console or _cli.console()
+    console = console or cli_common.console()
     link = auto["link"]
-    t = _cli.table(
+    t = cli_common.table(
         f"compressor='auto' at the end of the warm-up: measured link {link['bandwidth_Bps'] * 8 / 1e9:.3g} "
         f"Gbit/s, {link['latency_s'] * 1e6:.0f} us latency; each compressor on this model's "
         f"{auto['buckets']} bucket(s), {fmt_bytes(auto['gradient_bytes'])} of gradients per step "
@@ -432,7 +448,7 @@ def _finish(rows: list[dict], cfg: DemoConfig, ranks: int, backend: str, network
         from .bench import environment
 
         dev = torch.device("cuda" if backend == "nccl" else "cpu")
-        _cli.write_json(json_path, {"environment": environment(dev), "network": network, "ranks": ranks,
+        cli_common.write_json(json_path, {"environment": environment(dev), "network": network, "ranks": ranks,
                                     "backend": backend, "config": asdict(cfg), "parameters": params,
                                     "rows": rows})  # fmt: skip
     if cfg.trace:
@@ -449,8 +465,8 @@ def print_trace_summary(directory: str, console=None, *, trace=None, rep: dict |
     from ..profiling.viewer import View, render_lanes, render_tables
 
     if console is None:  # the lanes take the console's width: at least 120 columns
-        probe = _cli.console()
-        console = _cli.console(width=max(120, probe.width) if probe.is_terminal else 120, highlight=False)
+        probe = cli_common.console()
+        console = cli_common.console(width=max(120, probe.width) if probe.is_terminal else 120, highlight=False)
     trace = load(directory) if trace is None else trace
     last = max(n for s in trace.steps() if (n := analysis.step_number(s)) is not None)
     render_lanes(trace, View(step=last), console, source=f"{directory} (last traced step)")
@@ -474,7 +490,7 @@ def _env_rank_main(cfg: DemoConfig, json_path: str | None) -> int:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    at_least_1 = _cli.int_at_least(1)
+    at_least_1 = cli_common.int_at_least(1)
     ap.add_argument("--ranks", type=at_least_1, default=2, help="local ranks (default 2; --link always uses 2)")
     d = DemoConfig()
     ap.add_argument("--steps", type=at_least_1, default=d.steps, help="steps per compressor")
@@ -492,7 +508,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="2 ranks on two emulated hosts with this link rate (1gbit, 100mbit); needs root")  # fmt: skip
     ap.add_argument("--delay", default=None, help="with --link: one-way delay per direction (e.g. 1ms)")
     ap.add_argument("--threads", type=at_least_1, default=1, help="torch threads per rank (CPU)")
-    _cli.add_json(ap, "the rows")
+    cli_common.add_json(ap, "the rows")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--trace", default=None, metavar="DIR", help="record timeline traces (rank{R}.json) into DIR")
     ap.add_argument("--trace-steps", type=at_least_1, default=None,
@@ -508,11 +524,11 @@ def run(a: argparse.Namespace) -> int:
                          trace=os.path.abspath(a.trace) if a.trace else None, trace_steps=a.trace_steps,
                          fsdp=a.fsdp)  # fmt: skip
     except InvalidArgumentError as e:
-        raise _cli.UsageError(str(e)) from e
+        raise cli_common.UsageError(str(e)) from e
     if cfg.fsdp and cfg.trace:
-        raise _cli.UsageError("--trace records the DDP demo; it is not wired into --fsdp")
+        raise cli_common.UsageError("--trace records the DDP demo; it is not wired into --fsdp")
     if a.delay is not None and not a.link:
-        raise _cli.UsageError("--delay is the one-way delay of an emulated link: it needs --link RATE")
+        raise cli_common.UsageError("--delay is the one-way delay of an emulated link: it needs --link RATE")
     if os.environ.get("TORSH_DEMO_RANK_MODE") == "env":  # a rank started by --link below
         torch.set_num_threads(a.threads)
         return _env_rank_main(cfg, a.json)

@@ -16,7 +16,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from .. import _cli
+from .. import cli_common
 
 
 def _driver() -> tuple[str | None, str]:
@@ -72,26 +72,26 @@ def collect() -> dict:
 def print_report(d: dict) -> None:
     from rich.markup import escape
 
-    con = _cli.console()
+    con = cli_common.console()
     s = d["software"]
     con.print(f"[bold]torsh-kernels {s['torsh_kernels']}[/] on Python {s['python']}, {s['platform']}")
     con.print(f"torch {s['torch']} (CUDA build: {s['torch_cuda_build'] or 'none, CPU only'}); GPUs: "
               f"{', '.join(s['gpus']) or 'none'}; driver: {s['driver'] or s['driver_source']}; torch's NCCL: "
               f"{s['torch_nccl'] or 'n/a'}")  # fmt: skip
     cols = ["provider", "version", "CUDA tensors", "CPU tensors", "mode"]
-    t = _cli.table("kernel providers", cols, text=cols)
+    t = cli_common.table("kernel providers", cols, text=cols)
     for p in d["providers"]:
         t.add_row(p["name"], p["version"] or "not installed", "yes" if p["cuda"] is None else f"no: {p['cuda']}",
                   "yes" if p["cpu"] is None else f"no: {p['cpu']}", p["mode"])  # fmt: skip
     con.print(t)
     cols = ["transport", "available", "what was found / why not", "to enable"]
-    t = _cli.table("transports", cols, text=cols)
+    t = cli_common.table("transports", cols, text=cols)
     for tr in d["transports"]:
         t.add_row(tr["name"], "yes" if tr["available"] else "no", tr["detail"], tr["fix"] or "-")
     con.print(t)
     if d["rdma_ports"]:
         cols = ["device", "port", "state", "physical", "link layer", "rate"]
-        t = _cli.table("RDMA ports (/sys/class/infiniband)", cols, text=[c for c in cols if c != "port"])
+        t = cli_common.table("RDMA ports (/sys/class/infiniband)", cols, text=[c for c in cols if c != "port"])
         for p in d["rdma_ports"]:
             t.add_row(p["device"], str(p["port"]), p["state"], p["phys_state"], p["link_layer"], p["rate"])
         con.print(t)
@@ -102,12 +102,12 @@ def print_report(d: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    _cli.add_json(p, "the report")
+    cli_common.add_json(p, "the report")
 
 
 def run(args: argparse.Namespace) -> int:
     d = collect()
     if args.json != "-":  # on stdout the JSON is the report: nothing else is printed
         print_report(d)
-    _cli.write_json(args.json, d)
+    cli_common.write_json(args.json, d)
     return 0

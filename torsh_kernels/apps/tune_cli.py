@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from .. import _cli
+from .. import cli_common
 from ..profiling import autotune as A
 from .bench import add_device, add_providers, resolve_device, select_providers
 
@@ -47,7 +47,7 @@ def _seconds(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", default="bucket,compression",
                    help="comma-separated ops or families (bucket, compression; default: both)")  # fmt: skip
-    p.add_argument("--dtypes", default=["fp32", "bf16"], type=_cli.choice_list(DTYPES, "dtype"),
+    p.add_argument("--dtypes", default=["fp32", "bf16"], type=cli_common.choice_list(DTYPES, "dtype"),
                    help="comma-separated dtypes: fp32, fp16, bf16 (default fp32,bf16)")  # fmt: skip
     p.add_argument("--sizes", default=None, type=_sizes,
                    help="element counts, e.g. 2^16,2^20 (default: 2^20,2^24,2^26 CUDA; 2^16,2^20 CPU)")  # fmt: skip
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="exhaustive", choices=A.STRATEGIES, help="search strategy")
     add_providers(p, "consider")
     add_device(p)
-    p.add_argument("--reps", type=_cli.int_at_least(1), default=None, help="timed repetitions per candidate")
+    p.add_argument("--reps", type=cli_common.int_at_least(1), default=None, help="timed repetitions per candidate")
     p.add_argument("--force", action="store_true", help="re-tune entries already in the cache")
     p.add_argument("--show", action="store_true", help="print the cache and exit")
     p.add_argument("--clear", action="store_true", help="delete the cache and exit")
@@ -72,7 +72,7 @@ def _ops(text: str) -> list[str]:
             out += fam
         else:
             families = sorted({s.family for s in sp.values()})
-            raise _cli.UsageError(
+            raise cli_common.UsageError(
                 f"--ops: unknown op or family {name!r}; ops: {', '.join(sorted(sp))}; families: {', '.join(families)}"
             )
     return list(dict.fromkeys(out))
@@ -86,7 +86,7 @@ def show(console) -> int:
     console.print(f"tuning cache: {path}" + ("" if path.exists() else " (empty)"))
     for key, env in data["environments"].items():
         state = "current" if key == current else "stale (another device or versions)"
-        t = _cli.table(f"{key}  ({state})",
+        t = cli_common.table(f"{key}  ({state})",
                        ["op | dtype | bucket", "winner", "time", "default", "speedup", "tuned", "synced from"],
                        text=("winner", "default", "tuned", "synced from"))  # fmt: skip
         for ek, e in sorted(env["entries"].items()):
@@ -103,7 +103,7 @@ def show(console) -> int:
 def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = _cli.console()
+    console = cli_common.console()
     if args.clear:
         path = A.cache_path()
         existed = path.exists()
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from ..ops._common import device_bytes
 
     if max(sizes) * 8 > device_bytes(device):  # (an fp32 input and its output, at least)
-        raise _cli.UsageError(f"--sizes: {max(sizes)} elements do not fit in the {device.type} memory "
+        raise cli_common.UsageError(f"--sizes: {max(sizes)} elements do not fit in the {device.type} memory "
                               f"({device_bytes(device) / 2**30:.4g} GiB)")  # fmt: skip
     providers = select_providers("torsh tune", args.providers, device, verb="tuning")
     tuner = A.Tuner(device, providers=providers, strategy=args.strategy, budget_s=args.budget, reps=args.reps)
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         if not rows:
             continue
         cols = ["dtype", "bucket", "winner", "time", "default", "speedup", "timed/pruned/dropped", "source"]
-        t = _cli.table(op, cols, text=("dtype", "winner", "default", "source"))
+        t = cli_common.table(op, cols, text=("dtype", "winner", "default", "source"))
         for r in rows:
             sp = f"{r.speedup:.2f}x" if r.speedup else "-"
             t.add_row(str(r.dtype).removeprefix("torch."), f"2^{r.bucket}", str(r.winner),

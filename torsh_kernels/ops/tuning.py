@@ -21,7 +21,7 @@
   names what was skipped (never one per call), and no op call ever raises because of the cache.
 - **Writing.** :func:`update_cache` is the one writer: under the cache's file lock (an ``flock`` on
   ``tuning.json.lock`` beside it) it re-reads the file, applies the change and replaces the file through
-  an exclusive, symlink-safe temporary file (:mod:`torsh_kernels._files`), so concurrent writers (ranks
+  an exclusive, symlink-safe temporary file (:mod:`torsh_kernels.files`), so concurrent writers (ranks
   tuning at once) lose no entry and a planted symlink redirects nothing.
 - **Search spaces.** Each tunable op declares a :class:`TuneSpace` next to its kernels and registers it
   with :func:`register_space`: how to build fresh random inputs of a given size, how to run the op with
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from .._env import versions
-from .._files import locked, read_capped, write_atomic
+from ..files import locked, read_capped, write_atomic
 
 __all__ = [
     "CACHE_FORMAT",

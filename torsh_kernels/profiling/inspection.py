@@ -26,7 +26,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import _cli
+from .. import cli_common
 from ..errors import InvalidArgumentError, ProviderUnavailableError
 from .sass import ARCHS, DIRECT, GPUS, Arch, SassStats, analyze, estimate, occupancy
 
@@ -92,7 +92,7 @@ def _anchor_cases() -> list[tuple[str, Callable[[], object], int]]:
             ("cast fp32->bf16", lambda: anchors.cast(x, torch.empty(n, dtype=torch.bfloat16)), 6)]  # fmt: skip
 
 
-class _Reader:
+class KernelReader:
     """Compiles and reads each distinct specialization once; names it ``provider:kernel#i``."""
 
     def __init__(self, arch: Arch, disassemble: Collection[str] = ("triton", "numba")) -> None:
@@ -118,7 +118,7 @@ class _Reader:
         return self._seen[key]
 
 
-def _summarize(reader: _Reader, launches: list[Launch], nbytes: int, elements: int) -> dict[str, Any]:
+def summarize(reader: KernelReader, launches: list[Launch], nbytes: int, elements: int) -> dict[str, Any]:
     """One case's figures from its launches. A launch's bytes count with its weight, programs x warps (each
     program runs the same code once); the case's ``nbytes`` are shared among launches in that proportion for
     the estimate."""
@@ -230,14 +230,14 @@ def inspect_kernels(
             raise InvalidArgumentError(f"family {f!r} is not one of {', '.join(launch_cases.FAMILIES)}")
     _check_modes(providers)
     a = ARCHS[arch]
-    reader = _Reader(a, tuple(disassemble))
+    reader = KernelReader(a, tuple(disassemble))
     report: dict[str, Any] = {"arch": arch, "goals": asdict(GOALS), "gpus": {g: asdict(GPUS[g]) for g in a.gpus},
                               "versions": _versions(), "anchors": {}, "cases": [], "errors": []}  # fmt: skip
     copy = None
     with _meta_forced(meta):
         for name, fn, bpe in _anchor_cases():
             launches = capture("triton", a, fn)
-            report["anchors"][name] = _summarize(reader, launches, ANCHOR_ELEMENTS * bpe, ANCHOR_ELEMENTS)
+            report["anchors"][name] = summarize(reader, launches, ANCHOR_ELEMENTS * bpe, ANCHOR_ELEMENTS)
             if copy is None:
                 copy = (launches[0], reader.read(launches[0])[1])
         for case in _selected(launch_cases.cases(fams), match, names, shard):
@@ -248,7 +248,7 @@ def inspect_kernels(
                     launches = capture(p, a, lambda c=case, p=p: c.run(p))
                     entry = {"name": case.name, "family": case.family, "provider": p, "layout": case.layout,
                              "memory_bound": case.memory_bound, "bytes": case.nbytes, "elements": case.elements,
-                             **_summarize(reader, launches, case.nbytes, case.elements)}  # fmt: skip
+                             **summarize(reader, launches, case.nbytes, case.elements)}  # fmt: skip
                 except Exception as exc:  # a kernel that does not compile is a finding, not the end of the report
                     report["errors"].append({"name": case.name, "provider": p,
                                              "error": f"{type(exc).__name__}: {exc}"[:2000]})  # fmt: skip
@@ -329,17 +329,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     from ..ops.launch_cases import FAMILIES
 
     ap.add_argument("--arch", default="sm_90", choices=list(ARCHS), help="the GPU target (default sm_90)")
-    ap.add_argument("--provider", dest="providers", type=_cli.choice_list(PROVIDERS, "provider"),
+    ap.add_argument("--provider", dest="providers", type=cli_common.choice_list(PROVIDERS, "provider"),
                     default=list(PROVIDERS), help="comma-separated providers (default: triton,numba)")  # fmt: skip
-    ap.add_argument("--family", dest="families", type=_cli.choice_list(FAMILIES, "family"), default=None,
+    ap.add_argument("--family", dest="families", type=cli_common.choice_list(FAMILIES, "family"), default=None,
                     help=f"comma-separated op families (default: all of {', '.join(FAMILIES)})")  # fmt: skip
     ap.add_argument("--match", default=None, help="only the cases whose name contains this text")
     ap.add_argument("--meta", action="append", type=_meta_arg, default=[], metavar="OP:NAME=V[,NAME=V]",
                     help="launch OP's Triton kernels with these meta-parameters (values from its tuning space, "
                     "e.g. flatten:BLOCK=4096,num_warps=8: what a tuned winner would set); repeatable")  # fmt: skip
     ap.add_argument("--check", action="store_true", help="exit 1 if a kernel misses a goal")
-    _cli.add_json(ap, "the report")
-    ap.add_argument("--width", type=_cli.int_at_least(40), default=None, help="columns (default: the terminal's)")
+    cli_common.add_json(ap, "the report")
+    ap.add_argument("--width", type=cli_common.int_at_least(40), default=None, help="columns (default: the terminal's)")
 
 
 def _meta_arg(text: str) -> tuple[str, dict[str, int]]:
@@ -366,12 +366,12 @@ def run(a: argparse.Namespace) -> int:
     import sys
 
     quiet = a.json == "-"
-    con = _cli.console(width=a.width, stderr=quiet)
+    con = cli_common.console(width=a.width, stderr=quiet)
     rep = inspect_kernels(a.arch, providers=a.providers, families=a.families, match=a.match, meta=dict(a.meta),
                           progress=(lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if con.is_terminal
                           else None)  # fmt: skip
     print_report(rep, con)
-    _cli.write_json(a.json, rep)
+    cli_common.write_json(a.json, rep)
     missed = sum(bool(c["misses"]) for c in rep["cases"])
     return 1 if (a.check and (missed or rep["errors"])) else 0
 
@@ -380,7 +380,7 @@ def print_report(rep: dict[str, Any], con) -> None:
     gpus = list(rep["gpus"])
     cols = ["case", "prov", "layout", "regs", "occ", "spill B", "128-bit", "gather/scatter", "instr/elem",
             *(f"{g.split('-')[0]} us" for g in gpus), "vs copy", "goals"]  # fmt: skip
-    t = _cli.table(f"torsh inspect: {rep['arch']} (versions: {rep['versions']})", cols,
+    t = cli_common.table(f"torsh inspect: {rep['arch']} (versions: {rep['versions']})", cols,
                    text=("case", "prov", "layout", "goals"))  # fmt: skip
     for name, an in rep["anchors"].items():
         t.add_row(f"anchor: {name}", "triton", "aligned", str(an["registers"]), f"{an['occupancy']:.0%}",

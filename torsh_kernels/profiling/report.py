@@ -25,7 +25,7 @@ import re
 import statistics
 from dataclasses import asdict, dataclass
 
-from .. import _cli
+from .. import cli_common
 from ..errors import InvalidArgumentError, TraceFormatError
 from . import analysis as A
 from .traces import Trace, load
@@ -254,115 +254,156 @@ _CHEAP = ("FP16", "BF16", "Quantize")
 def suggestions(rep: dict, trace: Trace, th: Thresholds) -> list[dict]:
     """Concrete changes, each with the metric and threshold that triggered it, consistent with each other
     and with :func:`facts` (see the module docstring)."""
-    out = []
     s = rep["summary"]
-    b = rep.get("buckets") or {}
     f = rep.get("facts") or facts(trace, {r: A.windows(trace, r) for r in trace.ranks})
-    comp = f["compressors"]
-    using = ", ".join(comp) if comp else "torsh's compression ops"
-    exposed, compression = s["exposed_comm_share"], s["compression_share"]
-    # the larger cost decides: compress harder (less exposed communication) or more cheaply (less compression)
-    compression_dominates = compression > exposed
+    out = [
+        _suggest_communication(rep, f, th),
+        _suggest_overlap(s, f, th),
+        _suggest_compression(s, f, th),
+        _suggest_idle(s, th),
+        _suggest_unrecorded(s, f, th),
+        _suggest_memory(s, f, th),
+    ]
+    out += [_suggest_straggler(r) for r in rep["stragglers"] if r["straggler"]]
+    out.append(_suggest_buckets(rep.get("buckets") or {}, th))
+    return [x for x in out if x is not None]
 
-    def add(id_: str, metric: str, value: float, threshold: float, msg: str) -> None:
-        out.append({"id": id_, "metric": metric, "value": value, "threshold": threshold, "message": msg})
 
-    if s["comm_share_max"] > th.comm_share:
-        worst = max(rep["ranks"], key=lambda r: r["comm_share"])
-        if not f["compressing"]:
-            how = ("compress gradients with compression_hook / GradientSynchronizer(compressor=PowerSGD(4) or TopK "
-                   "or Quantize(8)); ")  # fmt: skip
-        elif not compression_dominates:
-            how = (f"the job already compresses ({using}): raise the compression rate (a lower PowerSGD rank, a "
-                   "smaller TopK ratio, fewer Quantize bits) to cut the exposed communication; ")  # fmt: skip
-        else:
-            how = (f"the job already compresses ({using}) and compressing costs more of the step "
-                   f"({_pct(compression)}) than the communication it leaves exposed ({_pct(exposed)}), so "
-                   "compressing harder would not pay; ")  # fmt: skip
-        add("communication", "comm_share", s["comm_share_max"], th.comm_share,
-            f"Communication is in flight for {_pct(worst['comm_share'])} of rank {worst['rank']}'s step (over "
-            f"{_pct(th.comm_share)}): {how}use larger buckets (bucket_mb / DDP bucket_cap_mb) to cut per-message "
-            "latency; across nodes, hierarchical_all_reduce keeps most bytes on the fast links.")  # fmt: skip
+def _suggestion(id_: str, metric: str, value: float, threshold: float, msg: str) -> dict:
+    return {"id": id_, "metric": metric, "value": value, "threshold": threshold, "message": msg}
+
+
+def _compression_dominates(s: dict) -> bool:
+    """The larger cost decides: compress harder (less exposed communication) or more cheaply (less compression)."""
+    return s["compression_share"] > s["exposed_comm_share"]
+
+
+def _suggest_communication(rep: dict, f: dict, th: Thresholds) -> dict | None:
+    s = rep["summary"]
+    if not s["comm_share_max"] > th.comm_share:
+        return None
+    worst = max(rep["ranks"], key=lambda r: r["comm_share"])
+    using = ", ".join(f["compressors"]) if f["compressors"] else "torsh's compression ops"
+    if not f["compressing"]:
+        how = ("compress gradients with compression_hook / GradientSynchronizer(compressor=PowerSGD(4) or TopK "
+               "or Quantize(8)); ")  # fmt: skip
+    elif not _compression_dominates(s):
+        how = (f"the job already compresses ({using}): raise the compression rate (a lower PowerSGD rank, a "
+               "smaller TopK ratio, fewer Quantize bits) to cut the exposed communication; ")  # fmt: skip
+    else:
+        how = (f"the job already compresses ({using}) and compressing costs more of the step "
+               f"({_pct(s['compression_share'])}) than the communication it leaves exposed "
+               f"({_pct(s['exposed_comm_share'])}), so compressing harder would not pay; ")  # fmt: skip
+    return _suggestion("communication", "comm_share", s["comm_share_max"], th.comm_share,
+        f"Communication is in flight for {_pct(worst['comm_share'])} of rank {worst['rank']}'s step (over "
+        f"{_pct(th.comm_share)}): {how}use larger buckets (bucket_mb / DDP bucket_cap_mb) to cut per-message "
+        "latency; across nodes, hierarchical_all_reduce keeps most bytes on the fast links.")  # fmt: skip
+
+
+def _suggest_overlap(s: dict, f: dict, th: Thresholds) -> dict | None:
     ov = s["overlap"]
-    if ov is not None and ov < th.overlap and s["comm_share"] >= th.overlap_min_comm:
-        head = f"Only {_pct(ov)} of communication overlaps work (below {_pct(th.overlap)}): "
-        if f["comm_during_backward"]:
-            msg = (
-                "collectives already start during backward, so the exposed part comes after it: a smaller first "
-                "bucket (first_bucket_mb) starts communication earlier, and work that does not need the reduced "
-                "gradients (the next batch's loading, logging) can run while the last buckets are in flight."
-            )
-        elif f["comm_during_backward"] is None:
-            msg = (
-                "backward is not recorded, so the report cannot tell whether collectives start during it; record "
-                "it (Recorder(model=net)). If they start only after backward, start buckets during backward "
-                "(GradientSynchronizer(overlap=True) or a DDP comm hook), with a small first bucket "
-                "(first_bucket_mb) so communication starts early."
-            )
-        else:
-            msg = (
-                "collectives start only after backward: start buckets during backward "
-                "(GradientSynchronizer(overlap=True) or a DDP comm hook instead of an all-reduce after backward), "
-                "with a small first bucket (first_bucket_mb) so communication starts early."
-            )
-        add("overlap", "overlap", ov, th.overlap, head + msg)
-    if compression > th.compression:
-        ways = []
-        if f["compression_providers"] != ["triton"]:
-            ways.append("run the compression kernels on the GPU (triton provider)")
-        if compression_dominates:
-            in_use = {c.split("(")[0] for c in comp}
-            cheaper = [c for c in _CHEAP if c not in in_use]
-            if cheaper and not in_use & {"FP16", "BF16"}:
-                ways.append(f"switch to a cheaper compressor ({' or '.join(cheaper)})")
-        ways.append("compress only large tensors (min_numel, min_compression_rate)")
-        add("compression", "compression_share", compression, th.compression,
-            f"Compression takes {_pct(compression)} of the step (over {_pct(th.compression)}): "
-            + ", ".join(ways[:-1]) + (", or " if len(ways) > 1 else "") + ways[-1] + ".")  # fmt: skip
-    gpu_idle, unrec = s["gpu_idle_share"], s["host_unrecorded_share"]
-    if gpu_idle is not None and gpu_idle > th.idle:
-        add("idle", "gpu_idle_share", gpu_idle, th.idle,
-            f"The GPU is idle for {_pct(gpu_idle)} of the step (no kernel, copy or collective on it; over "
-            f"{_pct(th.idle)}): it waits for the host; look at the gaps in `torsh timeline` for host stalls (data "
-            "loading, .item() or .cpu() synchronisations, logging).")  # fmt: skip
-    if unrec is not None and unrec > th.unrecorded:
-        if "torsh" in f["sources"]:
-            how = (
-                "pass the model to the recorder (Recorder(dir, model=net)) to record forward and backward, and "
-                "wrap the rest (data loading, the optimizer step) in timeline.record(...)"
-                if not f["backward_recorded"]
-                else "wrap the unrecorded work (data loading, the optimizer step, logging) in timeline.record(...)"
-            )
-        else:
-            how = "profile with with_stack=True to see the Python that runs between the recorded ops"
-        add("unrecorded", "host_unrecorded_share", unrec, th.unrecorded,
-            f"{_pct(unrec)} of the step is covered by no recorded span (over {_pct(th.unrecorded)}): the trace "
-            f"cannot say what ran then, or whether anything did; {how}.")  # fmt: skip
-    if s["memory_share"] > th.memory:
-        by_name = f["memory_ms_by_name"]
-        top = list(by_name)[:3]
-        offload = sum(v for k, v in by_name.items() if _OFFLOAD.search(k))
-        if offload >= sum(by_name.values()) / 2:
-            how = "prefetch offloaded state earlier (ParameterOffloader prefetch) and keep host buffers pinned"
-        else:
-            how = (
-                "these are copies into and out of buckets or expert order, not transfers: the triton provider "
-                "fuses each into one launch per bucket, and larger buckets mean fewer of them"
-            )
-        add("memory", "memory_share", s["memory_share"], th.memory,
-            f"Copies are exposed for {_pct(s['memory_share'])} of the step (over {_pct(th.memory)}), mostly "
-            f"{', '.join(top) or 'copies'}: {how}.")  # fmt: skip
-    for r in rep["stragglers"]:
-        if r["straggler"]:
-            add("straggler", "median_late_ms", r["median_late_ms"], r["threshold_ms"],
-                f"Rank {r['rank']} starts {_pct(r['latest_fraction'])} of its collectives last, by a median "
-                f"{r['median_late_ms']:.3f} ms: the others wait for it. Check its data loading, host load and "
-                "input sizes (uneven batches or MoE routing).")  # fmt: skip
-    if b and b.get("per_step") and b["per_step"] > th.many_buckets and b["median_bytes"] < th.small_bucket_bytes:
-        add("buckets", "median_bucket_bytes", b["median_bytes"], th.small_bucket_bytes,
-            f"{b['per_step']:.0f} buckets per step with a median of {b['median_bytes'] / 1024:.0f} KiB: each "
-            "collective pays a fixed latency; raise bucket_mb (DDP: bucket_cap_mb).")  # fmt: skip
-    return out
+    if ov is None or not ov < th.overlap or not s["comm_share"] >= th.overlap_min_comm:
+        return None
+    head = f"Only {_pct(ov)} of communication overlaps work (below {_pct(th.overlap)}): "
+    if f["comm_during_backward"]:
+        msg = (
+            "collectives already start during backward, so the exposed part comes after it: a smaller first "
+            "bucket (first_bucket_mb) starts communication earlier, and work that does not need the reduced "
+            "gradients (the next batch's loading, logging) can run while the last buckets are in flight."
+        )
+    elif f["comm_during_backward"] is None:
+        msg = (
+            "backward is not recorded, so the report cannot tell whether collectives start during it; record "
+            "it (Recorder(model=net)). If they start only after backward, start buckets during backward "
+            "(GradientSynchronizer(overlap=True) or a DDP comm hook), with a small first bucket "
+            "(first_bucket_mb) so communication starts early."
+        )
+    else:
+        msg = (
+            "collectives start only after backward: start buckets during backward "
+            "(GradientSynchronizer(overlap=True) or a DDP comm hook instead of an all-reduce after backward), "
+            "with a small first bucket (first_bucket_mb) so communication starts early."
+        )
+    return _suggestion("overlap", "overlap", ov, th.overlap, head + msg)
+
+
+def _suggest_compression(s: dict, f: dict, th: Thresholds) -> dict | None:
+    compression = s["compression_share"]
+    if not compression > th.compression:
+        return None
+    ways = []
+    if f["compression_providers"] != ["triton"]:
+        ways.append("run the compression kernels on the GPU (triton provider)")
+    if _compression_dominates(s):
+        in_use = {c.split("(")[0] for c in f["compressors"]}
+        cheaper = [c for c in _CHEAP if c not in in_use]
+        if cheaper and not in_use & {"FP16", "BF16"}:
+            ways.append(f"switch to a cheaper compressor ({' or '.join(cheaper)})")
+    ways.append("compress only large tensors (min_numel, min_compression_rate)")
+    return _suggestion("compression", "compression_share", compression, th.compression,
+        f"Compression takes {_pct(compression)} of the step (over {_pct(th.compression)}): "
+        + ", ".join(ways[:-1]) + (", or " if len(ways) > 1 else "") + ways[-1] + ".")  # fmt: skip
+
+
+def _suggest_idle(s: dict, th: Thresholds) -> dict | None:
+    gpu_idle = s["gpu_idle_share"]
+    if gpu_idle is None or not gpu_idle > th.idle:
+        return None
+    return _suggestion("idle", "gpu_idle_share", gpu_idle, th.idle,
+        f"The GPU is idle for {_pct(gpu_idle)} of the step (no kernel, copy or collective on it; over "
+        f"{_pct(th.idle)}): it waits for the host; look at the gaps in `torsh timeline` for host stalls (data "
+        "loading, .item() or .cpu() synchronisations, logging).")  # fmt: skip
+
+
+def _suggest_unrecorded(s: dict, f: dict, th: Thresholds) -> dict | None:
+    unrec = s["host_unrecorded_share"]
+    if unrec is None or not unrec > th.unrecorded:
+        return None
+    if "torsh" in f["sources"]:
+        how = (
+            "pass the model to the recorder (Recorder(dir, model=net)) to record forward and backward, and "
+            "wrap the rest (data loading, the optimizer step) in timeline.record(...)"
+            if not f["backward_recorded"]
+            else "wrap the unrecorded work (data loading, the optimizer step, logging) in timeline.record(...)"
+        )
+    else:
+        how = "profile with with_stack=True to see the Python that runs between the recorded ops"
+    return _suggestion("unrecorded", "host_unrecorded_share", unrec, th.unrecorded,
+        f"{_pct(unrec)} of the step is covered by no recorded span (over {_pct(th.unrecorded)}): the trace "
+        f"cannot say what ran then, or whether anything did; {how}.")  # fmt: skip
+
+
+def _suggest_memory(s: dict, f: dict, th: Thresholds) -> dict | None:
+    if not s["memory_share"] > th.memory:
+        return None
+    by_name = f["memory_ms_by_name"]
+    top = list(by_name)[:3]
+    offload = sum(v for k, v in by_name.items() if _OFFLOAD.search(k))
+    if offload >= sum(by_name.values()) / 2:
+        how = "prefetch offloaded state earlier (ParameterOffloader prefetch) and keep host buffers pinned"
+    else:
+        how = (
+            "these are copies into and out of buckets or expert order, not transfers: the triton provider "
+            "fuses each into one launch per bucket, and larger buckets mean fewer of them"
+        )
+    return _suggestion("memory", "memory_share", s["memory_share"], th.memory,
+        f"Copies are exposed for {_pct(s['memory_share'])} of the step (over {_pct(th.memory)}), mostly "
+        f"{', '.join(top) or 'copies'}: {how}.")  # fmt: skip
+
+
+def _suggest_straggler(r: dict) -> dict:
+    return _suggestion("straggler", "median_late_ms", r["median_late_ms"], r["threshold_ms"],
+        f"Rank {r['rank']} starts {_pct(r['latest_fraction'])} of its collectives last, by a median "
+        f"{r['median_late_ms']:.3f} ms: the others wait for it. Check its data loading, host load and "
+        "input sizes (uneven batches or MoE routing).")  # fmt: skip
+
+
+def _suggest_buckets(b: dict, th: Thresholds) -> dict | None:
+    if not (b and b.get("per_step") and b["per_step"] > th.many_buckets and b["median_bytes"] < th.small_bucket_bytes):
+        return None
+    return _suggestion("buckets", "median_bucket_bytes", b["median_bytes"], th.small_bucket_bytes,
+        f"{b['per_step']:.0f} buckets per step with a median of {b['median_bytes'] / 1024:.0f} KiB: each "
+        "collective pays a fixed latency; raise bucket_mb (DDP: bucket_cap_mb).")  # fmt: skip
 
 
 def print_labels(rep: dict, console) -> None:
@@ -374,7 +415,7 @@ def print_labels(rep: dict, console) -> None:
         return
     cols = ["label", "steps/rank", "median ms/step", "compute", "compression", "comm exposed", "unrecorded",
             "comm share", "overlap", "wire bytes/step"]  # fmt: skip
-    tl = _cli.table("by step label (steps of every rank)", cols, text=("label",))
+    tl = cli_common.table("by step label (steps of every rank)", cols, text=("label",))
     for lab, f in rep["by_label"].items():
         if f["step_ms_median"] is None or f["compute"] is None:
             continue
@@ -395,7 +436,7 @@ def print_report(rep: dict, console) -> None:
         title += f"; median step {s['step_ms_median']:.3f} ms"
     cols = ["rank", "time ms", "steps", "compute", "compression", "memory", "comm exposed", "unrecorded", "comm share",
             "overlap", "collectives"]  # fmt: skip
-    t = _cli.table(title, cols, text=("rank",))
+    t = cli_common.table(title, cols, text=("rank",))
     for b in rep["ranks"]:
         w = b["window_ms"] or 1.0
         t.add_row(str(b["rank"]), f"{b['window_ms']:.3f}", str(b["steps"]), _pct(b["compute_ms"] / w),
@@ -405,7 +446,7 @@ def print_report(rep: dict, console) -> None:
     console.print(t)
     print_labels(rep, console)
     if rep["stragglers"]:
-        ts = _cli.table("collective start lateness (vs the earliest rank, same collective)",
+        ts = cli_common.table("collective start lateness (vs the earliest rank, same collective)",
                         ["rank", "collectives", "median late ms", "max late ms", "starts last", "straggler"],
                         text=("rank",))  # fmt: skip
         for r in rep["stragglers"]:
@@ -427,10 +468,10 @@ def print_report(rep: dict, console) -> None:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("trace", help="a trace file (.json, .json.gz) or a directory of per-rank files")
-    ap.add_argument("--step", type=_cli.int_at_least(0), default=None, help="report on step N only")
+    ap.add_argument("--step", type=cli_common.int_at_least(0), default=None, help="report on step N only")
     ap.add_argument("--window", default=None, help="report on a time window, e.g. 120ms:180ms")
-    _cli.add_json(ap, "the report")
-    ap.add_argument("--width", type=_cli.int_at_least(40), default=None, help="columns (default: the terminal's)")
+    cli_common.add_json(ap, "the report")
+    ap.add_argument("--width", type=cli_common.int_at_least(40), default=None, help="columns (default: the terminal's)")
 
 
 def run(a: argparse.Namespace) -> int:
@@ -446,8 +487,8 @@ def run(a: argparse.Namespace) -> int:
             trace = load(a.trace)
         rep = build(trace, step=a.step, window=window)
     except (TraceFormatError, InvalidArgumentError) as e:
-        return _cli.fail("torsh report", e)
+        return cli_common.fail("torsh report", e)
     if a.json != "-":  # on stdout the JSON is the report: nothing else is printed
-        print_report(rep, _cli.console(width=a.width))
-    _cli.write_json(a.json, rep)
+        print_report(rep, cli_common.console(width=a.width))
+    cli_common.write_json(a.json, rep)
     return 0

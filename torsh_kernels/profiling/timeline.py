@@ -19,7 +19,7 @@ when the process exits (``run_local``'s ranks write theirs before they leave).
 Where the trace goes is checked when recording starts, not when it ends: ``start()`` (and so ``with
 Recorder(dir)``) and ``import torsh_kernels`` under ``TORSH_TRACE`` create the directory and prove it
 writable, raising :class:`~torsh_kernels.errors.FileAccessError` if it is not, before any work is done.
-Files are written whole through an exclusive, symlink-safe temporary file (:mod:`torsh_kernels._files`).
+Files are written whole through an exclusive, symlink-safe temporary file (:mod:`torsh_kernels.files`).
 If writing at exit still fails (the disk filled up, the directory was removed), the error is printed on
 stderr and the trace is written to a new directory under the system's temporary directory instead, whose
 path is printed. (Python's ``atexit`` cannot change the exit status: only ``os._exit`` could, and it would
@@ -57,13 +57,13 @@ across hosts the alignment is as good as the hosts' clock synchronisation (NTP/P
 
 The file's first entry is ``distributedInfo`` (backend, rank, world size, process groups), in the form
 Kineto writes it and with the spacing Holistic Trace Analysis looks for, so HTA tells the ranks apart.
+That file form (lanes, metadata, ``distributedInfo``, :func:`dumps`) is
+:mod:`~torsh_kernels.profiling.trace_format`.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import json
 import os
 import platform
 import sys
@@ -76,9 +76,10 @@ from pathlib import Path
 import torch
 
 from .. import _trace
-from .._files import check_writable_dir, write_atomic
 from ..collectives.traffic import wire_bytes
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..files import check_writable_dir, write_atomic
+from .trace_format import chrome_events, collect_dist_info, distributed_info, dumps, metadata_events
 from .traces import TORSH_OPS
 
 __all__ = ["ENV_VAR", "SCHEMA", "Recorder", "current", "record", "start_from_env", "step"]
@@ -291,7 +292,7 @@ class Recorder:
         import torch.distributed as dist
 
         if self._dist is None and dist.is_available() and dist.is_initialized():
-            self._dist = _dist_info(dist)
+            self._dist = collect_dist_info(dist)
         if self.rank is not None and self.world_size is not None:
             return
         if dist.is_available() and dist.is_initialized():
@@ -439,96 +440,43 @@ class Recorder:
 
     def trace(self) -> dict:
         """The Chrome trace (a JSON-ready dict) of everything recorded so far."""
-        from .._env import device_name, versions
-
         self._resolve_rank()
-        cuda = self._cuda and torch.cuda.is_available()
-        dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         rank = self.rank if self.rank is not None else 0
         world = self.world_size if self.world_size is not None else 1
         pid = rank
-        events: list[dict] = []
-        lanes: dict[object, int] = {}
-        lane_names: dict[int, str] = {}
-
-        def tid_of(key: object, name: str) -> int:
-            t = lanes.get(key)
-            if t is None:
-                t = lanes[key] = len(lanes) + 1
-                lane_names[t] = name
-            return t
-
-        threads = dict(self._threads)
-        for _ident, (idx, name) in sorted(threads.items(), key=lambda kv: kv[1][0]):
-            tid_of(("thread", idx), f"{name}" if name == "main" else f"thread {name}")
-        raw = list(self._events)
-        # intervals (in flight) and GPU spans: pack into the first lane of their kind free at their start
-        packed = [e for e in raw if e[0] == "A"] + (self._resolve_gpu() if self._gpu else [])
-        packed.sort(key=lambda e: (e[3], -e[4]))
-        free_at: dict[object, list[int]] = {}
-        for kind, name, cat, t0, t1, lane, args in packed:
-            ends = free_at.setdefault(lane, [])
-            for i, end in enumerate(ends):
-                if end <= t0:
-                    ends[i] = t1
-                    break
-            else:
-                i = len(ends)
-                ends.append(t1)
-            if kind == "G":
-                dev, base = lane
-                label = f"cuda:{dev} {base}" + (f" {i}" if i else "")
-            else:
-                label = f"{lane} {i}"
-            tid = tid_of((kind, lane, i), label)
-            events.append(self._x(name, cat, t0, t1, pid, tid, args))
-        for kind, name, cat, t0, t1, lane, args in raw:
-            if kind == "X":
-                events.append(self._x(name, cat, t0, t1, pid, tid_of(("thread", lane), f"thread {lane}"), args))
-            elif kind == "C":
-                events.append({"ph": "C", "name": name, "cat": cat, "ts": self._us(t0), "pid": pid, "tid": 0,
-                               "args": args})  # fmt: skip
-        events.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
-        meta = [
-            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"rank {rank}"}},
-            {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": rank}},
-        ]
-        for tid, name in sorted(lane_names.items()):
-            meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
-            meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
-        dist_info = self._dist or {}  # Kineto's order: backend, rank, world size, then the process groups
-        di = {"backend": dist_info.get("backend"), "rank": rank, "world_size": world,
-              **{k: v for k, v in dist_info.items() if k != "backend"}}  # fmt: skip
+        threads, raw = dict(self._threads), list(self._events)
+        events, lane_names = chrome_events(raw, self._resolve_gpu() if self._gpu else [], threads, self._us, pid)
         return {
-            "distributedInfo": di,
-            "traceEvents": meta + events,
+            "distributedInfo": distributed_info(self._dist, rank, world),
+            "traceEvents": metadata_events(pid, rank, lane_names) + events,
             "displayTimeUnit": "ms",
-            "otherData": {
-                "schema": SCHEMA,
-                "rank": rank,
-                "world_size": world,
-                "device": device_name(dev),
-                "versions": versions(),
-                "host": platform.node(),
-                "pid": os.getpid(),
-                "clock": {
-                    "source": "time.perf_counter_ns (monotonic), GPU spans by CUDA events",
-                    "origin_unix_ns": self._origin_wall_ns,
-                    "origin_monotonic_ns": self._origin_ns,
-                    "base_unix_us": self._base_ns // 1000,
-                    "ts_unit": "microseconds since base_unix_us (midnight UTC of the day recording began)",
-                },
-                "wire_bytes": self._wire,
-                "dropped_events": self.dropped,
-            },
+            "otherData": self._other_data(rank, world),
         }
 
-    def _x(self, name: str, cat: str, t0: int, t1: int, pid: int, tid: int, args: dict | None) -> dict:
-        ev = {"ph": "X", "name": name, "cat": cat, "ts": self._us(t0), "dur": round(max(0, t1 - t0) / 1e3, 3),
-              "pid": pid, "tid": tid}  # fmt: skip
-        if args:
-            ev["args"] = args
-        return ev
+    def _other_data(self, rank: int, world: int) -> dict:
+        """The trace's ``otherData``: schema, rank, device, versions, the clock, the totals."""
+        from .._env import device_name, versions
+
+        cuda = self._cuda and torch.cuda.is_available()
+        dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return {
+            "schema": SCHEMA,
+            "rank": rank,
+            "world_size": world,
+            "device": device_name(dev),
+            "versions": versions(),
+            "host": platform.node(),
+            "pid": os.getpid(),
+            "clock": {
+                "source": "time.perf_counter_ns (monotonic), GPU spans by CUDA events",
+                "origin_unix_ns": self._origin_wall_ns,
+                "origin_monotonic_ns": self._origin_ns,
+                "base_unix_us": self._base_ns // 1000,
+                "ts_unit": "microseconds since base_unix_us (midnight UTC of the day recording began)",
+            },
+            "wire_bytes": self._wire,
+            "dropped_events": self.dropped,
+        }
 
     def write(self, directory: str | os.PathLike | None = None) -> Path:
         """Write ``rank{R}.json`` into ``directory`` (default: the recorder's); returns its path."""
@@ -539,31 +487,6 @@ class Recorder:
         # whole or not at all, through an exclusive temporary file: a reader never sees half a file, and a
         # symlink planted at any name in the directory redirects nothing
         return write_atomic(d / f"rank{data['otherData']['rank']}.json", dumps(data), fsync=False, what="trace")
-
-
-def dumps(data: dict) -> str:
-    """A trace as JSON text: compact, but ``distributedInfo`` first and spaced as Kineto writes it
-    (``"rank": 0``): Holistic Trace Analysis finds a file's rank as the first match of ``"rank":\\s+(\\d+)``."""
-    rest = {k: v for k, v in data.items() if k != "distributedInfo"}
-    body = json.dumps(rest, separators=(",", ":"))
-    if "distributedInfo" not in data:
-        return body
-    head = '{"distributedInfo": ' + json.dumps(data["distributedInfo"])
-    return head + ("," + body[1:] if len(body) > 2 else "}")
-
-
-def _dist_info(dist) -> dict:
-    """What Kineto writes as ``distributedInfo`` (``torch.profiler.profile._get_distributed_info``), less
-    the rank and world size the recorder fills in."""
-    info: dict = {"backend": None}
-    with contextlib.suppress(Exception):  # private helpers of other torch versions: the backend is what matters
-        info["backend"] = str(dist.get_backend())
-        info["pg_count"] = dist.get_pg_count()
-        info["pg_config"] = dist.distributed_c10d._get_all_pg_configs()
-    if info["backend"] == "nccl":
-        with contextlib.suppress(Exception):
-            info["nccl_version"] = ".".join(str(v) for v in torch.cuda.nccl.version())
-    return info
 
 
 def current() -> Recorder | None:

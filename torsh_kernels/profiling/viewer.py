@@ -20,7 +20,7 @@ import re
 import sys
 from dataclasses import dataclass, field, replace
 
-from .. import _cli
+from .. import cli_common
 from .._env import fmt_bytes
 from ..errors import InvalidArgumentError, TraceFormatError
 from . import analysis as A
@@ -261,8 +261,8 @@ def render_tables(trace: Trace, view: View, console) -> dict:
     over = "the window" if explicit else ("its steps" if trace.steps() else "its recorded extent")
     title = (f"per-rank totals over {over}, ms (exclusive: compute > compression > memory > exposed communication "
              "(comm exp) > unrecorded (no span, not always idle); in flight: any collective in flight)")  # fmt: skip
-    tt = _cli.table(title, ["rank", "time", "compute", "compress", "memory", "comm exp", "unrecorded", "in flight",
-                            "comm share", "overlap", "colls", "wire"], text=("rank",))  # fmt: skip
+    tt = cli_common.table(title, ["rank", "time", "compute", "compress", "memory", "comm exp", "unrecorded",
+                                  "in flight", "comm share", "overlap", "colls", "wire"], text=("rank",))  # fmt: skip
     for b in bds:
         tt.add_row(str(b.rank), f"{b.window_ms:.3f}", f"{b.compute_ms:.3f}", f"{b.compression_ms:.3f}",
                    f"{b.memory_ms:.3f}", f"{b.communication_ms:.3f}", f"{b.unrecorded_ms:.3f}", f"{b.comm_ms:.3f}",
@@ -271,7 +271,7 @@ def render_tables(trace: Trace, view: View, console) -> dict:
     console.print(tt)
     top = A.top_spans(trace, kept, wins, view.top)
     if top:
-        t2 = _cli.table(f"top {len(top)} by total time in the window",
+        t2 = cli_common.table(f"top {len(top)} by total time in the window",
                         ["name", "class", "count", "total ms", "mean ms", "max ms", "ranks"],
                         text=("name", "class", "ranks"))  # fmt: skip
         for d in top:
@@ -366,15 +366,17 @@ def interactive(trace: Trace, view: View, console, source: str) -> int:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("trace", help="a trace file (.json, .json.gz) or a directory of per-rank files")
     ap.add_argument("--window", default=None, help="time window, e.g. 120ms:180ms (ms from the trace start)")
-    ap.add_argument("--step", type=_cli.int_at_least(0), default=None, help="show the window of step N (step markers)")
+    ap.add_argument(
+        "--step", type=cli_common.int_at_least(0), default=None, help="show the window of step N (step markers)"
+    )
     ap.add_argument("--rank", default=None, help="ranks to show, e.g. 0 or 0,2")
     ap.add_argument("--cat", default=None,
                     help=f"classes ({', '.join(c for c in CLASSES if c != 'step')}) or the trace's own categories to "
                     "show, e.g. communication,compression")  # fmt: skip
     ap.add_argument("--name", default=None, help="only spans whose name matches this regular expression")
     ap.add_argument("--min-dur", default=None, help="only spans at least this long, e.g. 0.5ms")
-    ap.add_argument("--top", type=_cli.int_at_least(0), default=15, help="rows of the top-N table (default 15)")
-    ap.add_argument("--width", type=_cli.int_at_least(40), default=None, help="columns (default: the terminal's)")
+    ap.add_argument("--top", type=cli_common.int_at_least(0), default=15, help="rows of the top-N table (default 15)")
+    ap.add_argument("--width", type=cli_common.int_at_least(40), default=None, help="columns (default: the terminal's)")
     ap.add_argument("--interactive", action="store_true", help="pan and zoom with keys (needs a terminal)")
 
 
@@ -418,7 +420,7 @@ def make_console(width: int | None = None):
         from rich.console import Console
 
         width = Console().width
-    return _cli.console(width=width, highlight=False)
+    return cli_common.console(width=width, highlight=False)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -431,5 +433,5 @@ def run(a: argparse.Namespace) -> int:
             return interactive(trace, view, console, a.trace)
         render(trace, view, console, source=a.trace)
     except (TraceFormatError, InvalidArgumentError) as e:
-        return _cli.fail("torsh timeline", e)
+        return cli_common.fail("torsh timeline", e)
     return 0

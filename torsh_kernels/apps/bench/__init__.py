@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ... import _cli
+from ... import cli_common
 from ..._env import (  # noqa: F401  (the suites' shared helpers)
     Timing,
     device_name,
@@ -94,12 +94,12 @@ class Case:
 
 
 def print_tables(results: list[Result], title: str, env: dict) -> None:
-    console = _cli.console()
+    console = cli_common.console()
     console.print(f"[bold]{title}[/bold] on {env['device']}  (torch {env['versions']['torch']})")
     for case in dict.fromkeys(r.case for r in results):
         notes = any(r.extra.get("note") for r in results if r.case == case)
         cols = ["op", "implementation", "median", "p20-p80", "GB/s", "of copy", "vs best peer"]
-        table = _cli.table(case, cols + (["notes"] if notes else []), text=("op", "implementation", "notes"))
+        table = cli_common.table(case, cols + (["notes"] if notes else []), text=("op", "implementation", "notes"))
         last_op = None
         for r in (r for r in results if r.case == case):
             if last_op is not None and r.op != last_op:
@@ -132,20 +132,20 @@ def native_providers(device: torch.device) -> list[str]:
 
 def add_providers(p: argparse.ArgumentParser, verb: str = "time") -> None:
     """``--providers a,b``: which providers to ``verb`` (default: those running compiled code here)."""
-    p.add_argument("--providers", default=None, type=_cli.choice_list(registry.PROVIDERS, "provider"),
+    p.add_argument("--providers", default=None, type=cli_common.choice_list(registry.PROVIDERS, "provider"),
                    help=f"comma-separated providers to {verb}, from {', '.join(registry.PROVIDERS)} (default: those "
                    "running compiled code here; one that cannot run here is refused, with why)")  # fmt: skip
 
 
 def select_providers(prog: str, requested: list[str] | None, device: torch.device, verb: str = "timing") -> list[str]:
     """The providers a command uses on ``device``. Named ones (``--providers``) must all run here: one that
-    cannot is a :class:`~torsh_kernels._cli.UsageError` that says why and how to enable it. The default is
+    cannot is a :class:`~torsh_kernels.cli_common.UsageError` that says why and how to enable it. The default is
     the providers running compiled code here; the others are named on one line of stderr."""
     if requested:
         for p in requested:
             why = registry.can_run(p, device)
             if why is not None:
-                raise _cli.UsageError(f"--providers: {p} cannot run on {device.type} here: {why}")
+                raise cli_common.UsageError(f"--providers: {p} cannot run on {device.type} here: {why}")
         return list(requested)
     chosen = native_providers(device)
     left = [p for p in registry.PROVIDERS if p not in chosen]
@@ -157,7 +157,7 @@ def select_providers(prog: str, requested: list[str] | None, device: torch.devic
 
 
 def add_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, type=_cli.device, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--device", default=None, type=cli_common.device, help="cuda or cpu (default: cuda when available)")
 
 
 def resolve_device(requested: torch.device | None) -> torch.device:
@@ -173,7 +173,7 @@ def emit(args: argparse.Namespace, doc: dict) -> None:
     sink = getattr(args, "sink", None)
     if sink is not None:
         sink.append(doc)
-    _cli.write_json(args.json, doc)
+    cli_common.write_json(args.json, doc)
 
 
 def result_doc(suite: str, env: dict, results: list[Result], config: dict) -> dict:

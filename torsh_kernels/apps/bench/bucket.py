@@ -22,7 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import torsh_kernels as tk
 
-from ... import _cli
+from ... import cli_common
 from . import (
     Case,
     Result,
@@ -151,12 +151,12 @@ def _scale(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
     add_providers(p)
-    p.add_argument("--cases", default=list(CASES), type=_cli.choice_list(CASES, "case"),
+    p.add_argument("--cases", default=list(CASES), type=cli_common.choice_list(CASES, "case"),
                    help="comma-separated cases: a, b (default: both)")  # fmt: skip
-    p.add_argument("--reps", type=_cli.int_at_least(1), default=None,
+    p.add_argument("--reps", type=cli_common.int_at_least(1), default=None,
                    help="timed repetitions per measurement (default 20 GPU, 7 CPU)")  # fmt: skip
     p.add_argument("--scale", type=_scale, default=1.0, help="shrink case a's 100 MiB by this factor (quick runs)")
-    _cli.add_json(p)
+    cli_common.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:

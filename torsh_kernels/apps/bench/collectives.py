@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ... import _cli
+from ... import cli_common
 from ... import compression as cz
 from ...collectives import Link, TorchCommunicator, init_from_env, make_communicator, probe, run_local
 from ...collectives.cost_model import all_gather_time, all_reduce_time, all_to_all_time
@@ -200,7 +200,7 @@ def _matrix(count: int) -> tuple[int, ...]:
 def print_report(res: dict, env: dict) -> None:
     from rich.markup import escape
 
-    con = _cli.console()
+    con = cli_common.console()
     link = res["link"]
     probed = (
         f"probed link: latency {link['latency_us']:.1f} us, bandwidth {link['bandwidth_GBps'] * 8:.3g} Gbit/s "
@@ -210,7 +210,7 @@ def print_report(res: dict, env: dict) -> None:
     for name, why in res.get("transports_skipped", {}).items():
         con.print(f"transport {name}: not run here: {escape(why)}")
     if res["collectives"]:
-        t = _cli.table("collectives (nccl-tests columns; vs torch: torch.distributed's time over this one's; "
+        t = cli_common.table("collectives (nccl-tests columns; vs torch: torch.distributed's time over this one's; "
                        "predicted: alpha-beta model from the probed link)",
                        ["transport", "op", "size", "count", "time", "algbw GB/s", "busbw GB/s", "vs torch", "predicted",
                         "meas/pred"], text=("transport", "op"), title_justify="center")  # fmt: skip
@@ -222,7 +222,7 @@ def print_report(res: dict, env: dict) -> None:
                       _fmt_us(pred) if pred is not None else "-", f"{ratio:.2f}" if ratio else "-")  # fmt: skip
         con.print(t)
     if res["compressed"]:
-        t = _cli.table("compressed_all_reduce (end to end: compress + traffic + decompress)",
+        t = cli_common.table("compressed_all_reduce (end to end: compress + traffic + decompress)",
                        ["compressor", "size", "time", "vs none", "wire/rank", "scheme", "predicted comm"],
                        text=("compressor", "scheme"), title_justify="center")  # fmt: skip
         for r in res["compressed"]:
@@ -252,24 +252,24 @@ def _size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=_cli.int_at_least(1), default=2,
+    p.add_argument("--world-size", type=cli_common.int_at_least(1), default=2,
                    help="local ranks to spawn (ignored under torchrun)")  # fmt: skip
-    p.add_argument("--transports", default=list(TRANSPORTS), type=_cli.choice_list(TRANSPORTS, "transport"),
+    p.add_argument("--transports", default=list(TRANSPORTS), type=cli_common.choice_list(TRANSPORTS, "transport"),
                    help=f"transports to time, side by side (default: {','.join(TRANSPORTS)}; those that cannot run "
                    "here are listed with the reason)")  # fmt: skip
     p.add_argument("--sizes", default="4K,64K,1M,8M,32M", type=_sizes,
                    help="collective sizes (bytes; K/M/G suffixes)")  # fmt: skip
-    p.add_argument("--ops", default=list(OPS), type=_cli.choice_list(OPS, "op"),
+    p.add_argument("--ops", default=list(OPS), type=cli_common.choice_list(OPS, "op"),
                    help=f"collectives to time (default: {','.join(OPS)})")  # fmt: skip
     p.add_argument(
         "--compress-sizes", default="1M,32M", type=_sizes, help="buffer sizes of the compressed all-reduce cases"
     )
-    p.add_argument("--compressors", default=list(COMPRESSORS), type=_cli.choice_list(COMPRESSORS, "compressor"),
+    p.add_argument("--compressors", default=list(COMPRESSORS), type=cli_common.choice_list(COMPRESSORS, "compressor"),
                    help=f"compressors ('none' is the baseline; default: {','.join(COMPRESSORS)})")  # fmt: skip
-    p.add_argument("--reps", type=_cli.int_at_least(1), default=5, help="timed repetitions (default 5)")
-    p.add_argument("--warmup", type=_cli.int_at_least(0), default=2, help="untimed repetitions first (default 2)")
+    p.add_argument("--reps", type=cli_common.int_at_least(1), default=5, help="timed repetitions (default 5)")
+    p.add_argument("--warmup", type=cli_common.int_at_least(0), default=2, help="untimed repetitions first (default 2)")
     p.add_argument("--probe-bytes", default="8M", type=_size, help="message size of the bandwidth probe (default 8M)")
-    _cli.add_json(p)
+    cli_common.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from ... import _cli
+from ... import cli_common
 from ... import compression as cz
 from ...ops import (
     dequantize,
@@ -185,8 +185,19 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
     src, dst = torch.randn(n, generator=g).to(device), torch.empty(n, device=device)
     case.add("copy", "dst.copy_(src)", "copy", lambda: dst.copy_(src), 2 * nbytes)
     out = torch.empty(n, device=device)
+    _add_casts(case, x, out, n, nbytes, providers)
+    _add_topk(case, x, out, n, nbytes, providers, device)
+    _add_quantize(case, x, out, n, nbytes, providers)
+    _add_signs(case, x, out, n, nbytes, providers, device)
+    _add_powersgd(case, x, out, n, nbytes, providers, psgd_rank)
+    res = case.time(reps)
+    for r in res:
+        r.extra.setdefault("elements", n)
+    return res
 
-    # fp16 / bf16 casts ----------------------------------------------------------------------------
+
+def _add_casts(case: Case, x: torch.Tensor, out: torch.Tensor, n: int, nbytes: int, providers: list[str]) -> None:
+    """FP16 and BF16: the casts each way."""
     for name, comp, dt in (("fp16", cz.FP16, torch.float16), ("bf16", cz.BF16, torch.bfloat16)):
         moved = nbytes + n * 2
         for p in providers:
@@ -203,7 +214,11 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
             case.add(f"{name} decompress", f"torsh[{p}]", "ours", lambda c=c, pl=pl: c.decompress(pl, None, out), moved)
         case.add(f"{name} decompress", "out.copy_(payload)", "peer", lambda pl=payload: out.copy_(pl), moved)
 
-    # top-k -----------------------------------------------------------------------------------------
+
+def _add_topk(
+    case: Case, x: torch.Tensor, out: torch.Tensor, n: int, nbytes: int, providers: list[str], device: torch.device
+) -> None:
+    """Top-k 1%, with and without error feedback, and its decompression."""
     k = topk_count(n, RATIO)
     idx_bytes = 4
     ef_moved = 3 * nbytes + k * (4 + idx_bytes)  # read x and r, write r, write the payload
@@ -238,7 +253,9 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
 
     case.add("top-k decompress", "zero_ + index_put_", "peer", peer_topk_dec, dec_moved)
 
-    # quantization ---------------------------------------------------------------------------------
+
+def _add_quantize(case: Case, x: torch.Tensor, out: torch.Tensor, n: int, nbytes: int, providers: list[str]) -> None:
+    """Blockwise int8 (plain and stochastic) and int4 quantization, and dequantization."""
     for bits, stochastic in ((8, False), (8, True), (4, False)):
         qbytes = n if bits == 8 else n // 2
         moved = nbytes + qbytes + 4 * (n // BLOCK)
@@ -266,7 +283,11 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
         case.add(f"int{bits} dequantize", "torch ops (mul by block scale)", "peer",
                  lambda qp=qp, sp=sp, bits=bits: peer_dequantize(qp, sp, bits), moved)  # fmt: skip
 
-    # signs -----------------------------------------------------------------------------------------
+
+def _add_signs(
+    case: Case, x: torch.Tensor, out: torch.Tensor, n: int, nbytes: int, providers: list[str], device: torch.device
+) -> None:
+    """Signs with error feedback (and DeepSpeed's 1-bit peer where CuPy is here), and their decompression."""
     moved = 3 * nbytes + n // 8
     for p in providers:
         r = torch.zeros(n, device=device)
@@ -288,7 +309,11 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
     case.add("sign decompress", "torch ops (unpack bits)", "peer", lambda: peer_sign_decompress(b, s, n),
              nbytes + n // 8)  # fmt: skip
 
-    # PowerSGD (one compress + decompress step, world size 1) ---------------------------------------
+
+def _add_powersgd(
+    case: Case, x: torch.Tensor, out: torch.Tensor, n: int, nbytes: int, providers: list[str], psgd_rank: int
+) -> None:
+    """One PowerSGD compress + decompress step, world size 1."""
     rows, cols = cz.matrix_shape(x)
     moved = 6 * nbytes  # residual add (3), error update (3); the matmuls read M twice more
     for p in providers:
@@ -302,10 +327,6 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
     peer = PeerPowerSGD(x, psgd_rank)
     case.add(f"PowerSGD rank {psgd_rank} step", "powerSGD_hook arithmetic (its _orthogonalize)", "peer",
              lambda: peer.step(x, out), moved)  # fmt: skip
-    res = case.time(reps)
-    for r in res:
-        r.extra.setdefault("elements", n)
-    return res
 
 
 def run_orthogonalize(device: torch.device, providers: list[str], reps: int, batch: int, rows: int) -> list[Result]:
@@ -347,12 +368,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
     add_providers(p)
     p.add_argument("--sizes", default=[25.0, 100.0], type=_mib_list, help="buffer sizes in MiB (default: 25,100)")
-    p.add_argument("--rank", type=_cli.int_at_least(1), default=4, help="PowerSGD rank of the buffer case (default 4)")
-    p.add_argument("--ortho-batch", type=_cli.int_at_least(1), default=64,
+    p.add_argument(
+        "--rank", type=cli_common.int_at_least(1), default=4, help="PowerSGD rank of the buffer case (default 4)"
+    )
+    p.add_argument("--ortho-batch", type=cli_common.int_at_least(1), default=64,
                    help="matrices in the orthogonalize case (default 64)")  # fmt: skip
-    p.add_argument("--ortho-rows", type=_cli.int_at_least(1), default=2048, help="rows of each matrix (default 2048)")
-    p.add_argument("--reps", type=_cli.int_at_least(1), default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
-    _cli.add_json(p)
+    p.add_argument(
+        "--ortho-rows", type=cli_common.int_at_least(1), default=2048, help="rows of each matrix (default 2048)"
+    )
+    p.add_argument(
+        "--reps", type=cli_common.int_at_least(1), default=None, help="timed repetitions (default 20 GPU, 5 CPU)"
+    )
+    cli_common.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:

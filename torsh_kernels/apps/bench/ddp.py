@@ -54,11 +54,12 @@ import time
 
 import torch
 
-from ... import _cli
+from ... import cli_common
 from ... import compression as cz
 from ...collectives import TorchCommunicator, init_from_env, run_local
 from ...errors import RankFailedError
 from . import emit, environment, quantile
+from .ddp_report import print_report, print_signatures, print_sweep
 
 OURS = {
     "none": lambda r: None,
@@ -91,10 +92,6 @@ def _mlp(cfg: dict) -> torch.nn.Module:
 
 
 def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: int | None = None) -> dict:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    from ...parallel import CompressionHookState, compression_hook
-
     dev = comm.device
     net = _mlp(cfg if buckets is None else {**cfg, "layers": cfg["sweep_layers"], "width": cfg["sweep_width"]}).to(dev)
     grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
@@ -104,13 +101,69 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
         cap = grad_bytes / buckets / 2**20 * 0.999
     ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=cap,
                                                     device_ids=[dev.index] if dev.type == "cuda" else None)  # fmt: skip
-    state = None
-    start = cfg["start_iter"]
     hook_cpu = [0.0, 0]
     if buckets is not None:  # the sweep: its hook, timed (see _sweep_case)
         hstate, timed, hook_cpu = cfg["_hook"]
         ddp.register_comm_hook(hstate, timed)
-    elif kind == "torch" and name == "fp16":
+        state = None
+    else:
+        state = _register_hook(ddp, cfg, kind, name)
+    times, first, error = _run_steps(comm, cfg, ddp, net, hook_cpu)
+    # the slowest rank's time per step (and its first two steps, and its seconds in signature exchanges)
+    sig_s = state.stats.signature_s if state is not None else 0.0
+    t = torch.tensor((times or [float("nan")]) + first + [sig_s], dtype=torch.float64)
+    if error is None:
+        comm.all_reduce(t, "max")
+    t, first, sig_s = t[: len(times) or 1], t[len(times) or 1 : -1].tolist(), float(t[-1])
+    wire = None
+    if state is not None:
+        wire = state.stats.per_iteration[-1]["bytes_after"]
+    elif kind == "none" or (kind == "torch" and name == "fp16"):
+        wire = grad_bytes if kind == "none" else grad_bytes // 2
+    ts = t.tolist()
+    if buckets is not None:
+        nb = hook_cpu[1] / cfg["steps"]
+        return {
+            "case": "torch fp16" if kind == "torch" else f"torsh {name}",
+            "buckets_asked": buckets,
+            "buckets": round(nb),
+            **_step_ms(ts, error),
+            "hook_ms_per_step": 1e3 * hook_cpu[0] / cfg["steps"],
+            "hook_ms_per_bucket": 1e3 * hook_cpu[0] / cfg["steps"] / nb if nb else None,
+            "gradient_bytes": grad_bytes,
+            "error": error,
+        }
+    if "check" in cfg:
+        return {
+            "case": f"torsh {name}",
+            "check": cfg["check"],
+            **_step_ms(ts, error),
+            "first_steps_ms": [1e3 * v for v in first],
+            "signature_checks": state.stats.signature_checks,
+            "signature_ms": 1e3 * sig_s,
+            "gradient_bytes": grad_bytes,
+            "error": error,
+        }
+    return {
+        "case": "no hook" if kind == "none" else f"{kind} {name}",
+        "chose": state.stats.auto["choice"] if state is not None and state.stats.auto else None,
+        "auto": state.stats.auto if state is not None and comm.rank == 0 else None,
+        "buckets": "1" if one_bucket else "25 MB",
+        **_step_ms(ts, error),
+        "bytes_per_step": wire,
+        "gradient_bytes": grad_bytes,
+        "error": error,
+    }
+
+
+def _register_hook(ddp, cfg: dict, kind: str, name: str):
+    """The case's comm hook on ``ddp``: PyTorch's fp16 or PowerSGD, or ours; returns ours's state (else None)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from ...parallel import CompressionHookState, compression_hook
+
+    start = cfg["start_iter"]
+    if kind == "torch" and name == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif kind == "torch" and name.startswith("powersgd"):
         ps = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg["rank"],
@@ -122,13 +175,22 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
             extra["check_signatures"] = cfg["check"]
         state = CompressionHookState(compressor=OURS[name](cfg["rank"]), start_iter=start, **extra)
         ddp.register_comm_hook(state, compression_hook)
+        return state
+    return None
+
+
+def _run_steps(comm: TorchCommunicator, cfg: dict, ddp, net: torch.nn.Module,
+               hook_cpu: list) -> tuple[list[float], list[float], str | None]:  # fmt: skip
+    """(seconds of each timed step, of the first two steps, the error that ended the run or None): the warm-up,
+    then ``cfg["steps"]`` timed steps; the sweep's hook timer restarts where the timed steps begin."""
+    dev = comm.device
+    start = cfg["start_iter"]
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(cfg["batch"], cfg["in_dim"], generator=g).to(dev)
     y = torch.randint(0, 10, (cfg["batch"],), generator=g).to(dev)
     times = []
     first = []  # the first two steps: where a new bucket layout (DDP's first, then its rebuilt one) is agreed on
-    error = None
     try:
         for step in range(start + 2 + cfg["steps"]):
             comm.barrier()
@@ -148,58 +210,16 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
         msg = str(e)
         while "when running the callback: " in msg:  # futures wrap the cause once per callback
             msg = msg.split("when running the callback: ", 1)[1]
-        error = f"{type(e).__name__}: {msg.splitlines()[0][:160]}"
-    # the slowest rank's time per step (and its first two steps, and its seconds in signature exchanges)
-    sig_s = state.stats.signature_s if state is not None else 0.0
-    t = torch.tensor((times or [float("nan")]) + first + [sig_s], dtype=torch.float64)
-    if error is None:
-        comm.all_reduce(t, "max")
-    t, first, sig_s = t[: len(times) or 1], t[len(times) or 1 : -1].tolist(), float(t[-1])
-    wire = None
-    if state is not None:
-        wire = state.stats.per_iteration[-1]["bytes_after"]
-    elif kind == "none" or (kind == "torch" and name == "fp16"):
-        wire = grad_bytes if kind == "none" else grad_bytes // 2
-    ts = t.tolist()
-    if buckets is not None:
-        steps = cfg["steps"]
-        nb = hook_cpu[1] / steps
-        return {
-            "case": "torch fp16" if kind == "torch" else f"torsh {name}",
-            "buckets_asked": buckets,
-            "buckets": round(nb),
-            "step_ms": 1e3 * statistics.median(ts) if error is None else None,
-            "p20_ms": 1e3 * quantile(ts, 0.2) if error is None else None,
-            "p80_ms": 1e3 * quantile(ts, 0.8) if error is None else None,
-            "hook_ms_per_step": 1e3 * hook_cpu[0] / steps,
-            "hook_ms_per_bucket": 1e3 * hook_cpu[0] / steps / nb if nb else None,
-            "gradient_bytes": grad_bytes,
-            "error": error,
-        }
-    if "check" in cfg:
-        return {
-            "case": f"torsh {name}",
-            "check": cfg["check"],
-            "step_ms": 1e3 * statistics.median(ts) if error is None else None,
-            "p20_ms": 1e3 * quantile(ts, 0.2) if error is None else None,
-            "p80_ms": 1e3 * quantile(ts, 0.8) if error is None else None,
-            "first_steps_ms": [1e3 * v for v in first],
-            "signature_checks": state.stats.signature_checks,
-            "signature_ms": 1e3 * sig_s,
-            "gradient_bytes": grad_bytes,
-            "error": error,
-        }
+        return times, first, f"{type(e).__name__}: {msg.splitlines()[0][:160]}"
+    return times, first, None
+
+
+def _step_ms(ts: list[float], error: str | None) -> dict:
+    """The median step time and its p20 and p80, in milliseconds (None after an error)."""
     return {
-        "case": "no hook" if kind == "none" else f"{kind} {name}",
-        "chose": state.stats.auto["choice"] if state is not None and state.stats.auto else None,
-        "auto": state.stats.auto if state is not None and comm.rank == 0 else None,
-        "buckets": "1" if one_bucket else "25 MB",
         "step_ms": 1e3 * statistics.median(ts) if error is None else None,
         "p20_ms": 1e3 * quantile(ts, 0.2) if error is None else None,
         "p80_ms": 1e3 * quantile(ts, 0.8) if error is None else None,
-        "bytes_per_step": wire,
-        "gradient_bytes": grad_bytes,
-        "error": error,
     }
 
 
@@ -337,32 +357,6 @@ def _signature_summary(res: dict) -> None:
     res["signature_summary"] = out
 
 
-def print_signatures(res: dict, env: dict, cfg: dict) -> None:
-    mlp = f"{cfg['in_dim']}-{'-'.join([str(cfg['width'])] * cfg['layers'])}-10"
-    t = _cli.table((f"Signature exchange on vs off, DDP with compression_hook, {res['world_size']} ranks "
-                    f"({res['backend']}, {env.get('network', 'local')}), MLP {mlp}, "
-                    f"{res['signature_rows'][0]['gradient_bytes'] / 1e6:.1f} MB of gradients; medians over "
-                    f"{cfg['repeat']} run(s) [min-max]"),
-                   ["case", "exchanges", "exchange ms", "steps 0-1 on (ms)", "steps 0-1 off (ms)", "extra (ms)",
-                    "step on (ms)", "step off (ms)", "on / off"], text=("case",))  # fmt: skip
-
-    def f(d, digits=2):
-        if d is None:
-            return "-"
-        if d["n"] == 1:
-            return f"{d['median']:.{digits}f}"
-        return f"{d['median']:.{digits}f} [{d['min']:.{digits}f}-{d['max']:.{digits}f}]"
-
-    for r in res["signature_summary"]:
-        t.add_row(r["case"], f(r["signature_checks"], 0), f(r["signature_ms"]), f(r["first_steps_ms_on"], 1),
-                  f(r["first_steps_ms_off"], 1), f(r["first_steps_extra_ms"], 1), f(r["step_ms_on"], 1),
-                  f(r["step_ms_off"], 1), f(r["step_ratio"], 3))  # fmt: skip
-    _cli.console().print(t)
-    for r in res["signature_rows"]:
-        if r["error"]:
-            print(f"{r['case']} (check {'on' if r['check'] else 'off'}): {r['error']}")
-
-
 def _summaries(res: dict) -> None:
     """Medians over the repeats with their spread; for the sweep, the marginal cost of a bucket."""
     spread = _spread
@@ -466,67 +460,6 @@ def _report(res: dict, cfg: dict) -> dict:
     return doc
 
 
-def print_sweep(res: dict, env: dict, cfg: dict) -> None:
-    t = _cli.table((f"DDP host cost per bucket, {res['world_size']} ranks ({res['backend']}, "
-                     f"{env.get('network', 'local')}), "
-                     f"MLP {cfg['in_dim']}-{cfg['sweep_width']}x{cfg['sweep_layers']}-10, "
-                     f"{res['bucket_rows'][0]['gradient_bytes'] / 1e6:.1f} MB of gradients; medians over "
-                     f"{cfg['repeat']} run(s) [min-max]; hook = CPU time inside the hook"),
-                   ["case", "buckets", "step (ms)", "hook / step (ms)", "hook / bucket (ms)", "one more bucket (ms)"],
-                   text=("case",))  # fmt: skip
-
-    def f(d, digits=2):
-        if d is None:
-            return "-"
-        if d["n"] == 1:
-            return f"{d['median']:.{digits}f}"
-        return f"{d['median']:.{digits}f} [{d['min']:.{digits}f}-{d['max']:.{digits}f}]"
-
-    for r in res["bucket_summary"]:
-        t.add_row(r["case"], str(r["buckets"]), f(r["step_ms"], 1), f(r["hook_ms_per_step"]),
-                  f(r["hook_ms_per_bucket"], 3), f(r["marginal_ms_per_bucket"], 3))  # fmt: skip
-    _cli.console().print(t)
-
-
-def print_report(res: dict, env: dict, cfg: dict) -> None:
-    rows = res["rows"]
-    base = next(r["step_ms"] for r in rows if r["case"] == "no hook")
-    peer = next((r["step_ms"] for r in rows if r["case"] == "torch powersgd-1bucket"), None)
-    t = _cli.table((f"DDP step time, {res['world_size']} ranks ({res['backend']}, {env.get('network', 'local')}), "
-                    f"MLP {cfg['in_dim']}-{'-'.join([str(cfg['width'])] * cfg['layers'])}-10, "
-                    f"{rows[0]['gradient_bytes'] / 1e6:.1f} MB of gradients, batch {cfg['batch']}/rank"),
-                   ["case", "buckets", "step (ms)", "p20-p80 (ms)", "bytes sent/step", "speedup vs no hook",
-                    "vs torch PowerSGD"], text=("case", "buckets"))  # fmt: skip
-    for r in rows:
-        if r["error"]:
-            t.add_row(f"{r['case']}: failed (below)", r["buckets"], "-", "-", "", "", "")
-            continue
-        wire = "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step'] / 1e6:.2f} MB"
-        vs = f"{peer / r['step_ms']:.2f}x" if peer and "powersgd" in r["case"] else ""
-        case = r["case"] + (f" -> {r['chose']}" if r.get("chose") else "")
-        t.add_row(case, r["buckets"], f"{r['step_ms']:.1f}", f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}", wire,
-                  f"{base / r['step_ms']:.2f}x", vs)  # fmt: skip
-    _cli.console().print(t)
-    for r in rows:
-        if r["error"]:
-            print(f"{r['case']} ({r['buckets']} buckets): {r['error']}")
-    for name, d in res.get("speedups", {}).items():
-        print(f"{name}: median {d['median']:.3f}x over {d['n']} runs [{d['min']:.3f}-{d['max']:.3f}]")
-    for a in res.get("auto_vs_best", []):
-        print(f"auto chose {a['chose']}: {a['auto_ms']:.1f} ms/step, {a['ratio']:.3f}x the best case measured in "
-              f"the same run ({a['best_case']}, {a['best_ms']:.1f} ms/step)")  # fmt: skip
-    acb = res.get("auto_choice_vs_best")
-    if acb:
-        for c in acb["choices"]:
-            if c["ratio"] is not None:
-                print(f"run {c['repeat']}: auto chose {c['chose']}, whose case measured "
-                      f"{c['case_median_ms']:.1f} ms/step (median over the runs): {c['ratio']:.3f}x the best "
-                      f"case ({c['best_case']}, {c['best_median_ms']:.1f} ms/step)")  # fmt: skip
-    rec = next((r["auto"] for r in rows if r.get("auto")), None)
-    if rec is not None:
-        print(f"auto's reason: {rec['reason']}")
-
-
 def _counts(text: str) -> list[int]:
     try:
         out = [int(v) for v in text.split(",") if v.strip()]
@@ -538,17 +471,17 @@ def _counts(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    at_least_1 = _cli.int_at_least(1)
+    at_least_1 = cli_common.int_at_least(1)
     p.add_argument("--world-size", type=at_least_1, default=2, help="local ranks when not under torchrun")
     p.add_argument("--width", type=at_least_1, default=2048, help="hidden width")
     p.add_argument("--layers", type=at_least_1, default=3, help="hidden layers")
     p.add_argument("--in-dim", type=at_least_1, default=64, help="input features")
     p.add_argument("--batch", type=at_least_1, default=64, help="samples per rank per step")
     p.add_argument("--rank", type=at_least_1, default=4, help="PowerSGD rank (ours and PyTorch's)")
-    p.add_argument("--start-iter", type=_cli.int_at_least(2), default=2,
+    p.add_argument("--start-iter", type=cli_common.int_at_least(2), default=2,
                    help="uncompressed warm-up steps (PyTorch's PowerSGD hook needs >= 2)")  # fmt: skip
     p.add_argument("--steps", type=at_least_1, default=10, help="timed steps per case")
-    p.add_argument("--compressors", default=list(OURS), type=_cli.choice_list(OURS, "compressor"),
+    p.add_argument("--compressors", default=list(OURS), type=cli_common.choice_list(OURS, "compressor"),
                    help="ours to run: " + ",".join(OURS))  # fmt: skip
     p.add_argument("--no-torch-powersgd-buckets", action="store_true",
                    help="skip PyTorch's PowerSGD with 25 MB buckets (fails on gloo)")  # fmt: skip
@@ -558,20 +491,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=at_least_1, default=1, help="run every case this many times, interleaved")
     p.add_argument("--buckets", default=[], type=_counts,
                    help="bucket sweep instead, e.g. 1,4,16,64 (see the description above)")  # fmt: skip
-    p.add_argument("--sweep", default=["fp16", "bf16", "topk", "powersgd"], type=_cli.choice_list(OURS, "compressor"),
+    p.add_argument("--sweep", default=["fp16", "bf16", "topk", "powersgd"],
+                   type=cli_common.choice_list(OURS, "compressor"),
                    help="ours in the bucket sweep (default fp16,bf16,topk,powersgd)")  # fmt: skip
     p.add_argument("--sweep-layers", type=at_least_1, default=64, help="hidden layers of the sweep's MLP")
     p.add_argument("--sweep-width", type=at_least_1, default=362, help="hidden width of the sweep's MLP")
     p.add_argument("--signatures", action="store_true",
                    help="measure the signature exchange instead: each compressor, the exchange on and off")  # fmt: skip
-    _cli.add_json(p)
+    cli_common.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
     if not args.hang_timeout > 0:
-        raise _cli.UsageError(f"--hang-timeout must be > 0 seconds, got {args.hang_timeout}")
+        raise cli_common.UsageError(f"--hang-timeout must be > 0 seconds, got {args.hang_timeout}")
     cfg = {"width": args.width, "layers": args.layers, "in_dim": args.in_dim, "batch": args.batch,
            "rank": args.rank, "start_iter": args.start_iter, "steps": args.steps, "compressors": args.compressors,
            "torch_powersgd_buckets": not args.no_torch_powersgd_buckets, "threads": args.threads,
@@ -583,7 +517,7 @@ def run(args: argparse.Namespace) -> int:
         doc = _worker(comm, cfg)  # rank 0 prints the report
         if doc is not None:
             emit(args, doc)
-        _cli.release_stdout()
+        cli_common.release_stdout()
         sys.stdout.flush()
         os._exit(0)  # a failed PowerSGD case may leave gloo's process group broken: skip its teardown
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "gloo"

@@ -41,7 +41,7 @@ import warnings
 
 import torch
 
-from ... import _cli
+from ... import cli_common
 from ...collectives import TorchCommunicator, init_from_env, run_local
 from . import emit, environment, quantile
 
@@ -277,7 +277,7 @@ def _report_offload(res: dict, cfg: dict, names: list[str]) -> dict:
         summary.append({"case": name, "step_ms": _spread([r["step_ms"] for r in rs]), **{k: rs[0][k] for k in keys},
                         "peak_host_bytes": _spread(hosts) if hosts else None,
                         "peak_device_bytes": _spread(devs) if devs else None})  # fmt: skip
-    t = _cli.table((f"ZeRO-3 optimizer memory, {res['world_size']} ranks ({res['backend']}), {cfg['layers']} x "
+    t = cli_common.table((f"ZeRO-3 optimizer memory, {res['world_size']} ranks ({res['backend']}), {cfg['layers']} x "
                     f"[{cfg['width']} x {cfg['width']}] linears under fully_shard; per rank; medians over "
                     f"{cfg['repeat']} run(s)"),
                    ["case", "step (ms)", "optimizer state (MB)", "state B/param", "fp32 host copies B/param",
@@ -297,13 +297,13 @@ def _report_offload(res: dict, cfg: dict, names: list[str]) -> dict:
                   mb(s["peak_device_bytes"]))  # fmt: skip
     for name, why in res["skipped"].items():
         t.add_row(f"{name}: not run: {why}", *["-"] * 6)
-    _cli.console().print(t)
+    cli_common.console().print(t)
     return _write(res, env, cfg)
 
 
 def _print(res: dict, env: dict, cfg: dict) -> None:
     params = cfg["layers"] * (cfg["width"] ** 2 + cfg["width"])
-    t = _cli.table((f"FSDP2 step time, {res['world_size']} ranks ({res['backend']}, {env.get('network')}), "
+    t = cli_common.table((f"FSDP2 step time, {res['world_size']} ranks ({res['backend']}, {env.get('network')}), "
                     f"{cfg['layers']} x [{cfg['width']} x {cfg['width']}] linears ({params / 1e6:.1f} M parameters), "
                     f"batch {cfg['batch']}/rank; medians over {cfg['repeat']} run(s) [min-max]"),
                    ["case", "step (ms)", "speedup vs plain", "MB sent/step (this rank)", "bytes vs plain", "last loss"],
@@ -318,24 +318,24 @@ def _print(res: dict, env: dict, cfg: dict) -> None:
         mb = {k: v / 1e6 if k != "n" else v for k, v in s["bytes_per_step"].items()}
         t.add_row(s["case"], f(s["step_ms"]), f(s["speedup_vs_plain"], 2, "x"), f(mb, 2),
                   f(s["bytes_vs_plain"], 3, "x"), f"{s['loss']['median']:.4f}")  # fmt: skip
-    _cli.console().print(t)
+    cli_common.console().print(t)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    at_least_1 = _cli.int_at_least(1)
+    at_least_1 = cli_common.int_at_least(1)
     p.add_argument("--world-size", type=at_least_1, default=2, help="local ranks when not under torchrun")
     p.add_argument("--width", type=at_least_1, default=2048, help="width of each square Linear layer")
     p.add_argument("--layers", type=at_least_1, default=8, help="Linear layers, each under its own fully_shard")
     p.add_argument("--batch", type=at_least_1, default=64, help="samples per rank per step")
     p.add_argument("--steps", type=at_least_1, default=5, help="timed steps per case")
-    p.add_argument("--warmup", type=_cli.int_at_least(0), default=2, help="untimed steps first")
+    p.add_argument("--warmup", type=cli_common.int_at_least(0), default=2, help="untimed steps first")
     p.add_argument("--grads", choices=("int8", "int4"), default="int4", help="gradient format of the grads cases")
     p.add_argument("--repeat", type=at_least_1, default=1, help="run every case this many times, interleaved")
     p.add_argument("--threads", type=at_least_1, default=1, help="torch threads per rank")
     p.add_argument("--offload", action="store_true",
                    help="instead: the optimizer's memory under ZeRO-3, AdamW (with and without FSDP2's "
                    "CPUOffloadPolicy) against OffloadedOptimizer with bf16 and int8 state")  # fmt: skip
-    _cli.add_json(p)
+    cli_common.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from ... import _cli
+from ... import cli_common
 from . import add_device, environment, resolve_device
 
 # Each suite (a module of this package with add_arguments and run) and its one-line help.
@@ -118,15 +118,15 @@ class Baseline:
 
 def load_baseline(path: str) -> Baseline:
     """Read and check a baseline (a document of ``torsh bench`` or one suite's JSON); every problem is a
-    :class:`~torsh_kernels._cli.UsageError` that names the file and what is wrong."""
+    :class:`~torsh_kernels.cli_common.UsageError` that names the file and what is wrong."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
-        raise _cli.UsageError(f"--compare: cannot read {path}: {e.strerror or e}") from e
+        raise cli_common.UsageError(f"--compare: cannot read {path}: {e.strerror or e}") from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _cli.UsageError(f"--compare: {path} is not JSON ({e})") from e
+        raise cli_common.UsageError(f"--compare: {path} is not JSON ({e})") from e
     if not isinstance(data, dict):
-        raise _cli.UsageError(f"--compare: {path} holds a JSON {type(data).__name__}, not a benchmark document")
+        raise cli_common.UsageError(f"--compare: {path} holds a JSON {type(data).__name__}, not a benchmark document")
     try:
         if "measurements" in data:  # a document of this command
             meas, docs = data["measurements"], data.get("suites") or {}
@@ -137,7 +137,7 @@ def load_baseline(path: str) -> Baseline:
             meas = {data["suite"]: measurements(data["suite"], data)}
             options = {data["suite"]: data.get("options")}
         else:
-            raise _cli.UsageError(
+            raise cli_common.UsageError(
                 f"--compare: {path} is neither a document of `torsh bench` (it has no 'measurements') nor one "
                 f"suite's JSON (its 'suite' is {data.get('suite')!r}; suites: {', '.join(SUITE_NAMES)})"
             )
@@ -154,7 +154,7 @@ def load_baseline(path: str) -> Baseline:
             if opts is not None and not (isinstance(opts, list) and all(isinstance(o, str) for o in opts)):
                 raise TypeError(f"{suite}: 'options' must be a list of strings, got {opts!r}")
     except (KeyError, TypeError, AttributeError) as e:
-        raise _cli.UsageError(f"--compare: {path} is not in the form `torsh bench` writes: {e}") from e
+        raise cli_common.UsageError(f"--compare: {path} is not in the form `torsh bench` writes: {e}") from e
     return Baseline(path=path, measurements=meas, options=options)
 
 
@@ -215,7 +215,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("suites", nargs="*", metavar="SUITE",
                    help=f"suites to run (default: all of {', '.join(SUITE_NAMES)}; with --compare, those of the "
                    "baseline)")  # fmt: skip
-    _cli.add_json(p, "the combined results")
+    cli_common.add_json(p, "the combined results")
     p.add_argument("--compare", default=None, metavar="BASELINE",
                    help="a JSON of this command or of one suite to compare with; a regression exits with "
                    "status 1")  # fmt: skip
@@ -235,23 +235,23 @@ def _plan(args: argparse.Namespace, baseline: Baseline | None) -> list[tuple[str
     if args.json in SUITE_NAMES and not Path(args.json).exists():
         # `torsh bench --json ddp` reads ddp as --json's PATH: say so rather than run every suite into ./ddp
         name = args.json
-        raise _cli.UsageError(f"--json {name}: {name} is a suite; to run it with JSON on stdout write "
+        raise cli_common.UsageError(f"--json {name}: {name} is a suite; to run it with JSON on stdout write "
                               f"`torsh bench {name} --json` (--json=./{name} for a file of that name)")  # fmt: skip
     unknown = [s for s in suites if s not in SUITE_NAMES]
     if unknown:
-        raise _cli.UsageError(f"unknown suite(s) {', '.join(unknown)}; suites: {', '.join(SUITE_NAMES)}")
+        raise cli_common.UsageError(f"unknown suite(s) {', '.join(unknown)}; suites: {', '.join(SUITE_NAMES)}")
     if baseline is not None:
         suites = suites or [s for s in SUITE_NAMES if s in baseline.measurements]
         missing = [s for s in suites if not baseline.measurements.get(s)]
         if missing:
             held = ", ".join(s for s in SUITE_NAMES if baseline.measurements.get(s)) or "none"
-            raise _cli.UsageError(f"--compare: the baseline {baseline.path} holds no measurement of "
+            raise cli_common.UsageError(f"--compare: the baseline {baseline.path} holds no measurement of "
                                   f"{', '.join(missing)} (it holds: {held}); name only suites it holds, or make a "
                                   "baseline with them")  # fmt: skip
         replayed = [s for s in suites if baseline.options.get(s) is not None]
         if args.full and replayed:
-            raise _cli.UsageError(f"--full: {', '.join(replayed)} run with the options the baseline recorded; drop "
-                                  "--full (--args adds options)")  # fmt: skip
+            raise cli_common.UsageError(f"--full: {', '.join(replayed)} run with the options the baseline recorded; "
+                                        "drop --full (--args adds options)")  # fmt: skip
     suites = suites or list(SUITE_NAMES)
     extra: dict[str, list[str]] = {}
     for name, opts in args.args:
@@ -261,7 +261,7 @@ def _plan(args: argparse.Namespace, baseline: Baseline | None) -> list[tuple[str
     plan = []
     for name in suites:
         mod = suite_module(name)
-        parser = _cli.Parser(prog=f"torsh bench {name}")
+        parser = cli_common.Parser(prog=f"torsh bench {name}")
         mod.add_arguments(parser)
         recorded = baseline.options.get(name) if baseline is not None else None
         if recorded is not None:
@@ -270,7 +270,7 @@ def _plan(args: argparse.Namespace, baseline: Baseline | None) -> list[tuple[str
             argv = QUICK[name] if quick else FULL.get(name, [])
             argv = argv + (["--device", str(device)] if name in HAS_DEVICE else [])
         ns = parser.parse_args(argv + extra.get(name, []))
-        ns.options = _cli.argv_of(parser, ns, skip={"json"})
+        ns.options = cli_common.argv_of(parser, ns, skip={"json"})
         plan.append((name, mod, ns))
     return plan
 
@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
 
         why = ncu.unavailable_reason()
         if why is not None:
-            raise _cli.UsageError(f"--ncu cannot run here: {why}")
+            raise cli_common.UsageError(f"--ncu cannot run here: {why}")
     device = resolve_device(args.device)
     replayed = baseline is not None and any(baseline.options.get(n) is not None for n, _, _ in plan)
     mode = "baseline's options" if replayed else ("quick" if device.type == "cpu" and not args.full else "full")
@@ -302,11 +302,11 @@ def run(args: argparse.Namespace) -> int:
         doc["ncu"] = ncu.profile()
         cols = list(dict.fromkeys(k for r in doc["ncu"] for k in r))
         text = [c for c in cols if not all(isinstance(r.get(c), int | float) for r in doc["ncu"])]
-        t = _cli.table("Nsight Compute: fused kernels (triton provider)", cols, text=text)
+        t = cli_common.table("Nsight Compute: fused kernels (triton provider)", cols, text=text)
         for r in doc["ncu"]:
             t.add_row(*(str(r.get(c, "")) for c in cols))
-        _cli.console().print(t)
-    _cli.write_json(args.json, doc)
+        cli_common.console().print(t)
+    cli_common.write_json(args.json, doc)
     if baseline is None:
         return 0
     return report_comparison(doc["measurements"], baseline, args.max_regression)
@@ -319,15 +319,15 @@ def report_comparison(current: dict[str, dict], baseline: Baseline, max_reg: flo
     if not c.rows:
         have = next((f"{s}: {k!r}" for s in current for k in baseline.measurements.get(s, {})), "none")
         now = next((f"{s}: {k!r}" for s in current for k in current[s]), "none")
-        raise _cli.UsageError(f"--compare: nothing compared: none of the {n_base} cases of {baseline.path} was "
+        raise cli_common.UsageError(f"--compare: nothing compared: none of the {n_base} cases of {baseline.path} was "
                               f"measured in this run (the baseline has e.g. {have}; this run measured e.g. {now}); "
                               "run the suites with the options the baseline was measured with")  # fmt: skip
-    t = _cli.table(f"compared with {baseline.path} (ours may be at most {100 * max_reg:.0f}% slower)",
+    t = cli_common.table(f"compared with {baseline.path} (ours may be at most {100 * max_reg:.0f}% slower)",
                    ["suite", "case", "kind", "baseline", "now", "ratio"], text=("suite", "case", "kind"))  # fmt: skip
     for suite, case, kind, b, n, ratio in sorted(c.rows, key=lambda r: -r[5])[:40]:
         style = "bold red" if (kind == "ours" and ratio > 1 + max_reg) else None
         t.add_row(suite, case, kind, f"{b:.4g} ms", f"{n:.4g} ms", f"{ratio:.2f}x", style=style)
-    _cli.console().print(t)
+    cli_common.console().print(t)
     kinds = {k: sum(1 for r in c.rows if r[2] == k) for k in KINDS}
     print(f"compared {len(c.rows)} of the {n_base} cases of the baseline ({kinds['ours']} ours, {kinds['peer']} "
           f"peers, {kinds['copy']} copy baselines)")  # fmt: skip

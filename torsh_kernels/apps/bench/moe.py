@@ -45,7 +45,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ... import _cli
+from ... import cli_common
 from ...ops import moe_permute, moe_route, moe_unpermute
 from . import (
     Case,
@@ -470,18 +470,18 @@ def _counts(text: str) -> list[int]:
 def _blocks(text: str) -> list[str]:
     if text.strip() in ("none", ""):  # ("": how a recorded baseline replays none)
         return []
-    return _cli.choice_list(LAYER_BLOCKS, "block")(text)
+    return cli_common.choice_list(LAYER_BLOCKS, "block")(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
     add_providers(p)
-    p.add_argument("--tokens", type=_cli.int_at_least(1), default=16384, help="T (default 16384)")
-    p.add_argument("--hidden", type=_cli.int_at_least(1), default=4096, help="H (default 4096)")
+    p.add_argument("--tokens", type=cli_common.int_at_least(1), default=16384, help="T (default 16384)")
+    p.add_argument("--hidden", type=cli_common.int_at_least(1), default=4096, help="H (default 4096)")
     p.add_argument("--experts", default=[8, 64], type=_counts, help="comma-separated expert counts (default 8,64)")
-    p.add_argument("--k", type=_cli.int_at_least(1), default=2, help="experts per token (default 2)")
+    p.add_argument("--k", type=cli_common.int_at_least(1), default=2, help="experts per token (default 2)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activation and logit dtype")
-    p.add_argument("--reps", type=_cli.int_at_least(1), default=None,
+    p.add_argument("--reps", type=cli_common.int_at_least(1), default=None,
                    help="timed repetitions per measurement (default 20 GPU, 5 CPU)")  # fmt: skip
     g = p.add_argument_group("the full layer against Hugging Face's blocks (forward + backward)")
     g.add_argument("--blocks", default=list(LAYER_BLOCKS), type=_blocks,
@@ -490,12 +490,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layer-full", action="store_true",
                    help=f"the target size T={FULL_LAYER[0]}, H={FULL_LAYER[1]} (default: a smoke size, "
                    f"T={SMOKE_LAYER[0]}, H={SMOKE_LAYER[1]})")  # fmt: skip
-    g.add_argument("--layer-tokens", type=_cli.int_at_least(1), default=None, help="the layer's T (overrides)")
-    g.add_argument("--layer-hidden", type=_cli.int_at_least(1), default=None, help="the layer's H (overrides)")
-    g.add_argument("--expert-width", type=_cli.int_at_least(1), default=None,
+    g.add_argument("--layer-tokens", type=cli_common.int_at_least(1), default=None, help="the layer's T (overrides)")
+    g.add_argument("--layer-hidden", type=cli_common.int_at_least(1), default=None, help="the layer's H (overrides)")
+    g.add_argument("--expert-width", type=cli_common.int_at_least(1), default=None,
                    help="the experts' inner width (default: 3.5 x H for E <= 16, H / 2 above)")  # fmt: skip
     g.add_argument("--layer-dtype", default="fp32", choices=sorted(DTYPES), help="the layer's dtype (default fp32)")
-    g.add_argument("--layer-reps", type=_cli.int_at_least(1), default=None,
+    g.add_argument("--layer-reps", type=cli_common.int_at_least(1), default=None,
                    help="timed steps per implementation (default 10 GPU, 3 CPU)")  # fmt: skip
     g.add_argument("--no-hf-grouped-mm", dest="hf_grouped_mm", action="store_false",
                    help="leave out Hugging Face's experts_implementation='grouped_mm' (timed and reported "
@@ -503,14 +503,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-layer", action="store_true",
                    help="also time each phase of the torsh layer's forward and backward on its own")  # fmt: skip
     p.add_argument("--note", default=None, help="a note kept in the JSON (e.g. the machine and its load)")
-    _cli.add_json(p)
+    cli_common.add_json(p)
 
 
 def _print_layer(results: list[Result], profiles: dict[str, dict[str, float]]) -> None:
-    console = _cli.console()
+    console = cli_common.console()
     for case in dict.fromkeys(r.case for r in results):
         cols = ["implementation", "median", "p20-p80", "tokens/s", "GFLOP/s", "vs HF eager", "vs HF grouped_mm"]
-        table = _cli.table(case, cols, text=("implementation",))
+        table = cli_common.table(case, cols, text=("implementation",))
         for r in (r for r in results if r.case == case):
             t = r.timing
             vs = []
@@ -527,7 +527,7 @@ def _print_layer(results: list[Result], profiles: dict[str, dict[str, float]]) -
         prof = profiles.get(case)
         if prof:
             step = prof["whole step (fwd+bwd)"]
-            pt = _cli.table(
+            pt = cli_common.table(
                 f"torsh MoELayer by phase: {case}", ["phase", "median", "of the step"], text=("phase",)
             )
             for name, ms in prof.items():
@@ -538,7 +538,7 @@ def _print_layer(results: list[Result], profiles: dict[str, dict[str, float]]) -
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if args.k > min(args.experts):
-        raise _cli.UsageError(f"--k {args.k} is more than the {min(args.experts)} expert(s) of --experts")
+        raise cli_common.UsageError(f"--k {args.k} is more than the {min(args.experts)} expert(s) of --experts")
     providers = select_providers("torsh bench moe", args.providers, device)
     reps = args.reps or (20 if device.type == "cuda" else 5)
     env = environment(device)
@@ -554,7 +554,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             import transformers
         except ImportError:
-            raise _cli.UsageError("--blocks: the layer cases compare with Hugging Face's blocks, which need "
+            raise cli_common.UsageError("--blocks: the layer cases compare with Hugging Face's blocks, which need "
                                   "transformers (the dev extra); --blocks none leaves them out") from None  # fmt: skip
         T, H = FULL_LAYER if args.layer_full else SMOKE_LAYER
         T, H = args.layer_tokens or T, args.layer_hidden or H

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from ... import _cli
+from ... import cli_common
 from ...ops import FORMATS, pack, packed_nbytes, quantize_ref, unpack
 from ...parallel import OffloadedOptimizer
 from . import (
@@ -188,19 +188,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
     p.add_argument("--sizes", default="64,256", type=_mib_text,
                    help="comma-separated fp32 tensor sizes in MiB (default 64,256)")  # fmt: skip
-    p.add_argument("--formats", default=list(FORMATS), type=_cli.choice_list(FORMATS, "format"),
+    p.add_argument("--formats", default=list(FORMATS), type=cli_common.choice_list(FORMATS, "format"),
                    help=f"comma-separated formats from {', '.join(FORMATS)} (default: all)")  # fmt: skip
-    p.add_argument("--width", type=_cli.int_at_least(1), default=None,
+    p.add_argument("--width", type=cli_common.int_at_least(1), default=None,
                    help="MLP width (default 4096 on CUDA, 1024 on CPU)")  # fmt: skip
-    p.add_argument("--layers", type=_cli.int_at_least(1), default=None,
+    p.add_argument("--layers", type=cli_common.int_at_least(1), default=None,
                    help="MLP layers (default 12 on CUDA, 16 on CPU)")  # fmt: skip
-    p.add_argument("--batch", type=_cli.int_at_least(1), default=64,
+    p.add_argument("--batch", type=cli_common.int_at_least(1), default=64,
                    help="batch rows for the optimizer part (default 64)")  # fmt: skip
-    p.add_argument("--steps", type=_cli.int_at_least(1), default=5,
+    p.add_argument("--steps", type=cli_common.int_at_least(1), default=5,
                    help="timed training steps per optimizer (default 5)")  # fmt: skip
-    p.add_argument("--reps", type=_cli.int_at_least(1), default=None,
+    p.add_argument("--reps", type=cli_common.int_at_least(1), default=None,
                    help="timed repetitions per measurement (default 20 GPU, 5 CPU)")  # fmt: skip
-    _cli.add_json(p)
+    cli_common.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     width = args.width or (4096 if device.type == "cuda" else 1024)
     layers = args.layers or (12 if device.type == "cuda" else 16)
     opt_rows = run_optimizer(width, layers, args.batch, args.steps, device)
-    t = _cli.table(f"optimizer: MLP {layers} x [{width} x {width}], batch {args.batch}",
+    t = cli_common.table(f"optimizer: MLP {layers} x [{width} x {width}], batch {args.batch}",
                    ["optimizer", "params", "train step", "optimizer step", "peak", "vs AdamW"],
                    text=("optimizer",))  # fmt: skip
     base = opt_rows[0]
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['optimizer_step_ms']:.1f} ms", f"{fmt_bytes(r['peak_bytes'])} ({r['peak_kind']})",
                   f"time {r['train_step_ms'] / base['train_step_ms']:.2f}x, "
                   f"memory {r['peak_bytes'] / max(base['peak_bytes'], 1):.2f}x")  # fmt: skip
-    _cli.console().print(t)
+    cli_common.console().print(t)
     config = {"sizes_mib": args.sizes, "formats": ",".join(args.formats), "reps": reps, "width": width,
               "layers": layers, "batch": args.batch, "steps": args.steps}  # fmt: skip
     emit(args, result_doc("offload", env, results, {**config, "optimizer": opt_rows}))

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from ... import _cli, ops
+from ... import cli_common, ops
 from ...ops import registry
 from . import Result, Timing, emit, environment, quantile, result_doc
 
@@ -59,6 +59,9 @@ def _time_pair(fns: list[Callable[[], object]], calls: int, reps: int) -> list[l
     return out
 
 
+_Case = tuple[str, str, Callable[[], object], str, Callable[[], object], str]
+
+
 def cases(provider: str | None) -> list[tuple[str, str, Callable[[], object], str, Callable[[], object], str]]:
     """(op, case, ours, torch equivalent's name, torch equivalent, selection key op) for every public op."""
     p = provider
@@ -67,9 +70,19 @@ def cases(provider: str | None) -> list[tuple[str, str, Callable[[], object], st
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g)
 
-    out: list = []
+    out = _bucket_cases(p, rnd)
+    x = rnd(1024)  # drawn after the bucket ops' tensors, before the compression ops'
+    out += _compression_cases(p, rnd, x)
+    logits, xt = rnd(16, 8), rnd(16, 32)
+    out += _moe_cases(p, logits, xt)
+    out += _moe_grad_cases(p, logits, xt)
+    out += _offload_cases(p, x)
+    return out
 
-    # bucket ops
+
+def _bucket_cases(p: str | None, rnd: Callable[..., torch.Tensor]) -> list[_Case]:
+    """The bucket ops at tiny sizes, then at 2000 x 4 KiB (the per-tensor cost)."""
+    out: list = []
     one, one_out = rnd(1), torch.empty(1)
     out.append(("flatten", "1 tensor of 1 element, out=", lambda: ops.flatten([one], out=one_out, provider=p),
                 "torch.cat(out=)", lambda: torch.cat([one], out=one_out), "flatten"))  # fmt: skip
@@ -101,9 +114,12 @@ def cases(provider: str | None) -> list[tuple[str, str, Callable[[], object], st
     out.append(("unflatten", BULK, lambda: ops.unflatten(bflat, blayout, bdst, provider=p),
                 "torch._foreach_copy_ into the views", lambda: torch._foreach_copy_(bdst, bviews),
                 "unflatten"))  # fmt: skip
+    return out
 
-    # compression ops, 1024 elements
-    x = rnd(1024)
+
+def _compression_cases(p: str | None, rnd: Callable[..., torch.Tensor], x: torch.Tensor) -> list[_Case]:
+    """The compression ops on 1024 elements."""
+    out: list = []
 
     def q_torch():
         v = x.view(-1, 256)
@@ -155,9 +171,12 @@ def cases(provider: str | None) -> list[tuple[str, str, Callable[[], object], st
 
     out.append(("error_update", "1024 fp32, out=", lambda: ops.error_update(acc, approx, res, out=eu_out, provider=p),
                 "torch.sub(out=) + copy_", eu_torch, "error_update"))  # fmt: skip
+    return out
 
-    # MoE, T=16 tokens, E=8 experts, K=2, H=32 (no gradients)
-    logits, xt = rnd(16, 8), rnd(16, 32)
+
+def _moe_cases(p: str | None, logits: torch.Tensor, xt: torch.Tensor) -> list[_Case]:
+    """MoE, T=16 tokens, E=8 experts, K=2, H=32 (no gradients)."""
+    out: list = []
 
     def route_torch():
         probs = torch.softmax(logits, dim=-1)
@@ -184,9 +203,13 @@ def cases(provider: str | None) -> list[tuple[str, str, Callable[[], object], st
                 "softmax, bincount, mean, sum", aux_torch, "moe_aux_loss"))  # fmt: skip
     out.append(("moe_z_loss", "16 x 8", lambda: ops.moe_z_loss(logits, provider=p), "logsumexp().square().mean()",
                 lambda: torch.logsumexp(logits.float(), dim=-1).square().mean(), "moe_z_loss"))  # fmt: skip
+    return out
 
-    # the MoE ops on a differentiable path, as a training step calls them: the forward calls with logits and
-    # activations that require grad (the graph is built; no backward is run)
+
+def _moe_grad_cases(p: str | None, logits: torch.Tensor, xt: torch.Tensor) -> list[_Case]:
+    """The MoE ops on a differentiable path, as a training step calls them: the forward calls with logits and
+    activations that require grad (the graph is built; no backward is run)."""
+    out: list = []
     glogits, gx = logits.clone().requires_grad_(), xt.clone().requires_grad_()
     grt = ops.moe_route(glogits, k=2)
     gxp = ops.moe_permute(gx, grt)
@@ -215,8 +238,12 @@ def cases(provider: str | None) -> list[tuple[str, str, Callable[[], object], st
     out.append(("moe_z_loss", "16 x 8, with grad", lambda: ops.moe_z_loss(glogits, provider=p),
                 "logsumexp().square().mean()", lambda: torch.logsumexp(glogits, dim=-1).square().mean(),
                 "moe_z_loss"))  # fmt: skip
+    return out
 
-    # offload packing (ops.pack / ops.unpack)
+
+def _offload_cases(p: str | None, x: torch.Tensor) -> list[_Case]:
+    """Offload packing (ops.pack / ops.unpack)."""
+    out: list = []
     pk = ops.pack(x, "bf16")
     xb = x.to(torch.bfloat16)
     out.append(("pack", "1024 fp32 -> bf16", lambda: ops.pack(x, "bf16", provider=p), "x.to(bfloat16)",
@@ -237,20 +264,22 @@ def _selected(op: str, device: torch.device, requested: str | None) -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--calls", type=_cli.int_at_least(1), default=200,
+    ap.add_argument("--calls", type=cli_common.int_at_least(1), default=200,
                     help="calls per timed loop of a tiny case (default 200)")  # fmt: skip
-    ap.add_argument("--bulk-calls", type=_cli.int_at_least(1), default=5,
+    ap.add_argument("--bulk-calls", type=cli_common.int_at_least(1), default=5,
                     help="calls per timed loop of a 2000-tensor case (default 5)")  # fmt: skip
-    ap.add_argument("--reps", type=_cli.int_at_least(1), default=15, help="timed loops per implementation (default 15)")
+    ap.add_argument(
+        "--reps", type=cli_common.int_at_least(1), default=15, help="timed loops per implementation (default 15)"
+    )
     ap.add_argument("--provider", default=None, choices=registry.PROVIDERS,
                     help="provider for our ops (default: automatic; torch on a CPU)")  # fmt: skip
     ap.add_argument("--ops", default=None, help="comma-separated op names to run (default: all)")
     ap.add_argument("--no-bulk", action="store_true", help="skip the 2000 x 4 KiB cases")
-    ap.add_argument("--threads", type=_cli.int_at_least(0), default=1,
+    ap.add_argument("--threads", type=cli_common.int_at_least(0), default=1,
                     help="torch intra-op threads while timing (default 1: tiny ops do not use more, and on a "
                          "loaded machine waking a thread pool costs milliseconds at random; 0: torch's)")  # fmt: skip
     ap.add_argument("--device", default="cpu", choices=("cpu",), help="only cpu: the suite measures host cost")
-    _cli.add_json(ap)
+    cli_common.add_json(ap)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -258,7 +287,7 @@ def run(a: argparse.Namespace) -> int:
     if a.provider:
         why = registry.can_run(a.provider, device)
         if why is not None:
-            raise _cli.UsageError(f"--provider: {a.provider} cannot run here: {why}")
+            raise cli_common.UsageError(f"--provider: {a.provider} cannot run here: {why}")
     threads = torch.get_num_threads()
     if a.threads > 0:
         torch.set_num_threads(a.threads)
@@ -274,7 +303,9 @@ def _run(a: argparse.Namespace, device: torch.device) -> int:
     all_cases = cases(a.provider)
     known = sorted({c[0] for c in all_cases})
     if wanted and wanted - set(known):
-        raise _cli.UsageError(f"--ops: unknown op(s) {', '.join(sorted(wanted - set(known)))}; ops: {', '.join(known)}")
+        raise cli_common.UsageError(
+            f"--ops: unknown op(s) {', '.join(sorted(wanted - set(known)))}; ops: {', '.join(known)}"
+        )
     results: list[Result] = []
     summary_rows = []
     for op, case, ours, peer_name, peer, sel_op in all_cases:
@@ -305,13 +336,13 @@ def _run(a: argparse.Namespace, device: torch.device) -> int:
                                   extra=extra))  # fmt: skip
         summary_rows.append((op, case, prov, ours_us, peer_name, peer_us, ratio, target, met))
 
-    console = _cli.console()
+    console = cli_common.console()
     console.print(f"[bold]host overhead per call[/bold] on {env['device']} (torch {env['versions']['torch']}), "
                   f"{a.reps} interleaved loops of {a.calls} calls ({a.bulk_calls} for {BULK}), "
                   f"{torch.get_num_threads()} torch thread(s)")  # fmt: skip
     cols = ["op", "case", "provider", "ours us", "p20-p80", "torch us", "p20-p80", "ours/torch", "target",
             "torch equivalent"]  # fmt: skip
-    t = _cli.table(None, cols, text=("op", "case", "provider", "target", "torch equivalent"))
+    t = cli_common.table(None, cols, text=("op", "case", "provider", "target", "torch equivalent"))
     for op, case, prov, o, pn, pu, ratio, _target, met in summary_rows:
         t.add_row(op, case, prov, f"{statistics.median(o):.1f}", f"{quantile(o, 0.2):.1f}-{quantile(o, 0.8):.1f}",
                   f"{statistics.median(pu):.1f}", f"{quantile(pu, 0.2):.1f}-{quantile(pu, 0.8):.1f}",

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from ... import _cli, _trace
+from ... import _trace, cli_common
 from ...ops import flatten
 from ...ops.registry import Op
 from ...profiling import timeline
@@ -123,10 +123,12 @@ def measure(calls: int, reps: int) -> list[tuple[str, str, str, list[float]]]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--calls", type=_cli.int_at_least(100), default=200_000,
+    ap.add_argument("--calls", type=cli_common.int_at_least(100), default=200_000,
                     help="calls per timed loop (default 200000)")  # fmt: skip
-    ap.add_argument("--reps", type=_cli.int_at_least(1), default=7, help="timed loops per implementation (default 7)")
-    _cli.add_json(ap)
+    ap.add_argument(
+        "--reps", type=cli_common.int_at_least(1), default=7, help="timed loops per implementation (default 7)"
+    )
+    cli_common.add_json(ap)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -146,10 +148,10 @@ def run(a: argparse.Namespace) -> int:
     cost_span = med[("user span", "timeline.record, no recorder")] - med[("user span", "contextlib.nullcontext")]
     summary = {"instrumentation_ns_op_dispatch": cost_op, "instrumentation_ns_user_span": cost_span,
                "target_ns": TARGET_NS, "met": max(cost_op, cost_span) < TARGET_NS}  # fmt: skip
-    console = _cli.console()
+    console = cli_common.console()
     console.print(f"[bold]timeline instrumentation cost[/bold] on {env['device']} (torch {env['versions']['torch']}), "
                   f"{a.reps} loops of {a.calls} calls")  # fmt: skip
-    t = _cli.table(None, ["case", "implementation", "ns / call", "p20-p80"], text=("case", "implementation"))
+    t = cli_common.table(None, ["case", "implementation", "ns / call", "p20-p80"], text=("case", "implementation"))
     for r in results:
         ns = r.extra["ns_per_call"]
         t.add_row(r.case, r.impl, f"{ns:,.0f}", f"{r.timing.p20_ms * 1e6:,.0f}-{r.timing.p80_ms * 1e6:,.0f}",

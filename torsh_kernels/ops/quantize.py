@@ -490,41 +490,12 @@ def quantize(
     check_provider(provider)
     xf = _flat_input(x, what, "x")
     bits, block = _check_quant_args(bits, block, what)
-    key = 0
-    drawn = None  # a traced call's seed: drawn in the graph from the same generator, read by the op at run time
-    if stochastic:
-        if seed is None and _eager.compiling():
-            drawn = torch.randint(0, 2**62, (1,))
-        else:
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,)).item())
-            seed = check_int(seed, what, "seed")
-            key = seed_key(seed)
-    elif seed is not None:
-        check_int(seed, what, "seed")
+    key, drawn = _stochastic_key(stochastic, seed, what)
     if out is None:
         if drawn is not None:
             return _quantize_op(xf, bits, block, True, 0, bool(check_finite), provider or "", drawn)
         return _eager.call(_quantize_op, (), xf, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise ArgumentTypeError(f"{what}: out must be a (q, scales) pair of tensors, got {type(out).__name__}")
-    n = xf.numel()
-    qdt = torch.int8 if bits == 8 else torch.uint8
-    for t, name, dt, size in ((out[0], "out[0] (q)", qdt, n if bits == 8 else -(-n // 2)),
-                              (out[1], "out[1] (scales)", torch.float32, -(-n // block))):  # fmt: skip
-        t = _check_tensor(t, what, name)
-        if t.dtype != dt or t.numel() != size or not t.is_contiguous():
-            raise ShapeError(
-                f"{what}: {name} must be a contiguous {dt} tensor of {size} elements for {n} elements in blocks "
-                f"of {block}, got {t.dtype} with {t.numel()} elements{'' if t.is_contiguous() else ' (strided)'}"
-            )
-        if t.device != xf.device:
-            raise DeviceMismatchError(f"{what}: {name} is on {t.device}, x on {xf.device}")
-    q, scales = out[0].view(-1), out[1].view(-1)
-    if not _eager.deferred(xf, q, scales):  # (while torch.compile traces, or on meta tensors: no addresses)
-        _no_overlap(q, xf, what, "out[0] (q)", "x")
-        _no_overlap(scales, xf, what, "out[1] (scales)", "x")
-        _no_overlap(q, scales, what, "out[0] (q)", "out[1] (scales)")
+    q, scales = _quantize_out(out, xf, bits, block, what)
     if drawn is not None:
         _quantize_out_op(xf, q, scales, bits, block, True, 0, bool(check_finite), provider or "", drawn)
         return out[0], out[1]
@@ -588,6 +559,58 @@ def dequantize(
             return torch.mul(q.view(n // block, block), scales.unsqueeze(1)).view(-1)
     what = "torsh_kernels.dequantize"
     check_provider(provider)
+    q, scales, bits, block, numel = _check_codes(q, scales, block, numel, what)
+    alpha = _check_alpha(alpha, what)
+    out, of = _decode_out(out, numel, dtype, q.device, what, bool(accumulate))
+    if not _eager.deferred(q, scales, of):
+        _no_overlap(of, q, what, "out", "q")
+        _no_overlap(of, scales, what, "out", "scales")
+    _eager.call(_dequantize_op, (2,), q.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), of, bits, block,
+                alpha, bool(accumulate), provider or "")  # fmt: skip
+    return out
+
+
+def _stochastic_key(stochastic: bool, seed: object, what: str) -> tuple[int, torch.Tensor | None]:
+    """(the noise key, 0 when not stochastic; a traced call's seed tensor, drawn in the graph from the same
+    generator and read by the op at run time, else None). A seed left None is drawn from torch's global
+    generator."""
+    if stochastic:
+        if seed is None and _eager.compiling():
+            return 0, torch.randint(0, 2**62, (1,))
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        return seed_key(check_int(seed, what, "seed")), None
+    if seed is not None:
+        check_int(seed, what, "seed")
+    return 0, None
+
+
+def _quantize_out(out: object, xf: torch.Tensor, bits: int, block: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize``'s ``out=(q, scales)``, checked (dtypes, sizes, contiguity, device, no overlap), as flat views."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ArgumentTypeError(f"{what}: out must be a (q, scales) pair of tensors, got {type(out).__name__}")
+    n = xf.numel()
+    qdt = torch.int8 if bits == 8 else torch.uint8
+    for t, name, dt, size in ((out[0], "out[0] (q)", qdt, n if bits == 8 else -(-n // 2)),
+                              (out[1], "out[1] (scales)", torch.float32, -(-n // block))):  # fmt: skip
+        t = _check_tensor(t, what, name)
+        if t.dtype != dt or t.numel() != size or not t.is_contiguous():
+            raise ShapeError(
+                f"{what}: {name} must be a contiguous {dt} tensor of {size} elements for {n} elements in blocks "
+                f"of {block}, got {t.dtype} with {t.numel()} elements{'' if t.is_contiguous() else ' (strided)'}"
+            )
+        if t.device != xf.device:
+            raise DeviceMismatchError(f"{what}: {name} is on {t.device}, x on {xf.device}")
+    q, scales = out[0].view(-1), out[1].view(-1)
+    if not _eager.deferred(xf, q, scales):  # (while torch.compile traces, or on meta tensors: no addresses)
+        _no_overlap(q, xf, what, "out[0] (q)", "x")
+        _no_overlap(scales, xf, what, "out[1] (scales)", "x")
+        _no_overlap(q, scales, what, "out[0] (q)", "out[1] (scales)")
+    return q, scales
+
+
+def _check_codes(q: object, scales: object, block: object, numel: object, what: str):
+    """``dequantize``'s inputs checked: (q, scales, bits, block, numel)."""
     q = _check_tensor(q, what, "q")
     scales = _check_tensor(scales, what, "scales")
     if q.dtype not in (torch.int8, torch.uint8):
@@ -596,8 +619,7 @@ def dequantize(
         raise DTypeError(f"{what}: scales have dtype {scales.dtype}; expected float32")
     if q.device != scales.device:
         raise DeviceMismatchError(f"{what}: q is on {q.device}, scales on {scales.device}")
-    bits = 8 if q.dtype == torch.int8 else 4
-    bits, block = _check_quant_args(bits, block, what)
+    bits, block = _check_quant_args(8 if q.dtype == torch.int8 else 4, block, what)
     if numel is None:
         numel = q.numel() if bits == 8 else 2 * q.numel()
     numel = check_int(numel, what, "numel", 0)
@@ -609,14 +631,7 @@ def dequantize(
             f"{what}: {numel} elements in blocks of {block} need {-(-numel // block)} scales, got "
             f"{scales.numel()}; pass the block size quantize used"
         )
-    alpha = _check_alpha(alpha, what)
-    out, of = _decode_out(out, numel, dtype, q.device, what, bool(accumulate))
-    if not _eager.deferred(q, scales, of):
-        _no_overlap(of, q, what, "out", "q")
-        _no_overlap(of, scales, what, "out", "scales")
-    _eager.call(_dequantize_op, (2,), q.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), of, bits, block,
-                alpha, bool(accumulate), provider or "")  # fmt: skip
-    return out
+    return q, scales, bits, block, numel
 
 
 # --------------------------------------------------------------------------------------------------

@@ -184,26 +184,7 @@ class GradientSynchronizer:
                 raise InvalidArgumentError(f"{what}: {name} must be a number > 0, got {v!r}")
         if order not in ORDERS:
             raise InvalidArgumentError(f"{what}: order must be one of {ORDERS}, got {order!r}")
-        sharded = next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
-        if sharded is not None:
-            raise InvalidArgumentError(
-                f"{what}: parameter {sharded!r} is a DTensor: this model is sharded (FSDP2's fully_shard, or tensor "
-                "parallelism), and FSDP2 reduces its gradients itself (a reduce-scatter per layer). The synchronizer "
-                "averages replicated parameters, as DDP does; for compressed gradients under FSDP2 use "
-                "torsh_kernels.parallel.apply_quantized_comm, for a model not sharded pass it before fully_shard"
-            )
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise InvalidArgumentError(f"{what}: the model has no parameters that require gradients")
-        dev = comm.device
-        for n, p in named:
-            if p.device.type != dev.type:
-                raise DeviceMismatchError(
-                    f"{what}: parameter {n!r} is on {p.device}, the communicator moves tensors on {dev}; "
-                    "move the model first"
-                )
-            if not p.is_floating_point():
-                raise InvalidArgumentError(f"{what}: parameter {n!r} has dtype {p.dtype}; gradients must be floating")
+        named = _trainable(model, comm, what)
         self.model = model
         self.comm = comm
         self.names = [n for n, _ in named]
@@ -627,3 +608,29 @@ class GradientSynchronizer:
             f"GradientSynchronizer(params={len(self.params)}, buckets={len(self.buckets)}, "
             f"compressor={self._engine.compressor!r}, overlap={self.overlap})"
         )
+
+
+def _trainable(model: torch.nn.Module, comm: Communicator, what: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """The model's (name, parameter) pairs that require gradients, checked: not sharded, at least one, on the
+    communicator's device type, floating point; a typed error otherwise."""
+    sharded = next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
+    if sharded is not None:
+        raise InvalidArgumentError(
+            f"{what}: parameter {sharded!r} is a DTensor: this model is sharded (FSDP2's fully_shard, or tensor "
+            "parallelism), and FSDP2 reduces its gradients itself (a reduce-scatter per layer). The synchronizer "
+            "averages replicated parameters, as DDP does; for compressed gradients under FSDP2 use "
+            "torsh_kernels.parallel.apply_quantized_comm, for a model not sharded pass it before fully_shard"
+        )
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise InvalidArgumentError(f"{what}: the model has no parameters that require gradients")
+    dev = comm.device
+    for n, p in named:
+        if p.device.type != dev.type:
+            raise DeviceMismatchError(
+                f"{what}: parameter {n!r} is on {p.device}, the communicator moves tensors on {dev}; "
+                "move the model first"
+            )
+        if not p.is_floating_point():
+            raise InvalidArgumentError(f"{what}: parameter {n!r} has dtype {p.dtype}; gradients must be floating")
+    return named

@@ -111,6 +111,10 @@ def _child(rank, world, fn, args, init, backend, op_timeout, threads, results, e
         dist.init_process_group(
             backend, init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=op_timeout)
         )
+        # Every rank connected before any runs fn: a rank that fails (or returns) at once would otherwise close
+        # its sockets while a slower peer is still connecting its gloo mesh, whose init_process_group then
+        # fails with "Connection closed by peer" instead of the peer's own error reaching it.
+        _all_arrive(init, world, op_timeout, "initialized")
         comm = TorchCommunicator(timeout=op_timeout)
         value = fn(comm, *args)
         _trace.flush()  # TORSH_TRACE: write this rank's trace now (os._exit below skips atexit)
@@ -119,17 +123,9 @@ def _child(rank, world, fn, args, init, backend, op_timeout, threads, results, e
         status = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
     results.put((rank, *status))
     if status[0] == "ok":
-        # Stay until every rank has returned: a rank that leaves at once (no collective in fn) closes its
-        # sockets while a slower peer may still be connecting its gloo mesh in init_process_group, which
-        # then fails with "Connection closed by peer". A store of its own, so that waiting here never
-        # interleaves with a peer's collectives; a failed peer never arrives, and the parent, which has
-        # every report by then, terminates this rank (or the wait ends after op_timeout).
-        with contextlib.suppress(Exception):
-            store = dist.FileStore(_finished_path(init), world)
-            store.set_timeout(datetime.timedelta(seconds=op_timeout))
-            if store.add("finished", 1) == world:
-                store.set("all-finished", "1")
-            store.wait(["all-finished"])
+        # Stay until every rank has returned (a failed peer never arrives: the parent, which has every report
+        # by then, terminates this rank, or the wait ends after op_timeout).
+        _all_arrive(init, world, op_timeout, "finished")
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     results.close()
@@ -137,9 +133,16 @@ def _child(rank, world, fn, args, init, backend, op_timeout, threads, results, e
     os._exit(0 if status[0] == "ok" else 1)  # skip interpreter teardown (threads of a failed backend)
 
 
-def _finished_path(init: str) -> str:
-    """The file of the store where ranks wait for each other before they exit (beside the init store)."""
-    return init.removeprefix("file://") + ".finished"
+def _all_arrive(init: str, world: int, op_timeout: float, name: str) -> None:
+    """Wait until every rank has called this with ``name``, on a file store of its own beside the init store
+    (so that waiting never interleaves with a peer's collectives); gives up quietly after ``op_timeout``
+    (a peer that failed never arrives: its own error is what the caller reports)."""
+    with contextlib.suppress(Exception):
+        store = dist.FileStore(init.removeprefix("file://") + ".arrivals", world)
+        store.set_timeout(datetime.timedelta(seconds=op_timeout))
+        if store.add(name, 1) == world:
+            store.set(f"{name}/all", "1")
+        store.wait([f"{name}/all"])
 
 
 def preload_forkserver(ctx, fn: Callable[..., Any]) -> bool:

@@ -114,3 +114,22 @@ def test_the_switch_and_the_environment(monkeypatch):
     for bad in (1, "yes", 0.0):
         with pytest.raises(ArgumentTypeError):
             enabled(bad, "w")
+
+
+def test_fields_of_is_specs_then_layout_then_extra():
+    from torsh_kernels.collectives.agreement import fields_of, layout
+    from torsh_kernels.compression import TopK
+    from torsh_kernels.parallel import BucketSpec
+
+    ts = [torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)]
+    assert layout(ts) == [
+        ("tensors", 2),
+        ("numel", 10),
+        ("shapes", [(2, 3), (4,)]),
+        ("dtypes", ["float32", "bfloat16"]),
+    ]
+    f = fields_of({"compressor": TopK(0.1), "bucket": BucketSpec(policy="bucket")}, ts, [("iteration", 3)])
+    names = [n for n, _ in f]
+    assert names[0] == "compressor" and "compressor.ratio" in names and "bucket.policy" in names
+    assert names.index("bucket.policy") < names.index("tensors") < names.index("iteration") == len(names) - 1
+    assert dict(f)["bucket.policy"] == "bucket" and dict(f)["compressor.ratio"] == 0.1

@@ -47,7 +47,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ from .coalesce import Coalescer
 from .communicator import TorchCommunicator
 from .replica import ReplicaCommunicator
 
-__all__ = ["ENV", "SLOTS", "agree", "agree_once", "enabled", "exchanging", "plain"]
+__all__ = ["ENV", "SLOTS", "agree", "agree_on", "agree_once", "enabled", "exchanging", "fields_of", "layout", "plain"]
 
 ENV = "TORSH_KERNELS_CHECK_SIGNATURES"
 """The environment variable that turns the exchange off (``0``) where an object's ``check_signatures`` is None."""
@@ -167,6 +167,52 @@ def agree(comm, topic: str, fields: Sequence[tuple[str, object]], *, what: str, 
         except ValueError:
             descs.append({"topic": "?", "fields": []})
     raise CollectiveMismatchError(message(what, descs, fix))
+
+
+def layout(tensors: Sequence[torch.Tensor], count: str = "tensors") -> list[tuple[str, object]]:
+    """The fields that fix the collectives of ``tensors``: how many (named ``count``), their element count,
+    shapes and dtypes."""
+    return [
+        (count, len(tensors)),
+        ("numel", sum(t.numel() for t in tensors)),
+        ("shapes", [tuple(t.shape) for t in tensors]),
+        ("dtypes", [str(t.dtype).replace("torch.", "") for t in tensors]),
+    ]
+
+
+def fields_of(
+    specs: Mapping[str, object] | None = None,
+    tensors: Sequence[torch.Tensor] | None = None,
+    extra: Sequence[tuple[str, object]] = (),
+    count: str = "tensors",
+) -> list[tuple[str, object]]:
+    """The fields of one exchange, in one shape for every layer: each spec's signature (a
+    :class:`~torsh_kernels.specs.Spec` or a compressor: ``signature_fields(prefix)``, nested fields named by
+    path), then the tensors' :func:`layout`, then ``extra`` (values of this call that are neither: an
+    iteration count, a state's age)."""
+    out: list[tuple[str, object]] = []
+    for prefix, spec in (specs or {}).items():
+        out += spec.signature_fields(prefix)
+    if tensors is not None:
+        out += layout(tensors, count)
+    return out + list(extra)
+
+
+def agree_on(
+    comm,
+    topic: str,
+    *,
+    specs: Mapping[str, object] | None = None,
+    tensors: Sequence[torch.Tensor] | None = None,
+    extra: Sequence[tuple[str, object]] = (),
+    count: str = "tensors",
+    what: str,
+    fix: str = "",
+) -> None:
+    """:func:`agree` on :func:`fields_of` ``(specs, tensors, extra)``: what the DDP hook's engine, the
+    synchronizer, FSDP2's comms, the MoE layers and ``compressed_all_reduce`` call, so that no layer lists a
+    spec's fields by hand."""
+    agree(comm, topic, fields_of(specs, tensors, extra, count), what=what, fix=fix)
 
 
 def _ranks(ranks: Sequence[int]) -> str:

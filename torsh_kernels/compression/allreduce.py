@@ -32,7 +32,7 @@ import torch
 
 from .. import _trace
 from .._env import fmt_bytes
-from ..collectives.agreement import agree_once, enabled, exchanging
+from ..collectives.agreement import agree_once, enabled, exchanging, fields_of
 from ..collectives.communicator import Communicator, as_communicator, reject_dtensor
 from ..collectives.cost_model import Link
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, ShapeError, TorshKernelsError
@@ -319,15 +319,7 @@ def agree_call(comm: Communicator, tensors: Sequence[torch.Tensor], states: Sequ
     key = ("compressed_all_reduce", compressor.signature(), link, layout, phases)
 
     def fields() -> list[tuple[str, object]]:
-        return [
-            *compressor.signature_fields(),
-            ("link", link),
-            ("tensors", len(tensors)),
-            ("numel", sum(t.numel() for t in tensors)),
-            ("shapes", [tuple(s) for s, _ in layout]),
-            ("dtypes", [str(d).replace("torch.", "") for _, d in layout]),
-            ("state phases", list(phases)),
-        ]
+        return fields_of({"compressor": compressor}, tensors, [("link", link), ("state phases", list(phases))])
 
     return agree_once(
         comm, key, "a compressed all-reduce", fields, what="compressed_all_reduce",

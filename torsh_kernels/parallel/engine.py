@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..collectives.agreement import agree, enabled
+from ..collectives.agreement import agree_on, enabled
 from ..collectives.communicator import Communicator
 from ..compression import (
     CompressedReduction,
@@ -246,23 +246,18 @@ class BucketCompressor:
     def _agree(self, plan: BucketPlan, grads: Sequence[torch.Tensor], keys: Sequence[int], comm: Communicator) -> None:
         """The signature exchange of a new bucket layout (see the module docstring)."""
         auto = self.auto
-        fields = [
-            *self.compressor.signature_fields(),
+        extra = [
             ("auto", None if auto is None else (repr(auto), auto.decision.choice if auto.decision else None)),
-            *self.spec.replace(nonfinite=self.mode()).signature_fields("bucket"),
             ("parameters", list(keys)),
-            ("tensors", len(grads)),
-            ("numel", sum(g.numel() for g in grads)),
-            ("shapes", [tuple(g.shape) for g in grads]),
-            ("dtypes", [str(g.dtype).replace("torch.", "") for g in grads]),
             ("iteration", self.iteration),
             ("state steps", [st.step if (st := self.states.get(k)) is not None else None for k in plan.state_keys]),
         ]
         t0 = time.perf_counter()
         try:
-            agree(comm, "a bucket's reduction", fields, what=self._what,
-                  fix="Construct it alike on every rank (the same compressor and settings) over the same model, "
-                  "and load the same checkpoint on every rank.")  # fmt: skip
+            agree_on(comm, "a bucket's reduction", specs={"compressor": self.compressor,
+                     "bucket": self.spec.replace(nonfinite=self.mode())}, tensors=grads, extra=extra, what=self._what,
+                     fix="Construct it alike on every rank (the same compressor and settings) over the same model, "
+                     "and load the same checkpoint on every rank.")  # fmt: skip
         finally:
             self.signature_checks += 1
             self.signature_s += time.perf_counter() - t0

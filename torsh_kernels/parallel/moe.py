@@ -84,7 +84,7 @@ import torch
 import torch.nn as nn
 
 from ..checks import check_choice
-from ..collectives.agreement import agree, enabled
+from ..collectives.agreement import agree_on, enabled
 from ..collectives.communicator import Communicator, as_communicator
 from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError
 from ..ops import count_nonfinite
@@ -470,9 +470,15 @@ class ExpertParallelMoE(_MoEBase):
         """The configuration and the dtype of the rows dispatched, agreed once per dtype (module docstring)."""
         if not self.check_signatures or dtype in self._agreed:
             return
-        fields = [*self.spec.signature_fields("layer"), ("parameter dtype", self.w_in.dtype), ("dtype", dtype)]
         fix = "Construct the layer with the same arguments on every rank and give it inputs of one dtype."
-        agree(self.comm, "an expert-parallel MoE layer", fields, what="ExpertParallelMoE", fix=fix)
+        agree_on(
+            self.comm,
+            "an expert-parallel MoE layer",
+            specs={"layer": self.spec},
+            extra=[("parameter dtype", self.w_in.dtype), ("dtype", dtype)],
+            what="ExpertParallelMoE",
+            fix=fix,
+        )
         self._agreed.add(dtype)
 
     def _agree_capacity(self, capacity: int) -> None:
@@ -484,7 +490,7 @@ class ExpertParallelMoE(_MoEBase):
             "With pad_to_capacity every rank sends capacity rows per expert: give every rank the same number of "
             "tokens (capacity_factor scales with it) or a fixed capacity."
         )
-        agree(self.comm, "an expert-parallel MoE layer's padded capacity", [("padded capacity", capacity)],
+        agree_on(self.comm, "an expert-parallel MoE layer's padded capacity", extra=[("padded capacity", capacity)],
               what="ExpertParallelMoE", fix=fix)  # fmt: skip
         self._agreed.add(key)
 

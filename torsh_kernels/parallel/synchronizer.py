@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._env import fmt_bytes
-from ..collectives.agreement import agree
+from ..collectives.agreement import agree_on
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import Communicator, as_communicator, is_dtensor
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
@@ -229,15 +229,9 @@ class GradientSynchronizer:
         """Every rank's model has the same parameters (in order: shapes, dtypes): a signature exchange (one
         small all-gather, whatever ``check_signatures`` says), ``CollectiveMismatchError`` on every rank
         naming what differs otherwise."""
-        fields = [
-            ("parameters", len(self.params)),
-            ("numel", sum(p.numel() for p in self.params)),
-            ("shapes", [tuple(p.shape) for p in self.params]),
-            ("dtypes", [str(p.dtype).replace("torch.", "") for p in self.params]),
-            ("sparse", [i for i, s in enumerate(self._sparse) if s]),
-        ]
-        agree(self.comm, "the model's parameters", fields, what="GradientSynchronizer",
-              fix="Build the same model on every rank.")  # fmt: skip
+        agree_on(self.comm, "the model's parameters", tensors=self.params, count="parameters",
+                 extra=[("sparse", [i for i, s in enumerate(self._sparse) if s])], what="GradientSynchronizer",
+                 fix="Build the same model on every rank.")  # fmt: skip
 
     @torch.no_grad()
     def _broadcast_state(self) -> None:

@@ -120,7 +120,7 @@ class Spec:
 
     def fields(self) -> dict[str, Any]:
         """The fields by name (not a deep copy)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {n: getattr(self, n) for n in type(self).__dataclass_fields__}
 
     def replace(self: S, **changes: Any) -> S:
         """A copy with ``changes``, validated again."""
@@ -136,14 +136,16 @@ class Spec:
             raise ArgumentTypeError(f"{what}: {name} must be a {cls.__name__} or None, got {type(spec).__name__}")
         if not options:
             return spec if spec is not None else cls.make(what)
-        try:
-            key = (cls, spec, tuple((n, type(v), v) for n, v in options.items()))  # 2.0 == 2 == True: not alike
-            hash(key)
-        except TypeError:  # an unhashable value (a list): build it, uncached
-            key = None
+        key = None
+        if not torch.compiler.is_compiling():  # (while dynamo traces: built in the graph's prologue, uncached)
+            try:
+                key = (cls, spec, tuple((n, type(v), v) for n, v in options.items()))  # 2.0 == 2 == True: not alike
+                hash(key)
+            except TypeError:  # an unhashable value (a list): build it, uncached
+                key = None
         if key is not None and (hit := _BUILT.get(key)) is not None:
             return hit  # type: ignore[return-value]
-        fields = {f.name for f in dataclasses.fields(cls)}
+        fields = cls.__dataclass_fields__  # (dataclasses.fields(cls) breaks a dynamo graph)
         unknown = [k for k in options if k not in fields]
         if unknown:
             raise ArgumentTypeError(

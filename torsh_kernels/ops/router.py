@@ -17,6 +17,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import torch
+
 from ..checks import check_bool, check_choice, check_int, short
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..specs import Spec, local
@@ -166,6 +168,8 @@ class RouterSpec(Spec):
         """(n_group, topk_group) as the kernels take them (0, 0 without groups) for E = ``num_experts``, after
         the checks that need E (``k <= E``; ``n_group`` divides E and its kept groups hold k experts); cached
         per (spec, E, what)."""
+        if torch.compiler.is_compiling():  # (dynamo traces the checks; it would break the graph on the cache)
+            return _selection(self, num_experts, what)
         key = (self, num_experts, what)
         hit = _SELECTIONS.get(key)
         if hit is None:

@@ -168,27 +168,6 @@ class _MoEBase(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)  # parameters, buffers, submodules
-        except AttributeError:
-            spec = self.__dict__.get("spec")
-            if spec is not None and name in _LAYER_FIELDS:
-                return getattr(spec, name)
-            if spec is not None and name in _ROUTE_FIELDS:
-                return getattr(spec.route, name)
-            raise
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if (name in _LAYER_FIELDS or name in _ROUTE_FIELDS) and "spec" in self.__dict__:
-            raise AttributeError(
-                f"{type(self).__name__}.{name} is part of the layer's spec, which is frozen (the weights' shapes and "
-                "the ranks' agreement depend on it); build a layer from layer.spec.replace(...)"
-            )
-        super().__setattr__(name, value)
-
-    # -- configuration ------------------------------------------------------------------------------------
-
     def extra_repr(self) -> str:
         s = (
             f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, experts={self.num_experts} "
@@ -286,6 +265,27 @@ class _MoEBase(nn.Module):
         if self.shared_expert_gate is not None:
             s = torch.sigmoid(self.shared_expert_gate(x2)) * s
         return y + s
+
+
+def _spec_field(name: str, in_route: bool) -> property:
+    """A read-only attribute of the layer that reads its spec's field ``name`` (its route's, ``in_route``)."""
+
+    def get(self: _MoEBase) -> Any:
+        return getattr(self.spec.route if in_route else self.spec, name)
+
+    def refuse(self: _MoEBase, value: Any) -> None:
+        raise AttributeError(
+            f"{type(self).__name__}.{name} is part of the layer's spec, which is frozen (the weights' shapes and the "
+            "ranks' agreement depend on it); build a layer from layer.spec.replace(...)"
+        )
+
+    return property(get, refuse, doc=f"``spec{'.route' if in_route else ''}.{name}``")
+
+
+for _name in sorted(_LAYER_FIELDS):  # every field of the specs, read as the layer's attribute (layer.k, layer.score)
+    setattr(_MoEBase, _name, _spec_field(_name, False))
+for _name in sorted(_ROUTE_FIELDS):
+    setattr(_MoEBase, _name, _spec_field(_name, True))
 
 
 _LAYER_ARGS = """

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torsh_kernels.ops.moe as M
+import torsh_kernels.ops.moe_providers as P
 from tests.helpers import DEVICE, DTYPE_TOLS, rand
 from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
 
@@ -188,8 +189,8 @@ def test_permute_kernels_over_several_column_blocks(provider, gen, monkeypatch, 
     three programs a row or one masked one, the backward's loop turns three times or once), with drops and padding
     rows, and the implementations below the public ops (the weighted permute; the unpermute backward), outputs
     poisoned: exact where the reference is exact."""
-    monkeypatch.setattr(M, "ROW_BLOCK", block)
-    monkeypatch.setattr(M, "BWD_BLOCK", block)
+    monkeypatch.setattr(P, "ROW_BLOCK", block)
+    monkeypatch.setattr(P, "BWD_BLOCK", block)
     T, E, K, H = 11, 4, 2, 37
     logits = rand((T, E), torch.float32, gen)
     x = rand((T, H), dtype, gen)
@@ -205,14 +206,14 @@ def test_permute_kernels_over_several_column_blocks(provider, gen, monkeypatch, 
             torch.testing.assert_close(y, M.moe_unpermute_ref(yp, r, weights=weights), atol=atol, rtol=rtol)
     rows, tok, w = r.row_map, r.token_index, r.weights
     got, want = torch.full_like(yp, float("nan")), torch.full_like(yp, float("nan"))
-    M._scatter_rows.impls[provider](x, rows, tok, w, got)
-    M._scatter_rows_torch(x, rows, tok, w, want)
+    P.scatter_rows.impls[provider](x, rows, tok, w, got)
+    P.scatter_rows.impls["torch"](x, rows, tok, w, want)
     assert torch.equal(got.isnan(), want.isnan()), "padding rows untouched, every kept row written"
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=True)
     gy = rand((T, H), dtype, gen)
     got, want = torch.full_like(yp, float("nan")), torch.full_like(yp, float("nan"))
-    gw = M._gather_rows_bwd.impls[provider](gy, yp, rows, w, got)
-    gw_ref = M._gather_rows_bwd_torch(gy, yp, rows, w, want)
+    gw = P.gather_rows_bwd.impls[provider](gy, yp, rows, w, got)
+    gw_ref = P.gather_rows_bwd.impls["torch"](gy, yp, rows, w, want)
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=True)
     torch.testing.assert_close(gw, gw_ref, atol=1e-4, rtol=1e-4)
 

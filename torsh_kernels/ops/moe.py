@@ -102,8 +102,6 @@ The kernels live in ``_moe_triton.py`` and ``_moe_numba.py`` (imported on a prov
 
 from __future__ import annotations
 
-import itertools
-import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -112,7 +110,6 @@ import torch
 
 from ..checks import check_choice
 from ..errors import (
-    ArgumentTypeError,
     DeviceMismatchError,
     DTypeError,
     InvalidArgumentError,
@@ -127,11 +124,31 @@ from ._moe_routing import (
     check_routing,
     check_sequence_lengths,
     expert_capacity,
-    out_of_range,
     plan_capacity,
     seal,
     sealed,
     sealed_rows,
+)
+from .moe_providers import (
+    CAP_POSITION,
+    CAP_PROBABILITY,
+    MAX_KERNEL_EXPERTS,
+    MAX_KERNEL_K,
+    NO_CAP,
+    assign,
+    gather_rows,
+    gather_rows_bwd,
+    scatter_rows,
+    topk,
+)
+from .moe_reference import (
+    AUX_SCALES,
+    check_groups,
+    moe_aux_loss_ref,
+    moe_permute_ref,
+    moe_route_ref,
+    moe_unpermute_ref,
+    moe_z_loss_ref,
 )
 from .registry import Op, check_provider
 from .router import CAPACITY_SCOPES, DROP_POLICIES, SCORES, RouterSpec
@@ -158,14 +175,6 @@ __all__ = [
 ]
 
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Above this many experts a token's scores no longer fit one kernel tile (the Triton kernel holds a
-# [BLOCK_T, next_pow2(E)] tile in registers); the route then runs the torch path.
-MAX_KERNEL_EXPERTS = 1024
-# The kernels unroll the K choices of a token; beyond this many the torch path runs instead.
-MAX_KERNEL_K = 32
-# Codes the kernels take for the score function and the capacity policy.
-_SOFTMAX, _SIGMOID = 0, 1
-_NO_CAP, _CAP_POSITION, _CAP_PROBABILITY = 0, 1, 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -213,701 +222,6 @@ def _check_rows(x: object, rows: int, routing: Routing, what: str, name: str, ro
 
 
 # --------------------------------------------------------------------------------------------------
-# Torch references (differentiable; the oracle of the tests and the torch provider's core)
-
-
-def _scores_ref(logits: torch.Tensor, score: str) -> torch.Tensor:
-    x = logits.float()
-    return torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
-
-
-def _selection_keys(
-    p: torch.Tensor, bias: torch.Tensor | None = None, n_group: int = 0, topk_group: int = 0
-) -> torch.Tensor:
-    """The fp64 keys [T, E] the K experts are the highest of (equal keys: the lower expert), for scores ``p``
-    [T, E] (fp32; see the module docstring): ``p + bias`` added in fp32, then, below every fp32 value, the NaN
-    scores (-1e300), then (-inf) the experts of the groups left out of the ``topk_group`` best of ``n_group``
-    (0: no groups), which are never chosen."""
-    T, E = p.shape
-    key = p.detach() if bias is None else p.detach() + bias.detach()  # [T, E] fp32
-    nan = torch.isnan(key)
-    key = key.masked_fill(nan, -math.inf)  # (as -inf in the group scores)
-    key64 = key.double().masked_fill(nan, -1e300)
-    if n_group:
-        G, size = n_group, E // n_group
-        grp = key.view(T, G, size)
-        m1, i1 = grp.max(-1, keepdim=True)  # the group's highest key, then its second (fp32 sum)
-        group = (m1 + grp.scatter(-1, i1, -math.inf).amax(-1, keepdim=True) if size > 1 else m1).squeeze(-1)  # [T, G]
-        # kept: fewer than topk_group groups rank above it (a higher score, or an equal one and a lower index)
-        ar = torch.arange(G, device=p.device)
-        a, g = group[:, None, :], group[:, :, None]  # [T, 1, G] the others h, [T, G, 1] the group g
-        above = ((a > g) | ((a == g) & (ar[None, :] < ar[:, None]))).sum(-1)  # [T, G]
-        key64.view(T, G, size).masked_fill_((above >= topk_group)[:, :, None], -math.inf)
-    return key64
-
-
-def _choose_ref(
-    p: torch.Tensor, k: int, bias: torch.Tensor | None = None, n_group: int = 0, topk_group: int = 0
-) -> torch.Tensor:
-    """The K chosen experts [T, K] of scores ``p`` [T, E]: the K highest selection keys, by a stable sort."""
-    key64 = _selection_keys(p, bias, n_group, topk_group)
-    return torch.sort(key64, dim=1, descending=True, stable=True).indices[:, :k].contiguous()  # ties: lower expert
-
-
-def moe_route_ref(
-    logits: torch.Tensor,
-    spec: RouterSpec | None = None,
-    *,
-    score_bias: torch.Tensor | None = None,
-    sequence_lengths: Sequence[int] | torch.Tensor | None = None,
-    **options: Any,
-) -> Routing:
-    """Plain PyTorch routing (see the module docstring), with ``spec`` (or its fields as keywords) as
-    :func:`moe_route` takes them; ``weights`` is differentiable by autograd (in the logits; never in
-    ``score_bias``). The selection's fit to E is taken as valid (``moe_route`` checks it); the capacity options
-    are checked as :func:`moe_route` checks them."""
-    if options or spec is None or type(spec) is not RouterSpec:
-        spec = RouterSpec.build(spec, options, "torsh_kernels.moe_route_ref")
-    T, E = logits.shape
-    k = spec.k
-    plan = plan_capacity("torsh_kernels.moe_route_ref", T, E, spec, sequence_lengths, logits.device)
-    p = _scores_ref(logits, spec.score)  # [T, E] fp32
-    indices = _choose_ref(p, k, score_bias, spec.n_group or 0, spec.topk_group or 0)  # [T, K]
-    scores = p.gather(1, indices)  # [T, K]
-    weights = scores / scores.sum(1, keepdim=True) if spec.renormalize else scores
-    if spec.scaling != 1.0:
-        weights = weights * spec.scaling
-    flat = indices.reshape(-1)  # [T*K] token-major
-    onehot = torch.nn.functional.one_hot(flat, E)  # [T*K, E]
-    keep = (
-        _kept_ref(flat, onehot, scores, plan, k, spec.drop_policy)
-        if plan.limited
-        else torch.ones_like(flat, dtype=torch.bool)
-    )
-    rows, token_index, n = _rows_ref(flat, onehot, keep, plan, k, E)
-    return Routing(
-        indices=indices, weights=weights, scores=scores, tokens_per_expert=(onehot * keep[:, None]).sum(0),
-        row_map=rows.view(T, k), token_index=token_index, dropped=~keep.view(T, k), num_experts=E, num_rows=n,
-        capacity=plan.capacity, score=spec.score, sequence_lengths=plan.sequence_lengths,
-        sequence_capacity=plan.sequence_capacity, padded=plan.padded_capacity >= 0,
-    )  # fmt: skip
-
-
-def _kept_ref(flat, onehot, scores, plan, k: int, drop_policy: str) -> torch.Tensor:
-    """[T*K] bool: the assignments their expert keeps under the capacity, per span it applies to (the call, or
-    each sequence): those ranking below the capacity among their expert's, by the policy's order."""
-    T = flat.numel() // k
-    if plan.sequence_lengths is None:
-        spans = [(0, T, plan.kernel_capacity)]  # (first token, end, capacity)
-    else:
-        ends = itertools.accumulate(plan.sequence_lengths)
-        spans = [(e - n, e, c) for e, n, c in zip(ends, plan.sequence_lengths, plan.kernel_sequence_capacity)]
-    keep = torch.ones_like(flat, dtype=torch.bool)
-    s_all = torch.nan_to_num(scores.detach().reshape(-1), nan=-1.0)
-    for a, b, c in spans:
-        sl = slice(a * k, b * k)
-        fl, oh = flat[sl], onehot[sl]
-        if drop_policy == "position":
-            order_a = torch.arange(fl.numel(), device=flat.device)
-        else:  # highest score first; equal scores: lower token first (stable sort)
-            order_a = torch.sort(s_all[sl], descending=True, stable=True).indices
-        rank_sorted = (torch.cumsum(oh[order_a], 0) - 1).gather(1, fl[order_a, None]).squeeze(1)
-        rank = torch.empty_like(rank_sorted)
-        rank[order_a] = rank_sorted
-        keep[sl] = rank < c
-    return keep
-
-
-def _rows_ref(flat, onehot, keep, plan, k: int, E: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(row of each assignment [T*K], -1 where dropped; token of each permuted row [N]; N): rows grouped by
-    expert, token order inside each group; padded: expert e's group is rows [e * C, (e + 1) * C), kept first."""
-    dev = flat.device
-    kept = onehot * keep[:, None]
-    counts = kept.sum(0)  # [E]
-    pos = (torch.cumsum(kept, 0) - 1).gather(1, flat[:, None]).squeeze(1)
-    if plan.padded_capacity >= 0:
-        C = plan.padded_capacity
-        rows = torch.where(keep, flat * C + pos, -1)
-        n = E * C
-        token_index = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        token_index[rows[keep]] = torch.arange(flat.numel(), device=dev)[keep] // k
-        return rows, token_index, n
-    starts = torch.cumsum(counts, 0) - counts
-    rows = torch.where(keep, starts[flat] + pos, -1)
-    if not plan.limited:  # every assignment kept: N = T * K, known without reading the counts
-        n = flat.numel()
-        token_index = torch.empty(n, dtype=torch.int64, device=dev)
-        token_index[rows] = torch.arange(n, device=dev) // k
-        return rows, token_index, n
-    n = int(counts.sum())
-    token_index = torch.empty(n, dtype=torch.int64, device=dev)
-    token_index[rows[keep]] = torch.arange(flat.numel(), device=dev)[keep] // k
-    return rows, token_index, n
-
-
-def moe_permute_ref(x: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """x[token_index]: the rows of each token at its assignments' rows (zero rows where padded)."""
-    if routing.padded:
-        ti = routing.token_index
-        return torch.where((ti >= 0)[:, None], x[ti.clamp(min=0)] if x.shape[0] else x.new_zeros(1, x.shape[1]), 0)
-    return x[routing.token_index]
-
-
-def moe_unpermute_ref(y_perm: torch.Tensor, routing: Routing, *, weights: bool = True) -> torch.Tensor:
-    """sum_j weights[t, j] * y_perm[row_map[t, j]] over kept assignments, in fp32, cast to y's dtype."""
-    T, K = routing.row_map.shape
-    rows = routing.row_map
-    out = torch.zeros(T, y_perm.shape[1], dtype=torch.float32, device=y_perm.device)
-    src = y_perm if y_perm.shape[0] else y_perm.new_zeros(1, y_perm.shape[1])  # (no rows: every assignment dropped)
-    for j in range(K):
-        ok = rows[:, j] >= 0
-        v = src[rows[:, j].clamp(min=0)].float()
-        if weights:
-            v = v * routing.weights[:, j : j + 1]
-        out = out + torch.where(ok[:, None], v, 0.0)
-    return out.to(y_perm.dtype)
-
-
-AUX_SCALES = ("balanced-one", "hf")
-
-
-def _check_groups(groups: object, T: int, what: str) -> int | tuple[int, ...] | None:
-    """``groups=`` of the aux loss, checked against the T tokens: None, the group size S (an int dividing
-    T) or the tuple of the non-empty group lengths (ints >= 0 summing to T; the empty groups, which have no
-    tokens to balance, are left out of the mean)."""
-    if groups is None:
-        return None
-    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
-        hint = " (a tensor of lengths: pass lengths.tolist())" if isinstance(groups, torch.Tensor) else ""
-        raise ArgumentTypeError(
-            f"{what}: groups must be None, an int group size or a list/tuple of group lengths, got "
-            f"{type(groups).__name__}{hint}"
-        )
-    if isinstance(groups, int):
-        if groups < 1:
-            raise InvalidArgumentError(f"{what}: groups={groups}; a group size must be >= 1")
-        if T % groups:
-            raise ShapeError(
-                f"{what}: the group size groups={groups} does not divide the T={T} tokens; pass the group "
-                "lengths as a list instead"
-            )
-        return groups
-    lengths = tuple(groups)
-    for i, n in enumerate(lengths):
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise ArgumentTypeError(f"{what}: groups[{i}] must be an int length, got {type(n).__name__} {n!r}")
-        if n < 0:
-            raise InvalidArgumentError(f"{what}: groups[{i}]={n}; a group length must be >= 0")
-    if sum(lengths) != T:
-        raise ShapeError(f"{what}: the group lengths sum to {sum(lengths)}, the routing has T={T} tokens")
-    return lengths if all(lengths) else tuple(n for n in lengths if n)
-
-
-def _num_groups(groups: int | tuple[int, ...] | None, T: int) -> int:
-    return 1 if groups is None else T // groups if isinstance(groups, int) else len(groups)
-
-
-def _aux_probs(x: torch.Tensor, routing: Routing, from_probs: bool) -> torch.Tensor:
-    """[T, E] fp32 probabilities of the aux loss (see the module docstring)."""
-    if from_probs:
-        return x.float()
-    if routing.score == "softmax":
-        return torch.softmax(x.float(), dim=-1)
-    s = torch.sigmoid(x.float())
-    return s / s.sum(-1, keepdim=True)
-
-
-def moe_aux_loss_ref(
-    logits_or_probs: torch.Tensor,
-    routing: Routing,
-    *,
-    from_probs: bool = False,
-    scale: str = "balanced-one",
-    groups: int | Sequence[int] | None = None,
-) -> torch.Tensor:
-    """The mean over groups of E * sum_e f_ge * P_ge (see the module docstring), in plain torch."""
-    what = "torsh_kernels.moe_aux_loss_ref"
-    E, T, K = routing.num_experts, routing.num_tokens, routing.k
-    kf = K if check_choice(scale, what, "scale", AUX_SCALES) == "balanced-one" else 1
-    groups = _check_groups(groups, T, what)
-    p = _aux_probs(logits_or_probs, routing, from_probs)
-    if T == 0:  # no tokens: no imbalance (a mean over no tokens would be NaN and spoil the summed loss)
-        return (p.sum() * 0.0).reshape(())
-    if groups is None:  # (a count per expert of static shape [E]: bincount's size depends on the data)
-        idx = routing.indices.reshape(-1)
-        f = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx)).float()
-        return E * (f / (T * kf) * p.mean(0)).sum()
-    G = _num_groups(groups, T)
-    dev = routing.indices.device
-    if isinstance(groups, int):  # G groups of S tokens
-        gid = torch.arange(T, device=dev) // groups
-        psum = p.view(G, groups, E).sum(1)  # [G, E]
-        sizes = torch.full((G,), float(groups), device=p.device)
-    else:
-        lengths = torch.tensor(groups)
-        gid = torch.repeat_interleave(torch.arange(G), lengths).to(dev)
-        psum = p.new_zeros(G, E).index_add(0, gid.to(p.device), p)
-        sizes = lengths.to(device=p.device, dtype=torch.float32)
-    key = (gid[:, None] * E + routing.indices).reshape(-1)  # [T*K]: group-major expert slot
-    counts = torch.zeros(G * E, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    per_group = (counts.view(G, E).float() * psum).sum(1) / sizes.square()  # [G]
-    return (E / (kf * G)) * per_group.sum()
-
-
-def moe_z_loss_ref(logits: torch.Tensor) -> torch.Tensor:
-    """mean over tokens of logsumexp(logits[t])**2, in fp32 (0 for no tokens)."""
-    if logits.shape[0] == 0:  # (a mean over no tokens would be NaN and spoil the summed loss)
-        return (logits.float().sum() * 0.0).reshape(())
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
-
-
-# --------------------------------------------------------------------------------------------------
-# Provider implementations. Inputs are validated and contiguous, on one device.
-
-_topk = Op("moe_route")
-_assign = Op("moe_route.assign")
-_scatter_rows = Op("moe_permute")
-_gather_rows = Op("moe_unpermute")
-_gather_rows_bwd = Op("moe_unpermute.backward")
-
-_ASSIGN_BLOCK = 1024
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-# The permute kernels: a program moves up to ROW_BLOCK columns of a row (a whole row at H <= ROW_BLOCK), 32 elements
-# a thread at ROW_WARPS, unless that leaves fewer than ROW_PROGRAMS programs (few tokens: down to 1024 columns, 8 a
-# thread, for more programs); the unpermute backward loops over a row in BWD_BLOCK columns.
-ROW_BLOCK, ROW_WARPS, ROW_PROGRAMS = 4096, 4, 1024
-BWD_BLOCK, BWD_WARPS = 2048, 4
-
-
-def _block_h(H: int, block: int | None = None) -> int:
-    return min(block or ROW_BLOCK, _pow2(H))
-
-
-def _row_block(rows: int, H: int) -> int:
-    """Columns a program of the permute kernels moves, for ``rows`` programs' rows of H columns."""
-    bh = _block_h(H)
-    while bh > 1024 and rows * -(-H // bh) < ROW_PROGRAMS:
-        bh //= 2
-    return bh
-
-
-# scoring and top-k: (logits [T, E], k, score, renorm, bias [E] | None, n_group, topk_group (0: no groups),
-# scaling) -> indices, weights, scores [T, K], bad-row count [1]
-@_topk.register("torch")
-def _topk_torch(logits, k, score, renorm, bias, n_group, topk_group, scaling):
-    p = _scores_ref(logits, score)
-    nan = torch.isnan(p)
-    bad = nan.any(1).sum().view(1)
-    if bias is not None or n_group:  # the selection options: the reference's keys
-        if k <= 8:  # k rounds of argmax (the first of equal maxima); a chosen key drops to -inf, below them all
-            key = _selection_keys(p, bias, n_group, topk_group)
-            idx = torch.empty(p.shape[0], k, dtype=torch.int64, device=p.device)
-            for j in range(k):
-                i = key.argmax(1, keepdim=True)
-                idx[:, j : j + 1] = i
-                if j + 1 < k:
-                    key.scatter_(1, i, -math.inf)
-        else:
-            idx = _choose_ref(p, k, bias, n_group, topk_group)
-    elif k <= 8:  # k rounds of argmax, which returns the first (lowest) index of equal maxima
-        sel = torch.where(nan, -1.0, p)
-        idx = torch.empty(p.shape[0], k, dtype=torch.int64, device=p.device)
-        for j in range(k):
-            i = sel.argmax(1, keepdim=True)
-            idx[:, j : j + 1] = i
-            if j + 1 < k:
-                sel.scatter_(1, i, -3.0)
-    else:
-        sel = torch.where(nan, -1.0, p)
-        idx = torch.sort(sel, dim=1, descending=True, stable=True).indices[:, :k].contiguous()
-    s = p.gather(1, idx)
-    w = s / s.sum(1, keepdim=True) if renorm else s.clone()
-    if scaling != 1.0:
-        w.mul_(scaling)
-    return idx, w, s, bad
-
-
-@_topk.register("triton")
-def _topk_triton(logits, k, score, renorm, bias, n_group, topk_group, scaling):
-    import triton
-
-    from . import _moe_triton as kt
-
-    T, E = logits.shape
-    dev = logits.device
-    idx = torch.empty(T, k, dtype=torch.int64, device=dev)
-    w = torch.empty(T, k, dtype=torch.float32, device=dev)
-    s = torch.empty(T, k, dtype=torch.float32, device=dev)
-    bad = torch.zeros(1, dtype=torch.int32, device=dev)
-    EP = max(2, _pow2(E))
-    # a [BT, EP] tile of scores, 32 a thread at 4 warps; the selection options (bias, groups) hold more such tiles
-    # live (keys, the experts still choosable): 8 a thread at 8 warps, or E=256, k=8 spilled at 195-246 registers
-    options = bias is not None or n_group > 0
-    BT = max(1, min(64, (2048 if options else 4096) // EP))
-    kt._route_topk_kernel[(triton.cdiv(T, BT),)](
-        logits, bias if bias is not None else logits, idx, w, s, bad, T, E, logits.stride(0), n_group, topk_group,
-        E // max(n_group, 1), scaling,
-        K=k, KP=max(2, _pow2(k)), EP=EP, GP=max(2, _pow2(n_group)), BLOCK_T=BT,
-        SCORE=_SOFTMAX if score == "softmax" else _SIGMOID, RENORM=renorm, HAS_BIAS=bias is not None,
-        GROUPED=n_group > 0, num_warps=8 if options else 4,
-    )  # fmt: skip
-    return idx, w, s, bad
-
-
-@_topk.register("numba")
-def _topk_numba(logits, k, score, renorm, bias, n_group, topk_group, scaling):
-    from . import _moe_numba as M
-
-    return M.route_topk(logits, k, score == "softmax", renorm, bias, n_group, topk_group, scaling)
-
-
-@_topk.register("cpu")
-def _topk_cpu(logits, k, score, renorm, bias, n_group, topk_group, scaling):
-    from . import _moe_cpu as M
-
-    return M.route_topk(logits, k, score, renorm, bias, n_group, topk_group, scaling)
-
-
-# assignment -> row: (indices [T, K], scores [T, K]) -> row_map [T*K] (-1 dropped), counts [E], token_index [N].
-# ``cap``: the call's capacity (policy != _NO_CAP), or ``seq`` = (L_s, C_s) per sequence; ``pad`` >= 0: every
-# expert's group padded to ``pad`` rows (N = E * pad, token_index -1 at the padding rows).
-@_assign.register("torch")
-def _assign_torch(idx, s, E, cap, policy, seq=None, pad=-1):
-    """Stable sorts instead of one pass per expert: rows ordered by (expert, token)."""
-    flat = idx.reshape(-1)  # [T*K] token-major
-    n, k = flat.numel(), idx.shape[1]
-    dev = flat.device
-    ar = torch.arange(n, device=dev)
-    if policy == _NO_CAP:
-        keep = None
-    else:
-        if seq is None:  # ranks inside each expert
-            group, groups, limit = flat, E, cap
-        else:  # ranks inside each (expert, sequence): group e * S + s (the sequences are in token order)
-            S = len(seq[0])
-            sid = torch.repeat_interleave(torch.arange(S, device=dev), torch.tensor(seq[0], device=dev) * k,
-                                          output_size=n)  # fmt: skip
-            group, groups = flat * S + sid, E * S
-            limit = torch.tensor(seq[1], dtype=torch.int64, device=dev)[sid]  # [T*K] each assignment's C_s
-        counts_all = torch.bincount(group, minlength=groups)
-        starts_all = torch.cumsum(counts_all, 0) - counts_all
-        if policy == _CAP_POSITION:
-            order = torch.sort(group, stable=True).indices  # by group, then token
-        else:  # by group, then score descending, then token
-            by_score = torch.sort(s.reshape(-1), descending=True, stable=True).indices
-            order = by_score[torch.sort(group[by_score], stable=True).indices]
-        rank_sorted = ar - starts_all[group[order]]  # rank of each assignment inside its group
-        keep = torch.empty(n, dtype=torch.bool, device=dev)
-        keep[order] = rank_sorted < (limit if seq is None else limit[order])
-    key = flat if keep is None else torch.where(keep, flat, E)  # dropped ones sort last
-    order = torch.sort(key, stable=True).indices  # kept rows grouped by expert, token order inside
-    counts = torch.bincount(key, minlength=E + 1)[:E]
-    rows = torch.empty(n, dtype=torch.int64, device=dev)
-    if pad < 0:
-        n_rows = n if keep is None else int(counts.sum())
-        rows[order] = ar
-        if keep is not None:
-            rows.masked_fill_(~keep, -1)
-        return rows, counts, order[:n_rows] // k
-    # padded: expert e's kept rows at e * pad + their rank; N = E * pad without reading the counts
-    starts = torch.cumsum(counts, 0) - counts
-    ks = key[order]  # [T*K] expert of each sorted assignment (E: dropped, sorted last)
-    ok = ks < E
-    ke = ks.clamp(max=E - 1)
-    r_sorted = torch.where(ok, ke * pad + (ar - starts[ke]), -1)
-    rows[order] = r_sorted
-    tok = torch.full((E * pad + 1,), -1, dtype=torch.int64, device=dev)  # (the last slot takes the dropped ones)
-    tok.scatter_(0, torch.where(ok, r_sorted, E * pad), torch.where(ok, order // k, -1))
-    return rows, counts, tok[: E * pad]
-
-
-def _segments(seq, k: int, device: torch.device) -> torch.Tensor:
-    """[S + 1] int64 on ``device``: the first assignment of each sequence, then T*K."""
-    ends = list(itertools.accumulate(seq[0], initial=0))
-    return torch.tensor(ends, dtype=torch.int64, device=device) * k
-
-
-def _finish_rows(name, idx, pos, counts, policy, k, E, seq, pad, seg):
-    """Kernels: per-group positions (``counts`` [E] per expert, or [S, E] per sequence and expert) -> rows (in
-    place, ``pos``) and the inverse map; -> (rows, tokens_per_expert, token_index)."""
-    n = idx.numel()
-    if seq is None:
-        tpe, within = counts, None
-    else:
-        c = counts.view(len(seq[0]), E)
-        tpe = c.sum(0)
-        within = torch.cumsum(c, 0) - c  # [S, E] rows of expert e kept from earlier sequences
-    if pad < 0:
-        n_rows = n if policy == _NO_CAP else int(tpe.sum())
-        starts = torch.cumsum(tpe, 0) - tpe
-        tok = torch.empty(n_rows, dtype=torch.int64, device=idx.device)
-    else:
-        starts = torch.arange(E, dtype=torch.int64, device=idx.device) * pad
-        tok = torch.full((E * pad,), -1, dtype=torch.int64, device=idx.device)
-    if within is not None:
-        starts = (starts.unsqueeze(0) + within).reshape(-1)  # [S * E]
-    if name == "triton":
-        import triton
-
-        from . import _moe_triton as kt
-
-        if seq is None:
-            kt._route_rows_kernel[(triton.cdiv(n, 1024),)](idx, pos, starts, tok, idx, n, E, K=k, BLOCK=1024,
-                                                            SEQ=False)  # fmt: skip
-        else:
-            grid = (len(seq[0]), triton.cdiv(max(seq[0]) * k, 1024))
-            kt._route_rows_kernel[grid](idx, pos, starts, tok, seg, n, E, K=k, BLOCK=1024, SEQ=True)
-    else:
-        from . import _moe_numba as M
-
-        M.route_rows(idx, pos, starts, tok, k, seg, E)
-    return pos, tpe, tok
-
-
-@_assign.register("triton")
-def _assign_triton(idx, s, E, cap, policy, seq=None, pad=-1):
-    from . import _moe_triton as kt
-
-    n = idx.numel()
-    dev = idx.device
-    pos = torch.empty(n, dtype=torch.int64, device=dev)
-    if seq is None:
-        seg = None
-        counts = torch.empty(E, dtype=torch.int64, device=dev)
-        kt._route_assign_kernel[(E,)](idx, s, pos, counts, idx, idx, n, cap, E, BLOCK=_ASSIGN_BLOCK, POLICY=policy,
-                                      SEQ=False)  # fmt: skip
-    else:  # one program per (sequence, expert)
-        S = len(seq[0])
-        seg = _segments(seq, idx.shape[1], dev)
-        caps = torch.tensor(seq[1], dtype=torch.int64, device=dev)
-        counts = torch.empty(S * E, dtype=torch.int64, device=dev)
-        kt._route_assign_kernel[(S, E)](idx, s, pos, counts, seg, caps, n, 0, E, BLOCK=_ASSIGN_BLOCK, POLICY=policy,
-                                        SEQ=True)  # fmt: skip
-    return _finish_rows("triton", idx, pos, counts, policy, idx.shape[1], E, seq, pad, seg)
-
-
-@_assign.register("numba")
-def _assign_numba(idx, s, E, cap, policy, seq=None, pad=-1):
-    from . import _moe_numba as M
-
-    seg = None if seq is None else _segments(seq, idx.shape[1], idx.device)
-    caps = None if seq is None else torch.tensor(seq[1], dtype=torch.int64, device=idx.device)
-    pos, counts = M.route_assign(idx, s, E, cap, policy, seg, caps)
-    return _finish_rows("numba", idx, pos, counts, policy, idx.shape[1], E, seq, pad, seg)
-
-
-@_assign.register("cpu")
-def _assign_cpu(idx, s, E, cap, policy, seq=None, pad=-1):
-    from . import _moe_cpu as M
-
-    if seq is None:
-        return M.route_assign(idx, s, E, cap, policy, None, None, pad)
-    caps = torch.tensor(seq[1], dtype=torch.int64)
-    return M.route_assign(idx, s, E, cap, policy, _segments(seq, idx.shape[1], idx.device), caps, pad)
-
-
-# scatter rows: out[row_map[t, j]] = x[t] (* w[t, j]); tok = the inverse map (out[i] = x[tok[i]] * ...).
-# ``padded`` (the permute of a padded routing, w None): out[i] = x[tok[i]], zeros where tok[i] is -1.
-@_scatter_rows.register("torch")
-def _scatter_rows_torch(x, rows, tok, w, out, padded=False):
-    if padded:  # a gather through the inverse map, then the padding rows zeroed
-        if x.shape[0] == 0:  # no tokens: every row is padding (a token index here is out of range)
-            if tok.numel() and int(tok.max()) >= 0:
-                raise out_of_range("moe_permute")
-            out.zero_()
-            return
-        try:
-            torch.index_select(x, 0, tok.clamp(min=0), out=out)
-        except (IndexError, RuntimeError):
-            if tok.numel() and not (int(tok.min()) >= -1 and int(tok.max()) < x.shape[0]):
-                raise out_of_range("moe_permute") from None
-            raise
-        out.masked_fill_((tok < 0).unsqueeze(1), 0)
-        return
-    if w is None:  # a gather through the inverse map: one pass, no masks (torch checks every index first)
-        try:
-            torch.index_select(x, 0, tok, out=out)
-        except (IndexError, RuntimeError):
-            if tok.numel() and not (int(tok.min()) >= 0 and int(tok.max()) < x.shape[0]):
-                raise out_of_range("moe_permute") from None
-            raise
-        return
-    T, K = rows.shape
-    ok = rows >= 0
-    src = x.unsqueeze(1).expand(T, K, x.shape[1])[ok]
-    if w is not None:
-        src = (src.float() * w[ok][:, None]).to(out.dtype)
-    out[rows[ok]] = src
-
-
-@_scatter_rows.register("triton")
-def _scatter_rows_triton(x, rows, tok, w, out, padded=False):
-    import triton
-
-    from . import _moe_triton as kt
-
-    T, K = rows.shape
-    H = x.shape[1]
-    BH = _row_block(out.shape[0] if padded else T, H)
-    if padded:  # one program per row and column block: every row written once, padding rows as zeros
-        kt._permute_padded_kernel[(out.shape[0], triton.cdiv(H, BH))](x, tok, out, H, T, BLOCK_H=BH,
-                                                                       num_warps=ROW_WARPS)  # fmt: skip
-        return
-    kt._permute_kernel[(T, triton.cdiv(H, BH))](x, rows, w if w is not None else rows, out, H, out.shape[0], K=K,
-                                                 BLOCK_H=BH, HAS_W=w is not None,
-                                                 num_warps=ROW_WARPS)  # fmt: skip
-
-
-@_scatter_rows.register("numba")
-def _scatter_rows_numba(x, rows, tok, w, out, padded=False):
-    from . import _moe_numba as M
-
-    if padded:
-        M.permute_padded(x, tok, out)
-    else:
-        M.scatter_rows(x, rows, w, out)
-
-
-@_scatter_rows.register("cpu")
-def _scatter_rows_cpu(x, rows, tok, w, out, padded=False):
-    from . import _moe_cpu as M
-
-    if padded:
-        M.permute_padded(x, tok, out)
-    elif w is None or M.weighted_ok(x, w, out):
-        M.scatter_rows(x, rows, tok, w, out)
-    else:  # 16-bit rows with weights: torch's implementation (see _moe_cpu)
-        _scatter_rows_torch(x, rows, tok, w, out)
-
-
-# gather rows: out[t] = sum_j w[t, j] * y[row_map[t, j]] (``padded``: y has padding rows, which no row_map entry
-# names; the kernels read only the rows named, the torch provider needs to know that N < T*K no longer rules out
-# drops)
-@_gather_rows.register("torch")
-def _gather_rows_torch(y, rows, w, out, padded=False):
-    try:  # torch checks every index before it reads (a bad one: an IndexError here, typed below)
-        _gather_rows_torch_impl(y, rows, w, out, padded)
-    except (IndexError, RuntimeError):
-        if rows.numel() and int(rows.max()) >= y.shape[0]:
-            raise out_of_range("moe_unpermute") from None
-        raise
-
-
-def _gather_rows_torch_impl(y, rows, w, out, padded=False):
-    T, K = rows.shape
-    if y.shape[0] == 0:  # no rows (a capacity of 0): every assignment dropped, every token zeros
-        if rows.numel() and int(rows.max()) >= 0:
-            raise out_of_range("moe_unpermute")
-        out.zero_()
-        return
-    if K == 1 and w is None and y.shape[0] == T and not padded:  # no drops: a plain gather
-        torch.index_select(y, 0, rows.view(-1), out=out)
-        return
-    drops = padded or y.shape[0] < T * K  # without drops every row index is valid and no mask is needed
-    ww = torch.ones(rows.shape, dtype=torch.float32, device=y.device) if w is None else w
-    # On the CPU, token blocks whose fp32 accumulator stays in cache (about 2 MiB), through reused
-    # buffers: 10x faster than whole-tensor temporaries at T=16k, H=4096. On a GPU one block.
-    H = y.shape[1]
-    B = T if y.device.type != "cpu" else max(16, (1 << 21) // (4 * max(H, 1)))
-    buf = torch.empty(min(B, T), H, dtype=y.dtype, device=y.device)
-    acc = torch.empty(min(B, T), H, dtype=torch.float32, device=y.device)
-    for t0 in range(0, T, B):
-        r, wb = rows[t0 : t0 + B], ww[t0 : t0 + B]
-        n = r.shape[0]
-        v, a = buf[:n], acc[:n]
-        for j in range(K):  # j = 0..K-1, in fp32, as the kernels do
-            rj = r[:, j]
-            torch.index_select(y, 0, rj.clamp(min=0) if drops else rj, out=v)
-            if drops:  # dropped assignments add nothing (a 0 weight would still turn inf into NaN)
-                v.masked_fill_((rj < 0)[:, None], 0)
-            if j == 0:
-                torch.mul(v, wb[:, 0:1], out=a)
-            else:
-                a.addcmul_(v, wb[:, j : j + 1])
-        out[t0 : t0 + n].copy_(a)
-
-
-@_gather_rows.register("triton")
-def _gather_rows_triton(y, rows, w, out, padded=False):
-    import triton
-
-    from . import _moe_triton as kt
-
-    T, K = rows.shape
-    H = out.shape[1]
-    BH = _row_block(T, H)
-    kt._unpermute_kernel[(T, triton.cdiv(H, BH))](y, rows, w if w is not None else rows, out, H, y.shape[0], K=K,
-                                                   BLOCK_H=BH, HAS_W=w is not None,
-                                                   num_warps=ROW_WARPS)  # fmt: skip
-
-
-@_gather_rows.register("numba")
-def _gather_rows_numba(y, rows, w, out, padded=False):
-    from . import _moe_numba as M
-
-    M.gather_rows(y, rows, w, out)
-
-
-@_gather_rows.register("cpu")
-def _gather_rows_cpu(y, rows, w, out, padded=False):
-    from . import _moe_cpu as M
-
-    if M.weighted_ok(y, w, out):
-        M.gather_rows(y, rows, w, out)
-    else:  # 16-bit rows: torch's implementation (see _moe_cpu)
-        _gather_rows_torch(y, rows, w, out, padded)
-
-
-# unpermute backward: grad_y_perm rows and grad_w [T, K] fp32
-@_gather_rows_bwd.register("torch")
-def _gather_rows_bwd_torch(gy, y, rows, w, gyp):
-    _scatter_rows_torch(gy, rows, None, w, gyp)
-    ok = rows >= 0
-    gw = torch.zeros(rows.shape, dtype=torch.float32, device=gy.device)
-    if y.shape[0] == 0:  # no rows: every assignment dropped, no weight gradient
-        return gw
-    for j in range(rows.shape[1]):
-        yj = y.index_select(0, rows[:, j].clamp(min=0)).float()
-        gw[:, j] = torch.where(ok[:, j], (gy.float() * yj).sum(1), 0.0)
-    return gw
-
-
-@_gather_rows_bwd.register("triton")
-def _gather_rows_bwd_triton(gy, y, rows, w, gyp):
-    from . import _moe_triton as kt
-
-    T, K = rows.shape
-    H = gy.shape[1]
-    gw = torch.empty(T, K, dtype=torch.float32, device=gy.device)
-    if T:
-        kt._unpermute_bwd_kernel[(T,)](gy, y, rows, w, gyp, gw, H, y.shape[0], K=K, KP=max(2, _pow2(K)),
-                                       BLOCK_H=_block_h(H, BWD_BLOCK), num_warps=BWD_WARPS)  # fmt: skip
-    return gw
-
-
-@_gather_rows_bwd.register("numba")
-def _gather_rows_bwd_numba(gy, y, rows, w, gyp):
-    from . import _moe_numba as M
-
-    M.scatter_rows(gy, rows, w, gyp)
-    return M.row_dots(gy, y, rows)
-
-
-@_gather_rows_bwd.register("cpu")
-def _gather_rows_bwd_cpu(gy, y, rows, w, gyp):
-    from . import _moe_cpu as M
-
-    if M.weighted_ok(gy, y, w, gyp):
-        return M.gather_rows_bwd(gy, y, rows, w, gyp)
-    return _gather_rows_bwd_torch(gy, y, rows, w, gyp)  # 16-bit rows: torch's implementation
-
-
-# --------------------------------------------------------------------------------------------------
 # Custom ops (torch.library) with autograd
 
 
@@ -929,7 +243,7 @@ def _select(op: Op, t: torch.Tensor, provider: str, k: int, num_experts: int = 0
     return "torch"
 
 
-_POLICY = {"position": _CAP_POSITION, "probability": _CAP_PROBABILITY}
+_POLICY = {"position": CAP_POSITION, "probability": CAP_PROBABILITY}
 
 
 def _raise_nan_scores(bad: int, T: int) -> None:
@@ -986,20 +300,20 @@ def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, score
         f = torch.empty(0, k, dtype=torch.float32, device=logits.device)
         tok = i.new_empty(0) if padded_capacity < 0 else i.new_full((E * padded_capacity,), -1)
         return f, i, f.clone(), torch.zeros(E, dtype=torch.int64, device=logits.device), i.clone(), tok
-    name = _select(_topk, logits, provider, k, E)
+    name = _select(topk, logits, provider, k, E)
     with _on(logits.device):
-        idx, w, s, bad = _topk(name, logits, k, score, renormalize, score_bias, n_group, topk_group, scaling)
+        idx, w, s, bad = topk(name, logits, k, score, renormalize, score_bias, n_group, topk_group, scaling)
         if check_finite and (b := _count(bad)):
             _raise_nan_scores(b, T)
         if sequence_lengths:
             seq = (tuple(sequence_lengths), tuple(sequence_capacity))
-            rows, counts, tok = _assign(name, idx, s, E, -1, _POLICY[drop_policy], seq, padded_capacity)
+            rows, counts, tok = assign(name, idx, s, E, -1, _POLICY[drop_policy], seq, padded_capacity)
         else:
-            policy = _NO_CAP if capacity < 0 else _POLICY[drop_policy]
+            policy = NO_CAP if capacity < 0 else _POLICY[drop_policy]
             if padded_capacity < 0:
-                rows, counts, tok = _assign(name, idx, s, E, capacity, policy)
+                rows, counts, tok = assign(name, idx, s, E, capacity, policy)
             else:
-                rows, counts, tok = _assign(name, idx, s, E, capacity, policy, None, padded_capacity)
+                rows, counts, tok = assign(name, idx, s, E, capacity, policy, None, padded_capacity)
     return w, idx, s, counts, rows.view(T, k), tok
 
 
@@ -1067,12 +381,12 @@ def _permute_op(x: torch.Tensor, row_map: torch.Tensor, token_index: torch.Tenso
     """``padded``: the routing's groups are padded (token_index -1 at the padding rows, written as zeros)."""
     out = x.new_empty(token_index.shape[0], x.shape[1])
     if out.numel():
-        name = _select(_scatter_rows, x, provider, row_map.shape[1])
+        name = _select(scatter_rows, x, provider, row_map.shape[1])
         with _on(x.device):
             if padded:
-                _scatter_rows(name, x, row_map, token_index, None, out, True)
+                scatter_rows(name, x, row_map, token_index, None, out, True)
             else:
-                _scatter_rows(name, x, row_map, token_index, None, out)
+                scatter_rows(name, x, row_map, token_index, None, out)
     return out
 
 
@@ -1104,12 +418,12 @@ def _unpermute_op(y_perm: torch.Tensor, row_map: torch.Tensor, token_index: torc
     T = row_map.shape[0]
     out = y_perm.new_empty(T, y_perm.shape[1])
     if T and y_perm.shape[1]:
-        name = _select(_gather_rows, y_perm, provider, row_map.shape[1])
+        name = _select(gather_rows, y_perm, provider, row_map.shape[1])
         with _on(y_perm.device):
             if padded:
-                _gather_rows(name, y_perm, row_map, weights, out, True)
+                gather_rows(name, y_perm, row_map, weights, out, True)
             else:
-                _gather_rows(name, y_perm, row_map, weights, out)
+                gather_rows(name, y_perm, row_map, weights, out)
     return out
 
 
@@ -1125,9 +439,9 @@ def _unpermute_bwd_op(grad_y: torch.Tensor, y_perm: torch.Tensor, row_map: torch
     gyp = torch.zeros_like(y_perm) if padded else torch.empty_like(y_perm)
     if row_map.shape[0] == 0 or y_perm.shape[1] == 0:
         return gyp.zero_(), torch.zeros(row_map.shape, dtype=torch.float32, device=y_perm.device)
-    name = _select(_gather_rows_bwd, y_perm, provider, row_map.shape[1])
+    name = _select(gather_rows_bwd, y_perm, provider, row_map.shape[1])
     with _on(y_perm.device):
-        gw = _gather_rows_bwd(name, grad_y, y_perm, row_map, weights, gyp)
+        gw = gather_rows_bwd(name, grad_y, y_perm, row_map, weights, gyp)
     return gyp, gw
 
 
@@ -1211,7 +525,7 @@ def _route_fast_paths(logits, spec: RouterSpec, score_bias, provider, T: int, E:
     provider's route in one kernel call (with a gradient needed, as the forward of the op's registered
     autograd), or torch's for small k without a gradient; None when neither applies."""
     k, score = spec.k, spec.score
-    if _topk.select(_CPU, _F32, logits.numel(), provider or None) == "cpu":
+    if topk.select(_CPU, _F32, logits.numel(), provider or None) == "cpu":
         G, TG = spec.selection(E, _ROUTE)
         bias = None if score_bias is None else _check_bias(score_bias, logits, _ROUTE)
         cf = spec.capacity_factor
@@ -1231,7 +545,7 @@ def _route_fast_paths(logits, spec: RouterSpec, score_bias, provider, T: int, E:
                             capacity=None if cap < 0 else cap, score=score))  # fmt: skip
     if (
         k <= 8 and score_bias is None and not spec.grouped and spec.scaling == 1.0 and spec.capacity_factor is None
-        and not (logits.requires_grad and torch.is_grad_enabled()) and _select(_topk, logits, provider or "", k, E)
+        and not (logits.requires_grad and torch.is_grad_enabled()) and _select(topk, logits, provider or "", k, E)
         == "torch"
     ):  # fmt: skip
         return _eager.run(_route_fast, logits, T, E, k, score, spec.renormalize)
@@ -1307,7 +621,7 @@ def _route_cpu(logits, T, E, k, score, renorm, bias, G, TG, c, cap, drop_policy,
     rows = torch.empty(T, k, dtype=i64)
     counts, tok, dropped = torch.empty(E, dtype=i64), torch.empty(T * k, dtype=i64), torch.empty(T, k, dtype=_BOOL)
     x, mode = M.scores_for_kernel(logits, score)
-    policy = _NO_CAP if cap < 0 else _POLICY[drop_policy]
+    policy = NO_CAP if cap < 0 else _POLICY[drop_policy]
     if bias is None and not G and c == 1.0:
         bad, n = M.route_ptr(x.data_ptr(), T, E, k, mode, renorm, cap, policy, idx.data_ptr(), w.data_ptr(),
                              s.data_ptr(), rows.data_ptr(), counts.data_ptr(), tok.data_ptr(),
@@ -1403,7 +717,7 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
         and _eager.fast()  # (before the row count, a data-dependent size while torch.compile traces)
         and sealed_rows(routing) and not routing.padded and x.shape[0] == routing.indices.shape[0] and x.shape[1]
         and routing.num_rows and (tok := routing.token_index).is_cpu and routing.row_map.is_cpu
-        and (sel := _select(_scatter_rows, x, provider or "", routing.row_map.shape[1])) in ("torch", "cpu")
+        and (sel := _select(scatter_rows, x, provider or "", routing.row_map.shape[1])) in ("torch", "cpu")
     ):  # fmt: skip
         # The common case on the CPU: the provider's gather through the inverse map, into a new tensor
         # instead of a preallocated one; the cpu provider's also when a gradient is needed (as the forward
@@ -1441,7 +755,7 @@ def moe_unpermute(
         and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
         and rows.shape[0] and y_perm.shape[0] == routing.num_rows
         and rows.is_contiguous() and w.is_contiguous() and rows.dtype is torch.int64 and w.shape == rows.shape
-        and _select(_gather_rows, y_perm, provider or "", rows.shape[1]) == "cpu"
+        and _select(gather_rows, y_perm, provider or "", rows.shape[1]) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider: its kernel into a new tensor; when a gradient is
         # needed, as the forward of the op's registered autograd.
@@ -1461,7 +775,7 @@ def moe_unpermute(
         and (T := rows.shape[0]) and y_perm.shape[0] == routing.num_rows == T * (K := rows.shape[1])
         and max(16, (1 << 21) // (4 * H)) >= T
         and not (torch.is_grad_enabled() and (y_perm.requires_grad or w.requires_grad))
-        and _select(_gather_rows, y_perm, provider or "", K) == "torch"
+        and _select(gather_rows, y_perm, provider or "", K) == "torch"
     ):  # fmt: skip
         # The common case, fp32 on the CPU without drops, one token block, no gradient: the torch
         # provider's fp32 multiply-adds, the K gathers done as one, into new tensors instead of its
@@ -1525,7 +839,7 @@ def moe_aux_loss(
     if scale != "balanced-one":
         check_choice(scale, what, "scale", AUX_SCALES)
     if groups is not None:
-        groups = _check_groups(groups, routing.num_tokens, what)
+        groups = check_groups(groups, routing.num_tokens, what)
     return _aux_loss(_loss_provider(_aux_loss, x, provider), x, routing, bool(from_probs), scale, groups)
 
 

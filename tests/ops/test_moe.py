@@ -14,6 +14,7 @@ import torsh_kernels.ops.moe as M
 import torsh_kernels.ops.moe_providers as P
 from tests.helpers import DEVICE, DTYPE_TOLS, rand
 from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
+from torsh_kernels.ops import moe_ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DT_IDS = ["fp32", "fp16", "bf16"]
@@ -545,14 +546,14 @@ def test_the_permute_kernels_stay_inside_their_buffers_whatever_the_row_map(p):
     rows = r.row_map.clone()
     rows[0, 0], rows[1, 1] = 10**6, -7
     x, y = torch.randn(5, 3), torch.randn(r.num_rows, 3)
-    out = M._permute_op(x, rows, r.token_index, p)
+    out = moe_ops.permute_op(x, rows, r.token_index, p)
     ok = r.row_map.clone()
     ok[0, 0] = ok[1, 1] = -1
     for t in range(5):
         for j in range(2):
             if ok[t, j] >= 0:
                 assert torch.equal(out[ok[t, j]], x[t])
-    got = M._unpermute_op(y, rows, r.token_index, r.weights, p)
+    got = moe_ops.unpermute_op(y, rows, r.token_index, r.weights, p)
     want = M.moe_unpermute_ref(y, dataclasses.replace(r, row_map=ok))
     torch.testing.assert_close(got, want)
 

@@ -102,24 +102,20 @@ The kernels live in ``_moe_triton.py`` and ``_moe_numba.py`` (imported on a prov
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..checks import check_choice
 from ..errors import (
     DeviceMismatchError,
     DTypeError,
     InvalidArgumentError,
-    NonFiniteError,
     ShapeError,
 )
 from . import _eager
-from ._common import _check_strided, _check_tensor, _count, _on
+from ._common import _check_strided, _check_tensor
 from ._moe_routing import (
-    _SEALED,
     Routing,
     check_routing,
     check_sequence_lengths,
@@ -129,28 +125,24 @@ from ._moe_routing import (
     sealed,
     sealed_rows,
 )
+from .moe_checks import check_logits, check_routing_of, check_rows
+from .moe_losses import moe_aux_loss, moe_z_loss
+from .moe_ops import POLICY, check_bias_finite, permute_op, raise_nan_scores, route_op, select, unpermute_op
 from .moe_providers import (
-    CAP_POSITION,
-    CAP_PROBABILITY,
-    MAX_KERNEL_EXPERTS,
-    MAX_KERNEL_K,
     NO_CAP,
-    assign,
     gather_rows,
-    gather_rows_bwd,
     scatter_rows,
     topk,
 )
 from .moe_reference import (
     AUX_SCALES,
-    check_groups,
     moe_aux_loss_ref,
     moe_permute_ref,
     moe_route_ref,
     moe_unpermute_ref,
     moe_z_loss_ref,
 )
-from .registry import Op, check_provider
+from .registry import check_provider
 from .router import CAPACITY_SCOPES, DROP_POLICIES, SCORES, RouterSpec
 
 __all__ = [
@@ -160,6 +152,7 @@ __all__ = [
     "SCORES",
     "RouterSpec",
     "Routing",
+    "check_routing",
     "check_sequence_lengths",
     "expert_capacity",
     "moe_aux_loss",
@@ -173,304 +166,6 @@ __all__ = [
     "moe_z_loss",
     "moe_z_loss_ref",
 ]
-
-ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-# --------------------------------------------------------------------------------------------------
-# Validation
-
-
-def _check_act_dtype(t: torch.Tensor, what: str, name: str) -> None:
-    if t.dtype not in ACT_DTYPES:
-        raise DTypeError(f"{what}: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
-
-
-def _check_logits(logits: object, what: str) -> torch.Tensor:
-    logits = _check_tensor(logits, what, "logits")
-    _check_act_dtype(logits, what, "logits")
-    if logits.dim() != 2:
-        raise ShapeError(
-            f"{what}: logits must be [T, E] (tokens x experts), got shape {tuple(logits.shape)}; "
-            "flatten the batch dimensions first (logits.reshape(-1, E))"
-        )
-    if logits.shape[1] < 1:
-        raise ShapeError(f"{what}: logits has no experts (shape {tuple(logits.shape)})")
-    return logits
-
-
-def _check_routing(routing: object, what: str, reads: str) -> Routing:
-    """A sealed Routing as it is (for the fields the caller ``reads``: see ``check_routing``); any other checked in
-    full (values too, except while torch.compile traces)."""
-    compiling = _is_compiling()
-    if not compiling and type(routing) is Routing and _SEALED[reads](routing):
-        return routing
-    return check_routing(routing, what, values=not compiling, reads=reads)
-
-
-_is_compiling = torch.compiler.is_compiling
-
-
-def _check_rows(x: object, rows: int, routing: Routing, what: str, name: str, rows_name: str) -> torch.Tensor:
-    x = _check_tensor(x, what, name)
-    _check_act_dtype(x, what, name)
-    if x.dim() != 2 or x.shape[0] != rows:
-        raise ShapeError(f"{what}: {name} must be [{rows_name}={rows}, H] for this routing, got shape {tuple(x.shape)}")
-    if x.device != routing.row_map.device:
-        raise DeviceMismatchError(f"{what}: {name} is on {x.device}, the routing on {routing.row_map.device}")
-    return x
-
-
-# --------------------------------------------------------------------------------------------------
-# Custom ops (torch.library) with autograd
-
-
-def _select(op: Op, t: torch.Tensor, provider: str, k: int, num_experts: int = 0) -> str:
-    """The provider for this call; the torch path past the kernels' limits on K and E (an explicitly
-    requested kernel provider then raises instead)."""
-    name = op.select(t.device, t.dtype, t.numel(), provider or None)
-    if name == "torch" or name == "cpu":  # no register-file limits
-        return name
-    limit = None
-    if k > MAX_KERNEL_K:
-        limit = f"up to k={MAX_KERNEL_K} choices per token, got k={k}"
-    elif num_experts > MAX_KERNEL_EXPERTS:
-        limit = f"up to {MAX_KERNEL_EXPERTS} experts, got E={num_experts}"
-    if limit is None:
-        return name
-    if provider:
-        raise ShapeError(f"torsh_kernels.{op.name}: the {provider} kernels handle {limit}; use provider='torch'")
-    return "torch"
-
-
-_POLICY = {"position": CAP_POSITION, "probability": CAP_PROBABILITY}
-
-
-def _raise_nan_scores(bad: int, T: int) -> None:
-    raise NonFiniteError(
-        f"torsh_kernels.moe_route: {bad} of {T} tokens have NaN router scores (NaN or +inf logits, or a "
-        "softmax row of all -inf); fix the router's input, or pass check_finite=False to route them "
-        "anyway (their NaN scores then rank below every real score)"
-    )
-
-
-def _raise_bad_bias(bias: torch.Tensor) -> None:
-    n = int((~torch.isfinite(bias)).sum())
-    raise NonFiniteError(
-        f"torsh_kernels.moe_route: score_bias holds {n} non-finite value(s) (NaN or Inf) of {bias.numel()}; it must "
-        "be finite (a bias that diverged: reset it, or lower the balancer's update rate)"
-    )
-
-
-# score_bias tensors whose values were found finite: id -> (a weak reference, the version counter then). A
-# bias is read again only after it changed in place (its version counter moved): once per balancer update,
-# not once per route (a host sync on a GPU). Writes that bypass the counter (.data, NumPy) are not seen.
-_BIAS_FINITE: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def _check_bias_finite(bias: torch.Tensor) -> None:
-    """A NonFiniteError unless every value of ``bias`` is finite (checked once per version of the tensor)."""
-    seen = _BIAS_FINITE.get(id(bias))
-    if seen is not None and seen[0]() is bias and seen[1] == bias._version:
-        return
-    if not bool(torch.isfinite(bias).all()):
-        _raise_bad_bias(bias)
-    if len(_BIAS_FINITE) >= 256:
-        _BIAS_FINITE.clear()
-    _BIAS_FINITE[id(bias)] = (weakref.ref(bias), bias._version)
-
-
-@torch.library.custom_op("torsh::moe_route", mutates_args=())
-def _route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, score_bias: torch.Tensor | None,
-              n_group: int, topk_group: int, scaling: float, capacity: int, drop_policy: str,
-              sequence_lengths: list[int], sequence_capacity: list[int], padded_capacity: int, check_finite: bool,
-              provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor]:  # fmt: skip
-    """-> weights, indices, scores [T, K]; tokens_per_expert [E]; row_map [T, K]; token_index [N] (the
-    differentiable output first). ``n_group`` = 0: no groups. ``score_bias``'s values are checked here (at
-    run time, also under torch.compile), the rest by ``moe_route``. ``capacity``: the call's (clamped to
-    T*K), -1 for none; ``sequence_lengths`` and ``sequence_capacity`` (each C_s clamped to L_s*K): the
-    sequence scope, empty otherwise; ``padded_capacity`` >= 0: every expert's group padded to that many
-    rows, -1 for no padding."""
-    T, E = logits.shape
-    if score_bias is not None:
-        _check_bias_finite(score_bias)
-    if T == 0:
-        i = torch.empty(0, k, dtype=torch.int64, device=logits.device)
-        f = torch.empty(0, k, dtype=torch.float32, device=logits.device)
-        tok = i.new_empty(0) if padded_capacity < 0 else i.new_full((E * padded_capacity,), -1)
-        return f, i, f.clone(), torch.zeros(E, dtype=torch.int64, device=logits.device), i.clone(), tok
-    name = _select(topk, logits, provider, k, E)
-    with _on(logits.device):
-        idx, w, s, bad = topk(name, logits, k, score, renormalize, score_bias, n_group, topk_group, scaling)
-        if check_finite and (b := _count(bad)):
-            _raise_nan_scores(b, T)
-        if sequence_lengths:
-            seq = (tuple(sequence_lengths), tuple(sequence_capacity))
-            rows, counts, tok = assign(name, idx, s, E, -1, _POLICY[drop_policy], seq, padded_capacity)
-        else:
-            policy = NO_CAP if capacity < 0 else _POLICY[drop_policy]
-            if padded_capacity < 0:
-                rows, counts, tok = assign(name, idx, s, E, capacity, policy)
-            else:
-                rows, counts, tok = assign(name, idx, s, E, capacity, policy, None, padded_capacity)
-    return w, idx, s, counts, rows.view(T, k), tok
-
-
-@_route_op.register_fake
-def _(logits, k, score, renormalize, score_bias, n_group, topk_group, scaling, capacity, drop_policy,
-      sequence_lengths, sequence_capacity, padded_capacity, check_finite, provider):  # fmt: skip
-    T, E = logits.shape
-    if padded_capacity >= 0:  # padded: N = E * capacity, whatever the values
-        n = E * padded_capacity
-    elif capacity < 0 and not sequence_lengths:
-        n = T * k
-    else:
-        n = torch.library.get_ctx().new_dynamic_size()
-    i64, f32 = torch.int64, torch.float32
-    tk = logits.new_empty(T, k, dtype=i64)
-    w = logits.new_empty(T, k, dtype=f32)
-    counts, tok = logits.new_empty(E, dtype=i64), logits.new_empty(n, dtype=i64)
-    return w, tk, torch.empty_like(w), counts, torch.empty_like(tk), tok
-
-
-def _route_setup(ctx, inputs, output):
-    logits, _k, score, renormalize, _bias, _ng, _tg, scaling, *_ = inputs
-    w, idx, s, *_ = output
-    ctx.score, ctx.renormalize, ctx.scaling = score, renormalize, scaling
-    ctx.logits_dtype = logits.dtype
-    ctx.E = logits.shape[1]
-    ctx.mark_non_differentiable(s)  # Routing.scores is informational; gradients flow through the weights
-    ctx.save_for_backward(logits if (score == "softmax" and not renormalize) else None, idx, w, s)
-
-
-def _route_backward(ctx, g_w, g_idx, g_s, g_counts, g_rows, g_tok):
-    """d loss / d logits from d loss / d weights (T x E elementwise work; the same for every provider). The
-    weights are ``c * u`` with ``c`` the scaling and ``u`` the (renormalised) chosen scores; the bias only
-    chose the experts and gets no gradient."""
-    logits, idx, w, s = ctx.saved_tensors
-    T = idx.shape[0]
-    c = ctx.scaling
-    g = torch.zeros_like(w) if g_w is None else g_w.float()
-    grad = torch.zeros(T, ctx.E, dtype=torch.float32, device=idx.device)
-    if ctx.score == "softmax":
-        if ctx.renormalize:  # u = softmax over the chosen logits: d/dl_j = c u_j (g_j - sum_i u_i g_i)
-            wg = (w * g).sum(1, keepdim=True)
-            grad.scatter_(1, idx, w * (g - (wg if c == 1.0 else wg / c)))
-        else:  # w_j = c p[idx_j] with p the full softmax: d p_a / d l = p_a (onehot_a - p)
-            if c != 1.0:
-                g = g * c
-            p = torch.softmax(logits.float(), dim=-1)
-            G = torch.zeros_like(grad).scatter_(1, idx, g)
-            grad = p * (G - (s * g).sum(1, keepdim=True))
-    else:  # u = s / sum(s) (or s), s = sigmoid(l): d s / d l = s (1 - s)
-        if ctx.renormalize:  # d/ds_j = (c g_j - sum_i w_i g_i) / sum(s)
-            gs = ((g if c == 1.0 else g * c) - (w * g).sum(1, keepdim=True)) / s.sum(1, keepdim=True)
-        else:
-            gs = g if c == 1.0 else g * c
-        grad.scatter_(1, idx, gs * s * (1.0 - s))
-    return grad.to(ctx.logits_dtype), *([None] * 14)
-
-
-torch.library.register_autograd("torsh::moe_route", _route_backward, setup_context=_route_setup)
-
-
-@torch.library.custom_op("torsh::moe_permute", mutates_args=())
-def _permute_op(x: torch.Tensor, row_map: torch.Tensor, token_index: torch.Tensor, provider: str,
-                padded: bool = False) -> torch.Tensor:  # fmt: skip
-    """``padded``: the routing's groups are padded (token_index -1 at the padding rows, written as zeros)."""
-    out = x.new_empty(token_index.shape[0], x.shape[1])
-    if out.numel():
-        name = _select(scatter_rows, x, provider, row_map.shape[1])
-        with _on(x.device):
-            if padded:
-                scatter_rows(name, x, row_map, token_index, None, out, True)
-            else:
-                scatter_rows(name, x, row_map, token_index, None, out)
-    return out
-
-
-@_permute_op.register_fake
-def _(x, row_map, token_index, provider, padded=False):
-    return x.new_empty(token_index.shape[0], x.shape[1])
-
-
-def _permute_setup(ctx, inputs, output):
-    _, row_map, token_index, provider, *rest = inputs
-    ctx.save_for_backward(row_map, token_index)
-    ctx.provider, ctx.padded = provider, bool(rest and rest[0])
-
-
-def _permute_backward(ctx, g):
-    """The sum of each token's rows (the padding rows' gradient goes nowhere: no token came from them)."""
-    row_map, token_index = ctx.saved_tensors
-    gx = _eager.call_autograd(_unpermute_op, g.contiguous(), row_map, token_index, None, ctx.provider, ctx.padded)
-    return gx, None, None, None, None
-
-
-torch.library.register_autograd("torsh::moe_permute", _permute_backward, setup_context=_permute_setup)
-
-
-@torch.library.custom_op("torsh::moe_unpermute", mutates_args=())
-def _unpermute_op(y_perm: torch.Tensor, row_map: torch.Tensor, token_index: torch.Tensor, weights: torch.Tensor | None,
-                  provider: str, padded: bool = False) -> torch.Tensor:  # fmt: skip
-    """``padded``: y_perm has padding rows (no row_map entry names them; they are not read)."""
-    T = row_map.shape[0]
-    out = y_perm.new_empty(T, y_perm.shape[1])
-    if T and y_perm.shape[1]:
-        name = _select(gather_rows, y_perm, provider, row_map.shape[1])
-        with _on(y_perm.device):
-            if padded:
-                gather_rows(name, y_perm, row_map, weights, out, True)
-            else:
-                gather_rows(name, y_perm, row_map, weights, out)
-    return out
-
-
-@_unpermute_op.register_fake
-def _(y_perm, row_map, token_index, weights, provider, padded=False):
-    return y_perm.new_empty(row_map.shape[0], y_perm.shape[1])
-
-
-@torch.library.custom_op("torsh::moe_unpermute_backward", mutates_args=())
-def _unpermute_bwd_op(grad_y: torch.Tensor, y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor,
-                      provider: str, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``padded``: the gradient of y_perm's padding rows (which no assignment read) is zero."""
-    gyp = torch.zeros_like(y_perm) if padded else torch.empty_like(y_perm)
-    if row_map.shape[0] == 0 or y_perm.shape[1] == 0:
-        return gyp.zero_(), torch.zeros(row_map.shape, dtype=torch.float32, device=y_perm.device)
-    name = _select(gather_rows_bwd, y_perm, provider, row_map.shape[1])
-    with _on(y_perm.device):
-        gw = gather_rows_bwd(name, grad_y, y_perm, row_map, weights, gyp)
-    return gyp, gw
-
-
-@_unpermute_bwd_op.register_fake
-def _(grad_y, y_perm, row_map, weights, provider, padded=False):
-    return torch.empty_like(y_perm), weights.new_empty(row_map.shape, dtype=torch.float32)
-
-
-def _unpermute_setup(ctx, inputs, output):
-    y_perm, row_map, token_index, weights, provider, *rest = inputs
-    ctx.save_for_backward(y_perm, row_map, token_index, weights)
-    ctx.provider, ctx.padded = provider, bool(rest and rest[0])
-
-
-def _unpermute_backward(ctx, g):
-    y_perm, row_map, token_index, weights = ctx.saved_tensors
-    g = g.contiguous()
-    p, padded = ctx.provider, ctx.padded
-    if weights is None:
-        return _eager.call_autograd(_permute_op, g, row_map, token_index, p, padded), None, None, None, None, None
-    if torch.is_grad_enabled():  # a double backward: the registered op (it has no autograd of its own)
-        gyp, gw = _unpermute_bwd_op(g, y_perm, row_map, weights, p, padded)
-    else:
-        gyp, gw = _eager.call(_unpermute_bwd_op, (), g, y_perm, row_map, weights, p, padded)
-    return gyp, None, None, gw if ctx.needs_input_grad[3] else None, None, None
-
-
-torch.library.register_autograd("torsh::moe_unpermute", _unpermute_backward, setup_context=_unpermute_setup)
-
 
 # --------------------------------------------------------------------------------------------------
 # Public API
@@ -532,7 +227,7 @@ def _route_fast_paths(logits, spec: RouterSpec, score_bias, provider, T: int, E:
         cap = -1 if cf is None else expert_capacity(T, k, E, cf)
         if logits.requires_grad and torch.is_grad_enabled():
             w, idx, s, counts, rows, tok = _eager.autograd_fast(
-                _route_op, _route_cpu_impl, logits, k, score, spec.renormalize, bias, G, TG, spec.scaling, cap,
+                route_op, _route_cpu_impl, logits, k, score, spec.renormalize, bias, G, TG, spec.scaling, cap,
                 spec.drop_policy, (), (), -1, spec.check_finite, provider or "",
             )  # fmt: skip
             dropped, n = rows < 0, tok.shape[0]
@@ -545,7 +240,7 @@ def _route_fast_paths(logits, spec: RouterSpec, score_bias, provider, T: int, E:
                             capacity=None if cap < 0 else cap, score=score))  # fmt: skip
     if (
         k <= 8 and score_bias is None and not spec.grouped and spec.scaling == 1.0 and spec.capacity_factor is None
-        and not (logits.requires_grad and torch.is_grad_enabled()) and _select(topk, logits, provider or "", k, E)
+        and not (logits.requires_grad and torch.is_grad_enabled()) and select(topk, logits, provider or "", k, E)
         == "torch"
     ):  # fmt: skip
         return _eager.run(_route_fast, logits, T, E, k, score, spec.renormalize)
@@ -556,7 +251,7 @@ def _route_checked(logits, spec: RouterSpec, score_bias, sequence_lengths, provi
     """moe_route with every input checked (typed errors), on any device, dtype and provider."""
     what = _ROUTE
     check_provider(provider)
-    logits = _check_logits(logits, what)
+    logits = check_logits(logits, what)
     _check_strided(logits, what, "logits")
     T, E = logits.shape
     G, TG = spec.selection(E, what)
@@ -570,7 +265,7 @@ def _route_checked(logits, spec: RouterSpec, score_bias, sequence_lengths, provi
             "rows), or trace the model with torch.compile (a data-dependent size there)"
         )
     w, idx, s, counts, rows, tok = _eager.call_autograd(
-        _route_op, logits.contiguous(), spec.k, spec.score, spec.renormalize, bias, G, TG, spec.scaling,
+        route_op, logits.contiguous(), spec.k, spec.score, spec.renormalize, bias, G, TG, spec.scaling,
         plan.kernel_capacity, spec.drop_policy, list(plan.sequence_lengths or ()), list(plan.kernel_sequence_capacity),
         plan.padded_capacity, spec.check_finite, provider or "",
     )  # fmt: skip
@@ -585,7 +280,7 @@ def _route_checked(logits, spec: RouterSpec, score_bias, sequence_lengths, provi
 
 def _check_bias(score_bias: object, logits: torch.Tensor, what: str) -> torch.Tensor:
     """The score bias as the custom op takes it (contiguous); a typed error for a bad one. Its values are
-    checked by the op (:func:`_check_bias_finite`), at run time."""
+    checked by the op (:func:`check_bias_finite`), at run time."""
     E = logits.shape[1]
     bias = _check_tensor(score_bias, what, "score_bias")
     if bias.dtype != torch.float32:
@@ -615,13 +310,13 @@ def _route_cpu(logits, T, E, k, score, renorm, bias, G, TG, c, cap, drop_policy,
     rows, tok, dropped, N)."""
     M = _cpu_kernels()
     if bias is not None:
-        _check_bias_finite(bias)
+        check_bias_finite(bias)
     i64 = torch.int64
     idx, w, s = torch.empty(T, k, dtype=i64), torch.empty(T, k), torch.empty(T, k)
     rows = torch.empty(T, k, dtype=i64)
     counts, tok, dropped = torch.empty(E, dtype=i64), torch.empty(T * k, dtype=i64), torch.empty(T, k, dtype=_BOOL)
     x, mode = M.scores_for_kernel(logits, score)
-    policy = NO_CAP if cap < 0 else _POLICY[drop_policy]
+    policy = NO_CAP if cap < 0 else POLICY[drop_policy]
     if bias is None and not G and c == 1.0:
         bad, n = M.route_ptr(x.data_ptr(), T, E, k, mode, renorm, cap, policy, idx.data_ptr(), w.data_ptr(),
                              s.data_ptr(), rows.data_ptr(), counts.data_ptr(), tok.data_ptr(),
@@ -631,7 +326,7 @@ def _route_cpu(logits, T, E, k, score, renorm, bias, G, TG, c, cap, drop_policy,
                                     bias is not None, G, TG, c, cap, policy, idx.data_ptr(), w.data_ptr(), s.data_ptr(),
                                     rows.data_ptr(), counts.data_ptr(), tok.data_ptr(), dropped.data_ptr())  # fmt: skip
     if bad and check_finite:
-        _raise_nan_scores(bad, T)
+        raise_nan_scores(bad, T)
     return w, idx, s, counts, rows, tok if n == T * k else tok[:n], dropped, n
 
 
@@ -717,7 +412,7 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
         and _eager.fast()  # (before the row count, a data-dependent size while torch.compile traces)
         and sealed_rows(routing) and not routing.padded and x.shape[0] == routing.indices.shape[0] and x.shape[1]
         and routing.num_rows and (tok := routing.token_index).is_cpu and routing.row_map.is_cpu
-        and (sel := _select(scatter_rows, x, provider or "", routing.row_map.shape[1])) in ("torch", "cpu")
+        and (sel := select(scatter_rows, x, provider or "", routing.row_map.shape[1])) in ("torch", "cpu")
     ):  # fmt: skip
         # The common case on the CPU: the provider's gather through the inverse map, into a new tensor
         # instead of a preallocated one; the cpu provider's also when a gradient is needed (as the forward
@@ -728,7 +423,7 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
                 return x.index_select(0, tok)
         elif tok.dtype is torch.int64 and tok.numel() == routing.num_rows:
             if grad:
-                return _eager.autograd_fast(_permute_op, _permute_cpu_impl, x, routing.row_map, tok, provider or "",
+                return _eager.autograd_fast(permute_op, _permute_cpu_impl, x, routing.row_map, tok, provider or "",
                                             False)  # fmt: skip
             try:  # (the cpu provider's permute is torch's index_select: one pass over whole rows)
                 return x.index_select(0, tok)
@@ -736,10 +431,10 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
                 pass  # an index out of range: the general path raises the typed error
     what = "torsh_kernels.moe_permute"
     check_provider(provider)
-    routing = _check_routing(routing, what, "rows")
-    x = _check_rows(x, routing.num_tokens, routing, what, "x", "T")
+    routing = check_routing_of(routing, what, "rows")
+    x = check_rows(x, routing.num_tokens, routing, what, "x", "T")
     _check_strided(x, what, "x")
-    return _eager.call_autograd(_permute_op, x.contiguous(), routing.row_map, routing.token_index, provider or "",
+    return _eager.call_autograd(permute_op, x.contiguous(), routing.row_map, routing.token_index, provider or "",
                                 routing.padded)  # fmt: skip
 
 
@@ -755,12 +450,12 @@ def moe_unpermute(
         and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
         and rows.shape[0] and y_perm.shape[0] == routing.num_rows
         and rows.is_contiguous() and w.is_contiguous() and rows.dtype is torch.int64 and w.shape == rows.shape
-        and _select(gather_rows, y_perm, provider or "", rows.shape[1]) == "cpu"
+        and select(gather_rows, y_perm, provider or "", rows.shape[1]) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider: its kernel into a new tensor; when a gradient is
         # needed, as the forward of the op's registered autograd.
         if torch.is_grad_enabled() and (y_perm.requires_grad or (weights and w.requires_grad)):
-            return _eager.autograd_fast(_unpermute_op, _unpermute_cpu_impl, y_perm, rows, routing.token_index,
+            return _eager.autograd_fast(unpermute_op, _unpermute_cpu_impl, y_perm, rows, routing.token_index,
                                         w if weights else None, provider or "", routing.padded)  # fmt: skip
         M = _cpu_kernels()
         out = torch.empty(rows.shape[0], y_perm.shape[1])
@@ -775,7 +470,7 @@ def moe_unpermute(
         and (T := rows.shape[0]) and y_perm.shape[0] == routing.num_rows == T * (K := rows.shape[1])
         and max(16, (1 << 21) // (4 * H)) >= T
         and not (torch.is_grad_enabled() and (y_perm.requires_grad or w.requires_grad))
-        and _select(gather_rows, y_perm, provider or "", K) == "torch"
+        and select(gather_rows, y_perm, provider or "", K) == "torch"
     ):  # fmt: skip
         # The common case, fp32 on the CPU without drops, one token block, no gradient: the torch
         # provider's fp32 multiply-adds, the K gathers done as one, into new tensors instead of its
@@ -787,105 +482,10 @@ def moe_unpermute(
         return a
     what = "torsh_kernels.moe_unpermute"
     check_provider(provider)
-    routing = _check_routing(routing, what, "weights")
-    y_perm = _check_rows(y_perm, routing.num_rows, routing, what, "y_perm", "N")
+    routing = check_routing_of(routing, what, "weights")
+    y_perm = check_rows(y_perm, routing.num_rows, routing, what, "y_perm", "N")
     _check_strided(y_perm, what, "y_perm")
     w = routing.weights if weights else None
     return _eager.call_autograd(
-        _unpermute_op, y_perm.contiguous(), routing.row_map, routing.token_index, w, provider or "", routing.padded
+        unpermute_op, y_perm.contiguous(), routing.row_map, routing.token_index, w, provider or "", routing.padded
     )
-
-
-def moe_aux_loss(
-    logits_or_probs: torch.Tensor,
-    routing: Routing,
-    *,
-    from_probs: bool = False,
-    scale: str = "balanced-one",
-    groups: int | Sequence[int] | None = None,
-    provider: str | None = None,
-) -> torch.Tensor:
-    """The load-balancing loss: the mean over token groups of ``E * sum_e f_ge * P_ge`` (fp32 scalar,
-    differentiable in the input; see the module docstring).
-
-    Args:
-        logits_or_probs: the [T, E] router logits (scored like the routing: softmax, or sigmoid scores
-            divided by their sum per token) or, with ``from_probs=True``, probabilities the caller already
-            computed. With a ``score_bias`` routing, the unbiased logits.
-        routing: the :class:`Routing` of these logits; its ``indices`` (before capacity drops) are counted.
-        scale: "balanced-one" (``f_ge = c_ge / (K * S_g)``: 1.0 when balanced) or "hf" (``c_ge / S_g``,
-            K times that: Hugging Face's Mixtral / Qwen2-MoE / OLMoE ``load_balancing_loss_func``, and
-            Switch Transformers' with ``groups``).
-        groups: None (all T tokens one group), an int group size S dividing T, or a list/tuple of the
-            lengths of consecutive groups summing to T (the sequence lengths: DeepSeek-V3's sequence-wise
-            loss, Megatron's ``seq_aux_loss``; ``routing.sequence_lengths``). The loss is the unweighted mean
-            of the non-empty groups' losses.
-        provider: "cpu" (one kernel forward and one backward, CPU tensors) or "torch" (plain torch, which
-            autograd differentiates and ``torch.compile`` fuses); None selects automatically.
-    """
-    what = "torsh_kernels.moe_aux_loss"
-    routing = _check_routing(routing, what, "experts")
-    x = _check_tensor(logits_or_probs, what, "logits_or_probs")
-    _check_act_dtype(x, what, "logits_or_probs")
-    if tuple(x.shape) != (routing.num_tokens, routing.num_experts):
-        raise ShapeError(
-            f"{what}: logits_or_probs has shape {tuple(x.shape)}; the routing is for "
-            f"[T={routing.num_tokens}, E={routing.num_experts}]"
-        )
-    if not (x.is_cpu and routing.indices.is_cpu) and x.device != routing.indices.device:
-        raise DeviceMismatchError(f"{what}: logits_or_probs is on {x.device}, the routing on {routing.indices.device}")
-    if not x.is_contiguous():
-        _check_strided(x, what, "logits_or_probs")
-    if scale != "balanced-one":
-        check_choice(scale, what, "scale", AUX_SCALES)
-    if groups is not None:
-        groups = check_groups(groups, routing.num_tokens, what)
-    return _aux_loss(_loss_provider(_aux_loss, x, provider), x, routing, bool(from_probs), scale, groups)
-
-
-def moe_z_loss(logits: torch.Tensor, *, provider: str | None = None) -> torch.Tensor:
-    """The router z-loss ``mean_t logsumexp(logits[t])**2`` (fp32 scalar, differentiable). ``provider`` as
-    for :func:`moe_aux_loss`."""
-    logits = _check_logits(logits, "torsh_kernels.moe_z_loss")
-    _check_strided(logits, "torsh_kernels.moe_z_loss", "logits")
-    return _z_loss(_loss_provider(_z_loss, logits, provider), logits)
-
-
-# The losses' providers: torch (the references: autograd differentiates them, torch.compile fuses them)
-# and, on the CPU, one kernel forward and one backward (an autograd Function; a backward that must itself be
-# differentiable, create_graph=True, runs the same gradient formula in torch ops). Under torch.compile, a
-# mode, or for a tensor subclass the torch formulas run.
-_aux_loss = Op("moe_aux_loss")
-_z_loss = Op("moe_z_loss")
-_aux_loss.register("torch")(
-    lambda x, routing, from_probs, scale, groups: moe_aux_loss_ref(
-        x, routing, from_probs=from_probs, scale=scale, groups=groups
-    )
-)
-_z_loss.register("torch")(moe_z_loss_ref)
-
-
-def _loss_kernel_ok(x: torch.Tensor) -> bool:
-    return type(x) in _eager._PLAIN and x.shape[0] > 0 and _eager.fast()
-
-
-def _loss_provider(op, x: torch.Tensor, provider: str | None) -> str:
-    if _eager.compiling() or x.is_meta:  # the torch formula (dynamo traces it; meta: shapes only); no selection
-        op.check_traced(x.device, provider)  # state read while tracing
-        return "torch"
-    name = op.select(x.device, x.dtype, x.numel(), provider or None)
-    return "torch" if name == "cpu" and not _loss_kernel_ok(x) else name
-
-
-@_aux_loss.register("cpu")
-def _aux_loss_cpu(x, routing, from_probs, scale, groups):
-    M = _cpu_kernels()
-    mode = M.PROBS if from_probs else M.SOFTMAX if routing.score == "softmax" else M.SIGMOID
-    kf = routing.k if scale == "balanced-one" else 1
-    return M.aux_loss(x.float().contiguous(), mode, routing.indices, kf, groups)
-
-
-@_z_loss.register("cpu")
-def _z_loss_cpu(x):
-    M = _cpu_kernels()
-    return M.z_loss(x.float().contiguous())

@@ -1,0 +1,117 @@
+"""The MoE router losses: ``moe_aux_loss`` (the load-balancing loss, per call or per sequence group) and
+``moe_z_loss`` (ST-MoE's router z-loss), with their providers (torch: the references, which autograd
+differentiates and torch.compile fuses; cpu: fused forward kernels). Re-exported by :mod:`torsh_kernels.ops.moe`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..checks import check_choice
+from ..errors import DeviceMismatchError, ShapeError
+from . import _eager
+from ._common import _check_strided, _check_tensor
+from ._moe_routing import Routing
+from .moe_checks import check_act_dtype, check_logits, check_routing_of
+from .moe_reference import AUX_SCALES, check_groups, moe_aux_loss_ref, moe_z_loss_ref
+from .registry import Op
+
+__all__ = ["moe_aux_loss", "moe_z_loss"]
+
+_cpu_kernels = _eager.lazy_module("_moe_cpu")  # the cpu provider's kernels
+
+
+def moe_aux_loss(
+    logits_or_probs: torch.Tensor,
+    routing: Routing,
+    *,
+    from_probs: bool = False,
+    scale: str = "balanced-one",
+    groups: int | Sequence[int] | None = None,
+    provider: str | None = None,
+) -> torch.Tensor:
+    """The load-balancing loss: the mean over token groups of ``E * sum_e f_ge * P_ge`` (fp32 scalar,
+    differentiable in the input; see the module docstring).
+
+    Args:
+        logits_or_probs: the [T, E] router logits (scored like the routing: softmax, or sigmoid scores
+            divided by their sum per token) or, with ``from_probs=True``, probabilities the caller already
+            computed. With a ``score_bias`` routing, the unbiased logits.
+        routing: the :class:`Routing` of these logits; its ``indices`` (before capacity drops) are counted.
+        scale: "balanced-one" (``f_ge = c_ge / (K * S_g)``: 1.0 when balanced) or "hf" (``c_ge / S_g``,
+            K times that: Hugging Face's Mixtral / Qwen2-MoE / OLMoE ``load_balancing_loss_func``, and
+            Switch Transformers' with ``groups``).
+        groups: None (all T tokens one group), an int group size S dividing T, or a list/tuple of the
+            lengths of consecutive groups summing to T (the sequence lengths: DeepSeek-V3's sequence-wise
+            loss, Megatron's ``seq_aux_loss``; ``routing.sequence_lengths``). The loss is the unweighted mean
+            of the non-empty groups' losses.
+        provider: "cpu" (one kernel forward and one backward, CPU tensors) or "torch" (plain torch, which
+            autograd differentiates and ``torch.compile`` fuses); None selects automatically.
+    """
+    what = "torsh_kernels.moe_aux_loss"
+    routing = check_routing_of(routing, what, "experts")
+    x = _check_tensor(logits_or_probs, what, "logits_or_probs")
+    check_act_dtype(x, what, "logits_or_probs")
+    if tuple(x.shape) != (routing.num_tokens, routing.num_experts):
+        raise ShapeError(
+            f"{what}: logits_or_probs has shape {tuple(x.shape)}; the routing is for "
+            f"[T={routing.num_tokens}, E={routing.num_experts}]"
+        )
+    if not (x.is_cpu and routing.indices.is_cpu) and x.device != routing.indices.device:
+        raise DeviceMismatchError(f"{what}: logits_or_probs is on {x.device}, the routing on {routing.indices.device}")
+    if not x.is_contiguous():
+        _check_strided(x, what, "logits_or_probs")
+    if scale != "balanced-one":
+        check_choice(scale, what, "scale", AUX_SCALES)
+    if groups is not None:
+        groups = check_groups(groups, routing.num_tokens, what)
+    return _aux_loss(_loss_provider(_aux_loss, x, provider), x, routing, bool(from_probs), scale, groups)
+
+
+def moe_z_loss(logits: torch.Tensor, *, provider: str | None = None) -> torch.Tensor:
+    """The router z-loss ``mean_t logsumexp(logits[t])**2`` (fp32 scalar, differentiable). ``provider`` as
+    for :func:`moe_aux_loss`."""
+    logits = check_logits(logits, "torsh_kernels.moe_z_loss")
+    _check_strided(logits, "torsh_kernels.moe_z_loss", "logits")
+    return _z_loss(_loss_provider(_z_loss, logits, provider), logits)
+
+
+# The losses' providers: torch (the references: autograd differentiates them, torch.compile fuses them)
+# and, on the CPU, one kernel forward and one backward (an autograd Function; a backward that must itself be
+# differentiable, create_graph=True, runs the same gradient formula in torch ops). Under torch.compile, a
+# mode, or for a tensor subclass the torch formulas run.
+_aux_loss = Op("moe_aux_loss")
+_z_loss = Op("moe_z_loss")
+_aux_loss.register("torch")(
+    lambda x, routing, from_probs, scale, groups: moe_aux_loss_ref(
+        x, routing, from_probs=from_probs, scale=scale, groups=groups
+    )
+)
+_z_loss.register("torch")(moe_z_loss_ref)
+
+
+def _loss_kernel_ok(x: torch.Tensor) -> bool:
+    return type(x) in _eager._PLAIN and x.shape[0] > 0 and _eager.fast()
+
+
+def _loss_provider(op, x: torch.Tensor, provider: str | None) -> str:
+    if _eager.compiling() or x.is_meta:  # the torch formula (dynamo traces it; meta: shapes only); no selection
+        op.check_traced(x.device, provider)  # state read while tracing
+        return "torch"
+    name = op.select(x.device, x.dtype, x.numel(), provider or None)
+    return "torch" if name == "cpu" and not _loss_kernel_ok(x) else name
+
+
+@_aux_loss.register("cpu")
+def _aux_loss_cpu(x, routing, from_probs, scale, groups):
+    M = _cpu_kernels()
+    mode = M.PROBS if from_probs else M.SOFTMAX if routing.score == "softmax" else M.SIGMOID
+    kf = routing.k if scale == "balanced-one" else 1
+    return M.aux_loss(x.float().contiguous(), mode, routing.indices, kf, groups)
+
+
+@_z_loss.register("cpu")
+def _z_loss_cpu(x):
+    M = _cpu_kernels()
+    return M.z_loss(x.float().contiguous())

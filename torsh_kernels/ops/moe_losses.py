@@ -19,7 +19,7 @@ from .registry import Op
 
 __all__ = ["moe_aux_loss", "moe_z_loss"]
 
-_cpu_kernels = _eager.lazy_module("_moe_cpu")  # the cpu provider's kernels
+_cpu_kernels = _eager.lazy_module("_moe_cpu_losses")  # the cpu provider's kernels
 
 
 def moe_aux_loss(

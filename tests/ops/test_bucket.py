@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 import torsh_kernels as tk
 from tests.helpers import DEVICE, DTYPE_TOLS, poison, rand
 from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
-from torsh_kernels.ops import _bucket_tables, _common
+from torsh_kernels.ops import _common
 from torsh_kernels.ops.bucket import BucketLayout, bucket_reduce_ref, flatten_ref, unflatten_ref, wire_cast_ref
+from torsh_kernels.ops.bucket import tables as bucket_tables
 
 COUNTS = (1, 3, 130, pytest.param(600, marks=pytest.mark.slow))  # 600 tensors: tens of seconds interpreted
 
@@ -51,7 +52,7 @@ def test_test_tensors_cover_every_kernel_path(gen):
     dimensions, and the contiguous-copy fallback (5 dimensions)."""
     dims = set()
     for t in make_tensors(13, torch.float32, gen):
-        g = _bucket_tables._geometry(t)
+        g = bucket_tables._geometry(t)
         dims.add("fallback" if g is None else ("contiguous" if g[0] else sum(1 for s in g[1] if s > 1)))
     assert {"contiguous", 2, 3, 4, "fallback"} <= dims, dims
 
@@ -190,7 +191,7 @@ def mixed_bucket(dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]
 
 
 def test_copy_plan_covers_every_element_once_in_three_variants(gen):
-    from torsh_kernels.ops._bucket_tables import N_SHIFT, copy_plan
+    from torsh_kernels.ops.bucket.tables import N_SHIFT, copy_plan
 
     tensors = [t.cpu() for t in mixed_bucket(torch.float32, gen)]
     offsets = BucketLayout.for_tensors(tensors).offsets
@@ -260,11 +261,11 @@ def test_triton_gather_with_64_bit_index_math(gen, monkeypatch):
     """The IDX64 gather (extents of 2**31 elements or more), on small tensors: the threshold lowered."""
     from collections import OrderedDict
 
-    monkeypatch.setattr(_bucket_tables, "_I32", 0)
+    monkeypatch.setattr(bucket_tables, "_I32", 0)
     monkeypatch.setattr(_common, "_TABLES", OrderedDict())  # no plan built with the real threshold
     tensors = mixed_bucket(torch.float32, gen)
     layout = BucketLayout.for_tensors(tensors)
-    plan = _bucket_tables.copy_plan(tensors, layout.offsets, torch.empty(layout.total, device=DEVICE), True, True,
+    plan = bucket_tables.copy_plan(tensors, layout.offsets, torch.empty(layout.total, device=DEVICE), True, True,
                                     2048, 512)  # fmt: skip
     assert plan[-1].kernel == "gather" and plan[-1].meta["IDX64"] and plan[-1].meta["BLOCK"] == 128
     flat, _ = tk.flatten(tensors, out=poison((layout.total,), torch.float32), provider="triton")
@@ -411,11 +412,11 @@ class _LaunchCounter:
 
 def _count_copy_launches(monkeypatch) -> list[str]:
     """Patches the Triton copy kernels; the returned list gets one entry per launch (the kernel's name)."""
-    from torsh_kernels.ops import _bucket_triton
+    from torsh_kernels.ops.bucket import triton as bucket_triton
 
     launches: list[str] = []
     for name in ("_segment_kernel", "_gather_kernel"):
-        monkeypatch.setattr(_bucket_triton, name, _NamedCounter(getattr(_bucket_triton, name), name, launches))
+        monkeypatch.setattr(bucket_triton, name, _NamedCounter(getattr(bucket_triton, name), name, launches))
     return launches
 
 
@@ -467,10 +468,10 @@ def test_numba_launch_count_does_not_grow_with_tensor_count(gen, monkeypatch):
 @pytest.mark.parametrize(("n", "launches"), [(4096, 1), (5000, 2), (7, 1)])
 def test_triton_bucket_reduce_bulk_and_tail_launches(n, launches, gen, monkeypatch):
     """One launch for the bulk (a multiple of 16 elements), one for the tail, only when there is one."""
-    from torsh_kernels.ops import _bucket_triton
+    from torsh_kernels.ops.bucket import triton as bucket_triton
 
-    counter = _LaunchCounter(_bucket_triton._bucket_reduce_kernel)
-    monkeypatch.setattr(_bucket_triton, "_bucket_reduce_kernel", counter)
+    counter = _LaunchCounter(bucket_triton._bucket_reduce_kernel)
+    monkeypatch.setattr(bucket_triton, "_bucket_reduce_kernel", counter)
     buffers = [rand((n,), torch.float32, gen) for _ in range(7)]
     res = tk.bucket_reduce(buffers, provider="triton")
     assert counter.launches == launches

@@ -24,7 +24,8 @@ def poison(shape, dtype, device=CPU) -> torch.Tensor:
     return torch.full((shape,) if isinstance(shape, int) else shape, float("nan"), dtype=dtype, device=device)
 
 
-bucket = sys.modules["torsh_kernels.ops.bucket"]
+bucket_api = sys.modules["torsh_kernels.ops.bucket.api"]
+bucket_plans = sys.modules["torsh_kernels.ops.bucket.plans"]
 
 
 @pytest.fixture
@@ -244,8 +245,8 @@ def test_flatten_plan_found_by_address_for_fresh_views(monkeypatch):
     out = torch.empty(12)
     tk.flatten([base[:7], base[7:].view(5, 1)], out=out)
     seen = []
-    real = bucket._check_tensor_list
-    monkeypatch.setattr(bucket, "_check_tensor_list", lambda *a: (seen.append(1), real(*a))[1])
+    real = bucket_api.check_tensor_list
+    monkeypatch.setattr(bucket_api, "check_tensor_list", lambda *a: (seen.append(1), real(*a))[1])
     for _ in range(3):
         out.zero_()
         tk.flatten([base[:7], base[7:].view(5, 1)], out=out)
@@ -261,8 +262,8 @@ def test_fresh_lists_of_many_layouts_keep_their_plans(monkeypatch):
     for b, o in zip(bases, outs):
         tk.flatten([b[:3], b[3:]], out=o)
     seen = []
-    real = bucket._check_tensor_list
-    monkeypatch.setattr(bucket, "_check_tensor_list", lambda *a: (seen.append(1), real(*a))[1])
+    real = bucket_api.check_tensor_list
+    monkeypatch.setattr(bucket_api, "check_tensor_list", lambda *a: (seen.append(1), real(*a))[1])
     for _ in range(4):
         for b, o in zip(bases, outs):
             tk.flatten([b[:3], b[3:]], out=o)
@@ -279,7 +280,7 @@ def test_unflatten_cache_does_not_keep_the_bucket_alive():
     del flat
     gc.collect()
     assert ref() is None
-    assert not any(p.flat_ref is not None and p.flat_ref() is not None for p in bucket._UNFLAT_PLANS.data.values()
+    assert not any(p.flat_ref is not None and p.flat_ref() is not None for p in bucket_plans.UNFLAT_PLANS.data.values()
                    if p.layout is layout)  # fmt: skip
 
 

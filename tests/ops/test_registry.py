@@ -11,15 +11,16 @@ import torch
 
 import torsh_kernels as tk
 from tests.helpers import DEVICE
-from torsh_kernels.ops import bucket, registry
+from torsh_kernels.ops import registry
+from torsh_kernels.ops.bucket import providers as bucket
 
 
 @pytest.fixture
 def calls(monkeypatch):
     """Record which provider implementation of flatten runs (the real implementations still run)."""
     seen: list[str] = []
-    for name, fn in list(bucket._flatten.impls.items()):
-        monkeypatch.setitem(bucket._flatten.impls, name, lambda *a, _n=name, _f=fn: (seen.append(_n), _f(*a)))
+    for name, fn in list(bucket.flatten_impl.impls.items()):
+        monkeypatch.setitem(bucket.flatten_impl.impls, name, lambda *a, _n=name, _f=fn: (seen.append(_n), _f(*a)))
     return seen
 
 
@@ -184,7 +185,7 @@ def test_default_tuned_lookup_is_the_tuning_cache_reader():
 def test_selection_is_resolved_once_per_size_bucket_until_reload():
     seen = []
     registry.set_tuned_lookup(lambda op, dev, dtype, size: seen.append(size) or "numba")
-    sel = bucket._flatten.select
+    sel = bucket.flatten_impl.select
     assert [sel(DEVICE, torch.float32, n, None) for n in (1000, 1000, 600, 1024)] == ["numba"] * 4
     assert seen == [1000], "one lookup for the 2^10 bucket"
     assert sel(DEVICE, torch.float32, 1025, None) == "numba" and seen == [1000, 1025]

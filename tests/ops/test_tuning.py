@@ -13,7 +13,7 @@ import torch
 
 import torsh_kernels as tk
 from torsh_kernels.ops import registry, tuning
-from torsh_kernels.ops.bucket import _flatten
+from torsh_kernels.ops.bucket.providers import flatten_impl
 
 CPU = torch.device("cpu")
 
@@ -49,14 +49,14 @@ def test_hand_written_winner_reaches_selection_and_the_launchers():
     """A winner in the cache: automatic selection takes its provider, the launchers its meta-parameters."""
     write_cache({"flatten | float32 | 2^12": {"provider": "triton", "meta": {"BLOCK": 1024, "num_warps": 2},
                                               "median_ms": 1.0}})  # fmt: skip
-    assert _flatten.select(CPU, torch.float32, 3000, None) == "triton"
+    assert flatten_impl.select(CPU, torch.float32, 3000, None) == "triton"
     assert registry.tuned_meta("flatten", CPU, torch.float32, 3000, "triton") == {"BLOCK": 1024, "num_warps": 2}
     assert registry.tuned_meta("flatten", CPU, torch.float32, 3000, "numba") == {}
     xs = [torch.randn(1500), torch.randn(1499)]
     assert torch.equal(tk.flatten(xs)[0], torch.cat(xs)), "the tuned provider and BLOCK give the right result"
     # another bucket, another dtype: no winner, the device default
-    assert _flatten.select(CPU, torch.float32, 5000, None) == registry.default_provider(CPU)
-    assert _flatten.select(CPU, torch.bfloat16, 3000, None) == registry.default_provider(CPU)
+    assert flatten_impl.select(CPU, torch.float32, 5000, None) == registry.default_provider(CPU)
+    assert flatten_impl.select(CPU, torch.bfloat16, 3000, None) == registry.default_provider(CPU)
 
 
 def test_a_replaced_cache_file_is_reread():

@@ -101,6 +101,7 @@ def _triton_kernels() -> list[Any]:
     """Every JITFunction of the ops package's Triton modules and of the anchors (imported here: the launchers
     import them on first use, after which a wrapper could no longer be put in place)."""
     import importlib
+    import importlib.util
     import pkgutil
 
     from triton.runtime.jit import JITFunction
@@ -108,8 +109,11 @@ def _triton_kernels() -> list[Any]:
     from .. import ops
     from . import anchors
 
-    mods = [anchors] + [importlib.import_module(f"{ops.__name__}.{m.name}") for m in pkgutil.iter_modules(ops.__path__)
-                        if m.name.endswith("_triton")]  # fmt: skip
+    names = [m.name for m in pkgutil.iter_modules(ops.__path__) if m.name.endswith("_triton")]
+    # a family that is a package (ops/bucket/) keeps its Triton kernels in its module triton.py
+    names += [f"{m.name}.triton" for m in pkgutil.iter_modules(ops.__path__)
+              if m.ispkg and importlib.util.find_spec(f"{ops.__name__}.{m.name}.triton")]  # fmt: skip
+    mods = [anchors] + [importlib.import_module(f"{ops.__name__}.{n}") for n in names]
     return [v for mod in mods for v in vars(mod).values() if isinstance(v, JITFunction)]
 
 

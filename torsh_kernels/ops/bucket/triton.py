@@ -1,4 +1,4 @@
-"""Triton kernels of the bucket op family (see bucket.py).
+"""Triton kernels of the bucket op family (see ``providers.py``).
 
 Imported by the triton launchers on first use, so ``import torsh_kernels`` does not import Triton. Triton
 reads ``TRITON_INTERPRET`` when these kernels are defined, i.e. on that first import.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton import _cast, _nonfinite
+from .._triton import _cast, _nonfinite
 
 
 @triton.jit
@@ -51,8 +51,8 @@ def _segment_kernel(
     COMPUTE_F64: tl.constexpr,
 ):
     """dst = cast(src * scale [+ dst]) over one tile of a contiguous segment: flat -> tensor, or tensor -> flat
-    with TO_FLAT. A program's row (``_bucket_tables.copy_plan``), read with one 128-bit load: the tile's tensor
-    address, and its flat offset | its element count << 48 (``_bucket_tables.N_SHIFT``). The host built the
+    with TO_FLAT. A program's row (``tables.copy_plan``), read with one 128-bit load: the tile's tensor
+    address, and its flat offset | its element count << 48 (``tables.N_SHIFT``). The host built the
     rows so that every count is a multiple of 16 elements and each side's address (flat_ptr + the offset, for
     the flat side) a multiple of ALIGN_TENSOR / ALIGN_FLAT bytes (16 on at least one side), stated here: the
     accesses on a 16-byte side are 128-bit, on the other as wide as its alignment allows."""
@@ -134,7 +134,7 @@ def _gather_kernel(
 
 
 def copy(plan, flat, tensor_ref, scale_bits: int, has_scale: bool, accumulate: bool, f64: bool, warps: int) -> None:
-    """Launch a copy plan (``_bucket_tables.copy_plan``) between ``flat`` and tensors of ``tensor_ref``'s dtype:
+    """Launch a copy plan (``tables.copy_plan``) between ``flat`` and tensors of ``tensor_ref``'s dtype:
     one launch per variant it holds."""
     for ln in plan:
         common = dict(HAS_SCALE=has_scale, ACCUMULATE=accumulate, COMPUTE_F64=f64, num_warps=warps,
@@ -143,6 +143,26 @@ def copy(plan, flat, tensor_ref, scale_bits: int, has_scale: bool, accumulate: b
             _segment_kernel[(ln.n_tiles,)](ln.rows, flat, tensor_ref, scale_bits, **ln.meta, **common)
         else:
             _gather_kernel[(ln.n_tiles,)](ln.rows, ln.tiles, flat, tensor_ref, scale_bits, **ln.meta, **common)
+
+
+def bucket_reduce(ptrs, out, ref, k: int, op: int, f64: bool, aligned: bool, warps: int, spans) -> None:
+    """Reduce the ``k`` buffers at the addresses in ``ptrs`` into ``out`` (``op``: the OP constexpr), one launch
+    per (grid, start, end, BLOCK) of ``spans``."""
+    for grid, start, end, block in spans:
+        _bucket_reduce_kernel[grid](
+            ptrs, out, ref, start, end, k,
+            BLOCK=block, OP=op, COMPUTE_F64=f64, ALIGNED=aligned, num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+
+
+def wire_cast(x, out, bad, divisor: float, count_bad: bool, warps: int, spans) -> None:
+    """``out = dtype(dtype(x) / divisor)``, counting the NaN/Inf written into ``bad``, one launch per (grid,
+    start, end, BLOCK) of ``spans``."""
+    for grid, start, end, block in spans:
+        _wire_cast_kernel[grid](
+            x, out, bad, start, end, float(divisor), BLOCK=block, DIVIDE=divisor != 1.0,
+            COUNT_BAD=bool(count_bad), num_warps=warps,
+        )  # fmt: skip
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Numba CUDA kernels of the bucket op family (see bucket.py).
+"""Numba CUDA kernels of the bucket op family (see ``providers.py``).
 
 Imported on first use of the numba provider, so that importing torsh_kernels does not import Numba.
 Kernels are built per dtype combination: Numba specialises them on the load/store helpers they close
@@ -13,7 +13,7 @@ from functools import cache
 import torch
 from numba import cuda, float32
 
-from . import _numba as nb
+from .. import _numba as nb
 
 
 @cuda.jit(device=True, inline=True)

@@ -1,7 +1,7 @@
-"""CPU kernel (Numba's CPU target) of the bucket family's wire cast (see bucket.py).
+"""CPU kernel (Numba's CPU target) of the bucket family's wire cast (see ``providers.py``).
 
 Imported on the cpu provider's first launch. (flatten, unflatten and bucket_reduce run torch's own
-one-pass kernels under the cpu provider: see bucket.py.) The wire cast is one pass: fp32 -> fp16 by
+one-pass kernels under the cpu provider: see ``providers.py``.) The wire cast is one pass: fp32 -> fp16 by
 LLVM's ``fptrunc`` to ``half`` (the CPU's F16C conversion where it has one: round to nearest even, as
 PyTorch's), fp32 -> bf16 by integer round to nearest even (NaN -> 0x7FC0, as PyTorch), the division by
 the world size in fp32 and the second rounding, the NaN/Inf count from the result's bits; the loop
@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._cpu import bits_f32, carray, f32, f32_bits, jit, p_f32, p_i16
+from .._cpu import bits_f32, carray, f32, f32_bits, jit, p_f32, p_i16
 
 F16, BF16, F32 = 0, 1, 2  # the wire dtypes, as the kernel takes them
 
@@ -80,10 +80,10 @@ def wire_cast_ptr(xp, op, n, wire, divisor, divide):
     return bad
 
 
-_WIRE = {torch.float16: F16, torch.bfloat16: BF16, torch.float32: F32}
+WIRE = {torch.float16: F16, torch.bfloat16: BF16, torch.float32: F32}
 
 
 def wire_cast(x: torch.Tensor, out: torch.Tensor, divisor: float, count_bad: bool) -> int:
     x = f32(x)
-    bad = wire_cast_ptr(x.data_ptr(), out.data_ptr(), x.numel(), _WIRE[out.dtype], np.float32(divisor), divisor != 1.0)
+    bad = wire_cast_ptr(x.data_ptr(), out.data_ptr(), x.numel(), WIRE[out.dtype], np.float32(divisor), divisor != 1.0)
     return bad if count_bad else 0

@@ -9,7 +9,7 @@ tensors into launches (one per dtype; for Numba also per address alignment) and 
 tensors whose strides need more than ``MAX_DIMS`` dimensions.
 
 Triton: a copy plan (:func:`copy_plan`, cached the same way, with the flat buffer's address modulo 16) splits
-each dtype group into at most three launches, each a constexpr variant of its kernel (``_bucket_triton.py``):
+each dtype group into at most three launches, each a constexpr variant of its kernel (``triton.py``):
 
 - ``segments``, both sides aligned: element ranges of contiguous tensors that start where the source and the
   destination address are both 16-byte aligned and whose length is a multiple of 16 elements; the kernel
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._common import _cached, _stream_key
+from .._common import _cached, _stream_key
 
 MAX_DIMS = 4
 NCOLS = 12  # table columns: addr, numel, flat_off, first_tile, contig, size1..3, stride0..3
@@ -77,7 +77,7 @@ def _rows(
     return rows, tiles
 
 
-def _tables(
+def launch_tables(
     tensors: Sequence[torch.Tensor],
     offsets: Sequence[int],
     addrs: Sequence[int],
@@ -107,7 +107,7 @@ def _tables(
     return _cached(key, build)
 
 
-def _by_dtype(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
+def by_dtype(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
     """Non-empty tensors grouped by dtype, with their flat offsets: one launch per group."""
     if len({t.dtype for t in tensors}) == 1 and all(t.numel() for t in tensors):
         return [(tensors[0].dtype, (tensors, offsets))]
@@ -120,12 +120,12 @@ def _by_dtype(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
     return list(groups.items())
 
 
-def _readable(t: torch.Tensor) -> torch.Tensor:
+def readable(t: torch.Tensor) -> torch.Tensor:
     """A tensor the kernels can read: itself, or a contiguous copy if its strides need > MAX_DIMS dims."""
     return t if t.is_contiguous() or _geometry(t) is not None else t.contiguous()
 
 
-class _Writable:
+class Writable:
     """Destinations the kernels can write: each tensor, or a contiguous stand-in copied back after."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], accumulate: bool) -> None:
@@ -144,17 +144,17 @@ class _Writable:
             t.copy_(tmp)
 
 
-def _scale_bits(scale: float) -> int:
+def scale_bits(scale: float) -> int:
     """The fp64 bit pattern of ``scale`` as a signed int64; kernels bitcast it back, so fp64 compute
     gets the exact scale and fp32 compute rounds it once, as PyTorch does for a Python scalar."""
     return struct.unpack("<q", struct.pack("<d", scale))[0]
 
 
-def _numba_groups(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
-    """Like _by_dtype, but also split by address modulo the element size, so every tensor of a group
+def numba_groups(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
+    """Like by_dtype, but also split by address modulo the element size, so every tensor of a group
     sits a whole number of elements from the group's lowest address."""
     out: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
-    for dtype, (ts, offs) in _by_dtype(tensors, offsets):
+    for dtype, (ts, offs) in by_dtype(tensors, offsets):
         for t, off in zip(ts, offs):
             g = out.setdefault((dtype, t.data_ptr() % t.element_size()), ([], []))
             g[0].append(t)
@@ -248,7 +248,7 @@ def copy_plan(
     gen_block: int,
 ) -> list[Launch]:
     """The launches that copy one dtype group between ``tensors`` and their ``offsets`` in ``flat`` (into flat
-    when ``to_flat``: flatten; out of it: unflatten), cached like :func:`_tables`. The rows hold flat offsets,
+    when ``to_flat``: flatten; out of it: unflatten), cached like :func:`launch_tables`. The rows hold flat offsets,
     not addresses, so only the flat buffer's address modulo 16 is in the key (a new buffer per step reuses the
     plan). ``prefer_tensor``: tensors whose two sides cannot both be aligned are aligned on the tensor's side
     (else the flat side). Empty variants are left out."""

@@ -16,7 +16,7 @@ import torsh_kernels.profiling.autotune as A
 from torsh_kernels.apps.cli import main
 from torsh_kernels.collectives import run_local
 from torsh_kernels.ops import registry
-from torsh_kernels.ops.bucket import _flatten
+from torsh_kernels.ops.bucket.providers import flatten_impl
 
 CPU = torch.device("cpu")
 
@@ -109,7 +109,7 @@ def test_dispatcher_uses_cached_winners_for_real_ops():
     assert str(r.winner) == fastest and r.winner_ms == r.timings[fastest]["median_ms"]
     assert r.winner.provider in ("torch", "triton", "numba")
     assert len(r.timings) + len(r.pruned) >= 3
-    assert _flatten.select(CPU, torch.float32, 900, None) == r.winner.provider  # automatic selection
+    assert flatten_impl.select(CPU, torch.float32, 900, None) == r.winner.provider  # automatic selection
     # (a winner written by hand, its meta-parameters reaching the launchers: tests/ops/test_tuning.py)
 
 
@@ -127,7 +127,7 @@ def _sync_worker(comm, root):
     return (
         n,
         {k: (v["provider"], v.get("synced_from_rank")) for k, v in got.items()},
-        _flatten.select(torch.device("cpu"), torch.float32, 3000, None),
+        flatten_impl.select(torch.device("cpu"), torch.float32, 3000, None),
     )
 
 

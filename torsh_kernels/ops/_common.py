@@ -335,7 +335,7 @@ class _Memo:
 # --------------------------------------------------------------------------------------------------
 # Launch tables, cached per (device, stream, contents)
 
-_TABLES: OrderedDict[tuple, object] = OrderedDict()  # launch tables: _ptr_table, _bucket_tables._tables
+_TABLES: OrderedDict[tuple, object] = OrderedDict()  # launch tables: _ptr_table, bucket/tables.py's launch_tables
 _TABLES_MAX = 64
 
 

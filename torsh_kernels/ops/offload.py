@@ -41,8 +41,8 @@ from ..errors import (
 )
 from . import _eager
 from ._common import Sealable, _check_strided, _no_overlap
-from .bucket import _TORCH_IMPL, BucketLayout, flatten, unflatten
-from .bucket import _flatten as _flatten_op
+from .bucket import BucketLayout, flatten, unflatten
+from .bucket.providers import TORCH_IMPL, flatten_impl
 from .quantize import dequantize, quantize
 from .registry import check_provider
 
@@ -249,7 +249,7 @@ def _(x, codes, check_range, provider):
 def _torch_path(t: torch.Tensor, provider: str | None) -> bool:
     """Whether the cast runs with the torch implementation (the torch provider, or the cpu provider, whose
     bucket ops are torch's): then as one torch copy."""
-    return _flatten_op.select(t.device, t.dtype, t.numel(), provider or None) in _TORCH_IMPL
+    return flatten_impl.select(t.device, t.dtype, t.numel(), provider or None) in TORCH_IMPL
 
 
 def pack(

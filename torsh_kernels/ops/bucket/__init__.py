@@ -37,12 +37,8 @@ from __future__ import annotations
 
 from .api import bucket_reduce, flatten, unflatten, wire_cast
 from .layout import FLOAT_DTYPES, REDUCE_OPS, WIRE_DTYPES, BucketLayout
-from .providers import GATHER_BLOCK, NUMBA_TILE, TORCH_IMPL, TRITON_BLOCK, TRITON_WARPS, flatten_impl
+from .providers import GATHER_BLOCK, NUMBA_TILE, TRITON_BLOCK, TRITON_WARPS
 from .reference import bucket_reduce_ref, flatten_ref, unflatten_ref, wire_cast_ref
-
-# the names importers outside the family used when it was one module (ops/offload.py, the autotune tests)
-_TORCH_IMPL = TORCH_IMPL
-_flatten = flatten_impl
 
 __all__ = [
     "FLOAT_DTYPES",

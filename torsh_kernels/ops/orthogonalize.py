@@ -292,6 +292,30 @@ def _check_finite(mats: list[torch.Tensor]) -> None:
 _cpu_kernels = _eager.lazy_module("_orthogonalize_cpu")  # the cpu provider's kernels, for the fast paths
 
 
+def _checked_matrices(matrices: object, what: str) -> list[torch.Tensor]:
+    """``orthogonalize``'s matrices as a list (a 3-D batch as one entry), checked: dtypes, one dtype, one
+    device, one column count, contiguous."""
+    if isinstance(matrices, torch.Tensor) and matrices.dim() == 3:  # one batch: validated and passed whole
+        _check_dtype(matrices, what, "matrices", ORTHO_DTYPES)
+        if not matrices.is_contiguous():
+            raise ShapeError(f"{what}: matrices must be contiguous (they are orthogonalised in place)")
+        mats = [matrices]
+    else:
+        mats = _matrix_list(matrices, what)
+    m0 = mats[0] if mats else None
+    for i, m in enumerate(mats):
+        _check_dtype(m, what, f"matrices[{i}]", ORTHO_DTYPES)
+        if m.dtype != m0.dtype:
+            raise DTypeError(f"{what}: matrices[{i}] is {m.dtype}, matrices[0] is {m0.dtype}")
+        if m.device != m0.device:
+            raise DeviceMismatchError(f"{what}: matrices[{i}] is on {m.device}, matrices[0] on {m0.device}")
+        if m.shape[-1] != m0.shape[-1]:
+            raise ShapeError(f"{what}: matrices[{i}] has {m.shape[-1]} columns, matrices[0] has {m0.shape[-1]}")
+        if not m.is_contiguous():
+            raise ShapeError(f"{what}: matrices[{i}] must be contiguous (it is orthogonalised in place)")
+    return mats
+
+
 def orthogonalize(
     matrices: torch.Tensor | Sequence[torch.Tensor],
     *,
@@ -332,26 +356,10 @@ def orthogonalize(
             return matrices
     what = "torsh_kernels.orthogonalize"
     check_provider(provider)
-    if isinstance(matrices, torch.Tensor) and matrices.dim() == 3:  # one batch: validated and passed whole
-        _check_dtype(matrices, what, "matrices", ORTHO_DTYPES)
-        if not matrices.is_contiguous():
-            raise ShapeError(f"{what}: matrices must be contiguous (they are orthogonalised in place)")
-        mats = [matrices]
-    else:
-        mats = _matrix_list(matrices, what)
+    mats = _checked_matrices(matrices, what)
     if not mats:
         return matrices
     m0 = mats[0]
-    for i, m in enumerate(mats):
-        _check_dtype(m, what, f"matrices[{i}]", ORTHO_DTYPES)
-        if m.dtype != m0.dtype:
-            raise DTypeError(f"{what}: matrices[{i}] is {m.dtype}, matrices[0] is {m0.dtype}")
-        if m.device != m0.device:
-            raise DeviceMismatchError(f"{what}: matrices[{i}] is on {m.device}, matrices[0] on {m0.device}")
-        if m.shape[-1] != m0.shape[-1]:
-            raise ShapeError(f"{what}: matrices[{i}] has {m.shape[-1]} columns, matrices[0] has {m0.shape[-1]}")
-        if not m.is_contiguous():
-            raise ShapeError(f"{what}: matrices[{i}] must be contiguous (it is orthogonalised in place)")
     # While torch.compile traces, or on meta tensors (no memory, no values: the op's fake implementation
     # runs), the memory and NaN/Inf checks are left to the op (at run time) or have nothing to read.
     traced = _eager.compiling() or m0.is_meta

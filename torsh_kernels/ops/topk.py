@@ -508,6 +508,23 @@ def topk_decompress(
                 pass
     what = "torsh_kernels.topk_decompress"
     check_provider(provider)
+    values, indices = _check_payload(values, indices, what)
+    numel = check_int(numel, what, "numel", 0)
+    alpha = _check_alpha(alpha, what)
+    # the index range and memory checks run in the op while torch.compile traces (meta: nothing to check)
+    traced = _eager.deferred(values, indices, out if isinstance(out, torch.Tensor) else None)
+    if not traced:
+        _check_index_range(indices, numel)  # (before out is allocated: an index names the size it needs)
+    out, of = _decode_out(out, numel, dtype or values.dtype, values.device, what, bool(accumulate))
+    if not traced:
+        _decompress_overlaps(of, values, indices)
+    _eager.call(_topk_decompress_op, (2,), values.contiguous(), indices.contiguous(), of, bool(accumulate), alpha,
+                provider or "", traced)  # fmt: skip
+    return out
+
+
+def _check_payload(values: object, indices: object, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_decompress``'s (values, indices), checked: tensors, dtypes, 1-D of one length, one device."""
     values = _check_tensor(values, what, "values")
     indices = _check_tensor(indices, what, "indices")
     _check_dtype(values, what, "values")
@@ -520,24 +537,4 @@ def topk_decompress(
         )
     if values.device != indices.device:
         raise DeviceMismatchError(f"{what}: values are on {values.device}, indices on {indices.device}")
-    numel = check_int(numel, what, "numel", 0)
-    alpha = _check_alpha(alpha, what)
-    # the index range and memory checks run in the op while torch.compile traces (meta: nothing to check)
-    traced = _eager.deferred(values, indices, out if isinstance(out, torch.Tensor) else None)
-    if not traced:
-        _check_index_range(indices, numel)  # (before out is allocated: an index names the size it needs)
-    out, of = _decode_out(out, numel, dtype or values.dtype, values.device, what, bool(accumulate))
-    if not traced:
-        _decompress_overlaps(of, values, indices)
-    _eager.call(
-        _topk_decompress_op,
-        (2,),
-        values.contiguous(),
-        indices.contiguous(),
-        of,
-        bool(accumulate),
-        alpha,
-        provider or "",
-        traced,
-    )
-    return out
+    return values, indices

@@ -67,82 +67,22 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from .. import _trace
 from ..collectives.communicator import is_dtensor
-from ..errors import ArgumentTypeError, DTypeError, InvalidArgumentError, LayoutMismatchError, ShapeError
-from ..ops import BucketLayout, Packed, flatten, pack, unflatten, unpack
+from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..ops import Packed, flatten, pack, unflatten, unpack
+from .offload_checks import check_state_dict
+from .offload_chunks import Chunk, chunk_parameters, cuda_device, host_state, like, local
 
 __all__ = ["STATE_FORMATS", "OffloadedOptimizer"]
 
 STATE_FORMATS = ("fp32", "bf16", "fp16", "int8")
 SQRT_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"})
-
-
-def _cuda_device(params: list[torch.Tensor]) -> torch.device | None:
-    devs = {p.device for p in params}
-    if len(devs) > 1:
-        raise InvalidArgumentError(f"OffloadedOptimizer: parameters on several devices {sorted(map(str, devs))}")
-    dev = next(iter(devs))
-    return dev if dev.type == "cuda" else None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2's parameters and gradients: the memory this rank holds and updates),
-    detached; any other tensor as it is."""
-    return t.to_local().detach() if is_dtensor(t) else t
-
-
-def _host_state(v: Any) -> Any:
-    """A host copy of one state entry: tensors of a parameter's shape in fp32, scalars as they are."""
-    if not isinstance(v, torch.Tensor):
-        return v
-    v = _local(v)
-    dtype = torch.float32 if v.is_floating_point() and v.dim() else v.dtype
-    return v.detach().to("cpu", dtype, copy=True)
-
-
-class _Chunk:
-    """Parameters of one group updated together: their fp32 masters and gradients as flat host buffers."""
-
-    __slots__ = ("grad_flat", "grad_views", "group", "h2d_done", "host_has", "inner", "layout", "master_flat",
-                 "masters", "param_meta", "params", "spare")  # fmt: skip
-
-    def __init__(self, group: int, params: list[torch.nn.Parameter], pin: bool) -> None:
-        self.group = group
-        self.params = params
-        local = [_local(p) for p in params]  # a DTensor parameter (FSDP2): its shard, which this rank updates
-        n = sum(t.numel() for t in local)
-        self.master_flat = torch.empty(n, dtype=torch.float32, pin_memory=pin)
-        self.grad_flat = torch.empty(n, dtype=torch.float32, pin_memory=pin)
-        self.layout = BucketLayout.for_tensors(local, torch.float32)
-        self.masters = self.layout.views(self.master_flat)
-        self.grad_views = self.layout.views(self.grad_flat)
-        self.host_has = [False] * len(params)  # offload_gradients="backward": this step's gradient is on the host
-        with torch.no_grad():
-            for m, t in zip(self.masters, local):
-                m.copy_(t.detach())
-        self.inner: torch.optim.Optimizer | None = None
-        self.h2d_done: torch.cuda.Event | None = None
-        self.spare: torch.Tensor | None = None  # offload_gradients="backward": the masters' undo copy in a step
-        self.param_meta = [(tuple(t.shape), t.device) for t in local]  # what the parameters must still be
-
-    def check_params(self, group_index: int) -> None:
-        """The parameters still have the shapes and device the masters were made for (else the step would
-        write some parameters and fail at another): a typed error before anything is touched."""
-        for p, (shape, dev) in zip(self.params, self.param_meta):
-            t = _local(p)
-            if tuple(t.shape) != shape or t.device != dev or not t.is_floating_point():
-                raise LayoutMismatchError(
-                    f"OffloadedOptimizer.step: a parameter of param group {group_index} is now {tuple(t.shape)} "
-                    f"{t.dtype} on {t.device}; its fp32 master was made for {shape} on {dev} when the optimizer was "
-                    "built. "
-                    "Build a new optimizer after changing parameters (shape, device), and load its state dict"
-                )
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -190,22 +130,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for p in all_params:
             if not p.is_floating_point():
                 raise ArgumentTypeError(f"{what}: parameters must be floating point, got {p.dtype}")
-        self._cuda = _cuda_device(all_params) if all_params else None
+        self._cuda = cuda_device(all_params) if all_params else None
         pin = self._cuda is not None
-        self._chunks: list[_Chunk] = []
-        limit = int(self.chunk_mb * (1 << 20)) // 4
-        for gi, g in enumerate(self.param_groups):
-            cur: list[torch.nn.Parameter] = []
-            size = 0
-            for p in g["params"]:
-                n = _local(p).numel()
-                if cur and size + n > limit:
-                    self._chunks.append(_Chunk(gi, cur, pin))
-                    cur, size = [], 0
-                cur.append(p)
-                size += n
-            if cur:
-                self._chunks.append(_Chunk(gi, cur, pin))
+        self._chunks = chunk_parameters(self.param_groups, self.chunk_mb, pin)
         for c in self._chunks:
             hyper = {k: v for k, v in self.param_groups[c.group].items() if k != "params"}
             c.inner = optimizer([{"params": c.masters, **hyper}])
@@ -273,14 +200,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------------------------------- step
 
-    def _gather_grads(self, c: _Chunk, buf: torch.Tensor) -> tuple[list[bool], torch.cuda.Event | None]:
+    def _gather_grads(self, c: Chunk, buf: torch.Tensor) -> tuple[list[bool], torch.cuda.Event | None]:
         """Copy the chunk's gradients into ``buf`` (async on CUDA); which params had one."""
         with _trace.span("offload grads to host", "offload", {"bytes": c.grad_flat.numel() * 4}, device=self._cuda):
             return self._gather_grads_now(c, buf[: c.grad_flat.numel()])
 
-    def _gather_grads_now(self, c: _Chunk, buf: torch.Tensor) -> tuple[list[bool], torch.cuda.Event | None]:
+    def _gather_grads_now(self, c: Chunk, buf: torch.Tensor) -> tuple[list[bool], torch.cuda.Event | None]:
         has = [p.grad is not None for p in c.params]
-        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in c.params]
+        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in c.params]
         self.stats["bytes_to_host"] += buf.numel() * 4
         if self._cuda is None:
             flatten(grads, out=buf)
@@ -294,14 +221,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             ev.record(self._d2h)
         return has, ev
 
-    def _scatter_params(self, c: _Chunk, stage: torch.Tensor | None) -> None:
+    def _scatter_params(self, c: Chunk, stage: torch.Tensor | None) -> None:
         """Write the chunk's updated masters into the parameters (async on CUDA, through ``stage``)."""
         with _trace.span("offload params to device", "offload", {"bytes": c.master_flat.numel() * 4},
                          device=self._cuda):  # fmt: skip
             self._scatter_params_now(c, stage)
 
-    def _scatter_params_now(self, c: _Chunk, stage: torch.Tensor | None) -> None:
-        params = [_local(p).detach() for p in c.params]  # (FSDP2: the shard, in FSDP2's own storage)
+    def _scatter_params_now(self, c: Chunk, stage: torch.Tensor | None) -> None:
+        params = [local(p).detach() for p in c.params]  # (FSDP2: the shard, in FSDP2's own storage)
         self.stats["bytes_to_device"] += c.master_flat.numel() * 4
         if stage is None:
             unflatten(c.master_flat, c.layout, params)
@@ -313,7 +240,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             c.h2d_done = torch.cuda.Event()
             c.h2d_done.record(self._h2d)
 
-    def _update(self, c: _Chunk, has: list[bool], grads: torch.Tensor, backup: torch.Tensor, undo: _Undo) -> None:
+    def _update(self, c: Chunk, has: list[bool], grads: torch.Tensor, backup: torch.Tensor, undo: _Undo) -> None:
         """Update one chunk's masters and state on the host, logging in ``undo`` what it replaces."""
         n = c.master_flat.numel()
         inner_group = c.inner.param_groups[0]
@@ -345,10 +272,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self.state[p] = {"offloaded": self.state_format}
 
     @torch.no_grad()
-    def _grad_ready(self, c: _Chunk, i: int, p: torch.Tensor) -> None:
+    def _grad_ready(self, c: Chunk, i: int, p: torch.Tensor) -> None:
         """offload_gradients="backward": move a gradient to the host as soon as backward produced it (adding
         to the one already there within this step) and free it on the device."""
-        view, g = c.grad_views[i], _local(p.grad)
+        view, g = c.grad_views[i], local(p.grad)
         self.stats["bytes_to_host"] += g.numel() * 4
         if self._cuda is None:
             if c.host_has[i]:
@@ -432,7 +359,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # parameters already written are written again from the restored masters.
         if stage is not None:
             self._h2d.wait_stream(torch.cuda.current_stream(self._cuda))
-        done: list[_Chunk] = []
+        done: list[Chunk] = []
         try:
             for c in chunks:
                 self._scatter_params(c, stage)
@@ -478,7 +405,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 s.update(self._unpacked(m, keep=True))
                 s["master"] = m.detach().clone()
                 if is_dtensor(p):  # sharded like the parameter, so distributed checkpoints save every shard
-                    s = {k: _like(p, v) for k, v in s.items()}
+                    s = {k: like(p, v) for k, v in s.items()}
                 state[index[id(p)]] = s
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
                   for g in self.param_groups]  # fmt: skip
@@ -489,12 +416,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         validated, and the new state built beside the old one, before anything changes: on any error the
         optimizer is as it was."""
         what = "OffloadedOptimizer.load_state_dict"
-        groups, saved_state = self._check_state_dict(state_dict, what)
+        groups, saved_state = check_state_dict(
+            state_dict, self.param_groups, self.optimizer_class, self._state_keys, what
+        )
         ids = [i for saved in groups for i in saved["params"]]
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         # build everything new first (packing may still fail: fp16 refuses magnitudes past 65504)
         masters: list[tuple[torch.Tensor, torch.Tensor]] = []
-        inner: list[tuple[_Chunk, torch.Tensor, dict[str, Any]]] = []
+        inner: list[tuple[Chunk, torch.Tensor, dict[str, Any]]] = []
         packed: dict[int, dict[str, Packed]] = {}
         outer: dict[torch.Tensor, dict[str, str]] = {}
         saved_packed, self._packed = self._packed, packed  # _pack_state writes into the new mapping
@@ -503,10 +432,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 for p, m in zip(c.params, c.masters):
                     s = dict(saved_state.get(ids[position[id(p)]], {}))
                     master = s.pop("master", None)
-                    src = _local(master) if master is not None else _local(p).detach()
+                    src = local(master) if master is not None else local(p).detach()
                     masters.append((m, src.detach().to("cpu", torch.float32, copy=True)))
                     if s:  # host copies; tensor state in fp32 (a plain optimizer's may be on the device, in bf16)
-                        st = {k: _host_state(v) for k, v in s.items()}
+                        st = {k: host_state(v) for k, v in s.items()}
                         self._pack_state(m, st)
                         inner.append((c, m, st))
                         outer[p] = {"offloaded": self.state_format}
@@ -527,120 +456,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.state.update(outer)
         self.stats["state_bytes"] = self._state_bytes()
 
-    def _check_state_dict(self, sd: Any, what: str) -> tuple[list[dict], dict]:
-        """(param groups, state) of a state dict that fits this optimizer, or a typed error naming the first
-        thing that does not: types, group and parameter counts, parameter ids, hyperparameter types, and per
-        parameter its state's keys (those the wrapped optimizer keeps), tensor shapes and dtypes."""
-        if not isinstance(sd, Mapping):
-            raise ArgumentTypeError(f"{what}: expected a dict (from state_dict()), got {type(sd).__name__}")
-        groups, state = sd.get("param_groups"), sd.get("state", {})
-        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
-            raise InvalidArgumentError(
-                f"{what}: {len(groups) if isinstance(groups, list) else repr(groups)} param groups given, this "
-                f"optimizer has {len(self.param_groups)}"
-            )
-        if not isinstance(state, Mapping):
-            raise ArgumentTypeError(f"{what}: 'state' must be a dict of parameter index -> state, got "
-                                    f"{type(state).__name__}")  # fmt: skip
-        seen: set[int] = set()
-        for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
-            if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), list):
-                raise ArgumentTypeError(
-                    f"{what}: param group {gi} must be a dict with a 'params' list, got {saved!r:.80}"
-                )
-            ps = saved["params"]
-            if len(ps) != len(g["params"]):
-                raise InvalidArgumentError(
-                    f"{what}: param group {gi} has {len(ps)} parameters in the state dict and {len(g['params'])} here"
-                )
-            for i in ps:
-                if isinstance(i, bool) or not isinstance(i, (int, str)):  # (str: the names DCP writes)
-                    raise InvalidArgumentError(
-                        f"{what}: param group {gi} lists parameter id {i!r}; expected an int or name"
-                    )
-                if i in seen:
-                    raise InvalidArgumentError(f"{what}: param group {gi} lists parameter id {i!r} twice")
-                seen.add(i)
-            for k, v in saved.items():
-                if k != "params" and k in g and not _same_kind(g[k], v):
-                    raise ArgumentTypeError(f"{what}: param group {gi} has {k}={v!r:.60}; this optimizer's {k} is "
-                                            f"{g[k]!r:.60}, of another type")  # fmt: skip
-        unknown = [k for k in state if k not in seen]
-        if unknown:
-            raise InvalidArgumentError(f"{what}: 'state' holds parameter ids {unknown[:5]} that no param group lists")
-        ids = [i for saved in groups for i in saved["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        for pos, (i, p) in enumerate(zip(ids, params)):
-            s = state.get(i)
-            if s is None:
-                continue
-            if not isinstance(s, Mapping):
-                raise ArgumentTypeError(f"{what}: the state of parameter {i} is a {type(s).__name__}, expected a dict")
-            shape = tuple(_local(p).shape)
-            kinds = self._expected_keys({**self.param_groups[group_of[pos]], **groups[group_of[pos]]})
-            got = {k for k in s if k != "master"}
-            if got and kinds is not None and got != set(kinds):
-                raise InvalidArgumentError(
-                    f"{what}: the state of parameter {i} has keys {sorted(got)}; {self.optimizer_class.__name__} with "
-                    f"these hyperparameters keeps {sorted(kinds)} (is this another optimizer's state dict?)"
-                )
-            for k, v in s.items():
-                if not isinstance(k, str):
-                    raise ArgumentTypeError(f"{what}: the state of parameter {i} has a key {k!r}, expected strings")
-                if isinstance(v, torch.Tensor):
-                    t = _local(v)
-                    if not (t.is_floating_point() or (t.dim() == 0 and k != "master")):
-                        raise DTypeError(f"{what}: {k} of parameter {i} is {t.dtype}; expected a floating-point tensor")
-                    # the master, and states the optimizer keeps in the parameter's shape, must have its shape
-                    param_shaped = k == "master" or (kinds[k] if kinds is not None else t.numel() > 1)
-                    if param_shaped and tuple(t.shape) != shape:
-                        raise ShapeError(
-                            f"{what}: {k} of parameter {i} has shape {tuple(t.shape)}, the parameter {shape}; "
-                            "the state dict belongs to another model (or another sharding)"
-                        )
-                elif k == "master":
-                    raise ArgumentTypeError(
-                        f"{what}: master of parameter {i} is a {type(v).__name__}, expected a tensor"
-                    )
-                elif v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                    raise ArgumentTypeError(f"{what}: {k} of parameter {i} is {v!r:.60}; expected a tensor or a number")
-                elif isinstance(v, float) and not math.isfinite(v):
-                    raise InvalidArgumentError(f"{what}: {k} of parameter {i} is {v}")
-        return groups, state
-
-    def _expected_keys(self, hyper: dict[str, Any]) -> dict[str, bool] | None:
-        """The state keys the wrapped optimizer keeps for a parameter of a group with these hyperparameters,
-        each with whether its value has the parameter's shape, from one step on a throwaway parameter (None
-        when that cannot be run: the keys are not checked then)."""
-        hyper = {k: v for k, v in hyper.items() if k != "params"}
-        key = repr(sorted((k, repr(v)) for k, v in hyper.items()))
-        if key not in self._state_keys:
-            try:
-                t = torch.zeros(2, 3, requires_grad=True)
-                t.grad = torch.ones(2, 3)
-                probe = self.optimizer_class([{"params": [t], **hyper}])
-                probe.step()
-                self._state_keys[key] = {
-                    k: isinstance(v, torch.Tensor) and v.shape == t.shape for k, v in probe.state[t].items()
-                }
-            except Exception:  # an optimizer that needs a closure, say: its keys are not checked
-                self._state_keys[key] = None
-        return self._state_keys[key]
-
-
-def _same_kind(mine: Any, v: Any) -> bool:
-    """Whether a loaded hyperparameter ``v`` is of the kind of this optimizer's ``mine``."""
-    if isinstance(mine, bool):
-        return isinstance(v, bool)
-    if isinstance(mine, (int, float)):
-        return (not isinstance(v, bool) and isinstance(v, (int, float))) or (
-            isinstance(v, torch.Tensor) and v.numel() == 1
-        )
-    if isinstance(mine, (tuple, list)):
-        return isinstance(v, (tuple, list)) and len(v) == len(mine) and all(_same_kind(a, b) for a, b in zip(mine, v))
-    return True
-
 
 class _Undo:
     """What a step replaced, to put back if it fails (see the module docstring)."""
@@ -650,7 +465,7 @@ class _Undo:
     def __init__(self, stats: dict[str, float]) -> None:
         self.stats = dict(stats)
         self.groups: list[tuple[dict, dict]] = []  # (wrapped optimizer's group, its hyperparameters before)
-        self.masters: list[tuple[_Chunk, torch.Tensor]] = []  # (chunk, buffer holding its masters before)
+        self.masters: list[tuple[Chunk, torch.Tensor]] = []  # (chunk, buffer holding its masters before)
         self.states: list[tuple[dict, torch.Tensor, bool, Any, Any]] = []  # (state, master, had, old, old packed)
         self.outer: list[tuple[torch.Tensor, bool, Any]] = []  # (parameter, had, old entry of self.state)
 
@@ -683,12 +498,3 @@ class _Undo:
     def restore_stats(self, opt: OffloadedOptimizer) -> None:
         opt.stats.clear()
         opt.stats.update(self.stats)
-
-
-def _like(p: torch.Tensor, v: Any) -> Any:
-    """A state tensor of the shard's shape as a DTensor placed like parameter ``p``; anything else as it is."""
-    if not isinstance(v, torch.Tensor) or v.dim() == 0:
-        return v
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

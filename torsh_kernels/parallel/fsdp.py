@@ -43,28 +43,18 @@ dequantization, and the reduce-scatter one whose completion includes the fp32 re
 from __future__ import annotations
 
 import math
-import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .._env import fmt_bytes
 from ..collectives.agreement import agree, enabled
 from ..collectives.communicator import TorchCommunicator, as_communicator, is_communicator
-from ..collectives.traffic import wire_bytes as _on_wire
 from ..compression import Compressor, NoCompression, compressed_all_reduce
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from .fsdp_format import FORMATS, QuantizedCommSpec, QuantizedFormat, Wire, encoded_nbytes
-
-try:  # private in torch 2.13 (the public setters take instances of these)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGather
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
-except ImportError:  # pragma: no cover - a torch without FSDP2's comm interfaces
-    _AllGather = _ReduceScatter = object
+from .fsdp_comms import QuantizedAllGather, QuantizedReduceScatter, counting_default_comms
+from .fsdp_format import FORMATS, QuantizedCommSpec, QuantizedFormat, encoded_nbytes
 
 __all__ = [
     "FORMATS",
@@ -83,376 +73,6 @@ __all__ = [
 
 RESIDUAL = "torsh_rs_residual"
 """Name of the error-feedback residual buffer :func:`apply_quantized_comm` registers on an FSDP module."""
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool):
-    f = getattr(dist, "all_gather_single", None)
-    if f is not None:
-        return f(out, x, group=group, async_op=async_op)
-    return dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)  # pragma: no cover - older torch
-
-
-class _Transport:
-    """Where a quantized comm's payload travels: FSDP2's process group (``comm`` None), or a torsh
-    Communicator of the same ranks (NCCL through CuPy, RDMA, from ``make_communicator``)."""
-
-    comm = None
-    _group_comms: dict | None = None
-
-    def _set_checks(self, check_signatures: bool | None, what: str) -> None:
-        self.check_signatures = enabled(check_signatures, what)
-        """Exchange each new call configuration's signature with the other ranks first (module docstring)."""
-        self.signature_checks = 0
-        """Signature exchanges made (one per new call configuration)."""
-        self.signature_s = 0.0
-        """Seconds they took."""
-        self._agreed: set = set()
-
-    def _agree(self, group, key: tuple, fields: list, what: str) -> None:
-        """Before the first call with this configuration: agree on it over FSDP2's group (both the quantized
-        and the plain path use that group, so the exchange happens where the ranks' paths could part)."""
-        if not self.check_signatures or key in self._agreed:
-            return
-        t0 = time.perf_counter()
-        try:
-            agree(self._group_comm(group), f"FSDP2's {what}", fields, what=what,
-                  fix="Install the same comms (apply_quantized_comm with the same settings) on every rank's model, "
-                  "sharded alike.")  # fmt: skip
-        finally:
-            self.signature_checks += 1
-            self.signature_s += time.perf_counter() - t0
-        self._agreed.add(key)
-
-    def _set_comm(self, comm: object, what: str) -> None:
-        if comm is not None and not is_communicator(comm, ("all_gather", "all_to_all", "world_size")):
-            raise ArgumentTypeError(
-                f"{what}: comm must be a torsh Communicator (CupyNcclCommunicator, RdmaCommunicator, ...) or None, "
-                f"got {type(comm).__name__}"
-            )
-        self.comm = comm
-
-    def _check_ranks(self, group, what: str) -> None:
-        ws = dist.get_world_size(group)
-        if self.comm is not None and self.comm.world_size != ws:
-            raise InvalidArgumentError(
-                f"{what}: comm has {self.comm.world_size} ranks, FSDP2's group {ws}; pass a communicator over the "
-                "ranks FSDP2 shards over (the shard mesh dimension)"
-            )
-
-    def _group_comm(self, group) -> TorchCommunicator:
-        """A TorchCommunicator over FSDP2's ``group`` (made once per group)."""
-        if self._group_comms is None:
-            self._group_comms = {}
-        hit = self._group_comms.get(id(group))
-        if hit is None or hit[0] is not group:
-            hit = self._group_comms[id(group)] = (group, TorchCommunicator(group))
-        return hit[1]
-
-    def _over(self, group):
-        """The communicator the payload travels through: the given one, else a TorchCommunicator over
-        FSDP2's group, so that a peer's failure or a timeout raises a typed ``CollectiveError`` rather than
-        the backend's bare ``RuntimeError``."""
-        return self.comm if self.comm is not None else self._group_comm(group)
-
-    def _wire_all_gather(self, recv: torch.Tensor, send: torch.Tensor, group, async_op: bool):
-        return _as_work(self._over(group).all_gather(recv, send, async_op=async_op), async_op)
-
-    def _wire_all_to_all(self, recv: torch.Tensor, send: torch.Tensor, group, async_op: bool):
-        return _as_work(self._over(group).all_to_all(recv, send, async_op=async_op), async_op)
-
-
-def _as_work(handle, async_op: bool):
-    """A torsh handle as the ``dist.Work`` FSDP2 expects (None for a blocking call)."""
-    if not async_op:
-        return None
-    get = getattr(handle, "future", None)
-    fut = get() if get is not None else None
-    if fut is None:
-        handle.wait()
-        fut = torch.futures.Future()
-        fut.set_result(None)
-    return torch._C._distributed_c10d._create_work_from_future(fut)
-
-
-def _flat(t: object, what: str, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_contiguous():
-        raise InvalidArgumentError(f"{what}: {name} must be contiguous (FSDP2 passes flat buffers)")
-    return t.view(-1)
-
-
-class _Allocate:
-    """FSDP2's ``Comm.allocate``: the buffers it fills and passes to the comm, plain ``torch.empty``."""
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class QuantizedAllGather(_Allocate, _Transport, _AllGather):
-    """FSDP2's all-gather with blockwise int8 (or int4) weights; see the module docstring.
-
-    ``shard_group_size``: the size of the group FSDP2 shards over (:func:`apply_quantized_comm` sets it).
-    All-gathers over a smaller group are FSDP2's post-forward ones under ``reshard_after_forward=<int>``
-    (ZeRO++'s hpZ: the backward all-gather within a node): those move the forward's weights, already
-    dequantized, as they are, so backward computes with exactly the weights forward used, and the fast
-    intra-node link carries them in full precision, as hpZ does. None: quantize every all-gather.
-
-    ``comm``: a torsh Communicator over FSDP2's shard ranks to carry the quantized payload instead of
-    FSDP2's process group (``make_communicator("cupy-nccl")``, ...); None: FSDP2's group.
-
-    ``check_signatures``: agree with the other ranks on each new call configuration first (see the module
-    docstring; None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``)."""
-
-    def __init__(self, bits: int = 8, block: int = 256, *, shard_group_size: int | None = None,
-                 comm: object = None, check_signatures: bool | None = None) -> None:  # fmt: skip
-        self.format = QuantizedFormat.build(None, {"bits": bits, "block": block}, "QuantizedAllGather")
-        """What it sends (bits, block): a spec, agreed with the other ranks."""
-        self._set_comm(comm, "QuantizedAllGather")
-        self._set_checks(check_signatures, "QuantizedAllGather")
-        if shard_group_size is not None and (
-            isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1
-        ):
-            raise InvalidArgumentError(
-                f"QuantizedAllGather: shard_group_size must be a positive int or None, got {shard_group_size!r}"
-            )
-        self.bits, self.block, self.shard_group_size = self.format.bits, self.format.block, shard_group_size
-        self.calls = 0
-        """All-gathers run (quantized or passed through)."""
-        self.plain_calls = 0
-        """Of them, those passed through unquantized (non-float inputs, post-forward groups)."""
-        self.bytes_sent = 0
-        """Bytes this rank put on the wire: ``world_size - 1`` payloads per call (a ring all-gather's)."""
-
-    def __repr__(self) -> str:
-        return (
-            f"QuantizedAllGather(bits={self.bits}, block={self.block}, shard_group_size={self.shard_group_size}, "
-            f"calls={self.calls}, plain_calls={self.plain_calls}, sent {fmt_bytes(self.bytes_sent)})"
-        )
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False):  # fmt: skip
-        what = "QuantizedAllGather"
-        out = _flat(output_tensor, what, "output_tensor")
-        x = _flat(input_tensor, what, "input_tensor")
-        ws = dist.get_world_size(group)
-        n = x.numel()
-        if out.numel() != ws * n:
-            raise InvalidArgumentError(
-                f"{what}: output_tensor has {out.numel()} elements, expected world_size ({ws}) x input ({n})"
-            )
-        subgroup = self.shard_group_size is not None and ws < self.shard_group_size
-        plain = x.dtype not in _FLOATS or out.dtype != x.dtype or n == 0 or subgroup
-        if not plain:
-            self._check_ranks(group, what)
-        self._agree(group, (n, x.dtype, out.dtype, ws, plain), [
-            ("path", "unquantized" if plain else "quantized"), *self.format.signature_fields("format"),
-            ("shard_group_size", self.shard_group_size), ("shard numel", n), ("dtype", x.dtype),
-            ("output dtype", out.dtype),
-        ], what)  # fmt: skip
-        self.calls += 1
-        if plain:
-            self.plain_calls += 1
-            self.bytes_sent += _on_wire("all_gather", x.nbytes, ws)
-            try:  # in place on FSDP2's group (its input is a view of its output), as FSDP2's own all-gather
-                return _all_gather(out, x, group, async_op)
-            except Exception as e:
-                raise self._group_comm(group).failure("all_gather", e) from e
-        w = Wire(n, self.bits, self.block)
-        send = torch.empty(w.total, dtype=torch.uint8, device=x.device)
-        w.encode(x, send)  # before anything overwrites x (FSDP2's input is a view of the output)
-        recv = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
-        self.bytes_sent += _on_wire("all_gather", w.total, ws)  # a ring all-gather: ws - 1 segments sent
-        rows = out.view(ws, n)
-
-        def decode() -> None:
-            for r in range(ws):
-                w.decode(recv[r * w.total : (r + 1) * w.total], rows[r])
-
-        if not async_op:
-            self._wire_all_gather(recv, send, group, False)
-            decode()
-            return None
-        work = self._wire_all_gather(recv, send, group, True)
-
-        def done(f: torch.futures.Future) -> None:
-            f.value()  # the collective's error, if any
-            decode()
-
-        return torch._C._distributed_c10d._create_work_from_future(work.get_future().then(done))
-
-
-class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
-    """FSDP2's reduce-scatter as quantized chunks through one all-to-all, reduced in fp32, with an
-    optional error-feedback residual; see the module docstring.
-
-    ``residual``: the fp32 tensor (of the reduce-scatter input's size) holding this rank's residual, or
-    None to allocate one at the first call. :func:`apply_quantized_comm` passes the local part of the
-    module buffer it registers, so the residual is checkpointed with the model."""
-
-    def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = True, *,
-                 residual: torch.Tensor | None = None, comm: object = None,
-                 check_signatures: bool | None = None) -> None:  # fmt: skip
-        self.format = QuantizedFormat.build(None, {"bits": bits, "block": block}, "QuantizedReduceScatter")
-        """What it sends (bits, block): a spec, agreed with the other ranks."""
-        self._set_comm(comm, "QuantizedReduceScatter")
-        self._set_checks(check_signatures, "QuantizedReduceScatter")
-        if not isinstance(error_feedback, bool):
-            raise ArgumentTypeError(
-                f"QuantizedReduceScatter: error_feedback must be a bool, got {type(error_feedback).__name__}"
-            )
-        if residual is not None and (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32):
-            raise ArgumentTypeError("QuantizedReduceScatter: residual must be an fp32 torch.Tensor or None")
-        self.bits, self.block, self.error_feedback = self.format.bits, self.format.block, error_feedback
-        self.residual = residual
-        self.calls = 0
-        self.bytes_sent = 0
-        """Bytes this rank put on the wire (the chunks it sent to the other ranks)."""
-
-    def __repr__(self) -> str:
-        return (
-            f"QuantizedReduceScatter(bits={self.bits}, block={self.block}, error_feedback={self.error_feedback}, "
-            f"calls={self.calls}, sent {fmt_bytes(self.bytes_sent)})"
-        )
-
-    def _scale(self, op, ws: int) -> float:
-        """The factor FSDP2's op applies to the sum: 1 (SUM), 1 / world_size (AVG), or PREMUL_SUM's."""
-        if op == dist.ReduceOp.SUM:
-            return 1.0
-        if op == dist.ReduceOp.AVG:
-            return 1.0 / ws
-        if op == dist.ReduceOp.PREMUL_SUM:
-            factor = getattr(op, "factor", None)
-            if isinstance(factor, (int, float)):
-                return float(factor)
-        raise InvalidArgumentError(
-            f"QuantizedReduceScatter: reduce op {op!r} is not supported (sum, avg and FSDP2's pre-multiplied "
-            "sum are; gradients are never reduced with max/min)"
-        )
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op,
-                 async_op: bool = False):  # fmt: skip
-        what = "QuantizedReduceScatter"
-        out = _flat(output_tensor, what, "output_tensor")
-        x = _flat(input_tensor, what, "input_tensor")
-        ws = dist.get_world_size(group)
-        self._check_ranks(group, what)
-        n = out.numel()
-        if x.numel() != ws * n:
-            raise InvalidArgumentError(
-                f"{what}: input_tensor has {x.numel()} elements, expected world_size ({ws}) x output ({n})"
-            )
-        scale = self._scale(op, ws)
-        if n and x.dtype not in _FLOATS:
-            raise InvalidArgumentError(f"{what}: gradients must be fp32, bf16 or fp16, got {x.dtype}")
-        self._agree(group, (n, x.dtype, ws, scale), [
-            *self.format.signature_fields("format"), ("error_feedback", self.error_feedback), ("shard numel", n),
-            ("dtype", x.dtype), ("reduce scale", scale),
-        ], what)  # fmt: skip
-        self.calls += 1
-        if n == 0:
-            return None
-        acc = x.float() if x.dtype != torch.float32 else x.clone()  # fp32, not FSDP2's buffer
-        res = None
-        if self.error_feedback:
-            res = self.residual
-            if res is None or res.numel() != acc.numel() or res.device != acc.device:
-                if res is not None:
-                    warnings.warn(
-                        f"{what}: the residual buffer holds {res.numel()} elements on {res.device}, the gradients "
-                        f"{acc.numel()} on {acc.device}; using a new residual, which the state_dict does not hold",
-                        stacklevel=2,
-                    )
-                res = self.residual = torch.zeros(acc.numel(), dtype=torch.float32, device=acc.device)
-            acc += res.view(-1)
-        w = Wire(n, self.bits, self.block)
-        send = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
-        chunks = acc.view(ws, n)
-        for r in range(ws):
-            w.encode(chunks[r], send[r * w.total : (r + 1) * w.total])
-        recv = torch.empty_like(send)
-        self.bytes_sent += _on_wire("all_to_all", send.numel(), ws)  # ws - 1 of its ws segments
-
-        def reduce() -> None:
-            if res is not None:  # what quantizing lost, acc - dequantize(codes): kept once the collective is done
-                rv = res.view(ws, n)
-                rv.copy_(chunks)
-                for r in range(ws):
-                    w.decode(send[r * w.total : (r + 1) * w.total], rv[r], accumulate=True, alpha=-1.0)
-            total = torch.zeros(n, dtype=torch.float32, device=x.device)
-            for r in range(ws):  # the ranks' chunks of this shard, summed in fp32 in rank order
-                w.decode(recv[r * w.total : (r + 1) * w.total], total, accumulate=True)
-            if scale != 1.0:
-                total.mul_(scale)
-            out.copy_(total)
-
-        if not async_op:
-            self._wire_all_to_all(recv, send, group, False)
-            reduce()
-            return None
-        work = self._wire_all_to_all(recv, send, group, True)
-
-        def done(f: torch.futures.Future) -> None:
-            f.value()  # the collective's error, if any
-            reduce()
-
-        return torch._C._distributed_c10d._create_work_from_future(work.get_future().then(done))
-
-
-def counting_default_comms() -> tuple[type, type]:
-    """FSDP2's own all-gather and reduce-scatter (its default implementations, unchanged) with the same
-    ``bytes_sent`` / ``calls`` counters as the quantized ones (ring collectives: each rank sends
-    ``world_size - 1`` segments of its shard per call), to measure plain FSDP2's traffic; install with
-    ``set_custom_all_gather(AllGather())`` / ``set_custom_reduce_scatter(ReduceScatter())``."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-
-    class CountingAllGather(DefaultAllGather):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = self.bytes_sent = 0
-
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            self.calls += 1
-            self.bytes_sent += _on_wire("all_gather", input_tensor.nbytes, dist.get_world_size(group))
-            return super().__call__(output_tensor, input_tensor, group, async_op)
-
-    class CountingReduceScatter(DefaultReduceScatter):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = self.bytes_sent = 0
-
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            self.calls += 1
-            self.bytes_sent += _on_wire("reduce_scatter", input_tensor.nbytes, dist.get_world_size(group))
-            return super().__call__(output_tensor, input_tensor, group, op, async_op)
-
-    return CountingAllGather, CountingReduceScatter
-
-
-def count_traffic(module: nn.Module, installed: Sequence[Installed] = ()) -> list:
-    """Every comm that will run for ``module``'s FSDP modules, each with ``bytes_sent``: the quantized ones
-    ``installed`` by :func:`apply_quantized_comm`, and FSDP2's defaults with counters
-    (:func:`counting_default_comms`) installed wherever it left FSDP2's own. Sum their ``bytes_sent``
-    before and after a step for the bytes this rank sent."""
-    ag_cls, rs_cls = counting_default_comms()
-    by_mod = {id(i.module): i for i in installed}
-    comms = []
-    for m in _fsdp_modules(module):
-        if not managed_parameters(m):
-            continue
-        i = by_mod.get(id(m))
-        ag = i.all_gather if i is not None and i.all_gather is not None else None
-        rs = i.reduce_scatter if i is not None and i.reduce_scatter is not None else None
-        if ag is None:
-            ag = ag_cls()
-            m.set_custom_all_gather(ag)
-        if rs is None:
-            rs = rs_cls()
-            m.set_custom_reduce_scatter(rs)
-        comms += [ag, rs]
-    return comms
 
 
 def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
@@ -651,6 +271,29 @@ def apply_quantized_comm(
     new call configuration (see the module docstring). None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``."""
     what = "apply_quantized_comm"
     spec = QuantizedCommSpec.build(spec, options, what)
+    check = _check_arguments(hsdp_grads, replicate, comm, check_signatures, what)
+    mods = _fsdp_modules(module)
+    rep = None
+    if hsdp_grads is not None:
+        replicate = _hsdp_replicate(mods, replicate, what)
+        rep = as_communicator(replicate, what, needs=("rank", "world_size", "device", "all_reduce", "all_gather"))
+    if check:
+        _agree_install(mods, spec, hsdp_grads, comm, what)
+    if isinstance(hsdp_grads, NoCompression):
+        hsdp_grads = None
+    changed = []
+    for m in mods:
+        params = managed_parameters(m)
+        if not params:
+            continue  # e.g. a root that only groups FSDP children: FSDP2 runs no collective for it
+        changed.append(_install(m, params, spec, comm, rep, hsdp_grads, check))
+    return changed
+
+
+def _check_arguments(hsdp_grads: object, replicate: object, comm: object, check_signatures: bool | None,
+                     what: str) -> bool:  # fmt: skip
+    """:func:`apply_quantized_comm`'s keyword arguments, each checked (typed errors before the model is looked
+    at); returns whether signatures are checked."""
     if hsdp_grads is None and replicate is not None:
         raise InvalidArgumentError(
             f"{what}: replicate= is the replicas' dimension of hsdp_grads; pass hsdp_grads= too (a torsh "
@@ -666,33 +309,49 @@ def apply_quantized_comm(
             f"{what}: comm must be a torsh Communicator (CupyNcclCommunicator, RdmaCommunicator, ...) or None, "
             f"got {type(comm).__name__}"
         )
-    mods = _fsdp_modules(module)
-    rep = None
-    if hsdp_grads is not None:
-        replicate = _hsdp_replicate(mods, replicate, what)
-        rep = as_communicator(replicate, what, needs=("rank", "world_size", "device", "all_reduce", "all_gather"))
-    if check:
-        _agree_install(mods, spec, hsdp_grads, comm, what)
-    if isinstance(hsdp_grads, NoCompression):
-        hsdp_grads = None
-    changed = []
-    for m in mods:
-        params = managed_parameters(m)
-        if not params:
-            continue  # e.g. a root that only groups FSDP children: FSDP2 runs no collective for it
-        ag = rs = None
-        if (f := spec.format("weights")) is not None:
-            ag = QuantizedAllGather(bits=f.bits, block=f.block, shard_group_size=_shard_group_size(params), comm=comm,
-                                    check_signatures=check)  # fmt: skip
+    return check
+
+
+def _install(m: nn.Module, params: list[torch.Tensor], spec: QuantizedCommSpec, comm: object, rep: object,
+             hsdp_grads: Compressor | None, check: bool) -> Installed:  # fmt: skip
+    """Install on one FSDP module (which shards ``params``) the comms ``spec`` asks for, and the replica
+    all-reduce hook over ``rep`` when there is one."""
+    ag = rs = None
+    if (f := spec.format("weights")) is not None:
+        ag = QuantizedAllGather(bits=f.bits, block=f.block, shard_group_size=_shard_group_size(params), comm=comm,
+                                check_signatures=check)  # fmt: skip
+        m.set_custom_all_gather(ag)
+    if (f := spec.format("grads")) is not None:
+        res = _residual_buffer(m, params) if spec.error_feedback else None
+        rs = QuantizedReduceScatter(bits=f.bits, block=f.block, error_feedback=spec.error_feedback, residual=res,
+                                    comm=comm, check_signatures=check)  # fmt: skip
+        m.set_custom_reduce_scatter(rs)
+    hook = None
+    if rep is not None:
+        hook = ReplicaAllReduce(rep, hsdp_grads, check_signatures=check)
+        m.set_all_reduce_hook(hook)
+    return Installed(m, ag, rs, hook)
+
+
+def count_traffic(module: nn.Module, installed: Sequence[Installed] = ()) -> list:
+    """Every comm that will run for ``module``'s FSDP modules, each with ``bytes_sent``: the quantized ones
+    ``installed`` by :func:`apply_quantized_comm`, and FSDP2's defaults with counters
+    (:func:`counting_default_comms`) installed wherever it left FSDP2's own. Sum their ``bytes_sent``
+    before and after a step for the bytes this rank sent."""
+    ag_cls, rs_cls = counting_default_comms()
+    by_mod = {id(i.module): i for i in installed}
+    comms = []
+    for m in _fsdp_modules(module):
+        if not managed_parameters(m):
+            continue
+        i = by_mod.get(id(m))
+        ag = i.all_gather if i is not None and i.all_gather is not None else None
+        rs = i.reduce_scatter if i is not None and i.reduce_scatter is not None else None
+        if ag is None:
+            ag = ag_cls()
             m.set_custom_all_gather(ag)
-        if (f := spec.format("grads")) is not None:
-            res = _residual_buffer(m, params) if spec.error_feedback else None
-            rs = QuantizedReduceScatter(bits=f.bits, block=f.block, error_feedback=spec.error_feedback, residual=res,
-                                        comm=comm, check_signatures=check)  # fmt: skip
+        if rs is None:
+            rs = rs_cls()
             m.set_custom_reduce_scatter(rs)
-        hook = None
-        if rep is not None:
-            hook = ReplicaAllReduce(rep, hsdp_grads, check_signatures=check)
-            m.set_all_reduce_hook(hook)
-        changed.append(Installed(m, ag, rs, hook))
-    return changed
+        comms += [ag, rs]
+    return comms

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..collectives.agreement import agree, enabled
+from ..collectives.agreement import agree_on, enabled
 from ..collectives.communicator import TorchCommunicator, as_communicator, is_communicator
 from ..compression import Compressor, NoCompression, compressed_all_reduce
 from ..errors import ArgumentTypeError, InvalidArgumentError
@@ -220,17 +220,16 @@ def _agree_install(mods, spec: QuantizedCommSpec, hsdp_grads, comm, what: str) -
     if mesh is None:
         return  # nothing sharded: no collective will run
     shard = TorchCommunicator(mesh.get_group(mesh.ndim - 1))
-    fields = [
-        *spec.signature_fields("comms"),
-        ("hsdp_grads", None if hsdp_grads is None else hsdp_grads.describe()),
+    specs = {"comms": spec} if hsdp_grads is None else {"comms": spec, "hsdp_grads": hsdp_grads}
+    extra = [
+        ("hsdp", hsdp_grads is not None),
         # the transport the collectives take, not the class that carries them (a wrapper around the same
         # transport, e.g. a tracing or fault-injecting one on a single rank, issues the same collectives)
         ("transport", shard.backend if comm is None else str(getattr(comm, "backend", type(comm).__name__))),
         ("FSDP modules", sum(1 for m in mods if managed_parameters(m))),
-        ("parameters", [tuple(p.shape) for p in params]),
-        ("dtypes", sorted({str(p.dtype).replace("torch.", "") for p in params})),
     ]
-    agree(shard, "the quantized comms to install", fields, what=what,
+    agree_on(shard, "the quantized comms to install", specs=specs, tensors=params, count="parameters", extra=extra,
+             what=what,
           fix="Call it with the same settings on every rank, on models sharded alike.")  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .._env import fmt_bytes
-from ..collectives.agreement import agree, enabled
+from ..collectives.agreement import agree_on, enabled
 from ..collectives.communicator import TorchCommunicator, is_communicator
 from ..collectives.traffic import wire_bytes as _on_wire
 from ..errors import ArgumentTypeError, InvalidArgumentError
@@ -55,16 +55,16 @@ class _Transport:
         """Seconds they took."""
         self._agreed: set = set()
 
-    def _agree(self, group, key: tuple, fields: list, what: str) -> None:
+    def _agree(self, group, key: tuple, extra: list, what: str) -> None:
         """Before the first call with this configuration: agree on it over FSDP2's group (both the quantized
         and the plain path use that group, so the exchange happens where the ranks' paths could part)."""
         if not self.check_signatures or key in self._agreed:
             return
         t0 = time.perf_counter()
         try:
-            agree(self._group_comm(group), f"FSDP2's {what}", fields, what=what,
-                  fix="Install the same comms (apply_quantized_comm with the same settings) on every rank's model, "
-                  "sharded alike.")  # fmt: skip
+            agree_on(self._group_comm(group), f"FSDP2's {what}", specs={"format": self.format}, extra=extra, what=what,
+                     fix="Install the same comms (apply_quantized_comm with the same settings) on every rank's model, "
+                     "sharded alike.")  # fmt: skip
         finally:
             self.signature_checks += 1
             self.signature_s += time.perf_counter() - t0
@@ -193,9 +193,8 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
         if not plain:
             self._check_ranks(group, what)
         self._agree(group, (n, x.dtype, out.dtype, ws, plain), [
-            ("path", "unquantized" if plain else "quantized"), *self.format.signature_fields("format"),
-            ("shard_group_size", self.shard_group_size), ("shard numel", n), ("dtype", x.dtype),
-            ("output dtype", out.dtype),
+            ("path", "unquantized" if plain else "quantized"), ("shard_group_size", self.shard_group_size),
+            ("shard numel", n), ("dtype", x.dtype), ("output dtype", out.dtype),
         ], what)  # fmt: skip
         self.calls += 1
         if plain:
@@ -293,7 +292,7 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
         if n and x.dtype not in _FLOATS:
             raise InvalidArgumentError(f"{what}: gradients must be fp32, bf16 or fp16, got {x.dtype}")
         self._agree(group, (n, x.dtype, ws, scale), [
-            *self.format.signature_fields("format"), ("error_feedback", self.error_feedback), ("shard numel", n),
+            ("error_feedback", self.error_feedback), ("shard numel", n),
             ("dtype", x.dtype), ("reduce scale", scale),
         ], what)  # fmt: skip
         self.calls += 1

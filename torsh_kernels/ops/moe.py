@@ -221,7 +221,7 @@ def _route_fast_paths(logits, spec: RouterSpec, score_bias, provider, T: int, E:
     autograd), or torch's for small k without a gradient; None when neither applies."""
     k, score = spec.k, spec.score
     if topk.select(_CPU, _F32, logits.numel(), provider or None) == "cpu":
-        G, TG = spec.selection(E, _ROUTE)
+        G, TG = spec.selection(E, _ROUTE) if spec.grouped else (0, 0)  # (k <= E: checked by the caller)
         bias = None if score_bias is None else _check_bias(score_bias, logits, _ROUTE)
         cf = spec.capacity_factor
         cap = -1 if cf is None else expert_capacity(T, k, E, cf)

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import torsh_kernels
-from torsh_kernels import _env
+from torsh_kernels import env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ def _pyproject_version() -> str:
 
 def test_version_is_the_installed_metadata():
     assert torsh_kernels.__version__ == importlib.metadata.version("torsh-kernels")
-    assert _env.versions()["torsh_kernels"] == torsh_kernels.__version__
+    assert env.versions()["torsh_kernels"] == torsh_kernels.__version__
 
 
 def test_version_fallbacks(tmp_path, monkeypatch):
@@ -28,12 +28,12 @@ def test_version_fallbacks(tmp_path, monkeypatch):
         raise importlib.metadata.PackageNotFoundError(dist)
 
     monkeypatch.setattr(importlib.metadata, "version", absent)  # as in a source tree never installed
-    assert _env.own_version(source_root=ROOT) == _pyproject_version()
-    if Path(_env.__file__).resolve().parents[1] == ROOT:  # the package imported from this tree
-        assert _env.own_version() == _pyproject_version()
-    assert _env.own_version(source_root=tmp_path) == _env.UNKNOWN_VERSION  # no pyproject.toml
+    assert env.own_version(source_root=ROOT) == _pyproject_version()
+    if Path(env.__file__).resolve().parents[1] == ROOT:  # the package imported from this tree
+        assert env.own_version() == _pyproject_version()
+    assert env.own_version(source_root=tmp_path) == env.UNKNOWN_VERSION  # no pyproject.toml
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\nversion = "9.9"\n')
-    assert _env.own_version(source_root=tmp_path) == _env.UNKNOWN_VERSION  # another project's
+    assert env.own_version(source_root=tmp_path) == env.UNKNOWN_VERSION  # another project's
     (tmp_path / "pyproject.toml").write_text('[tool.x]\nversion = "1"\n[project]\nname = "Torsh_Kernels"\n'
                                              'version = "2.0.1"\n[tool.y]\nversion = "3"\n')  # fmt: skip
-    assert _env.own_version(source_root=tmp_path) == "2.0.1"
+    assert env.own_version(source_root=tmp_path) == "2.0.1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os as _os
 
-from ._env import __version__
+from .env import __version__
 from .errors import (
     ArgumentTypeError,
     DeviceMismatchError,

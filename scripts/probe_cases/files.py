@@ -310,15 +310,15 @@ def _escapes_in_names() -> bool:
 
 
 def _start_from_env(make) -> None:
-    from torsh_kernels import _trace
+    from torsh_kernels import recording
     from torsh_kernels.profiling import timeline
 
     with _tmp() as d, setenv(TORSH_TRACE=make(d)):
         try:
             timeline.start_from_env()
         finally:
-            r = _trace.recorder
-            if r is not None and not isinstance(r, _trace.Bridge):
+            r = recording.recorder
+            if r is not None and not isinstance(r, recording.Bridge):
                 r.stop()
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import torsh_kernels as tk
 from tests.helpers import DEVICE, DTYPE_TOLS, poison, rand
 from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
-from torsh_kernels.ops import _common
+from torsh_kernels.ops import common
 from torsh_kernels.ops.bucket import BucketLayout, bucket_reduce_ref, flatten_ref, unflatten_ref, wire_cast_ref
 from torsh_kernels.ops.bucket import tables as bucket_tables
 
@@ -262,7 +262,7 @@ def test_triton_gather_with_64_bit_index_math(gen, monkeypatch):
     from collections import OrderedDict
 
     monkeypatch.setattr(bucket_tables, "_I32", 0)
-    monkeypatch.setattr(_common, "_TABLES", OrderedDict())  # no plan built with the real threshold
+    monkeypatch.setattr(common, "_TABLES", OrderedDict())  # no plan built with the real threshold
     tensors = mixed_bucket(torch.float32, gen)
     layout = BucketLayout.for_tensors(tensors)
     plan = bucket_tables.copy_plan(tensors, layout.offsets, torch.empty(layout.total, device=DEVICE), True, True,
@@ -453,11 +453,11 @@ def test_triton_at_most_three_launches_per_dtype(gen, monkeypatch):
 
 
 def test_numba_launch_count_does_not_grow_with_tensor_count(gen, monkeypatch):
-    from torsh_kernels.ops import _numba
+    from torsh_kernels.ops import numba_common
 
     launches = []
-    real = _numba.launch
-    monkeypatch.setattr(_numba, "launch", lambda *a: (launches.append(a[0]), real(*a)))
+    real = numba_common.launch
+    monkeypatch.setattr(numba_common, "launch", lambda *a: (launches.append(a[0]), real(*a)))
     tensors = make_tensors(600, torch.float32, gen)
     flat, layout = tk.flatten(tensors, provider="numba")
     tk.unflatten(flat, layout, tensors, provider="numba")
@@ -676,7 +676,7 @@ def test_contiguous_clash_agrees_with_pairwise_check(spans):
     of non-empty views overlaps, and any pair it names does overlap."""
     storage = torch.zeros(80)
     views = [storage[a : a + n] for a, n in spans]
-    clash = _common._Ranges.of(views).contiguous_clash() if views else None
+    clash = common.Ranges.of(views).contiguous_clash() if views else None
 
     def overlap(i: int, j: int) -> bool:
         (a, n), (b, m) = spans[i], spans[j]

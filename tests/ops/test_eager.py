@@ -1,4 +1,4 @@
-"""The direct path (ops/_eager.py): plain eager calls skip torch.library's dispatcher and, for the bucket
+"""The direct path (ops/eager.py): plain eager calls skip torch.library's dispatcher and, for the bucket
 ops, reuse validation cached per layout. Each public op must give what the registered op gives (outputs
 poisoned first, odd sizes, fp32/fp16/bf16), take the dispatcher whenever a mode, a subclass or a needed
 gradient says so, and still reject every bad input it rejected before."""
@@ -15,7 +15,7 @@ import torch
 import torsh_kernels as tk
 from tests.helpers import rand
 from torsh_kernels import ops
-from torsh_kernels.ops import _eager
+from torsh_kernels.ops import eager
 
 CPU = torch.device("cpu")
 
@@ -33,17 +33,17 @@ def dispatched(monkeypatch):
     """Within the test: every op goes through the registered custom op (as under a dispatch mode)."""
 
     def force():
-        monkeypatch.setattr(_eager, "_dispatch_modes", lambda: 1)
+        monkeypatch.setattr(eager, "_dispatch_modes", lambda: 1)
 
     return force
 
 
 @pytest.fixture
 def direct_calls(monkeypatch):
-    """Count the implementations run directly (``_eager.run``)."""
+    """Count the implementations run directly (``eager.run``)."""
     seen = []
-    real = _eager.run
-    monkeypatch.setattr(_eager, "run", lambda fn, *a: (seen.append(fn), real(fn, *a))[1])
+    real = eager.run
+    monkeypatch.setattr(eager, "run", lambda fn, *a: (seen.append(fn), real(fn, *a))[1])
     return seen
 
 
@@ -143,7 +143,7 @@ def test_modes_subclasses_and_gradients_take_the_dispatcher(direct_calls):
             return func(*args, **(kwargs or {}))
 
     # (the torch provider: the cpu provider's fast paths write through NumPy views and never reach
-    # _eager.run; they too stand aside under a mode or for a subclass, test_fast_paths)
+    # eager.run; they too stand aside under a mode or for a subclass, test_fast_paths)
     with Passthrough():
         tk.quantize(x, provider="torch")
         tk.quantize(x)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torsh_kernels as tk
-from torsh_kernels.ops import _eager
+from torsh_kernels.ops import eager
 
 K = tk.ops
 
@@ -30,7 +30,7 @@ def same(a, b) -> None:
 
 
 def test_fast_path_is_taken_on_plain_cpu_tensors():
-    assert _eager.fast()
+    assert eager.fast()
 
 
 @pytest.mark.parametrize("scale_exp", [-44, -40, -20, 0, 20, 30])

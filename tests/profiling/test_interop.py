@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 import torsh_kernels as tk
 from tests.helpers import MLP
-from torsh_kernels import _trace
+from torsh_kernels import recording
 from torsh_kernels.collectives import run_local
 from torsh_kernels.compression import PowerSGD
 from torsh_kernels.parallel import CompressionHookState, compression_hook
@@ -32,7 +32,7 @@ def _annotations(data: dict) -> dict[str, int]:
 
 def _work() -> None:
     tk.flatten([torch.randn(5, 3), torch.randn(7)], provider="torch")
-    with timeline.record("mine"), _trace.span("issue all_reduce", "issue"):
+    with timeline.record("mine"), recording.span("issue all_reduce", "issue"):
         torch.randn(4).sum()
 
 
@@ -40,12 +40,12 @@ def test_torch_profiler_alone_records_torsh_spans(tmp_path):
     import torch.autograd.profiler as tap
 
     assert tap._run_on_profiler_start._torsh and tap._run_on_profiler_stop._torsh  # hooked at import
-    assert _trace.recorder is None
+    assert recording.recorder is None
     with profile(activities=[ProfilerActivity.CPU]) as p:
-        assert isinstance(_trace.recorder, _trace.Bridge) and timeline.current() is None
+        assert isinstance(recording.recorder, recording.Bridge) and timeline.current() is None
         with timeline.step(3):
             _work()
-    assert _trace.recorder is None  # nothing in the slot once the profiler stops: no cost outside profiling
+    assert recording.recorder is None  # nothing in the slot once the profiler stops: no cost outside profiling
     _work()  # and nothing breaks without it
     f = tmp_path / "rank0.pt.trace.json"
     p.export_chrome_trace(str(f))
@@ -63,13 +63,13 @@ def test_torch_profiler_alone_records_torsh_spans(tmp_path):
 def test_torch_profiler_with_a_recorder(tmp_path):
     with profile(activities=[ProfilerActivity.CPU]) as p:
         rec = timeline.Recorder(rank=0, world_size=1).start()  # the bridge steps aside for the recorder
-        assert _trace.recorder is rec
+        assert recording.recorder is rec
         _work()
         rec.stop()  # the profiler still records: the bridge comes back
-        assert isinstance(_trace.recorder, _trace.Bridge)
+        assert isinstance(recording.recorder, recording.Bridge)
         with timeline.record("after stop"):
             pass
-    assert _trace.recorder is None
+    assert recording.recorder is None
     f = tmp_path / "k.json"
     p.export_chrome_trace(str(f))
     names = _annotations(json.loads(f.read_text()))
@@ -96,7 +96,7 @@ def test_every_profiler_cycle_carries_the_categories(tmp_path):
                  on_trace_ready=ready) as p:  # fmt: skip
         for _ in range(4):
             _work()
-            assert isinstance(_trace.recorder, _trace.Bridge) == torch.autograd.profiler._is_profiler_enabled
+            assert isinstance(recording.recorder, recording.Bridge) == torch.autograd.profiler._is_profiler_enabled
             p.step()
     assert len(out) == 2
     for data in out:
@@ -124,7 +124,7 @@ def _powersgd_profiled(comm, d: str) -> None:
             ddp(torch.randn(16, 32, generator=g)).sum().backward()
             opt.step()
             prof.step()
-    assert _trace.recorder is None
+    assert recording.recorder is None
 
 
 def test_kineto_trace_of_a_powersgd_job(tmp_path):

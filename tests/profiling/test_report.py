@@ -9,8 +9,8 @@ import json
 import pytest
 
 from tests.profiling.trace_fixtures import EXPECTED, write_trace
-from torsh_kernels._env import fmt_bytes
 from torsh_kernels.apps.cli import main as cli
+from torsh_kernels.env import fmt_bytes
 from torsh_kernels.errors import InvalidArgumentError
 from torsh_kernels.profiling.report import Thresholds, build
 from torsh_kernels.profiling.traces import load, validate

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torsh_kernels as tk
 from tests.helpers import MLP
-from torsh_kernels import _trace
+from torsh_kernels import recording
 from torsh_kernels.collectives import run_local
 from torsh_kernels.compression import PowerSGD, TopK, compressed_all_reduce
 from torsh_kernels.errors import FileAccessError, InvalidArgumentError, TraceFormatError
@@ -29,8 +29,8 @@ def _xs(data: dict, cat: str | None = None) -> list[dict]:
 
 
 def test_nothing_recorded_without_a_recorder():
-    assert _trace.recorder is None
-    assert timeline.record("x") is _trace.NULL and timeline.step(3) is _trace.NULL
+    assert recording.recorder is None
+    assert timeline.record("x") is recording.NULL and timeline.step(3) is recording.NULL
     with timeline.record("x"), timeline.step(1):
         tk.flatten([torch.randn(3), torch.randn(2)])
 
@@ -38,11 +38,11 @@ def test_nothing_recorded_without_a_recorder():
 def test_recorder_in_one_process(tmp_path):
     xs = [torch.randn(5, 3), torch.randn(7)]
     with timeline.Recorder(tmp_path, rank=0, world_size=1) as rec:
-        assert _trace.recorder is rec and rec.active
+        assert recording.recorder is rec and rec.active
         with timeline.step(0, label="a"), timeline.record("outer", note="n"):
             tk.flatten(xs, provider="torch")
             time.sleep(0.02)
-    assert _trace.recorder is None
+    assert recording.recorder is None
     data = json.loads((tmp_path / "rank0.json").read_text())
     assert validate(data, "rank0.json") == "torsh"
     od = data["otherData"]
@@ -218,10 +218,10 @@ def test_an_unwritable_trace_directory_fails_when_recording_starts(tmp_path, mon
         monkeypatch.setenv("TORSH_TRACE", str(bad))
         with pytest.raises(FileAccessError, match=f"TORSH_TRACE: the trace directory {bad} {why}.*unset it"):
             timeline.start_from_env()
-        assert _trace.recorder is None
+        assert recording.recorder is None
         with pytest.raises(FileAccessError, match=why):
             timeline.Recorder(bad).start()
-        assert _trace.recorder is None
+        assert recording.recorder is None
 
 
 _EXIT_SCRIPT = """

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     ops = _ops(args.ops)
     dtypes = [DTYPES[d] for d in args.dtypes]
     sizes = args.sizes or ([2**20, 2**24, 2**26] if device.type == "cuda" else [2**16, 2**20])
-    from ..ops._common import device_bytes
+    from ..ops.common import device_bytes
 
     if max(sizes) * 8 > device_bytes(device):  # (an fp32 input and its output, at least)
         raise cli_common.UsageError(f"--sizes: {max(sizes)} elements do not fit in the {device.type} memory "

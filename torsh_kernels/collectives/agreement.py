@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .._env import __version__
+from ..env import __version__
 from ..errors import ArgumentTypeError, CollectiveMismatchError, InvalidArgumentError
 from ..specs import plain
 from .coalesce import Coalescer

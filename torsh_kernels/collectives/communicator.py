@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .. import _trace
+from .. import recording
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -245,7 +245,7 @@ class TorchCommunicator(CommunicatorBase):
     def _run(self, what: str, launch: Callable[[], object], then: Callable[[], None] | None = None,
              async_op: bool = False, *, nbytes: int = 0, op: str | None = None) -> TorchHandle | None:  # fmt: skip
         self._traffic.add(op or what, nbytes, self._world)
-        rec = _trace.recorder
+        rec = recording.recorder
         span = None
         if rec is not None:
             cuda = self._device if self._device.type == "cuda" else None

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import _trace
+from .. import recording
 from ..errors import (
     ArgumentTypeError,
     CollectiveError,
@@ -368,7 +368,7 @@ class CupyNcclCommunicator(CommunicatorBase):
             stream = self._side
             stream.wait_stream(cur)
         self._traffic.add(op or what, nbytes, self._world)
-        rec = _trace.recorder
+        rec = recording.recorder
         span = rec.collective(op or what, group=self._ranks, nbytes=nbytes, device=self._device) if rec else None
         try:
             with self._cupy.cuda.Device(self._device.index):

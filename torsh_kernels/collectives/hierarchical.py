@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _trace
+from .. import recording
 from ..errors import ArgumentTypeError, InvalidArgumentError, ShapeError
 from .protocol import Communicator
 
@@ -62,7 +62,7 @@ def hierarchical_all_reduce(
             f"hierarchical_all_reduce: op='avg' needs a floating-point tensor, got {tensor.dtype}"
         )
     intra, inter = node_groups(comm, local_size)
-    with _trace.span("hierarchical_all_reduce", "issue", {"algorithm": "hierarchical", "local_size": local_size}):
+    with recording.span("hierarchical_all_reduce", "issue", {"algorithm": "hierarchical", "local_size": local_size}):
         return _hierarchical(tensor, comm, intra, inter, op)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _trace
+from .. import recording
 from ..errors import InvalidArgumentError, RankFailedError
 from .communicator import TorchCommunicator
 
@@ -117,7 +117,7 @@ def _child(rank, world, fn, args, init, backend, op_timeout, threads, results, e
         _all_arrive(init, world, op_timeout, "initialized")
         comm = TorchCommunicator(timeout=op_timeout)
         value = fn(comm, *args)
-        _trace.flush()  # TORSH_TRACE: write this rank's trace now (os._exit below skips atexit)
+        recording.flush()  # TORSH_TRACE: write this rank's trace now (os._exit below skips atexit)
         status = ("ok", pickle.dumps(value))
     except BaseException as e:
         status = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())

@@ -30,11 +30,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import _trace
-from .._env import fmt_bytes
+from .. import recording
 from ..collectives.agreement import agree_once, enabled, exchanging, fields_of
 from ..collectives.communicator import Communicator, as_communicator, reject_dtensor
 from ..collectives.cost_model import Link
+from ..env import fmt_bytes
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, ShapeError, TorshKernelsError
 from ..ops import COMPRESS_DTYPES
 from .base import CompressionState, Compressor
@@ -95,7 +95,7 @@ class CompressedReduction:
         )
 
     def _resume(self) -> None:
-        rec = _trace.recorder
+        rec = recording.recorder
         if rec is not None:
             c, alg = self._trace_args
             dev = self.tensors[0].device if self.tensors else None
@@ -124,7 +124,7 @@ class CompressedReduction:
         if self.done:
             return True
         t0 = time.perf_counter()
-        rec = _trace.recorder
+        rec = recording.recorder
         if rec is not None and self._pending:
             with rec.span("wait", "wait", {"compressor": self._trace_args[0], "round": self.rounds}):
                 for h in self._pending:

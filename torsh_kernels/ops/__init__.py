@@ -2,14 +2,13 @@
 
 Families: ``bucket`` (flatten, unflatten, bucket_reduce, wire_cast), ``topk``, ``quantize``, ``sign``,
 ``orthogonalize``, ``error_feedback`` (the compression ops), ``moe`` (routing, permute, unpermute, router
-losses) and ``offload`` (pack, unpack). Helpers they share live in ``_common``; provider selection in
+losses) and ``offload`` (pack, unpack). Helpers they share live in ``common``; provider selection in
 ``registry``; the tuning cache it reads in ``tuning``. Importing this package imports no Triton, no Numba
 and no profiling code: each provider's kernels load on its first launch.
 """
 
 from __future__ import annotations
 
-from ._common import COMPRESS_DTYPES, count_nonfinite
 from .bucket import (
     BucketLayout,
     bucket_reduce,
@@ -21,6 +20,7 @@ from .bucket import (
     wire_cast,
     wire_cast_ref,
 )
+from .common import COMPRESS_DTYPES, count_nonfinite
 from .error_feedback import error_update, error_update_ref, residual_add, residual_add_ref
 from .moe import (
     RouterSpec,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._cpu import carray, f32, f32_bits, jit, p_f32, store
+from .cpu_common import carray, f32, f32_bits, jit, p_f32, store
 
 
 @jit

@@ -12,9 +12,9 @@ from functools import cache
 
 from numba import cuda, float32
 
-from . import _numba as nb
-from ._common import _counter
-from ._numba import TILE, _blocks, _nonfinite, _tile_range
+from . import numba_common as nb
+from .common import new_counter
+from .numba_common import TILE, block_count, nonfinite, tile_range
 
 
 @cache
@@ -24,11 +24,11 @@ def _axpby_kernel(xd, yd, od, count_bad):
     @cuda.jit
     def kernel(x, y, out, bad, n, beta):
         b = float32(beta)
-        i, end = _tile_range(n)
+        i, end = tile_range(n)
         nbad = 0
         while i < end:
             v = ldx(x, i) + b * ldy(y, i)
-            if count_bad and _nonfinite(v):
+            if count_bad and nonfinite(v):
                 nbad += 1
             st(out, i, v)
             i += cuda.blockDim.x
@@ -39,10 +39,10 @@ def _axpby_kernel(xd, yd, od, count_bad):
 
 
 def axpby(x, y, out, beta, count_bad):
-    bad = _counter(x.device)
+    bad = new_counter(x.device)
     k = _axpby_kernel(x.dtype, y.dtype, out.dtype, bool(count_bad))
     n = x.numel()
-    nb.launch(k, _blocks(n, TILE), nb.THREADS, x.device, nb.as_array(x), nb.as_array(y), nb.as_array(out),
+    nb.launch(k, block_count(n, TILE), nb.THREADS, x.device, nb.as_array(x), nb.as_array(y), nb.as_array(out),
               nb.as_array(bad), n, beta)  # fmt: skip
     return bad if count_bad else None
 
@@ -54,7 +54,7 @@ def _error_update_kernel(ad, pd, rd, od, has_out):
 
     @cuda.jit
     def kernel(acc, approx, res, out, n):
-        i, end = _tile_range(n)
+        i, end = tile_range(n)
         while i < end:
             a = ldp(approx, i)
             v = lda(acc, i) - a
@@ -70,5 +70,5 @@ def error_update(acc, approx, res, out):
     o = out if out is not None else res
     k = _error_update_kernel(acc.dtype, approx.dtype, res.dtype, o.dtype, out is not None)
     n = acc.numel()
-    nb.launch(k, _blocks(n, TILE), nb.THREADS, acc.device, nb.as_array(acc), nb.as_array(approx), nb.as_array(res),
+    nb.launch(k, block_count(n, TILE), nb.THREADS, acc.device, nb.as_array(acc), nb.as_array(approx), nb.as_array(res),
               nb.as_array(o), n)  # fmt: skip

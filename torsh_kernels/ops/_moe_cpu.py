@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from numba import njit
 
-from ._cpu import arr, carray, f32, jit, p_b, p_f32, p_i64
 from ._moe_routing import out_of_range as _out_of_range
+from .cpu_common import arr, carray, f32, jit, p_b, p_f32, p_i64
 
 # What the route and the aux loss read: logits scored by softmax or by sigmoid, or the scores themselves.
 SOFTMAX, SIGMOID, PROBS = 0, 1, 2

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from ..errors import ShapeError
-from ._cpu import carray, jit, p_f32, p_f64, p_i64
 from ._moe_cpu import PROBS, SIGMOID, SIGMOID_GIVEN, SOFTMAX, SOFTMAX_GIVEN, i64, row_max, sigmoid_row, softmax_row
+from .cpu_common import carray, jit, p_f32, p_f64, p_i64
 
 
 @jit

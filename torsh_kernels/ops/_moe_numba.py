@@ -23,7 +23,7 @@ from functools import cache
 import torch
 from numba import cuda, float32, int64
 
-from . import _numba as nb
+from . import numba_common as nb
 
 
 def _blocks(n: int, threads: int) -> int:

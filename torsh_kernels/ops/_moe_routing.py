@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, ShapeError
-from ._common import Sealable, device_bytes
+from .common import Sealable, device_bytes
 from .router import RouterSpec
 
 __all__ = [
@@ -343,7 +343,7 @@ def check_routing(r: object, what: str, *, values: bool = True, reads: str = "we
     if not values:  # (torch.compile traces: sizes may be symbolic, version counters are not traced)
         _check_kinds(r, what)
         return r
-    if _SEALED[reads](r):
+    if SEALED[reads](r):
         return r
     _check_kinds(r, what)
     _check_layout(r, what)
@@ -353,7 +353,7 @@ def check_routing(r: object, what: str, *, values: bool = True, reads: str = "we
     return r
 
 
-_SEALED = {"rows": sealed_rows, "weights": sealed, "experts": sealed_experts}
+SEALED = {"rows": sealed_rows, "weights": sealed, "experts": sealed_experts}
 
 
 def _check_kinds(r: Routing, what: str) -> None:

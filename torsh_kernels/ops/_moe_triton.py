@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton import _cast
+from .triton_common import cast
 
 
 @triton.jit
@@ -218,7 +218,7 @@ def _permute_kernel(x_ptr, row_ptr, w_ptr, out_ptr, H, N, K: tl.constexpr, BLOCK
         dst = out_ptr + tl.maximum(r, 0) * H + cols
         if HAS_W:
             w = tl.load(w_ptr + t * K + j)
-            tl.store(dst, _cast(v.to(tl.float32) * w, out_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst, cast(v.to(tl.float32) * w, out_ptr.dtype.element_ty), mask=ok)
         else:
             tl.store(dst, v, mask=ok)
 
@@ -254,7 +254,7 @@ def _unpermute_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, N, K: tl.constexpr, BLO
         if HAS_W:
             v = v * tl.load(w_ptr + t * K + j)
         acc += v
-    tl.store(out_ptr + t * H + cols, _cast(acc, out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + t * H + cols, cast(acc, out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -279,7 +279,7 @@ def _unpermute_bwd_kernel(
         for j in tl.static_range(K):
             ok = m & ((cols * 0 + rows[j]) >= 0)
             rr = tl.maximum(rows[j], 0)
-            tl.store(gyp_ptr + rr * H + cols, _cast(g * ws[j], gyp_ptr.dtype.element_ty), mask=ok)
+            tl.store(gyp_ptr + rr * H + cols, cast(g * ws[j], gyp_ptr.dtype.element_ty), mask=ok)
             y = tl.load(y_ptr + rr * H + cols, mask=ok, other=0.0).to(tl.float32)
             dots = tl.where(kcols == j, dots + tl.sum(g * y, axis=0), dots)
     tl.store(gw_ptr + t * K + kcols, dots, mask=kcols < K)

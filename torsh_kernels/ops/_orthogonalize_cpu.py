@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from ._cpu import arr, carray, jit, p_f32, span
+from .cpu_common import arr, carray, jit, p_f32, span
 
 
 @jit

@@ -12,8 +12,8 @@ from functools import cache
 
 from numba import cuda, float64
 
-from . import _numba as nb
-from ._common import _numba_span, _ptr_table
+from . import numba_common as nb
+from .common import numba_span, ptr_table
 
 # One CUDA block per matrix, CholeskyQR with an fp64 Gram matrix in shared memory.
 
@@ -121,7 +121,7 @@ def orthogonalize(mats, rtol, iters):
     if len({m.data_ptr() % isz for m in mats}) > 1:  # not a whole number of elements apart: one launch each
         groups = [[m] for m in mats]
     for ms in groups:
-        base, span, offs = _numba_span(ms)
-        table = _ptr_table([v for o, m in zip(offs, ms) for v in (o, m.shape[0])], ms[0].device, "numba-ortho")
+        base, span, offs = numba_span(ms)
+        table = ptr_table([v for o, m in zip(offs, ms) for v in (o, m.shape[0])], ms[0].device, "numba-ortho")
         nb.launch(k, len(ms), nb.THREADS, ms[0].device, nb.as_array(table),
                   nb.span_array(base, span, ms[0].dtype), r, rtol * rtol, iters)  # fmt: skip

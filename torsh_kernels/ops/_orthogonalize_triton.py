@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton import _cast
+from .triton_common import cast
 
 
 @triton.jit
@@ -56,4 +56,4 @@ def _orthogonalize_kernel(table_ptr, ref_ptr, r, rtol2, ROWS: tl.constexpr, RP: 
             ptrs = base + rr[:, None] * r + cols[None, :]
             a = tl.load(ptrs, mask=msk, other=0.0).to(tl.float64)
             o = tl.sum(a[:, :, None] * T[None, :, :], axis=1)
-            tl.store(ptrs, _cast(o, ref_ptr.dtype.element_ty), mask=msk)
+            tl.store(ptrs, cast(o, ref_ptr.dtype.element_ty), mask=msk)

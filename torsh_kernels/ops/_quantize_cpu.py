@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._cpu import bits_f32, carray, f32, jit, p_f32, p_i8, p_u8, store, uniform
+from .cpu_common import bits_f32, carray, f32, jit, p_f32, p_i8, p_u8, store, uniform
 
 
 @jit

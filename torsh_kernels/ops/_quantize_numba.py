@@ -13,9 +13,9 @@ from functools import cache
 
 from numba import cuda, float32, int64
 
-from . import _numba as nb
-from ._common import _counter
-from ._numba import _nonfinite, _uniform
+from . import numba_common as nb
+from .common import new_counter
+from .numba_common import nonfinite, uniform
 
 _MAGIC = 12582912.0  # 1.5 * 2**23: (y + _MAGIC) - _MAGIC rounds fp32 |y| < 2**22 to nearest even
 
@@ -30,7 +30,7 @@ def _code(v, s, i, key, qmax, stochastic):
     else:
         y = float32(0.0)
     if stochastic:
-        q = float32(math.floor(y + _uniform(i, key)))
+        q = float32(math.floor(y + uniform(i, key)))
     else:
         q = (y + float32(_MAGIC)) - float32(_MAGIC)
     if math.isnan(q):
@@ -63,7 +63,7 @@ def _quantize_kernel(xd, bits, stochastic):
         i = start + tid
         while i < end:
             v = ldx(x, i)
-            if _nonfinite(v):
+            if nonfinite(v):
                 nbad += 1
             elif abs(v) > m:
                 m = abs(v)
@@ -105,7 +105,7 @@ def _quantize_kernel(xd, bits, stochastic):
 
 
 def quantize(x, q, scales, bits, block, stochastic, key):
-    bad = _counter(x.device)
+    bad = new_counter(x.device)
     k = _quantize_kernel(x.dtype, bits, bool(stochastic))
     nb.launch(k, scales.numel(), nb.THREADS, x.device, nb.as_array(x), nb.as_array(q), nb.as_array(scales),
               nb.as_array(bad), x.numel(), block, key, 127.0 if bits == 8 else 7.0)  # fmt: skip

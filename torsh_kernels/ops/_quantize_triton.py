@@ -10,7 +10,7 @@ blocks from ``start`` (a multiple of QBLOCK), masked to ``< end``. A program loa
 contiguous tile and regroups them in registers ([GROUP, QBLOCK] for the scales; for int4, codes [TILE/4, 4]
 packed into 16-bit words in the bulk, or split into nibble pairs [TILE/2, 2] in the tail), so int4's loads
 and stores are as wide as int8's. The non-finite count is not kept here: a block holding NaN/Inf gets a NaN
-scale, and the launcher counts from that when asked (``_common.LazyNonFiniteCount``).
+scale, and the launcher counts from that when asked (``common.LazyNonFiniteCount``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton import _store_out, _uniform
+from .triton_common import store_out, uniform
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _codes(v, s, e0, key, QMAXV: tl.constexpr, STOCHASTIC: tl.constexpr):
         G: tl.constexpr = v.shape[0]
         QB: tl.constexpr = v.shape[1]
         off = (tl.arange(0, G)[:, None] * QB + tl.arange(0, QB)[None, :]).to(tl.uint32)
-        q = tl.floor(y + _uniform((e0.to(tl.uint32) + off) | z, key))
+        q = tl.floor(y + uniform((e0.to(tl.uint32) + off) | z, key))
     else:
         q = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds fp32 |y| < 2**22 to nearest even
     q = tl.where(q == q, q, 0.0)
@@ -116,4 +116,4 @@ def _dequantize_kernel(
         lo = ((byte << 28) >> 28).to(tl.float32) * s  # arithmetic shifts sign-extend the nibbles
         hi = (byte >> 4).to(tl.float32) * s
         v = tl.interleave(lo, hi) * alpha
-    _store_out(out_ptr, e, v, end, ACCUMULATE, EVEN)
+    store_out(out_ptr, e, v, end, ACCUMULATE, EVEN)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._cpu import carray, f32, jit, p_f32, p_u8, store
+from .cpu_common import carray, f32, jit, p_f32, p_u8, store
 
 
 @jit

@@ -13,9 +13,9 @@ from functools import cache
 import torch
 from numba import cuda, float32, int64
 
-from . import _numba as nb
-from ._common import _counter
-from ._numba import TILE, _blocks, _nonfinite, _tile_range
+from . import numba_common as nb
+from .common import new_counter
+from .numba_common import TILE, block_count, nonfinite, tile_range
 
 
 @cache
@@ -27,14 +27,14 @@ def _abs_sum_kernel(xd, rd, has_r):
     def kernel(x, r, part, bad, n):
         sh = cuda.shared.array(T, float32)
         tid = cuda.threadIdx.x
-        i, end = _tile_range(n)
+        i, end = tile_range(n)
         acc = float32(0.0)
         nbad = 0
         while i < end:
             v = ldx(x, i)
             if has_r:
                 v = v + ldr(r, i)
-            if _nonfinite(v):
+            if nonfinite(v):
                 nbad += 1
             acc += abs(v)
             i += T
@@ -53,9 +53,9 @@ def _abs_sum_kernel(xd, rd, has_r):
 
 def abs_sum(x, r):
     n = x.numel()
-    blocks = _blocks(n, TILE)
+    blocks = block_count(n, TILE)
     part = torch.empty(blocks, dtype=torch.float32, device=x.device)
-    bad = _counter(x.device)
+    bad = new_counter(x.device)
     rr = r if r is not None else x
     k = _abs_sum_kernel(x.dtype, rr.dtype, r is not None)
     nb.launch(k, blocks, nb.THREADS, x.device, nb.as_array(x), nb.as_array(rr), nb.as_array(part), nb.as_array(bad), n)
@@ -94,7 +94,7 @@ def sign_pack(x, r, bits, scale):
     rr = r if r is not None else x
     k = _sign_pack_kernel(x.dtype, rr.dtype, r is not None)
     nbytes = bits.numel()
-    nb.launch(k, _blocks(nbytes, TILE // 8), nb.THREADS, x.device, nb.as_array(x), nb.as_array(rr),
+    nb.launch(k, block_count(nbytes, TILE // 8), nb.THREADS, x.device, nb.as_array(x), nb.as_array(rr),
               nb.as_array(bits), nb.as_array(scale.view(1)), x.numel(), nbytes)  # fmt: skip
 
 
@@ -123,5 +123,5 @@ def _sign_unpack_kernel(od, accumulate):
 def sign_unpack(bits, scale, out, alpha, accumulate):
     k = _sign_unpack_kernel(out.dtype, bool(accumulate))
     nbytes = bits.numel()
-    nb.launch(k, _blocks(nbytes, TILE // 8), nb.THREADS, out.device, nb.as_array(bits),
+    nb.launch(k, block_count(nbytes, TILE // 8), nb.THREADS, out.device, nb.as_array(bits),
               nb.as_array(scale.view(1)), nb.as_array(out), out.numel(), nbytes, alpha)  # fmt: skip

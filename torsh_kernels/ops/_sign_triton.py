@@ -3,7 +3,7 @@
 Imported by the triton launchers on first use, so ``import torsh_kernels`` does not import Triton. Triton
 reads ``TRITON_INTERPRET`` when these kernels are defined, i.e. on that first import.
 
-Each kernel runs in two launches (see ``_common.whole_programs``): the bulk (``EVEN``), whole programs from element 0,
+Each kernel runs in two launches (see ``common.whole_programs``): the bulk (``EVEN``), whole programs from element 0,
 unmasked, so every access of a 16-byte aligned tensor is vectorized (Triton cannot prove a mask constant
 over a vector for an arbitrary size); then the rest, from ``start`` (a multiple of 8: whole sign bytes),
 masked to ``< end``.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton import _cast, _load_acc, _store_out
+from .triton_common import cast, load_acc, store_out
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _abs_sum_kernel(x_ptr, r_ptr, part_ptr, p0, start, end, BLOCK: tl.constexpr,
             v = v + tl.load(r_ptr + offs).to(tl.float32)
     else:
         offs = start + pid * BLOCK + tl.arange(0, BLOCK)
-        v = _load_acc(x_ptr, r_ptr, offs, offs < end, HAS_R)
+        v = load_acc(x_ptr, r_ptr, offs, offs < end, HAS_R)
     tl.store(part_ptr + p0 + pid, tl.sum(tl.abs(v), axis=0))
 
 
@@ -48,7 +48,7 @@ def _sign_pack_kernel(x_ptr, r_ptr, bits_ptr, scale_ptr, start, end, BYTES: tl.c
             v = v + tl.load(r_ptr + e).to(tl.float32)
     else:
         m = e < end
-        v = _load_acc(x_ptr, r_ptr, e, m, HAS_R)
+        v = load_acc(x_ptr, r_ptr, e, m, HAS_R)
     pos = v >= 0
     if EVEN:
         tl.store(bits_ptr + b, tl.sum(tl.where(pos, 1 << j[None, :], 0), axis=1).to(tl.uint8))
@@ -56,7 +56,7 @@ def _sign_pack_kernel(x_ptr, r_ptr, bits_ptr, scale_ptr, start, end, BYTES: tl.c
         tl.store(bits_ptr + b, tl.sum(tl.where(pos & m, 1 << j[None, :], 0), axis=1).to(tl.uint8), mask=8 * b < end)
     if HAS_R:
         s = tl.load(scale_ptr)
-        r = _cast(v - tl.where(pos, s, -s), r_ptr.dtype.element_ty)
+        r = cast(v - tl.where(pos, s, -s), r_ptr.dtype.element_ty)
         if EVEN:
             tl.store(r_ptr + e, r)
         else:
@@ -76,4 +76,4 @@ def _sign_unpack_kernel(bits_ptr, scale_ptr, out_ptr, start, end, alpha, BYTES: 
     else:
         byte = tl.load(bits_ptr + b, mask=8 * b < end, other=0).to(tl.int32)
     v = tl.where(((byte[:, None] >> j[None, :]) & 1) != 0, s, -s)
-    _store_out(out_ptr, e, v, end, ACCUMULATE, EVEN)
+    store_out(out_ptr, e, v, end, ACCUMULATE, EVEN)

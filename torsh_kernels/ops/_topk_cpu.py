@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import ShapeError
-from ._cpu import carray, f32, jit, p_f32, p_i32, p_i64, store
+from .cpu_common import carray, f32, jit, p_f32, p_i32, p_i64, store
 
 
 @jit

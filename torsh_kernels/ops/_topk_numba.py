@@ -13,9 +13,9 @@ from functools import cache
 import torch
 from numba import cuda, float32
 
-from . import _numba as nb
-from ._common import _counter
-from ._numba import TILE, _blocks, _nonfinite, _tile_range
+from . import numba_common as nb
+from .common import new_counter
+from .numba_common import TILE, block_count, nonfinite, tile_range
 
 
 @cache
@@ -25,13 +25,13 @@ def _candidates_kernel(xd, rd, has_r):
     @cuda.jit
     def kernel(x, r, cval, cidx, cnt, n, thr, cap):
         t = float32(thr)
-        i, end = _tile_range(n)
+        i, end = tile_range(n)
         nbad = 0
         while i < end:
             v = ldx(x, i)
             if has_r:
                 v = v + ldr(r, i)
-            if _nonfinite(v):
+            if nonfinite(v):
                 nbad += 1
             elif abs(v) >= t:
                 pos = cuda.atomic.add(cnt, 0, 1)
@@ -48,11 +48,11 @@ def _candidates_kernel(xd, rd, has_r):
 def candidates(x, r, thr, cap, idx_dtype):
     cval = torch.empty(cap, dtype=torch.float32, device=x.device)
     cidx = torch.empty(cap, dtype=idx_dtype, device=x.device)
-    cnt = _counter(x.device, 2)
+    cnt = new_counter(x.device, 2)
     rr = r if r is not None else x
     k = _candidates_kernel(x.dtype, rr.dtype, r is not None)
     n = x.numel()
-    nb.launch(k, _blocks(n, TILE), nb.THREADS, x.device, nb.as_array(x), nb.as_array(rr), nb.as_array(cval),
+    nb.launch(k, block_count(n, TILE), nb.THREADS, x.device, nb.as_array(x), nb.as_array(rr), nb.as_array(cval),
               nb.as_array(cidx), nb.as_array(cnt), n, thr, cap)  # fmt: skip
     return cval, cidx, cnt
 
@@ -64,7 +64,7 @@ def _scatter_kernel(vd, od, accumulate, atomic):
     @cuda.jit
     def kernel(values, indices, out, k, numel, alpha):
         a = float32(alpha)
-        i, end = _tile_range(k)
+        i, end = tile_range(k)
         while i < end:
             j = indices[i]
             if j >= 0 and j < numel:
@@ -84,5 +84,5 @@ def _scatter_kernel(vd, od, accumulate, atomic):
 def scatter(values, indices, out, alpha, accumulate, atomic):
     k = values.numel()
     kern = _scatter_kernel(values.dtype, out.dtype, bool(accumulate), bool(atomic))
-    nb.launch(kern, _blocks(k, TILE), nb.THREADS, out.device, nb.as_array(values), nb.as_array(indices),
+    nb.launch(kern, block_count(k, TILE), nb.THREADS, out.device, nb.as_array(values), nb.as_array(indices),
               nb.as_array(out), k, out.numel(), alpha)  # fmt: skip

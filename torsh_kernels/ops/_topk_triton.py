@@ -9,13 +9,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton import _cast, _load_acc, _nonfinite
+from .triton_common import cast, load_acc, nonfinite
 
 
 @triton.jit
 def _topk_candidates_kernel(x_ptr, r_ptr, cval_ptr, cidx_ptr, cnt_ptr, start, end, thr, cap, BLOCK: tl.constexpr,
                             VEC: tl.constexpr, HAS_R: tl.constexpr):  # fmt: skip
-    """Compact the elements of [start, end) (see _common.spans) with |x + r| >= thr (their fp32 value and global
+    """Compact the elements of [start, end) (see common.spans) with |x + r| >= thr (their fp32 value and global
     index) into slots reserved with one atomic per program; cnt[0] counts all candidates (also those past cap),
     cnt[1] the non-finite ones. Candidates keep their order inside a program.
 
@@ -29,8 +29,8 @@ def _topk_candidates_kernel(x_ptr, r_ptr, cval_ptr, cidx_ptr, cnt_ptr, start, en
     cols = tl.arange(0, VEC)
     offs = blk + (rows[:, None] * VEC + cols[None, :])  # [ROWS, VEC] global indices
     m = offs < end
-    v = _load_acc(x_ptr, r_ptr, offs, m, HAS_R)
-    bad = _nonfinite(v) & m
+    v = load_acc(x_ptr, r_ptr, offs, m, HAS_R)
+    bad = nonfinite(v) & m
     sel = m & (tl.abs(v) >= thr) & (~bad)
     s = sel.to(tl.int32)
     rs = tl.sum(s, 1)  # [ROWS] candidates per row
@@ -54,7 +54,7 @@ def _topk_candidates_kernel(x_ptr, r_ptr, cval_ptr, cidx_ptr, cnt_ptr, start, en
 def _scatter_kernel(val_ptr, idx_ptr, out_ptr, start, end, numel, alpha, BLOCK: tl.constexpr, VEC: tl.constexpr,
                     ACCUMULATE: tl.constexpr, ATOMIC: tl.constexpr):  # fmt: skip
     """out[idx] = alpha * val (or +=; atomically when indices may repeat) for the entries [start, end) (see
-    _common.spans). Values and indices are read as a [BLOCK // VEC, VEC] tile with 128-bit loads in the bulk launch
+    common.spans). Values and indices are read as a [BLOCK // VEC, VEC] tile with 128-bit loads in the bulk launch
     (their mask is the span's alone); the scattered accesses of out, one element each, go one column at a time
     (no layout conversion through shared memory, as in _topk_candidates_kernel)."""
     ROWS: tl.constexpr = BLOCK // VEC
@@ -74,6 +74,6 @@ def _scatter_kernel(val_ptr, idx_ptr, out_ptr, start, end, numel, alpha, BLOCK: 
                 tl.atomic_add(out_ptr + ij, vj, mask=mj)
             else:
                 vj = tl.load(out_ptr + ij, mask=mj, other=0.0).to(tl.float32) + vj
-                tl.store(out_ptr + ij, _cast(vj, out_ptr.dtype.element_ty), mask=mj)
+                tl.store(out_ptr + ij, cast(vj, out_ptr.dtype.element_ty), mask=mj)
         else:
-            tl.store(out_ptr + ij, _cast(vj, out_ptr.dtype.element_ty), mask=mj)
+            tl.store(out_ptr + ij, cast(vj, out_ptr.dtype.element_ty), mask=mj)

@@ -5,7 +5,7 @@
 - ``error_update(acc, approx, residual, out=)``: ``residual = acc - approx`` and, optionally, ``approx``
   copied, cast, into ``out`` (typically the gradient), in one pass.
 
-See ``_common`` for what the compression families share (fp32 compute, the non-finite checks).
+See ``common`` for what the compression families share (fp32 compute, the non-finite checks).
 """
 
 from __future__ import annotations
@@ -15,22 +15,22 @@ import math
 import torch
 
 from ..errors import DeviceMismatchError, ShapeError
-from . import _eager
-from ._common import (
+from . import eager
+from .common import (
     BLOCK,
     WARPS,
-    _count,
-    _count_nonfinite,
-    _counter,
-    _flat_inout,
-    _flat_input,
-    _guards,
-    _Memo,
-    _no_overlap,
-    _on,
-    _raise_nonfinite,
-    _select,
+    Memo,
+    as_count,
+    flat_inout,
+    flat_input,
+    new_counter,
+    no_overlap,
+    nonfinite_count,
+    on_device,
+    raise_nonfinite,
+    select_provider,
     spans,
+    tensor_guards,
 )
 from .registry import Op, check_provider
 
@@ -63,12 +63,12 @@ def error_update_ref(acc, approx, residual, *, out=None) -> None:
 # --------------------------------------------------------------------------------------------------
 # Provider implementations. Inputs are validated, contiguous and 1-D, on one device.
 
-_axpby = Op("residual_add")
+axpby = Op("residual_add")
 _err_update = Op("error_update")
 
 
 # out = x + beta * y; returns the non-finite count tensor (or None)
-@_axpby.register("torch")
+@axpby.register("torch")
 def _axpby_torch(x, y, out, beta, count_bad):
     if beta == 1.0 and out.dtype == x.dtype == y.dtype == torch.float32:
         torch.add(x, y, alpha=beta, out=out)  # one pass, no temporary
@@ -76,28 +76,28 @@ def _axpby_torch(x, y, out, beta, count_bad):
     else:
         v = x.float() + y.float() * beta if beta != 1.0 else x.float() + y.float()
         out.copy_(v)
-    return _count_nonfinite(v) if count_bad else None
+    return nonfinite_count(v) if count_bad else None
 
 
-@_axpby.register("triton")
+@axpby.register("triton")
 def _axpby_triton(x, y, out, beta, count_bad):
     from . import _error_feedback_triton as K
 
-    bad = _counter(x.device)
+    bad = new_counter(x.device)
     for grid, start, end in spans(x.numel(), BLOCK):
         K._axpby_kernel[grid](x, y, out, bad, start, end, beta, BLOCK=BLOCK, COUNT_BAD=count_bad, num_warps=WARPS,
                               enable_fp_fusion=False)  # fmt: skip
     return bad if count_bad else None
 
 
-@_axpby.register("numba")
+@axpby.register("numba")
 def _axpby_numba(x, y, out, beta, count_bad):
     from . import _error_feedback_numba as K
 
     return K.axpby(x, y, out, beta, count_bad)
 
 
-@_axpby.register("cpu")
+@axpby.register("cpu")
 def _axpby_cpu(x, y, out, beta, count_bad):
     from . import _error_feedback_cpu as K
 
@@ -149,11 +149,11 @@ def _residual_add_op(x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
     """``traced``: the public function was traced (torch.compile) and left the memory checks to run here."""
     if traced:
         _residual_add_overlaps(x.view(-1), residual.view(-1), out.view(-1))
-    name = _select(_axpby, x, provider)
-    with _on(x.device):
-        bad = _axpby(name, x.view(-1), residual.view(-1), out.view(-1), 1.0, check_finite)
-    if check_finite and (b := _count(bad)):
-        _raise_nonfinite(b, "torsh_kernels.residual_add", "x + residual")
+    name = select_provider(axpby, x, provider)
+    with on_device(x.device):
+        bad = axpby(name, x.view(-1), residual.view(-1), out.view(-1), 1.0, check_finite)
+    if check_finite and (b := as_count(bad)):
+        raise_nonfinite(b, "torsh_kernels.residual_add", "x + residual")
 
 
 @_residual_add_op.register_fake
@@ -163,7 +163,7 @@ def _(x, residual, out, check_finite, provider, traced=False):
 
 def _residual_add_overlaps(xf: torch.Tensor, rf: torch.Tensor, of: torch.Tensor) -> None:
     for t, nm in ((xf, "x"), (rf, "residual")):
-        _no_overlap(of, t, "torsh_kernels.residual_add", "out", nm, same_ok=True)
+        no_overlap(of, t, "torsh_kernels.residual_add", "out", nm, same_ok=True)
 
 
 @torch.library.custom_op("torsh::error_update", mutates_args=("residual", "out"))
@@ -173,8 +173,8 @@ def _error_update_op(acc: torch.Tensor, approx: torch.Tensor, residual: torch.Te
     if traced:
         of = out.view(-1) if out is not None else None
         _error_update_overlaps(acc.view(-1), approx.view(-1), residual.view(-1), of)
-    name = _select(_err_update, acc, provider)
-    with _on(acc.device):
+    name = select_provider(_err_update, acc, provider)
+    with on_device(acc.device):
         _err_update(name, acc.view(-1), approx.view(-1), residual.view(-1), out.view(-1) if out is not None else None)
 
 
@@ -185,20 +185,20 @@ def _(acc, approx, residual, out, provider, traced=False):
 
 def _error_update_overlaps(af: torch.Tensor, pf: torch.Tensor, rf: torch.Tensor, of: torch.Tensor | None) -> None:
     what = "torsh_kernels.error_update"
-    _no_overlap(rf, pf, what, "residual", "approx")
-    _no_overlap(rf, af, what, "residual", "acc", same_ok=True)
+    no_overlap(rf, pf, what, "residual", "approx")
+    no_overlap(rf, af, what, "residual", "acc", same_ok=True)
     if of is not None:
-        _no_overlap(of, rf, what, "out", "residual")
-        _no_overlap(of, af, what, "out", "acc")
-        _no_overlap(of, pf, what, "out", "approx", same_ok=True)
+        no_overlap(of, rf, what, "out", "residual")
+        no_overlap(of, af, what, "out", "acc")
+        no_overlap(of, pf, what, "out", "approx", same_ok=True)
 
 
 # --------------------------------------------------------------------------------------------------
 # Public API
 
 
-_RA_LAYOUTS = _Memo(64)
-_cpu_kernels = _eager.lazy_module("_error_feedback_cpu")  # the cpu provider's kernels, for the fast paths
+_RA_LAYOUTS = Memo(64)
+_cpu_kernels = eager.lazy_module("_error_feedback_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 def _residual_add_fast_layout(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor, ptrs: tuple[int, int, int]) -> bool:
@@ -234,7 +234,7 @@ def residual_add(
     shape; it may be ``residual`` or ``x`` itself. With ``check_finite``, NaN/Inf in the sum raise
     :class:`NonFiniteError` (after the pass: an ``out`` that aliases an input has been written).
     """
-    if type(out) is _T and type(x) is _T and type(residual) is _T and _eager.fast():
+    if type(out) is _T and type(x) is _T and type(residual) is _T and eager.fast():
         # The common case, fp32 on the CPU: what the torch provider does, without the flattening views
         # and the custom op (equal shapes, contiguous: the same elements in the same order). The layout
         # check below is remembered per (addresses) and confirmed by a C-level guard on everything else
@@ -244,17 +244,17 @@ def residual_add(
         if hit is None or not hit[0].check(x, residual, out):
             hit = None
             if _residual_add_fast_layout(x, residual, out, key):
-                hit = (_guards((x, residual, out)), x.numel(),
+                hit = (tensor_guards((x, residual, out)), x.numel(),
                        x.requires_grad or residual.requires_grad or out.requires_grad)  # fmt: skip
                 if hit[0] is not None:
                     _RA_LAYOUTS.put(key, hit)
-        sel = _axpby.select(_CPU, _F32, hit[1], provider or None) if hit is not None else None
+        sel = axpby.select(_CPU, _F32, hit[1], provider or None) if hit is not None else None
         if sel == "cpu":  # its kernel straight on the tensors' memory (plain fp32 arrays: no grad semantics)
             K = _cpu_kernels()
             b = K.axpby_ptr(key[0], key[1], key[2], hit[1], 1.0, bool(check_finite))
-            _eager.bump(out)
+            eager.bump(out)
             if b:
-                _raise_nonfinite(b, "torsh_kernels.residual_add", "x + residual")
+                raise_nonfinite(b, "torsh_kernels.residual_add", "x + residual")
             return out
         if sel == "torch":
             if hit[2]:
@@ -264,21 +264,21 @@ def residual_add(
             if check_finite and not math.isfinite(out.sum().item()):
                 b = int((~torch.isfinite(out)).sum())
                 if b:
-                    _raise_nonfinite(b, "torsh_kernels.residual_add", "x + residual")
+                    raise_nonfinite(b, "torsh_kernels.residual_add", "x + residual")
             return out
     what = "torsh_kernels.residual_add"
     check_provider(provider)
-    xf = _flat_input(x, what, "x")
-    rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
+    xf = flat_input(x, what, "x")
+    rf = flat_inout(residual, what, "residual", xf.numel(), xf.device)
     if out is None:
         out = torch.empty(x.shape, dtype=torch.float32, device=xf.device)
-    of = _flat_inout(out, what, "out", xf.numel(), xf.device)
-    traced = _eager.deferred(xf, rf, of)  # the memory checks then run in the op, at run time
+    of = flat_inout(out, what, "out", xf.numel(), xf.device)
+    traced = eager.deferred(xf, rf, of)  # the memory checks then run in the op, at run time
     if not traced:
         for t, nm in ((xf, "x"), (rf, "residual")):
-            _no_overlap(of, t, what, "out", nm, same_ok=True)
+            no_overlap(of, t, what, "out", nm, same_ok=True)
     if xf.numel():
-        _eager.call(_residual_add_op, (2,), xf, rf, of, bool(check_finite), provider or "", traced)
+        eager.call(_residual_add_op, (2,), xf, rf, of, bool(check_finite), provider or "", traced)
     return out
 
 
@@ -305,38 +305,38 @@ def error_update(
         and (n := acc.numel())
         and (out is None or (type(out) is _T and out.dtype is _F32 and out.is_cpu and out.shape == acc.shape
                              and out.is_contiguous()))
-        and _eager.fast()
-        and _eager.disjoint(residual, approx, 4 * n) and _eager.disjoint_or_same(residual, acc, 4 * n)
-        and (out is None or (_eager.disjoint(out, residual, 4 * n) and _eager.disjoint(out, acc, 4 * n)
-                             and _eager.disjoint_or_same(out, approx, 4 * n)))
+        and eager.fast()
+        and eager.disjoint(residual, approx, 4 * n) and eager.disjoint_or_same(residual, acc, 4 * n)
+        and (out is None or (eager.disjoint(out, residual, 4 * n) and eager.disjoint(out, acc, 4 * n)
+                             and eager.disjoint_or_same(out, approx, 4 * n)))
         and (sel := _err_update.select(_CPU, _F32, n, provider or None)) in ("torch", "cpu")
     ):  # fmt: skip
         if sel == "cpu":  # its kernel straight on the tensors' memory
             K = _cpu_kernels()
             K.error_update_ptr(acc.data_ptr(), approx.data_ptr(), residual.data_ptr(),
                                out.data_ptr() if out is not None else 0, n, out is not None)  # fmt: skip
-            _eager.bump(residual, out)
+            eager.bump(residual, out)
             return
         # The common case, fp32 on the CPU: the torch provider's two calls, without the flattening views
         # and the custom op (equal shapes, contiguous: the same elements in the same order).
-        with _eager.no_grad():
+        with eager.no_grad():
             torch.sub(acc, approx, out=residual)
             if out is not None:
                 out.copy_(approx)
         return
     what = "torsh_kernels.error_update"
     check_provider(provider)
-    af = _flat_input(acc, what, "acc")
+    af = flat_input(acc, what, "acc")
     n, dev = af.numel(), af.device
-    pf = _flat_input(approx, what, "approx")
+    pf = flat_input(approx, what, "approx")
     if pf.numel() != n:
         raise ShapeError(f"{what}: approx has {pf.numel()} elements, acc has {n}")
     if pf.device != dev:
         raise DeviceMismatchError(f"{what}: approx is on {pf.device}, acc on {dev}")
-    rf = _flat_inout(residual, what, "residual", n, dev)
-    of = _flat_inout(out, what, "out", n, dev) if out is not None else None
-    traced = _eager.deferred(af, pf, rf, of)  # the memory checks then run in the op, at run time
+    rf = flat_inout(residual, what, "residual", n, dev)
+    of = flat_inout(out, what, "out", n, dev) if out is not None else None
+    traced = eager.deferred(af, pf, rf, of)  # the memory checks then run in the op, at run time
     if not traced:
         _error_update_overlaps(af, pf, rf, of)
     if n:
-        _eager.call(_error_update_op, (2, 3), af, pf, rf, of, provider or "", traced)
+        eager.call(_error_update_op, (2, 3), af, pf, rf, of, provider or "", traced)

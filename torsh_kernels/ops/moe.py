@@ -113,8 +113,7 @@ from ..errors import (
     InvalidArgumentError,
     ShapeError,
 )
-from . import _eager
-from ._common import _check_strided, _check_tensor
+from . import eager
 from ._moe_routing import (
     Routing,
     check_routing,
@@ -125,6 +124,7 @@ from ._moe_routing import (
     sealed,
     sealed_rows,
 )
+from .common import check_strided, check_tensor
 from .moe_checks import check_logits, check_routing_of, check_rows
 from .moe_losses import moe_aux_loss, moe_z_loss
 from .moe_ops import POLICY, check_bias_finite, permute_op, raise_nan_scores, route_op, select, unpermute_op
@@ -204,7 +204,7 @@ def moe_route(
         and logits.is_contiguous() and (T := logits.shape[0]) > 0 and spec.k <= (E := logits.shape[1])
         and sequence_lengths is None and spec.capacity_scope == "call" and not spec.pad_to_capacity
         and spec.capacity is None
-        and (score_bias is None or _eager.plain(score_bias)) and _eager.fast()
+        and (score_bias is None or eager.plain(score_bias)) and eager.fast()
     ):  # fmt: skip
         r = _route_fast_paths(logits, spec, score_bias, provider, T, E)
         if r is not None:
@@ -226,7 +226,7 @@ def _route_fast_paths(logits, spec: RouterSpec, score_bias, provider, T: int, E:
         cf = spec.capacity_factor
         cap = -1 if cf is None else expert_capacity(T, k, E, cf)
         if logits.requires_grad and torch.is_grad_enabled():
-            w, idx, s, counts, rows, tok = _eager.autograd_fast(
+            w, idx, s, counts, rows, tok = eager.autograd_fast(
                 route_op, _route_cpu_impl, logits, k, score, spec.renormalize, bias, G, TG, spec.scaling, cap,
                 spec.drop_policy, (), (), -1, spec.check_finite, provider or "",
             )  # fmt: skip
@@ -243,7 +243,7 @@ def _route_fast_paths(logits, spec: RouterSpec, score_bias, provider, T: int, E:
         and not (logits.requires_grad and torch.is_grad_enabled()) and select(topk, logits, provider or "", k, E)
         == "torch"
     ):  # fmt: skip
-        return _eager.run(_route_fast, logits, T, E, k, score, spec.renormalize)
+        return eager.run(_route_fast, logits, T, E, k, score, spec.renormalize)
     return None
 
 
@@ -252,7 +252,7 @@ def _route_checked(logits, spec: RouterSpec, score_bias, sequence_lengths, provi
     what = _ROUTE
     check_provider(provider)
     logits = check_logits(logits, what)
-    _check_strided(logits, what, "logits")
+    check_strided(logits, what, "logits")
     T, E = logits.shape
     G, TG = spec.selection(E, what)
     bias = None if score_bias is None else _check_bias(score_bias, logits, what)
@@ -264,7 +264,7 @@ def _route_checked(logits, spec: RouterSpec, score_bias, sequence_lengths, provi
             "which meta tensors do not have; route without a capacity, pad to it (pad_to_capacity=True: E * capacity "
             "rows), or trace the model with torch.compile (a data-dependent size there)"
         )
-    w, idx, s, counts, rows, tok = _eager.call_autograd(
+    w, idx, s, counts, rows, tok = eager.call_autograd(
         route_op, logits.contiguous(), spec.k, spec.score, spec.renormalize, bias, G, TG, spec.scaling,
         plan.kernel_capacity, spec.drop_policy, list(plan.sequence_lengths or ()), list(plan.kernel_sequence_capacity),
         plan.padded_capacity, spec.check_finite, provider or "",
@@ -275,14 +275,14 @@ def _route_checked(logits, spec: RouterSpec, score_bias, sequence_lengths, provi
         sequence_lengths=plan.sequence_lengths, sequence_capacity=plan.sequence_capacity,
         padded=plan.padded_capacity >= 0,
     )  # fmt: skip
-    return r if _eager.compiling() else seal(r)  # (while torch.compile traces: nothing to seal)
+    return r if eager.compiling() else seal(r)  # (while torch.compile traces: nothing to seal)
 
 
 def _check_bias(score_bias: object, logits: torch.Tensor, what: str) -> torch.Tensor:
     """The score bias as the custom op takes it (contiguous); a typed error for a bad one. Its values are
     checked by the op (:func:`check_bias_finite`), at run time."""
     E = logits.shape[1]
-    bias = _check_tensor(score_bias, what, "score_bias")
+    bias = check_tensor(score_bias, what, "score_bias")
     if bias.dtype != torch.float32:
         raise DTypeError(
             f"{what}: score_bias has dtype {bias.dtype}; expected float32 (one fp32 value per expert, added to the "
@@ -299,7 +299,7 @@ _T = torch.Tensor
 _F32 = torch.float32
 _BOOL = torch.bool
 _CPU = torch.device("cpu")
-_cpu_kernels = _eager.lazy_module("_moe_cpu")  # the cpu provider's kernels, for the fast paths
+_cpu_kernels = eager.lazy_module("_moe_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 _ARANGE: dict[int, torch.Tensor] = {}  # CPU 0..n-1 per n, for the fast path (read only, never returned)
@@ -373,7 +373,7 @@ def _route_fast(logits: torch.Tensor, T: int, E: int, k: int, score: str, renorm
     (else None: the general path counts and reports them, or routes them with check_finite=False). The
     same operations with the NaN masking left out (it replaces nothing when nothing is NaN), the first
     argmax taken on the scores themselves, the last round's scatter skipped (its result is never read) and
-    the row map written by scatter_ (rows[order] = 0..n-1). Run under no-grad (``_eager.run``)."""
+    the row map written by scatter_ (rows[order] = 0..n-1). Run under no-grad (``eager.run``)."""
     x = logits
     p = torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
     total = p.sum().item()
@@ -409,7 +409,7 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
     if (
         type(routing) is Routing and type(x) is _T and x.is_cpu and x.dim() == 2 and x.is_contiguous()
         and (x.dtype is _F32 or x.dtype is torch.float16 or x.dtype is torch.bfloat16)
-        and _eager.fast()  # (before the row count, a data-dependent size while torch.compile traces)
+        and eager.fast()  # (before the row count, a data-dependent size while torch.compile traces)
         and sealed_rows(routing) and not routing.padded and x.shape[0] == routing.indices.shape[0] and x.shape[1]
         and routing.num_rows and (tok := routing.token_index).is_cpu and routing.row_map.is_cpu
         and (sel := select(scatter_rows, x, provider or "", routing.row_map.shape[1])) in ("torch", "cpu")
@@ -423,7 +423,7 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
                 return x.index_select(0, tok)
         elif tok.dtype is torch.int64 and tok.numel() == routing.num_rows:
             if grad:
-                return _eager.autograd_fast(permute_op, _permute_cpu_impl, x, routing.row_map, tok, provider or "",
+                return eager.autograd_fast(permute_op, _permute_cpu_impl, x, routing.row_map, tok, provider or "",
                                             False)  # fmt: skip
             try:  # (the cpu provider's permute is torch's index_select: one pass over whole rows)
                 return x.index_select(0, tok)
@@ -433,8 +433,8 @@ def moe_permute(x: torch.Tensor, routing: Routing, *, provider: str | None = Non
     check_provider(provider)
     routing = check_routing_of(routing, what, "rows")
     x = check_rows(x, routing.num_tokens, routing, what, "x", "T")
-    _check_strided(x, what, "x")
-    return _eager.call_autograd(permute_op, x.contiguous(), routing.row_map, routing.token_index, provider or "",
+    check_strided(x, what, "x")
+    return eager.call_autograd(permute_op, x.contiguous(), routing.row_map, routing.token_index, provider or "",
                                 routing.padded)  # fmt: skip
 
 
@@ -445,7 +445,7 @@ def moe_unpermute(
     ``routing.weights`` (unless ``weights=False``); differentiable in ``y_perm`` and the weights."""
     if (
         type(routing) is Routing and type(y_perm) is _T and y_perm.dtype is _F32 and y_perm.is_cpu
-        and y_perm.dim() == 2 and _eager.fast()  # (before the sizes: data-dependent while torch.compile traces)
+        and y_perm.dim() == 2 and eager.fast()  # (before the sizes: data-dependent while torch.compile traces)
         and y_perm.is_contiguous() and y_perm.shape[1] and sealed(routing)
         and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
         and rows.shape[0] and y_perm.shape[0] == routing.num_rows
@@ -455,7 +455,7 @@ def moe_unpermute(
         # The common case on the CPU with the cpu provider: its kernel into a new tensor; when a gradient is
         # needed, as the forward of the op's registered autograd.
         if torch.is_grad_enabled() and (y_perm.requires_grad or (weights and w.requires_grad)):
-            return _eager.autograd_fast(unpermute_op, _unpermute_cpu_impl, y_perm, rows, routing.token_index,
+            return eager.autograd_fast(unpermute_op, _unpermute_cpu_impl, y_perm, rows, routing.token_index,
                                         w if weights else None, provider or "", routing.padded)  # fmt: skip
         M = _cpu_kernels()
         out = torch.empty(rows.shape[0], y_perm.shape[1])
@@ -464,7 +464,7 @@ def moe_unpermute(
             return out
     if (
         weights and type(routing) is Routing and type(y_perm) is _T and y_perm.dtype is _F32 and y_perm.is_cpu
-        and y_perm.dim() == 2 and _eager.fast()  # (before the sizes: data-dependent while torch.compile traces)
+        and y_perm.dim() == 2 and eager.fast()  # (before the sizes: data-dependent while torch.compile traces)
         and y_perm.is_contiguous() and (H := y_perm.shape[1]) and sealed(routing) and not routing.padded
         and (rows := routing.row_map).is_cpu and type(w := routing.weights) is _T and w.dtype is _F32 and w.is_cpu
         and (T := rows.shape[0]) and y_perm.shape[0] == routing.num_rows == T * (K := rows.shape[1])
@@ -484,8 +484,8 @@ def moe_unpermute(
     check_provider(provider)
     routing = check_routing_of(routing, what, "weights")
     y_perm = check_rows(y_perm, routing.num_rows, routing, what, "y_perm", "N")
-    _check_strided(y_perm, what, "y_perm")
+    check_strided(y_perm, what, "y_perm")
     w = routing.weights if weights else None
-    return _eager.call_autograd(
+    return eager.call_autograd(
         unpermute_op, y_perm.contiguous(), routing.row_map, routing.token_index, w, provider or "", routing.padded
     )

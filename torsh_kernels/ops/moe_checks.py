@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import DeviceMismatchError, DTypeError, ShapeError
-from ._common import _check_tensor
-from ._moe_routing import _SEALED, Routing, check_routing
+from ._moe_routing import SEALED, Routing, check_routing
+from .common import check_tensor
 
 __all__ = ["ACT_DTYPES", "check_act_dtype", "check_logits", "check_routing_of", "check_rows"]
 
@@ -20,7 +20,7 @@ def check_act_dtype(t: torch.Tensor, what: str, name: str) -> None:
 
 
 def check_logits(logits: object, what: str) -> torch.Tensor:
-    logits = _check_tensor(logits, what, "logits")
+    logits = check_tensor(logits, what, "logits")
     check_act_dtype(logits, what, "logits")
     if logits.dim() != 2:
         raise ShapeError(
@@ -36,7 +36,7 @@ def check_routing_of(routing: object, what: str, reads: str) -> Routing:
     """A sealed Routing as it is (for the fields the caller ``reads``: see ``check_routing``); any other checked in
     full (values too, except while torch.compile traces)."""
     compiling = _is_compiling()
-    if not compiling and type(routing) is Routing and _SEALED[reads](routing):
+    if not compiling and type(routing) is Routing and SEALED[reads](routing):
         return routing
     return check_routing(routing, what, values=not compiling, reads=reads)
 
@@ -45,7 +45,7 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def check_rows(x: object, rows: int, routing: Routing, what: str, name: str, rows_name: str) -> torch.Tensor:
-    x = _check_tensor(x, what, name)
+    x = check_tensor(x, what, name)
     check_act_dtype(x, what, name)
     if x.dim() != 2 or x.shape[0] != rows:
         raise ShapeError(f"{what}: {name} must be [{rows_name}={rows}, H] for this routing, got shape {tuple(x.shape)}")

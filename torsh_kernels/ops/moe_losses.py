@@ -10,16 +10,16 @@ import torch
 
 from ..checks import check_choice
 from ..errors import DeviceMismatchError, ShapeError
-from . import _eager
-from ._common import _check_strided, _check_tensor
+from . import eager
 from ._moe_routing import Routing
+from .common import check_strided, check_tensor
 from .moe_checks import check_act_dtype, check_logits, check_routing_of
 from .moe_reference import AUX_SCALES, check_groups, moe_aux_loss_ref, moe_z_loss_ref
 from .registry import Op
 
 __all__ = ["moe_aux_loss", "moe_z_loss"]
 
-_cpu_kernels = _eager.lazy_module("_moe_cpu_losses")  # the cpu provider's kernels
+_cpu_kernels = eager.lazy_module("_moe_cpu_losses")  # the cpu provider's kernels
 
 
 def moe_aux_loss(
@@ -51,7 +51,7 @@ def moe_aux_loss(
     """
     what = "torsh_kernels.moe_aux_loss"
     routing = check_routing_of(routing, what, "experts")
-    x = _check_tensor(logits_or_probs, what, "logits_or_probs")
+    x = check_tensor(logits_or_probs, what, "logits_or_probs")
     check_act_dtype(x, what, "logits_or_probs")
     if tuple(x.shape) != (routing.num_tokens, routing.num_experts):
         raise ShapeError(
@@ -61,7 +61,7 @@ def moe_aux_loss(
     if not (x.is_cpu and routing.indices.is_cpu) and x.device != routing.indices.device:
         raise DeviceMismatchError(f"{what}: logits_or_probs is on {x.device}, the routing on {routing.indices.device}")
     if not x.is_contiguous():
-        _check_strided(x, what, "logits_or_probs")
+        check_strided(x, what, "logits_or_probs")
     if scale != "balanced-one":
         check_choice(scale, what, "scale", AUX_SCALES)
     if groups is not None:
@@ -73,7 +73,7 @@ def moe_z_loss(logits: torch.Tensor, *, provider: str | None = None) -> torch.Te
     """The router z-loss ``mean_t logsumexp(logits[t])**2`` (fp32 scalar, differentiable). ``provider`` as
     for :func:`moe_aux_loss`."""
     logits = check_logits(logits, "torsh_kernels.moe_z_loss")
-    _check_strided(logits, "torsh_kernels.moe_z_loss", "logits")
+    check_strided(logits, "torsh_kernels.moe_z_loss", "logits")
     return _z_loss(_loss_provider(_z_loss, logits, provider), logits)
 
 
@@ -92,11 +92,11 @@ _z_loss.register("torch")(moe_z_loss_ref)
 
 
 def _loss_kernel_ok(x: torch.Tensor) -> bool:
-    return type(x) in _eager._PLAIN and x.shape[0] > 0 and _eager.fast()
+    return type(x) in eager._PLAIN and x.shape[0] > 0 and eager.fast()
 
 
 def _loss_provider(op, x: torch.Tensor, provider: str | None) -> str:
-    if _eager.compiling() or x.is_meta:  # the torch formula (dynamo traces it; meta: shapes only); no selection
+    if eager.compiling() or x.is_meta:  # the torch formula (dynamo traces it; meta: shapes only); no selection
         op.check_traced(x.device, provider)  # state read while tracing
         return "torch"
     name = op.select(x.device, x.dtype, x.numel(), provider or None)

@@ -10,8 +10,8 @@ import weakref
 import torch
 
 from ..errors import NonFiniteError, ShapeError
-from . import _eager
-from ._common import _count, _on
+from . import eager
+from .common import as_count, on_device
 from .moe_providers import (
     CAP_POSITION,
     CAP_PROBABILITY,
@@ -103,9 +103,9 @@ def route_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, score_
         tok = i.new_empty(0) if padded_capacity < 0 else i.new_full((E * padded_capacity,), -1)
         return f, i, f.clone(), torch.zeros(E, dtype=torch.int64, device=logits.device), i.clone(), tok
     name = select(topk, logits, provider, k, E)
-    with _on(logits.device):
+    with on_device(logits.device):
         idx, w, s, bad = topk(name, logits, k, score, renormalize, score_bias, n_group, topk_group, scaling)
-        if check_finite and (b := _count(bad)):
+        if check_finite and (b := as_count(bad)):
             raise_nan_scores(b, T)
         if sequence_lengths:
             seq = (tuple(sequence_lengths), tuple(sequence_capacity))
@@ -184,7 +184,7 @@ def permute_op(x: torch.Tensor, row_map: torch.Tensor, token_index: torch.Tensor
     out = x.new_empty(token_index.shape[0], x.shape[1])
     if out.numel():
         name = select(scatter_rows, x, provider, row_map.shape[1])
-        with _on(x.device):
+        with on_device(x.device):
             if padded:
                 scatter_rows(name, x, row_map, token_index, None, out, True)
             else:
@@ -206,7 +206,7 @@ def _permute_setup(ctx, inputs, output):
 def _permute_backward(ctx, g):
     """The sum of each token's rows (the padding rows' gradient goes nowhere: no token came from them)."""
     row_map, token_index = ctx.saved_tensors
-    gx = _eager.call_autograd(unpermute_op, g.contiguous(), row_map, token_index, None, ctx.provider, ctx.padded)
+    gx = eager.call_autograd(unpermute_op, g.contiguous(), row_map, token_index, None, ctx.provider, ctx.padded)
     return gx, None, None, None, None
 
 
@@ -221,7 +221,7 @@ def unpermute_op(y_perm: torch.Tensor, row_map: torch.Tensor, token_index: torch
     out = y_perm.new_empty(T, y_perm.shape[1])
     if T and y_perm.shape[1]:
         name = select(gather_rows, y_perm, provider, row_map.shape[1])
-        with _on(y_perm.device):
+        with on_device(y_perm.device):
             if padded:
                 gather_rows(name, y_perm, row_map, weights, out, True)
             else:
@@ -242,7 +242,7 @@ def _unpermute_bwd_op(grad_y: torch.Tensor, y_perm: torch.Tensor, row_map: torch
     if row_map.shape[0] == 0 or y_perm.shape[1] == 0:
         return gyp.zero_(), torch.zeros(row_map.shape, dtype=torch.float32, device=y_perm.device)
     name = select(gather_rows_bwd, y_perm, provider, row_map.shape[1])
-    with _on(y_perm.device):
+    with on_device(y_perm.device):
         gw = gather_rows_bwd(name, grad_y, y_perm, row_map, weights, gyp)
     return gyp, gw
 
@@ -263,11 +263,11 @@ def _unpermute_backward(ctx, g):
     g = g.contiguous()
     p, padded = ctx.provider, ctx.padded
     if weights is None:
-        return _eager.call_autograd(permute_op, g, row_map, token_index, p, padded), None, None, None, None, None
+        return eager.call_autograd(permute_op, g, row_map, token_index, p, padded), None, None, None, None, None
     if torch.is_grad_enabled():  # a double backward: the registered op (it has no autograd of its own)
         gyp, gw = _unpermute_bwd_op(g, y_perm, row_map, weights, p, padded)
     else:
-        gyp, gw = _eager.call(_unpermute_bwd_op, (), g, y_perm, row_map, weights, p, padded)
+        gyp, gw = eager.call(_unpermute_bwd_op, (), g, y_perm, row_map, weights, p, padded)
     return gyp, None, None, gw if ctx.needs_input_grad[3] else None, None, None
 
 

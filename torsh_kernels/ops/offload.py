@@ -39,10 +39,10 @@ from ..errors import (
     NonFiniteError,
     ShapeError,
 )
-from . import _eager
-from ._common import Sealable, _check_strided, _no_overlap
+from . import eager
 from .bucket import BucketLayout, flatten, unflatten
 from .bucket.providers import TORCH_IMPL, flatten_impl
+from .common import Sealable, check_strided, no_overlap
 from .quantize import dequantize, quantize
 from .registry import check_provider
 
@@ -204,11 +204,11 @@ def _check_buffer(out: object, nbytes: int, what: str, name: str, x: torch.Tenso
         )
     # (while torch.compile traces there are no addresses: the views of the codes and the scales as their own
     # dtypes, which need their storage offsets to be whole elements, are the check then; meta: no address)
-    if not _eager.deferred(out):
+    if not eager.deferred(out):
         if out.data_ptr() % 4:
             raise ShapeError(f"{what}: {name} must start at a 4-byte aligned address (the scales are fp32)")
         if x is not None and x.device == out.device and not x.is_meta:
-            _no_overlap(out[:nbytes], x, what, name, "x")
+            no_overlap(out[:nbytes], x, what, name, "x")
     return out
 
 
@@ -267,7 +267,7 @@ def pack(
         out is None and stream is None and (fmt == "bf16" or (fmt == "fp16" and not check_finite))
         and type(x) is torch.Tensor and x.is_cpu and x.is_contiguous() and x.dtype in SOURCE_DTYPES
         and block.__class__ is int and 2 <= block <= MAX_BLOCK and not block & (block - 1) and (n := x.numel())
-        and _eager.fast() and _torch_path(x, provider)
+        and eager.fast() and _torch_path(x, provider)
     ):  # fmt: skip
         # The common case, a 16-bit float format on the CPU: the torch path's one cast-copy into a new
         # buffer, without the staging logic for another device.
@@ -285,7 +285,7 @@ def pack(
         raise DTypeError(f"{what}: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
     fmt = _check_fmt(fmt, what)
     block = _check_block(block, what)
-    _check_strided(x, what, "x")
+    check_strided(x, what, "x")
     n = x.numel()
     _, nbytes = _layout(n, fmt, block)
     if out is None:
@@ -294,7 +294,7 @@ def pack(
         out = _check_buffer(out, nbytes, what, "out", x)
     with _stream_ctx(stream, (x.device, out.device), what):
         check_range = check_finite and fmt == "fp16" and x.dtype != torch.float16 and n
-        traced = fmt != "int8" and _eager.deferred(x, out)  # the range check and the cast then run in one op
+        traced = fmt != "int8" and eager.deferred(x, out)  # the range check and the cast then run in one op
         if check_range and not traced:
             _check_fp16_range(x.detach(), what)
         stage = out if out.device == x.device else torch.empty(nbytes, dtype=torch.uint8, device=x.device)
@@ -312,7 +312,7 @@ def pack(
             if stage.device.type == "cuda":
                 stage.record_stream(torch.cuda.current_stream(stage.device))
     p = Packed(data=out, fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, block=block)
-    return p if _eager.compiling() else _sealed(p)  # (while torch.compile traces: nothing to seal)
+    return p if eager.compiling() else _sealed(p)  # (while torch.compile traces: nothing to seal)
 
 
 def _sealed(p: Packed) -> Packed:
@@ -360,8 +360,8 @@ def unpack(
             raise ShapeError(f"{what}: out must be contiguous")
         if (dtype is not None and dtype != out.dtype) or (device is not None and device != out.device):
             raise InvalidArgumentError(f"{what}: dtype/device disagree with out's; pass one or the other")
-        if out.device == packed.device and not _eager.deferred(out, packed.data):
-            _no_overlap(out, packed.data[: packed.nbytes], what, "out", "packed.data")
+        if out.device == packed.device and not eager.deferred(out, packed.data):
+            no_overlap(out, packed.data[: packed.nbytes], what, "out", "packed.data")
     if n == 0:
         return out
     with _stream_ctx(stream, (packed.device, out.device), what):
@@ -374,7 +374,7 @@ def unpack(
         if packed.fmt == "int8":
             dequantize(src.codes, src.scales, block=src.block, numel=n, out=flat, accumulate=accumulate,
                        provider=provider)  # fmt: skip
-        elif _eager.compiling():  # the bucket op, which selects its provider at run time (the same roundings)
+        elif eager.compiling():  # the bucket op, which selects its provider at run time (the same roundings)
             unflatten(src.codes, BucketLayout.for_tensors([flat], src.codes.dtype), [flat], accumulate=accumulate,
                       provider=provider)  # fmt: skip
         elif _torch_path(flat, provider):

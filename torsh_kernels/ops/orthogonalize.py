@@ -24,8 +24,8 @@ from ..errors import (
     NonFiniteError,
     ShapeError,
 )
-from . import _eager
-from ._common import COMPRESS_DTYPES, _check_dtype, _check_tensor, _on, _ptr_table, _Ranges
+from . import eager
+from .common import COMPRESS_DTYPES, Ranges, check_dtype, check_tensor, on_device, ptr_table
 from .registry import Op, check_provider
 
 __all__ = ["MAX_ITERS", "default_rtol", "orthogonalize", "orthogonalize_ref"]
@@ -57,7 +57,7 @@ def _matrix_list(matrices: object, what: str) -> list[torch.Tensor]:
             f"{what}: matrices must be a tensor or a list of 2-D tensors, got {type(matrices).__name__}"
         )
     for i, m in enumerate(matrices):
-        _check_tensor(m, what, f"matrices[{i}]")
+        check_tensor(m, what, f"matrices[{i}]")
         if m.dim() != 2:
             raise ShapeError(f"{what}: matrices[{i}] has shape {tuple(m.shape)}; expected [m, r]")
     return list(matrices)
@@ -167,7 +167,7 @@ def _ortho_fast(m: torch.Tensor, rtol: float, check_finite: bool) -> bool:
     non-finite (so does an fp32 overflow of a square, which the general path's exact check then clears).
     False, with nothing written, when the general path must run (a non-finite norm, which it checks and
     reports; a column for the CholeskyQR path)."""
-    with _eager.no_grad():
+    with eager.no_grad():
         a = m.unsqueeze(0)
         norms = torch.linalg.vector_norm(a, dim=1).tolist()[0]
         if check_finite and not all(map(math.isfinite, norms)):
@@ -206,7 +206,7 @@ def _ortho_triton(mats, rtol, iters):
     r = mats[0].shape[1]
     rp = max(2, triton.next_power_of_2(r))
     rows = max(1, min(256, triton.next_power_of_2(max(1, ORTHO_ELEMS // (rp * rp)))))
-    table = _ptr_table([v for m in mats for v in (m.data_ptr(), m.shape[0])], mats[0].device, "ortho")
+    table = ptr_table([v for m in mats for v in (m.data_ptr(), m.shape[0])], mats[0].device, "ortho")
     K._orthogonalize_kernel[(len(mats),)](table, mats[0], r, rtol * rtol, ROWS=rows, RP=rp, ITERS=iters,
                                           num_warps=ORTHO_WARPS)  # fmt: skip
 
@@ -248,7 +248,7 @@ def _ortho_op(matrices: list[torch.Tensor], rtol: float, iters: int, provider: s
                 f"{m0.shape[-1]}; use provider='torch' (or None) for wider matrices"
             )
         name = "torch"  # the GPU kernels keep r x r in registers; wider matrices take the batched torch path
-    with _on(m0.device):
+    with on_device(m0.device):
         if name == "torch":
             _ortho(name, matrices, rtol, iters)
         else:  # the kernels take one table row per matrix
@@ -270,7 +270,7 @@ def _ortho_checks(mats: list[torch.Tensor], check_finite: bool) -> None:
 
 def _check_clash(mats: list[torch.Tensor]) -> None:
     if len(mats) > 1:
-        clash = _Ranges.of(mats).contiguous_clash()
+        clash = Ranges.of(mats).contiguous_clash()
         if clash is not None:
             raise ShapeError(f"torsh_kernels.orthogonalize: matrices[{clash[0]}] and matrices[{clash[1]}] share memory")
 
@@ -289,14 +289,14 @@ def _check_finite(mats: list[torch.Tensor]) -> None:
 # --------------------------------------------------------------------------------------------------
 # Public API
 
-_cpu_kernels = _eager.lazy_module("_orthogonalize_cpu")  # the cpu provider's kernels, for the fast paths
+_cpu_kernels = eager.lazy_module("_orthogonalize_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 def _checked_matrices(matrices: object, what: str) -> list[torch.Tensor]:
     """``orthogonalize``'s matrices as a list (a 3-D batch as one entry), checked: dtypes, one dtype, one
     device, one column count, contiguous."""
     if isinstance(matrices, torch.Tensor) and matrices.dim() == 3:  # one batch: validated and passed whole
-        _check_dtype(matrices, what, "matrices", ORTHO_DTYPES)
+        check_dtype(matrices, what, "matrices", ORTHO_DTYPES)
         if not matrices.is_contiguous():
             raise ShapeError(f"{what}: matrices must be contiguous (they are orthogonalised in place)")
         mats = [matrices]
@@ -304,7 +304,7 @@ def _checked_matrices(matrices: object, what: str) -> list[torch.Tensor]:
         mats = _matrix_list(matrices, what)
     m0 = mats[0] if mats else None
     for i, m in enumerate(mats):
-        _check_dtype(m, what, f"matrices[{i}]", ORTHO_DTYPES)
+        check_dtype(m, what, f"matrices[{i}]", ORTHO_DTYPES)
         if m.dtype != m0.dtype:
             raise DTypeError(f"{what}: matrices[{i}] is {m.dtype}, matrices[0] is {m0.dtype}")
         if m.device != m0.device:
@@ -340,7 +340,7 @@ def orthogonalize(
         and matrices.is_contiguous() and 1 <= matrices.shape[1] <= matrices.shape[0]
         and (rtol is None or (rtol.__class__ is float and 0.0 <= rtol < 1.0))
         and iters.__class__ is int and 1 <= iters <= MAX_ITERS
-        and _eager.fast()
+        and eager.fast()
         and (sel := _ortho.select(_CPU, _F32, matrices.numel(), provider or None)) in ("torch", "cpu")
     ):  # fmt: skip
         tol = 1e-4 if rtol is None else rtol
@@ -349,7 +349,7 @@ def orthogonalize(
             done = K.ortho_ptr(matrices.data_ptr(), matrices.shape[0], matrices.shape[1], tol * tol, iters,
                                bool(check_finite))  # fmt: skip
             if done:
-                _eager.bump(matrices)
+                eager.bump(matrices)
         else:
             done = _ortho_fast(matrices, tol, check_finite)
         if done:
@@ -362,7 +362,7 @@ def orthogonalize(
     m0 = mats[0]
     # While torch.compile traces, or on meta tensors (no memory, no values: the op's fake implementation
     # runs), the memory and NaN/Inf checks are left to the op (at run time) or have nothing to read.
-    traced = _eager.compiling() or m0.is_meta
+    traced = eager.compiling() or m0.is_meta
     if not traced:
         _check_clash(mats)
     iters = check_int(iters, what, "iters", 1, MAX_ITERS)
@@ -380,5 +380,5 @@ def orthogonalize(
     mats = live
     if check_finite:
         _check_finite(mats)
-    _eager.call(_ortho_op, (0,), [m.detach() for m in mats], float(tol), iters, provider or "")
+    eager.call(_ortho_op, (0,), [m.detach() for m in mats], float(tol), iters, provider or "")
     return matrices

@@ -10,7 +10,7 @@
   plus fp32 rounding. A block holding NaN/Inf gets a NaN scale (with ``check_finite=False``; otherwise
   the input raises :class:`NonFiniteError`).
 
-See ``_common`` for what the compression families share (fp32 compute, the non-finite checks).
+See ``common`` for what the compression families share (fp32 compute, the non-finite checks).
 """
 
 from __future__ import annotations
@@ -27,19 +27,19 @@ from ..errors import (
     InvalidArgumentError,
     ShapeError,
 )
-from . import _eager
-from ._common import (
+from . import eager
+from .common import (
     COMPRESS_DTYPES,
     LazyNonFiniteCount,
-    _check_alpha,
-    _check_tensor,
-    _count,
-    _decode_out,
-    _flat_input,
-    _no_overlap,
-    _on,
-    _raise_nonfinite,
-    _select,
+    as_count,
+    check_alpha,
+    check_tensor,
+    decode_out,
+    flat_input,
+    no_overlap,
+    on_device,
+    raise_nonfinite,
+    select_provider,
     whole_programs,
 )
 from .quantize_format import QMAX, dequantize_ref, quantize_ref, seed_key, uniform_noise
@@ -92,8 +92,8 @@ def block_codes(
     round half to even, or ``floor(y + u)`` with the (key, element index) noise, element indices starting
     at ``offset``; NaN codes become 0. The torch provider's quantization, and the shared-scale all-reduce's."""
     what = "torsh_kernels.block_codes"
-    _check_tensor(blocks, what, "blocks")
-    _check_tensor(scales, what, "scales")
+    check_tensor(blocks, what, "blocks")
+    check_tensor(scales, what, "scales")
     if blocks.dtype != torch.float32 or scales.dtype != torch.float32:
         raise DTypeError(f"{what}: blocks and scales must be float32, got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() != 2 or tuple(scales.shape) != (blocks.shape[0],):
@@ -161,7 +161,7 @@ def _quantize_torch_range(x, q, scales, bits, block, stochastic, key, offset):
 
 
 def _tiles(n: int, block: int, group: int, bulk: bool = True) -> list[tuple[tuple[int], int, int, bool]]:
-    """:func:`_common.whole_programs` in quantization blocks of ``block``, as ``(grid, group, start, even)``: the
+    """:func:`common.whole_programs` in quantization blocks of ``block``, as ``(grid, group, start, even)``: the
     bulk in programs of ``group`` blocks, the rest in programs of about QTAIL elements (whole blocks: a block
     never spans two launches)."""
     tail = max(1, min(group, QTAIL // block))
@@ -262,11 +262,11 @@ def _dequantize_cpu(q, scales, out, bits, block, alpha, accumulate):
 
 def _quantize_into(x, q, scales, bits, block, stochastic, key, check_finite, provider) -> None:
     if x.numel():
-        name = _select(_quantize, x, provider)
-        with _on(x.device):
+        name = select_provider(_quantize, x, provider)
+        with on_device(x.device):
             bad = _quantize(name, x.view(-1), q, scales, bits, block, stochastic, key)
-        if check_finite and (b := _count(bad)):
-            _raise_nonfinite(b, "torsh_kernels.quantize", "x")
+        if check_finite and (b := as_count(bad)):
+            raise_nonfinite(b, "torsh_kernels.quantize", "x")
 
 
 @torch.library.custom_op("torsh::quantize", mutates_args=())
@@ -308,8 +308,8 @@ def _(x, bits, block, stochastic, key, check_finite, provider, seed=None):
 def _dequantize_op(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: int, block: int, alpha: float,
                    accumulate: bool, provider: str) -> None:  # fmt: skip
     if out.numel():
-        name = _select(_dequantize, out, provider)
-        with _on(out.device):
+        name = select_provider(_dequantize, out, provider)
+        with on_device(out.device):
             _dequantize(name, q, scales, out.view(-1), bits, block, alpha, accumulate)
 
 
@@ -321,7 +321,7 @@ def _(q, scales, out, bits, block, alpha, accumulate, provider):
 # --------------------------------------------------------------------------------------------------
 # Public API
 
-_cpu_kernels = _eager.lazy_module("_quantize_cpu")  # the cpu provider's kernels, for the fast paths
+_cpu_kernels = eager.lazy_module("_quantize_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 def _check_quant_args(bits, block, what) -> tuple[int, int]:
@@ -359,7 +359,7 @@ def quantize(
         and bits.__class__ is int and (bits == 8 or bits == 4) and type(block) is int and 2 <= block <= 65536
         and not block & (block - 1) and (n := x.numel())
         and (seed is None if not stochastic else seed.__class__ is int)
-        and _eager.fast()
+        and eager.fast()
         and _quantize.select(_CPU, _F32, n, provider or None) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider: its kernel straight on the tensors' memory.
@@ -369,21 +369,21 @@ def quantize(
         bad = K.quantize_ptr(x.data_ptr(), n, q.data_ptr(), scales.data_ptr(), bits, block, bool(stochastic),
                              seed_key(seed) if stochastic else 0)  # fmt: skip
         if bad and check_finite:
-            _raise_nonfinite(bad, "torsh_kernels.quantize", "x")
+            raise_nonfinite(bad, "torsh_kernels.quantize", "x")
         return q, scales
     if (
         out is None and bits.__class__ is int and bits == 8 and not stochastic and seed is None and type(x) is _T
         and x.dtype is _F32
         and x.is_cpu and x.is_contiguous() and type(block) is int and 2 <= block <= 65536 and not block & (block - 1)
         and (n := x.numel()) and not n % block and n <= CPU_SLICE
-        and _eager.fast()
+        and eager.fast()
         and _quantize.select(_CPU, _F32, n, provider or None) == "torch"
     ):  # fmt: skip
         # The common case, fp32 on the CPU in whole blocks, one slice, deterministic int8: the torch
         # provider's arithmetic, minus what is a no-op when every block's maximum is finite (nan_to_num of
         # codes that cannot be NaN) and the copies into preallocated outputs. A non-finite block (or an
         # overflowing sum) is left to the general path, which computes and reports it.
-        with _eager.no_grad():
+        with eager.no_grad():
             blocks = x.view(n // block, block)
             amax = blocks.abs().amax(dim=1)
             if math.isfinite(amax.sum().item()):
@@ -392,18 +392,18 @@ def quantize(
                 return c.to(torch.int8).view(-1), sc
     what = "torsh_kernels.quantize"
     check_provider(provider)
-    xf = _flat_input(x, what, "x")
+    xf = flat_input(x, what, "x")
     bits, block = _check_quant_args(bits, block, what)
     key, drawn = _stochastic_key(stochastic, seed, what)
     if out is None:
         if drawn is not None:
             return _quantize_op(xf, bits, block, True, 0, bool(check_finite), provider or "", drawn)
-        return _eager.call(_quantize_op, (), xf, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
+        return eager.call(_quantize_op, (), xf, bits, block, bool(stochastic), key, bool(check_finite), provider or "")
     q, scales = _quantize_out(out, xf, bits, block, what)
     if drawn is not None:
         _quantize_out_op(xf, q, scales, bits, block, True, 0, bool(check_finite), provider or "", drawn)
         return out[0], out[1]
-    _eager.call(
+    eager.call(
         _quantize_out_op, (1, 2), xf, q, scales, bits, block, bool(stochastic), key, bool(check_finite), provider or ""
     )
     return out[0], out[1]
@@ -436,7 +436,7 @@ def dequantize(
         and (n := (q.numel() if bits == 8 else 2 * q.numel()) if numel is None else numel).__class__ is int
         and n > 0 and q.numel() == (n if bits == 8 else (n + 1) // 2) and scales.numel() == (n + block - 1) // block
         and (alpha.__class__ is float or alpha.__class__ is int) and -_INF < alpha < _INF
-        and _eager.fast()
+        and eager.fast()
         and _dequantize.select(_CPU, _F32, n, provider or None) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider, into a new fp32 tensor: its kernel straight on
@@ -453,23 +453,23 @@ def dequantize(
         and type(block) is int and 2 <= block <= 65536 and not block & (block - 1)
         and (n := q.numel()) and (numel is None or (type(numel) is int and numel == n))
         and not n % block and n <= CPU_SLICE and scales.numel() == n // block
-        and _eager.fast()
+        and eager.fast()
         and _dequantize.select(_CPU, _F32, n, provider or None) == "torch"
     ):  # fmt: skip
         # The common case, int8 codes on the CPU in whole blocks, one slice, into a new fp32 tensor: the
         # torch provider's product (int8 -> fp32 is exact, so the mixed-dtype multiply is the same fp32
         # product), returned instead of copied into a preallocated buffer.
-        with _eager.no_grad():
+        with eager.no_grad():
             return torch.mul(q.view(n // block, block), scales.unsqueeze(1)).view(-1)
     what = "torsh_kernels.dequantize"
     check_provider(provider)
     q, scales, bits, block, numel = _check_codes(q, scales, block, numel, what)
-    alpha = _check_alpha(alpha, what)
-    out, of = _decode_out(out, numel, dtype, q.device, what, bool(accumulate))
-    if not _eager.deferred(q, scales, of):
-        _no_overlap(of, q, what, "out", "q")
-        _no_overlap(of, scales, what, "out", "scales")
-    _eager.call(_dequantize_op, (2,), q.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), of, bits, block,
+    alpha = check_alpha(alpha, what)
+    out, of = decode_out(out, numel, dtype, q.device, what, bool(accumulate))
+    if not eager.deferred(q, scales, of):
+        no_overlap(of, q, what, "out", "q")
+        no_overlap(of, scales, what, "out", "scales")
+    eager.call(_dequantize_op, (2,), q.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), of, bits, block,
                 alpha, bool(accumulate), provider or "")  # fmt: skip
     return out
 
@@ -479,7 +479,7 @@ def _stochastic_key(stochastic: bool, seed: object, what: str) -> tuple[int, tor
     generator and read by the op at run time, else None). A seed left None is drawn from torch's global
     generator."""
     if stochastic:
-        if seed is None and _eager.compiling():
+        if seed is None and eager.compiling():
             return 0, torch.randint(0, 2**62, (1,))
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -497,7 +497,7 @@ def _quantize_out(out: object, xf: torch.Tensor, bits: int, block: int, what: st
     qdt = torch.int8 if bits == 8 else torch.uint8
     for t, name, dt, size in ((out[0], "out[0] (q)", qdt, n if bits == 8 else -(-n // 2)),
                               (out[1], "out[1] (scales)", torch.float32, -(-n // block))):  # fmt: skip
-        t = _check_tensor(t, what, name)
+        t = check_tensor(t, what, name)
         if t.dtype != dt or t.numel() != size or not t.is_contiguous():
             raise ShapeError(
                 f"{what}: {name} must be a contiguous {dt} tensor of {size} elements for {n} elements in blocks "
@@ -506,17 +506,17 @@ def _quantize_out(out: object, xf: torch.Tensor, bits: int, block: int, what: st
         if t.device != xf.device:
             raise DeviceMismatchError(f"{what}: {name} is on {t.device}, x on {xf.device}")
     q, scales = out[0].view(-1), out[1].view(-1)
-    if not _eager.deferred(xf, q, scales):  # (while torch.compile traces, or on meta tensors: no addresses)
-        _no_overlap(q, xf, what, "out[0] (q)", "x")
-        _no_overlap(scales, xf, what, "out[1] (scales)", "x")
-        _no_overlap(q, scales, what, "out[0] (q)", "out[1] (scales)")
+    if not eager.deferred(xf, q, scales):  # (while torch.compile traces, or on meta tensors: no addresses)
+        no_overlap(q, xf, what, "out[0] (q)", "x")
+        no_overlap(scales, xf, what, "out[1] (scales)", "x")
+        no_overlap(q, scales, what, "out[0] (q)", "out[1] (scales)")
     return q, scales
 
 
 def _check_codes(q: object, scales: object, block: object, numel: object, what: str):
     """``dequantize``'s inputs checked: (q, scales, bits, block, numel)."""
-    q = _check_tensor(q, what, "q")
-    scales = _check_tensor(scales, what, "scales")
+    q = check_tensor(q, what, "q")
+    scales = check_tensor(scales, what, "scales")
     if q.dtype not in (torch.int8, torch.uint8):
         raise DTypeError(f"{what}: q has dtype {q.dtype}; expected int8 (8-bit codes) or uint8 (packed int4)")
     if scales.dtype != torch.float32:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_int
-from ._common import _store_ref
+from .common import store_ref
 
 __all__ = ["QMAX", "dequantize_ref", "quantize_ref", "seed_key", "uniform_noise"]
 
@@ -102,4 +102,4 @@ def dequantize_ref(
     else:
         codes = q[:numel].to(torch.int32)
     s = scales.repeat_interleave(block)[:numel]
-    return _store_ref(codes.float() * s * alpha, out, dtype, accumulate)
+    return store_ref(codes.float() * s * alpha, out, dtype, accumulate)

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _trace
-from .._env import package_version
+from .. import recording
+from ..env import package_version
 from ..errors import ArgumentTypeError, ProviderError, ProviderUnavailableError
 from . import tuning
 
@@ -379,7 +379,7 @@ class Op:
         return "torch"
 
     def __call__(self, provider: str, *args: object, **kwargs: object) -> object:
-        rec = _trace.recorder
+        rec = recording.recorder
         if rec is None:
             return self.impls[provider](*args, **kwargs)
         with rec.op(self.name, provider, args):

@@ -4,7 +4,7 @@
   ``v >= 0``) and ``scale = mean(|v|)`` (summed in fp64), v = x + residual; with a residual, it is left
   holding ``v - scale * sign(v)`` (EF-SignSGD). ``sign_decompress`` gives ``+-scale``.
 
-See ``_common`` for what the compression families share (fp32 compute, the non-finite checks).
+See ``common`` for what the compression families share (fp32 compute, the non-finite checks).
 """
 
 from __future__ import annotations
@@ -15,23 +15,23 @@ import torch
 
 from ..checks import check_int
 from ..errors import DeviceMismatchError, DTypeError, ShapeError
-from . import _eager
-from ._common import (
+from . import eager
+from .common import (
     WARPS,
     LazyNonFiniteCount,
-    _acc_ref,
-    _acc_torch,
-    _check_alpha,
-    _check_tensor,
-    _count,
-    _decode_out,
-    _flat_inout,
-    _flat_input,
-    _no_overlap,
-    _on,
-    _raise_nonfinite,
-    _select,
-    _store_ref,
+    acc_ref,
+    acc_torch,
+    as_count,
+    check_alpha,
+    check_tensor,
+    decode_out,
+    flat_inout,
+    flat_input,
+    no_overlap,
+    on_device,
+    raise_nonfinite,
+    select_provider,
+    store_ref,
     whole_programs,
 )
 from .registry import Op, check_provider
@@ -55,7 +55,7 @@ SIGN_TAIL = 256
 
 
 def sign_compress_ref(x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    acc = _acc_ref(x, residual)
+    acc = acc_ref(x, residual)
     n = acc.numel()
     scale = (acc.abs().sum(dtype=torch.float64) / n).float() if n else torch.zeros((), device=acc.device)
     pos = acc >= 0
@@ -73,7 +73,7 @@ def sign_decompress_ref(bits, scale, numel, *, dtype=torch.float32, out=None, ac
     b = bits.to(torch.int32)
     pos = ((b[:, None] >> torch.arange(8, device=bits.device)) & 1).view(-1)[:numel] != 0
     s = scale.float() * alpha
-    return _store_ref(torch.where(pos, s, -s), out, dtype, accumulate)
+    return store_ref(torch.where(pos, s, -s), out, dtype, accumulate)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ _EXACT_INT = 1 << 53
 # sign: pass 1 -> (sum |v| as fp64 0-dim, non-finite count); pass 2 packs (and updates the residual)
 @_abs_sum.register("torch")
 def _abs_sum_torch(x, r):
-    v = _acc_torch(x, r)
+    v = acc_torch(x, r)
     total = v.abs().sum(dtype=torch.float64)  # finite unless an element is NaN/Inf (no fp64 overflow)
     if math.isfinite(total.item()):
         return total, 0
@@ -113,7 +113,7 @@ def _abs_sum_triton(x, r):
                                 num_warps=WARPS if r is not None else 4)  # fmt: skip
         p0 += grid[0]
     total = part.sum(dtype=torch.float64)
-    return total, LazyNonFiniteCount(total, lambda: _acc_torch(x, r))  # sum |x + r| is finite unless x + r is not
+    return total, LazyNonFiniteCount(total, lambda: acc_torch(x, r))  # sum |x + r| is finite unless x + r is not
 
 
 @_abs_sum.register("numba")
@@ -132,7 +132,7 @@ def _abs_sum_cpu(x, r):
 
 @_sign_pack.register("torch")
 def _sign_pack_torch(x, r, bits, scale):
-    v = _acc_torch(x, r)
+    v = acc_torch(x, r)
     pos = v >= 0
     _pack_signs(pos, bits)
     if r is not None:
@@ -239,17 +239,17 @@ def _sign_op(x: torch.Tensor, residual: torch.Tensor | None, check_finite: bool,
              provider: str, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``traced``: the public function was traced (torch.compile) and left the memory check to run here."""
     if traced and residual is not None:
-        _no_overlap(residual.view(-1), x.view(-1), "torsh_kernels.sign_compress", "residual", "x")
+        no_overlap(residual.view(-1), x.view(-1), "torsh_kernels.sign_compress", "residual", "x")
     n = x.numel()
     bits = torch.empty(-(-n // 8), dtype=torch.uint8, device=x.device)
     if n == 0:
         return bits, torch.zeros((), dtype=torch.float32, device=x.device)
-    name = _select(_abs_sum, x, provider)
+    name = select_provider(_abs_sum, x, provider)
     r = residual.view(-1) if residual is not None else None
-    with _on(x.device):
+    with on_device(x.device):
         total, bad = _abs_sum(name, x.view(-1), r)
-        if check_finite and (b := _count(bad)):
-            _raise_nonfinite(b, "torsh_kernels.sign_compress", "x + residual" if r is not None else "x")
+        if check_finite and (b := as_count(bad)):
+            raise_nonfinite(b, "torsh_kernels.sign_compress", "x + residual" if r is not None else "x")
         # mean |v|: the fp64 sum divided by n in fp64, rounded once to fp32 (a host float from the cpu provider)
         scale = torch.scalar_tensor(total / n, dtype=_F32) if type(total) is float else (total / n).to(torch.float32)
         _sign_pack(name, x.view(-1), r, bits, scale)
@@ -265,8 +265,8 @@ def _(x, residual, check_finite, provider, traced=False):
 def _sign_decompress_op(bits: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, alpha: float, accumulate: bool,
                         provider: str) -> None:  # fmt: skip
     if out.numel():
-        name = _select(_sign_unpack, out, provider)
-        with _on(out.device):
+        name = select_provider(_sign_unpack, out, provider)
+        with on_device(out.device):
             _sign_unpack(name, bits, scale.reshape(()).float(), out.view(-1), alpha, accumulate)
 
 
@@ -278,7 +278,7 @@ def _(bits, scale, out, alpha, accumulate, provider):
 # --------------------------------------------------------------------------------------------------
 # Public API
 
-_cpu_kernels = _eager.lazy_module("_sign_cpu")  # the cpu provider's kernels, for the fast paths
+_cpu_kernels = eager.lazy_module("_sign_cpu")  # the cpu provider's kernels, for the fast paths
 
 
 def sign_compress(
@@ -295,8 +295,8 @@ def sign_compress(
         type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous() and (n := x.numel()) and n < _EXACT_INT
         and (residual is None or (type(residual) is _T and residual.dtype is _F32 and residual.is_cpu
                                   and residual.is_contiguous() and residual.numel() == n))
-        and _eager.fast()  # (before anything reads addresses: false while torch.compile traces)
-        and (residual is None or _eager.disjoint(x, residual, 4 * n))
+        and eager.fast()  # (before anything reads addresses: false while torch.compile traces)
+        and (residual is None or eager.disjoint(x, residual, 4 * n))
         and _abs_sum.select(_CPU, _F32, n, provider or None) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider: its two passes straight on the tensors' memory.
@@ -305,33 +305,33 @@ def sign_compress(
         scale, bad = K.compress_ptr(x.data_ptr(), residual.data_ptr() if residual is not None else 0,
                                     residual is not None, n, bits.data_ptr(), bool(check_finite))  # fmt: skip
         if bad and check_finite:
-            _raise_nonfinite(bad, "torsh_kernels.sign_compress", "x + residual" if residual is not None else "x")
+            raise_nonfinite(bad, "torsh_kernels.sign_compress", "x + residual" if residual is not None else "x")
         if residual is not None:
-            _eager.bump(residual)
+            eager.bump(residual)
         return bits, torch.scalar_tensor(scale, dtype=_F32)
     if (
         residual is None and type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous()
         and (n := x.numel()) and not n % 8 and n < _EXACT_INT
-        and _eager.fast()
+        and eager.fast()
         and _abs_sum.select(_CPU, _F32, n, provider or None) == "torch"
     ):  # fmt: skip
         # The common case, fp32 on the CPU without a residual, whole bytes: the torch provider's two passes
         # with its constants cached. mean |x| is the fp64 sum (read once for the finite check anyway)
         # divided by n in fp64 and rounded to fp32, here in Python: the same IEEE operations.
-        with _eager.no_grad():
+        with eager.no_grad():
             total = x.abs().sum(dtype=torch.float64).item()
             if math.isfinite(total):
                 return _pack_signs(x.ge(_ZERO).view(-1)), torch.scalar_tensor(total / n, dtype=_F32)
     what = "torsh_kernels.sign_compress"
     check_provider(provider)
-    xf = _flat_input(x, what, "x")
+    xf = flat_input(x, what, "x")
     rf, traced = None, False
     if residual is not None:
-        rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
-        traced = _eager.deferred(xf, rf)  # the memory check then runs in the op, at run time
+        rf = flat_inout(residual, what, "residual", xf.numel(), xf.device)
+        traced = eager.deferred(xf, rf)  # the memory check then runs in the op, at run time
         if not traced:
-            _no_overlap(rf, xf, what, "residual", "x")
-    return _eager.call(_sign_op, (1,), xf, rf, bool(check_finite), provider or "", traced)
+            no_overlap(rf, xf, what, "residual", "x")
+    return eager.call(_sign_op, (1,), xf, rf, bool(check_finite), provider or "", traced)
 
 
 def sign_decompress(
@@ -351,7 +351,7 @@ def sign_decompress(
         and -math.inf < alpha < math.inf and type(bits) is _T and type(scale) is _T and bits.dtype is torch.uint8
         and scale.dtype is _F32 and scale.numel() == 1 and bits.is_cpu and scale.is_cpu and bits.dim() == 1
         and bits.is_contiguous() and type(numel) is int and numel > 0 and bits.numel() == (numel + 7) // 8
-        and _eager.fast()
+        and eager.fast()
         and _sign_unpack.select(_CPU, _F32, numel, provider or None) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider, into a new fp32 tensor: its kernel.
@@ -365,16 +365,16 @@ def sign_decompress(
         and alpha == 1.0 and type(bits) is _T and type(scale) is _T and bits.dtype is torch.uint8
         and scale.dtype is _F32 and scale.dim() == 0 and bits.is_cpu and scale.is_cpu and bits.dim() == 1
         and type(numel) is int and numel > 0 and not numel % 8 and bits.numel() * 8 == numel
-        and _eager.fast()
+        and eager.fast()
         and _sign_unpack.select(_CPU, _F32, numel, provider or None) == "torch"
     ):  # fmt: skip
         # The common case, whole bytes on the CPU into a new fp32 tensor: the torch provider's unpacking,
         # its +-scale returned instead of copied into a new buffer.
-        with _eager.no_grad():
+        with eager.no_grad():
             return _signs(bits, scale)
     what = "torsh_kernels.sign_decompress"
     check_provider(provider)
-    bits = _check_tensor(bits, what, "bits")
+    bits = check_tensor(bits, what, "bits")
     if bits.dtype != torch.uint8:
         raise DTypeError(f"{what}: bits have dtype {bits.dtype}; expected uint8")
     numel = check_int(numel, what, "numel", 0)
@@ -382,19 +382,19 @@ def sign_decompress(
         raise ShapeError(f"{what}: {numel} signs need {-(-numel // 8)} bytes, bits has {bits.numel()}")
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         scale = torch.tensor(float(scale), device=bits.device)
-    scale = _check_tensor(scale, what, "scale")
+    scale = check_tensor(scale, what, "scale")
     if not scale.is_floating_point():
         raise DTypeError(f"{what}: scale has dtype {scale.dtype}; expected a floating-point scale (from sign_compress)")
     if scale.numel() != 1:
         raise ShapeError(f"{what}: scale must be one element, got {scale.numel()}")
     if scale.device != bits.device:
         raise DeviceMismatchError(f"{what}: scale is on {scale.device}, bits on {bits.device}")
-    alpha = _check_alpha(alpha, what)
-    out, of = _decode_out(out, numel, dtype, bits.device, what, bool(accumulate))
-    if not _eager.deferred(bits, scale, of):
-        _no_overlap(of, bits, what, "out", "bits")
-        _no_overlap(of, scale, what, "out", "scale")
-    _eager.call(
+    alpha = check_alpha(alpha, what)
+    out, of = decode_out(out, numel, dtype, bits.device, what, bool(accumulate))
+    if not eager.deferred(bits, scale, of):
+        no_overlap(of, bits, what, "out", "bits")
+        no_overlap(of, scale, what, "out", "scale")
+    eager.call(
         _sign_decompress_op, (2,), bits.reshape(-1).contiguous(), scale, of, alpha, bool(accumulate), provider or ""
     )
     return out

@@ -17,7 +17,7 @@
 - ``topk_decompress(values, indices, numel, out=, accumulate=, alpha=)``: scatter (or scatter-add, with
   duplicate indices summed: the all-gathered payloads of several ranks) ``alpha * values``.
 
-See ``_common`` for what the compression families share (fp32 compute, the non-finite checks).
+See ``common`` for what the compression families share (fp32 compute, the non-finite checks).
 """
 
 from __future__ import annotations
@@ -35,30 +35,30 @@ from ..errors import (
     NonFiniteError,
     ShapeError,
 )
-from . import _eager
-from ._common import (
+from . import eager
+from .common import (
     HOST_BYTES,
     VEC,
-    _acc_ref,
-    _acc_torch,
-    _check_alpha,
-    _check_dtype,
-    _check_tensor,
-    _count,
-    _count_nonfinite,
-    _counter,
-    _decode_out,
-    _finite_sum,
-    _flat_inout,
-    _flat_input,
-    _no_overlap,
-    _on,
-    _raise_nonfinite,
-    _scratch,
-    _select,
+    acc_ref,
+    acc_torch,
+    as_count,
+    check_alpha,
+    check_dtype,
+    check_tensor,
+    decode_out,
+    finite_sum,
+    flat_inout,
+    flat_input,
+    new_counter,
+    no_overlap,
+    nonfinite_count,
+    on_device,
+    raise_nonfinite,
+    scratch_buffer,
+    select_provider,
     spans,
 )
-from .error_feedback import _axpby
+from .error_feedback import axpby
 from .registry import Op, check_provider
 
 __all__ = ["index_dtype", "topk_compress", "topk_compress_ref", "topk_count", "topk_decompress", "topk_decompress_ref"]
@@ -95,7 +95,7 @@ def topk_compress_ref(
     x: torch.Tensor, *, ratio: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of |x + residual| by torch.topk, indices ascending; residual keeps what was not sent."""
-    acc = _acc_ref(x, residual)
+    acc = acc_ref(x, residual)
     if torch.compiler.is_compiling():  # no host read while tracing: a run-time assertion (a RuntimeError)
         torch._assert_async(torch.isfinite(acc).all(), "topk_compress_ref: non-finite input")
     elif not torch.isfinite(acc).all():
@@ -135,7 +135,7 @@ SCATTER_BLOCK, SCATTER_WARPS = 1024, 4
 
 
 def _spans(n: int, block: int, warps: int) -> list[tuple[tuple[int], int, int, int, int]]:
-    """:func:`_common.spans` with each launch's block and warps: the tail (fewer than VEC elements) is one
+    """:func:`common.spans` with each launch's block and warps: the tail (fewer than VEC elements) is one
     program of one warp over VEC elements, not a block of ``block`` elements nearly all masked off."""
     return [(g, s, e, block, warps) if e - s >= VEC else (g, s, e, VEC, 1) for g, s, e in spans(n, block)]
 
@@ -145,14 +145,14 @@ def _spans(n: int, block: int, warps: int) -> list[tuple[tuple[int], int, int, i
 def _cand_torch(x, r, thr, cap, idx_dtype):
     # |x + r| in a per-thread scratch buffer (no 4-byte-per-element allocation and first touch per call);
     # the candidates' signed values are re-read from x and r, k elements instead of n
-    a = _scratch(x.device, x.numel())
+    a = scratch_buffer(x.device, x.numel())
     if r is None:
         a.copy_(x)
     elif x.dtype == r.dtype == torch.float32:
         torch.add(x, r, out=a)
     else:
-        a.copy_(_acc_torch(x, r))
-    bad = _count_nonfinite(a)
+        a.copy_(acc_torch(x, r))
+    bad = nonfinite_count(a)
     a.abs_()
     sel = a >= thr  # NaN compares false
     if bool(bad):
@@ -160,7 +160,7 @@ def _cand_torch(x, r, thr, cap, idx_dtype):
     idx = sel.nonzero().view(-1)
     cnt = torch.cat([idx.new_tensor([idx.numel()]), bad.to(idx.dtype)])
     idx = idx[:cap]
-    return _acc_torch(x[idx], r[idx] if r is not None else None), idx.to(idx_dtype), cnt
+    return acc_torch(x[idx], r[idx] if r is not None else None), idx.to(idx_dtype), cnt
 
 
 @_candidates.register("triton")
@@ -169,7 +169,7 @@ def _cand_triton(x, r, thr, cap, idx_dtype):
 
     cval = torch.empty(cap, dtype=torch.float32, device=x.device)
     cidx = torch.empty(cap, dtype=idx_dtype, device=x.device)
-    cnt = _counter(x.device, 2)
+    cnt = new_counter(x.device, 2)
     vec = 16 // min(x.element_size(), (r if r is not None else x).element_size())  # elements in 16 bytes
     for grid, start, end, block, warps in _spans(x.numel(), CAND_BLOCK, CAND_WARPS):
         K._topk_candidates_kernel[grid](x, r if r is not None else x, cval, cidx, cnt, start, end, thr, cap,
@@ -253,9 +253,9 @@ def _topk_op(x: torch.Tensor, residual: torch.Tensor | None, k: int, exact: bool
              provider: str, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``traced``: the public function was traced (torch.compile) and left the memory check to run here."""
     if traced and residual is not None:
-        _no_overlap(residual.view(-1), x.view(-1), "torsh_kernels.topk_compress", "residual", "x")
-    name = _select(_candidates, x, provider)
-    with _on(x.device):
+        no_overlap(residual.view(-1), x.view(-1), "torsh_kernels.topk_compress", "residual", "x")
+    name = select_provider(_candidates, x, provider)
+    with on_device(x.device):
         return _topk_run(name, x.view(-1), residual.view(-1) if residual is not None else None, k, exact, check_finite)
 
 
@@ -290,7 +290,7 @@ def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
             cval, cidx, cnt = _candidates(name, x, r, thr, cap, idt)
             count, bad = cnt if type(cnt) is tuple else cnt.tolist()
             if bad and check_finite:
-                _raise_nonfinite(bad, what, "x + residual" if r is not None else "x")
+                raise_nonfinite(bad, what, "x + residual" if r is not None else "x")
             if k <= count <= cap:
                 sel = torch.topk(cval[:count].abs(), k, sorted=False).indices
                 chosen = cidx[sel], cval[sel]
@@ -309,23 +309,23 @@ def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
         if not bad:
             return vals.to(x.dtype), idx
         if check_finite:
-            _raise_nonfinite(bad, what, "x + residual" if r is not None else "x")
+            raise_nonfinite(bad, what, "x + residual" if r is not None else "x")
     if chosen is None:  # exact path (also the fallback)
         if r is None and name == "torch":  # x itself in fp32 (a copy only for 16-bit x)
             acc = x.float()
-            bad = _count_nonfinite(acc) if check_finite else None
+            bad = nonfinite_count(acc) if check_finite else None
         else:
             acc = torch.empty(n, dtype=torch.float32, device=x.device)
-            bad = _axpby(name, x, r if r is not None else torch.zeros_like(x), acc, 1.0, check_finite)
-        if check_finite and (b := _count(bad)):
-            _raise_nonfinite(b, what, "x + residual" if r is not None else "x")
+            bad = axpby(name, x, r if r is not None else torch.zeros_like(x), acc, 1.0, check_finite)
+        if check_finite and (b := as_count(bad)):
+            raise_nonfinite(b, what, "x + residual" if r is not None else "x")
         sel = torch.topk(acc.abs(), k, sorted=False).indices
         chosen = sel.to(idt), acc.index_select(0, sel)
     idx, order = torch.sort(chosen[0])
     acc = chosen[1].index_select(0, order)  # fp32 x + residual at the chosen indices
     values = acc.to(x.dtype)
     if r is not None:  # error feedback: residual = x + residual, then what the sent values leave of it
-        _axpby(name, x, r, r, 1.0, False)
+        axpby(name, x, r, r, 1.0, False)
         _scatter(name, acc - values.float(), idx, r, 1.0, False, True)  # rounded once into r's dtype
     return values, idx
 
@@ -338,8 +338,8 @@ def _topk_decompress_op(values: torch.Tensor, indices: torch.Tensor, out: torch.
     if traced:
         _check_index_range(indices, out.numel())
         _decompress_overlaps(out, values, indices)
-    name = _select(_scatter, out, provider)
-    with _on(out.device):
+    name = select_provider(_scatter, out, provider)
+    with on_device(out.device):
         if not accumulate:
             out.zero_()
         if values.numel():
@@ -363,14 +363,14 @@ def _check_index_range(indices: torch.Tensor, numel: int) -> None:
 
 def _decompress_overlaps(of: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> None:
     what = "torsh_kernels.topk_decompress"
-    _no_overlap(of, values, what, "out", "values")
-    _no_overlap(of, indices, what, "out", "indices")
+    no_overlap(of, values, what, "out", "values")
+    no_overlap(of, indices, what, "out", "indices")
 
 
 # --------------------------------------------------------------------------------------------------
 # Public API
 
-_cpu_kernels = _eager.lazy_module("_topk_cpu")  # the cpu provider's kernels, for the fast paths
+_cpu_kernels = eager.lazy_module("_topk_cpu")  # the cpu provider's kernels, for the fast paths
 _FAST_NUMEL = HOST_BYTES // 4  # the fast paths allocate numel fp32 elements: larger sizes take the checks
 
 
@@ -404,8 +404,8 @@ def topk_compress(
         and ratio.__class__ is float and 0.0 < ratio <= 1.0 and (n := x.numel()) and n < 2**31
         and (residual is None or (type(residual) is _T and residual.dtype is _F32 and residual.is_cpu
                                   and residual.is_contiguous() and residual.numel() == n))
-        and _eager.fast()  # (before anything reads addresses: false while torch.compile traces)
-        and (residual is None or _eager.disjoint(x, residual, 4 * n))
+        and eager.fast()  # (before anything reads addresses: false while torch.compile traces)
+        and (residual is None or eager.disjoint(x, residual, 4 * n))
         and _candidates.select(_CPU, _F32, n, provider or None) == "cpu"
         and (exact or n // min(n, max(TOPK_MIN_SAMPLE, math.ceil(TOPK_SAMPLE_PER_K * n / topk_count(n, ratio)))) <= 1)
     ):  # fmt: skip
@@ -417,14 +417,14 @@ def topk_compress(
         values = torch.empty(k)
         idx = torch.empty(k, dtype=_I32)
         if not K.exact_ptr(x.data_ptr(), residual.data_ptr() if residual is not None else 0, residual is not None,
-                           n, k, _scratch(_CPU, n).data_ptr(), values.data_ptr(), idx.data_ptr()):  # fmt: skip
+                           n, k, scratch_buffer(_CPU, n).data_ptr(), values.data_ptr(), idx.data_ptr()):  # fmt: skip
             if residual is not None:
-                _eager.bump(residual)
+                eager.bump(residual)
             return values, idx
     if (
         residual is None and type(x) is _T and x.dtype is _F32 and x.is_cpu and x.is_contiguous()
         and ratio.__class__ is float and 0.0 < ratio <= 1.0 and (n := x.numel()) and n < 2**31
-        and _eager.fast()
+        and eager.fast()
         and _candidates.select(_CPU, _F32, n, provider or None) == "torch"
     ):  # fmt: skip
         k = topk_count(n, ratio)
@@ -433,25 +433,25 @@ def topk_compress(
             # its exact path: the same top-k of |x|, its indices sorted and x gathered at them (the
             # provider gathers then permutes: the same elements). A non-finite sum (NaN/Inf, or an
             # overflow) is left to the general path, which counts and reports (or selects anyway).
-            with _eager.no_grad():
+            with eager.no_grad():
                 xf = x if x.dim() == 1 else x.view(-1)
-                if not check_finite or _finite_sum(xf):
+                if not check_finite or finite_sum(xf):
                     idx = torch.topk(xf.abs(), k, sorted=False).indices.sort().values
                     return xf.index_select(0, idx), idx.to(_I32)
     what = "torsh_kernels.topk_compress"
     check_provider(provider)
-    xf = _flat_input(x, what, "x")
+    xf = flat_input(x, what, "x")
     ratio = _check_ratio(ratio, what)
     if xf.numel() == 0:
         raise ShapeError(f"{what}: x is empty; there is nothing to select")
     rf, traced = None, False
     if residual is not None:
-        rf = _flat_inout(residual, what, "residual", xf.numel(), xf.device)
-        traced = _eager.deferred(xf, rf)  # the memory check then runs in the op, at run time
+        rf = flat_inout(residual, what, "residual", xf.numel(), xf.device)
+        traced = eager.deferred(xf, rf)  # the memory check then runs in the op, at run time
         if not traced:
-            _no_overlap(rf, xf, what, "residual", "x")
+            no_overlap(rf, xf, what, "residual", "x")
     k = topk_count(xf.numel(), ratio)
-    return _eager.call(_topk_op, (1,), xf, rf, k, bool(exact), bool(check_finite), provider or "", traced)
+    return eager.call(_topk_op, (1,), xf, rf, k, bool(exact), bool(check_finite), provider or "", traced)
 
 
 def topk_decompress(
@@ -478,7 +478,7 @@ def topk_decompress(
         and values.dtype is _F32 and (indices.dtype is _I64 or indices.dtype is _I32)
         and values.is_cpu and indices.is_cpu and values.dim() == 1 and indices.dim() == 1
         and values.is_contiguous() and indices.is_contiguous() and indices.numel() == values.numel()
-        and _eager.fast()
+        and eager.fast()
         and _scatter.select(_CPU, _F32, numel, provider or None) == "cpu"
     ):  # fmt: skip
         # The common case on the CPU with the cpu provider, into a new fp32 tensor: its kernel, which checks
@@ -495,13 +495,13 @@ def topk_decompress(
         and values.dtype is _F32 and (indices.dtype is _I64 or indices.dtype is _I32)
         and values.is_cpu and indices.is_cpu and values.dim() == 1 and indices.dim() == 1
         and (k := values.numel()) and indices.numel() == k
-        and _eager.fast()
+        and eager.fast()
         and _scatter.select(_CPU, _F32, numel, provider or None) == "torch"
     ):  # fmt: skip
         # The common case, fp32 on the CPU into a new tensor: the torch provider's zeroed buffer and
         # scatter_. scatter_ checks every index against [0, numel) before it writes; one outside (a
         # RuntimeError, in a tensor nobody else has seen) is left to the general path, which says which.
-        with _eager.no_grad():
+        with eager.no_grad():
             try:
                 return torch.zeros(numel).scatter_(0, indices.long(), values)
             except RuntimeError:
@@ -510,24 +510,24 @@ def topk_decompress(
     check_provider(provider)
     values, indices = _check_payload(values, indices, what)
     numel = check_int(numel, what, "numel", 0)
-    alpha = _check_alpha(alpha, what)
+    alpha = check_alpha(alpha, what)
     # the index range and memory checks run in the op while torch.compile traces (meta: nothing to check)
-    traced = _eager.deferred(values, indices, out if isinstance(out, torch.Tensor) else None)
+    traced = eager.deferred(values, indices, out if isinstance(out, torch.Tensor) else None)
     if not traced:
         _check_index_range(indices, numel)  # (before out is allocated: an index names the size it needs)
-    out, of = _decode_out(out, numel, dtype or values.dtype, values.device, what, bool(accumulate))
+    out, of = decode_out(out, numel, dtype or values.dtype, values.device, what, bool(accumulate))
     if not traced:
         _decompress_overlaps(of, values, indices)
-    _eager.call(_topk_decompress_op, (2,), values.contiguous(), indices.contiguous(), of, bool(accumulate), alpha,
+    eager.call(_topk_decompress_op, (2,), values.contiguous(), indices.contiguous(), of, bool(accumulate), alpha,
                 provider or "", traced)  # fmt: skip
     return out
 
 
 def _check_payload(values: object, indices: object, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_decompress``'s (values, indices), checked: tensors, dtypes, 1-D of one length, one device."""
-    values = _check_tensor(values, what, "values")
-    indices = _check_tensor(indices, what, "indices")
-    _check_dtype(values, what, "values")
+    values = check_tensor(values, what, "values")
+    indices = check_tensor(indices, what, "indices")
+    check_dtype(values, what, "values")
     if indices.dtype not in (torch.int32, torch.int64):
         raise DTypeError(f"{what}: indices have dtype {indices.dtype}; expected int32 or int64")
     if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .._env import versions
+from ..env import versions
 from ..files import locked, read_capped, write_atomic
 
 __all__ = [

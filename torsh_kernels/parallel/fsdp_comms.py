@@ -13,10 +13,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .._env import fmt_bytes
 from ..collectives.agreement import agree_on, enabled
 from ..collectives.communicator import TorchCommunicator, is_communicator
 from ..collectives.traffic import wire_bytes as _on_wire
+from ..env import fmt_bytes
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from .fsdp_format import QuantizedFormat, Wire
 

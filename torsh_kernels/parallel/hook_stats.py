@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from .._env import fmt_bytes
+from ..env import fmt_bytes
 
 __all__ = ["HookStats", "Turn"]
 

@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .. import _trace
+from .. import recording
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import TorchCommunicator, is_communicator, resolve_group
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
@@ -291,7 +291,7 @@ def compression_hook(
             fut = torch.futures.Future()
             fut.set_result(_sparse(state, buf, comm, turn))
         else:
-            span = bucket_span(bucket.index(), bucket.gradients(), engine.compressor) if _trace.recorder else None
+            span = bucket_span(bucket.index(), bucket.gradients(), engine.compressor) if recording.recorder else None
             grads = engine.prepare(bucket.gradients, keys, comm, flat=buf)  # a new layout: agree on it first
             nonfinite = engine.screen([buf], comm)
             # While older buckets have rounds to issue (PowerSGD's Q), this bucket's first round and theirs
@@ -407,7 +407,7 @@ def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
         if grad.layout != torch.strided:
             param.grad = grad = _sparse(state, grad, comm, turn)
         else:
-            span = bucket_span(key, [grad], engine.compressor) if _trace.recorder else None
+            span = bucket_span(key, [grad], engine.compressor) if recording.recorder else None
             flat = grad.view(-1) if grad.is_contiguous() else None
             engine.prepare([grad], [key], comm, flat=flat)  # a new layout: agree on it first
             nonfinite = engine.screen([grad], comm)

@@ -72,7 +72,7 @@ from typing import Any
 
 import torch
 
-from .. import _trace
+from .. import recording
 from ..collectives.communicator import is_dtensor
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops import Packed, flatten, pack, unflatten, unpack
@@ -202,7 +202,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _gather_grads(self, c: Chunk, buf: torch.Tensor) -> tuple[list[bool], torch.cuda.Event | None]:
         """Copy the chunk's gradients into ``buf`` (async on CUDA); which params had one."""
-        with _trace.span("offload grads to host", "offload", {"bytes": c.grad_flat.numel() * 4}, device=self._cuda):
+        with recording.span("offload grads to host", "offload", {"bytes": c.grad_flat.numel() * 4}, device=self._cuda):
             return self._gather_grads_now(c, buf[: c.grad_flat.numel()])
 
     def _gather_grads_now(self, c: Chunk, buf: torch.Tensor) -> tuple[list[bool], torch.cuda.Event | None]:
@@ -223,7 +223,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _scatter_params(self, c: Chunk, stage: torch.Tensor | None) -> None:
         """Write the chunk's updated masters into the parameters (async on CUDA, through ``stage``)."""
-        with _trace.span("offload params to device", "offload", {"bytes": c.master_flat.numel() * 4},
+        with recording.span("offload params to device", "offload", {"bytes": c.master_flat.numel() * 4},
                          device=self._cuda):  # fmt: skip
             self._scatter_params_now(c, stage)
 

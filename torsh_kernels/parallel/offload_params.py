@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .. import _trace
-from .._env import fmt_bytes
+from .. import recording
 from ..collectives.communicator import is_dtensor
+from ..env import fmt_bytes
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops import Packed, pack, packed_nbytes, unpack
 from .offload_optimizer import STATE_FORMATS
@@ -149,7 +149,9 @@ class ParameterOffloader:
 
     def _materialize(self, unit: int) -> dict[str, torch.Tensor]:
         """Device copies of a unit's parameters (on the current stream)."""
-        with _trace.span("offload unit to device", "offload", {"unit": unit, "format": self.fmt}, device=self.device):
+        with recording.span(
+            "offload unit to device", "offload", {"unit": unit, "format": self.fmt}, device=self.device
+        ):
             return self._materialize_now(unit)
 
     def _materialize_now(self, unit: int) -> dict[str, torch.Tensor]:

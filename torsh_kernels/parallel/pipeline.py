@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import _trace
+from .. import recording
 from ..compression import CompressedReduction, Compressor
 
 __all__ = ["ReductionPipeline", "bucket_span", "grad_scaler_in_use", "summing", "totals", "unchecked"]
@@ -74,7 +74,7 @@ class ReductionPipeline:
 
 def bucket_span(index: int, grads: Sequence[torch.Tensor], compressor: Compressor):
     """A timeline interval for one bucket, from now until its reductions are done (None without a recorder)."""
-    rec = _trace.recorder
+    rec = recording.recorder
     if rec is None:
         return None
     nbytes = sum(g.nbytes for g in grads)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .._env import fmt_bytes
+from ..env import fmt_bytes
 
 __all__ = ["GradientConsistency", "SyncStats"]
 

@@ -10,7 +10,7 @@
 - **Measuring.** Every candidate first runs once on fresh random inputs and is compared with the
   reference: one that fails to compile, raises or gives a wrong result is dropped, never chosen. The
   survivors are timed with warm-up and repetitions, interleaved, caches flushed between calls
-  (:func:`torsh_kernels._env.time_interleaved`): median and 20/80 quantiles.
+  (:func:`torsh_kernels.env.time_interleaved`): median and 20/80 quantiles.
 - **Strategies.** ``exhaustive`` (every candidate; after one quick repetition, candidates slower than
   ``prune_factor`` times the best are pruned before the full timing), ``random`` (candidates in random
   order until the budget runs out) and ``greedy`` (coordinate descent over each provider's
@@ -196,7 +196,7 @@ class Tuner:
 
     def _time(self, space: TuneSpace, cands: list[Candidate], dtype: torch.dtype, size: int,
               reps: int) -> list[dict[str, float]]:  # fmt: skip
-        from .._env import time_interleaved
+        from ..env import time_interleaved
 
         gen = torch.Generator().manual_seed(self.seed + 2)
         state = space.make(self.device, dtype, size, gen)

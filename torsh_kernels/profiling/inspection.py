@@ -299,7 +299,7 @@ def _meta_forced(meta: dict[str, dict[str, int]] | None) -> Iterator[None]:
 
 
 def _versions() -> dict[str, str | None]:
-    from .._env import package_version
+    from ..env import package_version
 
     return {p: package_version(p) for p in ("torch", "triton", "numba", "torsh-kernels")}
 

@@ -7,7 +7,7 @@ each kernel exactly as a launcher specializes it, on a machine with no GPU.
   own binder, before anything would compile or run; the hook records it and stops the launch. The grid is
   read on the way in. The recorded specialization goes through ``triton.compile`` for the target, as the
   JIT would compile it.
-- Numba: ``ops._numba.CAPTURE`` makes the one launch helper every Numba launcher uses record the kernel,
+- Numba: ``ops.numba_common.CAPTURE`` makes the one launch helper every Numba launcher uses record the kernel,
   grid and arguments; the argument types Numba would infer give the signature, compiled to PTX through
   NVVM for the target and assembled with ``ptxas``.
 
@@ -159,7 +159,7 @@ def _triton(arch: Arch, sink: list[Launch]) -> Iterator[None]:
 
 @contextmanager
 def _numba(sink: list[Launch]) -> Iterator[None]:
-    from ..ops import _numba as nb
+    from ..ops import numba_common as nb
 
     class Recorder(list):
         def append(self, item) -> None:

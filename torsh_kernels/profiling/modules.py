@@ -31,7 +31,7 @@ import threading
 import torch
 from torch import nn
 
-from .. import _trace
+from .. import recording
 from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["ModuleSpans"]
@@ -114,7 +114,7 @@ class ModuleSpans:
 
     def _pre(self, name: str, args: dict):
         def hook(module: nn.Module, inputs: tuple) -> None:
-            if _trace.recorder is not self.rec:
+            if recording.recorder is not self.rec:
                 self._stack().append(None)  # keep pre/post paired while another recorder (or none) is active
                 return
             sp = self.rec.span(name, "module", args)
@@ -133,7 +133,7 @@ class ModuleSpans:
                 sp.__exit__(None, None, None)
                 with self._lock:
                     self._open.discard(sp)
-            if root and _trace.recorder is self.rec and torch.is_grad_enabled():
+            if root and recording.recorder is self.rec and torch.is_grad_enabled():
                 outs = _grad_tensors(output, [])
                 if outs:
                     torch.autograd.graph.register_multi_grad_hook(outs, self._backward_starts, mode="any")
@@ -143,7 +143,7 @@ class ModuleSpans:
     # -- backward ----------------------------------------------------------------------------------------
 
     def _backward_starts(self, grad: object) -> None:
-        if _trace.recorder is not self.rec:
+        if recording.recorder is not self.rec:
             return
         task = torch._C._current_graph_task_id()
         with self._lock:

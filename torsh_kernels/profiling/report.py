@@ -409,7 +409,7 @@ def _suggest_buckets(b: dict, th: Thresholds) -> dict | None:
 def print_labels(rep: dict, console) -> None:
     """The per-label table (steps grouped by their ``label``), when the steps carry several labels (the
     figures of each label are in ``rep["by_label"]`` whenever steps carry labels)."""
-    from .._env import fmt_bytes
+    from ..env import fmt_bytes
 
     if len(rep["by_label"]) < 2:
         return

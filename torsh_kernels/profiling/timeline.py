@@ -44,7 +44,7 @@ What is recorded while a recorder is active (each event's ``cat``):
   module and autograd hooks installed while recording and removed when it stops.
 
 While a torch.profiler records, the spans on threads are also ``record_function`` ranges in its trace
-(see :mod:`torsh_kernels._trace`).
+(see :mod:`torsh_kernels.recording`).
 
 Lanes (``tid``) never hold partially overlapping complete events, so Perfetto accepts the file: spans
 on one thread nest; spans that outlive their caller (collectives and buckets in flight) are packed
@@ -75,7 +75,7 @@ from pathlib import Path
 
 import torch
 
-from .. import _trace
+from .. import recording
 from ..collectives.traffic import wire_bytes
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..files import check_writable_dir, write_atomic
@@ -112,8 +112,8 @@ class _Span:
         self.lane = rec._thread_lane()
         if self.dev is not None:
             self.ev0 = rec._cuda_event(self.dev)
-        if _trace.profiler._is_profiler_enabled:
-            self.rf = _trace.range_enter(self.name, self.cat)
+        if recording.profiler._is_profiler_enabled:
+            self.rf = recording.range_enter(self.name, self.cat)
         self.t0 = _now()
         return self
 
@@ -124,7 +124,7 @@ class _Span:
         if st and st[-1] is self:
             st.pop()
         if self.rf is not None:
-            _trace.range_exit(self.rf)
+            recording.range_exit(self.rf)
             self.rf = None
         rec._add(("X", self.name, self.cat, self.t0, t1, self.lane, self.args))
         if self.ev0 is not None:
@@ -228,7 +228,7 @@ class Recorder:
 
     @property
     def active(self) -> bool:
-        return _trace.recorder is self
+        return recording.recorder is self
 
     def __repr__(self) -> str:
         where = str(self.directory) if self.directory is not None else None
@@ -240,10 +240,10 @@ class Recorder:
     def start(self) -> Recorder:
         """Make this the process's active recorder (and install its module hooks). With a directory, the
         directory is made and proved writable first (:class:`FileAccessError` if it is not)."""
-        cur = _trace.recorder
+        cur = recording.recorder
         if cur is self:
             return self
-        if cur is not None and not isinstance(cur, _trace.Bridge):  # the bridge steps aside: we mirror
+        if cur is not None and not isinstance(cur, recording.Bridge):  # the bridge steps aside: we mirror
             raise InvalidArgumentError(
                 "Recorder.start: another recorder is already active in this process; stop() it first "
                 f"(it writes to {cur.directory})"
@@ -255,17 +255,17 @@ class Recorder:
                 fix="pass a writable directory (or None and call write(directory) later)",
             )
         self._resolve_rank()
-        _trace.recorder = self
+        recording.recorder = self
         for w in self._watched:
             w.install()
         return self
 
     def stop(self) -> None:
         """Stop recording (events so far are kept; ``start()`` resumes); the module hooks are removed."""
-        if _trace.recorder is self:
+        if recording.recorder is self:
             for w in self._watched:
                 w.remove()
-            _trace.recorder = _trace.Bridge() if _trace.profiler._is_profiler_enabled else None
+            recording.recorder = recording.Bridge() if recording.profiler._is_profiler_enabled else None
 
     def watch(self, model: torch.nn.Module, *, depth: int = 0) -> Recorder:
         """Record ``model``'s forward and backward (and its submodules' forward down to ``depth`` levels)
@@ -309,7 +309,7 @@ class Recorder:
         if self.world_size is None:
             self.world_size = w
 
-    # -- recording (called by the instrumented layers through torsh_kernels._trace) --------------------
+    # -- recording (called by the instrumented layers through torsh_kernels.recording) --------------------
 
     def _add(self, ev: tuple) -> None:
         if len(self._events) >= self.max_events:
@@ -455,7 +455,7 @@ class Recorder:
 
     def _other_data(self, rank: int, world: int) -> dict:
         """The trace's ``otherData``: schema, rank, device, versions, the clock, the totals."""
-        from .._env import device_name, versions
+        from ..env import device_name, versions
 
         cuda = self._cuda and torch.cuda.is_available()
         dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -491,16 +491,16 @@ class Recorder:
 
 def current() -> Recorder | None:
     """The active recorder, or None (also while only a torch profiler's bridge occupies the slot)."""
-    r = _trace.recorder
+    r = recording.recorder
     return r if isinstance(r, Recorder) else None
 
 
 def record(name: str, **args: object):
     """A user span around a block: ``with record("forward"): ...`` (nothing when no recorder is active).
     On a CUDA job the span is also timed on the current stream with CUDA events."""
-    r = _trace.recorder
+    r = recording.recorder
     if r is None:
-        return _trace.NULL
+        return recording.NULL
     if not isinstance(name, str) or not name:
         raise ArgumentTypeError(f"record: name must be a non-empty string, got {name!r}")
     return r.span(name, "user", args or None, device="cuda" if r._cuda and torch.cuda.is_available() else None)
@@ -510,9 +510,9 @@ def step(n: int, **args: object):
     """A step marker around one training step: ``with step(i): ...``; ``torsh timeline --step N`` and
     ``torsh report`` use them. Extra ``args`` (e.g. ``label="powersgd"``) are kept; the report groups
     steps by ``label``."""
-    r = _trace.recorder
+    r = recording.recorder
     if r is None:
-        return _trace.NULL
+        return recording.NULL
     if isinstance(n, bool) or not isinstance(n, int):
         raise ArgumentTypeError(f"step: n must be an int, got {n!r}")
     return r.span(f"step {n}", "step", {"step": n, **args})
@@ -522,7 +522,7 @@ def start_from_env() -> Recorder | None:
     """Start a recorder writing to ``$TORSH_TRACE`` (if set and none is active); it writes at exit. The
     directory is made and proved writable now: :class:`FileAccessError` if it cannot take the trace."""
     d = os.environ.get(ENV_VAR, "").strip()
-    if not d or (_trace.recorder is not None and not isinstance(_trace.recorder, _trace.Bridge)):
+    if not d or (recording.recorder is not None and not isinstance(recording.recorder, recording.Bridge)):
         return None
     check_writable_dir(d, what=f"{ENV_VAR}: the trace directory",
                        fix=f"point {ENV_VAR} at a writable directory, or unset it to record nothing")  # fmt: skip

@@ -23,7 +23,7 @@ class               spans
 torsh's ops are classified by one table, :data:`TORSH_OPS`, wherever they appear: as ``op`` spans in
 torsh's traces and as ``torsh::NAME`` CPU ops in Kineto traces. In Kineto traces, torsh's own spans
 arrive as ``record_function`` ranges (``user_annotation``) with their torsh names; the trace's
-top-level ``torsh`` entry (see :mod:`torsh_kernels._trace`) gives each name's torsh category.
+top-level ``torsh`` entry (see :mod:`torsh_kernels.recording`) gives each name's torsh category.
 Work nested inside a torsh span of class compression, memory or communication that would otherwise count
 as plain compute (the ``aten::`` ops under ``torsh::orthogonalize``, untabled torsh ops inside a
 compression round, and in Kineto traces the GPU kernels those CPU ops launched, found by their

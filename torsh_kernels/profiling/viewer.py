@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .. import cli_common
-from .._env import fmt_bytes
+from ..env import fmt_bytes
 from ..errors import InvalidArgumentError, TraceFormatError
 from . import analysis as A
 from .traces import CLASSES, Span, Trace, load

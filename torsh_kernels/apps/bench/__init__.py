@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ... import cli_common
-from ..._env import (  # noqa: F401  (the suites' shared helpers)
+from ...env import (  # noqa: F401  (the suites' shared helpers)
     Timing,
     device_name,
     environment,

@@ -1,6 +1,6 @@
 """What the timeline instrumentation costs: per call, with no recorder active and with one recording.
 
-The instrumented layers read ``torsh_kernels._trace.recorder`` on every op launch, collective, bucket and
+The instrumented layers read ``torsh_kernels.recording.recorder`` on every op launch, collective, bucket and
 compression round and do nothing else when it is None. Each case times a loop of ``--calls`` calls,
 ``--reps`` times, the implementations interleaved, and reports the median nanoseconds per call:
 
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from ... import _trace, cli_common
+from ... import cli_common, recording
 from ...ops import flatten
 from ...ops.registry import Op
 from ...profiling import timeline
@@ -65,7 +65,7 @@ def _with(cm_factory: Callable[[], object]) -> Callable[[], None]:
 
 def measure(calls: int, reps: int) -> list[tuple[str, str, str, list[float]]]:
     """(case, impl, kind, per-call ns samples) rows."""
-    assert _trace.recorder is None, "a recorder is active; the no-recorder cases would measure it"
+    assert recording.recorder is None, "a recorder is active; the no-recorder cases would measure it"
     op = Op("bench_noop")
 
     @op.register("torch")
@@ -111,11 +111,11 @@ def measure(calls: int, reps: int) -> list[tuple[str, str, str, list[float]]]:
             i = (rep + j) % len(recorded)
             _, _, fn, n, on = recorded[i]
             rec._events.clear()
-            _trace.recorder = rec if on else None
+            recording.recorder = rec if on else None
             try:
                 samples[i].append(_loop_ns(fn, n))
             finally:
-                _trace.recorder = None
+                recording.recorder = None
     rec._events.clear()
     rows += [(case, name, "recording" if on else "ours", samples[i]) for i, (case, name, _, _, on) in
              enumerate(recorded)]  # fmt: skip

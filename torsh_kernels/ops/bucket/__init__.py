@@ -16,7 +16,7 @@ on the host from a cached copy plan (``tables.copy_plan``): the 16-byte aligned 
 address and flat offset disagree modulo 16 bytes (128-bit on one side), and a gather of the rest (strided
 tensors, the heads and tails of odd-sized ones) with the strided index math. Launches therefore grow with
 the number of distinct dtypes, never with the number of tensors. bucket_reduce and wire_cast launch a bulk
-whose end is divisible by 16 and a one-program tail (``_common.spans``). The Numba kernels take a table in
+whose end is divisible by 16 and a one-program tail (``common.spans``). The Numba kernels take a table in
 device memory that holds, per tensor, its element offset from the lowest address, size, offset in the flat
 buffer, first tile and (for non-contiguous tensors) up to four coalesced sizes and strides; a second table
 maps each tile (program) to its tensor, in the manner of Triton's grouped-GEMM tutorial. Tables and plans

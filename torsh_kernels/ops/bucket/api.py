@@ -20,18 +20,18 @@ from ...errors import (
     NonFiniteError,
     ShapeError,
 )
-from .. import _eager
-from .._common import (
-    _check_strided,
-    _count,
-    _flat_inout,
-    _flat_input,
-    _guards,
-    _no_overlap,
-    _on,
-    _ptrs,
-    _Ranges,
+from .. import eager
+from ..common import (
+    Ranges,
+    as_count,
+    check_strided,
     device_bytes,
+    flat_inout,
+    flat_input,
+    no_overlap,
+    on_device,
+    ptrs_of,
+    tensor_guards,
 )
 from ..registry import check_provider
 from ..tuning import TuneSpace, register_space
@@ -145,12 +145,12 @@ def _wire_op(x: torch.Tensor, out: torch.Tensor, divisor: float, check_finite: b
              traced: bool = False) -> None:  # fmt: skip
     """``traced``: the public function was traced (torch.compile) and left the memory check to run here."""
     if traced:
-        _no_overlap(out, x, "torsh_kernels.wire_cast", "out", "x", same_ok=True)
+        no_overlap(out, x, "torsh_kernels.wire_cast", "out", "x", same_ok=True)
     if out.numel():
         name = wire_impl.select(out.device, out.dtype, out.numel(), provider or None)
-        with _on(out.device):
+        with on_device(out.device):
             bad = wire_impl(name, x, out, divisor, check_finite)
-        if check_finite and (b := _count(bad)):
+        if check_finite and (b := as_count(bad)):
             _raise_wire_nonfinite(b, out.dtype)
 
 
@@ -196,7 +196,7 @@ def flatten(
     what = "torsh_kernels.flatten"
     key = None
     tt = type(tensors)
-    if (tt is list or tt is tuple) and _eager.unmoded() and (out is None or type(out) in _eager._PLAIN):
+    if (tt is list or tt is tuple) and eager.unmoded() and (out is None or type(out) in eager._PLAIN):
         key, res = _flatten_planned(tensors, out, scale, dtype, provider)
         if res is not None:  # (found by address: the list is new, likely a temporary; not stored)
             return res
@@ -237,7 +237,7 @@ def flatten(
         )
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous (it is written as one flat range)")
-    if _eager.deferred(out, *tensors):  # the memory check runs in the op, at run time (meta: nothing to check)
+    if eager.deferred(out, *tensors):  # the memory check runs in the op, at run time (meta: nothing to check)
         _flatten_out_op(tensors, out, scale, provider or "", True)
         return out.view(-1) if out.dim() != 1 else out, layout
     check_out_clear(tensors, out)
@@ -259,7 +259,7 @@ def _flatten_planned(tensors, out, scale, dtype, provider) -> tuple[tuple, tuple
     plan = FLAT_PLANS.get(key)
     ptrs = None
     if plan is None:
-        ptrs = _ptrs(tensors)
+        ptrs = ptrs_of(tensors)
         plan = FLAT_PLANS.get((ptrs, *tail)) if ptrs else None
     ok = plan is not None and (out is None or dtype is None or dtype == out.dtype)
     if not (ok and (plan.guards.check(*tensors) if out is None else plan.guards.check(*tensors, out))):
@@ -273,7 +273,7 @@ def _flatten_planned(tensors, out, scale, dtype, provider) -> tuple[tuple, tuple
             return key, flatten_run(plan, tensors, out, scale, name)
         except RuntimeError:
             return key, None
-    if (ptrs or _ptrs(tensors)) == plan.ptrs:  # the memory the validation checked
+    if (ptrs or ptrs_of(tensors)) == plan.ptrs:  # the memory the validation checked
         return key, flatten_run(plan, tensors, out, scale, name)
     return key, None
 
@@ -296,8 +296,8 @@ def unflatten(
     """
     what = "torsh_kernels.unflatten"
     key = None
-    if _eager.unmoded() and type(flat) in _eager._PLAIN:  # a validated layout: skip the checks and the dispatcher
-        ptrs = _ptrs(tensors)
+    if eager.unmoded() and type(flat) in eager._PLAIN:  # a validated layout: skip the checks and the dispatcher
+        ptrs = ptrs_of(tensors)
         if ptrs:
             key = (flat.data_ptr(), id(layout), ptrs)
             plan = UNFLAT_PLANS.get(key)
@@ -316,7 +316,7 @@ def unflatten(
             f"{what}: tensors[{i}] has shape {tuple(tensors[i].shape)}, the layout says {layout.shapes[i]}"
         )
     check_floats(tensors, what, "tensors")
-    if _eager.deferred(flat, *tensors):  # strides only (no addresses); memory checks in the op, at run time
+    if eager.deferred(flat, *tensors):  # strides only (no addresses); memory checks in the op, at run time
         for i, t in enumerate(tensors):
             if has_internal_overlap(t):
                 raise ShapeError(f"{what}: tensors[{i}] is expanded (a stride-0 dimension); it cannot be written")
@@ -325,7 +325,7 @@ def unflatten(
         check_same_device(tensors, what, "tensors")
         _unflatten_op(flat, tensors, check_scale(scale, what), bool(accumulate), provider or "", True)
         return
-    ranges = _Ranges.of(tensors)
+    ranges = Ranges.of(tensors)
     for i in np.flatnonzero(~ranges.contig).tolist():  # a contiguous tensor cannot be expanded
         if has_internal_overlap(tensors[i]):
             raise ShapeError(f"{what}: tensors[{i}] is expanded (a stride-0 dimension); it cannot be written")
@@ -335,7 +335,7 @@ def unflatten(
     scale = check_scale(scale, what)
     check_unflatten_memory(flat, tensors, ranges)
     if key is not None and plain_all(tensors) and not flat.is_meta:
-        guards = _guards([flat, *tensors])
+        guards = tensor_guards([flat, *tensors])
         if guards is not None:
             same = flat.is_contiguous() and all(t.dtype == flat.dtype for t in tensors)
             grad = flat.requires_grad or any(t.requires_grad for t in tensors)
@@ -365,12 +365,12 @@ def bucket_reduce(
             and all(type(b) is _T and b.dtype is _F32 and b.is_cpu and b.is_contiguous() for b in buffers)
             and all(b.shape == b0.shape for b in buffers)
             and (n := b0.numel())
-            and _eager.fast()
+            and eager.fast()
             and reduce_impl.select(_CPU, _F32, n, provider or None) in TORCH_IMPL
         ):  # fmt: skip
             # The common case, fp32 buffers on the CPU: the torch provider itself into a new tensor, without
             # the flattening views and the custom op.
-            return _eager.run(reduce_torch, buffers, None, op)
+            return eager.run(reduce_torch, buffers, None, op)
     what = "torsh_kernels.bucket_reduce"
     check_provider(provider)
     if isinstance(buffers, torch.Tensor):
@@ -392,10 +392,10 @@ def bucket_reduce(
             raise DTypeError(f"{what}: {n} is {b.dtype}, buffers[0] is {b0.dtype}; reduce buffers of one dtype")
     device = check_same_device(buffers, what, "buffers")
     for b, n in zip(buffers, names):
-        _check_strided(b, what, n)
+        check_strided(b, what, n)
     if out is None:
-        if _eager.direct(*buffers):
-            return _eager.run(reduce_new, buffers, op, provider or "")
+        if eager.direct(*buffers):
+            return eager.run(reduce_new, buffers, op, provider or "")
         return _reduce_op(buffers, op, provider or "")
     if not isinstance(out, torch.Tensor):
         raise ArgumentTypeError(f"{what}: out must be a torch.Tensor, got {type(out).__name__}")
@@ -406,14 +406,14 @@ def bucket_reduce(
         raise ShapeError(f"{what}: out has shape {tuple(out.shape)}, the buffers {tuple(b0.shape)}")
     if not out.is_contiguous():
         raise ShapeError(f"{what}: out must be contiguous")
-    if _eager.deferred(out, *buffers):  # the memory check runs in the op, at run time
+    if eager.deferred(out, *buffers):  # the memory check runs in the op, at run time
         _reduce_out_op(buffers, out, op, provider or "", True)
         return out
     check_reduce_out(buffers, out)
-    if _eager.direct(*buffers, out):
-        _eager.run(reduce_into, buffers, out, op, provider or "")
+    if eager.direct(*buffers, out):
+        eager.run(reduce_into, buffers, out, op, provider or "")
         if out.numel():
-            _eager.written(reduce_impl.select(device, b0.dtype, out.numel(), provider or None), out)
+            eager.written(reduce_impl.select(device, b0.dtype, out.numel(), provider or None), out)
         return out
     _reduce_out_op(buffers, out, op, provider or "")
     return out
@@ -444,7 +444,7 @@ def wire_cast(
         and (out is None or (type(out) is _T and out.is_cpu and out.is_contiguous() and out.numel() == n
                              and (dtype is None or dtype is out.dtype)))
         and ((wire := out.dtype if out is not None else dtype or torch.float16) in _WIRE_SET)
-        and _eager.fast()
+        and eager.fast()
         and wire_impl.select(_CPU, wire, n, provider or None) == "cpu"
         and (out is None or _wire_out_ok(x, out, n))
     ):  # fmt: skip
@@ -453,13 +453,13 @@ def wire_cast(
         if out is None:
             out = torch.empty(n, dtype=wire)
         bad = K.wire_cast_ptr(x.data_ptr(), out.data_ptr(), n, K.WIRE[wire], np.float32(divisor), divisor != 1)
-        _eager.bump(out)
+        eager.bump(out)
         if bad and check_finite:
             _raise_wire_nonfinite(bad, wire)
         return out
     what = "torsh_kernels.wire_cast"
     check_provider(provider)
-    xf = _flat_input(x, what, "x")
+    xf = flat_input(x, what, "x")
     if out is not None:
         if dtype is not None and dtype != getattr(out, "dtype", dtype):
             raise DTypeError(f"{what}: dtype={dtype} but out is {out.dtype}; pass one of them, or matching ones")
@@ -473,12 +473,12 @@ def wire_cast(
         raise InvalidArgumentError(f"{what}: divisor={divisor}; expected a finite, non-zero number")
     if out is None:
         out = torch.empty(xf.numel(), dtype=dtype, device=xf.device)
-    of = _flat_inout(out, what, "out", xf.numel(), xf.device)
-    traced = _eager.deferred(xf, of)  # the memory check then runs in the op, at run time
+    of = flat_inout(out, what, "out", xf.numel(), xf.device)
+    traced = eager.deferred(xf, of)  # the memory check then runs in the op, at run time
     if not traced:
-        _no_overlap(of, xf, what, "out", "x", same_ok=True)
+        no_overlap(of, xf, what, "out", "x", same_ok=True)
     if xf.numel():
-        _eager.call(_wire_op, (1,), xf, of, float(divisor), bool(check_finite), provider or "", traced)
+        eager.call(_wire_op, (1,), xf, of, float(divisor), bool(check_finite), provider or "", traced)
     return out
 
 
@@ -490,7 +490,7 @@ def _wire_out_ok(x: torch.Tensor, out: torch.Tensor, n: int) -> bool:
     return po + out.element_size() * n <= px or px + 4 * n <= po
 
 
-_cpu_kernels = _eager.lazy_module("bucket.cpu")  # the cpu provider's kernels, for the fast paths
+_cpu_kernels = eager.lazy_module("bucket.cpu")  # the cpu provider's kernels, for the fast paths
 
 # --------------------------------------------------------------------------------------------------
 # Tuning spaces (``torsh tune``): the Triton kernels' elements per program and warps

@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .._cpu import bits_f32, carray, f32, f32_bits, jit, p_f32, p_i16
+from ..cpu_common import bits_f32, carray, f32, f32_bits, jit, p_f32, p_i16
 
 F16, BF16, F32 = 0, 1, 2  # the wire dtypes, as the kernel takes them
 

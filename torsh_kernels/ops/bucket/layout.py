@@ -20,7 +20,7 @@ from ...errors import (
     LayoutMismatchError,
     ShapeError,
 )
-from .._common import _Ranges
+from ..common import Ranges
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -215,14 +215,14 @@ def check_flat(flat: object, layout: BucketLayout, what: str) -> torch.Tensor:
 
 
 def check_out_clear(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    hits = np.flatnonzero(_Ranges.of(tensors).overlapping(out))
+    hits = np.flatnonzero(Ranges.of(tensors).overlapping(out))
     if hits.size:
         raise ShapeError(
             f"torsh_kernels.flatten: out overlaps tensors[{hits[0]}]; flatten cannot write over its own input"
         )
 
 
-def check_unflatten_memory(flat: torch.Tensor, tensors: Sequence[torch.Tensor], ranges: _Ranges) -> None:
+def check_unflatten_memory(flat: torch.Tensor, tensors: Sequence[torch.Tensor], ranges: Ranges) -> None:
     """The destinations share no memory with each other, nor with ``flat`` unless as exactly its own slice."""
     what = "torsh_kernels.unflatten"
     clash = ranges.contiguous_clash()
@@ -246,7 +246,7 @@ def check_unflatten_memory(flat: torch.Tensor, tensors: Sequence[torch.Tensor], 
 
 def check_reduce_out(buffers: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     """``out`` shares no memory with a buffer, unless it is that buffer (an in-place reduction)."""
-    for i, (b, hit) in enumerate(zip(buffers, _Ranges.of(buffers).overlapping(out))):
+    for i, (b, hit) in enumerate(zip(buffers, Ranges.of(buffers).overlapping(out))):
         same = b.data_ptr() == out.data_ptr() and b.dtype == out.dtype and b.is_contiguous()
         if hit and not same:
             raise ShapeError(

@@ -13,7 +13,7 @@ from functools import cache
 import torch
 from numba import cuda, float32
 
-from .. import _numba as nb
+from .. import numba_common as nb
 
 
 @cuda.jit(device=True, inline=True)
@@ -132,7 +132,7 @@ def wire_cast_kernel(src: torch.dtype, dst: torch.dtype):
             store(out, i, load(x, i))
             if divide:
                 store(out, i, load_out(out, i) / d)
-            if nb._nonfinite(load_out(out, i)):
+            if nb.nonfinite(load_out(out, i)):
                 nbad += 1
             i += cuda.blockDim.x
         if nbad:

@@ -1,7 +1,7 @@
-"""The direct path of flatten and unflatten (see ``_eager``): validation cached per layout, the implementation
+"""The direct path of flatten and unflatten (see ``eager``): validation cached per layout, the implementation
 called without the dispatcher. A plan is what one full validation of (tensors, out) or (flat, layout,
 tensors) found; it is found again by the tensors' addresses and confirmed by a C-level check of their types,
-dtypes, devices, shapes, strides and requires_grad (``_common._guards``), which together fix everything the
+dtypes, devices, shapes, strides and requires_grad (``common.tensor_guards``), which together fix everything the
 validation read (memory ranges included). Anything else takes the full validation, and then the plan is
 stored.
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _eager
-from .._common import _guards, _Memo, _ptrs
+from .. import eager
+from ..common import Memo, ptrs_of, tensor_guards
 from .layout import BucketLayout
 from .providers import TORCH_IMPL, flatten_impl, flatten_into, unflatten_impl, unflatten_into
 
@@ -60,23 +60,23 @@ class UnflatPlan:
     views: list | None = None
 
 
-FLAT_PLANS = _Memo(128)  # each plan is stored under two keys (see flatten)
-UNFLAT_PLANS = _Memo(32)
+FLAT_PLANS = Memo(128)  # each plan is stored under two keys (see flatten)
+UNFLAT_PLANS = Memo(32)
 
 
 def plain_all(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(map(_eager.plain, tensors))
+    return all(map(eager.plain, tensors))
 
 
 def new_flat_plan(key, tensors, out, layout, device) -> FlatPlan | None:
-    if key is None or not _eager.unmoded() or not plain_all(tensors) or not _eager.plain(out):
+    if key is None or not eager.unmoded() or not plain_all(tensors) or not eager.plain(out):
         return None
-    guards = _guards(list(tensors) if out is None else [*tensors, out])
+    guards = tensor_guards(list(tensors) if out is None else [*tensors, out])
     if guards is None:
         return None
     dt = layout.dtype
     plan = FlatPlan(
-        guards=guards, ptrs=_ptrs(tensors), layout=layout, device=device, cat=all(d == dt for d in layout.dtypes),
+        guards=guards, ptrs=ptrs_of(tensors), layout=layout, device=device, cat=all(d == dt for d in layout.dtypes),
         cat_scaled=dt in (torch.float32, torch.float64), one_d=all(len(sh) == 1 for sh in layout.shapes),
         out_1d=out is None or out.dim() == 1, grad=any(t.requires_grad for t in tensors) or bool(
             out is not None and out.requires_grad),
@@ -100,12 +100,12 @@ def flatten_run(plan: FlatPlan, tensors, out, scale: float, name: str):
     if layout.total:
         if name in TORCH_IMPL and plan.cat and (scale == 1.0 or plan.cat_scaled):
             if plan.grad:
-                _eager.run(flatten_impl, name, tensors, flat, scale, plan.one_d)
+                eager.run(flatten_impl, name, tensors, flat, scale, plan.one_d)
             else:
                 flatten_impl(name, tensors, flat, scale, plan.one_d)
         else:
-            _eager.run(flatten_into, list(tensors), flat, scale, name)
-            _eager.written(name, flat)
+            eager.run(flatten_into, list(tensors), flat, scale, name)
+            eager.written(name, flat)
     return flat, layout
 
 
@@ -134,9 +134,9 @@ def unflatten_run(plan: UnflatPlan, key, flat, tensors, scale: float, accumulate
             views = plan.views = _storage_views(flat, plan.layout)
             plan.flat_ref = weakref.ref(flat, lambda _, k=key: UNFLAT_PLANS.pop(k))
         if plan.grad:
-            _eager.run(unflatten_impl, name, flat, tensors, scale, accumulate, views)
+            eager.run(unflatten_impl, name, flat, tensors, scale, accumulate, views)
         else:
             unflatten_impl(name, flat, tensors, scale, accumulate, views)
         return
-    _eager.run(unflatten_into, flat, list(tensors), scale, accumulate, name)
-    _eager.written(name, *tensors)
+    eager.run(unflatten_into, flat, list(tensors), scale, accumulate, name)
+    eager.written(name, *tensors)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._common import VEC, _count_nonfinite, _numba_span, _on, _ptr_table, _Ranges, spans
+from ..common import VEC, Ranges, nonfinite_count, numba_span, on_device, ptr_table, spans
 from ..registry import Op, tuned_meta
 from .layout import REDUCE_CODE, check_unflatten_memory, flat_offsets
 from .reference import compute_dtype
@@ -121,13 +121,13 @@ def _copy_geometry(op: str, flat: torch.Tensor, f64: bool, accumulate: bool) -> 
 
 @flatten_impl.register("numba")
 def _flatten_numba(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> None:
-    from .. import _numba as nb
+    from .. import numba_common as nb
     from . import numba as kernels
 
     tensors = [readable(t) for t in tensors]
     out_arr = nb.as_array(out)
     for ts, offs in numba_groups(tensors, flat_offsets(tensors)):
-        base, span, addrs = _numba_span(ts)
+        base, span, addrs = numba_span(ts)
         table, tile_map, n_tiles = launch_tables(ts, offs, addrs, NUMBA_TILE, out.device, "numba")
         kernel = kernels.flatten_kernel(ts[0].dtype, out.dtype)
         nb.launch(
@@ -178,13 +178,13 @@ def _unflatten_triton(flat: torch.Tensor, tensors: list[torch.Tensor], scale: fl
 
 @unflatten_impl.register("numba")
 def _unflatten_numba(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float, accumulate: bool) -> None:
-    from .. import _numba as nb
+    from .. import numba_common as nb
     from . import numba as kernels
 
     w = Writable(tensors, accumulate)
     flat_arr = nb.as_array(flat)
     for ts, offs in numba_groups(w.targets, flat_offsets(w.targets)):
-        base, span, addrs = _numba_span(ts)
+        base, span, addrs = numba_span(ts)
         table, tile_map, n_tiles = launch_tables(ts, offs, addrs, NUMBA_TILE, flat.device, "numba")
         kernel = kernels.unflatten_kernel(flat.dtype, ts[0].dtype)
         nb.launch(
@@ -228,7 +228,7 @@ def reduce_torch(buffers: list[torch.Tensor], out: torch.Tensor | None, op: str)
 
 
 def _spans(n: int, block: int, warps: int):
-    """``_common.spans`` with each launch's BLOCK: the one-program tail (< 16 elements, narrow accesses) at one
+    """``common.spans`` with each launch's BLOCK: the one-program tail (< 16 elements, narrow accesses) at one
     element a thread, so its scalar addressing stays within the bulk's registers."""
     for grid, start, end in spans(n, block):
         yield grid, start, end, (block if end % VEC == 0 and end > start else 32 * warps)
@@ -242,7 +242,7 @@ def _reduce_triton(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> N
     if numel == 0:
         return
     addrs = [b.data_ptr() for b in buffers]
-    ptrs = _ptr_table(addrs + [0] * (len(addrs) % 2), out.device, "triton-reduce")  # (read in pairs)
+    ptrs = ptr_table(addrs + [0] * (len(addrs) % 2), out.device, "triton-reduce")  # (read in pairs)
     m = tuned_meta("bucket_reduce", out.device, buffers[0].dtype, numel, "triton")
     f64 = compute_dtype(buffers[0].dtype, out.dtype) == torch.float64
     warps = m.get("num_warps", TRITON_WARPS)
@@ -255,7 +255,7 @@ def _reduce_triton(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> N
 
 @reduce_impl.register("numba")
 def _reduce_numba(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> None:
-    from .. import _numba as nb
+    from .. import numba_common as nb
     from . import numba as kernels
 
     numel = out.numel()
@@ -264,9 +264,9 @@ def _reduce_numba(buffers: list[torch.Tensor], out: torch.Tensor, op: str) -> No
     isz = buffers[0].element_size()
     if len({b.data_ptr() % isz for b in buffers}) > 1:  # not a whole number of elements apart
         buffers = [buffers[0]] + [b.clone() if (b.data_ptr() - buffers[0].data_ptr()) % isz else b for b in buffers[1:]]
-    base, span, offs = _numba_span(buffers)
+    base, span, offs = numba_span(buffers)
     kernel = kernels.reduce_kernel(buffers[0].dtype, out.dtype, REDUCE_CODE[op])
-    table = _ptr_table(offs, out.device, "numba-reduce")
+    table = ptr_table(offs, out.device, "numba-reduce")
     blocks = -(-numel // NUMBA_TILE)
     nb.launch(
         kernel, blocks, nb.THREADS, out.device,
@@ -279,7 +279,7 @@ def _wire_torch(x, out, divisor, count_bad):
     out.copy_(x)
     if divisor != 1.0:
         out.div_(divisor)
-    return _count_nonfinite(out) if count_bad else 0
+    return nonfinite_count(out) if count_bad else 0
 
 
 @wire_impl.register("triton")
@@ -294,7 +294,7 @@ def _wire_triton(x, out, divisor, count_bad):
 
 @wire_impl.register("numba")
 def _wire_numba(x, out, divisor, count_bad):
-    from .. import _numba as nb
+    from .. import numba_common as nb
     from . import numba as kernels
 
     bad = torch.zeros(1, dtype=torch.int64, device=x.device)
@@ -328,7 +328,7 @@ def flatten_into(tensors: list[torch.Tensor], out: torch.Tensor, scale: float, p
     if out.numel() == 0:
         return
     name = flatten_impl.select(out.device, out.dtype, out.numel(), provider or None)
-    with _on(out.device):
+    with on_device(out.device):
         flatten_impl(name, tensors, out.view(-1), scale)
 
 
@@ -336,11 +336,11 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float
                    provider: str, traced: bool = False) -> None:  # fmt: skip
     """``traced``: the public function was traced (torch.compile) and left the memory checks to run here."""
     if traced:
-        check_unflatten_memory(flat, tensors, _Ranges.of(tensors))
+        check_unflatten_memory(flat, tensors, Ranges.of(tensors))
     if flat.numel() == 0:
         return
     name = unflatten_impl.select(flat.device, flat.dtype, flat.numel(), provider or None)
-    with _on(flat.device):
+    with on_device(flat.device):
         unflatten_impl(name, flat.reshape(-1).contiguous(), tensors, scale, accumulate)
 
 
@@ -355,5 +355,5 @@ def reduce_into(buffers: list[torch.Tensor], out: torch.Tensor, op: str, provide
     if out.numel() == 0:
         return
     name = reduce_impl.select(out.device, buffers[0].dtype, out.numel(), provider or None)
-    with _on(out.device):
+    with on_device(out.device):
         reduce_impl(name, [b.contiguous().view(-1) for b in buffers], out.view(-1), op)

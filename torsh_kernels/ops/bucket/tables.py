@@ -1,7 +1,7 @@
 """Launch tables of the bucket kernels: how one Triton or Numba launch sees N tensors of any layout.
 
 Numba: a table in device memory holds, per tensor, its address (Numba: its element offset from the lowest
-address, see ``_numba.py``), size, offset in the flat buffer, first tile and (for non-contiguous tensors)
+address, see ``numba_common.py``), size, offset in the flat buffer, first tile and (for non-contiguous tensors)
 up to ``MAX_DIMS`` coalesced sizes and strides; a second table maps each tile (program) to its tensor, in
 the manner of Triton's grouped-GEMM tutorial. Tables are cached per (device, stream, geometry,
 addresses), so steady-state training steps do not rebuild or re-upload them. Also here: the grouping of
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._common import _cached, _stream_key
+from ..common import cached_table, stream_key
 
 MAX_DIMS = 4
 NCOLS = 12  # table columns: addr, numel, flat_off, first_tile, contig, size1..3, stride0..3
@@ -92,7 +92,7 @@ def launch_tables(
     the upload. The stream is in the key, so a table is only used on the stream that uploaded it.
     """
     key = (
-        tag, device, _stream_key(device), tile, tuple(addrs), tuple(t.shape for t in tensors),
+        tag, device, stream_key(device), tile, tuple(addrs), tuple(t.shape for t in tensors),
         tuple(t.stride() for t in tensors), tuple(offsets),
     )  # fmt: skip
 
@@ -104,7 +104,7 @@ def launch_tables(
             table, tile_map = table.to(device), tile_map.to(device)
         return table, tile_map, int(sum(tiles))
 
-    return _cached(key, build)
+    return cached_table(key, build)
 
 
 def by_dtype(tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
@@ -255,11 +255,13 @@ def copy_plan(
     addrs = tuple(t.data_ptr() for t in tensors)
     device = flat.device
     key = (
-        "copy", device, _stream_key(device), to_flat, prefer_tensor, seg_block, gen_block, flat.data_ptr() % VEC,
+        "copy", device, stream_key(device), to_flat, prefer_tensor, seg_block, gen_block, flat.data_ptr() % VEC,
         flat.element_size(), tensors[0].element_size(), addrs, tuple(t.shape for t in tensors),
         tuple(t.stride() for t in tensors), tuple(offsets),
     )  # fmt: skip
-    return _cached(key, lambda: _build(tensors, offsets, addrs, flat, to_flat, prefer_tensor, seg_block, gen_block))
+    return cached_table(
+        key, lambda: _build(tensors, offsets, addrs, flat, to_flat, prefer_tensor, seg_block, gen_block)
+    )
 
 
 def _build(tensors, offsets, addrs, flat, to_flat, prefer_tensor, seg_block, gen_block) -> list[Launch]:

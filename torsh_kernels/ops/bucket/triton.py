@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._triton import _cast, _nonfinite
+from ..triton_common import cast, nonfinite
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def _segment_kernel(
     x = _scaled(tl.load(src + idx, mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
     if ACCUMULATE:
         x = tl.load(dst + idx, mask=mask).to(x.dtype) + x
-    tl.store(dst + idx, _cast(x, dst.dtype.element_ty), mask=mask)
+    tl.store(dst + idx, cast(x, dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def _gather_kernel(
     x = _scaled(tl.load(src, mask=mask), scale_bits, HAS_SCALE, COMPUTE_F64)
     if ACCUMULATE:
         x = tl.load(dst, mask=mask).to(x.dtype) + x
-    tl.store(dst, _cast(x, dst.dtype.element_ty), mask=mask)
+    tl.store(dst, cast(x, dst.dtype.element_ty), mask=mask)
 
 
 def copy(plan, flat, tensor_ref, scale_bits: int, has_scale: bool, accumulate: bool, f64: bool, warps: int) -> None:
@@ -202,7 +202,7 @@ def _bucket_reduce_kernel(
     COMPUTE_F64: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    """out = the K buffers at the addresses in ``ptrs_ptr`` reduced in order, over [start, end) (``_common.spans``:
+    """out = the K buffers at the addresses in ``ptrs_ptr`` reduced in order, over [start, end) (``common.spans``:
     the bulk's end is divisible by 16), two buffers a step. ALIGNED: the host checked every buffer 16-byte
     aligned, stated here so the loads are 128-bit (``out_ptr``'s alignment Triton specializes itself)."""
     idx = start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -215,7 +215,7 @@ def _bucket_reduce_kernel(
         acc = _combine(_combine(acc, xa, OP), xb, OP)
     if OP == 1:
         acc = acc / K
-    tl.store(out_ptr + idx, _cast(acc, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + idx, cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -232,14 +232,14 @@ def _wire_cast_kernel(
 ):
     """out = dtype(dtype(x) / divisor): rounded to the wire dtype, then divided in fp32 and rounded again
     (PyTorch's fp16_compress_hook arithmetic), counting the NaN/Inf it writes into ``bad_ptr`` (int32 when the
-    host knows the count fits); over [start, end) (``_common.spans``)."""
+    host knows the count fits); over [start, end) (``common.spans``)."""
     offs = start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < end
-    h = _cast(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), out_ptr.dtype.element_ty)
+    h = cast(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), out_ptr.dtype.element_ty)
     if DIVIDE:
-        h = _cast(tl.math.div_rn(h.to(tl.float32), divisor), out_ptr.dtype.element_ty)
+        h = cast(tl.math.div_rn(h.to(tl.float32), divisor), out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, h, mask=mask)
     if COUNT_BAD:
-        bad = tl.sum((_nonfinite(h.to(tl.float32)) & mask).to(bad_ptr.dtype.element_ty), axis=0)
+        bad = tl.sum((nonfinite(h.to(tl.float32)) & mask).to(bad_ptr.dtype.element_ty), axis=0)
         if bad != 0:  # (the common case, all finite: no atomic)
             tl.atomic_add(bad_ptr, bad)

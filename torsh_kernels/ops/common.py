@@ -46,29 +46,29 @@ WARPS = 8
 # Validation
 
 
-def _check_tensor(t: object, what: str, name: str) -> torch.Tensor:
+def check_tensor(t: object, what: str, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ArgumentTypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
     return t
 
 
-def _check_dtype(t: torch.Tensor, what: str, name: str, allowed=COMPRESS_DTYPES) -> None:
+def check_dtype(t: torch.Tensor, what: str, name: str, allowed=COMPRESS_DTYPES) -> None:
     if t.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         raise DTypeError(f"{what}: {name} has dtype {t.dtype}; expected one of {names}")
 
 
-def _flat_input(x: object, what: str, name: str = "x") -> torch.Tensor:
+def flat_input(x: object, what: str, name: str = "x") -> torch.Tensor:
     """A floating input as a contiguous 1-D tensor (a view when it already is contiguous)."""
-    x = _check_tensor(x, what, name)
-    _check_dtype(x, what, name)
+    x = check_tensor(x, what, name)
+    check_dtype(x, what, name)
     if x.is_contiguous():
         return x.detach().view(-1)
-    _check_strided(x, what, name)
+    check_strided(x, what, name)
     return x.detach().reshape(-1).contiguous()
 
 
-def _check_strided(t: torch.Tensor, what: str, name: str) -> None:
+def check_strided(t: torch.Tensor, what: str, name: str) -> None:
     """A strided or expanded view the op copies into a contiguous tensor: its elements must fit in its
     device's memory (an ``expand()`` can claim any number of elements without memory behind them)."""
     if not t.is_contiguous() and t.numel() * t.element_size() > device_bytes(t.device):
@@ -79,10 +79,10 @@ def _check_strided(t: torch.Tensor, what: str, name: str) -> None:
         )
 
 
-def _flat_inout(t: object, what: str, name: str, numel: int, device: torch.device) -> torch.Tensor:
+def flat_inout(t: object, what: str, name: str, numel: int, device: torch.device) -> torch.Tensor:
     """A tensor the op writes: contiguous, ``numel`` elements, on ``device``; as a 1-D view."""
-    t = _check_tensor(t, what, name)
-    _check_dtype(t, what, name)
+    t = check_tensor(t, what, name)
+    check_dtype(t, what, name)
     if t.device != device:
         raise DeviceMismatchError(f"{what}: {name} is on {t.device}, the input on {device}")
     if t.numel() != numel:
@@ -92,20 +92,20 @@ def _flat_inout(t: object, what: str, name: str, numel: int, device: torch.devic
     return t.detach().view(-1)
 
 
-def _no_overlap(a: torch.Tensor, b: torch.Tensor, what: str, na: str, nb: str, *, same_ok: bool = False) -> None:
+def no_overlap(a: torch.Tensor, b: torch.Tensor, what: str, na: str, nb: str, *, same_ok: bool = False) -> None:
     """Raise if ``a`` and ``b`` share memory (unless ``same_ok`` and they are the same elements)."""
     abytes, bbytes = _extent(a) * a.element_size(), _extent(b) * b.element_size()
     if not abytes or not bbytes:
         return
     alo, blo = a.data_ptr(), b.data_ptr()
-    if not (alo < blo + bbytes and blo < alo + abytes):  # the byte ranges _Ranges compares, without numpy
+    if not (alo < blo + bbytes and blo < alo + abytes):  # the byte ranges Ranges compares, without numpy
         return
     if same_ok and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel():
         return
     raise ShapeError(f"{what}: {na} overlaps {nb}; pass separate buffers")
 
 
-def _check_alpha(alpha: object, what: str) -> float:
+def check_alpha(alpha: object, what: str) -> float:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise ArgumentTypeError(f"{what}: alpha must be a real number, got {type(alpha).__name__}")
     if not math.isfinite(alpha):
@@ -168,14 +168,14 @@ def _check_alloc(numel: int, itemsize: int, device: torch.device, what: str, nam
         )
 
 
-def _count(bad) -> int:
+def as_count(bad) -> int:
     """A provider's count (a host int from the cpu provider, an int64 tensor from the others) as an int."""
     return bad if type(bad) is int else int(bad.item())
 
 
 class LazyNonFiniteCount:
     """A non-finite count a provider returns instead of a device counter its kernels would keep with atomics,
-    worked out when read (``_count`` calls ``item()``; nobody does with ``check_finite=False``). ``summary`` is a
+    worked out when read (``as_count`` calls ``item()``; nobody does with ``check_finite=False``). ``summary`` is a
     tensor whose sum is NaN or Inf only when ``values()`` holds NaN/Inf (the quantizer's block scales: NaN for a
     block holding one; the sign compressor's sum of ``|x + r|``): one read answers 0 in the common case; else the
     elements are counted (a finite sum that overflowed counts 0, rightly)."""
@@ -191,7 +191,7 @@ class LazyNonFiniteCount:
         return int((~torch.isfinite(self._values())).sum())
 
 
-def _raise_nonfinite(bad: int, what: str, name: str) -> None:
+def raise_nonfinite(bad: int, what: str, name: str) -> None:
     raise NonFiniteError(
         f"{what}: {name} holds {bad} non-finite element(s) (NaN or Inf); nothing was compressed and no "
         "residual was modified. Find the source (a loss scale too high, a diverging step) or skip the "
@@ -199,7 +199,7 @@ def _raise_nonfinite(bad: int, what: str, name: str) -> None:
     )
 
 
-def _decode_out(out, numel, dtype, device, what, accumulate=False) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_out(out, numel, dtype, device, what, accumulate=False) -> tuple[torch.Tensor, torch.Tensor]:
     """A decompressing op's output and its 1-D view: ``out`` checked, or a new ``dtype`` tensor (not with
     ``accumulate``: there would be nothing to add to)."""
     if out is None:
@@ -209,7 +209,7 @@ def _decode_out(out, numel, dtype, device, what, accumulate=False) -> tuple[torc
             raise DTypeError(f"{what}: dtype={dtype}; expected float32, float16 or bfloat16")
         _check_alloc(numel, dtype.itemsize, device, what, "numel")
         out = torch.empty(numel, dtype=dtype, device=device)
-    return out, _flat_inout(out, what, "out", numel, device)
+    return out, flat_inout(out, what, "out", numel, device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def _extent(t: torch.Tensor) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class _Ranges:
+class Ranges:
     """Byte ranges of a list of tensors: [lo, lo + nbytes), and which tensors are contiguous."""
 
     lo: np.ndarray
@@ -234,7 +234,7 @@ class _Ranges:
     contig: np.ndarray
 
     @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor]) -> _Ranges:
+    def of(cls, tensors: Sequence[torch.Tensor]) -> Ranges:
         n = len(tensors)
         contig = np.fromiter((t.is_contiguous() for t in tensors), dtype=bool, count=n)
         lo = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=n)
@@ -284,7 +284,7 @@ except ImportError:  # pragma: no cover - torch without dynamo's C guards
 _data_ptr = torch.Tensor.data_ptr
 
 
-def _guards(tensors: Sequence[torch.Tensor]):
+def tensor_guards(tensors: Sequence[torch.Tensor]):
     """A check that ``tensors`` still have the metadata they have now (``.check(*tensors) -> bool``), or None."""
     if _TensorGuards is None:
         return None
@@ -295,7 +295,7 @@ def _guards(tensors: Sequence[torch.Tensor]):
         return None
 
 
-def _ptrs(tensors: object) -> tuple[int, ...] | None:
+def ptrs_of(tensors: object) -> tuple[int, ...] | None:
     """The addresses of a list or tuple of tensors (one C-level pass), or None when it is not one."""
     if type(tensors) is not list and type(tensors) is not tuple:
         return None
@@ -305,7 +305,7 @@ def _ptrs(tensors: object) -> tuple[int, ...] | None:
         return None
 
 
-class _Memo:
+class Memo:
     """A bounded map for validated layouts (oldest dropped first); lookups and stores are single dict
     operations, safe under the GIL from several threads."""
 
@@ -335,18 +335,18 @@ class _Memo:
 # --------------------------------------------------------------------------------------------------
 # Launch tables, cached per (device, stream, contents)
 
-_TABLES: OrderedDict[tuple, object] = OrderedDict()  # launch tables: _ptr_table, bucket/tables.py's launch_tables
+_TABLES: OrderedDict[tuple, object] = OrderedDict()  # launch tables: ptr_table, bucket/tables.py's launch_tables
 _TABLES_MAX = 64
 
 
-def _stream_key(device: torch.device) -> int:
+def stream_key(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 _TABLES_LOCK = threading.Lock()  # DDP comm hooks and autograd hooks may call from several threads
 
 
-def _cached(key: tuple, build):
+def cached_table(key: tuple, build):
     with _TABLES_LOCK:
         hit = _TABLES.get(key)
         if hit is not None:
@@ -360,17 +360,17 @@ def _cached(key: tuple, build):
     return value
 
 
-def _ptr_table(ptrs: list[int], device: torch.device, tag: str) -> torch.Tensor:
+def ptr_table(ptrs: list[int], device: torch.device, tag: str) -> torch.Tensor:
     """A cached int64 tensor of addresses (or offsets) on ``device``."""
 
     def build() -> torch.Tensor:
         table = torch.tensor(ptrs, dtype=torch.int64)
         return table.to(device) if device.type == "cuda" else table
 
-    return _cached((tag, device, _stream_key(device), tuple(ptrs)), build)
+    return cached_table((tag, device, stream_key(device), tuple(ptrs)), build)
 
 
-def _numba_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int, list[int]]:
+def numba_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int, list[int]]:
     """(lowest address, elements spanned, each tensor's element offset from it) for one dtype group."""
     isz = tensors[0].element_size()
     base = min(t.data_ptr() for t in tensors)
@@ -386,7 +386,7 @@ def _numba_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int, list[int]]:
 _NO_DEVICE = nullcontext()  # reusable
 
 
-def _on(device: torch.device):
+def on_device(device: torch.device):
     """Launch on the tensors' GPU (Triton launches on the current device), not on whatever is current."""
     return torch.cuda.device(device) if device.type == "cuda" else _NO_DEVICE
 
@@ -425,7 +425,7 @@ def whole_programs(n: int, tile: int, tail: int, bulk: bool = True) -> list[tupl
     return out
 
 
-def _select(op: Op, t: torch.Tensor, provider: str) -> str:
+def select_provider(op: Op, t: torch.Tensor, provider: str) -> str:
     return op.select(t.device, t.dtype, t.numel(), provider or None)
 
 
@@ -433,12 +433,12 @@ def _select(op: Op, t: torch.Tensor, provider: str) -> str:
 # Error-feedback inputs, scratch buffers and the finite check
 
 
-def _acc_ref(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+def acc_ref(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     acc = x.reshape(-1).float()
     return acc + residual.reshape(-1).float() if residual is not None else acc.clone()
 
 
-def _store_ref(v: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype, accumulate: bool) -> torch.Tensor:
+def store_ref(v: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype, accumulate: bool) -> torch.Tensor:
     """Write decoded fp32 values ``v`` into ``out`` (a new ``dtype`` tensor if None), or add them to it."""
     if out is None:
         out = torch.empty(v.numel(), dtype=dtype, device=v.device)
@@ -448,19 +448,19 @@ def _store_ref(v: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype, ac
     return out
 
 
-def _acc_torch(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+def acc_torch(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
     """x + r in fp32 (x alone without a residual): the torch providers' error-feedback input."""
     return x.float() + r.float() if r is not None else x.float()
 
 
-def _counter(device: torch.device, n: int = 1) -> torch.Tensor:
+def new_counter(device: torch.device, n: int = 1) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=device)
 
 
 _SCRATCH = threading.local()
 
 
-def _scratch(device: torch.device, n: int) -> torch.Tensor:
+def scratch_buffer(device: torch.device, n: int) -> torch.Tensor:
     """A float32 work buffer of n elements, reused by later calls on this thread and device (its content
     is garbage; never returned to callers). Saves the allocation and first-touch page faults that a
     fresh tensor costs on the CPU for every call."""
@@ -476,7 +476,7 @@ def _scratch(device: torch.device, n: int) -> torch.Tensor:
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
 
 
-def _finite_sum(v: torch.Tensor) -> bool:
+def finite_sum(v: torch.Tensor) -> bool:
     """The cheap check that every element of v is finite: True whenever every element is (a False may be
     a false alarm; the caller then counts exactly). One pass, one or two host reads: the fp32 sum (an
     overflowing sum is such a false alarm), or for 16-bit tensors the extremes (NaN and +-Inf show there),
@@ -487,12 +487,12 @@ def _finite_sum(v: torch.Tensor) -> bool:
     return math.isfinite((v.sum() if v.dtype is torch.float32 else v.sum(dtype=torch.float32)).item())
 
 
-def _count_nonfinite(v: torch.Tensor) -> torch.Tensor:
+def nonfinite_count(v: torch.Tensor) -> torch.Tensor:
     """Number of NaN/Inf elements of v, as an int64 [1] tensor. The exact count (a bool pass and a sum over
-    it, several times slower) only runs when the cheap check (:func:`_finite_sum`) fails: NaN/Inf present,
+    it, several times slower) only runs when the cheap check (:func:`finite_sum`) fails: NaN/Inf present,
     or a sum that overflowed. (The providers' count; they run on real tensors, never while dynamo traces.)"""
-    if v.numel() == 0 or _finite_sum(v):
-        return _counter(v.device)
+    if v.numel() == 0 or finite_sum(v):
+        return new_counter(v.device)
     return (~torch.isfinite(v)).sum().view(1)
 
 
@@ -501,7 +501,7 @@ _COUNT_DTYPES = frozenset((*COMPRESS_DTYPES, torch.float64))
 
 def count_nonfinite(v: torch.Tensor) -> torch.Tensor:
     """Number of NaN/Inf elements of v (fp32, fp16, bf16 or fp64, any shape), as an int64 [1] tensor (see
-    :func:`_count_nonfinite`). While ``torch.compile`` traces, and for a meta tensor, the exact count as
+    :func:`nonfinite_count`). While ``torch.compile`` traces, and for a meta tensor, the exact count as
     graph operations (the cheap check reads a host value)."""
     if not isinstance(v, torch.Tensor):
         raise ArgumentTypeError(f"torsh_kernels.count_nonfinite: v must be a torch.Tensor, got {type(v).__name__}")
@@ -511,4 +511,4 @@ def count_nonfinite(v: torch.Tensor) -> torch.Tensor:
         )
     if _is_compiling() or v.is_meta:  # (meta: a meta result of the right shape)
         return (~torch.isfinite(v)).sum().view(1)
-    return _count_nonfinite(v)
+    return nonfinite_count(v)

@@ -198,12 +198,12 @@ _M32 = 0xFFFFFFFF
 _INV24 = 1.0 / 16777216.0
 
 
-def _blocks(n: int, per_block: int) -> int:
+def block_count(n: int, per_block: int) -> int:
     return max(1, -(-n // per_block))
 
 
 @cuda.jit(device=True, inline=True)
-def _nonfinite(v):
+def nonfinite(v):
     return math.isnan(v) or math.isinf(v)
 
 
@@ -222,13 +222,13 @@ def _lowbias32(h):
 
 
 @cuda.jit(device=True, inline=True)
-def _uniform(i, key):
+def uniform(i, key):
     h = _lowbias32(_lowbias32(int64(i) & _M32) ^ key)
     return float32(h >> 8) * float32(_INV24)
 
 
 @cuda.jit(device=True, inline=True)
-def _tile_range(n):
+def tile_range(n):
     start = cuda.blockIdx.x * TILE
     end = start + TILE
     if end > n:

@@ -11,7 +11,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _cast(x, DST: tl.constexpr):
+def cast(x, DST: tl.constexpr):
     """Cast a computed value to DST. fp32 -> bf16 rounds to nearest even in integer ops (what the
     GPU's cvt.rn does), because Triton's interpreter truncates instead; the same code then runs,
     and is tested, in both. fp64 -> bf16 goes through fp32, as PyTorch's conversion does."""
@@ -25,7 +25,7 @@ def _cast(x, DST: tl.constexpr):
 
 
 @triton.jit
-def _nonfinite(v):
+def nonfinite(v):
     return (v != v) | (tl.abs(v) == float("inf"))
 
 
@@ -39,13 +39,13 @@ def _lowbias32(h):
 
 
 @triton.jit
-def _uniform(idx, key):
+def uniform(idx, key):
     h = _lowbias32(_lowbias32(idx.to(tl.uint32)) ^ key)
     return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
 @triton.jit
-def _load_acc(x_ptr, r_ptr, offs, mask, HAS_R: tl.constexpr):
+def load_acc(x_ptr, r_ptr, offs, mask, HAS_R: tl.constexpr):
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_R:
         v = v + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -53,15 +53,15 @@ def _load_acc(x_ptr, r_ptr, offs, mask, HAS_R: tl.constexpr):
 
 
 @triton.jit
-def _store_out(out_ptr, e, v, end, ACCUMULATE: tl.constexpr, EVEN: tl.constexpr):
+def store_out(out_ptr, e, v, end, ACCUMULATE: tl.constexpr, EVEN: tl.constexpr):
     """out[e] = v (plus out[e] with ACCUMULATE, in fp32), rounded to out's dtype; unmasked for a bulk program
     (EVEN), else masked to e < end (a decoder's last step: dequantize, sign_unpack)."""
     if EVEN:
         if ACCUMULATE:
             v = tl.load(out_ptr + e).to(tl.float32) + v
-        tl.store(out_ptr + e, _cast(v, out_ptr.dtype.element_ty))
+        tl.store(out_ptr + e, cast(v, out_ptr.dtype.element_ty))
     else:
         m = e < end
         if ACCUMULATE:
             v = tl.load(out_ptr + e, mask=m, other=0.0).to(tl.float32) + v
-        tl.store(out_ptr + e, _cast(v, out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + e, cast(v, out_ptr.dtype.element_ty), mask=m)

@@ -2,7 +2,7 @@
 
 ``recorder`` is None unless a :class:`~torsh_kernels.profiling.timeline.Recorder` is active; then the
 op dispatcher, the communicators, the compressed all-reduce, the DDP hook and the synchronizer report
-their spans to it. Every call site first reads ``_trace.recorder`` and does nothing else when it is None,
+their spans to it. Every call site first reads ``recording.recorder`` and does nothing else when it is None,
 so instrumentation costs one global load and a comparison when no recorder is active (``torsh bench
 trace`` measures it). This module imports nothing from the package, so every layer may import it.
 

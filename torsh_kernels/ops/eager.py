@@ -235,7 +235,7 @@ def _mark(args: tuple, mutated: tuple[int, ...]) -> None:
 # same torch calls on the same elements, so the same results. It falls back to the general path (which
 # validates and raises the typed errors) whenever anything is unusual.
 
-from .. import _trace  # noqa: E402
+from .. import recording  # noqa: E402
 
 _T = torch.Tensor
 
@@ -243,7 +243,7 @@ _T = torch.Tensor
 def fast() -> bool:
     """Nothing traces, no mode or transform is active and no op recorder listens: a fast path may run."""
     return (
-        _trace.recorder is None
+        recording.recorder is None
         and not (_is_compiling() or _dispatch_modes() or _function_mode())
         and _functorch_level() is None
     )

@@ -259,3 +259,32 @@ def disjoint(a: torch.Tensor, b: torch.Tensor, nbytes: int) -> bool:
     """Two contiguous tensors of ``nbytes`` bytes each share no byte."""
     pa, pb = a.data_ptr(), b.data_ptr()
     return not (pa < pb + nbytes and pb < pa + nbytes)
+
+
+# The tests every family's CPU fast path makes, one definition each (a fast path is a conjunction of these and
+# its own size and option conditions; anything unusual falls through to the validated path).
+_F32 = torch.float32
+_CPU = torch.device("cpu")
+_INF = float("inf")
+
+
+def cpu_dense(t: object, dtype: torch.dtype = _F32) -> bool:
+    """``t`` is exactly a ``torch.Tensor`` (no subclass, no Parameter) of ``dtype``, on the CPU, contiguous."""
+    return type(t) is _T and t.dtype is dtype and t.is_cpu and t.is_contiguous()
+
+
+def cpu_dense_or_none(t: object, n: int, dtype: torch.dtype = _F32) -> bool:
+    """``t`` is None, or a :func:`cpu_dense` tensor of ``n`` elements (an optional residual or output)."""
+    return t is None or (type(t) is _T and t.dtype is dtype and t.is_cpu and t.is_contiguous() and t.numel() == n)
+
+
+def finite_scalar(a: object) -> bool:
+    """``a`` is a finite Python float or int (not a bool, a NumPy scalar or a tensor)."""
+    return (a.__class__ is float or a.__class__ is int) and -_INF < a < _INF
+
+
+def picks(op, n: int, provider: str | None, name: str, dtype: torch.dtype = _F32) -> bool:
+    """A fast path may run (:func:`fast`) and ``op`` chooses provider ``name`` for ``n`` CPU elements of ``dtype``
+    (``provider`` as the caller gave it: None or "" for the tuned or default choice). Call it before anything
+    reads an address: under torch.compile it is False before ``data_ptr`` would be traced."""
+    return fast() and op.select(_CPU, dtype, n, provider or None) == name

@@ -134,7 +134,7 @@ def test_sign_typed_errors():
 def test_sign_custom_op_passes_opcheck():
     x = torch.randn(300)
     r = torch.randn(300)
-    torch.library.opcheck(S._sign_op, (x, r, True, "torch"))
+    torch.library.opcheck(torch.ops.torsh.sign_compress.default, (x, r, True, "torch"))
 
 
 def test_decompress_refuses_out_over_its_bits_and_accumulate_without_out(provider):

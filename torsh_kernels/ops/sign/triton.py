@@ -1,4 +1,4 @@
-"""Triton kernels of the sign op family (see sign.py).
+"""Triton kernels of the sign op family (see ``api.py``).
 
 Imported by the triton launchers on first use, so ``import torsh_kernels`` does not import Triton. Triton
 reads ``TRITON_INTERPRET`` when these kernels are defined, i.e. on that first import.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import cast, load_acc, store_out
+from ..triton_common import cast, load_acc, store_out
 
 
 @triton.jit

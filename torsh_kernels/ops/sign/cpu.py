@@ -1,4 +1,4 @@
-"""CPU kernels (Numba's CPU target) of the sign op family (see sign.py).
+"""CPU kernels (Numba's CPU target) of the sign op family (see ``api.py``).
 
 Imported on the cpu provider's first launch. ``sign_compress`` is two passes: ``sum |x + r|`` in fp64
 (eight independent accumulators: the additions overlap instead of waiting on one another), then the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .cpu_common import carray, f32, jit, p_f32, p_u8, store
+from ..cpu_common import carray, f32, jit, p_f32, p_u8, store
 
 
 @jit
@@ -127,9 +127,14 @@ def sign_pack(x, r, bits, scale) -> None:
         store(r, lambda ra: pack_ptr(x.data_ptr(), ra, True, n, bits.data_ptr(), s))
 
 
-def sign_unpack(bits, scale, out, alpha, accumulate) -> None:
+def unpack_scale(scale: torch.Tensor, alpha: float) -> np.float32:
+    """What the unpacking writes, ``+-`` this: ``scale`` (one element) rounded to fp32, times ``alpha`` rounded to
+    fp32 unless alpha is 1 (the provider's and the public op's fast path's one definition)."""
     s = np.float32(scale.item())
-    if alpha != 1.0:
-        s = s * np.float32(alpha)
+    return s * np.float32(alpha) if alpha != 1.0 else s
+
+
+def sign_unpack(bits, scale, out, alpha, accumulate) -> None:
+    s = unpack_scale(scale, alpha)
     n = out.numel()
     store(out, lambda o: unpack_any_ptr(bits.data_ptr(), s, o, n, bool(accumulate)))

@@ -1,15 +1,23 @@
 """What :func:`~torsh_kernels.parallel.hooks.compression_hook` reports: :class:`HookStats` (totals since
 the state was made, and the last iterations' figures) and :class:`Turn`, the accounting of one iteration as
-its buckets finish (from DDP's thread or the backend's completion thread)."""
+its buckets finish (from DDP's thread or the backend's completion thread); and per bucket, its timeline
+interval (:func:`bucket_span`), its cost (:func:`totals`) and the statistics chained to its future
+(:func:`recorded`, :func:`chained`)."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from .. import recording
+from ..compression import CompressedReduction, Compressor
 from ..env import fmt_bytes
 
-__all__ = ["HookStats", "Turn"]
+__all__ = ["HookStats", "Turn", "bucket_span", "chained", "recorded", "totals"]
 
 
 @dataclass(slots=True)
@@ -155,3 +163,61 @@ class Turn:
             self.stats.per_iteration.append(dict(self.figures))
             del self.stats.per_iteration[:-100]
             self.closed = False  # once
+
+
+# -- a bucket: its timeline interval, its cost, the statistics chained to its future --------------------
+
+
+def bucket_span(index: int, grads: Sequence[torch.Tensor], compressor: Compressor):
+    """A timeline interval for one bucket, from now until its reductions are done (None without a recorder)."""
+    rec = recording.recorder
+    if rec is None:
+        return None
+    nbytes = sum(g.nbytes for g in grads)
+    name = compressor.name
+    dev = grads[0].device if grads else None
+    return rec.begin(f"bucket {index}", "bucket", {"bucket": index, "bytes": nbytes, "tensors": len(grads),
+                                                   "compressor": name}, lane="bucket", device=dev)  # fmt: skip
+
+
+def totals(reductions: Sequence[CompressedReduction]) -> dict[str, float]:
+    """What a bucket's reductions cost: bytes this rank sent, compute and wait seconds."""
+    return {
+        "bytes_sent": sum(r.bytes_sent for r in reductions),
+        "compress_s": sum(r.compute_s for r in reductions),
+        "wait_s": sum(r.wait_s for r in reductions),
+    }
+
+
+def recorded(buf: torch.Tensor, r, before: int, turn: Turn, span):
+    """What runs once a one-round bucket with a single reduction is decoded (in its completion callback):
+    the statistics, then the bucket's buffer as the future's value."""
+
+    def finished() -> torch.Tensor:
+        turn.record(before, {"bytes_sent": r.bytes_sent, "compress_s": r.compute_s, "wait_s": r.wait_s}, True)
+        if span is not None:
+            span.end()
+        return buf
+
+    return finished
+
+
+def chained(futs: list, buf: torch.Tensor, reductions: list, before: int, turn: Turn, span):
+    """The future DDP waits on for a one-round bucket: the collectives' own, the decode chained to it
+    (inside each reduction's future), then the statistics; its value is the bucket's buffer."""
+
+    def finished(f: torch.futures.Future) -> torch.Tensor:
+        t0 = time.perf_counter()
+        v = f.value()  # raises the collective's (or the decode's) error
+        if len(futs) > 1:
+            for x in v:
+                x.value()
+        cost = totals(reductions)
+        cost["compress_s"] += time.perf_counter() - t0
+        turn.record(before, cost, True)
+        if span is not None:
+            span.end()
+        return buf
+
+    f = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
+    return f.then(finished)

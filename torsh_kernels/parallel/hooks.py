@@ -31,7 +31,7 @@ What a bucket goes through (``compression_hook(state, bucket)``):
   so that a failed collective or decode is raised there as its typed error (DDP itself turns a future's
   error into a bare ``RuntimeError``);
 - buckets with several rounds (PowerSGD's P then Q, sign's two phases, quantize's shared scale) are
-  pipelined in a rank-independent order (see :mod:`._engine`), so several buckets work on gloo and NCCL
+  pipelined in a rank-independent order (see :mod:`.engine`), so several buckets work on gloo and NCCL
   alike; PowerSGD's P all-reduce of one bucket overlaps the Q round of the previous one. The hook waits
   for older buckets' rounds there, and the last bucket drains the pipeline.
 
@@ -66,25 +66,21 @@ then averages that gradient in place before returning, one parameter at a time (
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .. import recording
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import TorchCommunicator, is_communicator, resolve_group
-from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
-from ..errors import ArgumentTypeError, InvalidArgumentError, TorshKernelsError
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from .buckets import BucketSpec
 from .engine import BucketCompressor
-from .hook_stats import HookStats, Turn
-from .pipeline import ReductionPipeline, bucket_span, totals
+from .hook_engine import HookRun
+from .hook_stats import HookStats
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -128,8 +124,7 @@ class CompressionHookState:
         quantize_mode: deprecated: ``Quantize(scheme=...)`` (the scheme is the compressor's own setting).
     """
 
-    __slots__ = ("_comm", "_engine", "_futures", "_given", "_keys", "_pipeline", "_seen", "_signatures", "_task",
-                 "_timeout", "_turn", "process_group", "stats")  # fmt: skip
+    __slots__ = ("_comm", "_engine", "_given", "_keys", "_run", "_timeout", "process_group", "stats")
 
     def __init__(
         self,
@@ -161,16 +156,11 @@ class CompressionHookState:
             what="CompressionHookState",
             **options,
         )
-        self._signatures = (0, 0.0)  # the engine's exchange count and seconds already in stats
         self._timeout = timeout
         self._comm: Coalescer | None = None
-        self._pipeline = ReductionPipeline()
-        self._futures: list = []  # this iteration's one-round buckets: (the future returned to DDP, reductions)
         self._keys: dict[int, int] = {}
-        self._seen: set[int] = set()  # called per parameter: the parameters of the iteration so far
-        self._task: int | None = None  # ... and the autograd graph task (the backward pass) they came from
         self.stats = HookStats()
-        self._turn = Turn(self.stats)
+        self._run = HookRun(self._engine, self.stats)  # the bucket path and the iteration in flight
 
     # tunables, read-only after construction (the per-tensor states depend on them)
     @property
@@ -206,7 +196,7 @@ class CompressionHookState:
     @property
     def iteration(self) -> int:
         """Iterations completed (DDP backward passes whose last bucket was reduced)."""
-        _close_parameter_iteration(self)
+        self._run.close_parameter_iteration()
         return self._engine.iteration
 
     def _communicator(self) -> Coalescer:
@@ -226,7 +216,7 @@ class CompressionHookState:
     def state_dict(self) -> dict:
         """Iteration count and every compressor state (error-feedback residuals, PowerSGD's Q memory,
         step counts, seeds), cloned; for ``torch.save`` beside the model and optimizer."""
-        _close_parameter_iteration(self)
+        self._run.close_parameter_iteration()
         return self._engine.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
@@ -244,13 +234,8 @@ class CompressionHookState:
         self._timeout = d["timeout"]
         self.stats = d["stats"]
         self._comm = None
-        self._pipeline = ReductionPipeline()
-        self._futures = []
         self._keys = {}
-        self._seen = set()
-        self._task = None
-        self._turn = Turn(self.stats)
-        self._signatures = (self._engine.signature_checks, self._engine.signature_s)
+        self._run = HookRun(self._engine, self.stats)
 
     def __repr__(self) -> str:
         e = self._engine
@@ -271,7 +256,8 @@ def compression_hook(
     ``torch._dynamo.config.optimize_ddp = "python_reducer"``: the gradient is then averaged in place before
     the hook returns (that reducer ignores what a hook returns and has no end-of-backward callback), one
     parameter at a time, each with its own compressor state as under ``policy="layerwise"``; the
-    hook runs eagerly there (``torch.compiler.disable``)."""
+    hook runs eagerly there (``torch.compiler.disable``). Either way the bucket is handed to the engine's
+    side in one call (:class:`~torsh_kernels.parallel.hook_engine.HookRun`), which never calls back here."""
     if not isinstance(state, CompressionHookState):
         raise ArgumentTypeError(
             f"compression_hook: state must be a CompressionHookState, got {type(state).__name__}; "
@@ -279,96 +265,9 @@ def compression_hook(
         )
     if isinstance(bucket, tuple):
         return _eager(_parameter_hook)(state, bucket)
-    comm = state._communicator()
-    buf = bucket.buffer()
     keys = [state._key(p) for p in bucket.parameters()]
-    engine = state._engine
-    turn = state._turn
-    last = bucket.is_last()
-    try:
-        turn.begin(comm)
-        if buf.layout != torch.strided:  # a sparse gradient: its own bucket, averaged uncompressed
-            fut = torch.futures.Future()
-            fut.set_result(_sparse(state, buf, comm, turn))
-        else:
-            span = bucket_span(bucket.index(), bucket.gradients(), engine.compressor) if recording.recorder else None
-            grads = engine.prepare(bucket.gradients, keys, comm, flat=buf)  # a new layout: agree on it first
-            nonfinite = engine.screen([buf], comm)
-            # While older buckets have rounds to issue (PowerSGD's Q), this bucket's first round and theirs
-            # go out as one all-reduce: the collectives issued below depend only on the bucket sequence, so
-            # every rank coalesces the same ones (see parallel/engine.py)
-            with comm.batch() if state._pipeline.multi_round() else contextlib.nullcontext():
-                fut = _start(state, grads, engine, comm, keys, buf, turn, span, nonfinite)
-        if last:
-            state._pipeline.drain(comm.batch)
-            _wait_one_round(state)
-            engine.check_averages()
-            _end_iteration(state, turn)
-    except BaseException:
-        _start_over(state)
-        raise
-    return fut
-
-
-def _wait_one_round(state: CompressionHookState) -> None:
-    """Wait for the iteration's one-round buckets (their collectives were issued in order before this last
-    bucket's), raising the first failure as its typed error: DDP would wait for them right after the last
-    bucket, but it turns a future's error into a bare ``RuntimeError``."""
-    futs, state._futures = state._futures, []
-    for fut, reductions in futs:
-        try:
-            fut.wait()
-        except Exception:
-            typed = next((r.error for r in reductions if isinstance(r.error, TorshKernelsError)), None)
-            if typed is None:
-                raise
-            raise typed from None
-
-
-def _start_over(state: CompressionHookState) -> None:
-    """After a failure: the collectives of this iteration are out of step with the other ranks, so the
-    next call starts a fresh iteration (nothing in flight, nothing noted)."""
-    state._pipeline = ReductionPipeline()
-    state._futures = []
-    state._turn = Turn(state.stats)
-    state._seen = set()
-    state._task = None
-    state._engine.abandon_iteration()
-    _count_signatures(state, None)
-
-
-def _count_signatures(state: CompressionHookState, turn: Turn | None) -> None:
-    """Add the engine's signature exchanges since the last count to the statistics (and the iteration's)."""
-    e = state._engine
-    n0, s0 = state._signatures
-    n, s = e.signature_checks - n0, e.signature_s - s0
-    if n:
-        state._signatures = (e.signature_checks, e.signature_s)
-        state.stats.signature_checks += n
-        state.stats.signature_s += s
-    if turn is not None:
-        with turn.lock:
-            turn.figures["signature_checks"] = n
-            turn.figures["signature_s"] = s
-
-
-def _end_iteration(state: CompressionHookState, turn: Turn) -> None:
-    if state._engine.end_iteration():
-        state.stats.nonfinite_steps += 1
-    _count_signatures(state, turn)
-    state.stats.iterations += 1
-    state._turn = Turn(state.stats)
-    turn.close()
-
-
-def _sparse(state: CompressionHookState, grad: torch.Tensor, comm: Coalescer, turn: Turn) -> torch.Tensor:
-    """A sparse gradient, averaged uncompressed (and synchronously: the result's size depends on every rank)."""
-    t0 = time.perf_counter()
-    out, sent = all_reduce_sparse(comm, grad)
-    state.stats.sparse_buckets += 1
-    before = sparse_nbytes(grad)
-    turn.record(before, {"bytes_sent": sent, "compress_s": 0.0, "wait_s": time.perf_counter() - t0}, False)
-    return out
+    comm = state._communicator()
+    return state._run.bucket(comm, bucket.buffer(), bucket.gradients, keys, bucket.index(), bucket.is_last())
 
 
 @functools.cache
@@ -394,108 +293,7 @@ def _parameter_hook(state: CompressionHookState, pair: tuple) -> torch.Tensor:
         )
     grad, param = pair
     key = state._key(param)
-    task = torch._C._current_graph_task_id()  # -1 outside a backward pass (a direct call)
-    if state._seen and (task != state._task or (task == -1 and key in state._seen)):
-        _close_parameter_iteration(state)
-    state._task = task
-    state._seen.add(key)
-    comm = state._communicator()
-    turn = state._turn
-    engine = state._engine
-    turn.begin(comm)
-    try:
-        if grad.layout != torch.strided:
-            param.grad = grad = _sparse(state, grad, comm, turn)
-        else:
-            span = bucket_span(key, [grad], engine.compressor) if recording.recorder else None
-            flat = grad.view(-1) if grad.is_contiguous() else None
-            engine.prepare([grad], [key], comm, flat=flat)  # a new layout: agree on it first
-            nonfinite = engine.screen([grad], comm)
-            reductions, finish = engine.start([grad], [key], comm, flat=flat, nonfinite=nonfinite)
-            pipeline = ReductionPipeline()
-            pipeline.submit(reductions, finish, span)
-            pipeline.drain(comm.batch)
-            engine.check_averages()
-            turn.record(grad.numel() * grad.element_size(), totals(reductions), False)
-    except BaseException:
-        _start_over(state)
-        raise
-    return grad
-
-
-def _close_parameter_iteration(state: CompressionHookState) -> None:
-    """End the iteration the per-parameter call form has open, if any (never inside a backward pass)."""
-    if not state._seen or (state._task == torch._C._current_graph_task_id() != -1):
-        return
-    state._seen = set()
-    state._task = None
-    _end_iteration(state, state._turn)
-
-
-def _start(state: CompressionHookState, grads, engine, comm: Coalescer, keys: list, buf, turn, span,
-           nonfinite: bool):  # fmt: skip
-    """Start one bucket's reductions (``grads``: its gradients, or the bucket's function returning them): a
-    one-round bucket returns its collective's future; the others join the pipeline, which advances the
-    older buckets by one round."""
-    reductions, finish = engine.start(grads, keys, comm, flat=buf, nonfinite=nonfinite)
-    if engine.auto is not None and state.stats.auto is None and engine.auto.decision is not None:
-        state.stats.auto = engine.auto.decision.as_dict()
-    before = buf.numel() * buf.element_size()
-    fut = None
-    if finish is None and all(r.single_round for r in reductions):
-        if len(reductions) == 1:  # the common case: the statistics in the decode's own callback
-            fut = reductions[0].future(_recorder(buf, reductions[0], before, turn, span))
-        else:
-            futs = [r.future() for r in reductions]
-            if all(f is not None for f in futs):
-                fut = _chain(futs, buf, reductions, before, turn, span)
-        if fut is not None:
-            state._futures.append((fut, reductions))
-    if fut is None:
-        fut = torch.futures.Future(devices=[buf.device] if buf.device.type == "cuda" else None)
-
-        def done() -> None:
-            if finish is not None:
-                finish()
-            turn.record(before, totals(reductions), False)
-            fut.set_result(buf)
-
-        state._pipeline.submit(reductions, done, span)
-    return fut
-
-
-def _recorder(buf: torch.Tensor, r, before: int, turn: Turn, span):
-    """What runs once a one-round bucket with a single reduction is decoded (in its completion callback):
-    the statistics, then the bucket's buffer as the future's value."""
-
-    def finished() -> torch.Tensor:
-        turn.record(before, {"bytes_sent": r.bytes_sent, "compress_s": r.compute_s, "wait_s": r.wait_s}, True)
-        if span is not None:
-            span.end()
-        return buf
-
-    return finished
-
-
-def _chain(futs: list, buf: torch.Tensor, reductions: list, before: int, turn: Turn, span):
-    """The future DDP waits on for a one-round bucket: the collectives' own, the decode chained to it
-    (inside each reduction's future), then the statistics; its value is the bucket's buffer."""
-
-    def finished(f: torch.futures.Future) -> torch.Tensor:
-        t0 = time.perf_counter()
-        v = f.value()  # raises the collective's (or the decode's) error
-        if len(futs) > 1:
-            for x in v:
-                x.value()
-        cost = totals(reductions)
-        cost["compress_s"] += time.perf_counter() - t0
-        turn.record(before, cost, True)
-        if span is not None:
-            span.end()
-        return buf
-
-    f = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
-    return f.then(finished)
+    return state._run.parameter(state._communicator(), grad, param, key)
 
 
 # DDP checks the hook's annotations by identity (the bucket's and the return's); with postponed evaluation

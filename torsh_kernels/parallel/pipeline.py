@@ -1,5 +1,5 @@
 """The order in which buckets' reductions advance (:class:`ReductionPipeline`, see
-:mod:`torsh_kernels.parallel.engine`'s docstring), a bucket's timeline interval and cost, and whether a
+:mod:`torsh_kernels.parallel.engine`'s docstring), and whether a
 GradScaler is in use (what ``nonfinite="auto"`` resolves by)."""
 
 from __future__ import annotations
@@ -8,14 +8,13 @@ import contextlib
 import dataclasses
 import gc
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
-from .. import recording
 from ..compression import CompressedReduction, Compressor
 
-__all__ = ["ReductionPipeline", "bucket_span", "grad_scaler_in_use", "summing", "totals", "unchecked"]
+__all__ = ["ReductionPipeline", "grad_scaler_in_use", "summing", "unchecked"]
 
 
 class ReductionPipeline:
@@ -70,27 +69,6 @@ class ReductionPipeline:
                 on_done()
             if span is not None:
                 span.end()
-
-
-def bucket_span(index: int, grads: Sequence[torch.Tensor], compressor: Compressor):
-    """A timeline interval for one bucket, from now until its reductions are done (None without a recorder)."""
-    rec = recording.recorder
-    if rec is None:
-        return None
-    nbytes = sum(g.nbytes for g in grads)
-    name = compressor.name
-    dev = grads[0].device if grads else None
-    return rec.begin(f"bucket {index}", "bucket", {"bucket": index, "bytes": nbytes, "tensors": len(grads),
-                                                   "compressor": name}, lane="bucket", device=dev)  # fmt: skip
-
-
-def totals(reductions: Sequence[CompressedReduction]) -> dict[str, float]:
-    """What a bucket's reductions cost: bytes this rank sent, compute and wait seconds."""
-    return {
-        "bytes_sent": sum(r.bytes_sent for r in reductions),
-        "compress_s": sum(r.compute_s for r in reductions),
-        "wait_s": sum(r.wait_s for r in reductions),
-    }
 
 
 def grad_scaler_in_use() -> bool:

@@ -53,7 +53,8 @@ from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
 from .buckets import BucketSpec
 from .engine import BucketCompressor
-from .pipeline import ReductionPipeline, bucket_span, totals
+from .hook_stats import bucket_span, totals
+from .pipeline import ReductionPipeline
 from .sync_stats import GradientConsistency, SyncStats
 
 __all__ = ["GradientConsistency", "GradientSynchronizer", "SyncStats"]

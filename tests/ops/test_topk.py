@@ -18,6 +18,7 @@ from torsh_kernels.errors import (
     NonFiniteError,
     ShapeError,
 )
+from torsh_kernels.ops.topk import api, providers
 
 SIZES = [1, 7, 1000, 4097]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -85,13 +86,13 @@ def test_topk_no_ties_gives_the_reference_indices(provider, gen, dtype):
 
 def _count_rounds(monkeypatch, provider):
     calls = []
-    impl = K._candidates.impls[provider]
+    impl = providers.candidates_impl.impls[provider]
 
     def counting(*args):
         calls.append(args[2])
         return impl(*args)
 
-    monkeypatch.setitem(K._candidates.impls, provider, counting)
+    monkeypatch.setitem(providers.candidates_impl.impls, provider, counting)
     return calls
 
 
@@ -99,9 +100,9 @@ def _count_rounds(monkeypatch, provider):
 def test_topk_sampled_threshold_and_refinement(provider, gen, monkeypatch, aim):
     """A small sample (so the threshold really is estimated), aimed too low, right or too high: the
     refinement brings the candidate count into [k, CAP] and the result is still the exact top-k."""
-    monkeypatch.setattr(K, "TOPK_MIN_SAMPLE", 64)
-    monkeypatch.setattr(K, "TOPK_SAMPLE_PER_K", 8)
-    monkeypatch.setattr(K, "_TOPK_TARGET", aim)
+    monkeypatch.setattr(api, "TOPK_MIN_SAMPLE", 64)
+    monkeypatch.setattr(api, "TOPK_SAMPLE_PER_K", 8)
+    monkeypatch.setattr(api, "_TOPK_TARGET", aim)
     calls = _count_rounds(monkeypatch, provider)
     n = 6007
     x = rand(n, torch.float32, gen)
@@ -143,7 +144,7 @@ def test_topk_candidates_pass_at_any_size(provider, gen, n, dtype, with_residual
         if 0 <= i < n:
             x[i] = bad
     want, wval, wbad = _candidates_ref(x, r, 0.5)
-    impl = K._candidates.impls[provider]
+    impl = providers.candidates_impl.impls[provider]
     for cap in (n, max(1, want.numel() // 2)):
         cval, cidx, cnt = impl(x, r, 0.5, cap, idx_dtype)
         count, nbad = cnt if type(cnt) is tuple else cnt.tolist()
@@ -279,7 +280,7 @@ def test_topk_typed_errors():
 def test_topk_custom_op_passes_opcheck():
     x = torch.randn(300)
     r = torch.randn(300)
-    torch.library.opcheck(K._topk_op, (x, r, 5, False, True, "torch"))
+    torch.library.opcheck(api._topk_op, (x, r, 5, False, True, "torch"))
 
 
 def test_decompress_refuses_a_size_no_device_holds_before_allocating(provider):

@@ -1,4 +1,4 @@
-"""CPU kernels (Numba's CPU target) of the top-k op family (see topk.py).
+"""CPU kernels (Numba's CPU target) of the top-k op family (see ``providers.py``).
 
 Imported on the cpu provider's first launch.
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import ShapeError
-from .cpu_common import carray, f32, jit, p_f32, p_i32, p_i64, store
+from ...errors import ShapeError
+from ..cpu_common import carray, f32, jit, p_f32, p_i32, p_i64, store
 
 
 @jit

@@ -17,7 +17,7 @@ import torsh_kernels.ops.moe as M
 from torsh_kernels.errors import NonFiniteError, ProviderUnavailableError, ShapeError
 from torsh_kernels.ops import registry
 
-quantize_mod = sys.modules["torsh_kernels.ops.quantize"]
+quantize_mod = sys.modules["torsh_kernels.ops.quantize.api"]
 
 
 def test_the_cpu_provider_is_what_runs_on_cpu_tensors_by_default():
@@ -45,7 +45,7 @@ class _Count(torch.overrides.TorchFunctionMode):
 def test_fast_paths_stand_aside_under_a_mode_and_for_a_subclass(monkeypatch):
     """The fast path calls the kernel itself; the registered op reaches it through the provider's wrapper."""
     calls = []
-    K = quantize_mod._cpu_kernels()
+    K = quantize_mod.cpu_kernels()
     real = K.quantize
     monkeypatch.setattr(K, "quantize", lambda *a: calls.append(a) or real(*a))
     x = torch.randn(512)

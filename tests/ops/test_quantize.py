@@ -2,7 +2,7 @@
 bound, lossless int4 packing, unbiased and reproducible stochastic rounding, and the typed errors.
 
 The package re-exports the function ``quantize``, which is therefore what ``torsh_kernels.ops.quantize`` is as
-an attribute: the module's names are imported from it directly."""
+an attribute: the package's names are imported from it directly."""
 
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ from tests.helpers import DEVICE, DTYPE_TOLS, close, poison, rand
 from torsh_kernels.errors import DTypeError, InvalidArgumentError, NonFiniteError, ProviderError, ShapeError
 from torsh_kernels.ops.quantize import (
     CPU_SLICE,
-    _dequantize_op,
-    _quantize_op,
     dequantize,
     dequantize_ref,
     quantize,
     quantize_ref,
 )
+from torsh_kernels.ops.quantize.api import dequantize_op, quantize_op
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HYP = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -238,9 +237,9 @@ def test_quantize_typed_errors():
 
 def test_quantize_custom_ops_pass_opcheck():
     x = torch.randn(300)
-    torch.library.opcheck(_quantize_op, (x, 4, 64, True, 99, True, "torch"))
+    torch.library.opcheck(quantize_op, (x, 4, 64, True, 99, True, "torch"))
     q, s = quantize(x, block=64)
-    torch.library.opcheck(_dequantize_op, (q, s, torch.empty(300), 8, 64, 1.0, False, "torch"))
+    torch.library.opcheck(dequantize_op, (q, s, torch.empty(300), 8, 64, 1.0, False, "torch"))
 
 
 def test_out_buffers_overlapping_the_input_or_each_other_are_refused(provider):

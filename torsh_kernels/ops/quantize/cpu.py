@@ -1,4 +1,4 @@
-"""CPU kernels (Numba's CPU target) of the quantization op family (see quantize.py).
+"""CPU kernels (Numba's CPU target) of the quantization op family (see api.py).
 
 Imported on the cpu provider's first launch. One pass per quantization block: the block's largest
 magnitude from the fp32 bit patterns (an integer maximum, which vectorises and also finds NaN/Inf:
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .cpu_common import bits_f32, carray, f32, jit, p_f32, p_i8, p_u8, store, uniform
+from ..cpu_common import bits_f32, carray, f32, jit, p_f32, p_i8, p_u8, store, uniform
 
 
 @jit

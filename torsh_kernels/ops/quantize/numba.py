@@ -1,4 +1,4 @@
-"""Numba CUDA kernels of the quantization op family (see quantize.py).
+"""Numba CUDA kernels of the quantization op family (see api.py).
 
 Imported on first use of the numba provider. Kernels are specialised per dtype combination (the
 load/store helpers they close over) and compute in fp32, with every Python scalar argument cast
@@ -13,9 +13,9 @@ from functools import cache
 
 from numba import cuda, float32, int64
 
-from . import numba_common as nb
-from .common import new_counter
-from .numba_common import nonfinite, uniform
+from .. import numba_common as nb
+from ..common import new_counter
+from ..numba_common import nonfinite, uniform
 
 _MAGIC = 12582912.0  # 1.5 * 2**23: (y + _MAGIC) - _MAGIC rounds fp32 |y| < 2**22 to nearest even
 

@@ -1,9 +1,9 @@
-"""Triton kernels of the quantization op family (see quantize.py).
+"""Triton kernels of the quantization op family (see api.py).
 
 Imported by the triton launchers on first use, so ``import torsh_kernels`` does not import Triton. Triton
 reads ``TRITON_INTERPRET`` when these kernels are defined, i.e. on that first import.
 
-Each kernel runs in two launches (see ``quantize._tiles``): the bulk (``EVEN``), whole programs of GROUP
+Each kernel runs in two launches (see ``providers.py``): the bulk (``EVEN``), whole programs of GROUP
 quantization blocks from element 0, unmasked, so every access of a 16-byte aligned tensor is vectorized
 (Triton cannot prove a mask constant over a vector for an arbitrary size); then the rest, whole and partial
 blocks from ``start`` (a multiple of QBLOCK), masked to ``< end``. A program loads its elements as one
@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import store_out, uniform
+from ..triton_common import store_out, uniform
 
 
 @triton.jit

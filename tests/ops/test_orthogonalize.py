@@ -1,8 +1,8 @@
 """orthogonalize: every provider against the torch reference (Gram-Schmidt in fp64), orthonormal
 columns, zero and dependent columns, lists and views, and the typed errors.
 
-The package re-exports the function ``orthogonalize``, which is therefore what ``torsh_kernels.ops.orthogonalize`` is as
-an attribute: the module's names are imported from it directly."""
+The ops package re-exports the function ``orthogonalize``, which is therefore what ``torsh_kernels.ops.orthogonalize``
+is as an attribute: the family's names are imported from its package and its modules directly."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from tests.helpers import DEVICE, close, rand
 from torsh_kernels.errors import DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
-from torsh_kernels.ops.orthogonalize import _ortho_op, orthogonalize, orthogonalize_ref
+from torsh_kernels.ops.orthogonalize import orthogonalize, orthogonalize_ref
+from torsh_kernels.ops.orthogonalize.api import ortho_op
 
 
 def _check_orthonormal(m: torch.Tensor, zero_cols=(), tol=1e-5):
@@ -113,7 +114,7 @@ def test_orthogonalize_typed_errors():
 
 
 def test_orthogonalize_custom_op_passes_opcheck():
-    torch.library.opcheck(_ortho_op, ([torch.randn(20, 3), torch.randn(9, 3)], 1e-4, 2, "torch"))
+    torch.library.opcheck(ortho_op, ([torch.randn(20, 3), torch.randn(9, 3)], 1e-4, 2, "torch"))
 
 
 def test_iters_are_bounded_and_meta_matrices_give_meta_results(provider):

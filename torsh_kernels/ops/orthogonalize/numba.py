@@ -1,4 +1,4 @@
-"""Numba CUDA kernels of the orthogonalisation op (see orthogonalize.py).
+"""Numba CUDA kernels of the orthogonalisation op (see ``providers.py``).
 
 Imported on first use of the numba provider. Kernels are specialised per dtype (the load/store helpers
 they close over) and accumulate the Gram matrix in fp64, as the Triton kernel does. ``cuda`` is a module
@@ -12,8 +12,9 @@ from functools import cache
 
 from numba import cuda, float64
 
-from . import numba_common as nb
-from .common import numba_span, ptr_table
+from .. import numba_common as nb
+from ..common import numba_span, ptr_table
+from .providers import element_groups
 
 # One CUDA block per matrix, CholeskyQR with an fp64 Gram matrix in shared memory.
 
@@ -116,11 +117,7 @@ def orthogonalize(mats, rtol, iters):
     while rp < r:
         rp *= 2
     k = _ortho_kernel(mats[0].dtype, rp)
-    isz = mats[0].element_size()
-    groups = [mats]
-    if len({m.data_ptr() % isz for m in mats}) > 1:  # not a whole number of elements apart: one launch each
-        groups = [[m] for m in mats]
-    for ms in groups:
+    for ms in element_groups(mats):  # (not a whole number of elements apart: one launch each)
         base, span, offs = numba_span(ms)
         table = ptr_table([v for o, m in zip(offs, ms) for v in (o, m.shape[0])], ms[0].device, "numba-ortho")
         nb.launch(k, len(ms), nb.THREADS, ms[0].device, nb.as_array(table),

@@ -1,4 +1,4 @@
-"""Triton kernels of the error-feedback op family (see error_feedback.py).
+"""Triton kernels of the error-feedback op family (see ``providers.py``).
 
 Imported by the triton launchers on first use, so ``import torsh_kernels`` does not import Triton. Triton
 reads ``TRITON_INTERPRET`` when these kernels are defined, i.e. on that first import.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import cast, nonfinite
+from ..triton_common import cast, nonfinite
 
 
 @triton.jit

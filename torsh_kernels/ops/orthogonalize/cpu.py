@@ -1,4 +1,4 @@
-"""CPU kernel (Numba's CPU target) of the orthogonalisation op (see orthogonalize.py).
+"""CPU kernel (Numba's CPU target) of the orthogonalisation op (see ``providers.py``).
 
 Imported on the cpu provider's first launch. CholeskyQR2 as the GPU kernels run it: per iteration the
 fp64 Gram matrix G = A^T A, the upper-triangular T with T^T G T = I on the independent columns
@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from numba import njit
 
-from .cpu_common import arr, carray, jit, p_f32, span
+from ..cpu_common import arr, carray, jit, p_f32, span
+from .providers import element_groups
 
 
 @jit
@@ -195,9 +196,7 @@ def orthogonalize(mats: list[torch.Tensor], rtol: float, iters: int) -> None:
     elif len(mats) == 1:
         ortho_matrix(arr(mats[0]), rtol * rtol, iters, False)
         return
-    isz = work[0].element_size()
-    groups = [work] if len({m.data_ptr() % isz for m in work}) == 1 else [[m] for m in work]
-    for ms in groups:
+    for ms in element_groups(work):
         base, offs = span(ms)
         rows = np.array([m.shape[0] for m in ms], dtype=np.int64)
         ortho_span(base, offs, rows, r, rtol * rtol, iters)

@@ -1,4 +1,4 @@
-"""Numba CUDA kernels of the error-feedback op family (see error_feedback.py).
+"""Numba CUDA kernels of the error-feedback op family (see ``providers.py``).
 
 Imported on first use of the numba provider. Kernels are specialised per dtype combination (the
 load/store helpers they close over) and compute in fp32, with every Python scalar argument cast
@@ -12,9 +12,9 @@ from functools import cache
 
 from numba import cuda, float32
 
-from . import numba_common as nb
-from .common import new_counter
-from .numba_common import TILE, block_count, nonfinite, tile_range
+from .. import numba_common as nb
+from ..common import new_counter
+from ..numba_common import TILE, block_count, nonfinite, tile_range
 
 
 @cache

@@ -1,4 +1,4 @@
-"""CPU kernels (Numba's CPU target) of the error-feedback op family (see error_feedback.py).
+"""CPU kernels (Numba's CPU target) of the error-feedback op family (see ``providers.py``).
 
 Imported on the cpu provider's first launch. One pass each: ``out = x + beta * y`` counting the NaN/Inf
 it writes (from the result's bit patterns, so the loop vectorises), and ``residual = acc - approx`` with
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .cpu_common import carray, f32, f32_bits, jit, p_f32, store
+from ..cpu_common import carray, f32, f32_bits, jit, p_f32, store
 
 
 @jit

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -58,15 +59,30 @@ def gen(request) -> torch.Generator:
 _SLOW_WHEN_INTERPRETED = {torch.float16, torch.bfloat16}
 
 
+SLOW_CASES = Path(__file__).resolve().parent / "slow_cases.txt"
+
+
+def _measured_slow_cases() -> frozenset[str]:
+    """The cases the fast tier's own run measured at 0.5 s or more here (tests/slow_cases.txt, derived by
+    scripts/slow_cases.py from a durations log): marked ``slow``, so that the fast tier stays a few minutes."""
+    lines = SLOW_CASES.read_text().splitlines() if SLOW_CASES.exists() else []
+    return frozenset(ln.strip() for ln in lines if ln.strip() and not ln.startswith("#"))
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """The fast tier's one rule beyond the explicit ``slow`` marks (docs/testing.md): where Triton's interpreter
+    """The fast tier's rules beyond the explicit ``slow`` marks (docs/testing.md): the measured list
+    (``tests/slow_cases.txt``), and where Triton's interpreter
     and Numba's simulator run the kernels (no GPU), an op test's triton and numba cases in 16-bit dtypes are
     ``slow``. The simulator and interpreter run every thread in Python, so these cases take most of the op
     tests' time; their fp32 (and fp64) cases, and every dtype on the cpu and torch providers, stay in the fast
     tier, and plain ``pytest`` runs them all. On a GPU the kernels are compiled and nothing is marked."""
+    slow = pytest.mark.slow
+    measured = _measured_slow_cases()
+    for item in items:
+        if item.nodeid in measured:
+            item.add_marker(slow)
     if GPU:
         return
-    slow = pytest.mark.slow
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if (

@@ -74,8 +74,10 @@ def test_torch_profiler_trace_in_the_viewer(kineto_dir, capsys):
     assert cli(["timeline", str(kineto_dir), "--width", "140", "--step", str(n)]) == 0
     out = capsys.readouterr().out
     assert "2 rank(s) (kineto)" in out and f"step {n}" in out
-    for r in (0, 1):  # each rank has a lane for a gloo thread (pt_gloo_...), not only its Python thread
-        assert re.search(rf"^r{r} thread \d+ \(pt_gloo", out, re.M), out
+    # each rank has a lane for its gloo thread, not only its Python thread: Kineto names it pt_gloo_... or, when
+    # the profiler met the thread before gloo named it (seen under load), after the process ("python")
+    for r in (0, 1):
+        assert len(re.findall(rf"^r{r} thread \d+ \(", out, re.M)) >= 2, out
     assert "gloo:all_reduce" in out and "per-rank totals over its steps" in out
     # one file alone, gzip
     assert cli(["timeline", str(kineto_dir / "rank1.pt.trace.json.gz"), "--width", "120", "--top", "3"]) == 0

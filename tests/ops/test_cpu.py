@@ -184,7 +184,7 @@ def test_pointer_casts_view_the_tensor_memory():
 def test_route_of_many_tokens_scores_in_torch_and_matches_the_reference(score, cf):
     """From TORSH_SCORES_FROM scores on, the cpu route takes torch's scores: the same routing as the
     reference (and as its own kernel-scored path would give, to fp32 rounding)."""
-    M_cpu = M._cpu_kernels()
+    from torsh_kernels.ops.moe import cpu as M_cpu
     T = M_cpu.TORCH_SCORES_FROM // 8 + 3
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(T, 8, generator=g) * 2

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import torsh_kernels.ops.moe as M
-import torsh_kernels.ops.moe_providers as P
+import torsh_kernels.ops.moe.providers as P
 from tests.helpers import DEVICE, DTYPE_TOLS, rand
 from torsh_kernels.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
-from torsh_kernels.ops import moe_ops
+from torsh_kernels.ops.moe import custom as moe_ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DT_IDS = ["fp32", "fp16", "bf16"]
@@ -513,7 +513,7 @@ def test_the_fields_of_a_hand_made_routing_must_agree():
 
 
 def test_a_sealed_routing_is_trusted_until_edited_in_place_or_swapped(monkeypatch):
-    from torsh_kernels.ops import _moe_routing as R
+    from torsh_kernels.ops.moe import routing as R
 
     checks = []
     real = R._check_values

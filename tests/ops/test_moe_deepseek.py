@@ -18,7 +18,7 @@ from torsh_kernels.errors import (
     NonFiniteError,
     ShapeError,
 )
-from torsh_kernels.ops import moe_reference
+from torsh_kernels.ops.moe import reference as moe_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DT_IDS = ["fp32", "fp16", "bf16"]

@@ -97,8 +97,8 @@ from ..ops.moe import (
     moe_unpermute,
     moe_z_loss,
 )
+from ..ops.moe.router import RouterSpec
 from ..ops.registry import check_provider
-from ..ops.router import RouterSpec
 from .buckets import NONFINITE
 from .moe_balance import BiasBalancer
 from .moe_experts import EXPERT_COMPUTE, activation, run_experts

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..checks import check_bool, check_choice, check_int, check_number
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..ops.router import RouterSpec
+from ..ops.moe.router import RouterSpec
 from ..specs import Spec
 from .moe_balance import check_rate
 

@@ -1,7 +1,7 @@
 """The MoE family's provider implementations (torch, triton, numba, cpu) of its internal ops (the route's selection
 and assignment, the row scatter and gather and the gather's backward), registered with the provider registry; the
-kernels themselves are in ``_moe_triton.py``, ``_moe_numba.py``, ``_moe_cpu.py``, loaded on first use. Inputs are
-validated and contiguous, on one device. The ops are in :mod:`torsh_kernels.ops.moe`."""
+kernels themselves are in ``triton.py``, ``numba.py``, ``cpu.py``, loaded on first use. Inputs are
+validated and contiguous, on one device. The ops are in :mod:`torsh_kernels.ops.moe.api`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import math
 
 import torch
 
-from ._moe_routing import out_of_range
-from .moe_reference import choose_ref, scores_ref, selection_keys
-from .registry import Op
+from ...errors import ShapeError
+from ..registry import Op
+from .reference import choose_ref, scores_ref, selection_keys
+from .routing import out_of_range
 
 MAX_KERNEL_EXPERTS = 1024
 # The kernels unroll the K choices of a token; beyond this many the torch path runs instead.
@@ -31,6 +32,27 @@ gather_rows = Op("moe_unpermute")
 gather_rows_bwd = Op("moe_unpermute.backward")
 
 _ASSIGN_BLOCK = 1024
+
+
+def select(op: Op, t: torch.Tensor, provider: str, k: int, num_experts: int = 0) -> str:
+    """The provider for this call; the torch path past the kernels' limits on K and E (an explicitly
+    requested kernel provider then raises instead)."""
+    name = op.select(t.device, t.dtype, t.numel(), provider or None)
+    if name == "torch" or name == "cpu":  # no register-file limits
+        return name
+    limit = None
+    if k > MAX_KERNEL_K:
+        limit = f"up to k={MAX_KERNEL_K} choices per token, got k={k}"
+    elif num_experts > MAX_KERNEL_EXPERTS:
+        limit = f"up to {MAX_KERNEL_EXPERTS} experts, got E={num_experts}"
+    if limit is None:
+        return name
+    if provider:
+        raise ShapeError(f"torsh_kernels.{op.name}: the {provider} kernels handle {limit}; use provider='torch'")
+    return "torch"
+
+
+POLICY = {"position": CAP_POSITION, "probability": CAP_PROBABILITY}
 
 
 def _pow2(n: int) -> int:
@@ -56,6 +78,18 @@ def _row_block(rows: int, H: int) -> int:
     return bh
 
 
+def _argmax_rounds(key: torch.Tensor, k: int, fill: float) -> torch.Tensor:
+    """[T, k] int64: the k highest of each row of ``key`` [T, E] (overwritten), by k rounds of argmax (which returns
+    the first, lowest, index of equal maxima); a chosen key is set to ``fill``, below every other key."""
+    idx = torch.empty(key.shape[0], k, dtype=torch.int64, device=key.device)
+    for j in range(k):
+        i = key.argmax(1, keepdim=True)
+        idx[:, j : j + 1] = i
+        if j + 1 < k:
+            key.scatter_(1, i, fill)
+    return idx
+
+
 # scoring and top-k: (logits [T, E], k, score, renorm, bias [E] | None, n_group, topk_group (0: no groups),
 # scaling) -> indices, weights, scores [T, K], bad-row count [1]
 @topk.register("torch")
@@ -64,24 +98,12 @@ def _topk_torch(logits, k, score, renorm, bias, n_group, topk_group, scaling):
     nan = torch.isnan(p)
     bad = nan.any(1).sum().view(1)
     if bias is not None or n_group:  # the selection options: the reference's keys
-        if k <= 8:  # k rounds of argmax (the first of equal maxima); a chosen key drops to -inf, below them all
-            key = selection_keys(p, bias, n_group, topk_group)
-            idx = torch.empty(p.shape[0], k, dtype=torch.int64, device=p.device)
-            for j in range(k):
-                i = key.argmax(1, keepdim=True)
-                idx[:, j : j + 1] = i
-                if j + 1 < k:
-                    key.scatter_(1, i, -math.inf)
+        if k <= 8:  # a chosen key drops to -inf, below them all
+            idx = _argmax_rounds(selection_keys(p, bias, n_group, topk_group), k, -math.inf)
         else:
             idx = choose_ref(p, k, bias, n_group, topk_group)
-    elif k <= 8:  # k rounds of argmax, which returns the first (lowest) index of equal maxima
-        sel = torch.where(nan, -1.0, p)
-        idx = torch.empty(p.shape[0], k, dtype=torch.int64, device=p.device)
-        for j in range(k):
-            i = sel.argmax(1, keepdim=True)
-            idx[:, j : j + 1] = i
-            if j + 1 < k:
-                sel.scatter_(1, i, -3.0)
+    elif k <= 8:  # scores in [0, 1], NaN as -1: a chosen one drops to -3, below them all
+        idx = _argmax_rounds(torch.where(nan, -1.0, p), k, -3.0)
     else:
         sel = torch.where(nan, -1.0, p)
         idx = torch.sort(sel, dim=1, descending=True, stable=True).indices[:, :k].contiguous()
@@ -96,7 +118,7 @@ def _topk_torch(logits, k, score, renorm, bias, n_group, topk_group, scaling):
 def _topk_triton(logits, k, score, renorm, bias, n_group, topk_group, scaling):
     import triton
 
-    from . import _moe_triton as kt
+    from . import triton as kt
 
     T, E = logits.shape
     dev = logits.device
@@ -121,14 +143,14 @@ def _topk_triton(logits, k, score, renorm, bias, n_group, topk_group, scaling):
 
 @topk.register("numba")
 def _topk_numba(logits, k, score, renorm, bias, n_group, topk_group, scaling):
-    from . import _moe_numba as M
+    from . import numba as M
 
     return M.route_topk(logits, k, score == "softmax", renorm, bias, n_group, topk_group, scaling)
 
 
 @topk.register("cpu")
 def _topk_cpu(logits, k, score, renorm, bias, n_group, topk_group, scaling):
-    from . import _moe_cpu as M
+    from . import cpu as M
 
     return M.route_topk(logits, k, score, renorm, bias, n_group, topk_group, scaling)
 
@@ -214,7 +236,7 @@ def _finish_rows(name, idx, pos, counts, policy, k, E, seq, pad, seg):
     if name == "triton":
         import triton
 
-        from . import _moe_triton as kt
+        from . import triton as kt
 
         if seq is None:
             kt._route_rows_kernel[(triton.cdiv(n, 1024),)](idx, pos, starts, tok, idx, n, E, K=k, BLOCK=1024,
@@ -223,7 +245,7 @@ def _finish_rows(name, idx, pos, counts, policy, k, E, seq, pad, seg):
             grid = (len(seq[0]), triton.cdiv(max(seq[0]) * k, 1024))
             kt._route_rows_kernel[grid](idx, pos, starts, tok, seg, n, E, K=k, BLOCK=1024, SEQ=True)
     else:
-        from . import _moe_numba as M
+        from . import numba as M
 
         M.route_rows(idx, pos, starts, tok, k, seg, E)
     return pos, tpe, tok
@@ -231,7 +253,7 @@ def _finish_rows(name, idx, pos, counts, policy, k, E, seq, pad, seg):
 
 @assign.register("triton")
 def _assign_triton(idx, s, E, cap, policy, seq=None, pad=-1):
-    from . import _moe_triton as kt
+    from . import triton as kt
 
     n = idx.numel()
     dev = idx.device
@@ -253,7 +275,7 @@ def _assign_triton(idx, s, E, cap, policy, seq=None, pad=-1):
 
 @assign.register("numba")
 def _assign_numba(idx, s, E, cap, policy, seq=None, pad=-1):
-    from . import _moe_numba as M
+    from . import numba as M
 
     seg = None if seq is None else _segments(seq, idx.shape[1], idx.device)
     caps = None if seq is None else torch.tensor(seq[1], dtype=torch.int64, device=idx.device)
@@ -263,7 +285,7 @@ def _assign_numba(idx, s, E, cap, policy, seq=None, pad=-1):
 
 @assign.register("cpu")
 def _assign_cpu(idx, s, E, cap, policy, seq=None, pad=-1):
-    from . import _moe_cpu as M
+    from . import cpu as M
 
     if seq is None:
         return M.route_assign(idx, s, E, cap, policy, None, None, pad)
@@ -309,7 +331,7 @@ def _scatter_rows_torch(x, rows, tok, w, out, padded=False):
 def _scatter_rows_triton(x, rows, tok, w, out, padded=False):
     import triton
 
-    from . import _moe_triton as kt
+    from . import triton as kt
 
     T, K = rows.shape
     H = x.shape[1]
@@ -325,7 +347,7 @@ def _scatter_rows_triton(x, rows, tok, w, out, padded=False):
 
 @scatter_rows.register("numba")
 def _scatter_rows_numba(x, rows, tok, w, out, padded=False):
-    from . import _moe_numba as M
+    from . import numba as M
 
     if padded:
         M.permute_padded(x, tok, out)
@@ -335,13 +357,13 @@ def _scatter_rows_numba(x, rows, tok, w, out, padded=False):
 
 @scatter_rows.register("cpu")
 def _scatter_rows_cpu(x, rows, tok, w, out, padded=False):
-    from . import _moe_cpu as M
+    from . import cpu as M
 
     if padded:
         M.permute_padded(x, tok, out)
     elif w is None or M.weighted_ok(x, w, out):
         M.scatter_rows(x, rows, tok, w, out)
-    else:  # 16-bit rows with weights: torch's implementation (see _moe_cpu)
+    else:  # 16-bit rows with weights: torch's implementation (see cpu.py)
         _scatter_rows_torch(x, rows, tok, w, out)
 
 
@@ -396,7 +418,7 @@ def _gather_rows_torch_impl(y, rows, w, out, padded=False):
 def _gather_rows_triton(y, rows, w, out, padded=False):
     import triton
 
-    from . import _moe_triton as kt
+    from . import triton as kt
 
     T, K = rows.shape
     H = out.shape[1]
@@ -408,18 +430,18 @@ def _gather_rows_triton(y, rows, w, out, padded=False):
 
 @gather_rows.register("numba")
 def _gather_rows_numba(y, rows, w, out, padded=False):
-    from . import _moe_numba as M
+    from . import numba as M
 
     M.gather_rows(y, rows, w, out)
 
 
 @gather_rows.register("cpu")
 def _gather_rows_cpu(y, rows, w, out, padded=False):
-    from . import _moe_cpu as M
+    from . import cpu as M
 
     if M.weighted_ok(y, w, out):
         M.gather_rows(y, rows, w, out)
-    else:  # 16-bit rows: torch's implementation (see _moe_cpu)
+    else:  # 16-bit rows: torch's implementation (see cpu.py)
         _gather_rows_torch(y, rows, w, out, padded)
 
 
@@ -439,7 +461,7 @@ def _gather_rows_bwd_torch(gy, y, rows, w, gyp):
 
 @gather_rows_bwd.register("triton")
 def _gather_rows_bwd_triton(gy, y, rows, w, gyp):
-    from . import _moe_triton as kt
+    from . import triton as kt
 
     T, K = rows.shape
     H = gy.shape[1]
@@ -452,7 +474,7 @@ def _gather_rows_bwd_triton(gy, y, rows, w, gyp):
 
 @gather_rows_bwd.register("numba")
 def _gather_rows_bwd_numba(gy, y, rows, w, gyp):
-    from . import _moe_numba as M
+    from . import numba as M
 
     M.scatter_rows(gy, rows, w, gyp)
     return M.row_dots(gy, y, rows)
@@ -460,7 +482,7 @@ def _gather_rows_bwd_numba(gy, y, rows, w, gyp):
 
 @gather_rows_bwd.register("cpu")
 def _gather_rows_bwd_cpu(gy, y, rows, w, gyp):
-    from . import _moe_cpu as M
+    from . import cpu as M
 
     if M.weighted_ok(gy, y, w, gyp):
         return M.gather_rows_bwd(gy, y, rows, w, gyp)

@@ -1,11 +1,11 @@
-"""CPU kernels (Numba's CPU target) of the MoE op family (see moe.py).
+"""CPU kernels (Numba's CPU target) of the MoE op family (see the package docstring, ``moe/__init__.py``).
 
 Imported on the cpu provider's first launch. Shapes: ``# T tokens, E experts, K chosen, H hidden``.
 
 - route top-k: per token, the fp32 scores (softmax: max, exp, sum, divide; or sigmoid), K rounds of a
   strict maximum (equal scores keep the lower expert; NaN scores rank below every real one), the chosen
   scores, their renormalisation and scaling; counts the tokens with a NaN score. With a score bias or
-  groups (moe.py's selection options) the rounds run on the keys ``score + bias`` inside the kept groups
+  groups (the selection options of ``moe_route``) the rounds run on the keys ``score + bias`` inside the kept groups
   (each group's top-2 sum, the best groups by strict maxima), in a per-token scratch row.
 - route assign: a counting sort of the T*K assignments by expert (stable: token order inside each
   expert); a capacity limit keeps each expert's first C in token order ("position") or its C highest
@@ -16,11 +16,11 @@ Imported on the cpu provider's first launch. Shapes: ``# T tokens, E experts, K 
   one kernel for every dtype).
 - permute, unpermute and the unpermute's backward: per token, rows of H in fp32, the K terms added in
   the order j = 0..K-1. The permute without weights is torch's ``index_select`` (a gather of whole rows
-  is one pass already, on torch's threads); the weighted forms take fp32 rows (moe.py runs the torch
+  is one pass already, on torch's threads); the weighted forms take fp32 rows (providers.py runs the torch
   implementation for 16-bit ones).
 - The route scores small inputs itself and takes torch's softmax / sigmoid for large ones
   (:data:`TORCH_SCORES_FROM` scores and up: a vectorised exp on torch's threads beats a scalar one).
-- The router losses' kernels are in ``_moe_cpu_losses.py`` (they share the scoring rows defined here).
+- The router losses' kernels are in ``cpu_losses.py`` (they share the scoring rows defined here).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from numba import njit
 
-from ._moe_routing import out_of_range as _out_of_range
-from .cpu_common import arr, carray, f32, jit, p_b, p_f32, p_i64
+from ..cpu_common import arr, carray, f32, jit, p_b, p_f32, p_i64
+from .routing import out_of_range as _out_of_range
 
 # What the route and the aux loss read: logits scored by softmax or by sigmoid, or the scores themselves.
 SOFTMAX, SIGMOID, PROBS = 0, 1, 2
@@ -196,7 +196,7 @@ def _topk_select(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s)
 def topk_arrays(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s):
     """Scores of ``x`` [T, E] (fp32; ``score``: SOFTMAX or SIGMOID of logits, or PROBS: x holds the
     scores), the top ``k`` per token into idx, s and w [T, K] (w times ``scaling``); with ``has_bias`` and/or
-    ``G`` > 0 groups (``TG`` kept) the selection options of moe.py. Returns the number of tokens with a NaN
+    ``G`` > 0 groups (``TG`` kept) the selection options of ``moe_route``. Returns the number of tokens with a NaN
     score."""
     if has_bias or G > 0:
         return _topk_select(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s)

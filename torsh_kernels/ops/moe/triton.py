@@ -1,4 +1,4 @@
-"""Triton kernels of the MoE routing op family (see moe.py).
+"""Triton kernels of the MoE routing op family (see the package docstring, ``moe/__init__.py``).
 
 Imported by the triton launchers on first use, so ``import torsh_kernels`` does not import Triton. Triton
 reads ``TRITON_INTERPRET`` when these kernels are defined, i.e. on that first import.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import cast
+from ..triton_common import cast
 
 
 @triton.jit
@@ -19,7 +19,7 @@ def _route_topk_kernel(
     SCORE: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
 ):  # fmt: skip
     """Per token: fp32 scores, the top K (ties to the lower expert), weights (times ``scale``); bad +=
-    NaN-score rows. With HAS_BIAS / GROUPED (moe.py's selection options) the top K of ``score + bias``
+    NaN-score rows. With HAS_BIAS / GROUPED (the selection options of ``moe_route``) the top K of ``score + bias``
     (NaN scores: -inf) inside the TG best of the NG groups of GS experts (a group's score: the sum of its
     two highest keys; equal sums: the lower group)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]

@@ -1,4 +1,4 @@
-"""CPU kernels (Numba's CPU target) of the MoE router losses (see moe_losses.py), imported on the cpu
+"""CPU kernels (Numba's CPU target) of the MoE router losses (see losses.py), imported on the cpu
 provider's first loss.
 
 The z-loss per token (logsumexp); the aux loss per group of consecutive tokens (the counts of the group's
@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import ShapeError
-from ._moe_cpu import PROBS, SIGMOID, SIGMOID_GIVEN, SOFTMAX, SOFTMAX_GIVEN, i64, row_max, sigmoid_row, softmax_row
-from .cpu_common import carray, jit, p_f32, p_f64, p_i64
+from ...errors import ShapeError
+from ..cpu_common import carray, jit, p_f32, p_f64, p_i64
+from .cpu import PROBS, SIGMOID, SIGMOID_GIVEN, SOFTMAX, SOFTMAX_GIVEN, i64, row_max, sigmoid_row, softmax_row
 
 
 @jit

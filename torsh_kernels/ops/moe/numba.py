@@ -1,10 +1,10 @@
-"""Numba CUDA kernels of the MoE op family (see moe.py).
+"""Numba CUDA kernels of the MoE op family (see the package docstring, ``moe/__init__.py``).
 
 Imported on first use of the numba provider. Kernels are built per dtype (they close over the load and
 store helpers of ``_numba``); ``cuda`` must be a module global (the simulator swaps it while a kernel runs).
 
 - route top-k: one thread per token; the scores are recomputed per selection round instead of held in
-  a per-thread array (E is not a compile-time constant); with a score bias or groups (moe.py's selection
+  a per-thread array (E is not a compile-time constant); with a score bias or groups (``moe_route``'s selection
   options) a second kernel: group scores and kept groups in [T, G] scratch arrays, the rounds on the keys;
 - route assign: one thread per expert (per sequence and expert with a capacity per sequence), walking the
   assignments in token order (capacity threshold by a bisection over the score bits, as the Triton kernel
@@ -23,7 +23,7 @@ from functools import cache
 import torch
 from numba import cuda, float32, int64
 
-from . import numba_common as nb
+from .. import numba_common as nb
 
 
 def _blocks(n: int, threads: int) -> int:
@@ -32,7 +32,7 @@ def _blocks(n: int, threads: int) -> int:
 
 @cache
 def _topk_kernel(dtype: torch.dtype, softmax: bool, renorm: bool, has_bias: bool, grouped: bool):
-    """The routing top-K, one thread per token, with moe.py's selection options: keys ``score + bias`` (NaN
+    """The routing top-K, one thread per token, with the selection options of ``moe_route``: keys ``score + bias`` (NaN
     scores: -inf, so they rank last; the plain route has no bias), the TG best of G groups (kept groups in
     ``gkeep`` [T, G], group scores in ``gsc`` [T, G], both scratch), K rounds of a strict maximum of the keys
     over the kept groups' experts (equal keys keep the lower expert); weights from the unbiased scores."""

@@ -8,18 +8,18 @@ from collections.abc import Sequence
 
 import torch
 
-from ..checks import check_choice
-from ..errors import DeviceMismatchError, ShapeError
-from . import eager
-from ._moe_routing import Routing
-from .common import check_strided, check_tensor
-from .moe_checks import check_act_dtype, check_logits, check_routing_of
-from .moe_reference import AUX_SCALES, check_groups, moe_aux_loss_ref, moe_z_loss_ref
-from .registry import Op
+from ...checks import check_choice
+from ...errors import DeviceMismatchError, ShapeError
+from .. import eager
+from ..common import check_strided, check_tensor
+from ..registry import Op
+from .checks import check_act_dtype, check_logits, check_routing_of
+from .reference import AUX_SCALES, check_groups, moe_aux_loss_ref, moe_z_loss_ref
+from .routing import Routing
 
 __all__ = ["moe_aux_loss", "moe_z_loss"]
 
-_cpu_kernels = eager.lazy_module("_moe_cpu_losses")  # the cpu provider's kernels
+_cpu_kernels = eager.lazy_module("moe.cpu_losses")  # the cpu provider's kernels
 
 
 def moe_aux_loss(
@@ -92,7 +92,7 @@ _z_loss.register("torch")(moe_z_loss_ref)
 
 
 def _loss_kernel_ok(x: torch.Tensor) -> bool:
-    return type(x) in eager._PLAIN and x.shape[0] > 0 and eager.fast()
+    return eager.plain(x) and x.shape[0] > 0 and eager.fast()
 
 
 def _loss_provider(op, x: torch.Tensor, provider: str | None) -> str:

@@ -1,6 +1,6 @@
 """The MoE family's torch references (differentiable; the oracles of the tests and the torch provider's core):
 ``moe_route_ref``, ``moe_permute_ref``, ``moe_unpermute_ref``, ``moe_aux_loss_ref``, ``moe_z_loss_ref``. The ops are in
-:mod:`torsh_kernels.ops.moe`."""
+:mod:`torsh_kernels.ops.moe.api`."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from ..checks import check_choice
-from ..errors import (
+from ...checks import check_choice
+from ...errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     ShapeError,
 )
-from ._moe_routing import Routing, plan_capacity
 from .router import RouterSpec
+from .routing import Routing, plan_capacity
 
 
 def scores_ref(logits: torch.Tensor, score: str) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 ``moe_route`` returns a :class:`Routing`; ``moe_permute``, ``moe_unpermute``, the router losses and the
 expert-parallel layers consume it. The capacity rule (``expert_capacity``, ``check_sequence_lengths`` and
-:func:`plan_capacity`, which turns a :class:`~torsh_kernels.ops.router.RouterSpec`'s capacity options and a
+:func:`plan_capacity`, which turns a :class:`~torsh_kernels.ops.moe.router.RouterSpec`'s capacity options and a
 call's sequences into a :class:`CapacityPlan`) decides how many assignments each expert keeps, per call or per
-sequence, and whether each expert's group of rows is padded to its capacity. See ``moe.py`` for the ops.
+sequence, and whether each expert's group of rows is padded to its capacity. See ``api.py`` for the ops.
 
 **Layout.** The permuted rows are grouped by expert in ascending expert order, token order inside each
 group. Without padding, expert e's group has ``tokens_per_expert[e]`` rows and N is their sum. With
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, ShapeError
-from .common import Sealable, device_bytes
+from ...errors import ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, ShapeError
+from ..common import Sealable, device_bytes
 from .router import RouterSpec
 
 __all__ = [

@@ -1,85 +1,16 @@
 """The MoE family's custom ops (``torch.library``, namespace ``torsh``) with their fakes and autograd: the route
 (``torsh::moe_route``), the permute and the unpermute with its backward, each dispatching to a provider of
-:mod:`torsh_kernels.ops.moe_providers`. The public ops that validate and call them are in
-:mod:`torsh_kernels.ops.moe`."""
+:mod:`torsh_kernels.ops.moe.providers`. The public ops that validate and call them are in
+:mod:`torsh_kernels.ops.moe.api`."""
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from ..errors import NonFiniteError, ShapeError
-from . import eager
-from .common import as_count, on_device
-from .moe_providers import (
-    CAP_POSITION,
-    CAP_PROBABILITY,
-    MAX_KERNEL_EXPERTS,
-    MAX_KERNEL_K,
-    NO_CAP,
-    assign,
-    gather_rows,
-    gather_rows_bwd,
-    scatter_rows,
-    topk,
-)
-from .registry import Op
-
-
-def select(op: Op, t: torch.Tensor, provider: str, k: int, num_experts: int = 0) -> str:
-    """The provider for this call; the torch path past the kernels' limits on K and E (an explicitly
-    requested kernel provider then raises instead)."""
-    name = op.select(t.device, t.dtype, t.numel(), provider or None)
-    if name == "torch" or name == "cpu":  # no register-file limits
-        return name
-    limit = None
-    if k > MAX_KERNEL_K:
-        limit = f"up to k={MAX_KERNEL_K} choices per token, got k={k}"
-    elif num_experts > MAX_KERNEL_EXPERTS:
-        limit = f"up to {MAX_KERNEL_EXPERTS} experts, got E={num_experts}"
-    if limit is None:
-        return name
-    if provider:
-        raise ShapeError(f"torsh_kernels.{op.name}: the {provider} kernels handle {limit}; use provider='torch'")
-    return "torch"
-
-
-POLICY = {"position": CAP_POSITION, "probability": CAP_PROBABILITY}
-
-
-def raise_nan_scores(bad: int, T: int) -> None:
-    raise NonFiniteError(
-        f"torsh_kernels.moe_route: {bad} of {T} tokens have NaN router scores (NaN or +inf logits, or a "
-        "softmax row of all -inf); fix the router's input, or pass check_finite=False to route them "
-        "anyway (their NaN scores then rank below every real score)"
-    )
-
-
-def _raise_bad_bias(bias: torch.Tensor) -> None:
-    n = int((~torch.isfinite(bias)).sum())
-    raise NonFiniteError(
-        f"torsh_kernels.moe_route: score_bias holds {n} non-finite value(s) (NaN or Inf) of {bias.numel()}; it must "
-        "be finite (a bias that diverged: reset it, or lower the balancer's update rate)"
-    )
-
-
-# score_bias tensors whose values were found finite: id -> (a weak reference, the version counter then). A
-# bias is read again only after it changed in place (its version counter moved): once per balancer update,
-# not once per route (a host sync on a GPU). Writes that bypass the counter (.data, NumPy) are not seen.
-_BIAS_FINITE: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def check_bias_finite(bias: torch.Tensor) -> None:
-    """A NonFiniteError unless every value of ``bias`` is finite (checked once per version of the tensor)."""
-    seen = _BIAS_FINITE.get(id(bias))
-    if seen is not None and seen[0]() is bias and seen[1] == bias._version:
-        return
-    if not bool(torch.isfinite(bias).all()):
-        _raise_bad_bias(bias)
-    if len(_BIAS_FINITE) >= 256:
-        _BIAS_FINITE.clear()
-    _BIAS_FINITE[id(bias)] = (weakref.ref(bias), bias._version)
+from .. import eager
+from ..common import as_count, on_device
+from .checks import check_bias_finite, raise_nan_scores
+from .providers import NO_CAP, POLICY, assign, gather_rows, gather_rows_bwd, scatter_rows, select, topk
 
 
 @torch.library.custom_op("torsh::moe_route", mutates_args=())

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_bool, check_choice, check_int, short
-from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..specs import Spec, local
+from ...checks import check_bool, check_choice, check_int, short
+from ...errors import ArgumentTypeError, InvalidArgumentError
+from ...specs import Spec, local
 
 __all__ = [
     "CAPACITY_SCOPES",

@@ -1,4 +1,4 @@
-"""The cpu provider (ops/_cpu.py and the families' _<family>_cpu.py kernels) beyond what the per-op tests
+"""The cpu provider (ops/cpu_common.py and the families' ops/<family>/cpu.py kernels) beyond what the per-op tests
 check for every provider (each op against its torch reference, per dtype, odd sizes, poisoned outputs):
 its fast paths stand aside under a mode and for a subclass, mark what they write as modified, check
 indices before writing through memory, the losses' kernels against autograd of the references, and the
@@ -185,6 +185,7 @@ def test_route_of_many_tokens_scores_in_torch_and_matches_the_reference(score, c
     """From TORSH_SCORES_FROM scores on, the cpu route takes torch's scores: the same routing as the
     reference (and as its own kernel-scored path would give, to fp32 rounding)."""
     from torsh_kernels.ops.moe import cpu as M_cpu
+
     T = M_cpu.TORCH_SCORES_FROM // 8 + 3
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(T, 8, generator=g) * 2

@@ -77,7 +77,7 @@ def test_unknown_env_provider_is_an_error_naming_the_variable(monkeypatch):
 
 
 def test_automatic_choice_that_cannot_run_falls_back_with_one_debug_line(calls, monkeypatch, caplog):
-    monkeypatch.setattr(registry, "_numba_state", lambda: (None, False, "numba.cuda cannot be imported (test)"))
+    monkeypatch.setattr(registry, "numba_state", lambda: (None, False, "numba.cuda cannot be imported (test)"))
     monkeypatch.setenv(registry.ENV_VAR, "numba")
     with caplog.at_level(logging.DEBUG, logger="torsh_kernels"):
         run()
@@ -88,7 +88,7 @@ def test_automatic_choice_that_cannot_run_falls_back_with_one_debug_line(calls, 
 
 
 def test_explicit_provider_that_cannot_run_raises(monkeypatch):
-    monkeypatch.setattr(registry, "_numba_state", lambda: (None, False, "numba.cuda cannot be imported (test)"))
+    monkeypatch.setattr(registry, "numba_state", lambda: (None, False, "numba.cuda cannot be imported (test)"))
     with pytest.raises(tk.ProviderUnavailableError, match=r"'numba' was requested but cannot run.*cannot be imported"):
         run("numba")
     assert issubclass(tk.ProviderUnavailableError, RuntimeError)

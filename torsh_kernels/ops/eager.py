@@ -29,7 +29,7 @@ import importlib
 
 import torch
 
-_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode = torch._C._is_torch_function_mode_enabled
@@ -61,14 +61,14 @@ def unmoded() -> bool:
 
 def plain(t: object) -> bool:
     """``t`` is None or a plain, real (not meta) tensor."""
-    return t is None or (type(t) in _PLAIN and not t.is_meta)
+    return t is None or (type(t) in PLAIN_TYPES and not t.is_meta)
 
 
 def direct(*tensors: object) -> bool:
     """Whether an op over these tensor arguments may call its implementation directly."""
     if _is_compiling() or _dispatch_modes() or _function_mode() or _functorch_level() is not None:
         return False
-    return all(t is None or (type(t) in _PLAIN and not t.is_meta) for t in tensors)
+    return all(t is None or (type(t) in PLAIN_TYPES and not t.is_meta) for t in tensors)
 
 
 class no_grad:
@@ -127,12 +127,12 @@ def _direct_args(args: tuple) -> bool:
         return False
     for a in args:
         ta = type(a)
-        if ta in _PLAIN:
+        if ta in PLAIN_TYPES:
             if a.is_meta:
                 return False
         elif ta is list or ta is tuple:
             for t in a:
-                if type(t) not in _PLAIN or t.is_meta:
+                if type(t) not in PLAIN_TYPES or t.is_meta:
                     return False
         elif isinstance(a, torch.Tensor):  # a subclass
             return False
@@ -209,7 +209,7 @@ def _needs_grad_args(args: tuple) -> bool:
     if not _grad_enabled():
         return False
     for a in args:
-        if type(a) in _PLAIN:
+        if type(a) in PLAIN_TYPES:
             if a.requires_grad:
                 return True
         elif (type(a) is list or type(a) is tuple) and any(t.requires_grad for t in a):

@@ -41,7 +41,7 @@ KINDS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", tor
 if SIM:
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-    def _f32_bits(v):  # float32 -> its bit pattern, an int in [0, 2**32)
+    def f32_bits(v):  # float32 -> its bit pattern, an int in [0, 2**32)
         return struct.unpack("<I", struct.pack("<f", v))[0]
 
     def _bits_f32(b):  # bit pattern -> float32
@@ -51,7 +51,7 @@ else:
     from numba.cuda import libdevice
 
     @cuda.jit(device=True, inline=True)
-    def _f32_bits(v):
+    def f32_bits(v):
         return int64(libdevice.float_as_int(float32(v))) & 0xFFFFFFFF
 
     @cuda.jit(device=True, inline=True)
@@ -61,7 +61,7 @@ else:
 
 def _bf16_bits_py(v):
     """float32 -> bf16 bits (round to nearest even; NaN -> 0x7FC0) as a signed 16-bit value."""
-    b = _f32_bits(v)
+    b = f32_bits(v)
     if (b & 0x7FFFFFFF) > 0x7F800000:
         r = 0x7FC0
     else:

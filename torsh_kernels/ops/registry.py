@@ -95,7 +95,7 @@ def _env_flag(name: str) -> bool:
 
 
 @functools.cache
-def _triton_state() -> tuple[str | None, bool, str | None]:
+def triton_state() -> tuple[str | None, bool, str | None]:
     """(version, interpreted, import error). Read once, on the first triton launch or provider query (this
     imports Triton; ``import torsh_kernels`` does not): Triton fixes the mode when kernels are defined."""
     try:
@@ -106,7 +106,7 @@ def _triton_state() -> tuple[str | None, bool, str | None]:
 
 
 @functools.cache
-def _numba_state() -> tuple[str | None, bool, str | None]:
+def numba_state() -> tuple[str | None, bool, str | None]:
     """(version, simulator, import error)."""
     try:
         from numba import (
@@ -153,7 +153,7 @@ def can_run(provider: str, device: torch.device) -> str | None:
             return f"the cpu provider's kernels run on CPU tensors and got {device.type} tensors"
         return None
     if provider == "triton":
-        _, interpreted, err = _triton_state()
+        _, interpreted, err = triton_state()
         if err:
             return err
         if interpreted:
@@ -167,7 +167,7 @@ def can_run(provider: str, device: torch.device) -> str | None:
             return "torch reports no usable CUDA device"
         return None
     if provider == "numba":
-        _, simulator, err = _numba_state()
+        _, simulator, err = numba_state()
         if err:
             return err
         if simulator:
@@ -461,7 +461,7 @@ def providers() -> ProviderReport:
     cuda_dev, cpu_dev = torch.device("cuda"), torch.device("cpu")
     no_cuda = None if torch.cuda.is_available() else "torch reports no usable CUDA device"
 
-    tv, interpreted, terr = _triton_state()
+    tv, interpreted, terr = triton_state()
     if terr:
         tmode = terr
     elif interpreted:
@@ -469,7 +469,7 @@ def providers() -> ProviderReport:
     else:
         tmode = "compiled kernels on CUDA devices"
 
-    nv, simulator, nerr = _numba_state()
+    nv, simulator, nerr = numba_state()
     if nerr:
         nmode = nerr
     elif simulator:

@@ -129,9 +129,9 @@ def _native(provider: str, device: torch.device) -> bool:
     """Whether a provider runs compiled code on the device (not the interpreter or the simulator)."""
     if registry.can_run(provider, device) is not None:
         return False
-    if provider == "triton" and registry._triton_state()[1]:
+    if provider == "triton" and registry.triton_state()[1]:
         return False
-    return not (provider == "numba" and registry._numba_state()[1])
+    return not (provider == "numba" and registry.numba_state()[1])
 
 
 class Tuner:

@@ -109,10 +109,9 @@ def _triton_kernels() -> list[Any]:
     from .. import ops
     from . import anchors
 
-    names = [m.name for m in pkgutil.iter_modules(ops.__path__) if m.name.endswith("_triton")]
-    # a family that is a package (ops/bucket/) keeps its Triton kernels in its module triton.py
-    names += [f"{m.name}.triton" for m in pkgutil.iter_modules(ops.__path__)
-              if m.ispkg and importlib.util.find_spec(f"{ops.__name__}.{m.name}.triton")]  # fmt: skip
+    # each family is a package (ops/<family>/) that keeps its Triton kernels in its module triton.py
+    names = [f"{m.name}.triton" for m in pkgutil.iter_modules(ops.__path__)
+             if m.ispkg and importlib.util.find_spec(f"{ops.__name__}.{m.name}.triton")]  # fmt: skip
     mods = [anchors] + [importlib.import_module(f"{ops.__name__}.{n}") for n in names]
     return [v for mod in mods for v in vars(mod).values() if isinstance(v, JITFunction)]
 

@@ -122,9 +122,9 @@ def native_providers(device: torch.device) -> list[str]:
     for p in registry.PROVIDERS:
         if registry.can_run(p, device) is not None:
             continue
-        if p == "triton" and registry._triton_state()[1]:
+        if p == "triton" and registry.triton_state()[1]:
             continue
-        if p == "numba" and registry._numba_state()[1]:
+        if p == "numba" and registry.numba_state()[1]:
             continue
         out.append(p)
     return out

@@ -196,7 +196,7 @@ def flatten(
     what = "torsh_kernels.flatten"
     key = None
     tt = type(tensors)
-    if (tt is list or tt is tuple) and eager.unmoded() and (out is None or type(out) in eager._PLAIN):
+    if (tt is list or tt is tuple) and eager.unmoded() and (out is None or type(out) in eager.PLAIN_TYPES):
         key, res = _flatten_planned(tensors, out, scale, dtype, provider)
         if res is not None:  # (found by address: the list is new, likely a temporary; not stored)
             return res
@@ -296,7 +296,7 @@ def unflatten(
     """
     what = "torsh_kernels.unflatten"
     key = None
-    if eager.unmoded() and type(flat) in eager._PLAIN:  # a validated layout: skip the checks and the dispatcher
+    if eager.unmoded() and type(flat) in eager.PLAIN_TYPES:  # a validated layout: skip the checks and the dispatcher
         ptrs = ptrs_of(tensors)
         if ptrs:
             key = (flat.data_ptr(), id(layout), ptrs)

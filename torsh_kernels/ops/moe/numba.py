@@ -150,7 +150,7 @@ def route_topk(logits: torch.Tensor, k: int, softmax: bool, renorm: bool, bias: 
 @cuda.jit(device=True, inline=True)
 def _bits(v):
     """fp32 -> its bits as a signed 32-bit integer (order-preserving for non-negative floats)."""
-    b = int64(nb._f32_bits(v))
+    b = int64(nb.f32_bits(v))
     if b >= 2**31:
         b -= 2**32
     return b

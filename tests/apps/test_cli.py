@@ -816,6 +816,60 @@ def test_bad_baselines_fail_before_anything_runs(tmp_path, capsys, monkeypatch):
     )
 
 
+def test_a_baseline_replays_how_to_measure_never_where_to_write(tmp_path, capsys, monkeypatch):
+    """A crafted baseline whose recorded options hold ``--json PATH`` must not make `torsh bench --compare` write
+    PATH: the suite runs with the baseline's measurement options and without its output option, and says so."""
+    from torsh_kernels.apps.bench import bucket
+
+    seen = []
+
+    def ran(args):  # the suite as the harness would run it: what it was told to measure, and where to write
+        seen.append((list(args.options), args.json))
+        args.sink.append({"suite": "bucket", "results": [], "options": args.options})
+        return 0
+
+    monkeypatch.setattr(bucket, "run", ran)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file")
+    crafted = {"suite": "bucket", "options": ["--cases", "a", "--reps", "2", "--json", str(victim)],
+               "results": [{"case": "a", "op": "flatten", "impl": "torsh[torch]", "kind": "ours",
+                            "timing": {"median_ms": 1.0}}]}  # fmt: skip
+    base = tmp_path / "crafted.json"
+    base.write_text(json.dumps(crafted))
+    main(["bench", "--compare", str(base)])  # (exit 2 here: the stub measured nothing to compare)
+    err = capsys.readouterr().err
+    assert seen == [(["--cases", "a", "--reps", "2"], None)], seen
+    assert victim.read_text() == "the user's file"
+    assert "ignored the baseline's output option(s) for bucket: --json" in err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device", "too-large", "deep"])
+def test_a_baseline_is_read_bounded_from_a_regular_file(tmp_path, capsys, monkeypatch, kind):
+    """`--compare` reads a regular file of at most 64 MiB, once: a FIFO does not block, /dev/zero does not grow
+    without end, a directory is refused, and JSON nested 100,000 deep is a one-line error, not a traceback."""
+    from torsh_kernels.apps.bench import harness
+
+    path = tmp_path / "base.json"
+    if kind == "fifo":
+        os.mkfifo(path)  # nobody writes it: an open without O_NONBLOCK, or a read, would wait for ever
+        says = "not a regular file"
+    elif kind == "directory":
+        path.mkdir()
+        says = "cannot read"  # (the open itself fails: is a directory)
+    elif kind == "device":
+        path = Path("/dev/zero")
+        says = "not a regular file"
+    elif kind == "too-large":
+        monkeypatch.setattr(harness, "MAX_BASELINE_BYTES", 1000)
+        path.write_text(json.dumps({"measurements": {"bucket": {}}, "pad": "x" * 2000}))
+        says = "over the limit of 1000"
+    else:
+        path.write_text("[" * 100_000 + "]" * 100_000)
+        says = "nested thousands of levels deep"
+    err = _one_line_error(capsys, ["bench", "bucket", "--compare", str(path)], "torsh bench")
+    assert says in err and (kind == "directory" or "a baseline is a JSON file" in err), err
+
+
 def test_bench_json_followed_by_a_suite_name_is_refused(tmp_path, monkeypatch, capsys):
     """`torsh bench --json ddp`: argparse gives `ddp` to --json; the harness says so instead of running every
     suite into a file named ddp."""

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ... import cli_common
+from ...files import read_capped
 from . import add_device, environment, resolve_device
 
 # Each suite (a module of this package with add_arguments and run) and its one-line help.
@@ -78,6 +79,10 @@ def suite_module(name: str):
 
 
 KINDS = ("ours", "peer", "copy")
+MAX_BASELINE_BYTES = 64 << 20
+"""The largest ``--compare`` baseline read (a document of every suite is tens of KB)."""
+OUTPUT_OPTIONS = frozenset({"json"})
+"""The suites' options that say where to write (dests): never replayed from a baseline."""
 
 
 def measurements(suite: str, data: dict) -> dict[str, dict]:
@@ -119,10 +124,18 @@ class Baseline:
 def load_baseline(path: str) -> Baseline:
     """Read and check a baseline (a document of ``torsh bench`` or one suite's JSON); every problem is a
     :class:`~torsh_kernels.cli_common.UsageError` that names the file and what is wrong."""
-    try:
-        data = json.loads(Path(path).read_text())
+
+    def refused(why: str) -> cli_common.UsageError:
+        return cli_common.UsageError(f"--compare: {path}: {why}; a baseline is a JSON file `torsh bench --json` wrote")
+
+    try:  # a regular file of bounded size (no FIFO, device or endless stream), read once
+        raw = read_capped(path, MAX_BASELINE_BYTES, refused)
     except OSError as e:
         raise cli_common.UsageError(f"--compare: cannot read {path}: {e.strerror or e}") from e
+    try:
+        data = json.loads(raw)
+    except RecursionError:  # nested deeper than the parser goes: no benchmark document is
+        raise refused("JSON nested thousands of levels deep") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise cli_common.UsageError(f"--compare: {path} is not JSON ({e})") from e
     if not isinstance(data, dict):
@@ -229,6 +242,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='extra options for one suite, e.g. --args moe="--experts 8"')  # fmt: skip
 
 
+def _measurement_options(parser: argparse.ArgumentParser, recorded: list[str], suite: str) -> list[str]:
+    """The options a baseline recorded for ``suite``, re-derived from what the suite's parser makes of them with
+    every output left out: a baseline says how to measure, never where to write (``--json`` and any other output
+    option it holds is dropped, and said so), so a crafted baseline cannot overwrite a file."""
+    ns = parser.parse_args(recorded)  # (a bad one: the suite's parser says so in one line, exit status 2)
+    dropped = sorted(d for d in OUTPUT_OPTIONS if getattr(ns, d, None) is not None)
+    if dropped:
+        names = ", ".join("--" + d.replace("_", "-") for d in dropped)
+        print(f"torsh bench: --compare: ignored the baseline's output option(s) for {suite}: {names} (a baseline "
+              "sets how to measure, not where to write)", file=sys.stderr)  # fmt: skip
+    return cli_common.argv_of(parser, ns, skip=OUTPUT_OPTIONS)
+
+
 def _plan(args: argparse.Namespace, baseline: Baseline | None) -> list[tuple[str, object, argparse.Namespace]]:
     """Each suite to run with its parsed options; a bad option stops here, before anything runs."""
     suites = list(dict.fromkeys(args.suites))
@@ -265,7 +291,8 @@ def _plan(args: argparse.Namespace, baseline: Baseline | None) -> list[tuple[str
         mod.add_arguments(parser)
         recorded = baseline.options.get(name) if baseline is not None else None
         if recorded is not None:
-            argv = list(recorded) + (["--device", str(device)] if args.device and name in HAS_DEVICE else [])
+            argv = _measurement_options(parser, recorded, name)
+            argv += ["--device", str(device)] if args.device and name in HAS_DEVICE else []
         else:
             argv = QUICK[name] if quick else FULL.get(name, [])
             argv = argv + (["--device", str(device)] if name in HAS_DEVICE else [])

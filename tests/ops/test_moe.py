@@ -104,6 +104,30 @@ def test_route_weights_definition(provider, gen):
     torch.testing.assert_close(r.weights, s.gather(1, r.indices), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_sigmoid_scores_that_underflow_give_zero_weights_on_every_provider(provider, bias):
+    """A collapsed router: sigmoid logits below about -88 underflow to a score of 0 in fp32, so a token's chosen
+    scores sum to 0. Renormalised, its weights are 0 on every provider (the divisor is 1 where the sum is 0:
+    reference.row_sums), not a ZeroDivisionError (cpu), NaN (torch) or anything else; tokens beside it route as
+    always, and the backward gives finite gradients (0 for the underflowed tokens)."""
+    logits = torch.full((5, 8), -100.0, device=DEVICE)
+    logits[3] = torch.linspace(-2.0, 2.0, 8, device=DEVICE)  # a token that routes normally
+    kw = {"score_bias": torch.linspace(0.0, 0.7, 8, device=DEVICE), "n_group": 4, "topk_group": 2} if bias else {}
+    r = _route(logits, provider, k=2, score="sigmoid", renormalize=True, **kw)
+    ref = M.moe_route_ref(logits, k=2, score="sigmoid", renormalize=True, **kw)
+    dead = torch.tensor([True, True, True, False, True], device=DEVICE)
+    assert torch.equal(r.scores[dead], torch.zeros(4, 2, device=DEVICE))
+    assert torch.equal(r.weights[dead], torch.zeros(4, 2, device=DEVICE)), r.weights
+    torch.testing.assert_close(r.weights[3].sum(), torch.tensor(1.0, device=DEVICE))
+    torch.testing.assert_close(r.weights, ref.weights, atol=1e-6, rtol=1e-6)
+    assert torch.equal(r.indices, ref.indices)
+    x = logits.clone().requires_grad_(True)
+    rg = M.moe_route(x, k=2, score="sigmoid", renormalize=True, provider=provider, **kw)
+    (rg.weights * torch.arange(1.0, 3.0, device=DEVICE)).sum().backward()
+    assert bool(torch.isfinite(x.grad).all()) and torch.equal(x.grad[dead], torch.zeros(4, 8, device=DEVICE))
+    assert bool(x.grad[3].abs().sum() > 0)
+
+
 def test_route_ties_go_to_the_lower_expert(provider):
     logits = torch.tensor(
         [[0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 2.0, 1.0, 2.0], [3.0, -1.0, 3.0, 3.0, -1.0]], device=DEVICE

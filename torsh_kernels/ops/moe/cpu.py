@@ -120,6 +120,8 @@ def _topk_plain(x, k, score, renorm, scaling, idx, w, s):
             idx[t, j] = pick
             s[t, j] = p[pick]
             total += p[pick]
+        if total == 0:  # every chosen score underflowed: the weights stay 0 (see reference.row_sums)
+            total = np.float32(1.0)
         for j in range(k):
             w[t, j] = (s[t, j] / total if renorm else s[t, j]) * scaling
     return bad
@@ -187,6 +189,8 @@ def _topk_select(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s)
             idx[t, j] = pick
             s[t, j] = p[pick]
             total += p[pick]
+        if total == 0:  # every chosen score underflowed: the weights stay 0 (see reference.row_sums)
+            total = np.float32(1.0)
         for j in range(k):
             w[t, j] = (s[t, j] / total if renorm else s[t, j]) * scaling
     return bad

@@ -11,6 +11,7 @@ from .. import eager
 from ..common import as_count, on_device
 from .checks import check_bias_finite, raise_nan_scores
 from .providers import NO_CAP, POLICY, assign, gather_rows, gather_rows_bwd, scatter_rows, select, topk
+from .reference import row_sums
 
 
 @torch.library.custom_op("torsh::moe_route", mutates_args=())
@@ -97,8 +98,8 @@ def _route_backward(ctx, g_w, g_idx, g_s, g_counts, g_rows, g_tok):
             G = torch.zeros_like(grad).scatter_(1, idx, g)
             grad = p * (G - (s * g).sum(1, keepdim=True))
     else:  # u = s / sum(s) (or s), s = sigmoid(l): d s / d l = s (1 - s)
-        if ctx.renormalize:  # d/ds_j = (c g_j - sum_i w_i g_i) / sum(s)
-            gs = ((g if c == 1.0 else g * c) - (w * g).sum(1, keepdim=True)) / s.sum(1, keepdim=True)
+        if ctx.renormalize:  # d/ds_j = (c g_j - sum_i w_i g_i) / sum(s) (1 for a sum of 0: see row_sums)
+            gs = ((g if c == 1.0 else g * c) - (w * g).sum(1, keepdim=True)) / row_sums(s)
         else:
             gs = g if c == 1.0 else g * c
         grad.scatter_(1, idx, gs * s * (1.0 - s))

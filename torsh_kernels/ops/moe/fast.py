@@ -12,6 +12,7 @@ from .. import eager
 from .checks import check_bias, check_bias_finite, raise_nan_scores
 from .custom import route_op
 from .providers import NO_CAP, POLICY
+from .reference import renormalized
 from .router import RouterSpec
 from .routing import Routing, expert_capacity, out_of_range, seal
 
@@ -118,7 +119,7 @@ def route_torch(logits: torch.Tensor, T: int, E: int, k: int, score: str, renorm
                 sel.scatter_(1, i, -3.0)
         idx = torch.cat(cols, 1)
     s = p.gather(1, idx)
-    w = s / s.sum(1, keepdim=True) if renorm else s.clone()
+    w = renormalized(s) if renorm else s.clone()
     flat = idx.view(-1)
     n = T * k
     order = torch.sort(flat, stable=True).indices

@@ -12,7 +12,7 @@ import torch
 
 from ...errors import ShapeError
 from ..registry import Op
-from .reference import choose_ref, scores_ref, selection_keys
+from .reference import choose_ref, renormalized, scores_ref, selection_keys
 from .routing import out_of_range
 
 MAX_KERNEL_EXPERTS = 1024
@@ -108,7 +108,7 @@ def _topk_torch(logits, k, score, renorm, bias, n_group, topk_group, scaling):
         sel = torch.where(nan, -1.0, p)
         idx = torch.sort(sel, dim=1, descending=True, stable=True).indices[:, :k].contiguous()
     s = p.gather(1, idx)
-    w = s / s.sum(1, keepdim=True) if renorm else s.clone()
+    w = renormalized(s) if renorm else s.clone()
     if scaling != 1.0:
         w.mul_(scaling)
     return idx, w, s, bad

@@ -59,6 +59,20 @@ def choose_ref(
     return torch.sort(key64, dim=1, descending=True, stable=True).indices[:, :k].contiguous()  # ties: lower expert
 
 
+def row_sums(s: torch.Tensor) -> torch.Tensor:
+    """The renormalisation's divisor of each token: the sum of its chosen scores, or 1 where that sum is 0 (every
+    chosen sigmoid score underflowed: logits below about -88 in fp32), so that such a token's weights stay 0 on
+    every provider instead of 0/0 = NaN (the Triton and Numba kernels divide by the same)."""
+    tot = s.sum(1, keepdim=True)
+    return torch.where(tot != 0, tot, 1.0)
+
+
+def renormalized(s: torch.Tensor) -> torch.Tensor:
+    """The chosen scores ``s`` [T, K] divided by :func:`row_sums`: weights that sum to 1 per token, or 0 where
+    every chosen score is 0."""
+    return s / row_sums(s)
+
+
 def moe_route_ref(
     logits: torch.Tensor,
     spec: RouterSpec | None = None,
@@ -79,7 +93,7 @@ def moe_route_ref(
     p = scores_ref(logits, spec.score)  # [T, E] fp32
     indices = choose_ref(p, k, score_bias, spec.n_group or 0, spec.topk_group or 0)  # [T, K]
     scores = p.gather(1, indices)  # [T, K]
-    weights = scores / scores.sum(1, keepdim=True) if spec.renormalize else scores
+    weights = renormalized(scores) if spec.renormalize else scores
     if spec.scaling != 1.0:
         weights = weights * spec.scaling
     flat = indices.reshape(-1)  # [T*K] token-major

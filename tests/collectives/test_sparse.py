@@ -68,3 +68,21 @@ def test_world_size_one_and_bad_input():
         all_reduce_sparse(comm, torch.zeros(3))
     with pytest.raises(ArgumentTypeError, match=r"torch\.Tensor"):
         all_reduce_sparse(comm, [1, 2])
+
+
+@pytest.mark.parametrize("index", [41, -1, 10**6])
+def test_indices_outside_the_size_are_refused_before_anything_is_sent(index):
+    """A COO tensor made without torch's invariant check may hold indices outside its size; summing or sending
+    it wrote out of bounds (torch aborted later: "double free or corruption", or a segfault). It is refused,
+    typed and naming the index, before any collective (the communicator here records none)."""
+    calls = []
+    comm = type("C", (), {"world_size": 2, "all_gather": lambda self, *a: calls.append(a)})()
+    rows = torch.tensor([[3, index, 7]])
+    t = torch.sparse_coo_tensor(rows, torch.ones(3, 2), (41, 2), check_invariants=False)
+    with pytest.raises(InvalidArgumentError, match=rf"sparse index {index} in dimension 0 \(entry 1\) is outside"):
+        all_reduce_sparse(comm, t)
+    assert calls == []
+    ok = torch.sparse_coo_tensor(torch.tensor([[0, 40]]), torch.ones(2, 2), (41, 2))
+    one = type("C", (), {"world_size": 1})()
+    out, sent = all_reduce_sparse(one, ok)
+    assert sent == 0 and torch.equal(out.to_dense(), ok.to_dense())

@@ -27,6 +27,23 @@ def sparse_nbytes(t: torch.Tensor) -> int:
     return t._indices().nbytes + t._values().nbytes
 
 
+def _check_indices(t: torch.Tensor, what: str) -> None:
+    """Every index of a COO tensor inside its size, checked before anything is sent or summed: a tensor made with
+    ``check_invariants=False`` may hold others, and torch then writes out of bounds (a crash or a corrupted heap
+    later, far from the cause)."""
+    idx = t._indices()
+    if idx.numel() == 0:
+        return
+    size = torch.tensor(t.shape[: idx.shape[0]], dtype=idx.dtype, device=idx.device).view(-1, 1)
+    bad = (idx < 0) | (idx >= size)
+    if bool(bad.any()):
+        dim, entry = (int(v) for v in bad.nonzero()[0])
+        raise InvalidArgumentError(
+            f"{what}: sparse index {int(idx[dim, entry])} in dimension {dim} (entry {entry}) is outside the size "
+            f"{tuple(t.shape)}; make the tensor with torch.sparse_coo_tensor(..., check_invariants=True) to find where"
+        )
+
+
 def all_reduce_sparse(comm: Communicator, tensor: torch.Tensor, *, average: bool = True) -> tuple[torch.Tensor, int]:
     """The sum (``average=False``) or the average of a sparse COO ``tensor`` over ``comm``'s ranks, as a
     new coalesced sparse tensor of the same size, dtype and device (the input is not changed). Returns it
@@ -38,6 +55,7 @@ def all_reduce_sparse(comm: Communicator, tensor: torch.Tensor, *, average: bool
         raise InvalidArgumentError(
             f"{what}: expected a sparse COO tensor, got layout {tensor.layout}; dense tensors go through all_reduce"
         )
+    _check_indices(tensor, what)
     ws = comm.world_size
     t = tensor.detach().coalesce()
     idx, val = t.indices(), t.values()  # [sparse_dim, nnz], [nnz, *dense dims]

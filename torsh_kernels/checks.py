@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Sequence
 
 import torch
 
 from .errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_optional_int", "short"]
+__all__ = [
+    "MAX_TIMEOUT", "check_bool", "check_choice", "check_int", "check_number", "check_optional_int", "check_timeout",
+    "env_flag", "env_int", "short",
+]  # fmt: skip
 
 
 def short(v: object) -> str:
@@ -87,4 +91,49 @@ def check_choice(v: object, what: str, name: str, choices: Sequence[str]) -> str
     value among names, as PyTorch's own ``reduction="mean"`` arguments are checked)."""
     if not isinstance(v, str) or v not in choices:
         raise InvalidArgumentError(f"{what}: {name}={short(v)}; expected one of {', '.join(map(repr, choices))}")
+    return v
+
+
+MAX_TIMEOUT = 365 * 24 * 3600.0
+"""The longest timeout accepted, in seconds (a year): longer is a typo (``1e300``), and it must stay a valid
+``datetime.timedelta`` and thread wait; for no limit at all, leave the timeout at its default."""
+
+
+def check_timeout(v: object, what: str, name: str = "timeout") -> float:
+    """A timeout: a finite number of seconds in (0, :data:`MAX_TIMEOUT`] (not NaN, inf or a bool), as a float."""
+    return check_number(v, what, name, lo=0.0, hi=MAX_TIMEOUT, lo_open=True)
+
+
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def env_flag(name: str, default: bool, what: str) -> bool:
+    """A boolean environment variable: unset or empty gives ``default``; ``1/true/yes/on`` and ``0/false/no/off``
+    (any case, blanks around) give True and False; anything else is an InvalidArgumentError naming it."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    v = raw.strip().lower()
+    if not v:
+        return default
+    if v in _ON:
+        return True
+    if v in _OFF:
+        return False
+    raise InvalidArgumentError(f"{what}: {name}={raw!r}; expected 1 or 0 (true/false, yes/no, on/off)")
+
+
+def env_int(name: str, default: int, what: str, lo: int | None = None, hi: int | None = None) -> int:
+    """An integer environment variable in [lo, hi]: unset or empty gives ``default``; anything that is not such an
+    integer is an InvalidArgumentError naming the variable and what it takes."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    text = raw.strip()
+    if len(text) > 30 or not text.lstrip("+-").isdigit():  # (int() of 5000 digits is slow and raises ValueError)
+        raise InvalidArgumentError(f"{what}: {name}={short(raw)}; expected an integer {_range(lo, hi)}")
+    v = int(text)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise InvalidArgumentError(f"{what}: {name}={text} must be an integer {_range(lo, hi)}")
     return v

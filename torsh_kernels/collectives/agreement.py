@@ -52,8 +52,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from ..checks import env_flag
 from ..env import __version__
-from ..errors import ArgumentTypeError, CollectiveMismatchError, InvalidArgumentError
+from ..errors import ArgumentTypeError, CollectiveMismatchError
 from ..specs import plain
 from .coalesce import Coalescer
 from .communicator import TorchCommunicator
@@ -75,9 +76,6 @@ SHOW = 240
 MAX_KEYS = 4096
 """Agreed keys remembered per communicator (the oldest forgotten first, alike on every rank)."""
 
-_OFF = ("0", "false", "no", "off")
-_ON = ("", "1", "true", "yes", "on")
-
 
 def enabled(flag: bool | None, what: str) -> bool:
     """Whether to exchange signatures: ``flag`` when given, else the environment (:data:`ENV`, on unless
@@ -86,14 +84,7 @@ def enabled(flag: bool | None, what: str) -> bool:
         v = os.environ.get(ENV)
         if v is None or v == "1":  # the common case, in one look-up (asked on every standalone call)
             return True
-        v = v.strip().lower()
-        if v in _OFF:
-            return False
-        if v in _ON:
-            return True
-        raise InvalidArgumentError(
-            f"{what}: {ENV}={os.environ[ENV]!r}; expected 1 (exchange signatures, the default) or 0 (do not)"
-        )
+        return env_flag(ENV, True, what)
     if not isinstance(flag, bool):
         raise ArgumentTypeError(
             f"{what}: check_signatures must be True, False or None (None: the environment's {ENV}), got "

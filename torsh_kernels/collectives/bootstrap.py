@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
+from .. import checks
 from ..errors import ArgumentTypeError, CollectiveTimeoutError, InvalidArgumentError
 from .protocol import resolve_group
 
@@ -26,9 +27,8 @@ _lock = threading.Lock()
 
 
 def check_timeout(timeout: object, what: str) -> None:
-    """A transport's ``timeout``: a positive number of seconds (a typed error otherwise)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidArgumentError(f"{what}: timeout must be a positive number of seconds, got {timeout!r}")
+    """A transport's ``timeout``: a positive, finite number of seconds up to a year (a typed error otherwise)."""
+    checks.check_timeout(timeout, what)
 
 
 def default_store(what: str) -> dist.Store:

@@ -15,7 +15,6 @@ debugging aid, off by default because it doubles the number of messages.
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 import zlib
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import recording
+from ..checks import check_timeout, env_flag
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -188,10 +188,8 @@ class TorchCommunicator(CommunicatorBase):
                 "or launch local ranks with torsh_kernels.collectives.run_local"
             )
         group = resolve_group(group, dim, "TorchCommunicator")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise InvalidArgumentError(
-                f"TorchCommunicator: timeout must be a positive number of seconds, got {timeout!r}"
-            )
+        if timeout is not None:
+            timeout = check_timeout(timeout, "TorchCommunicator")
         rank = dist.get_rank(group)
         if rank < 0:
             raise InvalidArgumentError("TorchCommunicator: this process is not a member of the given group")
@@ -210,7 +208,7 @@ class TorchCommunicator(CommunicatorBase):
         gloo = "gloo" in self._backend
         self._wait_timeout = datetime.timedelta(seconds=timeout) if timeout is not None and gloo else None
         if check_consistency is None:
-            check_consistency = os.environ.get("TORSH_KERNELS_CHECK_COLLECTIVES", "0") not in ("", "0")
+            check_consistency = env_flag("TORSH_KERNELS_CHECK_COLLECTIVES", False, "TorchCommunicator")
         self._check = bool(check_consistency)
         self._seq = 0
 

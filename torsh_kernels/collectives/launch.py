@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .. import recording
+from ..checks import check_timeout
 from ..errors import InvalidArgumentError, RankFailedError
 from .communicator import TorchCommunicator
 
@@ -83,6 +84,7 @@ def init_from_env(backend: str | None = None, *, timeout: float = 300.0, **kwarg
     """Initialise the default process group from torchrun's environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``; ``LOCAL_RANK`` picks the GPU) unless it already is, and return a
     communicator over it. ``backend`` defaults to nccl where CUDA is available, else gloo."""
+    check_timeout(timeout, "init_from_env")
     if not dist.is_initialized():
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
@@ -189,7 +191,7 @@ def run_local(
     torch, torsh_kernels and ``fn``'s module; see the module docstring); None: :func:`set_defaults`' choice,
     "spawn" unless changed.
     """
-    start_method, threads = _checked_run_args(fn, world_size, backend, threads, start_method)
+    start_method, threads = _checked_run_args(fn, world_size, backend, threads, start_method, timeout, op_timeout)
     ctx, env = _rank_context(start_method, fn)
     tmp = tempfile.mkdtemp(prefix="torsh-run-")
     init = "file://" + os.path.join(tmp, "store")
@@ -214,8 +216,10 @@ def run_local(
     return _values_or_raise(done, world_size)
 
 
-def _checked_run_args(fn, world_size, backend, threads, start_method) -> tuple[str, int]:
+def _checked_run_args(fn, world_size, backend, threads, start_method, timeout, op_timeout) -> tuple[str, int]:
     """:func:`run_local`'s arguments checked: (the start method, the torch threads per rank)."""
+    check_timeout(timeout, "run_local")
+    check_timeout(op_timeout, "run_local", "op_timeout")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidArgumentError(f"run_local: world_size must be an int >= 1, got {world_size!r}")
     if not callable(fn):

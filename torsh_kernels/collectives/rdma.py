@@ -49,6 +49,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..checks import env_int
 from ..errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -154,7 +155,7 @@ class RdmaCommunicator(CommunicatorBase):
         if isinstance(port, bool) or not isinstance(port, int) or port < 1:
             raise InvalidArgumentError(f"{what}: port must be an int >= 1, got {port!r}")
         if gid_index is None:
-            gid_index = int(os.environ.get("TORSH_RDMA_GID_INDEX", "0"))
+            gid_index = env_int("TORSH_RDMA_GID_INDEX", 0, what, lo=0, hi=65535)
         if isinstance(gid_index, bool) or not isinstance(gid_index, int) or gid_index < 0:
             raise InvalidArgumentError(f"{what}: gid_index must be an int >= 0, got {gid_index!r}")
         rank, world_size, ranks, root_store = bootstrap.identity(group, mesh_dim, store, rank, world_size, what)

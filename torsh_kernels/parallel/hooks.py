@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ..checks import check_timeout
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import TorchCommunicator, is_communicator, resolve_group
 from ..compression import Compressor
@@ -139,6 +140,8 @@ class CompressionHookState:
         quantize_mode: str | None = None,
         **options: object,
     ) -> None:
+        if timeout is not None:  # checked now, not when the first backward makes the communicator
+            timeout = check_timeout(timeout, "CompressionHookState")
         self._given = None  # a Communicator the caller gave instead of a group
         if is_communicator(process_group, ("all_reduce", "all_gather", "world_size")):
             if mesh_dim is not None:

@@ -13,6 +13,7 @@ import re
 import zlib
 from pathlib import Path
 
+from ..checks import short
 from ..errors import InvalidArgumentError, TraceFormatError
 from ..files import open_regular
 
@@ -42,6 +43,8 @@ args, a list in args)."""
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}  # fmt: skip
 _PIECE = 16 << 20  # bytes decompressed per read
+MAX_LIMIT = 1 << 50
+"""The largest size or depth limit accepted (a PiB): beyond it a value is a typo, and reads would overflow."""
 
 
 def resolve_limit(value: object, env: str, default: int, what: str) -> int:
@@ -60,6 +63,8 @@ def resolve_limit(value: object, env: str, default: int, what: str) -> int:
         value = int(m.group(1)) * unit
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(f"{src}={value!r}: expected a positive integer (default {default})")
+    if value > MAX_LIMIT:
+        raise InvalidArgumentError(f"{src}={short(value)}: at most {MAX_LIMIT} (default {default})")
     return value
 
 

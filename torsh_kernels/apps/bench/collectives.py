@@ -28,6 +28,7 @@ import torch
 
 from ... import cli_common
 from ... import compression as cz
+from ...checks import env_int
 from ...collectives import Link, TorchCommunicator, init_from_env, make_communicator, probe, run_local
 from ...collectives.cost_model import all_gather_time, all_reduce_time, all_to_all_time
 from ...compression import compressed_all_reduce, compressed_time
@@ -282,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = {"sizes": sizes, "ops": ops, "compress_sizes": csizes, "compressors": comps, "reps": args.reps,
            "warmup": args.warmup, "probe_bytes": probe_bytes, "transports": trs}  # fmt: skip
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / emulated hosts: this process is one rank
-        torch.set_num_threads(max(1, int(os.environ.get("TORSH_BENCH_THREADS", "1"))))
+        torch.set_num_threads(env_int("TORSH_BENCH_THREADS", 1, "torsh bench collectives", lo=1, hi=4096))
         comm = init_from_env(timeout=600)
         res = _worker(comm, cfg)
         if comm.rank != 0:

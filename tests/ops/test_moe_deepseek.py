@@ -316,7 +316,7 @@ def _assert_option_errors(lg: torch.Tensor, provider: str | None) -> None:
     with pytest.raises(InvalidArgumentError, match="k=7 is more than the 6 experts"):
         route(k=7, n_group=4, topk_group=2)
     for s in (0, -1.0, float("nan"), float("inf"), 10**400):
-        with pytest.raises(InvalidArgumentError, match=r"scaling=.* must be a finite number > 0"):
+        with pytest.raises(InvalidArgumentError, match=r"scaling=.* must be a finite number in \(0, "):
             route(scaling=s)
     for s in ("2", True, None, torch.tensor(2.0)):
         with pytest.raises(ArgumentTypeError, match="scaling must be a number"):

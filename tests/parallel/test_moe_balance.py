@@ -142,3 +142,29 @@ def test_balancer_counts_training_forwards_and_travels_in_the_state_dict():
     with torch.no_grad():
         zero(x)
     assert not torch.equal(zero.last_routing.indices, layer.last_routing.indices)  # and it does change the routing
+
+
+def test_numeric_edges_end_typed():
+    """Values that used to give inf weights, an overflowing bias, a matmul error deep in the layer or a silently
+    wrong load (issue 41, item 10): each is a typed error naming the value, where it is given."""
+    from torsh_kernels.ops import moe_route
+
+    logits = torch.randn(8, 4)
+    with pytest.raises(InvalidArgumentError, match=r"scaling=1e\+300 must be a finite number in \(0, 3.403e\+38\]"):
+        moe_route(logits, k=2, scaling=1e300)
+    top = float(torch.finfo(torch.float32).max)
+    assert bool(torch.isfinite(moe_route(logits, k=2, scaling=top).weights).all())  # the largest one accepted
+    with pytest.raises(InvalidArgumentError, match="capacity_factor="):
+        moe_route(logits, k=2, capacity_factor=10**400)
+    for rate in (1e308, 1.5, -1e-3):
+        with pytest.raises(InvalidArgumentError, match=r"rate=.* must be a number in \[0, 1\]"):
+            BiasBalancer(4, rate=rate)
+    with pytest.raises(InvalidArgumentError, match=r"bias_update_rate=.* must be a number in \[0, 1\]"):
+        MoELayer(8, 16, 4, 2, score="sigmoid", expert_bias=True, bias_update_rate=2.0)
+    bal = BiasBalancer(4)
+    with pytest.raises(InvalidArgumentError, match=r"observe: token counts must be >= 0, got \[-1, 2, 3, 4\]"):
+        bal.observe(torch.tensor([-1, 2, 3, 4]))
+    assert int(bal.load.sum()) == 0  # nothing was added
+    layer = MoELayer(8, 16, 4, 2)
+    with pytest.raises(DTypeError, match=r"MoELayer: input must be floating point .* got torch.int64"):
+        layer(torch.ones(3, 8, dtype=torch.int64))

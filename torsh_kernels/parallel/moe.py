@@ -86,7 +86,7 @@ import torch.nn as nn
 from ..checks import check_choice
 from ..collectives.agreement import agree_on, enabled
 from ..collectives.communicator import Communicator, as_communicator
-from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, ShapeError
+from ..errors import ArgumentTypeError, DTypeError, InvalidArgumentError, NonFiniteError, ShapeError
 from ..ops import count_nonfinite
 from ..ops.moe import (
     Routing,
@@ -226,6 +226,9 @@ class _MoEBase(nn.Module):
             raise ArgumentTypeError(f"{what}: input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[-1] != self.spec.hidden:
             raise ShapeError(f"{what}: input must be [..., hidden={self.spec.hidden}], got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise DTypeError(f"{what}: input must be floating point (the layer's dtype, {self.router.weight.dtype}), "
+                             f"got {x.dtype}")  # fmt: skip
         x2 = x.reshape(-1, self.spec.hidden)
         T = x2.shape[0]
         seqs = self._sequences(x, T, sequence_lengths, what)

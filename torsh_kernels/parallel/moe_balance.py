@@ -20,8 +20,6 @@ The bias (fp32) and the pending counts (int64) are buffers: they move with ``.to
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
@@ -34,12 +32,18 @@ __all__ = ["BiasBalancer", "check_rate"]
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
+def _negative(what: str, counts: torch.Tensor) -> None:
+    raise InvalidArgumentError(f"{what}: token counts must be >= 0, got {counts.tolist()} (pass a routing's "
+                               "tokens_per_expert)")  # fmt: skip
+
+
 def check_rate(rate: object, what: str, name: str = "rate") -> float:
-    """A finite number >= 0 (0: the bias never moves, as Megatron-Core's rate 0); a typed error otherwise."""
+    """A number in [0, 1] (0: the bias never moves, as Megatron-Core's rate 0; the bias shifts scores in [0, 1], so
+    a larger step only overshoots, and a huge one overflows the fp32 bias); a typed error otherwise."""
     if isinstance(rate, bool) or not isinstance(rate, (int, float)):
         raise ArgumentTypeError(f"{what}: {name} must be a number, got {type(rate).__name__} {rate!r}")
-    if not math.isfinite(rate) or rate < 0:
-        raise InvalidArgumentError(f"{what}: {name}={rate} must be a finite number >= 0 (DeepSeek-V3 uses 1e-3)")
+    if not (0 <= rate <= 1):  # (NaN fails too)
+        raise InvalidArgumentError(f"{what}: {name}={rate} must be a number in [0, 1] (DeepSeek-V3 uses 1e-3)")
     return float(rate)
 
 
@@ -103,6 +107,8 @@ class BiasBalancer(nn.Module):
                 f"BiasBalancer.observe: the counts are on {t.device}, the balancer on {self.load.device}; move the "
                 "layer (or the balancer) to the router's device"
             )
+        if t.is_cpu and bool((t < 0).any()):  # (on a GPU step() checks them: no host sync per forward)
+            _negative("BiasBalancer.observe", t)
         self.load += t
 
     @torch.no_grad()
@@ -111,6 +117,8 @@ class BiasBalancer(nn.Module):
         ``comm``'s ranks; the counts are cleared. Returns that load ([E] int64). A collective when ``comm`` has
         other ranks: every rank calls it alike."""
         load = self.load.clone()
+        if not load.is_cpu and bool((load < 0).any()):  # (observe checked the CPU counts as they came)
+            _negative("BiasBalancer.step", load)
         if self.comm is not None and exchanging(self.comm):
             self.comm.all_reduce(load)
         offset = load.sum().to(torch.float32) / self.num_experts - load.to(torch.float32)

@@ -23,6 +23,8 @@ from ...checks import check_bool, check_choice, check_int, short
 from ...errors import ArgumentTypeError, InvalidArgumentError
 from ...specs import Spec, local
 
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
 __all__ = [
     "CAPACITY_SCOPES",
     "DROP_POLICIES",
@@ -122,9 +124,9 @@ class RouterSpec(Spec):
             c = float(self.scaling)
         except OverflowError:
             c = math.inf
-        if not (math.isfinite(c) and c > 0):
-            raise InvalidArgumentError(f"{what}: scaling={short(self.scaling)} must be a finite number > 0 (1.0: no "
-                                       "scaling)")  # fmt: skip
+        if not (math.isfinite(c) and 0 < c <= _F32_MAX):  # (weights are fp32 and at most 1 before the scaling)
+            raise InvalidArgumentError(f"{what}: scaling={short(self.scaling)} must be a finite number in (0, "
+                                       f"{_F32_MAX:.4g}], the fp32 range of the weights (1.0: no scaling)")  # fmt: skip
         self.normalize("scaling", c)
         self.normalize("capacity_factor", check_capacity_factor(self.capacity_factor, what))
         self.normalize("capacity", check_capacity(self.capacity, what))

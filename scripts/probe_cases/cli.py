@@ -125,7 +125,15 @@ bad("timeline/rank_word", "timeline", "ok.json", "--rank", "x")
 bad("timeline/width_too_small", "timeline", "ok.json", "--width", "-3")
 bad("timeline/top_negative", "timeline", "ok.json", "--top", "-1")
 bad("timeline/min_dur_word", "timeline", "ok.json", "--min-dur", "banana")
-bad("timeline/name_bad_regex", "timeline", "ok.json", "--name", "(")
+good(
+    "timeline/name_is_not_a_regex",
+    "timeline",
+    "ok.json",
+    "--name",
+    "(a|a)*c" + "a" * 40,
+    check=lambda r: r[0] == 0 and "Traceback" not in r[2],
+)  # (as a regex it backtracked for ever)
+bad("timeline/width_too_large", "timeline", "ok.json", "--width", str(10**7))
 bad("timeline/cat_unknown", "timeline", "ok.json", "--cat", "nosuchclass")
 bad("timeline/step_negative", "timeline", "ok.json", "--step", "-1")
 good("timeline/ok_trace", "timeline", "ok.json", "--width", "80", check=lambda r: r[0] == 0 and "Traceback" not in r[2])

@@ -106,7 +106,7 @@ def test_step_window(trace_dir, capsys):
 def test_filters(trace_dir, capsys):
     _, out, _ = _run(capsys, trace_dir, "--rank", "1")
     assert "r1 main" in out and "r0 main" not in out
-    _, out, _ = _run(capsys, trace_dir, "--name", "^all_reduce$", "--window", "0:200ms")
+    _, out, _ = _run(capsys, trace_dir, "--name", "all_reduc[e]", "--window", "0:200ms")  # a glob: the whole name
     assert "r0 comm 0" in out and "r0 main" not in out
     assert _row(out, "all_reduce")[2] == "4" and "backward" not in out
     _, out, _ = _run(capsys, trace_dir, "--cat", "compression", "--window", "0:200ms")
@@ -115,8 +115,13 @@ def test_filters(trace_dir, capsys):
     _, out, _ = _run(capsys, trace_dir, "--min-dur", "40ms", "--window", "0:200ms")
     main0 = _lane(out, "r0 main")
     assert "-" not in main0 and set(main0[15:40]) == {"█"}  # backward (50 ms) kept, the 10 ms wait dropped
-    rc, _, err = _run(capsys, trace_dir, "--name", "(")
-    assert rc == 2 and "not a regular expression" in err
+    _, out, _ = _run(capsys, trace_dir, "--name", "all_red", "--window", "0:200ms")  # no glob character: a substring
+    assert _row(out, "all_reduce")[2] == "4" and "backward" not in out
+    # not a regular expression: '(a|a)*c' backtracked for ever on a long name; as text it matches nothing here
+    rc, out, _ = _run(capsys, trace_dir, "--name", "(a|a)*c")
+    assert rc == 0 and "backward" not in out
+    rc, _, err = _run(capsys, trace_dir, "--width", str(10**7))
+    assert rc == 2 and "--width" in err and "4096" in err
     rc, _, err = _run(capsys, trace_dir, "--window", "5ms:2ms")
     assert rc == 2 and "must come after" in err
 

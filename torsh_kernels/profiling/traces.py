@@ -290,6 +290,11 @@ def validate(data: dict | list, path: str | Path = "<trace>") -> str:
         ph = e.get("ph")
         if not isinstance(ph, str) or not ph:
             raise TraceFormatError(f"{p}: event {i} ({e.get('name')!r}) has no 'ph' (phase)")
+        for k in ("pid", "tid"):  # process and thread ids key the lanes: numbers or strings (Chrome's format)
+            v = e.get(k)
+            if v is not None and not isinstance(v, (int, float, str)):
+                raise TraceFormatError(f"{p}: event {i} ({e.get('name')!r}) has {k}={type(v).__name__} "
+                                       f"{printable(repr(v))[:60]}; expected a number or a string")  # fmt: skip
         if ph == "M":
             if e.get("name") == "thread_name":
                 named_threads.add((e.get("pid"), e.get("tid")))

@@ -168,3 +168,26 @@ def test_numeric_edges_end_typed():
     layer = MoELayer(8, 16, 4, 2)
     with pytest.raises(DTypeError, match=r"MoELayer: input must be floating point .* got torch.int64"):
         layer(torch.ones(3, 8, dtype=torch.int64))
+
+
+def _mismatched_balancers(comm):
+    from torsh_kernels.errors import CollectiveMismatchError
+
+    bal = BiasBalancer(8 if comm.rank == 0 else 4, comm=comm)  # a different expert count on each rank
+    bal.observe(torch.ones(bal.num_experts, dtype=torch.int64))
+    try:
+        bal.step()
+    except CollectiveMismatchError as e:
+        return str(e)
+    return "stepped"
+
+
+def test_balancers_with_different_expert_counts_end_typed_on_every_rank():
+    """BiasBalancer(comm=) with 8 experts on one rank and 4 on the other all-reduced [8] against [4]: gloo aborted
+    the process (SIGABRT). The first step now agrees on the expert count and rate first: a typed
+    CollectiveMismatchError on every rank, naming each rank's value (issue 41, item 6)."""
+    from torsh_kernels.collectives import run_local
+
+    out = run_local(_mismatched_balancers, 2, op_timeout=30)
+    for msg in out:
+        assert "num_experts: 8 on rank 0, 4 on rank 1" in msg, msg

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..collectives.agreement import exchanging
+from ..collectives.agreement import agree_once, enabled, exchanging
 from ..collectives.communicator import Communicator, as_communicator
 from ..errors import ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, ShapeError
 
@@ -79,7 +79,8 @@ class BiasBalancer(nn.Module):
             raise InvalidArgumentError(f"{what}: num_experts={num_experts} must be >= 1")
         self.num_experts = num_experts
         self.rate = check_rate(rate, what)
-        self.comm = None if comm is None else as_communicator(comm, what, needs=("world_size", "all_reduce"))
+        needs = ("world_size", "all_reduce", "all_gather")
+        self.comm = None if comm is None else as_communicator(comm, what, needs=needs)
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
         self.register_buffer("load", torch.zeros(num_experts, dtype=torch.int64, device=device))
         self.steps = 0
@@ -120,6 +121,11 @@ class BiasBalancer(nn.Module):
         if not load.is_cpu and bool((load < 0).any()):  # (observe checked the CPU counts as they came)
             _negative("BiasBalancer.step", load)
         if self.comm is not None and exchanging(self.comm):
+            if enabled(None, "BiasBalancer.step"):  # different expert counts per rank would abort inside gloo
+                E, rate = self.num_experts, self.rate
+                agree_once(self.comm, ("BiasBalancer", E, rate), "a BiasBalancer's step",
+                           lambda: [("num_experts", E), ("rate", rate)], what="BiasBalancer.step",
+                           fix="Build every rank's balancer with the same num_experts and rate.")  # fmt: skip
             self.comm.all_reduce(load)
         offset = load.sum().to(torch.float32) / self.num_experts - load.to(torch.float32)
         self.bias.add_(torch.sign(offset), alpha=self.rate)

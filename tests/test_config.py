@@ -558,13 +558,31 @@ def test_from_torch_hook_maps_the_default_hooks():
         orthogonalization_epsilon=1e-8,
     )  # fmt: skip
     m = from_torch_hook(powerSGD_hook.powerSGD_hook, state)
-    assert m.compressor == PowerSGD(3, start_iter=7, warm_start=False, min_compression_rate=1.5)
+    above = math.nextafter(1.5, math.inf)  # PyTorch compresses above the rate, torsh at it: see below
+    assert m.compressor == PowerSGD(3, start_iter=7, warm_start=False, min_compression_rate=above)
     assert m.hook == {"min_numel": 0, "policy": "layerwise"}
     assert "epsilon" in m.notes["state.orthogonalization_epsilon"]
     hs = m.hook_state()
-    assert (hs.start_iter, hs.min_compression_rate, hs.min_numel, hs.policy) == (7, 1.5, 0, "layerwise")
+    assert (hs.start_iter, hs.min_compression_rate, hs.min_numel, hs.policy) == (7, above, 0, "layerwise")
     batched = from_torch_hook(powerSGD_hook.batched_powerSGD_hook, state)
     assert batched.hook["policy"] == "bucket" and "1-D" in batched.notes["hook"]
+
+
+@pytest.mark.parametrize("rate", [1.0, 1.5, 2.0, 3.0, 4.0, 32 / 3])
+def test_the_mapped_powersgd_compresses_the_matrices_pytorch_compresses(rate):
+    """PyTorch compresses a matrix when rows * cols / ((rows + cols) * rank) exceeds min_compression_rate; torsh's
+    PowerSGD when it reaches its own. Mapped, both decide alike on every shape, the boundary included (a [16, 16]
+    matrix at rank 4 has a rate of exactly 2.0: PyTorch sends it uncompressed)."""
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, min_compression_rate=rate, warm_start=False)
+    comp = from_torch_hook(powerSGD_hook.powerSGD_hook, state).compressor
+    boundary = 0
+    for rows in range(1, 40):
+        for cols in range(1, 40):
+            theirs = powerSGD_hook._should_compress(rows, cols, min(4, rows, cols), rate)[0]
+            ours = comp._plan(torch.empty(rows, cols)) is not None
+            assert ours == theirs, (rows, cols, rate)
+            boundary += rows * cols == rate * (rows + cols) * min(4, rows, cols)
+    assert boundary or rate not in (2.0, 4.0)  # [16, 16] and [32, 32] sit exactly at 2.0 and 4.0
 
 
 def test_from_torch_hook_refuses_what_it_cannot_map():

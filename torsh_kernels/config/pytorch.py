@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..compression import BF16, FP16, PowerSGD
@@ -120,7 +121,11 @@ def _powersgd(w: Walk, m: Migration, name: str, state: Any) -> None:
         w.map("state.process_group", "hook['process_group']")
     if BAD in (rank, start, rate, warm):
         return
-    m.compressor = PowerSGD(rank, start_iter=start, warm_start=warm, min_compression_rate=rate)
+    # PyTorch compresses a matrix when its rate exceeds min_compression_rate, torsh when it reaches it: the next
+    # float above PyTorch's value makes torsh decide alike (a [16, 16] matrix at rank 4 has a rate of exactly 2.0)
+    m.compressor = PowerSGD(
+        rank, start_iter=start, warm_start=warm, min_compression_rate=math.nextafter(rate, math.inf)
+    )
     m.hook["min_numel"] = 0
     m.hook["policy"] = "bucket" if name == "batched_powerSGD_hook" else "layerwise"
     w.map("hook", f"compression_hook, policy={m.hook['policy']!r}, min_numel=0")
@@ -134,8 +139,9 @@ def _powersgd(w: Walk, m: Migration, name: str, state: Any) -> None:
         w.map(f"state.{f}", f"PowerSGD {dest}")
     w.note(
         "state.min_compression_rate",
-        "a matrix is compressed when rows * cols / ((rows + cols) * rank) reaches "
-        "it (PyTorch: exceeds it), counted in bytes: fp32 P and Q against the "
+        "a matrix is compressed when rows * cols / ((rows + cols) * rank) exceeds "
+        "it, as PyTorch decides (torsh's own rule is 'reaches': it is given the next float above), counted in "
+        "bytes: fp32 P and Q against the "
         "gradient's bytes, PyTorch's element count for fp32 gradients; no size "
         "floor beyond it (min_numel=0), as PyTorch",
     )

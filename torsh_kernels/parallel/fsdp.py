@@ -138,8 +138,8 @@ def _residual_buffer(fsdp_mod: nn.Module, params: list[torch.Tensor]) -> torch.T
 
 @dataclass(frozen=True, slots=True)
 class Installed:
-    """What :func:`apply_quantized_comm` installed on one FSDP module (their ``bytes_sent`` and ``calls``
-    count its traffic)."""
+    """What :func:`apply_quantized_comm` installed on one FSDP module: its all-gather, reduce-scatter and replica
+    all-reduce, each counting its own traffic (``installed.all_gather.bytes_sent``, ``.calls``)."""
 
     module: nn.Module
     all_gather: QuantizedAllGather | None

@@ -360,7 +360,7 @@ class _TransformerConfig:
 
 MOE_KWARGS = {"num_experts": 6, "k": 2, "score": "softmax", "renormalize": True, "aux_loss_coef": 0.01,
               "z_loss_coef": 1e-3, "capacity_factor": 1.25, "drop_policy": "probability", "hidden": 16,
-              "ffn_hidden": 24, "activation": "swiglu"}  # fmt: skip
+              "ffn_hidden": 24, "activation": "swiglu", "router_fp32": True}  # fmt: skip
 
 
 def test_megatron_config_namespace_dict_and_object_map_alike():

@@ -138,6 +138,24 @@ def test_from_hf_matches_deepseek_v3():
     assert not torch.equal(biased, layer.last_routing.indices.sort(1).values)
 
 
+def test_from_hf_deepseek_v3_in_bf16_routes_in_fp32_as_the_block():
+    """DeepSeek-V3's gate computes its logits in fp32 whatever the model's dtype; a bf16 layer that routed on bf16
+    logits sent a few tokens in ten thousand to other experts (6 of 8192 here, with large output errors on them).
+    The layer routes on fp32 logits too (router_fp32): every token chooses the block's experts."""
+    block = _init(_deepseek_v3(), seed=5).to(torch.bfloat16)
+    layer = MoELayer.from_hf(block)
+    assert layer.router_fp32 and layer.router.weight.dtype == torch.bfloat16
+    x = torch.randn(8192, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        _, weights, indices = block.gate(x)
+        layer(x)
+    r = layer.last_routing
+    assert torch.equal(r.indices.sort(1).values, indices.sort(1).values)
+    ours = r.weights.gather(1, r.indices.sort(1).indices)
+    theirs = weights.gather(1, indices.sort(1).indices)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)  # fp32 weights from fp32 scores on both sides
+
+
 def test_from_hf_refuses_what_it_cannot_map():
     with pytest.raises(ArgumentTypeError, match="MixtralSparseMoeBlock"):
         MoELayer.from_hf(torch.nn.Linear(4, 4))

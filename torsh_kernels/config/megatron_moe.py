@@ -109,7 +109,7 @@ def map_moe(w: Walk, a: dict, m: Migration) -> None:
     _m_sizes(w, a, kw)
     _m_activation(w, a, kw)
     _m_bias_linear(w, a)
-    _m_router_dtype(w, a)
+    _m_router_dtype(w, a, kw)
     _m_expert_parallel(w, a, m, experts)
     if all(v is not BAD for v in kw.values()):
         m.moe = kw
@@ -219,13 +219,16 @@ def _m_bias_linear(w: Walk, a: dict) -> None:
         w.map("add_bias_linear", "false: experts without bias terms, as torsh's")
 
 
-def _m_router_dtype(w: Walk, a: dict) -> None:
+def _m_router_dtype(w: Walk, a: dict, kw: dict) -> None:
     key = "moe_router_dtype"
     if not w.take(a, key):
         return
     d = a[key]
     if d is None or d in ("fp32", "fp64"):
-        w.map(key, "torsh computes the scores and combine weights in fp32, whatever the logits' dtype")
+        if d is not None:
+            kw["router_fp32"] = True
+        w.map(key, "router_fp32: the router's logits in fp32" if d else
+              "the logits in the layer's dtype; torsh computes the scores and combine weights in fp32")  # fmt: skip
         if d != "fp32":
             w.note(key, f"{d!r}: Megatron then routes in " + ("fp64" if d else "the logits' dtype") + "; torsh in fp32")
     else:

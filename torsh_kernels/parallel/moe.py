@@ -82,6 +82,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..checks import check_choice
 from ..collectives.agreement import agree_on, enabled
@@ -232,7 +233,10 @@ class _MoEBase(nn.Module):
         x2 = x.reshape(-1, self.spec.hidden)
         T = x2.shape[0]
         seqs = self._sequences(x, T, sequence_lengths, what)
-        logits = self.router(x2)  # [T, E]
+        if self.spec.router_fp32 and x2.dtype != torch.float32:  # as DeepSeek-V3 and Megatron's fp32 router
+            logits = F.linear(x2.float(), self.router.weight.float())  # [T, E], fp32
+        else:
+            logits = self.router(x2)  # [T, E]
         route = self.spec.route
         seq_lens = None
         if route.capacity_scope == "sequence":

@@ -79,8 +79,7 @@ class BiasBalancer(nn.Module):
             raise InvalidArgumentError(f"{what}: num_experts={num_experts} must be >= 1")
         self.num_experts = num_experts
         self.rate = check_rate(rate, what)
-        needs = ("world_size", "all_reduce", "all_gather")
-        self.comm = None if comm is None else as_communicator(comm, what, needs=needs)
+        self.comm = None if comm is None else as_communicator(comm, what, needs=("world_size", "all_reduce"))
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
         self.register_buffer("load", torch.zeros(num_experts, dtype=torch.int64, device=device))
         self.steps = 0
@@ -121,7 +120,9 @@ class BiasBalancer(nn.Module):
         if not load.is_cpu and bool((load < 0).any()):  # (observe checked the CPU counts as they came)
             _negative("BiasBalancer.step", load)
         if self.comm is not None and exchanging(self.comm):
-            if enabled(None, "BiasBalancer.step"):  # different expert counts per rank would abort inside gloo
+            # different expert counts per rank would abort inside gloo (every Communicator has all_gather; a
+            # stand-in with all_reduce alone is not checked)
+            if enabled(None, "BiasBalancer.step") and hasattr(self.comm, "all_gather"):
                 E, rate = self.num_experts, self.rate
                 agree_once(self.comm, ("BiasBalancer", E, rate), "a BiasBalancer's step",
                            lambda: [("num_experts", E), ("rate", rate)], what="BiasBalancer.step",

@@ -26,7 +26,8 @@ SparseMLP``                 expert keeps its first ``expert_capacity`` tokens pe
                             ``wo(act(wi(x)))``, ReLU or exact GELU; ``router_jitter_noise`` must be 0
 ==========================  =====================================================================================
 
-Switch's router runs in ``router_dtype`` (fp32) whatever the model's dtype; torsh's router runs in the layer's. The
+DeepSeek-V3's router computes its logits in fp32 whatever the model's dtype: the layer does too (``router_fp32``).
+Switch's router runs in ``router_dtype`` (fp32; Hugging Face keeps it in fp32), and the layer takes its dtype. The
 other blocks' experts are stacked; their activation must be SiLU (torsh's gated expert is SwiGLU); the shared
 experts' MLPs must have no bias terms. The blocks compute no loss themselves (Hugging Face adds the load-balancing
 loss at the model level, from every layer's router logits), so the layer's ``aux_loss_coef`` and ``z_loss_coef``
@@ -145,6 +146,7 @@ def layer_from_hf(cls: type, block: nn.Module, overrides: dict[str, Any]) -> Any
     else:  # DeepseekV3MoE
         n_group, topk_group = int(_attr(gate, "num_group", f"{name}.gate")), int(_attr(gate, "topk_group", name))
         kw.update(score="sigmoid", renormalize=bool(_attr(gate, "norm_topk_prob", f"{name}.gate")), expert_bias=True,
+                  router_fp32=True,  # its gate: F.linear(x.float(), weight.float())
                   n_group=n_group, topk_group=topk_group,
                   scaling=float(_attr(gate, "routed_scaling_factor", f"{name}.gate")))  # fmt: skip
         w_in, w_out, S = _mlp_weights(_attr(block, "shared_experts", name), f"{name}.shared_experts")

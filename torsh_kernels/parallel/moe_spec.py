@@ -64,6 +64,10 @@ class MoESpec(Spec):
     """DeepSeek-V3's aux-loss-free balancing: a ``BiasBalancer`` whose bias is ``moe_route``'s ``score_bias``."""
     bias_update_rate: float = 1e-3
     """The balancer's step."""
+    router_fp32: bool = False
+    """Compute the router's logits in fp32 (the input and the router weight cast up), as Hugging Face's
+    DeepSeek-V3 and Megatron-Core's ``moe_router_dtype="fp32"`` do; False: in the layer's dtype (the scores and
+    weights are fp32 either way). In bf16 a few tokens in ten thousand otherwise choose other experts."""
 
     def __post_init__(self) -> None:
         what = "MoESpec"
@@ -81,6 +85,7 @@ class MoESpec(Spec):
         self.normalize("shared_experts", check_int(self.shared_experts, what, "shared_experts", 0))
         check_bool(self.shared_gate, what, "shared_gate")
         check_bool(self.expert_bias, what, "expert_bias")
+        check_bool(self.router_fp32, what, "router_fp32")
         if self.shared_ffn_hidden is not None:
             self.normalize("shared_ffn_hidden", check_int(self.shared_ffn_hidden, what, "shared_ffn_hidden", 1))
         if not self.shared_experts and (self.shared_ffn_hidden is not None or self.shared_gate):

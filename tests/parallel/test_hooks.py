@@ -913,3 +913,30 @@ def test_an_auto_checkpoint_that_does_not_fit_changes_nothing():
         with pytest.raises(err):
             state.load_state_dict({**sd, "auto": bad})
         assert state._engine.auto.decision is None and isinstance(state.compressor, NoCompression)
+
+
+def _cross_rank_load(comm):
+    """Each rank trains, then loads the other rank's hook state (what one shared checkpoint file does)."""
+    _, _, state = train_ddp(comm, "topk", 3)
+    mine = state.state_dict()
+    import torch.distributed as dist
+
+    theirs = [None] * comm.world_size
+    dist.all_gather_object(theirs, mine, group=comm.group)
+    fresh = CompressionHookState(compressor=make("topk"), min_numel=64)
+    fresh.load_state_dict(mine)  # its own loads
+    try:
+        fresh.load_state_dict(theirs[1 - comm.rank])
+    except InvalidArgumentError as e:
+        return (mine["rank"], mine["world_size"], str(e))
+    return (mine["rank"], mine["world_size"], "loaded")
+
+
+def test_a_state_refuses_to_load_on_another_rank():
+    """Residuals differ per rank, but the settings, shapes and iteration are alike: rank 1 loading rank 0's state
+    (one shared checkpoint file, Accelerate's register_for_checkpointing) went through silently. A state records
+    its rank and world size and refuses another's, naming both (issue 41, item 17)."""
+    out = run_local(_cross_rank_load, 2, op_timeout=60)
+    for rank, (saved_rank, world, msg) in enumerate(out):
+        assert (saved_rank, world) == (rank, 2)
+        assert f"saved by rank {1 - rank} of 2, and this process is rank {rank} of 2" in msg, msg

@@ -549,8 +549,11 @@ class BucketCompressor:
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def state_dict(self, owner: tuple[int, int] | None = None) -> dict:
+        """The engine's state; ``owner``: (rank, world size) of the process whose residuals these are, recorded
+        so that a load onto another rank is refused (None: not known here, not recorded)."""
         return {
+            **({"rank": owner[0], "world_size": owner[1]} if owner is not None else {}),
             "iteration": self.iteration,
             "policy": self.spec.policy,
             "compressor": repr(self.compressor),
@@ -559,12 +562,12 @@ class BucketCompressor:
             "auto": self.auto.decision.as_dict() if self.auto is not None and self.auto.decision else None,
         }
 
-    def load_state_dict(self, sd: dict, what: str) -> None:
+    def load_state_dict(self, sd: dict, what: str, owner: tuple[int, int] | None = None) -> None:
         """Restore from :meth:`state_dict`, all or nothing: every entry is checked (types, the policy, the
         compressor, the auto choice, the shapes against those this engine has seen, each state, each
         residual's size against its tensors' shapes) before anything changes; a typed error names the
         first bad one (:func:`~torsh_kernels.parallel.engine_state.checked_state`)."""
-        decision, iteration, shapes, states = checked_state(self, sd, what)
+        decision, iteration, shapes, states = checked_state(self, sd, what, owner)
         # everything checked: now change
         if decision is not None:
             self._apply_auto(decision.compressor)

@@ -13,12 +13,13 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchErro
 __all__ = ["checked_state", "restore", "snapshot"]
 
 
-def checked_state(engine, sd: dict, what: str) -> tuple[object, int, dict, dict]:
+def checked_state(engine, sd: dict, what: str, owner: tuple[int, int] | None = None) -> tuple[object, int, dict, dict]:
     """(auto's recorded decision or None, the iteration, the shapes, the compressor states) of ``sd``,
-    checked against ``engine`` (its policy, compressor, auto, the shapes it has seen)."""
+    checked against ``engine`` (its policy, compressor, auto, the shapes it has seen) and, where both say, against
+    the process that loads it (``owner``: its rank and world size; the residuals and PowerSGD's Q are a rank's own)."""
     w = f"{what}.load_state_dict"
     need = {"iteration", "policy", "shapes", "states"}
-    known = need | {"compressor", "auto"}
+    known = need | {"compressor", "auto", "rank", "world_size"}
     if not isinstance(sd, dict):
         raise ArgumentTypeError(f"{w}: expected a dict from state_dict(), got {type(sd).__name__}")
     if not need <= sd.keys() or not sd.keys() <= known:
@@ -26,6 +27,7 @@ def checked_state(engine, sd: dict, what: str) -> tuple[object, int, dict, dict]
             f"{w}: expected a dict from state_dict() with keys {sorted(need)} (and 'compressor', 'auto'); "
             f"missing {sorted(need - sd.keys())}, unexpected {sorted(map(str, sd.keys() - known))}"
         )
+    _check_owner(sd, owner, w)
     if sd["policy"] != engine.spec.policy:
         raise InvalidArgumentError(
             f"{w}: the checkpoint was saved with policy={sd['policy']!r}, this state "
@@ -76,6 +78,23 @@ def checked_state(engine, sd: dict, what: str) -> tuple[object, int, dict, dict]
                 )
         states[key] = st
     return decision, iteration, shapes, states
+
+
+def _check_owner(sd: dict, owner: tuple[int, int] | None, w: str) -> None:
+    """A state saved by rank r of n loads only on rank r of n: each rank's residuals and PowerSGD's Q are its own,
+    and nothing else in the state tells them apart (the settings, shapes and iteration are the same on every rank)."""
+    if "rank" not in sd and "world_size" not in sd:
+        return  # saved where the rank was not known (or by a version that did not record it)
+    saved = (sd.get("rank"), sd.get("world_size"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in saved) or saved[0] >= saved[1]:
+        raise InvalidArgumentError(f"{w}: 'rank' and 'world_size' must be ints with 0 <= rank < world_size, got "
+                                   f"{saved[0]!r} and {saved[1]!r}")  # fmt: skip
+    if owner is not None and tuple(owner) != saved:
+        raise InvalidArgumentError(
+            f"{w}: this state was saved by rank {saved[0]} of {saved[1]}, and this process is rank {owner[0]} of "
+            f"{owner[1]}: each rank's error-feedback residuals and PowerSGD Q are its own; save one state per rank "
+            "(e.g. f'hook-rank{rank}.pt') and load each rank's own"
+        )
 
 
 def _checked_shapes(engine, shapes: object, w: str) -> dict[int, tuple[int, ...]]:

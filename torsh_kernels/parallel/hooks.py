@@ -220,11 +220,21 @@ class CompressionHookState:
         """Iteration count and every compressor state (error-feedback residuals, PowerSGD's Q memory,
         step counts, seeds), cloned; for ``torch.save`` beside the model and optimizer."""
         self._run.close_parameter_iteration()
-        return self._engine.state_dict()
+        return self._engine.state_dict(self._owner())
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore from ``state_dict()``; the hook then continues where the saved run left off."""
-        self._engine.load_state_dict(sd, "CompressionHookState")
+        """Restore from ``state_dict()``; the hook then continues where the saved run left off. A state saved by
+        another rank (or world size) is refused: each rank's residuals are its own."""
+        self._engine.load_state_dict(sd, "CompressionHookState", self._owner())
+
+    def _owner(self) -> tuple[int, int] | None:
+        """(rank, world size) of this process in the hook's group; None where no group is up yet."""
+        comm = self._comm.inner if self._comm is not None else self._given
+        if comm is not None:
+            return comm.rank, comm.world_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        return None
 
     def __getstate__(self) -> dict:
         # the process group, the communicator and the parameter identities belong to this process

@@ -541,10 +541,11 @@ class GradientSynchronizer:
 
     def state_dict(self) -> dict:
         """The compressor states (residuals, PowerSGD's Q) and the iteration count, for checkpoints."""
-        return self._engine.state_dict()
+        return self._engine.state_dict((self.comm.rank, self.comm.world_size))
 
     def load_state_dict(self, sd: dict) -> None:
-        self._engine.load_state_dict(sd, "GradientSynchronizer")
+        """Restore from :meth:`state_dict`; a state saved by another rank (or world size) is refused."""
+        self._engine.load_state_dict(sd, "GradientSynchronizer", (self.comm.rank, self.comm.world_size))
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the model's parameters."""

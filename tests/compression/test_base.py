@@ -243,3 +243,37 @@ def test_what_the_bucket_layer_and_the_planner_read():
         assert schemes and all(r.nbytes > 0 for rounds in schemes.values() for r in rounds)
     (r,) = FP16().schemes(1000, torch.float32, 4)["all_reduce"]
     assert r.nbytes == 2000 and NoCompression().schemes(1000, torch.bfloat16, 4)["all_reduce"][0].nbytes == 2000
+
+
+def test_a_state_checks_its_kind_its_bytes_and_finiteness_at_load():
+    """A TopK state loaded into a PowerSGD state, a byte flipped in a saved residual, NaN in one: each loaded
+    silently and failed (or drifted) later; each is now a typed error at load, and nothing changes (issue 41,
+    item 13). A state saved without kind and checksum (an older file) still loads."""
+    import torsh_kernels.compression as cz
+
+    topk = cz.TopK(0.25).new_state(seed=3)
+    topk.tensors["residual"] = torch.randn(40)
+    topk.step = 2
+    sd = topk.state_dict()
+    assert sd["kind"] == "TopK" and isinstance(sd["checksum"], int)
+    psgd = cz.PowerSGD(rank=2).new_state()
+    with pytest.raises(InvalidArgumentError, match="this is a TopK state; a PowerSGD state cannot load it"):
+        psgd.load_state_dict(sd)
+    assert psgd.step == 0 and psgd.tensors == {}
+    flipped = {**sd, "tensors": {"residual": sd["tensors"]["residual"].clone()}}
+    flipped["tensors"]["residual"].view(torch.uint8)[7] ^= 0x01
+    fresh = cz.TopK(0.25).new_state()
+    with pytest.raises(InvalidArgumentError, match="checksum does not match"):
+        fresh.load_state_dict(flipped)
+    nan = {k: v for k, v in sd.items() if k != "checksum"}
+    nan["tensors"] = {"residual": sd["tensors"]["residual"].clone()}
+    nan["tensors"]["residual"][3] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"tensors\['residual'\] holds NaN or Inf"):
+        fresh.load_state_dict(nan)
+    assert fresh.step == 0 and fresh.tensors == {}
+    fresh.load_state_dict(sd)
+    assert fresh.step == 2 and torch.equal(fresh.tensors["residual"], topk.tensors["residual"])
+    older = {k: sd[k] for k in ("step", "seed", "tensors")}
+    psgd_like = cz.TopK(0.25).new_state()
+    psgd_like.load_state_dict(older)
+    assert torch.equal(psgd_like.tensors["residual"], topk.tensors["residual"])

@@ -29,6 +29,7 @@ from torsh_kernels.errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
     LayoutMismatchError,
+    NonFiniteError,
     ShapeError,
 )
 from torsh_kernels.parallel import CompressionHookState, compression_hook
@@ -748,7 +749,6 @@ def _raise_worker(comm):
 
 
 def test_nonfinite_raise_keeps_the_typed_error():
-    from torsh_kernels.errors import NonFiniteError
 
     out = run_local(_raise_worker, 2, op_timeout=60)
     assert out == [(NonFiniteError.__name__, True)] * 2
@@ -852,8 +852,31 @@ def _owner(kind: str):
 
 
 def _spoil_residual(sd, n):
+    """A residual of n zeros, the state's checksum dropped (as a state saved before checksums were): the size check."""
     (k, st), *_ = ((k, v) for k, v in sd["states"].items() if "residual" in v["tensors"])
+    st = {n_: v for n_, v in st.items() if n_ != "checksum"}
     return {**sd, "states": {**sd["states"], k: {**st, "tensors": {**st["tensors"], "residual": torch.zeros(n)}}}}
+
+
+def _flip_a_byte(sd):
+    """One byte of a saved residual changed, the checksum kept: a damaged file."""
+    (k, st), *_ = ((k, v) for k, v in sd["states"].items() if "residual" in v["tensors"])
+    r = st["tensors"]["residual"].clone()
+    r.view(torch.uint8)[5] ^= 0x10
+    return {**sd, "states": {**sd["states"], k: {**st, "tensors": {**st["tensors"], "residual": r}}}}
+
+
+def _other_kind(sd):
+    (k, st), *_ = sd["states"].items()
+    return {**sd, "states": {**sd["states"], k: {**st, "kind": "PowerSGD"}}}
+
+
+def _nan_residual(sd):
+    (k, st), *_ = ((k, v) for k, v in sd["states"].items() if "residual" in v["tensors"])
+    r = st["tensors"]["residual"].clone()
+    r[0] = float("nan")
+    st = {n_: v for n_, v in st.items() if n_ != "checksum"}
+    return {**sd, "states": {**sd["states"], k: {**st, "tensors": {**st["tensors"], "residual": r}}}}
 
 
 BAD_CHECKPOINTS = [
@@ -880,6 +903,9 @@ BAD_CHECKPOINTS = [
     (lambda sd: {**sd, "states": {**sd["states"], (0,): {"step": 1}}}, InvalidArgumentError),
     (lambda sd: {**sd, "states": {**sd["states"], (0,): {"step": -1, "seed": 0, "tensors": {}}}}, InvalidArgumentError),
     (lambda sd: _spoil_residual(sd, 7), ShapeError),  # a residual of another size than its tensors
+    (_flip_a_byte, InvalidArgumentError),  # a damaged file: the checksum (issue 41, item 13)
+    (_other_kind, InvalidArgumentError),  # a PowerSGD state where a TopK state goes
+    (_nan_residual, NonFiniteError),  # NaN in a saved residual
     (lambda sd: {**sd, "states": {**sd["states"], (0,): {"step": 1, "seed": 0, "tensors": {"residual": 0}}}},
      ArgumentTypeError),
 ]  # fmt: skip

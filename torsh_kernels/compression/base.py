@@ -111,9 +111,11 @@ class CompressionState:
     ``state_dict()``.
     """
 
-    __slots__ = ("seed", "step", "tensors", "work")
+    __slots__ = ("kind", "seed", "step", "tensors", "work")
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, kind: str | None = None) -> None:
+        self.kind = kind
+        """The compressor class whose state this is (``Compressor.new_state`` sets it; None: not said)."""
         self.step = 0
         """Number of compress calls so far."""
         self.seed = _check_seed(seed, "CompressionState")
@@ -122,13 +124,18 @@ class CompressionState:
         self.work: dict[str, torch.Tensor] = {}
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "tensors": {k: v.clone() for k, v in self.tensors.items()}}
+        """The persistent part, with the compressor's kind and a checksum of the tensors' bytes (``load_state_dict``
+        refuses a state of another compressor and a damaged one)."""
+        tensors = {k: v.clone() for k, v in self.tensors.items()}
+        return {"kind": self.kind, "step": self.step, "seed": self.seed, "tensors": tensors,
+                "checksum": tensor_checksum(tensors)}  # fmt: skip
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore from ``state_dict()``, all or nothing: every entry is checked (types, ranges; the
         persistent tensors of :data:`STATE_TENSORS` fp32 with their number of dimensions) before anything
-        changes, and a typed error names the first bad one."""
-        step, seed, tensors = check_state_dict(sd, "CompressionState.load_state_dict")
+        changes, and a typed error names the first bad one: another compressor's state (``kind``), a damaged one
+        (``checksum``), NaN or Inf in a tensor."""
+        step, seed, tensors = check_state_dict(sd, "CompressionState.load_state_dict", self.kind)
         self.step, self.seed = step, seed
         self.tensors = {k: v.clone() for k, v in tensors.items()}
         self.work = {}
@@ -168,15 +175,29 @@ def _check_seed(seed: object, what: str) -> int:
     return int(seed)
 
 
-def check_state_dict(sd: object, what: str) -> tuple[int, int, dict[str, torch.Tensor]]:
+def tensor_checksum(tensors: dict[str, torch.Tensor]) -> int:
+    """A checksum of the tensors' bytes: per tensor, the sum of its bytes, combined in name order. Any damaged byte
+    changes it (a byte that changes changes the sum); it is not a cryptographic hash. One pass over each tensor on
+    its device, one host read for all."""
+    parts = [t.detach().contiguous().view(-1).view(torch.uint8).sum(dtype=torch.int64).view(1)
+             for _, t in sorted(tensors.items()) if t.numel()]  # fmt: skip
+    total = 0
+    for i, v in enumerate(torch.cat([p.cpu() for p in parts]).tolist() if parts else []):
+        total = (total * 1_000_003 + v + i) % (1 << 61)
+    return total
+
+
+def check_state_dict(sd: object, what: str, kind: str | None = None) -> tuple[int, int, dict[str, torch.Tensor]]:
     """(step, seed, tensors) of a ``CompressionState.state_dict()``, every entry checked; a typed error
-    naming the first bad one (nothing is changed by the check)."""
+    naming the first bad one (nothing is changed by the check). ``kind``: the loading state's compressor, which a
+    saved ``kind`` must match; a saved ``checksum`` must match the tensors' bytes; every tensor is finite."""
     keys = {"step", "seed", "tensors"}
+    optional = {"kind", "checksum"}  # (absent from states saved before they were recorded)
     if not isinstance(sd, dict):
         raise ArgumentTypeError(f"{what}: expected a dict from state_dict() with keys {sorted(keys)}, got "
                                 f"{type(sd).__name__}")  # fmt: skip
-    if set(sd) != keys:
-        missing, extra = sorted(keys - set(sd), key=str), sorted(set(sd) - keys, key=str)
+    if not keys <= set(sd) or not set(sd) <= keys | optional:
+        missing, extra = sorted(keys - set(sd), key=str), sorted(set(sd) - keys - optional, key=str)
         raise InvalidArgumentError(
             f"{what}: expected a dict from state_dict() with keys {sorted(keys)}; missing {missing}, unexpected {extra}"
         )
@@ -205,6 +226,23 @@ def check_state_dict(sd: object, what: str) -> tuple[int, int, dict[str, torch.T
             if t.dim() != dims:
                 raise ShapeError(f"{what}: tensors[{name!r}] must have {dims} dimension(s), got shape "
                                  f"{tuple(t.shape)}")  # fmt: skip
+    saved_kind = sd.get("kind")
+    if saved_kind is not None and not isinstance(saved_kind, str):
+        raise ArgumentTypeError(f"{what}: 'kind' must be a compressor's class name, got {type(saved_kind).__name__}")
+    if saved_kind is not None and kind is not None and saved_kind != kind:
+        raise InvalidArgumentError(f"{what}: this is a {saved_kind} state; a {kind} state cannot load it (their "
+                                   "tensors mean different things)")  # fmt: skip
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(f"{what}: tensors[{name!r}] holds NaN or Inf; a state saved after a non-finite step "
+                                 "would spread it into every later step")  # fmt: skip
+    if "checksum" in sd:
+        c = sd["checksum"]
+        if isinstance(c, bool) or not isinstance(c, int):
+            raise ArgumentTypeError(f"{what}: 'checksum' must be an int, got {type(c).__name__}")
+        if c != tensor_checksum(tensors):
+            raise InvalidArgumentError(f"{what}: the tensors' checksum does not match the one saved with them: the "
+                                       "checkpoint was damaged (or edited) after it was written")  # fmt: skip
     return int(step), seed, tensors
 
 
@@ -358,7 +396,7 @@ class Compressor:
     # -- what it computes --------------------------------------------------------------------------
 
     def new_state(self, seed: int = 0) -> CompressionState:
-        return CompressionState(_check_seed(seed, f"{type(self).__name__}.new_state"))  # names the compressor
+        return CompressionState(_check_seed(seed, f"{type(self).__name__}.new_state"), type(self).__name__)
 
     def compress(self, tensor: torch.Tensor, state: CompressionState) -> Payload:
         raise NotImplementedError

@@ -94,6 +94,17 @@ def _scores_row(row, score, p):
     return nan_row
 
 
+@njit(cache=True, nogil=True, inline="always")  # (inlined: a call per token cost 4% of a 64-token route)
+def _weights_row(s, w, t, k, total, renorm, scaling):
+    """Token ``t``'s combine weights from its chosen scores ``s[t]`` (summing to ``total``): renormalised when
+    ``renorm``, times ``scaling``; where every chosen score underflowed (``total`` 0) they stay 0, the divisor
+    being 1 (see reference.row_sums)."""
+    if total == 0:
+        total = np.float32(1.0)
+    for j in range(k):
+        w[t, j] = (s[t, j] / total if renorm else s[t, j]) * scaling
+
+
 @jit
 def _topk_plain(x, k, score, renorm, scaling, idx, w, s):
     """:func:`topk_arrays` without a bias or groups: K rounds of a strict maximum of the scores."""
@@ -120,10 +131,7 @@ def _topk_plain(x, k, score, renorm, scaling, idx, w, s):
             idx[t, j] = pick
             s[t, j] = p[pick]
             total += p[pick]
-        if total == 0:  # every chosen score underflowed: the weights stay 0 (see reference.row_sums)
-            total = np.float32(1.0)
-        for j in range(k):
-            w[t, j] = (s[t, j] / total if renorm else s[t, j]) * scaling
+        _weights_row(s, w, t, k, total, renorm, scaling)
     return bad
 
 
@@ -189,10 +197,7 @@ def _topk_select(x, k, score, renorm, bias, has_bias, G, TG, scaling, idx, w, s)
             idx[t, j] = pick
             s[t, j] = p[pick]
             total += p[pick]
-        if total == 0:  # every chosen score underflowed: the weights stay 0 (see reference.row_sums)
-            total = np.float32(1.0)
-        for j in range(k):
-            w[t, j] = (s[t, j] / total if renorm else s[t, j]) * scaling
+        _weights_row(s, w, t, k, total, renorm, scaling)
     return bad
 
 

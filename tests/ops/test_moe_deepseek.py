@@ -342,14 +342,18 @@ def test_typed_errors_of_the_selection_options():
 
 
 def test_the_aux_loss_uses_the_unbiased_probabilities(gen):
-    """f from the biased choices, P from the unbiased softmax: E * sum_e f_e P_e, by hand."""
+    """P from the unbiased softmax; f from the unbiased top-K by default (Megatron-Core's rule), from the biased
+    choices with count="routed": E * sum_e f_e P_e, by hand."""
     logits = rand((31, 6), torch.float32, gen)
     bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
     r = M.moe_route(logits, k=2, score_bias=bias)
+    p = torch.softmax(logits, -1)
     f = torch.bincount(r.indices.reshape(-1), minlength=6).float() / (31 * 2)
-    want = 6 * (f * torch.softmax(logits, -1).mean(0)).sum()
+    f_top = torch.bincount(torch.topk(p, 2, dim=1).indices.reshape(-1), minlength=6).float() / (31 * 2)
     for provider in ("cpu", "torch"):
-        torch.testing.assert_close(M.moe_aux_loss(logits, r, provider=provider), want)
+        torch.testing.assert_close(M.moe_aux_loss(logits, r, count="routed", provider=provider),
+                                   6 * (f * p.mean(0)).sum())  # fmt: skip
+        torch.testing.assert_close(M.moe_aux_loss(logits, r, provider=provider), 6 * (f_top * p.mean(0)).sum())
     assert f[5] == 0.5  # every token chose the biased expert
 
 

@@ -6,12 +6,14 @@ torch.compile."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import torsh_kernels.ops.moe as M
+from tests.helpers import rand
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError, ShapeError
 
 mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
@@ -158,22 +160,25 @@ def _deepseek_v3_sequence_loss(logits, chosen, lengths, K):
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_sequence_lengths_give_deepseek_v3_sequence_wise_balance_loss(gen, provider):
     """groups = the sequence lengths, default scale, DeepSeek-V3's routing (sigmoid scores, a score bias for the
-    selection only, grouped top-k, routed scaling): DeepSeek-V3's loss. The selections counted are the
-    routing's (biased) ones; the probabilities come from the unbiased logits passed."""
+    selection only, grouped top-k, routed scaling): DeepSeek-V3's loss, whose f counts each token's top-K of the
+    unbiased scores (eq. 18), as Megatron-Core does; count="routed" counts the routing's biased choices instead.
+    The probabilities come from the unbiased logits passed."""
     lengths, E, K = [7, 1, 12, 5], 8, 3
     T = sum(lengths)
     logits = _logits(gen, T, E)
     bias = torch.randn(E, generator=gen) * 0.3
     r = M.moe_route(logits, k=K, score="sigmoid", score_bias=bias, n_group=4, topk_group=2, scaling=2.5)
-    assert not torch.equal(r.indices, M.moe_route(logits, k=K, score="sigmoid").indices), "the bias changes choices"
-    x = logits.clone().requires_grad_()
-    ours = M.moe_aux_loss(x, r, groups=lengths, provider=provider)
-    want = _deepseek_v3_sequence_loss(logits, r.indices, lengths, K)
-    assert ours.item() == pytest.approx(float(want), rel=1e-5)
-    ours.backward()
-    xd = logits.double().requires_grad_()
-    _deepseek_v3_sequence_loss(xd, r.indices, lengths, K).backward()
-    torch.testing.assert_close(x.grad, xd.grad.float(), rtol=1e-4, atol=1e-7)
+    plain = M.moe_route(logits, k=K, score="sigmoid").indices
+    assert not torch.equal(r.indices, plain), "the bias changes choices"
+    for count, chosen in (("topk", plain), ("routed", r.indices)):
+        x = logits.clone().requires_grad_()
+        ours = M.moe_aux_loss(x, r, groups=lengths, count=count, provider=provider)
+        want = _deepseek_v3_sequence_loss(logits, chosen, lengths, K)
+        assert ours.item() == pytest.approx(float(want), rel=1e-5)
+        ours.backward()
+        xd = logits.double().requires_grad_()
+        _deepseek_v3_sequence_loss(xd, chosen, lengths, K).backward()
+        torch.testing.assert_close(x.grad, xd.grad.float(), rtol=1e-4, atol=1e-7)
 
 
 def test_equal_sequences_give_megatron_seq_aux_loss(gen):
@@ -191,6 +196,155 @@ def test_equal_sequences_give_megatron_seq_aux_loss(gen):
     cost_coeff = routing_map.view(L, B, E).sum(dim=0, dtype=torch.float).div_(L * K / E)
     megatron = (cost_coeff * probs.view(L, B, E).mean(dim=0)).sum(dim=1).mean()
     torch.testing.assert_close(M.moe_aux_loss(logits, r, groups=L), megatron, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------- Megatron-Core, with a bias or groups
+# Megatron-Core's TopKRouter (megatron/core/transformer/moe/router.py, moe_utils.py) routes with the expert bias
+# and the group limit (topk_routing_with_score_function), but its load-balancing losses count the experts of
+# compute_routing_scores_for_aux_loss: a plain torch.topk of the unbiased, normalised scores. Written out here.
+
+
+def _megatron_scores_for_aux_loss(logits, K, score):
+    """compute_routing_scores_for_aux_loss (unfused): (routing_map [T, E] bool, scores [T, E])."""
+    if score == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits.float())
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    _, top_indices = torch.topk(scores, k=K, dim=1)
+    routing_map = torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
+    return routing_map, scores
+
+
+def _megatron_switch_loss(probs, tokens_per_expert, total_num_tokens, topk, num_experts):
+    """switch_load_balancing_loss_func (unfused, no padding mask) with moe_aux_loss_coeff = 1."""
+    aggregated_probs_per_expert = probs.sum(dim=0)
+    return torch.sum(aggregated_probs_per_expert * tokens_per_expert) * (
+        num_experts / (topk * total_num_tokens * total_num_tokens)
+    )
+
+
+def _megatron_aux_loss(logits, K, score):
+    """TopKRouter._apply_aux_loss on one rank: tokens_per_expert = routing_map.sum(0), total_num_tokens = T."""
+    routing_map, scores = _megatron_scores_for_aux_loss(logits, K, score)
+    return _megatron_switch_loss(scores, routing_map.sum(dim=0), logits.shape[0], K, logits.shape[1])
+
+
+def _megatron_seq_aux_loss(logits_sb, K, score, L, B):
+    """TopKRouter._apply_seq_aux_loss on one rank, for logits in Megatron's [seq, batch] token order: the batch
+    folded into the expert dimension, the switch loss over the L positions, divided by the batch size."""
+    routing_map, scores = _megatron_scores_for_aux_loss(logits_sb, K, score)
+    scores, routing_map = scores.reshape(L, -1), routing_map.reshape(L, -1)
+    tokens_per_expert = routing_map.sum(dim=0)  # [B * E]
+    return _megatron_switch_loss(scores, tokens_per_expert, L, K, logits_sb.shape[1]) / B
+
+
+# (score, bias scale (0: none), n_group, topk_group): DeepSeek-V3's sigmoid router and a softmax one
+MEGATRON_OPTIONS = [
+    pytest.param("sigmoid", 0.4, None, None, id="sigmoid-bias"),
+    pytest.param("sigmoid", 0.0, 4, 2, id="sigmoid-groups"),
+    pytest.param("sigmoid", 0.4, 4, 2, id="sigmoid-bias-groups"),
+    pytest.param("softmax", 0.1, None, None, id="softmax-bias"),
+    pytest.param("softmax", 0.0, 4, 1, id="softmax-groups"),
+    pytest.param("softmax", 0.1, 4, 2, id="softmax-bias-groups"),
+]
+
+
+def _biased_routing(gen, provider, T, E, K, score, bias_scale, n_group, topk_group):
+    logits = rand((T, E), torch.float32, gen) * 2.0
+    bias = rand((E,), torch.float32, gen) * bias_scale if bias_scale else None
+    r = M.moe_route(logits, k=K, score=score, score_bias=bias, n_group=n_group, topk_group=topk_group,
+                    provider=provider)  # fmt: skip
+    plain = M.moe_route(logits, k=K, score=score, provider=provider)
+    assert r.selection_options and not plain.selection_options
+    assert not torch.equal(r.indices, plain.indices), "the options change some choices (else nothing is tested)"
+    return logits, r
+
+
+_ROUTING_TENSORS = ("indices", "weights", "scores", "tokens_per_expert", "row_map", "token_index", "dropped")
+
+
+def _loss_providers(x):
+    return (None, "torch", "cpu") if x.is_cpu else (None, "torch")
+
+
+@pytest.mark.parametrize(("score", "bias_scale", "n_group", "topk_group"), MEGATRON_OPTIONS)
+def test_aux_loss_with_bias_or_groups_is_megatron_core_aux_loss(gen, provider, score, bias_scale, n_group, topk_group):
+    """load_balancing="aux_loss": the value and the gradient of Megatron-Core's loss on the same logits, routed by
+    each provider with an expert bias and/or groups; count="routed" is the biased count, which Megatron's is not."""
+    T, E, K = 96, 16, 4
+    logits, r = _biased_routing(gen, provider, T, E, K, score, bias_scale, n_group, topk_group)
+    xm = logits.detach().clone().requires_grad_()
+    want = _megatron_aux_loss(xm, K, score)
+    want.backward()
+    for lp in _loss_providers(logits):
+        x = logits.detach().clone().requires_grad_()
+        got = M.moe_aux_loss(x, r, provider=lp)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        got.backward()
+        torch.testing.assert_close(x.grad, xm.grad, rtol=1e-4, atol=1e-7)
+        routed = M.moe_aux_loss(logits, r, count="routed", provider=lp)
+        assert abs(routed.item() - want.item()) > 1e-4 * want.item(), "the routed count is another loss"
+    on_cpu = dataclasses.replace(r, **{f: getattr(r, f).cpu() for f in _ROUTING_TENSORS})
+    torch.testing.assert_close(M.moe_aux_loss_ref(logits.cpu(), on_cpu), want.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("score", "bias_scale", "n_group", "topk_group"), MEGATRON_OPTIONS)
+def test_seq_aux_loss_with_bias_or_groups_is_megatron_core_seq_aux_loss(
+    gen, provider, score, bias_scale, n_group, topk_group
+):
+    """load_balancing="seq_aux_loss": ours on B sequences of L tokens in [batch, seq] rows with groups=L against
+    Megatron-Core's on the same tokens in its [seq, batch] order, value and gradient, per routing provider."""
+    B, L, E, K = 4, 24, 16, 4
+    logits, r = _biased_routing(gen, provider, B * L, E, K, score, bias_scale, n_group, topk_group)
+    xm = logits.detach().clone().requires_grad_()
+    want = _megatron_seq_aux_loss(xm.view(B, L, E).transpose(0, 1).reshape(L * B, E), K, score, L, B)
+    want.backward()
+    for lp in _loss_providers(logits):
+        for groups in (L, [L] * B):
+            x = logits.detach().clone().requires_grad_()
+            got = M.moe_aux_loss(x, r, groups=groups, provider=lp)
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+            got.backward()
+            torch.testing.assert_close(x.grad, xm.grad, rtol=1e-4, atol=1e-7)
+        routed = M.moe_aux_loss(logits, r, groups=L, count="routed", provider=lp)
+        assert abs(routed.item() - want.item()) > 1e-4 * want.item(), "the routed count is another loss"
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_count_routed_counts_the_routing_indices_and_topk_from_probs(gen, provider):
+    """count="routed": the routing's (biased) indices, by hand; from_probs=True with the default count: the top-K
+    of the probabilities given; a routing without selection options counts its indices either way."""
+    T, E, K = 40, 8, 2
+    logits = _logits(gen, T, E)
+    bias = torch.zeros(E)
+    bias[5] = 1.0  # every token chooses expert 5
+    r = M.moe_route(logits, k=K, score_bias=bias)
+    p = torch.softmax(logits, -1)
+    f_routed = torch.bincount(r.indices.reshape(-1), minlength=E).float() / (T * K)
+    assert f_routed[5] == 0.5
+    top = torch.topk(p, K, dim=1).indices
+    f_top = torch.bincount(top.reshape(-1), minlength=E).float() / (T * K)
+    for fr, kw in ((f_routed, dict(count="routed")), (f_top, {})):
+        want = E * (fr * p.mean(0)).sum()
+        torch.testing.assert_close(M.moe_aux_loss(logits, r, provider=provider, **kw), want)
+        torch.testing.assert_close(M.moe_aux_loss(p, r, from_probs=True, provider=provider, **kw), want)
+    plain = M.moe_route(logits, k=K)
+    for count in M.AUX_COUNTS:
+        torch.testing.assert_close(M.moe_aux_loss(logits, plain, count=count, provider=provider),
+                                   E * (f_top * p.mean(0)).sum())  # fmt: skip
+
+
+def test_bad_count_is_a_typed_error(gen):
+    logits = _logits(gen, 8, 4)
+    r = M.moe_route(logits, k=2, score_bias=torch.zeros(4))
+    for bad in ("biased", "", None, 1):
+        with pytest.raises(InvalidArgumentError, match="count"):
+            M.moe_aux_loss(logits, r, count=bad)
+        with pytest.raises(InvalidArgumentError, match="count"):
+            M.moe_aux_loss_ref(logits, r, count=bad)
+    with pytest.raises(ArgumentTypeError, match="selection_options"):
+        M.moe_aux_loss(logits, dataclasses.replace(r, selection_options=1))
 
 
 # ------------------------------------------------------------------------------------------ providers
@@ -323,6 +477,27 @@ def test_compiled_grouped_loss_gives_the_eager_result(gen):
     got = torch.compile(fn, fullgraph=True, backend="aot_eager")(a)
     want = fn(b)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_compiled_loss_of_a_biased_grouped_routing_gives_the_eager_result(gen):
+    """The default count recomputes the plain top-K inside the compiled graph (the torch provider's top-K)."""
+    logits = _logits(gen, 24, 8)
+    r = M.moe_route(logits, k=2, score="sigmoid", score_bias=torch.randn(8, generator=gen) * 0.3, n_group=4,
+                    topk_group=2)  # fmt: skip
+
+    def fn(x):
+        return M.moe_aux_loss(x, r, groups=[5, 19]) + M.moe_aux_loss(x, r)
+
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(a)
+    want = fn(b)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        want, _megatron_aux_loss(logits, 2, "sigmoid") + M.moe_aux_loss_ref(logits, r, groups=[5, 19])
+    )
     got.backward()
     want.backward()
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)

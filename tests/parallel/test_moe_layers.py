@@ -156,6 +156,43 @@ def test_moe_layer_load_balancing_kinds():
     assert seq.router.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize(
+    "options",
+    [dict(expert_bias=True), dict(n_group=4, topk_group=2), dict(expert_bias=True, n_group=4, topk_group=2)],
+    ids=["bias", "groups", "both"],
+)
+def test_moe_layer_load_balancing_with_bias_or_groups_is_megatron_core(options):
+    """With an expert bias and/or groups the layer's aux_loss and seq_aux_loss are Megatron-Core's (their
+    formulas written out in tests/ops/test_moe_losses.py: the plain top-K of the unbiased scores counted), and
+    aux_loss_count="routed" counts the experts the layer routed by instead."""
+    from tests.ops.test_moe_losses import _megatron_aux_loss, _megatron_seq_aux_loss
+
+    torch.manual_seed(14)
+    B, L, E, K, coef = 4, 16, 16, 4, 0.01
+    x = torch.randn(B, L, H)
+    for kind in ("aux_loss", "seq_aux_loss"):
+        layer = MoELayer(H, FFN, E, K, score="sigmoid", load_balancing=kind, aux_loss_coef=coef, **options)
+        routed = MoELayer(H, FFN, E, K, score="sigmoid", load_balancing=kind, aux_loss_coef=coef,
+                          aux_loss_count="routed", **options)  # fmt: skip
+        if layer.balancer is not None:
+            layer.balancer.bias.copy_(torch.randn(E) * 0.3)
+        routed.load_state_dict(layer.state_dict())
+        layer(x)
+        routed(x)
+        logits = layer.router(x.view(B * L, H)).detach()
+        if kind == "aux_loss":
+            want = _megatron_aux_loss(logits, K, "sigmoid")
+        else:
+            want = _megatron_seq_aux_loss(logits.view(B, L, E).transpose(0, 1).reshape(L * B, E), K, "sigmoid", L, B)
+        torch.testing.assert_close(layer.aux_loss.detach(), coef * want, rtol=1e-5, atol=1e-8)
+        groups = None if kind == "aux_loss" else L
+        r = layer.last_routing
+        torch.testing.assert_close(routed.aux_loss, coef * moe_aux_loss(logits, r, groups=groups, count="routed"))
+        assert abs(routed.aux_loss.item() - layer.aux_loss.item()) > 1e-4 * layer.aux_loss.item()
+    with pytest.raises(InvalidArgumentError, match="aux_loss_count"):
+        MoELayer(H, FFN, E, K, aux_loss_count="biased")
+
+
 @pytest.fixture
 def grouped_calls(monkeypatch):
     """Counts the grouped GEMMs the expert compute launches."""

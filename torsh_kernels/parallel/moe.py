@@ -35,7 +35,10 @@ the routing itself in ``layer.last_routing``. The load-balancing loss (``load_ba
 names): ``"aux_loss"`` the Switch/GShard loss over the call's tokens (``moe_aux_loss``, 1.0 when balanced),
 ``"seq_aux_loss"`` its mean over the sequences (DeepSeek-V3's sequence-wise loss, Megatron-Core's
 ``seq_aux_loss``: ``moe_aux_loss(groups=sequence lengths)``; sequences of no tokens are left out), ``"none"``
-no load-balancing loss whatever ``aux_loss_coef`` says.
+no load-balancing loss whatever ``aux_loss_coef`` says. With an expert bias or groups the loss counts each
+token's K highest unbiased scores, as Megatron-Core does (``aux_loss_count="topk"``, the default), or the
+biased, group-limited experts the layer routed by (``aux_loss_count="routed"``); the bias's update counts the
+routed ones either way.
 
 The experts run as one grouped GEMM per projection where torch's ``grouped_mm`` runs on the device and dtype
 (probed once), else a loop over the experts; ``expert_compute="grouped"`` / ``"loop"`` forces one (see
@@ -250,7 +253,7 @@ class _MoEBase(nn.Module):
             groups = None
             if self.spec.load_balancing == "seq_aux_loss" and seqs is not None:
                 groups = [n for n in seqs if n] or None
-            lb = moe_aux_loss(logits, r, groups=groups) if groups is not None else moe_aux_loss(logits, r)
+            lb = moe_aux_loss(logits, r, groups=groups, count=self.spec.aux_loss_count)
             aux = self.spec.aux_loss_coef * lb
         if self.spec.z_loss_coef:
             z = self.spec.z_loss_coef * moe_z_loss(logits)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..checks import check_bool, check_choice, check_int, check_number
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..ops.moe.reference import AUX_COUNTS
 from ..ops.moe.router import RouterSpec
 from ..specs import Spec
 from .moe_balance import check_rate
@@ -54,6 +55,10 @@ class MoESpec(Spec):
     """Weight of the router z-loss in ``aux_loss`` (ST-MoE uses 0.001)."""
     load_balancing: str = "aux_loss"
     """"aux_loss", "seq_aux_loss" (per sequence) or "none"."""
+    aux_loss_count: str = "topk"
+    """Which selection the load-balancing loss counts with an expert bias or groups (``moe_aux_loss``'s
+    ``count``): "topk" (Megatron-Core's rule: each token's K highest unbiased scores) or "routed" (the biased,
+    group-limited choices the layer routed by)."""
     shared_experts: int = 0
     """Shared experts (DeepSeek; 0: none): one MLP of width ``shared_ffn_hidden`` run on every token."""
     shared_ffn_hidden: int | None = None
@@ -82,6 +87,7 @@ class MoESpec(Spec):
         for name in ("aux_loss_coef", "z_loss_coef"):
             self.normalize(name, check_number(getattr(self, name), what, name, lo=0.0))
         check_choice(self.load_balancing, what, "load_balancing", LOAD_BALANCING)
+        check_choice(self.aux_loss_count, what, "aux_loss_count", AUX_COUNTS)
         self.normalize("shared_experts", check_int(self.shared_experts, what, "shared_experts", 0))
         check_bool(self.shared_gate, what, "shared_gate")
         check_bool(self.expert_bias, what, "expert_bias")

@@ -53,15 +53,15 @@ Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dro
   ``y[t] = sum_j weights[t, j] * y_perm[row_map[t, j]]`` over the kept assignments, accumulated in fp32
   in the order j = 0..K-1 and cast once to ``y_perm``'s dtype (``weights=False`` sums without weights).
   Padding rows are never read; their gradient is zero.
-- ``moe_aux_loss(logits_or_probs, routing, scale=, groups=)``: the Switch/GShard load-balancing loss.
+- ``moe_aux_loss(logits_or_probs, routing, scale=, groups=, count=)``: the Switch/GShard load-balancing loss.
   The T tokens form G groups (``groups=None``: one group of all T; an int S: consecutive groups of S
   tokens, S dividing T; a list/tuple of lengths >= 0 summing to T: consecutive groups of those lengths,
   e.g. ``routing.sequence_lengths``; an empty group has no tokens to balance and is left out). In
   group g of S_g tokens, ``c_ge`` is the number of the group's assignments (``routing.indices``, K per
-  token) that chose expert e, counted before capacity drops (the loss penalises the router's choices, and
-  with a ``score_bias`` these are the biased selections, as DeepSeek-V3 counts them), and ``P_ge`` the mean
-  over the group's tokens of e's probability, from ``logits_or_probs`` (softmax of the logits for a
-  softmax routing; for sigmoid, each token's scores divided by their sum; ``from_probs=True``: the values
+  token) that chose expert e, counted before capacity drops (the loss penalises the router's choices; see
+  below for a routing with a ``score_bias`` or groups), and ``P_ge`` the mean over the group's tokens of
+  e's probability, from ``logits_or_probs`` (softmax of the logits for a softmax routing; for sigmoid, each
+  token's scores divided by their sum; ``from_probs=True``: the values
   as given). The loss is the mean over groups of ``E * sum_e f_ge * P_ge``, with
   ``f_ge = c_ge / (K * S_g)`` for ``scale="balanced-one"`` (the default: 1.0 when every expert gets the
   same share, whatever K) and ``f_ge = c_ge / S_g`` for ``scale="hf"`` (K times as large: Hugging Face's
@@ -72,7 +72,14 @@ Shapes: ``# T tokens, E experts, K chosen per token, H hidden, N = T*K minus dro
   (averaged over sequences): per sequence ``E / (K * S) * c_e`` times the mean normalised score.
   A group is a run of consecutive rows of the [T, E] logits, as in Hugging Face's [batch, seq] flattening
   (in Megatron's [seq, batch] layout a sequence's rows are not consecutive: route [batch, seq] rows). No
-  tokens (T = 0): 0. HF's masked form (``attention_mask``: the loss over the unmasked tokens) is not
+  tokens (T = 0): 0. *With a ``score_bias`` or groups* (``routing.selection_options``) the default
+  ``count="topk"`` counts each token's K highest *unbiased* scores instead of ``routing.indices``
+  (recomputed: the route's top-K without the bias and the group limit), as Megatron-Core does
+  (``compute_routing_scores_for_aux_loss``: a plain top-K, for ``aux_loss``, ``seq_aux_loss`` and
+  ``global_aux_loss``) and DeepSeek-V3's paper (eq. 18); ``count="routed"`` counts the biased, group-limited
+  ``routing.indices`` (the rule before; 2-3% apart on DeepSeek-V3-like routings). The expert bias's own
+  update (``BiasBalancer``) still counts the routed, kept assignments (``tokens_per_expert``), as
+  Megatron-Core's does. HF's masked form (``attention_mask``: the loss over the unmasked tokens) is not
   provided.
 - ``moe_z_loss(logits)``: ``mean_t logsumexp(logits[t])**2`` (ST-MoE's router z-loss).
 
@@ -115,6 +122,7 @@ from __future__ import annotations
 from .api import moe_permute, moe_route, moe_unpermute
 from .losses import moe_aux_loss, moe_z_loss
 from .reference import (
+    AUX_COUNTS,
     AUX_SCALES,
     moe_aux_loss_ref,
     moe_permute_ref,
@@ -126,6 +134,7 @@ from .router import CAPACITY_SCOPES, DROP_POLICIES, SCORES, RouterSpec
 from .routing import Routing, check_routing, check_sequence_lengths, expert_capacity
 
 __all__ = [
+    "AUX_COUNTS",
     "AUX_SCALES",
     "CAPACITY_SCOPES",
     "DROP_POLICIES",

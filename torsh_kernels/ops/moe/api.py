@@ -103,7 +103,7 @@ def _route_checked(logits, spec: RouterSpec, score_bias, sequence_lengths, provi
         indices=idx, weights=w, scores=s.detach(), tokens_per_expert=counts, row_map=rows, token_index=tok,
         dropped=rows < 0, num_experts=E, num_rows=tok.shape[0], capacity=plan.capacity, score=spec.score,
         sequence_lengths=plan.sequence_lengths, sequence_capacity=plan.sequence_capacity,
-        padded=plan.padded_capacity >= 0,
+        padded=plan.padded_capacity >= 0, selection_options=bias is not None or G > 0,
     )  # fmt: skip
     return r if eager.compiling() else seal(r)  # (while torch.compile traces: nothing to seal)
 

@@ -47,7 +47,8 @@ def route_cpu(logits: torch.Tensor, spec: RouterSpec, score_bias: torch.Tensor |
                                                               spec.check_finite)  # fmt: skip
     return seal(Routing(indices=idx, weights=w, scores=s.detach(), tokens_per_expert=counts, row_map=rows,
                         token_index=tok, dropped=dropped, num_experts=E, num_rows=n,
-                        capacity=None if cap < 0 else cap, score=score))  # fmt: skip
+                        capacity=None if cap < 0 else cap, score=score,
+                        selection_options=bias is not None or G > 0))  # fmt: skip
 
 
 def _route_cpu(logits, T, E, k, score, renorm, bias, G, TG, c, cap, drop_policy, check_finite):

@@ -109,6 +109,7 @@ def moe_route_ref(
         row_map=rows.view(T, k), token_index=token_index, dropped=~keep.view(T, k), num_experts=E, num_rows=n,
         capacity=plan.capacity, score=spec.score, sequence_lengths=plan.sequence_lengths,
         sequence_capacity=plan.sequence_capacity, padded=plan.padded_capacity >= 0,
+        selection_options=score_bias is not None or bool(spec.n_group),
     )  # fmt: skip
 
 
@@ -188,6 +189,11 @@ def moe_unpermute_ref(y_perm: torch.Tensor, routing: Routing, *, weights: bool =
 
 
 AUX_SCALES = ("balanced-one", "hf")
+AUX_COUNTS = ("topk", "routed")
+"""``moe_aux_loss(count=)``: which selection ``c_ge`` counts. "topk" (the default): each token's K highest unbiased
+scores, Megatron-Core's rule (``compute_routing_scores_for_aux_loss``: a plain top-K of the scores, without the
+expert bias and the group limit) and DeepSeek-V3's (eq. 18 of its paper); "routed": ``routing.indices``, the
+experts the routing chose (with a ``score_bias`` or groups, the biased, group-limited selection)."""
 
 
 def check_groups(groups: object, T: int, what: str) -> int | tuple[int, ...] | None:
@@ -226,7 +232,7 @@ def _num_groups(groups: int | tuple[int, ...] | None, T: int) -> int:
     return 1 if groups is None else T // groups if isinstance(groups, int) else len(groups)
 
 
-def _aux_probs(x: torch.Tensor, routing: Routing, from_probs: bool) -> torch.Tensor:
+def aux_probs(x: torch.Tensor, routing: Routing, from_probs: bool) -> torch.Tensor:
     """[T, E] fp32 probabilities of the aux loss (see the module docstring)."""
     if from_probs:
         return x.float()
@@ -236,6 +242,15 @@ def _aux_probs(x: torch.Tensor, routing: Routing, from_probs: bool) -> torch.Ten
     return s / s.sum(-1, keepdim=True)
 
 
+def aux_counted_indices_ref(p: torch.Tensor, routing: Routing, count: str = "topk") -> torch.Tensor:
+    """[T, K]: the experts the aux loss counts (see :data:`AUX_COUNTS`), from the aux loss's probabilities ``p``
+    (their top-K ranks the experts as the scores do): ``routing.indices`` unless ``count="topk"`` and a selection
+    option chose them (``routing.selection_options``)."""
+    if count == "routed" or not routing.selection_options:
+        return routing.indices
+    return choose_ref(p, routing.k).to(routing.indices.device)
+
+
 def moe_aux_loss_ref(
     logits_or_probs: torch.Tensor,
     routing: Routing,
@@ -243,21 +258,33 @@ def moe_aux_loss_ref(
     from_probs: bool = False,
     scale: str = "balanced-one",
     groups: int | Sequence[int] | None = None,
+    count: str = "topk",
 ) -> torch.Tensor:
-    """The mean over groups of E * sum_e f_ge * P_ge (see the module docstring), in plain torch."""
+    """The mean over groups of E * sum_e f_ge * P_ge (see the module docstring), in plain torch; ``count``: which
+    selection ``f`` counts (:data:`AUX_COUNTS`)."""
     what = "torsh_kernels.moe_aux_loss_ref"
-    E, T, K = routing.num_experts, routing.num_tokens, routing.k
+    K, T = routing.k, routing.num_tokens
     kf = K if check_choice(scale, what, "scale", AUX_SCALES) == "balanced-one" else 1
     groups = check_groups(groups, T, what)
-    p = _aux_probs(logits_or_probs, routing, from_probs)
+    p = aux_probs(logits_or_probs, routing, from_probs)
+    idx = aux_counted_indices_ref(p, routing, check_choice(count, what, "count", AUX_COUNTS))
+    return aux_loss_of(p, idx, routing.num_experts, kf, groups)
+
+
+def aux_loss_of(
+    p: torch.Tensor, idx: torch.Tensor, E: int, kf: int, groups: int | tuple[int, ...] | None
+) -> torch.Tensor:
+    """The aux loss of probabilities ``p`` [T, E] and counted experts ``idx`` [T, K] (checked ``groups``; ``kf``: K
+    or 1, the scale), in plain torch."""
+    T = idx.shape[0]
     if T == 0:  # no tokens: no imbalance (a mean over no tokens would be NaN and spoil the summed loss)
         return (p.sum() * 0.0).reshape(())
     if groups is None:  # (a count per expert of static shape [E]: bincount's size depends on the data)
-        idx = routing.indices.reshape(-1)
-        f = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx)).float()
+        flat = idx.reshape(-1)
+        f = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat)).float()
         return E * (f / (T * kf) * p.mean(0)).sum()
     G = _num_groups(groups, T)
-    dev = routing.indices.device
+    dev = idx.device
     if isinstance(groups, int):  # G groups of S tokens
         gid = torch.arange(T, device=dev) // groups
         psum = p.view(G, groups, E).sum(1)  # [G, E]
@@ -267,7 +294,7 @@ def moe_aux_loss_ref(
         gid = torch.repeat_interleave(torch.arange(G), lengths).to(dev)
         psum = p.new_zeros(G, E).index_add(0, gid.to(p.device), p)
         sizes = lengths.to(device=p.device, dtype=torch.float32)
-    key = (gid[:, None] * E + routing.indices).reshape(-1)  # [T*K]: group-major expert slot
+    key = (gid[:, None] * E + idx).reshape(-1)  # [T*K]: group-major expert slot
     counts = torch.zeros(G * E, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
     per_group = (counts.view(G, E).float() * psum).sum(1) / sizes.square()  # [G]
     return (E / (kf * G)) * per_group.sum()

@@ -94,6 +94,10 @@ class Routing(Sealable):
     padded: bool = False
     """Each expert's group of permuted rows padded with zero rows to ``capacity`` rows (``pad_to_capacity``):
     ``num_rows`` is E * capacity and ``token_index`` is -1 at the padding rows."""
+    selection_options: bool = False
+    """A ``score_bias`` or grouped selection (``n_group``/``topk_group``) chose ``indices``: they may differ from
+    the K highest scores, which :func:`moe_aux_loss` counts by default (``count="topk"``, Megatron-Core's rule)
+    and recomputes when this is True. False: ``indices`` are the K highest scores."""
 
     @property
     def num_tokens(self) -> int:
@@ -387,8 +391,9 @@ def _check_layout(r: Routing, what: str) -> None:
         raise InvalidArgumentError(f"{what}: routing.capacity={cap!r} must be None or an int >= 0")
     if r.score not in _SCORES:
         raise InvalidArgumentError(f"{what}: routing.score={r.score!r}; expected 'softmax' or 'sigmoid'")
-    if not isinstance(r.padded, bool):
-        raise ArgumentTypeError(f"{what}: routing.padded must be a bool, got {type(r.padded).__name__}")
+    for name in ("padded", "selection_options"):
+        if not isinstance(getattr(r, name), bool):
+            raise ArgumentTypeError(f"{what}: routing.{name} must be a bool, got {type(getattr(r, name)).__name__}")
     fix = "; pass the Routing that moe_route returned for these tokens"
     if r.indices.dim() != 2:
         raise ShapeError(f"{what}: routing.indices must be [T, K], got shape {tuple(r.indices.shape)}{fix}")

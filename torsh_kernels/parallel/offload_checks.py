@@ -1,20 +1,36 @@
-"""What ``OffloadedOptimizer.load_state_dict`` (:mod:`torsh_kernels.parallel.offload_optimizer`) checks
-before anything changes: :func:`check_state_dict`, a typed error naming the first thing in a state
-dict that does not fit the optimizer (types, group and parameter counts, parameter ids, hyperparameter
-types, and per parameter its state's keys, tensor shapes and dtypes)."""
+"""What :class:`~torsh_kernels.parallel.offload_optimizer.OffloadedOptimizer` checks.
+
+- ``load_state_dict``, before anything changes: :func:`check_state_dict`, a typed error naming the first thing
+  in a state dict that does not fit the optimizer (types, group and parameter counts, parameter ids,
+  hyperparameter types, and per parameter its state's keys, tensor shapes and dtypes);
+- ``step``, across ranks, before anything is committed: :class:`StepAgreement` (made by :func:`step_agreement`
+  from the optimizer's ``group``), whether every rank's step succeeded; where any failed, every rank rolls
+  back and raises."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..errors import ArgumentTypeError, DTypeError, InvalidArgumentError, ShapeError
+from ..checks import check_timeout
+from ..collectives.agreement import exchanging
+from ..collectives.communicator import TorchCommunicator, is_dtensor
+from ..collectives.protocol import is_communicator, is_mesh
+from ..errors import (
+    ArgumentTypeError,
+    CollectiveError,
+    DTypeError,
+    InvalidArgumentError,
+    RankFailedError,
+    ShapeError,
+)
 from .offload_chunks import local
 
-__all__ = ["check_state_dict", "expected_keys", "same_kind"]
+__all__ = ["LINE", "StepAgreement", "check_state_dict", "error_line", "expected_keys", "same_kind", "step_agreement"]
 
 
 def check_state_dict(
@@ -158,3 +174,155 @@ def same_kind(mine: Any, v: Any) -> bool:
     if isinstance(mine, (tuple, list)):
         return isinstance(v, (tuple, list)) and len(v) == len(mine) and all(same_kind(a, b) for a, b in zip(mine, v))
     return True
+
+
+# -- one step's outcome, agreed across ranks -------------------------------------------------------------
+
+LINE = 200
+"""Bytes of a failed rank's error line sent to the other ranks (longer lines are cut)."""
+
+
+def error_line(e: BaseException) -> str:
+    """``"Type: first line of the message"``: how one rank's error is named on the others."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _note(e: BaseException, text: str) -> None:
+    if hasattr(e, "add_note"):  # Python 3.11+
+        e.add_note(text)
+
+
+class StepAgreement:
+    """The ranks whose ``OffloadedOptimizer.step`` is all or nothing together, and the exchange that decides it.
+
+    ``comms``: communicators whose successive MAX all-reduces reach every one of ``ranks`` (one over a process
+    group; one per dimension of a DeviceMesh); ``position``: this rank's index in ``ranks`` (global ranks, or
+    a given communicator's ranks). ``unsettled``: set when an exchange did not complete on this rank (a peer
+    gone, the timeout): peers may then have committed the step this rank rolled back."""
+
+    __slots__ = ("comms", "position", "ranks", "unsettled")
+
+    def __init__(self, comms: list, position: int, ranks: list[int]) -> None:
+        self.comms = comms
+        self.position = position
+        self.ranks = ranks
+        self.unsettled: str | None = None
+
+    def failures(self, failure: str | None) -> dict[int, str]:
+        """Every rank's outcome: ``failure`` is this rank's (None: it succeeded); returns {rank: error line}
+        of the ranks that failed, the same on every rank ({}: all succeeded). One all-reduce of one byte per
+        rank per communicator; where any failed, a second one of ``LINE`` bytes per failed rank. A collective."""
+        dev = self.comms[0].device
+        flags = torch.zeros(len(self.ranks), dtype=torch.uint8)
+        if failure is not None:
+            flags[self.position] = 1
+        flags = flags.to(dev)
+        for c in self.comms:
+            c.all_reduce(flags, "max")
+        failed = flags.nonzero().flatten().tolist()
+        if not failed:
+            return {}
+        lines = torch.zeros(len(failed), LINE, dtype=torch.uint8)
+        if failure is not None:
+            raw = failure.encode("utf-8", "replace")[:LINE]
+            lines[failed.index(self.position), : len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        lines = lines.to(dev)
+        for c in self.comms:
+            c.all_reduce(lines, "max")
+        rows = lines.cpu().tolist()
+        return {self.ranks[i]: bytes(r).rstrip(b"\0").decode("utf-8", "replace") for i, r in zip(failed, rows)}
+
+    def settle(self, error: BaseException | None, rollback: Callable[[], None], what: str) -> None:
+        """After this rank's step: agree on every rank's outcome. Returns when all succeeded, or when this rank
+        failed (``error``; the caller raises it, rolled back already, with a note on what the others did);
+        otherwise calls ``rollback`` and raises ``RankFailedError`` naming the failed ranks, or, where the
+        exchange itself failed (a peer gone, past the timeout), the communicator's ``CollectiveError``."""
+        me = self.ranks[self.position]
+        try:
+            failed = self.failures(None if error is None else error_line(error))
+        except BaseException as e:
+            if error is not None:  # no rank can commit: this rank's failure is in the exchange, or it failed
+                _note(error, f"{what}: the other ranks could not be told (the exchange failed: {error_line(e)})")
+                return
+            rollback()
+            self.unsettled = (
+                f"{what}: the ranks' agreement on a step did not complete on rank {me} ({error_line(e)}); this rank "
+                "rolled the step back, but a rank that completed the exchange may have committed it, so the ranks' "
+                "parameters may differ. Restore every rank from the last checkpoint (load_state_dict) before "
+                "stepping or saving again"
+            )
+            if isinstance(e, CollectiveError):
+                raise type(e)(self.unsettled) from e
+            raise
+        if error is not None:
+            others = sorted(r for r in failed if r != me)
+            also = f"; {_ranks(others)} failed too" if others else ""
+            _note(error, f"{what}: every rank of the group ({_ranks(self.ranks)}) rolled this step back{also}")
+            return
+        if failed:
+            rollback()
+            names = "; ".join(f"rank {r}: {line}" for r, line in failed.items())
+            raise RankFailedError(
+                f"{what}: {_ranks(list(failed))} failed in this step ({names}); every rank of the group "
+                f"({_ranks(self.ranks)}) rolled it back: the parameters and optimizer state are those before it. "
+                "Fix what failed there and step again, or restore from a checkpoint",
+                failures=failed,
+            )
+
+
+def step_agreement(group: Any, params: list[torch.Tensor], timeout: float | None, what: str) -> StepAgreement | None:
+    """The ranks a step agrees with (see ``OffloadedOptimizer``'s ``group``): None where there are none to
+    agree with (off, plain tensors under "auto", a single rank); a typed error for a ``group`` it cannot use."""
+    if group is False:
+        return None
+    if timeout is not None:
+        timeout = check_timeout(timeout, what)
+    if group is None or group is True:
+        raise InvalidArgumentError(
+            f"{what}: group={group!r}; pass 'auto' (DTensor parameters: their DeviceMesh), a ProcessGroup "
+            "(dist.group.WORLD for the default group), a DeviceMesh or a Communicator, or False for no agreement "
+            "across ranks"
+        )
+    if isinstance(group, str):
+        if group != "auto":
+            raise InvalidArgumentError(f"{what}: group={group!r}; the only string taken is 'auto'")
+        meshes = list(dict.fromkeys(p.device_mesh for p in params if is_dtensor(p)))
+        if not meshes:
+            return None
+        if len(meshes) > 1:
+            raise InvalidArgumentError(
+                f"{what}: the parameters are DTensors on {len(meshes)} different device meshes ({meshes[:3]}); "
+                "pass group= the process group whose ranks all step this optimizer together (e.g. "
+                "dist.group.WORLD), or group=False for each rank on its own"
+            )
+        group = meshes[0]
+    return _agreement_over(group, timeout, what)
+
+
+def _agreement_over(group: Any, timeout: float | None, what: str) -> StepAgreement | None:
+    if is_mesh(group):
+        ranks = group.mesh.flatten().tolist()
+        comms = [TorchCommunicator(group, dim=d, timeout=timeout) for d in range(group.ndim)]
+        position = ranks.index(dist.get_rank())
+    elif isinstance(group, dist.ProcessGroup):
+        comms = [TorchCommunicator(group, timeout=timeout)]
+        ranks = dist.get_process_group_ranks(group)
+        position = comms[0].rank
+    elif is_communicator(group, ("all_reduce", "rank", "world_size", "device")):
+        if timeout is not None:
+            raise InvalidArgumentError(
+                f"{what}: timeout applies to a process group or a DeviceMesh; a Communicator has its own"
+            )
+        comms, ranks, position = [group], list(range(group.world_size)), group.rank
+    else:
+        raise ArgumentTypeError(
+            f"{what}: group must be 'auto', a ProcessGroup, a DeviceMesh, a Communicator or False, got "
+            f"{type(group).__name__}"
+        )
+    comms = [c for c in comms if exchanging(c)]
+    return StepAgreement(comms, position, ranks) if comms else None

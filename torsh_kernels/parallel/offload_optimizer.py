@@ -61,6 +61,26 @@ forward waits for them on the device, not the host). ``load_state_dict()`` valid
 dict first (types, shapes, dtypes, param groups, each state's keys against what the wrapped optimizer
 keeps) and raises a typed error before anything changes, then builds the new state beside the old and
 swaps it in.
+
+**All or nothing across ranks.** Where several ranks step together, a step that fails on one rank is rolled
+back on every rank: after its local update, before anything is committed, each rank tells the others whether
+it succeeded (one all-reduce of one byte per rank; a second, of each failed rank's error line, only where
+one failed). Every rank then commits, or every rank rolls back and raises: the rank that failed its own
+error (with a note saying the others rolled back), the others ``RankFailedError`` naming each failed rank
+and its error (``failures``: global rank -> error line). Without this, FSDP2's ranks, each owning a shard,
+would leave a checkpoint mixing two steps. ``group`` says who agrees: "auto" (default) agrees over the
+DeviceMesh of DTensor parameters (FSDP2's; one mesh, else pass ``group``) and not at all for plain tensors,
+so a single process (or replicated parameters nobody named a group for) issues no collective; DDP's
+replicas need ``group=`` (DDP's process group, or ``dist.group.WORLD``); ``group=False`` turns it off (each
+rank atomic on its own). A rank that dies ends the exchange at once with ``CollectiveError`` on the others;
+one that stalls, after ``timeout`` seconds with ``CollectiveTimeoutError`` (gloo; None: the process
+group's timeout, the only one NCCL has); either way they roll back. A rank whose exchange did not complete
+cannot know whether a peer completed it and committed (a stalled peer that joins later finds this rank's
+contribution and commits), so it then refuses ``step()`` and ``state_dict()`` (``CollectiveError``) until
+``load_state_dict()`` restores it: restore every rank from the last checkpoint. Every rank must call
+``step()`` at the same point (DCP's ``get_state_dict`` does, on every rank, when it steps an uninitialized
+optimizer); a closure runs before the exchange and its errors are not exchanged. A failure after the
+exchange, while parameters are written (a device error), rolls back that rank only.
 """
 
 from __future__ import annotations
@@ -74,9 +94,9 @@ import torch
 
 from .. import recording
 from ..collectives.communicator import is_dtensor
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, CollectiveError, InvalidArgumentError
 from ..ops import Packed, flatten, pack, unflatten, unpack
-from .offload_checks import check_state_dict
+from .offload_checks import check_state_dict, step_agreement
 from .offload_chunks import Chunk, chunk_parameters, cuda_device, host_state, like, local
 
 __all__ = ["STATE_FORMATS", "OffloadedOptimizer"]
@@ -94,6 +114,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         state_format: "fp32", "bf16" (default), "fp16" or "int8".
         chunk_mb: megabytes of fp32 parameters per pipeline chunk.
         offload_gradients: "step" (gradients move at ``step()``) or "backward" (as backward produces them).
+        group: the ranks whose steps are all or nothing together (see the module docstring): "auto" (default:
+            DTensor parameters, FSDP2's, agree over their DeviceMesh; plain tensors do not agree), a
+            ProcessGroup (``dist.group.WORLD``: the default group; DDP's group for replicated parameters), a
+            DeviceMesh, a Communicator, or False (each rank on its own, no collective).
+        timeout: seconds this rank waits for the others' outcome of a step before it rolls back and raises
+            ``CollectiveTimeoutError`` (gloo; None: the process group's timeout, the only one on NCCL).
         **optimizer_kwargs: the wrapped optimizer's arguments (lr, betas, weight_decay, ...).
     """
 
@@ -105,6 +131,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         *,
         chunk_mb: float = 32.0,
         offload_gradients: str = "step",
+        group: Any = "auto",
+        timeout: float | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         what = "OffloadedOptimizer"
@@ -130,6 +158,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for p in all_params:
             if not p.is_floating_point():
                 raise ArgumentTypeError(f"{what}: parameters must be floating point, got {p.dtype}")
+        self._agreement = step_agreement(group, all_params, timeout, what)  # None: no other rank to agree with
         self._cuda = cuda_device(all_params) if all_params else None
         pin = self._cuda is not None
         self._chunks = chunk_parameters(self.param_groups, self.chunk_mb, pin)
@@ -301,62 +330,92 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every parameter that has a gradient (see the module docstring): all or
-        nothing."""
+        nothing, on every rank of ``group`` together."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        agreement = self._agreement
+        if agreement is not None and agreement.unsettled is not None:
+            raise CollectiveError(agreement.unsettled)
+        undo = _Undo(self.stats)
+        error: BaseException | None = None
+        work = None
+        try:
+            work = self._local_step(undo)
+        except BaseException as e:
+            undo.rollback(self)
+            error = e
+        if agreement is not None:  # every rank's outcome, before anything is committed
+            agreement.settle(error, functools.partial(undo.rollback, self), "OffloadedOptimizer.step")
+        if error is not None:
+            raise error
+        if work is None:  # no gradient at all (offload_gradients="step"): nothing happened
+            return loss
+        chunks, stage = work
+        self._commit(chunks, stage, undo)
+        if self.offload_gradients == "backward":
+            for c in chunks:
+                c.host_has = [False] * len(c.params)
+        return self._finish(loss)
+
+    def _local_step(self, undo: _Undo) -> tuple[list[Chunk], torch.Tensor | None] | None:
+        """This rank's update of the masters and the state, logged in ``undo``; the parameters are not written.
+        Returns the chunks updated and the device staging buffer, or None where no parameter has a gradient
+        (offload_gradients="step")."""
         backward = self.offload_gradients == "backward"
         if backward:  # the gradients are on the host already
             if self._cuda is not None:
                 self._d2h.synchronize()
             chunks = [c for c in self._chunks if any(c.host_has)]
-            if not chunks:
-                return self._finish(loss)
         else:
             chunks = [c for c in self._chunks if any(p.grad is not None for p in c.params)]
             if not chunks:
-                return loss
+                return None
         for c in chunks:
             c.check_params(c.group)
             if not backward:
-                for p in c.params:
-                    g = p.grad
-                    if g is not None and (g.layout != torch.strided or g.shape != p.shape or not g.is_floating_point()):
-                        raise ArgumentTypeError(
-                            f"OffloadedOptimizer.step: a parameter of param group {c.group} {tuple(p.shape)} has a "
-                            f"{g.layout} {g.dtype} gradient {tuple(g.shape)}; expected a dense floating-point gradient "
-                            "of the parameter's shape (sparse gradients, e.g. nn.Embedding(sparse=True), are not "
-                            "supported)"
-                        )
-        undo = _Undo(self.stats)
-        try:
-            stage = None
-            if self._cuda is not None:  # allocated before anything changes: the commit below allocates nothing
-                stage = torch.empty(max(c.master_flat.numel() for c in chunks), dtype=torch.float32, device=self._cuda)
-            if backward:
-                for c in chunks:
-                    if c.spare is None:
-                        c.spare = torch.empty_like(c.master_flat, pin_memory=False)
-                for c in chunks:
-                    self._update(c, list(c.host_has), c.grad_flat, c.spare, undo)
-            else:
-                bufs = self._gradient_buffers()
-                pending = self._gather_grads(chunks[0], bufs[0])
-                for i, c in enumerate(chunks):
-                    has, ev = pending
-                    if i + 1 < len(chunks):  # double buffering: the next chunk's gradients travel during this update
-                        pending = self._gather_grads(chunks[i + 1], bufs[(i + 1) % 2])
-                    if ev is not None:
-                        ev.synchronize()
-                    # the chunk's own gradient buffer is free in this mode: it holds the masters' undo copy
-                    self._update(c, has, bufs[i % 2], c.grad_flat, undo)
-        except BaseException:
-            undo.rollback(self)
-            raise
-        # commit: every chunk's update succeeded; only now do the parameters change. Past the checks above this
-        # cannot fail on valid input; if it still does (a device error), the state is rolled back and the
-        # parameters already written are written again from the restored masters.
+                self._check_grads(c)
+        if not chunks:
+            return [], None
+        stage = None
+        if self._cuda is not None:  # allocated before anything changes: the commit below allocates nothing
+            stage = torch.empty(max(c.master_flat.numel() for c in chunks), dtype=torch.float32, device=self._cuda)
+        if backward:
+            for c in chunks:
+                if c.spare is None:
+                    c.spare = torch.empty_like(c.master_flat, pin_memory=False)
+            for c in chunks:
+                self._update(c, list(c.host_has), c.grad_flat, c.spare, undo)
+            return chunks, stage
+        bufs = self._gradient_buffers()
+        pending = self._gather_grads(chunks[0], bufs[0])
+        for i, c in enumerate(chunks):
+            has, ev = pending
+            if i + 1 < len(chunks):  # double buffering: the next chunk's gradients travel during this update
+                pending = self._gather_grads(chunks[i + 1], bufs[(i + 1) % 2])
+            if ev is not None:
+                ev.synchronize()
+            # the chunk's own gradient buffer is free in this mode: it holds the masters' undo copy
+            self._update(c, has, bufs[i % 2], c.grad_flat, undo)
+        return chunks, stage
+
+    @staticmethod
+    def _check_grads(c: Chunk) -> None:
+        for p in c.params:
+            g = p.grad
+            if g is not None and (g.layout != torch.strided or g.shape != p.shape or not g.is_floating_point()):
+                raise ArgumentTypeError(
+                    f"OffloadedOptimizer.step: a parameter of param group {c.group} {tuple(p.shape)} has a "
+                    f"{g.layout} {g.dtype} gradient {tuple(g.shape)}; expected a dense floating-point gradient "
+                    "of the parameter's shape (sparse gradients, e.g. nn.Embedding(sparse=True), are not "
+                    "supported)"
+                )
+
+    def _commit(self, chunks: list[Chunk], stage: torch.Tensor | None, undo: _Undo) -> None:
+        """Write the updated masters into the parameters. Past the checks this cannot fail on valid input; if
+        it still does (a device error), the state is rolled back and the parameters already written are
+        written again from the restored masters (on this rank only: the other ranks committed)."""
         if stage is not None:
             self._h2d.wait_stream(torch.cuda.current_stream(self._cuda))
         done: list[Chunk] = []
@@ -373,10 +432,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         finally:
             if stage is not None:
                 stage.record_stream(self._h2d)
-        if backward:
-            for c in chunks:
-                c.host_has = [False] * len(c.params)
-        return self._finish(loss)
 
     def _gradient_buffers(self) -> list[torch.Tensor]:
         """Two host buffers of the largest chunk's size (pinned where CUDA is), made on the first step."""
@@ -396,7 +451,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's format: fp32 state per parameter index (unpacked), plus ``master``."""
+        """The wrapped optimizer's format: fp32 state per parameter index (unpacked), plus ``master``. Refused
+        (``CollectiveError``) after an agreement across ranks that did not complete (see the module docstring)."""
+        if self._agreement is not None and self._agreement.unsettled is not None:
+            raise CollectiveError(self._agreement.unsettled)
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         state: dict[int, dict[str, Any]] = {}
         for c in self._chunks:
@@ -455,6 +513,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.state.clear()
         self.state.update(outer)
         self.stats["state_bytes"] = self._state_bytes()
+        if self._agreement is not None:  # restored from a checkpoint: in step with the other ranks again
+            self._agreement.unsettled = None
 
 
 class _Undo:

@@ -38,10 +38,15 @@ still aborts; against one of the same size the marker does not match and the exc
 ``CollectiveMismatchError`` while the other reads the row as data. The per-collective check
 (``TorchCommunicator(check_consistency=True)``) covers those cases, at the price of an extra all-gather
 per collective.
+
+A setup call every rank must make (``apply_quantized_comm``) first meets its peers through the process
+group's store (:func:`rendezvous`, no collective): a rank that did not make it is named after a timeout on
+the ranks that did, before their exchange could meet its data all-gather.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -54,13 +59,25 @@ import torch.distributed as dist
 
 from ..checks import env_flag
 from ..env import __version__
-from ..errors import ArgumentTypeError, CollectiveMismatchError
+from ..errors import ArgumentTypeError, CollectiveMismatchError, CollectiveTimeoutError
 from ..specs import plain
 from .coalesce import Coalescer
 from .communicator import TorchCommunicator
 from .replica import ReplicaCommunicator
 
-__all__ = ["ENV", "SLOTS", "agree", "agree_on", "agree_once", "enabled", "exchanging", "fields_of", "layout", "plain"]
+__all__ = [
+    "ENV",
+    "SLOTS",
+    "agree",
+    "agree_on",
+    "agree_once",
+    "enabled",
+    "exchanging",
+    "fields_of",
+    "layout",
+    "plain",
+    "rendezvous",
+]
 
 ENV = "TORSH_KERNELS_CHECK_SIGNATURES"
 """The environment variable that turns the exchange off (``0``) where an object's ``check_signatures`` is None."""
@@ -285,3 +302,51 @@ def agree_once(comm, key: object, topic: str, fields: Callable[[], Sequence[tupl
         while len(seen) > MAX_KEYS:
             seen.popitem(last=False)
     return True
+
+
+_MET: dict[tuple, int] = {}  # (topic, group ranks) -> rendezvous made, alike on every rank of a correct program
+
+
+def _store():
+    """The default process group's store (every group's ranks can reach it), or None."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)  # private in torch 2.13
+    try:
+        return get() if get is not None else None
+    except Exception:  # no default group (a communicator over another transport)
+        return None
+
+
+def rendezvous(comm, topic: str, *, what: str, fix: str = "", timeout: float | None = None) -> None:
+    """Wait until every rank of ``comm`` (a :class:`~torsh_kernels.collectives.TorchCommunicator`) reached this
+    call for ``topic``, through the process group's store, without a collective. Made before a setup step's
+    first exchange (:func:`apply_quantized_comm`'s): a rank that runs other code at this point issues its
+    own collective, and an exchange's small all-gather meeting a data all-gather of another size aborts the
+    process in gloo. Here the ranks that came raise :class:`CollectiveTimeoutError` naming those that did
+    not, after ``timeout`` seconds (None: the store's own, the process group's timeout), and nothing has
+    gone on the wire. Nothing happens on one rank or where no store is reachable."""
+    if not isinstance(comm, TorchCommunicator) or not exchanging(comm):
+        return
+    store = _store()
+    if store is None:
+        return
+    group = comm.group if comm.group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group))
+    with _LOCK:
+        n = _MET.get((topic, ranks), 0)
+        _MET[(topic, ranks)] = n + 1
+    prefix = f"torsh/rendezvous/{_hash(topic):016x}/{'-'.join(map(str, ranks))}/{n}/"
+    keys = [prefix + str(r) for r in range(len(ranks))]
+    wait = datetime.timedelta(seconds=timeout) if timeout is not None else store.timeout
+    store.set(keys[comm.rank], b"1")
+    try:
+        store.wait(keys, wait)
+    except Exception as e:  # the store's timeout (DistStoreError, RuntimeError on older torch)
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            return  # everyone arrived as the wait gave up
+        came = [r for r in range(len(ranks)) if r not in missing]
+        raise CollectiveTimeoutError(
+            f"{what}: {_ranks(missing)} did not reach {topic} within {wait.total_seconds():g} s, where "
+            f"{_ranks(came)} did: they run other code at this point (e.g. the call made on some ranks only) or "
+            f"are that much slower; nothing was sent. {fix}".rstrip()
+        ) from e

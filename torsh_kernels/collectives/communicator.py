@@ -395,16 +395,17 @@ def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group):
 
 
 def as_communicator(
-    comm: object, what: str, *, dim: str | int | None = None, needs: Sequence[str] = ()
+    comm: object, what: str, *, dim: str | int | None = None, needs: Sequence[str] = (), timeout: float | None = None
 ) -> Communicator:
     """``comm`` as a :class:`Communicator`, for APIs that take one: a Communicator is returned as it is; a
     ``ProcessGroup``, a ``DeviceMesh`` (``dim``: the dimension to communicate over, may be omitted for a
-    1-D mesh) or a ``(mesh, dim)`` pair becomes a :class:`TorchCommunicator` over that group. ``needs``:
-    the methods a Communicator must have here (checked, with a typed error naming what may be passed)."""
+    1-D mesh) or a ``(mesh, dim)`` pair becomes a :class:`TorchCommunicator` over that group, with
+    ``timeout`` (seconds each wait may take; a Communicator passed keeps its own). ``needs``: the methods a
+    Communicator must have here (checked, with a typed error naming what may be passed)."""
     if comm.__class__ is TorchCommunicator and dim is None:
         return comm
     if isinstance(comm, dist.ProcessGroup) or is_mesh(comm) or is_mesh_dim(comm):
-        return TorchCommunicator(resolve_group(comm, dim, what))
+        return TorchCommunicator(resolve_group(comm, dim, what), timeout=timeout)
     if is_communicator(comm, needs):
         if dim is not None:
             raise InvalidArgumentError(

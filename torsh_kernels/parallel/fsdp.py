@@ -30,8 +30,18 @@ op), each comm exchanges that configuration's signature with the ranks of FSDP2'
 all-gather, :func:`~torsh_kernels.collectives.agreement.agree`), and :func:`apply_quantized_comm` exchanges
 its settings once; ranks prepared differently then all raise
 :class:`~torsh_kernels.errors.CollectiveMismatchError` naming the difference instead of one aborting in
-gloo. ``check_signatures=False`` (or ``TORSH_KERNELS_CHECK_SIGNATURES=0``) turns it off. A rank whose
-model runs FSDP2's own comms where its peers run these exchanges nothing and is not caught.
+gloo. ``check_signatures=False`` (or ``TORSH_KERNELS_CHECK_SIGNATURES=0``) turns it off. Before its
+exchange, :func:`apply_quantized_comm` waits (through the process group's store, no collective) until every
+rank of the shard group called it: where one did not (its model runs FSDP2's own comms), the ranks that
+did raise :class:`~torsh_kernels.errors.CollectiveTimeoutError` naming it after the timeout instead of
+meeting its all-gather (which aborts the process in gloo); that rank itself runs none of this code and
+gets torch's own error from its collective.
+
+Failures: ``apply_quantized_comm(timeout=)`` bounds every collective of the installed comms (a peer that
+raised and stays alive ends this rank's next one with ``CollectiveError`` within the timeout, where the
+process group's default is 30 minutes). A residual with NaN or Inf in a checkpoint is refused with
+:class:`~torsh_kernels.errors.NonFiniteError` on the rank that loads it: at ``load_state_dict`` (DCP's
+``set_state_dict`` included), else (``dcp.load`` into the state dict alone) before its first send.
 
 Streams: on a GPU, FSDP2 calls the all-gather inside its all-gather stream and the reduce-scatter inside
 its reduce-scatter stream; the kernels here are launched on the current stream, so they order with the
@@ -49,7 +59,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..collectives.agreement import agree_on, enabled
+from ..checks import check_timeout
+from ..collectives.agreement import agree_on, enabled, rendezvous
 from ..collectives.communicator import TorchCommunicator, as_communicator, is_communicator
 from ..compression import Compressor, NoCompression, compressed_all_reduce
 from ..errors import ArgumentTypeError, InvalidArgumentError
@@ -212,14 +223,17 @@ def _hsdp_replicate(mods: list[nn.Module], replicate: object, what: str) -> obje
     return root, others[0]
 
 
-def _agree_install(mods, spec: QuantizedCommSpec, hsdp_grads, comm, what: str) -> None:
+def _agree_install(mods, spec: QuantizedCommSpec, hsdp_grads, comm, timeout: float | None, what: str) -> None:
     """:func:`apply_quantized_comm`'s settings and the sharded modules, agreed over the shard group (the
-    mesh dimension FSDP2 shards over) before anything is installed."""
+    mesh dimension FSDP2 shards over) before anything is installed; first, every rank of the group must
+    reach this call (a rank that did not call it would meet the exchange with FSDP2's own all-gather)."""
     params = [p for m in mods for p in managed_parameters(m)]
     mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
     if mesh is None:
         return  # nothing sharded: no collective will run
-    shard = TorchCommunicator(mesh.get_group(mesh.ndim - 1))
+    shard = TorchCommunicator(mesh.get_group(mesh.ndim - 1), timeout=timeout)
+    rendezvous(shard, "apply_quantized_comm", what=what, timeout=timeout,
+               fix="Call apply_quantized_comm on every rank's model, sharded alike.")  # fmt: skip
     specs = {"comms": spec} if hsdp_grads is None else {"comms": spec, "hsdp_grads": hsdp_grads}
     extra = [
         ("hsdp", hsdp_grads is not None),
@@ -240,6 +254,7 @@ def apply_quantized_comm(
     hsdp_grads: object = None,
     replicate: object = None,
     comm: object = None,
+    timeout: float | None = None,
     check_signatures: bool | None = None,
     **options: object,
 ) -> list[Installed]:
@@ -264,6 +279,14 @@ def apply_quantized_comm(
     ``comm``: a torsh Communicator over the ranks FSDP2 shards over, to carry the quantized weights and
     gradients instead of FSDP2's process group (``make_communicator("cupy-nccl")``, ...); None: FSDP2's.
 
+    ``timeout``: seconds any one collective of the installed comms (and of this call's agreement) may take
+    before it fails with a typed ``CollectiveError`` on this rank, e.g. while a peer that raised stays
+    alive; None: the process group's timeout (30 minutes by default). A ``comm`` given brings its own.
+    FSDP2's own collectives (where ``weights`` or ``grads`` is None, and its other collectives) keep
+    the process group's. Every rank must call this function: a rank that does not is named, after the
+    timeout, with ``CollectiveTimeoutError`` on the ranks that did (through the store, before anything
+    is sent), where gloo would abort the process.
+
     ``check_signatures``: agree with the ranks of the shard group on these settings and the sharded modules
     before installing anything (one small all-gather; every rank raises ``CollectiveMismatchError`` naming
     what differs otherwise, and the model is left as it was), and let the installed comms agree on each
@@ -271,13 +294,15 @@ def apply_quantized_comm(
     what = "apply_quantized_comm"
     spec = QuantizedCommSpec.build(spec, options, what)
     check = _check_arguments(hsdp_grads, replicate, comm, check_signatures, what)
+    timeout = None if timeout is None else check_timeout(timeout, what)
     mods = _fsdp_modules(module)
     rep = None
     if hsdp_grads is not None:
         replicate = _hsdp_replicate(mods, replicate, what)
-        rep = as_communicator(replicate, what, needs=("rank", "world_size", "device", "all_reduce", "all_gather"))
+        rep = as_communicator(replicate, what, needs=("rank", "world_size", "device", "all_reduce", "all_gather"),
+                              timeout=timeout)  # fmt: skip
     if check:
-        _agree_install(mods, spec, hsdp_grads, comm, what)
+        _agree_install(mods, spec, hsdp_grads, comm, timeout, what)
     if isinstance(hsdp_grads, NoCompression):
         hsdp_grads = None
     changed = []
@@ -285,7 +310,7 @@ def apply_quantized_comm(
         params = managed_parameters(m)
         if not params:
             continue  # e.g. a root that only groups FSDP children: FSDP2 runs no collective for it
-        changed.append(_install(m, params, spec, comm, rep, hsdp_grads, check))
+        changed.append(_install(m, params, spec, (comm, timeout), rep, hsdp_grads, check))
     return changed
 
 
@@ -311,25 +336,50 @@ def _check_arguments(hsdp_grads: object, replicate: object, comm: object, check_
     return check
 
 
-def _install(m: nn.Module, params: list[torch.Tensor], spec: QuantizedCommSpec, comm: object, rep: object,
+def _install(m: nn.Module, params: list[torch.Tensor], spec: QuantizedCommSpec, transport: tuple, rep: object,
              hsdp_grads: Compressor | None, check: bool) -> Installed:  # fmt: skip
-    """Install on one FSDP module (which shards ``params``) the comms ``spec`` asks for, and the replica
-    all-reduce hook over ``rep`` when there is one."""
+    """Install on one FSDP module (which shards ``params``) the comms ``spec`` asks for over ``transport``
+    (comm, timeout), and the replica all-reduce hook over ``rep`` when there is one."""
+    comm, timeout = transport
     ag = rs = None
     if (f := spec.format("weights")) is not None:
         ag = QuantizedAllGather(bits=f.bits, block=f.block, shard_group_size=_shard_group_size(params), comm=comm,
-                                check_signatures=check)  # fmt: skip
+                                timeout=timeout, check_signatures=check)  # fmt: skip
         m.set_custom_all_gather(ag)
     if (f := spec.format("grads")) is not None:
         res = _residual_buffer(m, params) if spec.error_feedback else None
         rs = QuantizedReduceScatter(bits=f.bits, block=f.block, error_feedback=spec.error_feedback, residual=res,
-                                    comm=comm, check_signatures=check)  # fmt: skip
+                                    comm=comm, timeout=timeout, check_signatures=check)  # fmt: skip
         m.set_custom_reduce_scatter(rs)
+    _on_load(m, rs if rs is not None and rs.residual is not None else None)
     hook = None
     if rep is not None:
         hook = ReplicaAllReduce(rep, hsdp_grads, check_signatures=check)
         m.set_all_reduce_hook(hook)
     return Installed(m, ag, rs, hook)
+
+
+_LOAD_HOOK = "_torsh_rs_load_hook"
+
+
+def _on_load(m: nn.Module, rs: QuantizedReduceScatter | None) -> None:
+    """After ``m.load_state_dict`` (DCP's ``set_state_dict`` included), hand the residual buffer the
+    checkpoint filled to ``rs`` and check it there (finite), so a damaged checkpoint fails at load, typed,
+    and a load that replaced the buffer (``assign=True``) is not ignored. One hook per module (the last
+    install's)."""
+    old = getattr(m, _LOAD_HOOK, None)
+    if old is not None:
+        old.remove()
+    if rs is None:
+        return
+
+    def hook(module: nn.Module, incompatible) -> None:
+        buf = getattr(module, RESIDUAL, None)
+        if buf is not None:
+            local = buf.to_local() if hasattr(buf, "to_local") else buf
+            rs.use_residual(local.view(-1), f"loaded into {type(module).__name__}.{RESIDUAL}")
+
+    setattr(m, _LOAD_HOOK, m.register_load_state_dict_post_hook(hook))
 
 
 def count_traffic(module: nn.Module, installed: Sequence[Installed] = ()) -> list:

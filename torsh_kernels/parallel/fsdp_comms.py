@@ -6,6 +6,7 @@ group or a torsh Communicator, each agreeing with the other ranks on every new c
 
 from __future__ import annotations
 
+import datetime
 import time
 import warnings
 from collections.abc import Sequence
@@ -13,11 +14,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..checks import check_timeout
 from ..collectives.agreement import agree_on, enabled
 from ..collectives.communicator import TorchCommunicator, is_communicator
 from ..collectives.traffic import wire_bytes as _on_wire
 from ..env import fmt_bytes
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError
 from .fsdp_format import QuantizedFormat, Wire
 
 try:  # private in torch 2.13 (the public setters take instances of these)
@@ -43,6 +45,10 @@ class _Transport:
     Communicator of the same ranks (NCCL through CuPy, RDMA, from ``make_communicator``)."""
 
     comm = None
+    timeout: float | None = None
+    """Seconds any one collective of this comm may take before it fails with ``CollectiveError`` on this rank
+    (its signature exchange, the payload over FSDP2's group, the plain all-gather); None: the process
+    group's timeout (30 minutes by default). A ``comm`` given brings its own."""
     _group_comms: dict | None = None
 
     def _set_checks(self, check_signatures: bool | None, what: str) -> None:
@@ -78,6 +84,9 @@ class _Transport:
             )
         self.comm = comm
 
+    def _set_timeout(self, timeout: object, what: str) -> None:
+        self.timeout = None if timeout is None else check_timeout(timeout, what)
+
     def _check_ranks(self, group, what: str) -> None:
         ws = dist.get_world_size(group)
         if self.comm is not None and self.comm.world_size != ws:
@@ -92,7 +101,7 @@ class _Transport:
             self._group_comms = {}
         hit = self._group_comms.get(id(group))
         if hit is None or hit[0] is not group:
-            hit = self._group_comms[id(group)] = (group, TorchCommunicator(group))
+            hit = self._group_comms[id(group)] = (group, TorchCommunicator(group, timeout=self.timeout))
         return hit[1]
 
     def _over(self, group):
@@ -109,13 +118,15 @@ class _Transport:
 
 
 def _as_work(handle, async_op: bool):
-    """A torsh handle as the ``dist.Work`` FSDP2 expects (None for a blocking call)."""
+    """A torsh handle as the ``dist.Work`` FSDP2 expects (None for a blocking call; a complete one for a
+    handle that is None, a collective already waited for)."""
     if not async_op:
         return None
     get = getattr(handle, "future", None)
     fut = get() if get is not None else None
     if fut is None:
-        handle.wait()
+        if handle is not None:
+            handle.wait()
         fut = torch.futures.Future()
         fut.set_result(None)
     return torch._C._distributed_c10d._create_work_from_future(fut)
@@ -148,14 +159,19 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
     ``comm``: a torsh Communicator over FSDP2's shard ranks to carry the quantized payload instead of
     FSDP2's process group (``make_communicator("cupy-nccl")``, ...); None: FSDP2's group.
 
+    ``timeout``: seconds one collective may take before it fails with ``CollectiveError`` (see
+    :attr:`timeout`); None: the process group's.
+
     ``check_signatures``: agree with the other ranks on each new call configuration first (see
     :mod:`torsh_kernels.parallel.fsdp`; None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``)."""
 
     def __init__(self, bits: int = 8, block: int = 256, *, shard_group_size: int | None = None,
-                 comm: object = None, check_signatures: bool | None = None) -> None:  # fmt: skip
+                 comm: object = None, timeout: float | None = None,
+                 check_signatures: bool | None = None) -> None:  # fmt: skip
         self.format = QuantizedFormat.build(None, {"bits": bits, "block": block}, "QuantizedAllGather")
         """What it sends (bits, block): a spec, agreed with the other ranks."""
         self._set_comm(comm, "QuantizedAllGather")
+        self._set_timeout(timeout, "QuantizedAllGather")
         self._set_checks(check_signatures, "QuantizedAllGather")
         if shard_group_size is not None and (
             isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1
@@ -200,10 +216,7 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
         if plain:
             self.plain_calls += 1
             self.bytes_sent += _on_wire("all_gather", x.nbytes, ws)
-            try:  # in place on FSDP2's group (its input is a view of its output), as FSDP2's own all-gather
-                return _all_gather(out, x, group, async_op)
-            except Exception as e:
-                raise self._group_comm(group).failure("all_gather", e) from e
+            return self._plain_all_gather(out, x, group, async_op)
         w = Wire(n, self.bits, self.block)
         send = torch.empty(w.total, dtype=torch.uint8, device=x.device)
         w.encode(x, send)  # before anything overwrites x (FSDP2's input is a view of the output)
@@ -227,6 +240,18 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
 
         return torch._C._distributed_c10d._create_work_from_future(work.get_future().then(done))
 
+    def _plain_all_gather(self, out: torch.Tensor, x: torch.Tensor, group, async_op: bool):
+        """FSDP2's own all-gather, in place on its group (the input is a view of the output); with a
+        :attr:`timeout`, waited for here within it (so a failure is this rank's ``CollectiveError`` in time,
+        not the process group's, 30 minutes later) and handed back to FSDP2 complete."""
+        try:
+            if self.timeout is None:
+                return _all_gather(out, x, group, async_op)
+            _all_gather(out, x, group, True).wait(datetime.timedelta(seconds=self.timeout))
+        except Exception as e:
+            raise self._group_comm(group).failure("all_gather", e) from e
+        return _as_work(None, async_op)
+
 
 class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
     """FSDP2's reduce-scatter as quantized chunks through one all-to-all, reduced in fp32, with an
@@ -234,14 +259,21 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
 
     ``residual``: the fp32 tensor (of the reduce-scatter input's size) holding this rank's residual, or
     None to allocate one at the first call. :func:`apply_quantized_comm` passes the local part of the
-    module buffer it registers, so the residual is checkpointed with the model."""
+    module buffer it registers, so the residual is checkpointed with the model. A residual loaded from a
+    checkpoint is checked when ``load_state_dict`` gives it (:meth:`use_residual`); one written in place
+    otherwise (``dcp.load`` alone) fails the quantization at its next use: both raise
+    :class:`~torsh_kernels.errors.NonFiniteError` naming the residual, before anything is sent.
+
+    ``timeout``: seconds one collective may take before it fails with ``CollectiveError``; None: the
+    process group's."""
 
     def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = True, *,
-                 residual: torch.Tensor | None = None, comm: object = None,
+                 residual: torch.Tensor | None = None, comm: object = None, timeout: float | None = None,
                  check_signatures: bool | None = None) -> None:  # fmt: skip
         self.format = QuantizedFormat.build(None, {"bits": bits, "block": block}, "QuantizedReduceScatter")
         """What it sends (bits, block): a spec, agreed with the other ranks."""
         self._set_comm(comm, "QuantizedReduceScatter")
+        self._set_timeout(timeout, "QuantizedReduceScatter")
         self._set_checks(check_signatures, "QuantizedReduceScatter")
         if not isinstance(error_feedback, bool):
             raise ArgumentTypeError(
@@ -260,6 +292,24 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
             f"QuantizedReduceScatter(bits={self.bits}, block={self.block}, error_feedback={self.error_feedback}, "
             f"calls={self.calls}, sent {fmt_bytes(self.bytes_sent)})"
         )
+
+    def use_residual(self, residual: torch.Tensor, where: str) -> None:
+        """Take ``residual`` (this rank's part, e.g. the module buffer a checkpoint was just loaded into) as the
+        error-feedback residual, checked now: fp32, finite (``NonFiniteError`` naming ``where`` otherwise)."""
+        if not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32:
+            raise ArgumentTypeError(f"QuantizedReduceScatter: {where}: the residual must be an fp32 torch.Tensor")
+        self.residual = residual
+        self._check_residual(residual, where)
+
+    def _check_residual(self, res: torch.Tensor, where: str) -> None:
+        bad = int(res.numel() - torch.isfinite(res).sum())
+        if bad:
+            raise NonFiniteError(
+                f"QuantizedReduceScatter: the error-feedback residual ({where}) holds {bad} NaN/Inf of "
+                f"{res.numel()} values; a residual is finite by construction, so the checkpoint it came from is "
+                "damaged: load another one, or zero the residual buffer (torsh_rs_residual) to restart error "
+                "feedback"
+            )
 
     def _scale(self, op, ws: int) -> float:
         """The factor FSDP2's op applies to the sum: 1 (SUM), 1 / world_size (AVG), or PREMUL_SUM's."""
@@ -314,8 +364,13 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
         w = Wire(n, self.bits, self.block)
         send = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
         chunks = acc.view(ws, n)
-        for r in range(ws):
-            w.encode(chunks[r], send[r * w.total : (r + 1) * w.total])
+        try:
+            for r in range(ws):
+                w.encode(chunks[r], send[r * w.total : (r + 1) * w.total])
+        except NonFiniteError:  # the gradient's, or the residual's (a damaged checkpoint loaded in place)?
+            if res is not None:
+                self._check_residual(res.view(-1), "at its first use since it was written: loaded from a checkpoint?")
+            raise
         recv = torch.empty_like(send)
         self.bytes_sent += _on_wire("all_to_all", send.numel(), ws)  # ws - 1 of its ws segments
 

@@ -126,6 +126,29 @@ def _fsdp_apply(comm, odd, **kw):
     apply_quantized_comm(model, **{k: v(odd) for k, v in kw.items()})
 
 
+def _fsdp_one_rank(comm, odd):
+    """apply_quantized_comm on rank 0 only, then a forward on both: rank 0 must name rank 1 (typed), where its
+    exchange met rank 1's FSDP2 all-gather and gloo aborted it; rank 1 runs none of torsh's code."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torsh_kernels.parallel import apply_quantized_comm
+
+    pg = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=8))  # bounds rank 1's wait in FSDP2's own
+    mesh = DeviceMesh.from_group(pg, "cpu")
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if not odd:
+        apply_quantized_comm(model, weights="int8", grads="int8", timeout=3)
+    return model(torch.randn(4, 12)).shape
+
+
 def _moe(comm, odd, **kw):
     from torsh_kernels.parallel import ExpertParallelMoE
 
@@ -200,6 +223,7 @@ def _setups() -> dict:
         "fsdp/reduce_scatter_op": functools.partial(_fsdp_rs, make=lambda o: _qrs(), op=_reduce_op),
         "fsdp/apply_grads_format": functools.partial(_fsdp_apply, grads=lambda o: q(o, "int8", "int4")),
         "fsdp/apply_weights": functools.partial(_fsdp_apply, weights=lambda o: q(o, "int8", None)),
+        "fsdp/apply_on_one_rank": _fsdp_one_rank,
         # expert-parallel MoE
         "moe/num_experts": functools.partial(_moe, num_experts=lambda o: q(o, 4, 6)),
         "moe/k": functools.partial(_moe, k=lambda o: q(o, 2, 1)),
@@ -261,7 +285,7 @@ def _job(kind: str) -> list:
     """The two-rank job of ``kind``, its outcome mapped onto the probe's (see the module docstring)."""
     import probe_cases.mismatch as me  # this file under its package name: the spawned ranks import it so
     from torsh_kernels.collectives import run_local
-    from torsh_kernels.errors import CollectiveMismatchError, RankFailedError
+    from torsh_kernels.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
 
     try:
         outs = run_local(me._rank, 2, kind, op_timeout=20, timeout=JOB_TIMEOUT - 10, threads=1)
@@ -275,6 +299,9 @@ def _job(kind: str) -> list:
     kinds = [o[0] for o in outs]
     if all(k == "CollectiveMismatchError" for k in kinds):
         raise CollectiveMismatchError(outs[0][1])
+    if kind == "fsdp/apply_on_one_rank" and kinds[0] == "CollectiveTimeoutError" and kinds[1] != "ok":
+        # the rank that called it names the other; the other ran only torch (its error is torch's)
+        raise CollectiveTimeoutError(outs[0][1])
     if "ok" in kinds:
         return outs  # some rank went through: for a mismatch, a silent acceptance
     raise RuntimeError(f"the ranks raised {[f'{k}: {m[:200]}' for k, m in outs]}")

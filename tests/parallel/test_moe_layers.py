@@ -172,19 +172,19 @@ def test_moe_layer_load_balancing_with_bias_or_groups_is_megatron_core(options):
     x = torch.randn(B, L, H)
     for kind in ("aux_loss", "seq_aux_loss"):
         layer = MoELayer(H, FFN, E, K, score="sigmoid", load_balancing=kind, aux_loss_coef=coef, **options)
-        routed = MoELayer(H, FFN, E, K, score="sigmoid", load_balancing=kind, aux_loss_coef=coef,
-                          aux_loss_count="routed", **options)  # fmt: skip
         if layer.balancer is not None:
             layer.balancer.bias.copy_(torch.randn(E) * 0.3)
-        routed.load_state_dict(layer.state_dict())
         layer(x)
-        routed(x)
         logits = layer.router(x.view(B * L, H)).detach()
         if kind == "aux_loss":
             want = _megatron_aux_loss(logits, K, "sigmoid")
         else:
             want = _megatron_seq_aux_loss(logits.view(B, L, E).transpose(0, 1).reshape(L * B, E), K, "sigmoid", L, B)
         torch.testing.assert_close(layer.aux_loss.detach(), coef * want, rtol=1e-5, atol=1e-8)
+        routed = MoELayer(H, FFN, E, K, score="sigmoid", load_balancing=kind, aux_loss_coef=coef,
+                          aux_loss_count="routed", **options)  # fmt: skip
+        routed.load_state_dict(layer.state_dict())
+        routed(x)
         groups = None if kind == "aux_loss" else L
         r = layer.last_routing
         torch.testing.assert_close(routed.aux_loss, coef * moe_aux_loss(logits, r, groups=groups, count="routed"))

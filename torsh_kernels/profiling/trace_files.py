@@ -11,6 +11,7 @@ import json
 import os
 import re
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..checks import short
@@ -22,6 +23,7 @@ __all__ = [
     "ENV_MAX_DEPTH",
     "MAX_BYTES",
     "MAX_DEPTH",
+    "JsonScan",
     "parse",
     "printable",
     "printable_all",
@@ -42,7 +44,7 @@ MAX_DEPTH = 64
 args, a list in args)."""
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}  # fmt: skip
-_PIECE = 16 << 20  # bytes decompressed per read
+_CHUNK = 4 << 20  # bytes read (decompressed) and scanned at a time
 MAX_LIMIT = 1 << 50
 """The largest size or depth limit accepted (a PiB): beyond it a value is a typo, and reads would overflow."""
 
@@ -85,35 +87,67 @@ def too_deep(p: Path, limit: int) -> TraceFormatError:
     )
 
 
-def _read_text(p: Path, max_bytes: int) -> bytes | bytearray:
-    """The JSON bytes of a trace file: read whole (at most ``max_bytes``), or decompressed from gzip a piece at
-    a time, stopping as soon as the output passes ``max_bytes`` (a small file may inflate a thousandfold)."""
+def _pieces(p: Path, f, max_bytes: int, gz: bool) -> Iterator[bytes]:
+    """The file's JSON bytes, ``_CHUNK`` at a time (decompressed from gzip when ``gz``); a
+    :class:`TraceFormatError` as soon as they pass ``max_bytes`` (a small gzip may inflate a thousandfold)."""
+    if not gz and os.fstat(f.fileno()).st_size > max_bytes:
+        raise _too_big(p, max_bytes, False)
+    src = gzip.GzipFile(fileobj=f, mode="rb") if gz else f
+    total = 0
+    with src:
+        while piece := src.read(min(_CHUNK, max_bytes + 1 - total)):
+            total += len(piece)
+            if total > max_bytes:  # (a plain file that grew since the fstat)
+                raise _too_big(p, max_bytes, gz)
+            yield piece
+
+
+_JSON_SPACE = b" \t\n\r"
+
+
+class _Blank:
+    """Whole chunks of JSON whitespace at the start of a file, not kept: how many bytes, newlines, and bytes
+    after the last newline (to report an error's line and column in the whole file)."""
+
+    def __init__(self) -> None:
+        self.bytes = self.newlines = self.tail = 0
+
+    def drop(self, piece: bytes) -> bool:
+        """Count ``piece`` and return True when it is JSON whitespace only."""
+        if piece[:1] not in _JSON_SPACE or piece[-1:] not in _JSON_SPACE or piece.translate(None, _JSON_SPACE):
+            return False
+        self.bytes += len(piece)
+        n = piece.count(b"\n")
+        self.newlines += n
+        self.tail = len(piece) - 1 - piece.rfind(b"\n") if n else self.tail + len(piece)
+        return True
+
+
+def _read_checked(p: Path, max_bytes: int, max_depth: int) -> tuple[bytearray, JsonScan, _Blank]:
+    """The JSON bytes of a trace file (plain, or gzip when it starts with gzip's magic), read ``_CHUNK`` at a
+    time and scanned as they come: past ``max_bytes`` of text or ``max_depth`` levels of nesting, a
+    :class:`TraceFormatError` before the next chunk is read. Beyond the text kept for the parse, memory
+    holds a few chunks; leading chunks of whitespace only are counted, not kept."""
     try:
         f = open_regular(p, lambda why: TraceFormatError(f"{p}: {why}; expected a trace file"))
     except OSError as e:
         raise TraceFormatError(f"{p}: cannot be read ({e.strerror or e})") from e
+    out, scan, blank = bytearray(), JsonScan(), _Blank()
     with f:
         try:
             gz = f.read(2) == b"\x1f\x8b"
             f.seek(0)
-            if not gz:
-                if os.fstat(f.fileno()).st_size > max_bytes:
-                    raise _too_big(p, max_bytes, False)
-                raw = f.read(max_bytes + 1)
-                if len(raw) > max_bytes:  # it grew since the fstat
-                    raise _too_big(p, max_bytes, False)
-                return raw
-            out = bytearray()
-            with gzip.GzipFile(fileobj=f, mode="rb") as g:
-                while piece := g.read(min(_PIECE, max_bytes + 1 - len(out))):
-                    out += piece
-                    if len(out) > max_bytes:
-                        raise _too_big(p, max_bytes, True)
-            return out
+            for piece in _pieces(p, f, max_bytes, gz):
+                if not out and blank.drop(piece):
+                    continue
+                if scan.feed(piece) > max_depth:
+                    raise too_deep(p, max_depth)
+                out += piece
         except (EOFError, zlib.error, gzip.BadGzipFile) as e:
             raise TraceFormatError(f"{p}: the gzip stream is truncated or corrupt ({e}); re-export the trace") from e
         except OSError as e:
             raise TraceFormatError(f"{p}: cannot be read ({e.strerror or e})") from e
+    return out, scan, blank
 
 
 _ONLY_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')  # translate() deletes these
@@ -121,27 +155,63 @@ _BRACKET_STEP = bytes(1 if b in b"[{" else 255 if b in b"]}" else 0 for b in ran
 _QUOTE = bytes(1 if b == ord('"') else 0 for b in range(256))
 
 
-def _scan(raw: bytes | bytearray) -> tuple[int, bool]:
-    """(the nesting depth of a JSON text, whether some string in it may hold a control character), from its
-    bytes at the speed of C. Escaped backslashes and escaped quotes are removed (left to right, as a JSON
-    string is read): every quote left opens or closes a string. The text then holds a control character only
-    if it still holds a backslash (an escape such as \\n or \\u001b), a DEL or a non-ASCII byte (a UTF-8 C1
-    or bidi control), and only then is it searched for one. For the depth, only quotes and brackets are
-    kept, adjacent quotes dropped in pairs (which changes no bracket's inside-or-outside: strings without
-    brackets vanish), and the brackets outside strings summed (+1 open, -1 close): the depth is the peak."""
-    import torch
+class JsonScan:
+    """The nesting depth of a JSON text and whether some string in it may hold a control character, fed a
+    chunk at a time (any sizes), at the speed of C: bytes operations and torch on each chunk, a few integers
+    carried from one to the next. ``peak`` is the deepest nesting so far (0 or more), ``depth`` the brackets
+    still open, ``in_string`` whether the text so far ends inside a string, ``control`` whether a control
+    character (raw or escaped) was seen in it.
 
-    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    control = (b"\\" in text or b"\x7f" in text or not text.isascii()) and _CONTROL_IN_JSON.search(text) is not None
-    marks = text.translate(None, _ONLY_STRUCTURE).replace(b'""', b"")
-    del text
-    if not marks:
-        return 0, control
-    step = torch.frombuffer(bytearray(marks.translate(_BRACKET_STEP)), dtype=torch.int8).to(torch.int32)
-    if b'"' in marks:  # brackets inside strings: those after an odd number of quotes do not count
-        quotes = torch.frombuffer(bytearray(marks.translate(_QUOTE)), dtype=torch.uint8).to(torch.int32)
-        step *= 1 - (torch.cumsum(quotes, 0, dtype=torch.int32) & 1)
-    return int(torch.cumsum(step, 0, dtype=torch.int32).max()), control
+    Escaped backslashes and escaped quotes are removed (a run of backslashes keeps its parity, and a quote
+    after an odd run goes), as a JSON string is read: every quote left opens or closes a string. A run of
+    backslashes at a chunk's end waits for the next chunk, and the last 5 bytes of the text so far are
+    searched again with the next chunk's first 5, so an escape, an escaped quote or a UTF-8 control
+    sequence split between chunks counts as in the whole text. For the depth, only quotes and brackets are
+    kept, adjacent quotes dropped in pairs (which changes no bracket's inside-or-outside), and the brackets
+    outside strings summed (+1 open, -1 close) from the depth carried in."""
+
+    def __init__(self) -> None:
+        self.peak = self.depth = 0
+        self.in_string = self.control = False
+        self._run = b""  # an odd run of backslashes at the end of the last chunk: one backslash, else empty
+        self._tail = b""  # the last 5 bytes of the text so far, escaped backslashes and quotes removed
+
+    def feed(self, chunk: bytes | bytearray) -> int:
+        """Scan the next chunk; returns :attr:`peak`."""
+        data = self._run + chunk if self._run else chunk
+        self._run = b""
+        if data.endswith(b"\\"):
+            run = len(data) - len(data.rstrip(b"\\"))
+            self._run, data = b"\\" * (run % 2), data[: len(data) - run]
+        text = bytes(data).replace(b"\\\\", b"").replace(b'\\"', b"")
+        if not self.control:
+            self._find_control(text)
+        self._count(text)
+        return self.peak
+
+    def _find_control(self, text: bytes) -> None:
+        if self._tail and _CONTROL_IN_JSON.search(self._tail + text[:5]):  # one split between chunks
+            self.control = True
+        elif b"\\" in text or b"\x7f" in text or not text.isascii():
+            self.control = _CONTROL_IN_JSON.search(text) is not None
+        self._tail = (self._tail + text[-5:])[-5:]
+
+    def _count(self, text: bytes) -> None:
+        import torch
+
+        marks = text.translate(None, _ONLY_STRUCTURE).replace(b'""', b"")
+        quotes = marks.count(b'"')
+        if not marks or (self.in_string and not quotes):  # no brackets, or all inside one string
+            self.in_string ^= quotes % 2 == 1
+            return
+        step = torch.frombuffer(bytearray(marks.translate(_BRACKET_STEP)), dtype=torch.int8).to(torch.int32)
+        if quotes:  # brackets inside strings: those after an odd number of quotes (from the start) do not count
+            q = torch.frombuffer(bytearray(marks.translate(_QUOTE)), dtype=torch.uint8).to(torch.int32)
+            step *= 1 - ((torch.cumsum(q, 0, dtype=torch.int32) + int(self.in_string)) & 1)
+            self.in_string ^= quotes % 2 == 1
+        depth = torch.cumsum(step, 0, dtype=torch.int32)
+        self.peak = max(self.peak, self.depth + int(depth.max()))
+        self.depth += int(depth[-1])
 
 
 def read_json(path: str | Path, *, max_bytes: int | None = None, max_depth: int | None = None) -> dict | list:
@@ -157,7 +227,7 @@ def read_json(path: str | Path, *, max_bytes: int | None = None, max_depth: int 
 
 # control characters (C0, DEL, C1), line/paragraph separators and bidirectional-text controls: in a JSON file
 # they appear raw (UTF-8) or as \u escapes (C0 also as \b \f \n \r \t); searched for in the text without its
-# escaped backslashes and quotes (see _scan), a match means some string needs escaping
+# escaped backslashes and quotes (see JsonScan), a match means some string needs escaping
 _CONTROL_IN_JSON = re.compile(
     rb"\\(?:[bfnrt]|u00[0189][0-9a-fA-F]|u007[fF]|u061[cC]|u200[eEfF]|u202[89a-eA-E]|u206[6-9])|"
     rb"\x7f|\xc2[\x80-\x9f]|\xd8\x9c|\xe2\x80[\x8e\x8f\xa8-\xae]|\xe2\x81[\xa6-\xa9]"
@@ -169,22 +239,23 @@ def parse(p: Path, max_bytes: int | None, max_depth: int | None) -> tuple[dict |
     """(the parsed file, whether some string in it holds a control character)."""
     max_bytes = resolve_limit(max_bytes, ENV_MAX_BYTES, MAX_BYTES, "max_bytes")
     max_depth = resolve_limit(max_depth, ENV_MAX_DEPTH, MAX_DEPTH, "max_depth")
-    raw = _read_text(p, max_bytes)
+    raw, scan, blank = _read_checked(p, max_bytes, max_depth)
     if not raw or raw.isspace():  # (strip() would copy the whole file)
         raise TraceFormatError(f"{p}: the file is empty")
-    depth, control = _scan(raw)  # before parsing: the scan's copies are gone by the time the parse peaks
+    try:  # decoded here, as json.loads would, so that the bytes are freed before the parse peaks
+        text = raw.decode(json.detect_encoding(raw) if not blank.bytes else "utf-8", "surrogatepass")
+    except UnicodeDecodeError as e:
+        raise TraceFormatError(f"{p}: not UTF-8 JSON (byte {blank.bytes + e.start}); is it a trace file?") from e
+    del raw
     try:
-        data = json.loads(raw)
+        data = json.loads(text)
     except RecursionError:  # deeper than the parser itself can go (about 1000 levels)
         raise too_deep(p, max_depth) from None
-    except UnicodeDecodeError as e:
-        raise TraceFormatError(f"{p}: not UTF-8 JSON (byte {e.start}); is it a trace file?") from e
     except json.JSONDecodeError as e:
-        cut = " (the file ends early: truncated while being written?)" if _truncated(e.doc, e.pos) else ""
-        raise TraceFormatError(f"{p}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}{cut}") from e
-    if depth > max_depth:
-        raise too_deep(p, max_depth)
-    return data, control
+        line, col = e.lineno + blank.newlines, e.colno + (blank.tail if e.lineno == 1 else 0)
+        cut = " (the file ends early: truncated while being written?)" if _truncated(scan, e.doc, e.pos) else ""
+        raise TraceFormatError(f"{p}: invalid JSON at line {line}, column {col}: {e.msg}{cut}") from e
+    return data, scan.control
 
 
 def _escape_char(m: re.Match) -> str:
@@ -211,15 +282,9 @@ def printable_all(v: object) -> object:
     return v
 
 
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-
-
-def _truncated(doc: str, pos: int) -> bool:
-    """Whether a JSON document that failed to parse at ``pos`` looks cut off: the error is at its end,
-    or brackets are still open when it ends (strings ignored)."""
-    if pos >= len(doc.rstrip()) - 1:
+def _truncated(scan: JsonScan, doc: str, pos: int) -> bool:
+    """Whether a JSON document that failed to parse at ``pos`` looks cut off: brackets or a string are still
+    open where it ends, or the error is at its last character (compared a piece at a time: no copy)."""
+    if scan.depth > 0 or scan.in_string:
         return True
-    bare = _STRING.sub('""', doc)
-    if bare.count('"') % 2:  # an unterminated string runs to the end
-        bare = bare[: bare.rfind('"')]
-    return bare.count("{") + bare.count("[") > bare.count("}") + bare.count("]")
+    return all(not doc[i : i + _CHUNK].strip() for i in range(pos + 1, len(doc), _CHUNK))

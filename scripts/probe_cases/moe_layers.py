@@ -91,6 +91,8 @@ BAD_ARGS = {
        (("unknown", "seq"), ("upper", "AUX_LOSS"), ("none", None), ("int", 1), ("list", ["aux_loss"]))},
     **{f"expert_compute_{n}": {"expert_compute": v} for n, v in
        (("unknown", "fast"), ("upper", "GROUPED"), ("none", None), ("int", 1))},
+    **{f"aux_loss_count_{n}": {**BIAS, "aux_loss_count": v} for n, v in
+       (("unknown", "biased"), ("upper", "TOPK"), ("none", None), ("int", 1), ("list", ["topk"]))},
 }  # fmt: skip
 
 for kind in ("MoELayer", "ExpertParallelMoE"):
@@ -185,7 +187,7 @@ def _reference(layer, opts: dict, x: torch.Tensor, seqs):
     aux = logits.new_zeros(())
     if lb != "none" and coef:
         groups = [n for n in seqs if n] if lb == "seq_aux_loss" else None
-        aux = coef * M.moe_aux_loss_ref(logits, r, groups=groups or None)
+        aux = coef * M.moe_aux_loss_ref(logits, r, groups=groups or None, count=opts.get("aux_loss_count", "topk"))
     if opts.get("z_loss_coef"):
         aux = aux + opts["z_loss_coef"] * M.moe_z_loss_ref(logits)
     return y.view(x.shape), aux, r
@@ -255,6 +257,13 @@ ACCEPTED = {
     "load_balancing_none": {"load_balancing": "none", "z_loss_coef": 1e-3},
     "expert_compute_loop": {"expert_compute": "loop", "shared_experts": 1},
     "expert_compute_grouped": {"expert_compute": "grouped", "capacity": 2, "pad_to_capacity": True},
+    "aux_loss_count_routed": {
+        "expert_bias": True,
+        "n_group": 2,
+        "topk_group": 1,
+        "score": "sigmoid",
+        "aux_loss_count": "routed",
+    },
     "everything": EVERYTHING,
     "everything_relu_loop": {**EVERYTHING, "activation": "relu", "expert_compute": "loop"},
 }
@@ -268,6 +277,45 @@ for kind in ("MoELayer", "ExpertParallelMoE"):
         CASES.append(Case(f"moe_layers/{kind}/matches_reference_sequence_lengths_{name}",
                           functools.partial(_matches, kind, EVERYTHING, shape, lengths),
                           "ok", check=lambda v: v is True, timeout=60.0))  # fmt: skip
+
+
+def _megatron_aux_loss(logits, k: int, lengths=None):
+    """Megatron-Core's load-balancing loss of sigmoid routing (moe_aux_loss_coeff 1), written out: the experts
+    counted are compute_routing_scores_for_aux_loss's plain top-k of the unbiased normalised scores (neither the
+    expert bias nor the group limit), switch_load_balancing_loss_func over all tokens or, per sequence, averaged
+    (seq_aux_loss)."""
+    s = torch.sigmoid(logits.float())
+    scores = s / (s.sum(-1, keepdim=True) + 1e-20)
+    routing_map = torch.zeros_like(scores).scatter(1, torch.topk(scores, k=k, dim=1).indices, 1.0)
+    parts = [(0, logits.shape[0])] if lengths is None else [(i * lengths, (i + 1) * lengths) for i in
+                                                            range(logits.shape[0] // lengths)]  # fmt: skip
+    n_e = logits.shape[1]
+    losses = [(scores[a:b].sum(0) * routing_map[a:b].sum(0)).sum() * n_e / (k * (b - a) ** 2) for a, b in parts]
+    return sum(losses) / len(losses)
+
+
+def _megatron_parity(kind: str, load_balancing: str) -> bool:
+    """With an expert bias and groups that change the selection, the layer's aux_loss is Megatron-Core's (issue 41,
+    item 14: the biased selection was counted before, 0.06-7.6% apart)."""
+    opts = {"expert_bias": True, "n_group": 2, "topk_group": 1, "score": "sigmoid", "aux_loss_coef": 1.0,
+            "load_balancing": load_balancing}  # fmt: skip
+    layer = _layer(kind, **opts)
+    with torch.no_grad():
+        layer.balancer.bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(2)) * 0.3)
+    x = torch.randn(4, 16, H, generator=torch.Generator().manual_seed(6))
+    layer(x)
+    logits = x.reshape(-1, H) @ layer.router.weight.detach().t()
+    plain = torch.topk(torch.sigmoid(logits), K, dim=1).indices
+    if torch.equal(layer.last_routing.indices, plain):
+        return False  # (the bias changed nothing: the case would test nothing)
+    want = _megatron_aux_loss(logits, K, 16 if load_balancing == "seq_aux_loss" else None)
+    return torch.allclose(layer.aux_loss.detach(), want, rtol=1e-5, atol=1e-7)
+
+
+for kind in ("MoELayer", "ExpertParallelMoE"):
+    for lb in ("aux_loss", "seq_aux_loss"):
+        CASES.append(Case(f"moe_layers/{kind}/megatron_core_{lb}_with_bias_and_groups",
+                          functools.partial(_megatron_parity, kind, lb), "ok", check=lambda v: v is True))  # fmt: skip
 
 
 def _bias_update(kind: str) -> bool:

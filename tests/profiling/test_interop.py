@@ -191,3 +191,21 @@ def test_hta_finds_both_ranks_of_a_torsh_trace(tmp_path):
         del data["distributedInfo"]
         (old / f"rank{r}.json").write_text(json.dumps(data, separators=(",", ":")))
     assert sorted(TraceAnalysis(trace_dir=str(old)).t.traces) == [0]
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "error-feedback"])
+def test_topk_on_the_cpu_kernel_shows_in_a_kineto_trace(tmp_path, residual):
+    # the cpu provider's exact selection (the small case: every element is its own sample) ran its kernel
+    # straight from the arguments, so a trace of a TopK job showed its flatten and not its top-k
+    from torsh_kernels.compression import TopK, roundtrip
+
+    x = torch.randn(3001)
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        tk.topk_compress(x, ratio=0.01, residual=torch.zeros(3001) if residual else None, provider="cpu")
+        tk.topk_compress(x, ratio=0.01, residual=torch.zeros(3001) if residual else None)  # the default: cpu
+        roundtrip(TopK(0.01), x, TopK(0.01).new_state())  # the compressor (with its residual)
+    f = tmp_path / "rank0.pt.trace.json"
+    p.export_chrome_trace(str(f))
+    names = _annotations(json.loads(f.read_text()))
+    assert names.get("topk_compress") == 3, names
+    assert {s.name: s.cls for s in load(f).spans}["topk_compress"] == "compression"

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ... import recording
 from ...checks import check_int
 from ...errors import DeviceMismatchError, DTypeError, ShapeError
 from .. import eager
@@ -118,7 +119,12 @@ def _topk_run(name: str, x, r, k: int, exact: bool, check_finite: bool):
                 break
             target = new
     if chosen is None and name == "cpu":  # the cpu kernel's exact selection (ties: the lower index)
-        vals, idx, bad = _cpu_kernels().exact(x, r, k, idt)
+        rec = recording.recorder  # a launch of the op's cpu kernel, as a provider call through the Op reports
+        if rec is None:
+            vals, idx, bad = _cpu_kernels().exact(x, r, k, idt)
+        else:
+            with rec.op(candidates_impl.name, name, (x, r, k)):
+                vals, idx, bad = _cpu_kernels().exact(x, r, k, idt)
         if not bad:
             return vals.to(x.dtype), idx
         if check_finite:

@@ -239,3 +239,32 @@ def _switch_with(jitter: float):
     block = _switch()
     block.router.jitter_noise = jitter
     return block
+
+
+def test_bench_compares_the_layer_with_the_block_as_transformers_builds_it():
+    """`torsh bench moe`'s layer cases (issue 41, item 15): the headline peer is the experts implementation that
+    transformers gives a model it builds (grouped_mm in transformers 5, on the CPU too), timed beside the
+    non-default eager one with the same weights, tokens, dtype and threads; speedup_vs_best_peer is the fastest
+    peer's ratio, speedup_vs_hf_default the default's."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from torsh_kernels.apps.bench import moe as bench_moe
+
+    cfg = MixtralConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    built = MixtralForCausalLM(cfg).config._experts_implementation
+    assert built == bench_moe.hf_default_experts() == "grouped_mm"
+    results, _ = bench_moe.run_layer_case("mixtral", 32, 16, 4, 2, 56, torch.float32, torch.device("cpu"), 2, True,
+                                          False, built)  # fmt: skip
+    ours = results[0]
+    peers = {r.extra["experts_implementation"]: r for r in results if r.kind == "peer"}
+    assert set(peers) == {"eager", "grouped_mm"} and peers["grouped_mm"].extra["transformers_default"]
+    assert "default" in peers["grouped_mm"].impl and "default" not in peers["eager"].impl
+    assert ours.extra["hf_default_experts"] == "grouped_mm"
+    assert ours.extra["speedup_vs_hf_default"] == ours.extra["speedup_vs_hf_grouped_mm"]
+    for key, peer in peers.items():
+        want = peer.timing.median_ms / ours.timing.median_ms
+        assert ours.extra[f"speedup_vs_hf_{key}"]["median"] == pytest.approx(want)
+    fastest = min(p.timing.median_ms for p in peers.values())
+    assert ours.speedup_vs_best_peer == pytest.approx(fastest / ours.timing.median_ms)
+    assert {r.extra["torch_threads"] for r in results} == {torch.get_num_threads()}

@@ -145,6 +145,23 @@ STATE_DICTS = [
     ("residual_sparse", _with_tensor("residual", torch.zeros(600).to_sparse())),
     ("q_1d", _with_tensor("q", torch.zeros(20))),
     ("q_int", _with_tensor("q", torch.zeros(20, 2, dtype=torch.int32))),
+    # integrity (issue 41, item 13): a flipped value under the saved checksum, another compressor's state, NaN/Inf
+    ("residual_value_changed", lambda sd: _with_tensor("residual", sd["tensors"]["residual"].clone().add_(1e-3))(sd)),
+    ("kind_topk", lambda sd: {**sd, "kind": "TopK"}),
+    ("kind_int", lambda sd: {**sd, "kind": 3}),
+    ("checksum_str", lambda sd: {**sd, "checksum": "0"}),
+    (
+        "residual_nan",
+        lambda sd: _with_tensor("residual", torch.full_like(sd["tensors"]["residual"], NAN))(
+            {k: v for k, v in sd.items() if k != "checksum"}
+        ),
+    ),
+    (
+        "q_inf",
+        lambda sd: _with_tensor("q", torch.full_like(sd["tensors"]["q"], INF))(
+            {k: v for k, v in sd.items() if k != "checksum"}
+        ),
+    ),
 ]
 
 
@@ -232,9 +249,26 @@ CHECKPOINTS = [
     ("state_step_negative", lambda sd: {**sd, "states": {**sd["states"], (0,): {"step": -1, "seed": 0,
                                                                                   "tensors": {}}}}),
     ("residual_of_another_size", _spoil_residual),
+    # whose state (issue 41, item 17): malformed owner fields
+    ("rank_past_world_size", lambda sd: {**sd, "rank": 2, "world_size": 2}),
+    ("rank_str", lambda sd: {**sd, "rank": "0", "world_size": 2}),
     ("residual_not_a_tensor", lambda sd: {**sd, "states": {**sd["states"], (0,): {"step": 1, "seed": 0,
                                                                                     "tensors": {"residual": 0}}}}),
 ]  # fmt: skip
+
+
+def _other_rank(kind: str, rank: int, world: int) -> None:
+    """A state saved by another rank (or in a job of another size) loaded where this process's rank is known:
+    the synchronizer's communicator, a hook state given a communicator (issue 41, item 17). A hook state over a
+    process group not up yet checks at its first backward (tests/parallel/test_hooks.py)."""
+    from torsh_kernels.compression import TopK
+    from torsh_kernels.parallel import CompressionHookState
+
+    owner = _owner("synchronizer")
+    if kind == "hook_state_given_comm":
+        owner = CompressionHookState(_replica(), compressor=TopK(0.1), min_numel=16)
+    sd = owner.state_dict()
+    owner.load_state_dict({**sd, "rank": rank, "world_size": world})
 
 
 def _auto_checkpoint(record) -> None:
@@ -335,6 +369,12 @@ OBJECTS = [
     ("hook_state/min_numel_negative", lambda: _hook_state(min_numel=-1)),
     ("hook_state/policy_unknown", lambda: _hook_state(policy="x")),
     ("hook_state/compressor_str", lambda: _hook_state(compressor="topk")),
+    # timeouts (issue 41, item 8): checked at construction, not at the first backward
+    ("hook_state/timeout_nan", lambda: _hook_state(timeout=NAN)),
+    ("hook_state/timeout_inf", lambda: _hook_state(timeout=INF)),
+    ("hook_state/timeout_1e300", lambda: _hook_state(timeout=1e300)),
+    ("hook_state/timeout_bool", lambda: _hook_state(timeout=True)),
+    ("hook_state/timeout_zero", lambda: _hook_state(timeout=0)),
     ("synchronizer/check_signatures_str", lambda: _synchronizer(check_signatures="off")),
     ("synchronizer/bucket_mb_nan", lambda: _synchronizer(bucket_mb=NAN)),
     ("synchronizer/nonfinite_unknown", lambda: _synchronizer(nonfinite="ignore")),
@@ -412,6 +452,9 @@ def _cases() -> list[Case]:
     for n, rec in (("unknown_choice", {"choice": "int8"}), ("choice_int", {"choice": 3}), ("str", "topk(0.1)"),
                    ("incomplete", {"choice": "topk(0.1)"})):  # fmt: skip
         cases.append(Case(f"compression/hook_state.load_state_dict/auto_{n}", functools.partial(_auto_checkpoint, rec)))
+    for kind in ("synchronizer", "hook_state_given_comm"):
+        cases += [Case(f"compression/{kind}.load_state_dict/saved_by_rank_{r}_of_{w}",
+                       functools.partial(_other_rank, kind, r, w)) for r, w in ((1, 2), (0, 4))]  # fmt: skip
     cases += [Case(f"compression/compressed_all_reduce/{n}", f) for n, f in _car_cases()]
     cases += [Case(f"compression/{n}", f) for n, f in OBJECTS]
     cases += [Case(f"compression/env/TORSH_KERNELS_CHECK_SIGNATURES={v}", _env_value(v)) for v in ("maybe", "2")]

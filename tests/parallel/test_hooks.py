@@ -966,3 +966,42 @@ def test_a_state_refuses_to_load_on_another_rank():
     for rank, (saved_rank, world, msg) in enumerate(out):
         assert (saved_rank, world) == (rank, 2)
         assert f"saved by rank {1 - rank} of 2, and this process is rank {rank} of 2" in msg, msg
+
+
+_LOAD_BEFORE_INIT = """
+import tempfile, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torsh_kernels.compression import TopK
+from torsh_kernels.errors import InvalidArgumentError
+from torsh_kernels.parallel import CompressionHookState, compression_hook
+states = {}
+for saved in ((0, 1), (1, 2), (0, 2)):  # no group yet: whose state it is cannot be judged at load
+    st = states[saved] = CompressionHookState(compressor=TopK(0.5), min_numel=1)
+    sd = st.state_dict()
+    assert "rank" not in sd  # nor recorded
+    st.load_state_dict({**sd, "rank": saved[0], "world_size": saved[1]})
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+for saved, st in states.items():
+    model = DDP(torch.nn.Linear(4, 3))
+    model.register_comm_hook(st, compression_hook)
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        print(saved, "trained")
+    except InvalidArgumentError as e:
+        print(saved, "refused:", e)
+"""
+
+
+def test_a_state_loaded_before_the_group_is_up_is_checked_at_the_first_backward():
+    """Loaded before init_process_group the hook cannot know this process's rank: it checks the saved one against
+    the group (here rank 0 of 1) when the first backward makes its communicator, before any residual is used."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _LOAD_BEFORE_INIT], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == "(0, 1) trained", p.stdout
+    for line, (r, w) in zip(lines[1:], ((1, 2), (0, 2)), strict=True):
+        assert line.startswith(f"({r}, {w}) refused: CompressionHookState.load_state_dict: this state was saved by "
+                               f"rank {r} of {w}, and this process is rank 0 of 1"), p.stdout  # fmt: skip

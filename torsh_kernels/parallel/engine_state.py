@@ -10,7 +10,7 @@ import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError, ShapeError
 
-__all__ = ["checked_state", "restore", "snapshot"]
+__all__ = ["check_owner", "checked_state", "restore", "snapshot"]
 
 
 def checked_state(engine, sd: dict, what: str, owner: tuple[int, int] | None = None) -> tuple[object, int, dict, dict]:
@@ -27,7 +27,7 @@ def checked_state(engine, sd: dict, what: str, owner: tuple[int, int] | None = N
             f"{w}: expected a dict from state_dict() with keys {sorted(need)} (and 'compressor', 'auto'); "
             f"missing {sorted(need - sd.keys())}, unexpected {sorted(map(str, sd.keys() - known))}"
         )
-    _check_owner(sd, owner, w)
+    check_owner(sd, owner, w)
     if sd["policy"] != engine.spec.policy:
         raise InvalidArgumentError(
             f"{w}: the checkpoint was saved with policy={sd['policy']!r}, this state "
@@ -80,7 +80,7 @@ def checked_state(engine, sd: dict, what: str, owner: tuple[int, int] | None = N
     return decision, iteration, shapes, states
 
 
-def _check_owner(sd: dict, owner: tuple[int, int] | None, w: str) -> None:
+def check_owner(sd: dict, owner: tuple[int, int] | None, w: str) -> None:
     """A state saved by rank r of n loads only on rank r of n: each rank's residuals and PowerSGD's Q are its own,
     and nothing else in the state tells them apart (the settings, shapes and iteration are the same on every rank)."""
     if "rank" not in sd and "world_size" not in sd:

@@ -80,6 +80,7 @@ from ..compression import Compressor
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from .buckets import BucketSpec
 from .engine import BucketCompressor
+from .engine_state import check_owner
 from .hook_engine import HookRun
 from .hook_stats import HookStats
 
@@ -125,7 +126,7 @@ class CompressionHookState:
         quantize_mode: deprecated: ``Quantize(scheme=...)`` (the scheme is the compressor's own setting).
     """
 
-    __slots__ = ("_comm", "_engine", "_given", "_keys", "_run", "_timeout", "process_group", "stats")
+    __slots__ = ("_comm", "_engine", "_given", "_keys", "_run", "_saved_by", "_timeout", "process_group", "stats")
 
     def __init__(
         self,
@@ -162,6 +163,7 @@ class CompressionHookState:
         self._timeout = timeout
         self._comm: Coalescer | None = None
         self._keys: dict[int, int] = {}
+        self._saved_by: dict | None = None  # a loaded state's rank and world size, until the group is known
         self.stats = HookStats()
         self._run = HookRun(self._engine, self.stats)  # the bucket path and the iteration in flight
 
@@ -205,6 +207,8 @@ class CompressionHookState:
     def _communicator(self) -> Coalescer:
         if self._comm is None:
             inner = self._given or TorchCommunicator(self.process_group, timeout=self._timeout)
+            if self._saved_by is not None:  # loaded before the group was up: whose it is is checked now
+                check_owner(self._saved_by, (inner.rank, inner.world_size), "CompressionHookState.load_state_dict")
             self._comm = Coalescer(inner)
         return self._comm
 
@@ -224,8 +228,13 @@ class CompressionHookState:
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore from ``state_dict()``; the hook then continues where the saved run left off. A state saved by
-        another rank (or world size) is refused: each rank's residuals are its own."""
-        self._engine.load_state_dict(sd, "CompressionHookState", self._owner())
+        another rank (or world size) is refused: each rank's residuals are its own (where no process group is
+        up yet, at the first backward, before they are used)."""
+        owner = self._owner()
+        self._engine.load_state_dict(sd, "CompressionHookState", owner)
+        self._saved_by = None
+        if owner is None and "rank" in sd:
+            self._saved_by = {"rank": sd["rank"], "world_size": sd["world_size"]}
 
     def _owner(self) -> tuple[int, int] | None:
         """(rank, world size) of this process in the hook's group; None where no group is up yet."""
@@ -238,13 +247,14 @@ class CompressionHookState:
 
     def __getstate__(self) -> dict:
         # the process group, the communicator and the parameter identities belong to this process
-        return {"engine": self._engine, "timeout": self._timeout, "stats": self.stats}
+        return {"engine": self._engine, "timeout": self._timeout, "stats": self.stats, "saved_by": self._saved_by}
 
     def __setstate__(self, d: dict) -> None:
         self.process_group = None
         self._given = None
         self._engine = d["engine"]
         self._timeout = d["timeout"]
+        self._saved_by = d.get("saved_by")
         self.stats = d["stats"]
         self._comm = None
         self._keys = {}

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from probe_cases import Case
+from probe_cases import Case, setenv
 
 CASES: list[Case] = []
 
@@ -71,7 +71,22 @@ bad("providers/extra_argument", "providers", "extra")
 good("torsh/version", "--version", check=lambda r: r[0] == 0 and r[1].startswith("torsh-kernels "))
 good("providers/runs", "providers", check=lambda r: r[0] == 0 and "torch" in r[1] and not r[2].strip())
 
+
+def bad_env(name: str, env: dict, *args: str) -> None:
+    """A bad environment variable: the same one-line error as a bad argument (issue 41, item 8)."""
+
+    def run():
+        with setenv(**env):
+            return _torsh(*args)
+
+    CASES.append(Case(f"cli/env/{name}", run, "ok", check=_one_line_error, timeout=150))
+
+
 # bench
+_ONE_RANK = {"RANK": "0", "WORLD_SIZE": "1"}  # as under torchrun: the suite reads TORSH_BENCH_THREADS
+bad_env("TORSH_BENCH_THREADS=abc", {**_ONE_RANK, "TORSH_BENCH_THREADS": "abc"}, "bench", "collectives")
+bad_env("TORSH_BENCH_THREADS=0", {**_ONE_RANK, "TORSH_BENCH_THREADS": "0"}, "bench", "collectives")
+bad_env("TORSH_TRACE_MAX_BYTES=10**30", {"TORSH_TRACE_MAX_BYTES": "1" + "0" * 30}, "timeline", "ok.json")
 bad("bench/unknown_suite", "bench", "nosuch")
 bad("bench/json_suite_name", "bench", "--json", "overhead")
 bad("bench/compare_missing_file", "bench", "--compare", "/nonexistent/baseline.json")

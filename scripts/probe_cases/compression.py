@@ -440,6 +440,24 @@ def _replica_average() -> list:
     return x.tolist()
 
 
+def _sparse(indices: list, size: tuple) -> None:
+    """all_reduce_sparse on an unchecked COO tensor (issue 41, item 11): indices outside the size made torch
+    abort ("double free or corruption") or segfault later; they must be refused before anything is sent."""
+    from torsh_kernels.collectives import all_reduce_sparse
+
+    idx = torch.tensor(indices, dtype=torch.int64)
+    t = torch.sparse_coo_tensor(idx, torch.ones(idx.shape[1]), size, check_invariants=False)
+    all_reduce_sparse(_replica(), t)
+
+
+SPARSE = [
+    ("index_past_the_size", ([[0, 5, 99]], (10,))),
+    ("index_negative", ([[0, -1]], (10,))),
+    ("index_past_dim_1", ([[0, 1], [3, 7]], (2, 7))),
+    ("index_huge", ([[1 << 62]], (10,))),
+]
+
+
 def _cases() -> list[Case]:
     cases = [Case(f"compression/{c}/{what}", functools.partial(_make, c, *a, **kw)) for c, a, kw, what in SETTINGS]
     for n, v in (("float", 1.5), ("bool", True), ("str", "1"), ("none", None), ("huge", 1 << 63), ("nan", NAN)):
@@ -457,6 +475,7 @@ def _cases() -> list[Case]:
                        functools.partial(_other_rank, kind, r, w)) for r, w in ((1, 2), (0, 4))]  # fmt: skip
     cases += [Case(f"compression/compressed_all_reduce/{n}", f) for n, f in _car_cases()]
     cases += [Case(f"compression/{n}", f) for n, f in OBJECTS]
+    cases += [Case(f"compression/all_reduce_sparse/{n}", functools.partial(_sparse, *a)) for n, a in SPARSE]
     cases += [Case(f"compression/env/TORSH_KERNELS_CHECK_SIGNATURES={v}", _env_value(v)) for v in ("maybe", "2")]
     cases += [
         Case("compression/CompressionState/round_trip", _round_trip_is_exact, expect="ok", check=bool),

@@ -2,7 +2,7 @@
 lingers past the timeout or sends NaN in each workload of the fault-injection suite (``tests/faults.py``:
 compressed all-reduce with PowerSGD and top-k, DDP with the compression hook (PowerSGD, top-k, none),
 FSDP2 with the quantized comms, the expert-parallel MoE layer, the synchronizer with the offloaded
-optimizer).
+optimizer), and the offloaded optimizer's step failing on one of two ranks (FSDP2, DDP; ``_offload``).
 
 A case re-raises, as its own class, the typed error the surviving ranks got, once every survivor got
 one within the timeout (2 s) plus a slack with its parameters and optimizer state as before the failed
@@ -72,3 +72,48 @@ def _scenario(workload: str, kind: str, phase: str):
 
 
 CASES = [Case(f"faults/{w}/{k}@{p}", functools.partial(_scenario, w, k, p), timeout=180.0) for w, k, p in SCENARIOS]
+
+
+# -- OffloadedOptimizer's step across ranks (issue 41, item 7) -----------------------------------------------
+# Two gloo ranks, FSDP2's shards (the agreement on by default) or DDP's replicas (group= given); rank 1's
+# wrapped optimizer raises, exits or stalls past the timeout in the middle of step 3. Rank 0 must end the step
+# typed (RankFailedError naming rank 1 with its error; CollectiveError; CollectiveTimeoutError) within the
+# timeout plus the slack, with its part of the parameters as before the step.
+
+OFFLOAD = [(k, f) for k in ("fsdp2", "ddp") for f in ("raise", "die", "stall")]
+EXPECTED = {"raise": "RankFailedError", "die": "CollectiveError", "stall": "CollectiveTimeoutError"}
+
+
+def _offload(kind: str, fault: str):
+    import torsh_kernels.errors as errors
+    from torsh_kernels.collectives import run_local
+
+    _faults()  # the repository root on sys.path
+    from tests.parallel.test_offload_ranks import fault_scenario
+
+    try:
+        values = run_local(fault_scenario, 2, kind, fault, TIMEOUT, op_timeout=30)
+    except errors.RankFailedError as e:  # rank 1 died
+        values = e.values
+    out = values[0]
+    if out is None:
+        return {"problems": ["rank 0 gave no result"]}
+    problems = []
+    if out["error"] != EXPECTED[fault]:
+        problems.append(f"rank 0 raised {out['error']} ({out['message'][:200]}), expected {EXPECTED[fault]}")
+    if not out["rolled_back"]:
+        problems.append("rank 0's parameters changed in the step that failed")
+    if out["took"] > TIMEOUT + SLACK:
+        problems.append(f"rank 0's error came {out['took']:.1f} s into the step")
+    if fault == "raise" and (list(out["failures"]) != [1] or "Injected" not in out["failures"][1]):
+        problems.append(f"rank 0's error does not name rank 1's: {out['failures']}")
+    other = values[1]
+    if fault == "raise" and other is not None and (other["error"] != "Injected" or not other["rolled_back"]):
+        problems.append(f"rank 1: {other['error']}, rolled back: {other['rolled_back']}")
+    if problems:
+        return {"problems": problems}
+    raise getattr(errors, out["error"])(f"{out['message'][:300]} ({out['took']:.2f} s into the step)")
+
+
+CASES += [Case(f"faults/offload-{k}/{f}@wrapped-step", functools.partial(_offload, k, f), timeout=180.0)
+          for k, f in OFFLOAD]  # fmt: skip

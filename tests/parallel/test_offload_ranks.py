@@ -37,14 +37,20 @@ class Injected(RuntimeError):
 
 
 class FailingAdamW(torch.optim.AdamW):
-    """AdamW that raises after updating its chunk while ``armed`` (set on one rank only)."""
+    """AdamW that, after updating its chunk, raises (``fault="raise"``), exits the process ("die") or sleeps
+    ``stall`` seconds ("stall"); armed on one rank only."""
 
-    armed = False
+    fault: str | None = None
+    stall = 0.0
 
     def step(self, closure=None):
         out = super().step(closure)
-        if FailingAdamW.armed:
+        if FailingAdamW.fault == "raise":
             raise Injected("the wrapped optimizer failed on this rank")
+        if FailingAdamW.fault == "die":
+            os._exit(3)
+        if FailingAdamW.fault == "stall":
+            time.sleep(FailingAdamW.stall)
         return out
 
 
@@ -97,14 +103,14 @@ def _failing_step(model: nn.Module, opt, me: int, fail_on: int) -> dict:
     before = _full(model)
     shards = _shards(model)
     _backward(model, GOOD, me)
-    FailingAdamW.armed = me == fail_on
+    FailingAdamW.fault = "raise" if me == fail_on else None
     err = None
     try:
         opt.step()
     except Exception as e:
         err = e
     finally:
-        FailingAdamW.armed = False
+        FailingAdamW.fault = None
     opt.zero_grad()
     return {
         "error": None if err is None else type(err).__name__,
@@ -192,49 +198,53 @@ def test_a_step_failing_on_one_rank_is_rolled_back_on_every_rank_and_resumes_exa
 # -- a rank that dies or stalls ------------------------------------------------------------------------------
 
 
-def _dies_or_stalls(comm, how: str) -> dict:
+def fault_scenario(comm, kind: str, fault: str, timeout: float) -> dict:
+    """Steps 0-2, then step 3 with rank 1's wrapped optimizer raising, dying or stalling ``timeout`` + 3 s
+    (``fault``) mid-step; what this rank raised, how long its step took, whether its part of the parameters is
+    as before the step, and, where its exchange did not complete, what ``step()`` and ``state_dict()`` say
+    then. Also run by ``scripts/probe_cases/faults.py``."""
     me = comm.rank
-    model, opt = _setup("fsdp2", comm, timeout=2.0)
+    model, opt = _setup(kind, comm, timeout)
     _train(model, opt, range(GOOD), me)
     before = _shards(model)
     _backward(model, GOOD, me)
-    if me == 1:
-        if how == "dies":
-            os._exit(3)
-        time.sleep(8.0)  # past rank 0's timeout, then it joins an exchange rank 0 gave up on
-    t0 = time.monotonic()
-    err = None
+    FailingAdamW.fault, FailingAdamW.stall = (fault if me == 1 else None), timeout + 3.0
+    t0, err = time.monotonic(), None
     try:
         opt.step()
     except Exception as e:
         err = e
-    took = time.monotonic() - t0
-    out = {"error": type(err).__name__ if err else None, "message": str(err) if err else "", "took": took,
+    finally:
+        FailingAdamW.fault = None
+    out = {"error": type(err).__name__ if err else None, "message": str(err) if err else "",
+           "failures": dict(getattr(err, "failures", {}) or {}), "took": time.monotonic() - t0,
            "rolled_back": _same(_shards(model), before)}  # fmt: skip
-    if me == 0:  # the peers may have committed: this rank refuses to go on until restored from a checkpoint
-        for name, call in (("step", opt.step), ("state_dict", opt.state_dict)):
+    if isinstance(err, CollectiveError) and not isinstance(err, RankFailedError):
+        for name, call in (("step", opt.step), ("state_dict", opt.state_dict)):  # refused until restored
             try:
                 call()
                 out[name] = None
             except CollectiveError as e:
                 out[name] = str(e)
-    if how == "stalls":
+    if fault == "stall":
         comm.barrier()  # rank 0 stays until rank 1 made its exchange (which rank 0 gave up on)
     return out
 
 
-@pytest.mark.parametrize("how", ["dies", "stalls"])
-def test_a_rank_that_dies_or_stalls_ends_the_step_typed_and_rolled_back(how):
-    if how == "dies":
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("fault", ["die", "stall"])
+def test_a_rank_that_dies_or_stalls_mid_step_ends_the_step_typed_and_rolled_back(kind, fault):
+    if fault == "die":
         with pytest.raises(RankFailedError) as info:
-            run_local(_dies_or_stalls, 2, how, op_timeout=30)
+            run_local(fault_scenario, 2, kind, fault, 2.0, op_timeout=30)
         out = info.value.values[0]
         assert out["error"] == "CollectiveError" and out["took"] < 10, out
     else:
-        out = run_local(_dies_or_stalls, 2, how, op_timeout=30)[0]
+        out = run_local(fault_scenario, 2, kind, fault, 2.0, op_timeout=30)[0]
         assert out["error"] == "CollectiveTimeoutError" and 1.5 < out["took"] < 6, out
     assert out["rolled_back"], out
     assert "did not complete on rank 0" in out["message"] and "restore every rank" in out["message"].lower()
+    # the peer may have committed (a stalled one that joins later finds rank 0's contribution): no going on
     assert out["step"] == out["message"] and out["state_dict"] == out["message"]
 
 

@@ -195,6 +195,30 @@ def test_a_step_failing_on_one_rank_is_rolled_back_on_every_rank_and_resumes_exa
         assert r["deviation"] < 1e-6 and r["equal"], resumed
 
 
+def _hsdp(comm) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.simplefilter("ignore", FutureWarning)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    # FSDP2's native HSDP: each parameter sharded over "shard", replicated over "replicate"
+    model = _shard(_model(), mesh)
+    opt = OffloadedOptimizer(model.parameters(), FailingAdamW, "bf16", lr=LR, chunk_mb=0.004)
+    _train(model, opt, range(GOOD), comm.rank)
+    out = _failing_step(model, opt, comm.rank, fail_on=2)
+    out["exchanges"] = len(opt._agreement.comms)
+    return out
+
+
+def test_an_hsdp_mesh_agrees_over_both_of_its_dimensions():
+    """4 ranks on a 2x2 mesh: rank 2's failure reaches its replica (rank 0) and the other shard's ranks."""
+    out = run_local(_hsdp, 4, op_timeout=120)
+    assert [o["error"] for o in out] == ["RankFailedError", "RankFailedError", "Injected", "RankFailedError"]
+    for o in out:
+        assert o["rolled_back"] and o["local_rolled_back"] and o["exchanges"] == 2, out
+        named = {2: "Injected: the wrapped optimizer failed on this rank"}
+        assert o["failures"] == ({} if o["error"] == "Injected" else named)
+
+
 # -- a rank that dies or stalls ------------------------------------------------------------------------------
 
 

@@ -12,7 +12,8 @@ P matrices (64 x [2048, r], r = 1, 2, 4, 8) for the orthogonalisation. Peers, me
                    CuPy also DeepSpeed's way (cupy.packbits through DLPack);
   PowerSGD:        PyTorch's powerSGD_hook arithmetic on the buffer as a near-square matrix (residual
                    add, P = M Q, its Python Gram-Schmidt loop, Q = M^T P, P Q^T, error update);
-  orthogonalize:   torch.linalg.qr (batched) and PyTorch's Gram-Schmidt loop.
+  orthogonalize:   torch.linalg.qr (batched) and PyTorch's Gram-Schmidt loop; torsh's default provider is
+                   timed beside them (row "torsh default") with its time over linalg.qr's in the note.
 
 Each row reports the median time, GB/s of the bytes the operation must move at least (read + write)
 and that as a fraction of the same device's measured copy bandwidth; notes give the compression ratio
@@ -340,18 +341,40 @@ def run_orthogonalize(device: torch.device, providers: list[str], reps: int, bat
         g = torch.Generator().manual_seed(r)
         base = torch.randn(batch, rows, r, generator=g).to(device)
         work = base.clone()
-        for p in providers:
+        qr = lambda w=work: torch.linalg.qr(w)
+        for p in [None, *providers]:  # None: the default choice, as PowerSGD calls it
             chk = base.clone()
             orthogonalize(chk, provider=p)
             err = (chk.transpose(1, 2) @ chk - torch.eye(r, device=device)).abs().max().item()
-            case.add("orthogonalize", f"torsh[{p}]", "ours",
-                     lambda p=p, work=work: orthogonalize(work, provider=p), 2 * nbytes,
-                     note=f"max |Q^T Q - I| {err:.1e}")  # fmt: skip
-        case.add("orthogonalize", "torch.linalg.qr (batched)", "peer", lambda w=work: torch.linalg.qr(w), 2 * nbytes)
+            fn = lambda p=p, work=work: orthogonalize(work, provider=p)
+            note = f"max |Q^T Q - I| {err:.1e}"
+            if p is None:
+                note += f"; {_ratio(fn, qr, device):.3g}x batched linalg.qr's time (best of 5 interleaved)"
+            case.add("orthogonalize", "torsh default" if p is None else f"torsh[{p}]", "ours", fn, 2 * nbytes,
+                     note=note)  # fmt: skip
+        case.add("orthogonalize", "torch.linalg.qr (batched)", "peer", qr, 2 * nbytes)
         case.add("orthogonalize", "PowerSGD hook Gram-Schmidt loop (batched)", "peer",
                  lambda w=work: _torch_gram_schmidt(w), 2 * nbytes)  # fmt: skip
         results += case.time(reps)
     return results
+
+
+def _ratio(ours, peer, device: torch.device, rounds: int = 5, calls: int = 5) -> float:
+    """ours' time over peer's: the best of ``rounds`` interleaved rounds of ``calls`` calls each."""
+    import time
+
+    best = [math.inf, math.inf]
+    for _ in range(rounds):
+        for i, fn in enumerate((ours, peer)):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0] / best[1]
 
 
 def _mib_list(text: str) -> list[float]:

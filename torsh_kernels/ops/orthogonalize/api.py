@@ -1,7 +1,8 @@
 """The orthogonalisation family's public op: ``orthogonalize`` validates its matrices (typed errors), picks a
 provider and runs it (``providers.py``) through the ``torsh::orthogonalize`` custom op, which has a fake
-implementation so it composes with ``torch.compile``; one fp32 matrix on the CPU takes a fast path straight to
-the cpu kernel or the torch provider's arithmetic (``eager``'s predicates decide when)."""
+implementation so it composes with ``torch.compile``; one fp32/fp64 matrix or batch on the CPU takes a fast path
+straight to the cpu kernel (one call for the whole batch), or one fp32 matrix to the torch provider's arithmetic
+(``eager``'s predicates decide when)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ MAX_ITERS = 8
 """The most CholeskyQR iterations a call may ask for: 2 (CholeskyQR2, the default) orthogonalises to fp32
 rounding for condition numbers up to ~1e7, 3 (CholeskyQR3) beyond; each further one only repeats the last.
 (The Triton kernel unrolls its iterations, so a huge ``iters`` would otherwise compile without end.)"""
-_F32_RTOL = default_rtol(torch.float32)  # the fast path's default rtol (its matrices are fp32)
+_FAST_DTYPES = {torch.float32: default_rtol(torch.float32), torch.float64: default_rtol(torch.float64)}
+"""The dtypes of the fast path, with their default rtol."""
 _F32 = torch.float32
 _CPU = torch.device("cpu")
 _FAST = ("cpu", "torch")  # the providers the fast path runs
@@ -101,8 +103,8 @@ def _check_finite(mats: list[torch.Tensor]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Fast path: one contiguous fp32 [rows, cols] CPU matrix, rows >= cols (``eager.cpu_dense``), nothing tracing
-# (``eager.fast``), the cpu or torch provider chosen.
+# Fast path: one contiguous fp32/fp64 [rows, cols] CPU matrix or [B, rows, cols] batch, nothing tracing
+# (``eager.fast``), the cpu provider chosen; or one fp32 matrix, rows >= cols, the torch provider chosen.
 
 _cpu_kernels = eager.lazy_module("orthogonalize.cpu")  # the cpu provider's kernels, for the fast paths
 
@@ -185,20 +187,23 @@ def orthogonalize(
     accepted (nothing is computed: the shapes are the result).
     """
     if (
-        eager.cpu_dense(matrices) and matrices.dim() == 2 and 1 <= matrices.shape[1] <= matrices.shape[0]
+        type(matrices) is torch.Tensor and matrices.dtype in _FAST_DTYPES and matrices.is_cpu
+        and 2 <= matrices.dim() <= 3 and matrices.numel() and matrices.is_contiguous()
         and (rtol is None or (rtol.__class__ is float and 0.0 <= rtol < 1.0))
         and iters.__class__ is int and 1 <= iters <= MAX_ITERS
         and eager.fast()
-        and (sel := ortho_impl.select(_CPU, _F32, matrices.numel(), provider or None)) in _FAST
+        and (sel := ortho_impl.select(_CPU, matrices.dtype, matrices.numel(), provider or None)) in _FAST
     ):  # fmt: skip
-        # The common case, one fp32 matrix on the CPU: the cpu or torch provider on it, without the custom op.
-        tol = _F32_RTOL if rtol is None else rtol
-        if sel == "cpu":  # its kernel on the matrix's memory; False (nothing written) on a NaN/Inf
-            done = _cpu_kernels().ortho_ptr(matrices.data_ptr(), matrices.shape[0], matrices.shape[1], tol * tol,
-                                            iters, bool(check_finite))  # fmt: skip
+        # The common cases, one fp32/fp64 matrix or batch on the CPU: the cpu provider's kernel on its memory
+        # (False, nothing written, on a NaN/Inf: the general path reports it), or one fp32 matrix through the
+        # torch provider's arithmetic, without the custom op.
+        tol = _FAST_DTYPES[matrices.dtype] if rtol is None else rtol
+        done = False
+        if sel == "cpu":
+            done = _cpu_kernels().ortho_tensor(matrices, tol, iters, bool(check_finite))
             if done:
                 eager.bump(matrices)
-        else:
+        elif matrices.dtype is _F32 and matrices.dim() == 2 and matrices.shape[1] <= matrices.shape[0]:
             done = _ortho_fast(matrices, tol, check_finite)
         if done:
             return matrices

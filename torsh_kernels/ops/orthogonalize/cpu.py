@@ -4,16 +4,21 @@ Imported on the cpu provider's first launch. CholeskyQR2 as the GPU kernels run 
 fp64 Gram matrix G = A^T A, the upper-triangular T with T^T G T = I on the independent columns
 (Gram-Schmidt in the G inner product, twice, r x r work), then A = A T. A column whose part orthogonal
 to the earlier ones is below ``rtol`` of its norm gets a zero column of T, so it becomes zero. fp32 and
-fp64 matrices are worked on in place; 16-bit ones through an fp32 copy. Many matrices go in one call,
-through one span of memory and their offsets.
+fp64 matrices are worked on in place; 16-bit ones through an fp32 copy. A batch, or many matrices, go in
+one call, through one span of memory and their offsets.
 
 The two products are loops of this module, not BLAS (Numba's ``np.dot`` calls BLAS through SciPy, which
 would make SciPy a dependency of the package): the matrix goes through in chunks of ``_C`` rows, each
-converted to fp64 and transposed into an [r, _C] buffer, so that every inner loop runs over _C
-contiguous doubles whatever r is, and vectorises. Those two loops are compiled with the reassociation
-and contraction of floating-point operations allowed (``_fjit``: fp64 sums in the order LLVM's vector
-code takes, with fused multiply-adds, as a BLAS sums them; no assumption that values are finite, so
-NaN and Inf propagate and the finite check holds). Everything stays fp64 until a row is stored.
+converted to fp64 and transposed into an [rp, _C] buffer (rp: r rounded up to whole blocks of ``_RB``
+columns, the extra rows zero), so that every inner loop runs over _C contiguous doubles whatever r is,
+and vectorises. Both products work in 4 x 4 register blocks (16 running sums, or 16 entries of T, per
+two loads of four rows): 4x fewer loads per multiply-add than a loop per pair of columns, which is
+what made the kernel load-bound and slower than Householder QR (LAPACK) from r = 2 on. The transposes
+are compiled once per common rank (1-8, 16, 32: the loads of a row are then one interleaved vector
+access) and generically otherwise. Those loops are compiled with the reassociation and contraction of
+floating-point operations allowed (``_fjit``: fp64 sums in the order LLVM's vector code takes, with
+fused multiply-adds, as a BLAS sums them; no assumption that values are finite, so NaN and Inf
+propagate and the finite check holds). Everything stays fp64 until a row is stored.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import numpy as np
 import torch
 from numba import njit
 
-from ..cpu_common import arr, carray, jit, p_f32, span
+from ..cpu_common import arr, jit, span
 from .providers import element_groups
+
+__all__ = ["ortho_span", "ortho_tensor", "orthogonalize"]
 
 
 @jit
@@ -68,26 +75,80 @@ def _gram_factor(g, tm, r, rtol2):
             tm[a, j] = t[a] * inv
 
 
-_C = 64  # rows per chunk: an [r, _C] fp64 buffer per operand, 16 KiB each at r = 32
+_C = 512  # rows per chunk: an [rp, _C] fp64 buffer per operand, 32 KiB each at r = 8
+_RB = 4  # columns per register block of the products
+
+_EXACT = {torch.float32: 2.0**-26, torch.float64: 2.0**-55}
+"""A factor within this of 1 leaves every element of the dtype as it is (see ``_one_column``)."""
 
 _fjit = njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 """The cpu provider's :func:`jit`, with fp sums reassociated and multiply-adds fused (the products)."""
+_ijit = njit(cache=True, nogil=True, inline="always")
+"""Inlined into its callers where ``r`` is a constant: the loops over a row's columns are then unrolled."""
+
+
+@_ijit
+def _load_r(af, n, r, xb):
+    for k in range(n):
+        for p in range(r):
+            xb[p, k] = af[k * r + p]
+    for k in range(_C - n):
+        for p in range(r):
+            xb[p, n + k] = 0.0
+
+
+@_ijit
+def _store_r(yb, af, n, r):
+    for k in range(n):
+        for q in range(r):
+            af[k * r + q] = yb[q, k]
 
 
 @jit
 def _load(af, n, r, xb):
     """xb[p, k] = af[k * r + p] in fp64 for the chunk's n rows; zero for k >= n."""
-    for p in range(r):
-        xp = xb[p]
-        for k in range(n):
-            xp[k] = af[k * r + p]
-        for k in range(_C - n):
-            xp[n + k] = 0.0
+    if r == 1:
+        _load_r(af, n, 1, xb)
+    elif r == 2:
+        _load_r(af, n, 2, xb)
+    elif r == 3:
+        _load_r(af, n, 3, xb)
+    elif r == 4:
+        _load_r(af, n, 4, xb)
+    elif r == 8:
+        _load_r(af, n, 8, xb)
+    elif r == 16:
+        _load_r(af, n, 16, xb)
+    elif r == 32:
+        _load_r(af, n, 32, xb)
+    else:
+        _load_r(af, n, r, xb)
+
+
+@jit
+def _store(yb, af, n, r):
+    """af[k * r + q] = yb[q, k] rounded to af's dtype, for the chunk's n rows."""
+    if r == 1:
+        _store_r(yb, af, n, 1)
+    elif r == 2:
+        _store_r(yb, af, n, 2)
+    elif r == 3:
+        _store_r(yb, af, n, 3)
+    elif r == 4:
+        _store_r(yb, af, n, 4)
+    elif r == 8:
+        _store_r(yb, af, n, 8)
+    elif r == 16:
+        _store_r(yb, af, n, 16)
+    elif r == 32:
+        _store_r(yb, af, n, 32)
+    else:
+        _store_r(yb, af, n, r)
 
 
 @_fjit
-def _gram_add(g, xb, r):
-    """g[p, q] += the chunk's sum of x_p x_q, for q >= p (the rows past the chunk's end are zero)."""
+def _gram_small(g, xb, r):
+    """g[p, q] += the chunk's sum of x_p x_q for q >= p, below one block (r < _RB)."""
     for p in range(r):
         xp = xb[p]
         for q in range(p, r):
@@ -98,6 +159,50 @@ def _gram_add(g, xb, r):
             g[p, q] += s
 
 
+@_fjit
+def _gram_block(g, xb, pb, qb):
+    """g[pb:pb+4, qb:qb+4] += the chunk's products of columns pb.. and qb.. (16 running sums)."""
+    x0, x1, x2, x3 = xb[pb], xb[pb + 1], xb[pb + 2], xb[pb + 3]
+    y0, y1, y2, y3 = xb[qb], xb[qb + 1], xb[qb + 2], xb[qb + 3]
+    s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = 0.0
+    s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = 0.0
+    for k in range(_C):
+        a0, a1, a2, a3 = x0[k], x1[k], x2[k], x3[k]
+        b0, b1, b2, b3 = y0[k], y1[k], y2[k], y3[k]
+        s00 += a0 * b0
+        s01 += a0 * b1
+        s02 += a0 * b2
+        s03 += a0 * b3
+        s10 += a1 * b0
+        s11 += a1 * b1
+        s12 += a1 * b2
+        s13 += a1 * b3
+        s20 += a2 * b0
+        s21 += a2 * b1
+        s22 += a2 * b2
+        s23 += a2 * b3
+        s30 += a3 * b0
+        s31 += a3 * b1
+        s32 += a3 * b2
+        s33 += a3 * b3
+    sums = ((s00, s01, s02, s03), (s10, s11, s12, s13), (s20, s21, s22, s23), (s30, s31, s32, s33))
+    for i in range(_RB):
+        for j in range(_RB):
+            g[pb + i, qb + j] += sums[i][j]
+
+
+@jit
+def _gram_add(g, xb, r):
+    """g[p, q] += the chunk's sum of x_p x_q, for q >= p (and some q < p: the mirror overwrites them)."""
+    rp = xb.shape[0]
+    if rp < _RB:
+        _gram_small(g, xb, r)
+        return
+    for pb in range(0, rp, _RB):
+        for qb in range(pb, rp, _RB):
+            _gram_block(g, xb, pb, qb)
+
+
 @jit
 def _mirror(g, r):
     for p in range(r):
@@ -106,59 +211,66 @@ def _mirror(g, r):
 
 
 @_fjit
-def _mul_store(xb, tm, yb, af, n, r):
-    """The chunk's rows of A T (T upper-triangular: column j sums rows p <= j), stored to af, rounded to
-    its dtype."""
-    for j in range(r):
-        yj = yb[j]
+def _mul_small(xb, tm, yb, r):
+    for q in range(r):
+        zq = yb[q]
         for k in range(_C):
-            yj[k] = 0.0
-        p = 0
-        while p + 4 <= j + 1:
-            t0 = tm[p, j]
-            t1 = tm[p + 1, j]
-            t2 = tm[p + 2, j]
-            t3 = tm[p + 3, j]
-            x0 = xb[p]
-            x1 = xb[p + 1]
-            x2 = xb[p + 2]
-            x3 = xb[p + 3]
-            for k in range(_C):
-                yj[k] += (x0[k] * t0 + x1[k] * t1) + (x2[k] * t2 + x3[k] * t3)
-            p += 4
-        while p <= j:
-            t = tm[p, j]
+            zq[k] = 0.0
+        for p in range(q + 1):
+            t = tm[p, q]
             xp = xb[p]
             for k in range(_C):
-                yj[k] += xp[k] * t
-            p += 1
-        for k in range(n):
-            af[k * r + j] = yj[k]
+                zq[k] += xp[k] * t
+
+
+@_fjit
+def _mul_block(xb, tm, yb, pb, qb):
+    """yb[qb:qb+4] += the chunk's columns pb..pb+3 times T[pb:pb+4, qb:qb+4] (16 entries held)."""
+    x0, x1, x2, x3 = xb[pb], xb[pb + 1], xb[pb + 2], xb[pb + 3]
+    z0, z1, z2, z3 = yb[qb], yb[qb + 1], yb[qb + 2], yb[qb + 3]
+    t00, t01, t02, t03 = tm[pb, qb], tm[pb, qb + 1], tm[pb, qb + 2], tm[pb, qb + 3]
+    t10, t11, t12, t13 = tm[pb + 1, qb], tm[pb + 1, qb + 1], tm[pb + 1, qb + 2], tm[pb + 1, qb + 3]
+    t20, t21, t22, t23 = tm[pb + 2, qb], tm[pb + 2, qb + 1], tm[pb + 2, qb + 2], tm[pb + 2, qb + 3]
+    t30, t31, t32, t33 = tm[pb + 3, qb], tm[pb + 3, qb + 1], tm[pb + 3, qb + 2], tm[pb + 3, qb + 3]
+    for k in range(_C):
+        a0, a1, a2, a3 = x0[k], x1[k], x2[k], x3[k]
+        z0[k] += (a0 * t00 + a1 * t10) + (a2 * t20 + a3 * t30)
+        z1[k] += (a0 * t01 + a1 * t11) + (a2 * t21 + a3 * t31)
+        z2[k] += (a0 * t02 + a1 * t12) + (a2 * t22 + a3 * t32)
+        z3[k] += (a0 * t03 + a1 * t13) + (a2 * t23 + a3 * t33)
 
 
 @jit
-def ortho_matrix(a, rtol2, iters, check_finite):
-    """Orthonormalise the columns of ``a`` [m, r] in place; False (nothing written) when ``check_finite``
-    and an element is NaN/Inf (its column's squared norm in fp64 is then not finite). Each iteration
-    reads the matrix as stored: it is rounded to its dtype after each iteration, as the GPU kernels
-    store it; the next iteration's G is summed in the same pass as the rows are stored."""
-    m, r = a.shape
-    af = a.reshape(-1)
-    xb = np.zeros((r, _C))
-    yb = np.empty((r, _C))
-    g = np.zeros((r, r))
-    tm = np.empty((r, r))
+def _mul(xb, tm, yb, r):
+    """yb = the chunk's rows of A T (T upper-triangular, zero past r: block qb sums blocks pb <= qb)."""
+    rp = xb.shape[0]
+    if rp < _RB:
+        _mul_small(xb, tm, yb, r)
+        return
+    yb[:, :] = 0.0
+    for qb in range(0, rp, _RB):
+        for pb in range(0, qb + _RB, _RB):
+            _mul_block(xb, tm, yb, pb, qb)
+
+
+@jit
+def _gram(af, m, r, xb, g):
+    """g = the fp64 Gram matrix of af ([m, r], flat), its upper triangle mirrored."""
+    g[:, :] = 0.0
     for k0 in range(0, m, _C):
         n = min(_C, m - k0)
         _load(af[k0 * r : (k0 + n) * r], n, r, xb)
         _gram_add(g, xb, r)
     _mirror(g, r)
-    if check_finite:
-        for p in range(r):
-            if not np.isfinite(g[p, p]):
-                return False
+
+
+@jit
+def _iterate(af, m, r, g, rtol2, iters, xb, yb, tm):
+    """The CholeskyQR iterations on af, given its Gram matrix g. Each iteration reads the matrix as stored:
+    it is rounded to its dtype after each iteration, as the GPU kernels store it; the next iteration's G
+    is summed in the same pass as the rows are stored."""
     for it in range(iters):
-        _gram_factor(g, tm, r, rtol2)
+        _gram_factor(g[:r, :r], tm[:r, :r], r, rtol2)
         more = it + 1 < iters
         if more:
             g[:, :] = 0.0
@@ -166,26 +278,89 @@ def ortho_matrix(a, rtol2, iters, check_finite):
             n = min(_C, m - k0)
             seg = af[k0 * r : (k0 + n) * r]
             _load(seg, n, r, xb)
-            _mul_store(xb, tm, yb, seg, n, r)
+            _mul(xb, tm, yb, r)
+            _store(yb, seg, n, r)
             if more:
                 _load(seg, n, r, xb)
                 _gram_add(g, xb, r)
         if more:
             _mirror(g, r)
+
+
+@_fjit
+def _finite_probe(a):
+    """0.0 when every element of ``a`` is finite, else NaN (x * 0 is NaN for NaN and Inf)."""
+    s = 0.0
+    for k in range(a.size):
+        s += a[k] * 0.0
+    return s
+
+
+@_fjit
+def _one_column(af, rtol2, iters, check_finite, exact):
+    """``_iterate`` for r = 1, straight on the column: G is its squared norm, T its inverse norm (zero for a
+    zero column: the test of ``_gram_factor`` with j = 0 is g > 0); False when ``check_finite`` and the
+    norm is not finite. A later iteration whose factor is within ``exact`` of 1 (a quarter of the dtype's
+    relative half ulp) would store every element unchanged (each product is nearer its element than a
+    quarter ulp), so it and the ones after it are skipped: the same bits, one pass less."""
+    g = 0.0
+    for k in range(af.size):
+        g += np.float64(af[k]) * np.float64(af[k])
+    if check_finite and not np.isfinite(g):
+        return False
+    for it in range(iters):
+        inv = 1.0 / math.sqrt(g) if g > 0 and g > rtol2 * g else 0.0
+        if it > 0 and abs(inv - 1.0) < exact:
+            break
+        g = 0.0
+        for k in range(af.size):
+            af[k] = np.float64(af[k]) * inv  # rounded to af's dtype
+            v = np.float64(af[k])
+            g += v * v
     return True
 
 
 @jit
-def ortho_ptr(ap, m, r, rtol2, iters, check_finite):
-    """:func:`ortho_matrix` on the address of an fp32 [m, r] matrix."""
-    return ortho_matrix(carray(p_f32(ap), (m, r)), rtol2, iters, check_finite)
+def ortho_span(base, offs, rows, r, rtol2, iters, check_finite, exact):
+    """Every matrix k ([rows[k], r] at base[offs[k]:]) orthonormalised in place; False, with nothing
+    written, when ``check_finite`` and an element is NaN/Inf (one matrix: a non-finite diagonal of its
+    Gram matrix; several: every element probed before the first write)."""
+    nb = offs.size
+    if check_finite and nb > 1:
+        bad = 0.0
+        for k in range(nb):
+            bad += _finite_probe(base[offs[k] : offs[k] + rows[k] * r])
+        if bad != 0.0:
+            return False
+    if r == 1:
+        for k in range(nb):
+            if not _one_column(base[offs[k] : offs[k] + rows[k]], rtol2, iters, check_finite and nb == 1, exact):
+                return False
+        return True
+    rp = r if r < _RB else -(-r // _RB) * _RB  # whole blocks of columns (below one block: r itself)
+    xb = np.zeros((rp, _C))  # rows p >= r stay zero
+    yb = np.zeros((rp, _C))
+    tm = np.zeros((rp, rp))
+    g = np.zeros((rp, rp))
+    for k in range(nb):
+        af = base[offs[k] : offs[k] + rows[k] * r]
+        _gram(af, rows[k], r, xb, g)
+        if check_finite and nb == 1:
+            for p in range(r):
+                if not np.isfinite(g[p, p]):
+                    return False
+        _iterate(af, rows[k], r, g, rtol2, iters, xb, yb, tm)
+    return True
 
 
-@jit
-def ortho_span(base, offs, rows, r, rtol2, iters):
-    for k in range(offs.size):
-        o = offs[k]
-        ortho_matrix(base[o : o + rows[k] * r].reshape((rows[k], r)), rtol2, iters, False)
+def ortho_tensor(t: torch.Tensor, rtol: float, iters: int, check_finite: bool) -> bool:
+    """One contiguous fp32/fp64 CPU [m, r] matrix or [B, m, r] batch (m, r >= 1), orthonormalised in place
+    by one kernel call; False, with nothing written, on a NaN/Inf element when ``check_finite``."""
+    m, r = t.shape[-2], t.shape[-1]
+    b = t.shape[0] if t.dim() == 3 else 1
+    offs = np.arange(0, b * m * r, m * r, dtype=np.int64)
+    rows = np.full(b, m, dtype=np.int64)
+    return ortho_span(arr(t).reshape(-1), offs, rows, r, rtol * rtol, iters, check_finite, _EXACT[t.dtype])
 
 
 def orthogonalize(mats: list[torch.Tensor], rtol: float, iters: int) -> None:
@@ -193,13 +368,10 @@ def orthogonalize(mats: list[torch.Tensor], rtol: float, iters: int) -> None:
     work = mats
     if mats[0].dtype not in (torch.float32, torch.float64):  # 16-bit: through fp32 copies
         work = [m.float() for m in mats]
-    elif len(mats) == 1:
-        ortho_matrix(arr(mats[0]), rtol * rtol, iters, False)
-        return
     for ms in element_groups(work):
         base, offs = span(ms)
         rows = np.array([m.shape[0] for m in ms], dtype=np.int64)
-        ortho_span(base, offs, rows, r, rtol * rtol, iters)
+        ortho_span(base, offs, rows, r, rtol * rtol, iters, False, _EXACT[work[0].dtype])
     if work is not mats:
         for m, w in zip(mats, work):
             m.copy_(w)

@@ -1296,6 +1296,43 @@ for p in PROVIDERS:
         writes=("matrices",),
     )
     _ok(
+        f"{P}/batch_rank_deficient",  # issue 41 item 16: the cpu kernel's batch path, zero and dependent columns
+        tk.orthogonalize,
+        lambda p: {"matrices": (lambda m: (m.__setitem__((..., 1), 0), m.__setitem__((..., 3), m[..., 0] * 2))
+                                and m)(rnd(3, 40, 5, p=p))},
+        {},
+        p,
+        lambda r, kw, b: close(r, ops.orthogonalize_ref(b["matrices"].clone()), 1e-4, 1e-3),
+        writes=("matrices",),
+    )  # fmt: skip
+    _ok(
+        f"{P}/batch_zero_matrices",
+        tk.orthogonalize,
+        lambda p: {"matrices": torch.zeros(4, 30, 8, device=_dev(p))},
+        {},
+        p,
+        lambda r, kw, b: bool((r == 0).all()),
+        writes=("matrices",),
+    )
+    _ok(
+        f"{P}/list_mixed_heights",
+        tk.orthogonalize,
+        lambda p: {"matrices": [rnd(16, 4, p=p), rnd(700, 4, seed=1, p=p), rnd(3, 4, seed=2, p=p)]},
+        {},
+        p,
+        _orv,
+        writes=("matrices",),
+    )
+    _ok(
+        f"{P}/list_views_odd_offset",
+        tk.orthogonalize,
+        lambda p: {"matrices": (lambda b: [b[1:121].view(40, 3), b[121:241].view(40, 3)])(rnd(241, p=p))},
+        {},
+        p,
+        _orv,
+        writes=("matrices",),
+    )
+    _ok(
         f"{P}/zero_columns",
         tk.orthogonalize,
         lambda p: {"matrices": torch.empty(5, 0, device=_dev(p))},

@@ -75,7 +75,8 @@ def _gram_factor(g, tm, r, rtol2):
             tm[a, j] = t[a] * inv
 
 
-_C = 512  # rows per chunk: an [rp, _C] fp64 buffer per operand, 32 KiB each at r = 8
+_C = 512  # rows per chunk up to r = 8: an [rp, _C] fp64 buffer per operand, 32 KiB each at r = 8
+_C_WIDE = 64  # rows per chunk beyond (16 KiB each at r = 32)
 _RB = 4  # columns per register block of the products
 
 _EXACT = {torch.float32: 2.0**-26, torch.float64: 2.0**-55}
@@ -92,7 +93,7 @@ def _load_r(af, n, r, xb):
     for k in range(n):
         for p in range(r):
             xb[p, k] = af[k * r + p]
-    for k in range(_C - n):
+    for k in range(xb.shape[1] - n):
         for p in range(r):
             xb[p, n + k] = 0.0
 
@@ -154,7 +155,7 @@ def _gram_small(g, xb, r):
         for q in range(p, r):
             xq = xb[q]
             s = 0.0
-            for k in range(_C):
+            for k in range(xb.shape[1]):
                 s += xp[k] * xq[k]
             g[p, q] += s
 
@@ -166,7 +167,7 @@ def _gram_block(g, xb, pb, qb):
     y0, y1, y2, y3 = xb[qb], xb[qb + 1], xb[qb + 2], xb[qb + 3]
     s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = 0.0
     s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = 0.0
-    for k in range(_C):
+    for k in range(xb.shape[1]):
         a0, a1, a2, a3 = x0[k], x1[k], x2[k], x3[k]
         b0, b1, b2, b3 = y0[k], y1[k], y2[k], y3[k]
         s00 += a0 * b0
@@ -214,12 +215,12 @@ def _mirror(g, r):
 def _mul_small(xb, tm, yb, r):
     for q in range(r):
         zq = yb[q]
-        for k in range(_C):
+        for k in range(xb.shape[1]):
             zq[k] = 0.0
         for p in range(q + 1):
             t = tm[p, q]
             xp = xb[p]
-            for k in range(_C):
+            for k in range(xb.shape[1]):
                 zq[k] += xp[k] * t
 
 
@@ -232,7 +233,7 @@ def _mul_block(xb, tm, yb, pb, qb):
     t10, t11, t12, t13 = tm[pb + 1, qb], tm[pb + 1, qb + 1], tm[pb + 1, qb + 2], tm[pb + 1, qb + 3]
     t20, t21, t22, t23 = tm[pb + 2, qb], tm[pb + 2, qb + 1], tm[pb + 2, qb + 2], tm[pb + 2, qb + 3]
     t30, t31, t32, t33 = tm[pb + 3, qb], tm[pb + 3, qb + 1], tm[pb + 3, qb + 2], tm[pb + 3, qb + 3]
-    for k in range(_C):
+    for k in range(xb.shape[1]):
         a0, a1, a2, a3 = x0[k], x1[k], x2[k], x3[k]
         z0[k] += (a0 * t00 + a1 * t10) + (a2 * t20 + a3 * t30)
         z1[k] += (a0 * t01 + a1 * t11) + (a2 * t21 + a3 * t31)
@@ -257,8 +258,9 @@ def _mul(xb, tm, yb, r):
 def _gram(af, m, r, xb, g):
     """g = the fp64 Gram matrix of af ([m, r], flat), its upper triangle mirrored."""
     g[:, :] = 0.0
-    for k0 in range(0, m, _C):
-        n = min(_C, m - k0)
+    c = xb.shape[1]
+    for k0 in range(0, m, c):
+        n = min(c, m - k0)
         _load(af[k0 * r : (k0 + n) * r], n, r, xb)
         _gram_add(g, xb, r)
     _mirror(g, r)
@@ -274,8 +276,9 @@ def _iterate(af, m, r, g, rtol2, iters, xb, yb, tm):
         more = it + 1 < iters
         if more:
             g[:, :] = 0.0
-        for k0 in range(0, m, _C):
-            n = min(_C, m - k0)
+        c = xb.shape[1]
+        for k0 in range(0, m, c):
+            n = min(c, m - k0)
             seg = af[k0 * r : (k0 + n) * r]
             _load(seg, n, r, xb)
             _mul(xb, tm, yb, r)
@@ -338,8 +341,9 @@ def ortho_span(base, offs, rows, r, rtol2, iters, check_finite, exact):
                 return False
         return True
     rp = r if r < _RB else -(-r // _RB) * _RB  # whole blocks of columns (below one block: r itself)
-    xb = np.zeros((rp, _C))  # rows p >= r stay zero
-    yb = np.zeros((rp, _C))
+    c = _C if rp <= 8 else _C_WIDE  # chunk rows: both buffers within L1 and L2
+    xb = np.zeros((rp, c))  # rows p >= r stay zero
+    yb = np.zeros((rp, c))
     tm = np.zeros((rp, rp))
     g = np.zeros((rp, rp))
     for k in range(nb):

@@ -300,17 +300,20 @@ def _finite_probe(a):
 
 
 @_fjit
-def _one_column(af, rtol2, iters, check_finite, exact):
-    """``_iterate`` for r = 1, straight on the column: G is its squared norm, T its inverse norm (zero for a
-    zero column: the test of ``_gram_factor`` with j = 0 is g > 0); False when ``check_finite`` and the
-    norm is not finite. A later iteration whose factor is within ``exact`` of 1 (a quarter of the dtype's
-    relative half ulp) would store every element unchanged (each product is nearer its element than a
-    quarter ulp), so it and the ones after it are skipped: the same bits, one pass less."""
+def _square_norm(af):
     g = 0.0
     for k in range(af.size):
         g += np.float64(af[k]) * np.float64(af[k])
-    if check_finite and not np.isfinite(g):
-        return False
+    return g
+
+
+@_fjit
+def _one_column(af, g, rtol2, iters, exact):
+    """``_iterate`` for r = 1, straight on the column, given its squared norm ``g`` (G; T is its inverse
+    norm, zero for a zero column: the test of ``_gram_factor`` with j = 0 is g > 0). A later iteration
+    whose factor is within ``exact`` of 1 (a quarter of the dtype's relative half ulp) would store every
+    element unchanged (each product is nearer its element than a quarter ulp), so it and the ones after
+    it are skipped: the same bits, one pass less."""
     for it in range(iters):
         inv = 1.0 / math.sqrt(g) if g > 0 and g > rtol2 * g else 0.0
         if it > 0 and abs(inv - 1.0) < exact:
@@ -326,20 +329,25 @@ def _one_column(af, rtol2, iters, check_finite, exact):
 @jit
 def ortho_span(base, offs, rows, r, rtol2, iters, check_finite, exact):
     """Every matrix k ([rows[k], r] at base[offs[k]:]) orthonormalised in place; False, with nothing
-    written, when ``check_finite`` and an element is NaN/Inf (one matrix: a non-finite diagonal of its
-    Gram matrix; several: every element probed before the first write)."""
+    written, when ``check_finite`` and an element is NaN/Inf (one column: a non-finite squared norm of any
+    matrix, all computed before the first write; one matrix: a non-finite diagonal of its Gram matrix;
+    several: every element probed before the first write)."""
     nb = offs.size
+    if r == 1:  # the norms first (which see any NaN/Inf), then one scaling pass: two passes, as in plain torch
+        gs = np.empty(nb)
+        for k in range(nb):
+            gs[k] = _square_norm(base[offs[k] : offs[k] + rows[k]])
+            if check_finite and not np.isfinite(gs[k]):
+                return False
+        for k in range(nb):
+            _one_column(base[offs[k] : offs[k] + rows[k]], gs[k], rtol2, iters, exact)
+        return True
     if check_finite and nb > 1:
         bad = 0.0
         for k in range(nb):
             bad += _finite_probe(base[offs[k] : offs[k] + rows[k] * r])
         if bad != 0.0:
             return False
-    if r == 1:
-        for k in range(nb):
-            if not _one_column(base[offs[k] : offs[k] + rows[k]], rtol2, iters, check_finite and nb == 1, exact):
-                return False
-        return True
     rp = r if r < _RB else -(-r // _RB) * _RB  # whole blocks of columns (below one block: r itself)
     c = _C if rp <= 8 else _C_WIDE  # chunk rows: both buffers within L1 and L2
     xb = np.zeros((rp, c))  # rows p >= r stay zero

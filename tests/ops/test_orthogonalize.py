@@ -220,36 +220,3 @@ def test_default_cpu_batch_nonfinite_changes_nothing(gen, check):
     else:
         orthogonalize(m, check_finite=False)
         assert torch.isfinite(m[:3]).all()
-
-
-def test_default_cpu_is_not_slower_than_batched_linalg_qr():
-    """Issue 41 item 16: 64 x [2048, 1] fp32 (PowerSGD's P at rank 1) took 7x batched torch.linalg.qr's
-    time on the default (cpu) provider. Best of interleaved rounds, torch on one thread as the kernel runs
-    (LAPACK's OpenMP threads stall on a loaded machine); the bound leaves room for that load (measured
-    0.8x of qr's time after the fix; 7x before)."""
-    import time
-
-    if DEVICE.type != "cpu":
-        pytest.skip("the CPU default")
-    w = torch.randn(64, 2048, 1, generator=torch.Generator().manual_seed(0))
-
-    def best(fn):
-        fn()
-        b = math.inf
-        for _ in range(15):
-            t0 = time.perf_counter()
-            for _ in range(5):
-                fn()
-            b = min(b, time.perf_counter() - t0)
-        return b
-
-    ours, qr = math.inf, math.inf
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(3):
-            ours = min(ours, best(lambda: orthogonalize(w)))
-            qr = min(qr, best(lambda: torch.linalg.qr(w)))
-    finally:
-        torch.set_num_threads(threads)
-    assert ours <= 2.0 * qr, (ours, qr)

@@ -6,8 +6,6 @@ is as an attribute: the family's names are imported from its package and its mod
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

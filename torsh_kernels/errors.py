@@ -96,7 +96,9 @@ class CollectiveMismatchError(CollectiveError):
 
 
 class RankFailedError(CollectiveError):
-    """A rank of a locally launched job raised or exited; the message carries its error and traceback."""
+    """Another rank failed: a rank of a locally launched job raised or exited (``run_local``; the message
+    carries its error and traceback), or a peer's offloaded optimizer step failed, so this rank rolled its own
+    back (``OffloadedOptimizer``; ``failures`` names each failed rank's error)."""
 
     def __init__(self, message: str, *, values: list | None = None, failures: dict[int, str] | None = None):
         super().__init__(message)

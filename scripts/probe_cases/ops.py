@@ -2314,6 +2314,12 @@ for p in PROVIDERS:
                 and close(r.scores[:, 0], torch.softmax(b["logits"].float(), -1)[:, 4])))  # fmt: skip
     _ok(f"{P}/score_bias_sigmoid_unnormalised", tk.moe_route, _rt_base,
         {"score_bias": _bias(), "score": "sigmoid", "renormalize": False}, p, _rt_ref())  # fmt: skip
+    # sigmoid scores that underflow to 0 (a collapsed router, logits below about -88; issue 41, item 3): the
+    # rule on every provider is weights 0 (ZeroDivisionError on cpu, NaN on torch before), the reference's
+    for nm, extra in (("", {}), ("_with_bias", {"score_bias": _bias()}), ("_unnormalised", {"renormalize": False})):
+        _ok(f"{P}/sigmoid_scores_underflow{nm}", tk.moe_route, _rt_base,
+            {"logits": L(lambda p: torch.full((7, 5), -100.0, device=_dev(p))), "score": "sigmoid", **extra}, p,
+            _rt_ref(lambda r, kw, b: bool((r.weights == 0).all())))  # fmt: skip
     _ok(f"{P}/score_bias_strided_view", tk.moe_route, _rt_base,
         {"score_bias": L(lambda p: rnd(10, seed=3, p=p, scale=0.3)[::2])}, p, _rt_ref())  # fmt: skip
     _ok(f"{P}/score_bias_zero_equals_no_bias", tk.moe_route, _rt_base,

@@ -77,7 +77,9 @@ BAD_ARGS = {
     "topk_group_str": {"n_group": 2, "topk_group": "1"},
     **{f"scaling_{n}": {"scaling": v} for n, v in
        (("zero", 0.0), ("negative", -1.0), ("nan", NAN), ("inf", INF), ("bool", True), ("str", "2"),
-        ("none", None), ("list", [2.0]), ("huge_int", 10**400))},
+        ("none", None), ("list", [2.0]), ("huge_int", 10**400), ("1e300", 1e300), ("above_fp32", 4e38))},
+    **{f"capacity_factor_{n}": {"capacity_factor": v} for n, v in
+       (("huge_int", 10**400), ("nan", NAN), ("zero", 0.0))},
     **{f"capacity_{n}": {"capacity": v} for n, v in
        (("negative", -1), ("bool", True), ("float", 2.0), ("str", "2"), ("list", [2]))},
     "capacity_with_capacity_factor": {"capacity": 2, "capacity_factor": 1.0},
@@ -447,14 +449,17 @@ CASES += [
     *[Case(f"moe_layers/BiasBalancer/num_experts_{n}", functools.partial(_balancer, v)) for n, v in
       (("zero", 0), ("negative", -1), ("bool", True), ("float", 4.0), ("str", "4"), ("none", None))],
     *[Case(f"moe_layers/BiasBalancer/rate_{n}", functools.partial(_balancer, E, rate=v)) for n, v in
-      (("negative", -0.1), ("nan", NAN), ("inf", INF), ("bool", True), ("str", "1e-3"), ("none", None))],
+      (("negative", -0.1), ("nan", NAN), ("inf", INF), ("bool", True), ("str", "1e-3"), ("none", None),
+       ("1e308", 1e308), ("above_1", 1.5))],
     *[Case(f"moe_layers/BiasBalancer/comm_{n}", functools.partial(_balancer, E, comm=v)) for n, v in
       (("str", "nccl"), ("int", 3), ("object", object()))],
     *[Case(f"moe_layers/BiasBalancer/observe_{n}", functools.partial(_observe, v)) for n, v in
       (("list", [1, 2, 3, 4]), ("none", None), ("fp32", lambda: torch.ones(E)), ("bool", lambda: torch.ones(E) > 0),
        ("short", lambda: torch.ones(E - 1, dtype=torch.int64)), ("2d", lambda: torch.ones(1, E, dtype=torch.int64)),
        ("int32_short", lambda: torch.ones(E + 1, dtype=torch.int32)),
-       ("meta", lambda: torch.ones(E, dtype=torch.int64, device="meta")))],
+       ("meta", lambda: torch.ones(E, dtype=torch.int64, device="meta")),
+       ("negative", lambda: torch.tensor([3, -1, 0, 0])), ("int32_negative", lambda: torch.tensor([0, 0, -7, 1],
+                                                                                                  dtype=torch.int32)))],
     *[Case(f"moe_layers/BiasBalancer/load_state_dict_{n}", functools.partial(_load_state, f)) for n, f in
       (("bias_short", _set("bias", lambda: torch.zeros(E - 1))),
        ("bias_int", _set("bias", lambda: torch.zeros(E, dtype=torch.int64))),
@@ -585,3 +590,24 @@ if importlib.util.find_spec("transformers") is not None:  # (the dev extra; with
             ("mixtral_loop_experts", _mixtral, {"expert_compute": "loop"}),
         )
     ]  # fmt: skip
+
+
+def _int_input(kind: str):
+    """An integer input (issue 41, item 10): a DTypeError, not a matmul error from inside the layer."""
+    layer = _layer(kind)
+    return layer(torch.ones(3, H, dtype=torch.int64))
+
+
+CASES += [Case(f"moe_layers/{kind}/forward_int_input", functools.partial(_int_input, kind))
+          for kind in ("MoELayer", "ExpertParallelMoE")]  # fmt: skip
+
+
+def _capacity_1e300_is_no_limit(kind: str) -> bool:
+    """capacity_factor=1e300 (finite, so accepted) caps nothing: the output is the uncapped layer's."""
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(1))
+    capped, plain = _layer(kind, capacity_factor=1e300), _layer(kind)
+    return bool(torch.equal(capped(x), plain(x)))
+
+
+CASES += [Case(f"moe_layers/{kind}/capacity_factor_1e300_caps_nothing", functools.partial(_capacity_1e300_is_no_limit,
+               kind), "ok", check=lambda v: v is True) for kind in ("MoELayer", "ExpertParallelMoE")]  # fmt: skip

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable
 
 import pytest
@@ -200,11 +201,11 @@ def test_wrong_types_are_named():
     assert set(keys) == {
         "optimizer.params.bias_correction", "optimizer.params.foo", "zero_optimization.offload_param.pin_memory",
         "zero_optimization.offload_optimizer", "zero_optimization.zero_quantized_weights", "fp32_allreduce",
+        "optimizer.params.lr",
     }  # fmt: skip
     assert "AdamW takes no argument 'foo'" in keys["optimizer.params.foo"]
-    # once the names are right, the values: torch's own check, with the key
-    with pytest.raises(ConfigMappingError, match=r"optimizer.params: torch.optim.AdamW refuses") as e:
-        from_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    # each value is checked under its own key, beside the unknown names
+    assert keys["optimizer.params.lr"].startswith("must be a finite number, got str 'auto' ('auto' is filled in by")
     with pytest.raises(ConfigMappingError, match="Hugging Face") as e:
         from_deepspeed({"communication_data_type": "auto"})
     with pytest.raises(ArgumentTypeError):
@@ -666,3 +667,161 @@ def test_mapped_hooks_average_as_pytorchs_on_two_ranks():
         assert out["powersgd"] < 1e-5
         assert out["powersgd_q"] == [(1, 1), (96, 1)]  # both matrices compressed, as PyTorch compresses them
         assert out["ep"] == (3, 3 * rank, (10, 16))
+
+
+# -- every value checked at import, typed (issue 41, item 9) ------------------------------------------------------
+
+_OFFLOADED = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+
+
+def _adamw(**params) -> dict:
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, **params}}}
+
+
+def _deep(levels: int) -> list:
+    v: list = []
+    for _ in range(levels):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize(
+    "cfg, key, text",
+    [
+        (_adamw(lr=math.inf), "optimizer.params.lr", "must be a finite number, got inf"),  # NaN after one step
+        (_adamw(lr=1e300), "optimizer.params.lr", "must be at most 65504"),
+        (_adamw(lr=0), "optimizer.params.lr", "must be > 0"),
+        (_adamw(betas=[0.9, 0.99, 0.5]), "optimizer.params.betas", "exactly 2 numbers, got 3"),
+        (_adamw(betas=[0.9, 1.0]), "optimizer.params.betas", "entry 1: must be < 1"),
+        (_adamw(eps=math.inf), "optimizer.params.eps", "must be a finite number"),
+        (_adamw(weight_decay=-0.1), "optimizer.params.weight_decay", "must be >= 0"),
+        ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 1e300}}}, "optimizer.params.momentum",
+         "must be < 1"),
+        ({"optimizer": {"type": "Adam", "params": {"torch_adam": True, "amsgrad": "yes"}}},
+         "optimizer.params.amsgrad", "must be true or false"),
+        ({"optimizer": {"type": "RMSprop", "params": {"lr": 1e-2, "alpha": 1e30}}}, "optimizer.params",
+         "NaN or inf in two steps"),
+        ({"optimizer": {"type": "LBFGS", "params": {"line_search_fn": "bogus"}}}, "optimizer.params",
+         "fails a step on a throwaway parameter"),
+        ({**_OFFLOADED, "optimizer": {"type": "LBFGS", "params": {}}}, "optimizer.type", "needs a closure"),
+        ({**_OFFLOADED, "optimizer": {"type": "SparseAdam", "params": {}}}, "optimizer.type", "sparse gradients"),
+        ({"optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 10**30}}}, "optimizer.params.freeze_step",
+         "must be at most 9223372036854775807"),
+        ({"zero_optimization": {"stage": 10**5000}}, "zero_optimization.stage", "an integer of about 5001 digits"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 10**400}}},
+         "zero_optimization.offload_optimizer.ratio", "must be a finite number"),
+        ({"optimizer": _deep(100_000)}, "optimizer", "nested deeper than 32 levels"),
+    ],
+)  # fmt: skip
+def test_deepspeed_values_are_checked_at_import(cfg, key, text):
+    with pytest.raises(ConfigMappingError) as e:
+        from_deepspeed(cfg)
+    assert key in e.value.keys, e.value.keys
+    assert text in e.value.keys[key], e.value.keys[key]
+
+
+_MOE = {"num_moe_experts": 8, "moe_router_topk": 2, "add_bias_linear": False, "hidden_size": 16}
+
+
+@pytest.mark.parametrize(
+    "bad, key, text",
+    [
+        ({"num_moe_experts": 2**40}, "num_moe_experts", "must be at most 1048576"),
+        ({"hidden_size": 2**40}, "hidden_size", "must be at most 1048576"),
+        ({"moe_ffn_hidden_size": 10**5000}, "moe_ffn_hidden_size", "about 5001 digits"),
+        ({"moe_router_topk": 10**5000}, "moe_router_topk", "must be at most 8"),
+        ({"moe_router_topk_scaling_factor": 1e300}, "moe_router_topk_scaling_factor", "at most 3.40282e+38"),
+        ({"moe_aux_loss_coeff": 1e300}, "moe_aux_loss_coeff", "at most 3.40282e+38"),
+        ({"moe_z_loss_coeff": 10**400}, "moe_z_loss_coeff", "must be a finite number"),
+        ({"moe_expert_capacity_factor": 1e300}, "moe_expert_capacity_factor", "at most 1.04858e+06"),
+        ({"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+          "moe_router_bias_update_rate": 1e308}, "moe_router_bias_update_rate", "must be at most 1"),
+        ({"moe_router_group_topk": 1, "moe_router_num_groups": 10**5000}, "moe_router_num_groups", "at most 8"),
+        ({"expert_tensor_parallel_size": 10**5000}, "expert_tensor_parallel_size", "at most 8"),
+    ],
+)  # fmt: skip
+def test_megatron_values_are_checked_at_import(bad, key, text):
+    with pytest.raises(ConfigMappingError) as e:
+        from_megatron({**_MOE, **bad})
+    assert key in e.value.keys, e.value.keys
+    assert text in e.value.keys[key], e.value.keys[key]
+
+
+@pytest.mark.parametrize(
+    "field, value, text",
+    [
+        ("matrix_approximation_rank", 2**40, "must be at most 1048576"),
+        ("orthogonalization_epsilon", math.nan, "must be a finite number"),
+        ("start_powerSGD_iter", 10**30, "must be at most 9223372036854775807"),
+        ("min_compression_rate", 10**400, "must be a finite number"),
+    ],
+    ids=["rank", "epsilon", "start_iter", "rate"],
+)
+def test_powersgd_state_values_are_checked_at_import(field, value, text):
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, warm_start=False)
+    setattr(state, field, value)
+    with pytest.raises(ConfigMappingError) as e:
+        from_torch_hook(powerSGD_hook.powerSGD_hook, state)
+    assert list(e.value.keys) == [f"state.{field}"]
+    assert text in e.value.keys[f"state.{field}"]
+
+
+@pytest.mark.parametrize(
+    "content, error, text",
+    [
+        ("[" * 100_000 + "]" * 100_000, InvalidArgumentError, "nested deeper than 32 levels"),  # was RecursionError
+        ('{"optimizer": {"type": "AdamW", "params": ' + '{"a": ' * 40 + "1" + "}" * 42, InvalidArgumentError,
+         "nested deeper than 32 levels"),
+        ('{"zero_optimization": {"stage": ' + "9" * 5000 + "}}", ConfigMappingError,
+         "zero_optimization.stage: must be at most 3, got <an integer of 5000 digits>"),  # was ValueError
+        ('{"optimizer": {"type": "AdamW", "params": {"lr": Infinity}}}', ConfigMappingError,
+         "optimizer.params.lr: must be a finite number, got inf"),  # was mapped
+        (" " * (1 << 20) + "{}", InvalidArgumentError, "over the limit of 1048576"),  # was read whole
+    ],
+)  # fmt: skip
+def test_deepspeed_files_are_read_with_bounds(tmp_path, content, error, text):
+    path = tmp_path / "ds_config.json"
+    path.write_text(content)
+    with pytest.raises(error) as e:
+        from_deepspeed(path)
+    assert text in str(e.value)
+    if error is InvalidArgumentError:
+        assert str(path) in str(e.value)  # the file is named
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "ds_config.json"
+    os.mkfifo(fifo)
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):
+        from_deepspeed(fifo)
+
+
+@pytest.mark.parametrize(
+    "optimizer, offloaded",
+    [
+        ({"type": "AdamW", "params": {"lr": 65504.0, "betas": [0.0, 0.999], "eps": 1e-30, "weight_decay": 0}}, True),
+        ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True, "dampening": 0}}, True),
+        ({"type": "Adam", "params": {"torch_adam": True, "capturable": True, "fused": None, "foreach": True}}, False),
+        ({"type": "Rprop", "params": {"etas": [0.5, 1.2], "step_sizes": [1e-6, 50]}}, True),
+        ({"type": "Adafactor", "params": {"eps": [None, 1e-3], "beta2_decay": -0.8}}, True),
+        ({"type": "LBFGS", "params": {"max_iter": 10**9, "line_search_fn": "strong_wolfe"}}, False),
+        ({"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2**63 - 1}}, False),
+    ],
+)  # fmt: skip
+def test_accepted_optimizers_build_and_step(optimizer, offloaded):
+    cfg = {"optimizer": optimizer, **(_OFFLOADED if offloaded else {})}
+    m = from_deepspeed(cfg)
+    p = nn.Parameter(torch.ones(3, 2))
+    opt = m.build_optimizer([p])
+    assert isinstance(opt, OffloadedOptimizer) == offloaded
+    if "capturable" in optimizer["params"]:  # (capturable steps on a GPU only)
+        return
+
+    def closure():  # a quadratic: LBFGS (at most 10**9 iterations) stops once the gradient vanishes
+        opt.zero_grad()
+        loss = ((p - 2) ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert bool(torch.isfinite(p).all()) and not torch.equal(p.detach(), torch.ones(3, 2))

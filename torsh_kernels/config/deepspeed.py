@@ -5,18 +5,17 @@ communication; the ZeRO section is :mod:`.deepspeed_zero`'s, the optimizer secti
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from ..compression import BF16, FP16
-from ..errors import ArgumentTypeError, InvalidArgumentError
-from .common import BAD, CHECKPOINT_REASON, LOGGING_REASON, Walk, check_bool, check_choice, unknown_key
+from ..errors import ArgumentTypeError
+from .common import BAD, CHECKPOINT_REASON, LOGGING_REASON, Walk, check_bool, check_choice, short_value, unknown_key
 from .deepspeed_optimizer import map_optimizer
 from .deepspeed_zero import map_zero
 from .migration import Migration
+from .reading import MAX_DEPTH, deeper_than, read_json_object
 
 __all__ = ["from_deepspeed"]
 
@@ -99,24 +98,25 @@ _DS_IGNORED = {
 _DS_HANDLED = ("optimizer", "zero_optimization", "communication_data_type", "fp32_allreduce", "gradient_allreduce_op")
 
 
-def _load_deepspeed(ds_config: Any) -> dict:
-    what = "from_deepspeed"
+_TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels, the limit (DeepSpeed's settings nest about 4 deep)"
+
+
+def _load_deepspeed(w: Walk, ds_config: Any) -> dict:
+    """The settings as a dict of their own: a copy of the dict given (a top-level key nested deeper than
+    MAX_DEPTH is refused and left out: copying it would recurse that deep), or the JSON file's object."""
     if isinstance(ds_config, Mapping):
-        return copy.deepcopy(dict(ds_config))
+        cfg = dict(ds_config)
+        for key in [k for k, v in cfg.items() if deeper_than(v, MAX_DEPTH - 1)]:
+            if not isinstance(key, str) or w.take(cfg, key):  # (else left out with ignore=, and so listed)
+                w.bad(key if isinstance(key, str) else short_value(key), _TOO_DEEP)
+            del cfg[key]
+        return copy.deepcopy(cfg)
     if not isinstance(ds_config, (str, os.PathLike)):
         raise ArgumentTypeError(
-            f"{what}: ds_config must be a dict or the path of a DeepSpeed JSON file, got {type(ds_config).__name__}"
+            "from_deepspeed: ds_config must be a dict or the path of a DeepSpeed JSON file, got "
+            f"{type(ds_config).__name__}"
         )
-    path = Path(ds_config)
-    if not path.is_file():
-        raise InvalidArgumentError(f"{what}: no such file {str(path)!r} (ds_config: a dict or a JSON file's path)")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidArgumentError(f"{what}: {str(path)!r} is not JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise InvalidArgumentError(f"{what}: {str(path)!r} holds a JSON {type(cfg).__name__}, not an object")
-    return cfg
+    return read_json_object(ds_config, "from_deepspeed")
 
 
 def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, ignore: Iterable[str] = ()) -> Migration:
@@ -132,11 +132,11 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, ignore: 
     quantized comms. The rest is in ``ignored`` with its reason, or named in the error. ``ignore``: dotted keys
     to leave out knowingly (a newer DeepSpeed key, say)."""
     w = Walk("from_deepspeed", ignore)
-    cfg = _load_deepspeed(ds_config)
+    cfg = _load_deepspeed(w, ds_config)
     m = Migration(source="deepspeed")
     for key in cfg:
         if not isinstance(key, str):
-            w.bad(repr(key), "keys must be strings")
+            w.bad(short_value(key), "keys must be strings")
         elif not w.take(cfg, key) or key in _DS_HANDLED:
             continue
         elif key in _DS_IGNORED:

@@ -4,7 +4,6 @@ compression before AdamW.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ import torch
 from ..compression import Sign
 from .common import BAD, Walk, check_bool, check_dict, check_int, show_value
 from .migration import Migration
+from .optimizer_checks import check_optimizer
 
 __all__ = ["map_optimizer"]
 
@@ -98,9 +98,10 @@ def map_optimizer(w: Walk, cfg: dict, m: Migration, stage: int) -> bool:
         kwargs = params
     if cls is None:
         return onebit
-    if isinstance(kwargs.get("betas"), list):
-        kwargs["betas"] = tuple(kwargs["betas"])
-    if _validate_optimizer(w, pk, cls, kwargs):
+    for k in ("betas", "etas", "step_sizes", "eps"):
+        if isinstance(kwargs.get(k), list):
+            kwargs[k] = tuple(kwargs[k])
+    if check_optimizer(w, pk, cls, kwargs, offloaded=m.offload_optimizer is not None):
         m.optimizer, m.optimizer_kwargs = cls, kwargs
         w.map(f"{key}.type", f"optimizer=torch.optim.{cls.__name__}")
         for k in kwargs:
@@ -199,19 +200,3 @@ def _ds_onebit_adam(w: Walk, pk: str, params: dict, m: Migration, stage: int) ->
         else:
             w.note(f"{pk}.freeze_step", "not given: OnebitAdam's default, 100000 (hook['start_iter'])")
     return (torch.optim.AdamW if ok else None), params
-
-
-def _validate_optimizer(w: Walk, key: str, cls: type, kwargs: dict[str, Any]) -> bool:
-    """Every argument is one ``cls`` takes (an error per unknown one), and ``cls`` accepts the values."""
-    accepted = inspect.signature(cls.__init__).parameters
-    unknown = [k for k in kwargs if k not in accepted]
-    for k in unknown:
-        w.bad(f"{key}.{k}", f"torch.optim.{cls.__name__} takes no argument {k!r}")
-    if unknown:
-        return False
-    try:
-        cls([torch.zeros(1, requires_grad=True)], **kwargs)
-    except (TypeError, ValueError) as e:
-        w.bad(key, f"torch.optim.{cls.__name__} refuses these values: {e}")
-        return False
-    return True

@@ -107,9 +107,7 @@ def map_zero(w: Walk, cfg: dict, m: Migration, fp16: bool, bf16: bool) -> int:
         return 0
     stage = 0
     if w.take(z, "stage", f"{key}.stage"):
-        s = check_int(w, f"{key}.stage", z["stage"])
-        if s is not BAD and s > 3:
-            s = w.bad(f"{key}.stage", f"must be 0, 1, 2 or 3, got {s}")
+        s = check_int(w, f"{key}.stage", z["stage"], 0, 3, "ZeRO's stages are 0, 1, 2 and 3")
         if s is not BAD:
             stage = s
             w.skip(f"{key}.stage", _stage_reason(s))
@@ -203,7 +201,7 @@ def _ds_offload_optimizer(w: Walk, key: str, sec: Any, stage: int, m: Migration)
             if check_bool(w, dk, v) is not BAD:
                 w.skip(dk, _PIN)
         elif k == "ratio":
-            r = check_num(w, dk, v)
+            r = check_num(w, dk, v, 0.0, hi=1.0, why="the fraction of the optimizer state updated on the host")
             if r is not BAD and r != 1.0:
                 w.bad(
                     dk,

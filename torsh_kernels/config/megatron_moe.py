@@ -6,10 +6,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import BAD, Walk, check_bool, check_choice, check_int, check_num, show_value
+from ..errors import TorshKernelsError
+from ..parallel import MoESpec
+from .common import BAD, F32_MAX, Walk, check_bool, check_choice, check_int, check_num, short_value, show_value
 from .migration import Migration
 
-__all__ = ["MOE_HANDLED", "MOE_OFF", "map_moe", "same_value"]
+__all__ = ["MAX_EXPERTS", "MAX_WIDTH", "MOE_HANDLED", "MOE_OFF", "map_moe", "same_value"]
+
+MAX_EXPERTS = 2**20
+"""The most experts a layer may have. The largest MoE layers in use have a few hundred (DeepSeek-V3: 256); the
+router's scores are [tokens, E] and every step keeps per-expert counts and offsets, so 2**40 experts (a typo) would
+fail at the first forward with an allocation of terabytes. 2**20 leaves a factor of 4096 of room."""
+MAX_WIDTH = 2**20
+"""The widest hidden or expert size accepted: one [hidden, ffn] weight at 2**20 x 2**20 is 2**40 elements (4 TiB
+in fp32), far beyond any model's (hidden sizes in use are at most a few ten thousand)."""
+_EXPERTS_WHY = "MoE layers in use have at most a few hundred experts; see config.megatron_moe.MAX_EXPERTS"
+_CAPACITY_WHY = (
+    "a factor of E or more drops no token (an expert's capacity is then at least the number of tokens), and E is "
+    f"at most {MAX_EXPERTS}"
+)
+_WIDTH_WHY = "widths in use are at most a few ten thousand; see config.megatron_moe.MAX_WIDTH"
 
 
 _MEGATRON_DEFAULTS = {  # TransformerConfig's defaults (megatron/core/transformer/transformer_config.py)
@@ -111,8 +127,21 @@ def map_moe(w: Walk, a: dict, m: Migration) -> None:
     _m_bias_linear(w, a)
     _m_router_dtype(w, a, kw)
     _m_expert_parallel(w, a, m, experts)
-    if all(v is not BAD for v in kw.values()):
+    if all(v is not BAD for v in kw.values()) and _m_buildable(w, a, kw):
         m.moe = kw
+
+
+def _m_buildable(w: Walk, a: dict, kw: dict) -> bool:
+    """Whether MoELayer's spec accepts the mapped arguments (checked at import, without building a layer: a
+    missing hidden or ffn_hidden stands in as 1); a refusal is recorded under the number of experts' key."""
+    options = {k: v for k, v in kw.items() if k not in ("hidden", "ffn_hidden", "num_experts", "k")}
+    shape = (kw.get("hidden", 1), kw.get("ffn_hidden", 1), kw["num_experts"], kw["k"])
+    try:
+        MoESpec.of(shape, None, options, "MoELayer")
+    except TorshKernelsError as e:
+        w.bad("num_moe_experts" if "num_moe_experts" in a else "num_experts", f"the MoE settings together: {e}")
+        return False
+    return True
 
 
 def _m_experts(w: Walk, a: dict) -> int | None:
@@ -125,7 +154,7 @@ def _m_experts(w: Walk, a: dict) -> int | None:
         if a[key] is None:
             unset.append(key)
             continue
-        e = check_int(w, key, a[key], 1)
+        e = check_int(w, key, a[key], 1, MAX_EXPERTS, _EXPERTS_WHY)
         if e is not BAD and experts is not None and e != experts:
             w.bad(key, f"{e} contradicts the other number of experts, {experts}")
         elif e is not BAD:
@@ -155,9 +184,7 @@ def _m_off(w: Walk, a: dict) -> None:
 
 def _m_router(w: Walk, a: dict, kw: dict, experts: int) -> tuple[Any, Any]:
     """``k``, ``score`` and ``renormalize``; returns k and the score function (either may be BAD)."""
-    k = check_int(w, "moe_router_topk", _get(w, a, "moe_router_topk"), 1)
-    if k is not BAD and k > experts:
-        k = w.bad("moe_router_topk", f"{k} exceeds the number of experts, {experts}")
+    k = check_int(w, "moe_router_topk", _get(w, a, "moe_router_topk"), 1, experts, "the number of experts")
     kw["k"] = k
     score = check_choice(
         w, "moe_router_score_function", _get(w, a, "moe_router_score_function"), ("softmax", "sigmoid")
@@ -264,6 +291,9 @@ def _m_losses(w: Walk, a: dict, kw: dict) -> None:
             active[t] = active.get(t, 0.0) + c
         elif t == "none" and c:
             w.note(key, f"'none': no load-balancing loss, so {ckey}={c} has no effect")
+    if any(c > F32_MAX for c in active.values()):
+        w.bad(ckey, f"the coefficients of one loss sum to more than {F32_MAX:g}")
+        return
     if len(active) > 1:
         w.bad(
             key, "'aux_loss' and 'seq_aux_loss' both with a coefficient: torsh's layer weighs one load-balancing loss"
@@ -302,7 +332,7 @@ def _m_capacity(w: Walk, a: dict, kw: dict) -> None:
     key, pkey = "moe_expert_capacity_factor", "moe_token_drop_policy"
     cap = _get(w, a, key)
     if cap is not None:
-        cap = check_num(w, key, cap, 0.0, strict=True)
+        cap = check_num(w, key, cap, 0.0, strict=True, hi=MAX_EXPERTS, why=_CAPACITY_WHY)
     kw["capacity_factor"] = cap
     policy = check_choice(w, pkey, _get(w, a, pkey), ("probs", "position"))
     kw["drop_policy"] = {"probs": "probability", "position": "position"}.get(policy, policy)
@@ -373,7 +403,7 @@ def _m_bias(w: Walk, a: dict, kw: dict, score: Any) -> None:
         w.skip(key, "false: no expert bias")
     if w.take(a, rkey):
         if on is True:
-            rate = check_num(w, rkey, a[rkey])
+            rate = check_num(w, rkey, a[rkey], 0.0, hi=1.0, why="the bias shifts scores in [0, 1]")
             if rate is not BAD:
                 kw["bias_update_rate"] = rate
                 w.map(rkey, "moe['bias_update_rate']")
@@ -388,13 +418,16 @@ def _m_groups(w: Walk, a: dict, kw: dict, experts: int, k: Any) -> None:
     nkey, gkey = "moe_router_num_groups", "moe_router_group_topk"
     n = a[nkey] if w.take(a, nkey) else None
     g = a[gkey] if w.take(a, gkey) else None
-    if not g:  # Megatron-Core groups only when moe_router_group_topk is set
+    if g is None or g is False or (type(g) is int and g == 0):  # Megatron-Core groups only when it is set
         for key in (nkey, gkey):
             if key in a and key not in w.ignored:
-                w.skip(key, f"{a[key]!r}: no group-limited routing (it needs moe_router_group_topk)")
+                w.skip(key, f"{short_value(a[key])}: no group-limited routing (it needs moe_router_group_topk)")
         return
-    g = check_int(w, gkey, g, 1)
-    n = check_int(w, nkey, n, 1) if n is not None else w.bad(nkey, "not set, but moe_router_group_topk is")
+    g = check_int(w, gkey, g, 1, experts, "the number of experts")
+    if n is None:
+        n = w.bad(nkey, "not set, but moe_router_group_topk is")
+    else:
+        n = check_int(w, nkey, n, 1, experts, "the number of experts")
     if g is BAD or n is BAD or k is BAD:
         return
     if experts % n:
@@ -427,7 +460,7 @@ def _m_shared(w: Walk, a: dict, kw: dict) -> None:
         if gate is not None and gate is not BAD:
             w.skip(gkey, f"{gate}: no shared expert to gate (Megatron-Core reads it only with shared experts)")
         return
-    if check_int(w, skey, size, 1) is BAD:
+    if check_int(w, skey, size, 1, MAX_WIDTH, _WIDTH_WHY) is BAD:
         return
     kw["shared_experts"], kw["shared_ffn_hidden"] = 1, size
     w.map(
@@ -445,9 +478,9 @@ def _m_shared(w: Walk, a: dict, kw: dict) -> None:
 def _m_sizes(w: Walk, a: dict, kw: dict) -> None:
     if w.take(a, "hidden_size"):
         h = a["hidden_size"]
-        if h in (None, 0):  # TransformerConfig's default is 0: not given
+        if h is None or (type(h) is int and h == 0):  # TransformerConfig's default is 0: not given
             w.skip("hidden_size", f"{h!r}: not given; pass moe_layer(hidden=...)")
-        elif check_int(w, "hidden_size", h, 1) is not BAD:
+        elif check_int(w, "hidden_size", h, 1, MAX_WIDTH, _WIDTH_WHY) is not BAD:
             kw["hidden"] = h
             w.map("hidden_size", "moe['hidden']")
     ffn = None
@@ -456,7 +489,7 @@ def _m_sizes(w: Walk, a: dict, kw: dict) -> None:
             continue
         if a[key] is None:
             w.skip(key, "None: not given")
-        elif check_int(w, key, a[key], 1) is not BAD:
+        elif check_int(w, key, a[key], 1, MAX_WIDTH, _WIDTH_WHY) is not BAD:
             if ffn is None:
                 ffn = a[key]
                 w.map(key, "moe['ffn_hidden']")
@@ -481,7 +514,7 @@ def _m_activation(w: Walk, a: dict, kw: dict) -> None:
             if name in ("gelu", "silu", "relu"):
                 act = name
             else:
-                w.bad(key, f"{v!r}: torsh's experts use silu (gated: SwiGLU), gelu or relu")
+                w.bad(key, f"{short_value(v)}: torsh's experts use silu (gated: SwiGLU), gelu or relu")
                 ok = False
         elif check_bool(w, key, v) is BAD:
             ok = False
@@ -518,7 +551,7 @@ def _m_expert_parallel(w: Walk, a: dict, m: Migration, experts: int) -> None:
         if a[key] is None:
             w.skip(key, "None: not set")
             continue
-        n = check_int(w, key, a[key], 1)
+        n = check_int(w, key, a[key], 1, experts, "the number of experts")
         if n is BAD:
             continue
         if key == "expert_tensor_parallel_size":

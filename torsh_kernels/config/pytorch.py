@@ -7,10 +7,15 @@ from typing import Any
 
 from ..compression import BF16, FP16, PowerSGD
 from ..errors import ArgumentTypeError
-from .common import BAD, Walk, check_bool, check_int, check_num
+from .common import BAD, Walk, check_bool, check_int, check_num, short_value
 from .migration import Migration
 
-__all__ = ["from_torch_hook"]
+__all__ = ["MAX_RANK", "from_torch_hook"]
+
+MAX_RANK = 2**20
+"""The largest PowerSGD rank accepted: a rank at or above a matrix's smaller side compresses nothing (P and Q
+then hold more than the matrix), and no layer has a side of 2**20."""
+_RANK_WHY = "a rank at or above a matrix's smaller side compresses nothing; see config.pytorch.MAX_RANK"
 
 
 def from_torch_hook(hook: Any, state: Any = None) -> Migration:
@@ -83,17 +88,17 @@ def _powersgd(w: Walk, m: Migration, name: str, state: Any) -> None:
     if type(state).__name__ != "PowerSGDState" or not all(hasattr(state, f) for f in _PSGD_FIELDS):
         w.bad("state", f"{name} needs its PowerSGDState, got {type(state).__name__}")
         return
-    rank = check_int(w, "state.matrix_approximation_rank", state.matrix_approximation_rank, 1)
+    rank = check_int(w, "state.matrix_approximation_rank", state.matrix_approximation_rank, 1, MAX_RANK, _RANK_WHY)
     start = check_int(w, "state.start_powerSGD_iter", state.start_powerSGD_iter)
     rate = check_num(w, "state.min_compression_rate", state.min_compression_rate)
     warm = check_bool(w, "state.warm_start", state.warm_start)
     if state.use_error_feedback is not True:
         w.bad(
             "state.use_error_feedback",
-            f"{state.use_error_feedback!r}: torsh's PowerSGD always keeps the error-feedback residual",
+            f"{short_value(state.use_error_feedback)}: torsh's PowerSGD always keeps the error-feedback residual",
         )
-    eps = state.orthogonalization_epsilon
-    if eps:
+    eps = check_num(w, "state.orthogonalization_epsilon", state.orthogonalization_epsilon)
+    if eps is not BAD and eps:
         w.map("state.orthogonalization_epsilon", "no epsilon: zero columns of P are set aside instead")
         w.note(
             "state.orthogonalization_epsilon",
@@ -101,7 +106,7 @@ def _powersgd(w: Walk, m: Migration, name: str, state: Any) -> None:
             "before orthogonalising (they stay zero), what the epsilon guards "
             "against",
         )
-    else:
+    elif eps is not BAD:
         w.skip("state.orthogonalization_epsilon", "0: none, as torsh")
     w.skip(
         "state.random_seed",
@@ -113,7 +118,7 @@ def _powersgd(w: Walk, m: Migration, name: str, state: Any) -> None:
     if getattr(state, "iter", 0) or getattr(state, "error_dict", None):
         w.note(
             "state",
-            f"this PowerSGDState has run {state.iter} iterations; torsh's state starts fresh (the "
+            f"this PowerSGDState has run {short_value(state.iter)} iterations; torsh's state starts fresh (the "
             "residuals and Q are not carried over): map the state before training",
         )
     if state.process_group is not None:

@@ -15,6 +15,11 @@ arguments, and helpers that build each. Every key of the input ends in one of th
   with ``keys`` naming every key that cannot be mapped (unknown keys, values torsh has no equivalent for,
   such as an NVMe offload device, and wrong types) and why.
 
+Every value that reaches a torsh object is checked when the settings are read (type, finiteness, a range; the
+optimizer built and stepped on a throwaway parameter; a JSON file read with size, nesting and digit limits), so
+a bad value is refused under its key here, not at the first step: see :mod:`.common`, :mod:`.optimizer_checks`
+and :mod:`.reading` for the bounds and why.
+
 A key the caller knows to be irrelevant can be left out with ``ignore=[dotted keys]``; it is then listed in
 ``ignored`` as left out on request. Nothing is dropped silently.
 

@@ -112,3 +112,15 @@ def test_trace_size_limit_from_the_environment_is_bounded(monkeypatch):
         resolve_limit(None, "TORSH_TRACE_MAX_BYTES", 2 << 30, "max_bytes")
     monkeypatch.setenv("TORSH_TRACE_MAX_BYTES", "8GiB")
     assert resolve_limit(None, "TORSH_TRACE_MAX_BYTES", 2 << 30, "max_bytes") == 8 << 30
+
+
+def test_short_shows_an_int_too_long_for_repr_by_its_size():
+    """Python refuses repr() past 4300 digits (ValueError): a message naming such a value was an untyped error."""
+    from torsh_kernels.checks import check_int, short
+
+    assert short(10**5000) == "<an int of about 5001 digits>"
+    assert short(-(10**5000)) == "<an int of about 5001 digits>"
+    assert short(12345) == "12345" and short(2**150) == str(2**150)  # 46 digits: shown whole
+    assert short(10**100) == "<an int of about 101 digits>"
+    with pytest.raises(InvalidArgumentError, match="about 5001 digits"):
+        check_int(10**5000, "f", "n", 0, 10)

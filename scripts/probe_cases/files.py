@@ -306,6 +306,54 @@ def _escapes_in_names() -> bool:
         )
 
 
+# a new process loads a gzip bomb with its address space capped at what it holds plus 256 MiB
+# (RLIMIT_AS): the typed error must come within it; it prints the error and its peak RSS above the start
+_BOUNDED_LOAD = """
+import json, re, resource, sys
+import numpy as np
+from torsh_kernels.errors import TraceFormatError
+from torsh_kernels.profiling.traces import load
+np.cumsum(np.ones(1 << 20, dtype=np.int8), dtype=np.int32)
+kib = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) << 10
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = kib("VmRSS")
+resource.setrlimit(resource.RLIMIT_AS, (kib("VmSize") + (256 << 20),) * 2)
+try:
+    load(sys.argv[1])
+    error = None
+except TraceFormatError as e:
+    error = str(e)
+print(json.dumps({"error": error, "above": kib("VmHWM") - before}))
+"""
+
+
+def _bomb_in_bounded_memory(piece: bytes, mib: int, message: str) -> bool:
+    """``mib`` MiB of ``piece`` as gzip members of 16 MiB (a 255 KB file per 256 MiB of ``[``)."""
+    with _tmp() as d:
+        f = d / "rank0.json.gz"
+        f.write_bytes(gzip.compress(piece * (16 << 20), 9) * (mib // 16))
+        p = subprocess.run([sys.executable, "-c", _BOUNDED_LOAD, str(f)], capture_output=True, text=True, timeout=240)
+    if p.returncode != 0:
+        raise RuntimeError(f"the child failed: {(p.stderr.strip().splitlines() or [''])[-1][:300]}")
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    return got["error"] is not None and message in got["error"] and got["above"] < 256 << 20
+
+
+def _across_the_chunk_edge(middle: str, name_check) -> bool:
+    """A valid trace whose event name puts ``middle`` (JSON text inside the string) across the 4 MiB edge
+    where the reader's scan goes from one chunk to the next: it loads, and its name is what it should be."""
+    from torsh_kernels.profiling.traces import load
+
+    head = '{"traceEvents": [{"ph": "X", "ts": 1.0, "dur": 2.0, "pid": 1, "tid": 1, "name": "'
+    pad = (4 << 20) - len(head) - 1  # the middle's first character ends the first chunk
+    text = head + "x" * pad + middle + '"}]}'
+    with _tmp() as d:
+        f = d / "rank0.json"
+        f.write_text(text)
+        return name_check(load(f).spans[0].name[pad:])
+
+
 # -- TORSH_TRACE and the recorder ---------------------------------------------------------------------------
 
 
@@ -636,6 +684,53 @@ CASES += [
         ),
     ),
     Case("files/trace/escape_sequences_in_every_string", _escapes_in_names, expect="ok", check=bool),
+    # too deep or blank, decompressed a chunk at a time: typed, and within 256 MiB of address space
+    Case(
+        "files/trace/gzip_bomb_of_brackets_255kb_in_bounded_memory",
+        P(_bomb_in_bounded_memory, b"[", 256, "nested deeper than 64 levels"),
+        expect="ok",
+        check=bool,
+        timeout=240,
+    ),
+    Case(
+        "files/trace/gzip_bomb_of_brackets_2mb_in_bounded_memory",
+        P(_bomb_in_bounded_memory, b"[", 2032, "nested deeper than 64 levels"),
+        expect="ok",
+        check=bool,
+        timeout=240,
+    ),
+    Case(
+        "files/trace/gzip_of_1gib_of_spaces_in_bounded_memory",
+        P(_bomb_in_bounded_memory, b" ", 1024, "the file is empty"),
+        expect="ok",
+        check=bool,
+        timeout=240,
+    ),
+    # a string's escapes across the edge between two chunks of the scan: brackets after them stay inside it
+    Case(
+        "files/trace/escaped_quote_across_the_chunk_edge",
+        P(_across_the_chunk_edge, '\\"' + "[" * 100, lambda n: n == '"' + "[" * 100),
+        expect="ok",
+        check=bool,
+    ),
+    Case(
+        "files/trace/escaped_backslash_across_the_chunk_edge",
+        P(_across_the_chunk_edge, "\\\\" + "[" * 100, lambda n: n == "\\" + "[" * 100),
+        expect="ok",
+        check=bool,
+    ),
+    Case(
+        "files/trace/escaped_esc_across_the_chunk_edge",
+        P(_across_the_chunk_edge, "\\u001b[2J", lambda n: n == "\\x1b[2J"),
+        expect="ok",
+        check=bool,
+    ),
+    Case(
+        "files/trace/utf8_bidi_override_across_the_chunk_edge",
+        P(_across_the_chunk_edge, "\u202e[", lambda n: n == "\\u202e["),
+        expect="ok",
+        check=bool,
+    ),
     # TORSH_TRACE and the recorder's directory
     Case("files/env/torsh_trace_is_a_file", P(_start_from_env, _a_file)),
     Case("files/env/torsh_trace_under_a_file", P(_start_from_env, _under_a_file)),

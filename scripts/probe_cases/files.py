@@ -650,6 +650,7 @@ CASES += [
     Case("files/trace/gzip_with_trailing_garbage", P(_load_file, _gzip_trailing_garbage)),
     Case("files/trace/gzip_magic_only", P(_load_file, _write(b"\x1f\x8b"))),
     Case("files/trace/not_utf8", P(_load_file, _write(b'{"traceEvents": "\xc3\x28"}'))),
+    Case("files/trace/integer_of_5000_digits", P(_load_file, _write('{"traceEvents": [' + "1" * 5000 + "]}"))),
     Case("files/trace/truncated_json", P(_load_file, _write(json.dumps(_good_trace())[:-9]))),
     Case("files/trace/top_level_null", P(_load_file, _write("null"))),
     Case("files/trace/events_not_a_list", P(_load_file, _write('{"traceEvents": {"a": 1}}'))),

@@ -110,6 +110,7 @@ def _good() -> dict:
         (b'{"traceEvents": [{"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "t"}}]}',
          "no complete events"),
         (b'{"traceEvents": "\xc3\x28"}', "not UTF-8 JSON"),
+        (b'{"traceEvents": [' + b"1" * 5000 + b"]}", "a number in it cannot be read"),
     ],
 )  # fmt: skip
 def test_malformed_traces(tmp_path, content, message, capsys):

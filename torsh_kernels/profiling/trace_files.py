@@ -256,6 +256,9 @@ def parse(p: Path, max_bytes: int | None, max_depth: int | None) -> tuple[dict |
         line, col = e.lineno + blank.newlines, e.colno + (blank.tail if e.lineno == 1 else 0)
         cut = " (the file ends early: truncated while being written?)" if _truncated(scan, e.doc, e.pos) else ""
         raise TraceFormatError(f"{p}: invalid JSON at line {line}, column {col}: {e.msg}{cut}") from e
+    except ValueError as e:  # an integer past Python's digit limit (sys.get_int_max_str_digits(), 4300)
+        why = str(e).split(":")[0]
+        raise TraceFormatError(f"{p}: a number in it cannot be read ({why}); is it a trace file?") from e
     return data, scan.control
 
 

@@ -218,3 +218,34 @@ def test_default_cpu_batch_nonfinite_changes_nothing(gen, check):
     else:
         orthogonalize(m, check_finite=False)
         assert torch.isfinite(m[:3]).all()
+
+
+@pytest.mark.parametrize("r", [2, 5])
+def test_default_cpu_batch_split_over_threads_is_the_one_thread_result(gen, r):
+    """A large batch is split over torch's intra-op threads (whole matrices per thread): the same bits as one
+    thread, zero columns kept zero; a NaN in the last matrix changes nothing (every element is checked before
+    any thread writes)."""
+    from torsh_kernels.ops.orthogonalize import cpu as K
+
+    if DEVICE.type != "cpu":
+        pytest.skip("the CPU default")
+    b = 7
+    m = _deficient((b, -(-K.PARALLEL_MIN_WORK // (b * r * r)) + 3, r), torch.float32, gen)
+    assert m.numel() * r >= K.PARALLEL_MIN_WORK
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = orthogonalize(m.clone())
+        torch.set_num_threads(3)
+        many = orthogonalize(m.clone())
+        bad = m.clone()
+        bad[-1, -1, -1] = float("nan")
+        before = bad.clone()
+        with pytest.raises(NonFiniteError):
+            orthogonalize(bad)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    assert torch.equal(bad.nan_to_num(), before.nan_to_num())
+    ref = orthogonalize_ref(m.clone())
+    close(many, ref, 2e-5, 2e-5)

@@ -545,8 +545,11 @@ def _compiled_worker(comm, names, mode):
 @pytest.mark.slow  # torch.compile of DDP on 2 ranks for every compressor (python_reducer about a minute)
 @pytest.mark.parametrize("mode", ["python_reducer", "ddp_optimizer"])
 def test_every_compressor_under_torch_compile_and_compiled_autograd(mode):
-    out = run_local(_compiled_worker, 2, ALL, mode, op_timeout=120)
-    for name in ALL:
+    # compiled autograd recompiles per compressor (about 6 s each here): one of each family there (bf16 is fp16's
+    # cast, int4 int8's quantizer); DDPOptimizer's mode runs all of them
+    names = [n for n in ALL if n not in ("bf16", "int4")] if mode == "python_reducer" else ALL
+    out = run_local(_compiled_worker, 2, names, mode, op_timeout=120)
+    for name in names:
         diff, moved, iterations, iteration, params = out[0][name]
         assert moved > 1e-3, f"{name}: training did not move the parameters"
         # the same per-parameter compression as the eager reference loop (a compiled forward and backward may

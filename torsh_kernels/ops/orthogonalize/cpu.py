@@ -24,6 +24,7 @@ propagate and the finite check holds). Everything stays fp64 until a row is stor
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -365,14 +366,48 @@ def ortho_span(base, offs, rows, r, rtol2, iters, check_finite, exact):
     return True
 
 
+@jit
+def _all_finite(base, offs, rows, r):
+    bad = 0.0
+    for k in range(offs.size):
+        bad += _finite_probe(base[offs[k] : offs[k] + rows[k] * r])
+    return bad == 0.0
+
+
+PARALLEL_MIN_WORK = 1 << 20
+"""A batch whose work (elements x columns) is at least this is split over torch's intra-op threads
+(``torch.get_num_threads()``): the kernel releases the GIL, and each thread takes whole matrices. Below it
+(64 x [2048, 2] on a 2-core VM) the threads' start costs more than they save."""
+_pool: ThreadPoolExecutor | None = None
+
+
+def _workers(n: int) -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None or _pool._max_workers < n:
+        _pool = ThreadPoolExecutor(n, thread_name_prefix="torsh-orthogonalize")
+    return _pool
+
+
 def ortho_tensor(t: torch.Tensor, rtol: float, iters: int, check_finite: bool) -> bool:
     """One contiguous fp32/fp64 CPU [m, r] matrix or [B, m, r] batch (m, r >= 1), orthonormalised in place
-    by one kernel call; False, with nothing written, on a NaN/Inf element when ``check_finite``."""
+    by the kernel (a large batch of two or more columns: its matrices split over torch's intra-op threads);
+    False, with nothing written, on a NaN/Inf element when ``check_finite``."""
     m, r = t.shape[-2], t.shape[-1]
     b = t.shape[0] if t.dim() == 3 else 1
     offs = np.arange(0, b * m * r, m * r, dtype=np.int64)
     rows = np.full(b, m, dtype=np.int64)
-    return ortho_span(arr(t).reshape(-1), offs, rows, r, rtol * rtol, iters, check_finite, _EXACT[t.dtype])
+    flat, exact = arr(t).reshape(-1), _EXACT[t.dtype]
+    n = min(torch.get_num_threads(), b)
+    if r == 1 or n < 2 or t.numel() * r < PARALLEL_MIN_WORK:
+        return ortho_span(flat, offs, rows, r, rtol * rtol, iters, check_finite, exact)
+    if check_finite and not _all_finite(flat, offs, rows, r):  # every element, before any thread writes
+        return False
+    parts = np.array_split(np.arange(b), n)
+    done = [_workers(n).submit(ortho_span, flat, offs[p], rows[p], r, rtol * rtol, iters, False, exact)
+            for p in parts]  # fmt: skip
+    for f in done:
+        f.result()
+    return True
 
 
 def orthogonalize(mats: list[torch.Tensor], rtol: float, iters: int) -> None:

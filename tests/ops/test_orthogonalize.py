@@ -249,3 +249,33 @@ def test_default_cpu_batch_split_over_threads_is_the_one_thread_result(gen, r):
     assert torch.equal(bad.nan_to_num(), before.nan_to_num())
     ref = orthogonalize_ref(m.clone())
     close(many, ref, 2e-5, 2e-5)
+
+
+_FORKED = """
+import os, faulthandler, numpy as np, torch
+import torsh_kernels as tk
+from torsh_kernels.ops.orthogonalize import cpu as K
+torch.set_num_threads(2)
+a = np.random.default_rng(0).standard_normal((4, K.PARALLEL_MIN_WORK // 64 + 1, 4)).astype(np.float32)
+want = tk.orthogonalize(torch.from_numpy(a.copy())).numpy()  # the parent's pool exists now
+pid = os.fork()
+if pid == 0:
+    faulthandler.dump_traceback_later(60, exit=True)
+    # (no torch op that runs on its OpenMP threads: GNU OpenMP's pool does not survive a fork either)
+    got = tk.orthogonalize(torch.from_numpy(a.copy())).numpy()
+    print("child", np.array_equal(got, want), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_the_thread_split_works_in_a_forked_child():
+    """The pool's threads do not follow a fork: a child that orthogonalises a large batch after its parent did
+    makes its own pool (it waited forever on the parent's), with the two torch threads it inherited."""
+    import subprocess
+    import sys
+
+    if DEVICE.type != "cpu":
+        pytest.skip("the CPU default")
+    p = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=180)
+    assert p.stdout.strip() == "child True", (p.stdout, p.stderr[-2000:])

@@ -24,6 +24,7 @@ propagate and the finite check holds). Everything stays fp64 until a row is stor
 from __future__ import annotations
 
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -378,14 +379,16 @@ PARALLEL_MIN_WORK = 1 << 20
 """A batch whose work (elements x columns) is at least this is split over torch's intra-op threads
 (``torch.get_num_threads()``): the kernel releases the GIL, and each thread takes whole matrices. Below it
 (64 x [2048, 2] on a 2-core VM) the threads' start costs more than they save."""
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (its process, its size, the pool)
 
 
 def _workers(n: int) -> ThreadPoolExecutor:
+    """A pool of at least ``n`` threads of this process (a forked child makes its own: its parent's threads
+    did not follow it)."""
     global _pool
-    if _pool is None or _pool._max_workers < n:
-        _pool = ThreadPoolExecutor(n, thread_name_prefix="torsh-orthogonalize")
-    return _pool
+    if _pool is None or _pool[0] != os.getpid() or _pool[1] < n:
+        _pool = (os.getpid(), n, ThreadPoolExecutor(n, thread_name_prefix="torsh-orthogonalize"))
+    return _pool[2]
 
 
 def ortho_tensor(t: torch.Tensor, rtol: float, iters: int, check_finite: bool) -> bool:

@@ -242,10 +242,11 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
 
     def _plain_all_gather(self, out: torch.Tensor, x: torch.Tensor, group, async_op: bool):
         """FSDP2's own all-gather, in place on its group (the input is a view of the output); with a
-        :attr:`timeout`, waited for here within it (so a failure is this rank's ``CollectiveError`` in time,
-        not the process group's, 30 minutes later) and handed back to FSDP2 complete."""
+        :attr:`timeout` on gloo, waited for here within it (so a failure is this rank's ``CollectiveError`` in
+        time, not the process group's, 30 minutes later) and handed back to FSDP2 complete. On NCCL the group's
+        own timeout applies (its watchdog), as for ``TorchCommunicator``: a bounded wait would block the host."""
         try:
-            if self.timeout is None:
+            if self.timeout is None or "gloo" not in str(dist.get_backend(group)).lower():
                 return _all_gather(out, x, group, async_op)
             _all_gather(out, x, group, True).wait(datetime.timedelta(seconds=self.timeout))
         except Exception as e:

@@ -329,6 +329,15 @@ def _one_column(af, g, rtol2, iters, exact):
 
 
 @jit
+def _all_finite(base, offs, rows, r):
+    """Every element of every matrix is finite (one pass over all of them, nothing written)."""
+    bad = 0.0
+    for k in range(offs.size):
+        bad += _finite_probe(base[offs[k] : offs[k] + rows[k] * r])
+    return bad == 0.0
+
+
+@jit
 def ortho_span(base, offs, rows, r, rtol2, iters, check_finite, exact):
     """Every matrix k ([rows[k], r] at base[offs[k]:]) orthonormalised in place; False, with nothing
     written, when ``check_finite`` and an element is NaN/Inf (one column: a non-finite squared norm of any
@@ -344,12 +353,8 @@ def ortho_span(base, offs, rows, r, rtol2, iters, check_finite, exact):
         for k in range(nb):
             _one_column(base[offs[k] : offs[k] + rows[k]], gs[k], rtol2, iters, exact)
         return True
-    if check_finite and nb > 1:
-        bad = 0.0
-        for k in range(nb):
-            bad += _finite_probe(base[offs[k] : offs[k] + rows[k] * r])
-        if bad != 0.0:
-            return False
+    if check_finite and nb > 1 and not _all_finite(base, offs, rows, r):
+        return False
     rp = r if r < _RB else -(-r // _RB) * _RB  # whole blocks of columns (below one block: r itself)
     c = _C if rp <= 8 else _C_WIDE  # chunk rows: both buffers within L1 and L2
     xb = np.zeros((rp, c))  # rows p >= r stay zero
@@ -365,14 +370,6 @@ def ortho_span(base, offs, rows, r, rtol2, iters, check_finite, exact):
                     return False
         _iterate(af, rows[k], r, g, rtol2, iters, xb, yb, tm)
     return True
-
-
-@jit
-def _all_finite(base, offs, rows, r):
-    bad = 0.0
-    for k in range(offs.size):
-        bad += _finite_probe(base[offs[k] : offs[k] + rows[k] * r])
-    return bad == 0.0
 
 
 PARALLEL_MIN_WORK = 1 << 20

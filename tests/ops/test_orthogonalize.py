@@ -6,6 +6,8 @@ is as an attribute: the family's names are imported from its package and its mod
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -204,6 +206,38 @@ def test_cpu_one_column_skips_only_passes_that_change_nothing(gen):
         assert K.ortho_span(a.numpy().reshape(-1), offs, rows, 1, 1e-8, 2, False, K._EXACT[dtype])
         assert K.ortho_span(b.numpy().reshape(-1), offs, rows, 1, 1e-8, 2, False, 0.0)
         assert torch.equal(a, b)
+
+
+def _conditioned(m: int, r: int, cond: float, gen: torch.Generator) -> torch.Tensor:
+    """An fp64 [m, r] matrix with singular values spaced logarithmically from 1 down to 1 / cond."""
+    u = torch.linalg.qr(torch.randn(m, r, dtype=torch.float64, generator=gen)).Q
+    v = torch.linalg.qr(torch.randn(r, r, dtype=torch.float64, generator=gen)).Q
+    return (u * torch.logspace(0, -math.log10(cond), r, dtype=torch.float64)) @ v.T
+
+
+@pytest.mark.parametrize("r", [2, 4, 8, 16])
+def test_cpu_kernel_stops_iterating_once_the_gram_matrix_is_settled(r):
+    """The cpu kernel skips the iterations left once the stored Q's Gram matrix is the identity within half
+    the unit roundoff per column (the next would move no column by more than its rounding): a moderately
+    conditioned fp32 matrix comes out of iters=2 and 3 as the same bits as iters=1, orthonormal to that
+    bound; an ill-conditioned one (cond 1e6, rtol 0) still takes the second iteration, which it needs (one
+    leaves it orthogonal only to ~1e-5); fp64, whose roundoff fp64 sums cannot beat, keeps iterating."""
+    gen = torch.Generator().manual_seed(r)
+    u32 = 2.0**-24
+    for cond in (1.0, 1e2, 1e4):
+        a = _conditioned(2048, r, cond, gen).float()
+        one, two, three = (orthogonalize(a.clone(), iters=i, provider="cpu") for i in (1, 2, 3))
+        assert torch.equal(one, two) and torch.equal(two, three), cond
+        q = one.double()
+        assert ((q.T @ q - torch.eye(r, dtype=torch.float64)).norm(dim=0) <= u32).all(), cond
+    a = _conditioned(2048, r, 1e6, gen).float()
+    one, two = (orthogonalize(a.clone(), iters=i, provider="cpu", rtol=0.0) for i in (1, 2))
+    err = [(q.double().T @ q.double() - torch.eye(r, dtype=torch.float64)).abs().max().item() for q in (one, two)]
+    assert err[0] > 1e-6 and err[1] < 1e-7, err
+    a = _conditioned(500, r, 1e3, gen)
+    one, two = (orthogonalize(a.clone(), iters=i, provider="cpu") for i in (1, 2))
+    assert not torch.equal(one, two)
+    assert (two.T @ two - torch.eye(r, dtype=torch.float64)).abs().max() < 1e-14
 
 
 @pytest.mark.parametrize("check", [True, False])

@@ -182,7 +182,8 @@ def orthogonalize(
     orthogonal to columns < j (the Q of a thin QR with a positive diagonal); if that part is below
     ``rtol`` (default per dtype: fp32 1e-4, fp16 1e-2, bf16 5e-2, fp64 1e-10) of the column's norm, the
     column is zero or dependent on the previous ones and becomes zero. ``iters`` CholeskyQR iterations, 1
-    to :data:`MAX_ITERS` (2 is CholeskyQR2: orthogonal to fp32 rounding for condition numbers up to ~1e7).
+    to :data:`MAX_ITERS` (2 is CholeskyQR2: orthogonal to fp32 rounding for condition numbers up to ~1e7); the
+    cpu provider stops early once a further iteration would move no column by more than its rounding.
     NaN/Inf raise :class:`NonFiniteError` before anything is written (``check_finite``). Meta tensors are
     accepted (nothing is computed: the shapes are the result).
     """

@@ -2,7 +2,8 @@
 
 Imported on the cpu provider's first launch. CholeskyQR2 as the GPU kernels run it: per iteration the
 fp64 Gram matrix G = A^T A, the upper-triangular T with T^T G T = I on the independent columns
-(Gram-Schmidt in the G inner product, twice, r x r work), then A = A T. A column whose part orthogonal
+(Gram-Schmidt in the G inner product, twice, r x r work), then A = A T; the iterations stop once the
+stored matrix's G is the identity to within rounding (``_iterate``). A column whose part orthogonal
 to the earlier ones is below ``rtol`` of its norm gets a zero column of T, so it becomes zero. fp32 and
 fp64 matrices are worked on in place; 16-bit ones through an fp32 copy. A batch, or many matrices, go in
 one call, through one span of memory and their offsets.
@@ -34,51 +35,54 @@ from numba import njit
 from ..cpu_common import arr, jit, span
 from .providers import element_groups
 
-__all__ = ["ortho_span", "ortho_tensor", "orthogonalize"]
+__all__ = ["ortho_batch", "ortho_span", "ortho_tensor", "orthogonalize"]
 
 
 @jit
 def _gram_factor(g, tm, r, rtol2):
-    """tm (r x r) = upper-triangular T with T^T G T = I on the independent columns."""
+    """tm (r x r) = upper-triangular T with T^T G T = I on the independent columns. Column j's t has
+    entries 0..j only (it starts as e_j and subtracts earlier columns of T), so every loop stops at j: the
+    same sums (the entries past j are zeros), about half the work of loops over all r."""
     t = np.empty(r)
     gt = np.empty(r)
     c = np.empty(r)
     tm[:, :] = 0.0
     for j in range(r):
-        for a in range(r):
+        n = j + 1
+        for a in range(n):
             t[a] = 1.0 if a == j else 0.0
         for _ in range(2):
-            for a in range(r):
+            for a in range(n):
                 acc = 0.0
-                for b in range(r):
+                for b in range(n):
                     acc += g[a, b] * t[b]
                 gt[a] = acc
             for i in range(j):
                 acc = 0.0
-                for a in range(r):
+                for a in range(i + 1):  # (T is upper-triangular: tm[a, i] = 0 for a > i)
                     acc += tm[a, i] * gt[a]
                 c[i] = acc
-            for a in range(r):
+            for a in range(n):
                 acc = t[a]
-                for i in range(j):
+                for i in range(a, j):
                     acc -= tm[a, i] * c[i]
                 t[a] = acc
         nrm2 = 0.0
-        for a in range(r):
+        for a in range(n):
             acc = 0.0
-            for b in range(r):
+            for b in range(n):
                 acc += g[a, b] * t[b]
             nrm2 += t[a] * acc
         gjj = g[j, j]
         inv = 0.0
         if gjj > 0 and nrm2 > rtol2 * gjj:
             inv = 1.0 / math.sqrt(nrm2)
-        for a in range(r):
+        for a in range(n):
             tm[a, j] = t[a] * inv
 
 
 _C = 512  # rows per chunk up to r = 8: an [rp, _C] fp64 buffer per operand, 32 KiB each at r = 8
-_C_WIDE = 64  # rows per chunk beyond (16 KiB each at r = 32)
+_C_WIDE = 128  # rows per chunk beyond (16 KiB each at r = 16, 32 KiB at r = 32)
 _RB = 4  # columns per register block of the products
 
 _EXACT = {torch.float32: 2.0**-26, torch.float64: 2.0**-55}
@@ -194,15 +198,45 @@ def _gram_block(g, xb, pb, qb):
             g[pb + i, qb + j] += sums[i][j]
 
 
+@_fjit
+def _gram_diag(g, xb, pb):
+    """g[pb:pb+4, pb:pb+4] += the chunk's products of columns pb.. with each other, upper triangle (10 sums)."""
+    x0, x1, x2, x3 = xb[pb], xb[pb + 1], xb[pb + 2], xb[pb + 3]
+    s00 = s01 = s02 = s03 = s11 = s12 = s13 = s22 = s23 = s33 = 0.0
+    for k in range(xb.shape[1]):
+        a0, a1, a2, a3 = x0[k], x1[k], x2[k], x3[k]
+        s00 += a0 * a0
+        s01 += a0 * a1
+        s02 += a0 * a2
+        s03 += a0 * a3
+        s11 += a1 * a1
+        s12 += a1 * a2
+        s13 += a1 * a3
+        s22 += a2 * a2
+        s23 += a2 * a3
+        s33 += a3 * a3
+    g[pb, pb] += s00
+    g[pb, pb + 1] += s01
+    g[pb, pb + 2] += s02
+    g[pb, pb + 3] += s03
+    g[pb + 1, pb + 1] += s11
+    g[pb + 1, pb + 2] += s12
+    g[pb + 1, pb + 3] += s13
+    g[pb + 2, pb + 2] += s22
+    g[pb + 2, pb + 3] += s23
+    g[pb + 3, pb + 3] += s33
+
+
 @jit
 def _gram_add(g, xb, r):
-    """g[p, q] += the chunk's sum of x_p x_q, for q >= p (and some q < p: the mirror overwrites them)."""
+    """g[p, q] += the chunk's sum of x_p x_q, for q >= p (the mirror fills q < p)."""
     rp = xb.shape[0]
     if rp < _RB:
         _gram_small(g, xb, r)
         return
     for pb in range(0, rp, _RB):
-        for qb in range(pb, rp, _RB):
+        _gram_diag(g, xb, pb)
+        for qb in range(pb + _RB, rp, _RB):
             _gram_block(g, xb, pb, qb)
 
 
@@ -269,11 +303,43 @@ def _gram(af, m, r, xb, g):
 
 
 @jit
-def _iterate(af, m, r, g, rtol2, iters, xb, yb, tm):
+def _round32(yb):
+    """yb's values rounded to fp32 (as storing them in an fp32 matrix rounds them), kept in fp64."""
+    for p in range(yb.shape[0]):
+        row = yb[p]
+        for k in range(row.size):
+            row[k] = np.float64(np.float32(row[k]))
+
+
+@jit
+def _settled(g, r, tau2):
+    """Every column of the columns' Gram matrix g is the identity's within ``sqrt(tau2)`` in 2-norm (a zero
+    column, one the last iteration zeroed, aside: a further iteration leaves it zero)."""
+    for q in range(r):
+        if g[q, q] == 0.0:
+            continue
+        s = 0.0
+        for p in range(r):
+            if g[p, p] != 0.0:
+                e = g[p, q] - (1.0 if p == q else 0.0)
+                s += e * e
+        if not s <= tau2:  # (a NaN is not settled)
+            return False
+    return True
+
+
+@jit
+def _iterate(af, m, r, g, rtol2, iters, xb, yb, tm, tau2):
     """The CholeskyQR iterations on af, given its Gram matrix g. Each iteration reads the matrix as stored:
     it is rounded to its dtype after each iteration, as the GPU kernels store it; the next iteration's G
-    is summed in the same pass as the rows are stored."""
+    is summed in the same pass as the rows are stored. Once each column of that G = I + E is the
+    identity's within half the unit roundoff u (||E e_j|| <= u / 2, ``tau2`` = (u / 2)^2), the iterations
+    left stop: the next one's T is I - E / 2 to first order (its strict upper part -E), which moves column
+    j by at most ||Q E e_j|| ~ ||E e_j||, below the rounding it is stored with again. (With fp64 sums a
+    fp32 matrix of moderate condition takes one iteration: CholeskyQR2's second finds nothing to fix.)"""
     for it in range(iters):
+        if it > 0 and _settled(g, r, tau2):
+            break
         _gram_factor(g[:r, :r], tm[:r, :r], r, rtol2)
         more = it + 1 < iters
         if more:
@@ -285,9 +351,10 @@ def _iterate(af, m, r, g, rtol2, iters, xb, yb, tm):
             _load(seg, n, r, xb)
             _mul(xb, tm, yb, r)
             _store(yb, seg, n, r)
-            if more:
-                _load(seg, n, r, xb)
-                _gram_add(g, xb, r)
+            if more:  # the next G, of the rows as stored (yb rounded as the store rounded them)
+                if af.itemsize == 4:
+                    _round32(yb)
+                _gram_add(g, yb, r)
         if more:
             _mirror(g, r)
 
@@ -357,6 +424,7 @@ def ortho_span(base, offs, rows, r, rtol2, iters, check_finite, exact):
         return False
     rp = r if r < _RB else -(-r // _RB) * _RB  # whole blocks of columns (below one block: r itself)
     c = _C if rp <= 8 else _C_WIDE  # chunk rows: both buffers within L1 and L2
+    c = min(c, -(-rows.max() // 8) * 8)  # no longer than the longest matrix (whole vectors): the loops run over c
     xb = np.zeros((rp, c))  # rows p >= r stay zero
     yb = np.zeros((rp, c))
     tm = np.zeros((rp, rp))
@@ -368,8 +436,17 @@ def ortho_span(base, offs, rows, r, rtol2, iters, check_finite, exact):
             for p in range(r):
                 if not np.isfinite(g[p, p]):
                     return False
-        _iterate(af, rows[k], r, g, rtol2, iters, xb, yb, tm)
+        _iterate(af, rows[k], r, g, rtol2, iters, xb, yb, tm, 4.0 * exact * exact)
     return True
+
+
+@jit
+def ortho_batch(flat, b, m, r, rtol2, iters, check_finite, exact):
+    """``ortho_span`` on ``b`` matrices [m, r] back to back in ``flat`` (the offsets made here: a call
+    from Python with scalars costs less than building them there)."""
+    offs = np.arange(0, b * m * r, m * r)
+    rows = np.full(b, m, dtype=np.int64)
+    return ortho_span(flat, offs, rows, r, rtol2, iters, check_finite, exact)
 
 
 PARALLEL_MIN_WORK = 1 << 20
@@ -392,14 +469,14 @@ def ortho_tensor(t: torch.Tensor, rtol: float, iters: int, check_finite: bool) -
     """One contiguous fp32/fp64 CPU [m, r] matrix or [B, m, r] batch (m, r >= 1), orthonormalised in place
     by the kernel (a large batch of two or more columns: its matrices split over torch's intra-op threads);
     False, with nothing written, on a NaN/Inf element when ``check_finite``."""
-    m, r = t.shape[-2], t.shape[-1]
-    b = t.shape[0] if t.dim() == 3 else 1
+    shape = t.shape
+    m, r = shape[-2], shape[-1]
+    b = shape[0] if len(shape) == 3 else 1
+    flat, exact = arr(t).reshape(-1), _EXACT[t.dtype]
+    if r == 1 or b < 2 or t.numel() * r < PARALLEL_MIN_WORK or (n := min(torch.get_num_threads(), b)) < 2:
+        return ortho_batch(flat, b, m, r, rtol * rtol, iters, check_finite, exact)
     offs = np.arange(0, b * m * r, m * r, dtype=np.int64)
     rows = np.full(b, m, dtype=np.int64)
-    flat, exact = arr(t).reshape(-1), _EXACT[t.dtype]
-    n = min(torch.get_num_threads(), b)
-    if r == 1 or n < 2 or t.numel() * r < PARALLEL_MIN_WORK:
-        return ortho_span(flat, offs, rows, r, rtol * rtol, iters, check_finite, exact)
     if check_finite and not _all_finite(flat, offs, rows, r):  # every element, before any thread writes
         return False
     parts = np.array_split(np.arange(b), n)

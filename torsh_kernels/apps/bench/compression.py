@@ -1,7 +1,7 @@
 """Benchmark of the compression ops and compressors against the PyTorch code they replace.
 
 Cases: one fp32 gradient buffer of 25 MiB and one of 100 MiB (``--sizes``), plus a batch of PowerSGD
-P matrices (64 x [2048, r], r = 1, 2, 4, 8) for the orthogonalisation. Peers, measured in the same run:
+P matrices (64 x [2048, r], r = 1, 2, 4, 8, 16) for the orthogonalisation. Peers, measured in the same run:
 
   fp16 / bf16:     x.to(dtype) (PyTorch's fp16_compress_hook) and out.copy_(payload);
   top-k 1%:        torch.topk(|x + r|) + gather + residual update, as DGC/GRACE implement it in torch
@@ -334,7 +334,7 @@ def _add_powersgd(
 
 def run_orthogonalize(device: torch.device, providers: list[str], reps: int, batch: int, rows: int) -> list[Result]:
     results: list[Result] = []
-    for r in (1, 2, 4, 8):
+    for r in (1, 2, 4, 8, 16):
         case = Case(f"orthogonalize {batch} x [{rows}, {r}] fp32 (PowerSGD P matrices)", device)
         nbytes = batch * rows * r * 4
         src = torch.randn(batch * rows * r * 64, device=device)

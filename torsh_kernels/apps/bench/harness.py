@@ -58,7 +58,7 @@ SUITE_NAMES = tuple(SUITES)
 # Reduced settings for CPU runs (each a few seconds to a minute on 2 cores).
 QUICK: dict[str, list[str]] = {
     "bucket": ["--cases", "a,b", "--scale", "0.05", "--reps", "5"],
-    "compression": ["--sizes", "1", "--ortho-batch", "8", "--ortho-rows", "256", "--reps", "5"],
+    "compression": ["--sizes", "1", "--ortho-batch", "64", "--ortho-rows", "2048", "--reps", "5"],
     "collectives": ["--sizes", "64K,1M", "--compress-sizes", "1M", "--reps", "3"],
     "ddp": ["--width", "256", "--layers", "2", "--steps", "4", "--no-torch-powersgd-buckets"],
     "fsdp": ["--width", "256", "--layers", "2", "--steps", "3"],

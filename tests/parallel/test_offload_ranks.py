@@ -38,7 +38,8 @@ class Injected(RuntimeError):
 
 class FailingAdamW(torch.optim.AdamW):
     """AdamW that, after updating its chunk, raises (``fault="raise"``), exits the process ("die") or sleeps
-    ``stall`` seconds ("stall"); armed on one rank only."""
+    ``stall`` seconds once per arming ("stall": on the step's first chunk only; one per chunk made the stalled
+    rank's step take chunks x stall, 20 s for the 4 chunks of the DDP case); armed on one rank only."""
 
     fault: str | None = None
     stall = 0.0
@@ -50,6 +51,7 @@ class FailingAdamW(torch.optim.AdamW):
         if FailingAdamW.fault == "die":
             os._exit(3)
         if FailingAdamW.fault == "stall":
+            FailingAdamW.fault = "stalled"
             time.sleep(FailingAdamW.stall)
         return out
 

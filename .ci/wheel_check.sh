@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lean install, checked as a user gets it: build the wheel, install it with no extras in a fresh venv
 # beside the CPU build of torch, run `torsh demo` from a directory outside the source tree, and compare
-# what the install brought with what torch, triton, numba, numpy and rich bring on their own. Fails if the
+# what the install brought with what torch, numba, numpy and rich bring on their own. Fails if the
 # build, the install or the demo fails, or if the install brought any package beyond those five, their
 # dependencies and the venv's own pip/setuptools. Prints the venv's size and each package's.
 #
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 src="$PWD"
 PY="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
-PEERS=(triton numba numpy rich)
+PEERS=(numba numpy rich)  # no triton: an extra ([cuda], [dev]); it cannot run on a CPU
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
@@ -39,7 +39,7 @@ V="$tmp/venv/bin/python"
 pip_ "$V" list --format=freeze > "$tmp/base.txt"  # the venv's own (pip; setuptools before Python 3.12)
 pip_ "$V" install -q "$TORCH_SPEC"
 pip_ "$V" install -q "$whl"
-# what a venv holding just torch, triton, numba, numpy and rich would hold, resolved now (nothing installed)
+# what a venv holding just torch, numba, numpy and rich would hold, resolved now (nothing installed)
 pip_ "$V" install -q --dry-run --ignore-installed --report "$tmp/ref.json" "$TORCH_SPEC" "${PEERS[@]}"
 
 say "what the install brought (sizes on disk, from each package's RECORD; before the demo runs)"
@@ -79,7 +79,7 @@ for n in rows:
     print(f"{n:28} {dists[n].version:16} {mb(sizes[n]):9.1f}  {where}")
 du = sum(f.stat().st_size for f in Path(venv).rglob("*") if f.is_file() and not f.is_symlink())
 peers = sum(sizes[n] for n in dists if n in ref)
-print(f"\nvenv on disk: {mb(du):.0f} MB; torch + triton + numba + numpy + rich and their dependencies "
+print(f"\nvenv on disk: {mb(du):.0f} MB; torch + numba + numpy + rich and their dependencies "
       f"({len(ref & set(dists))} packages): {mb(peers):.0f} MB; torsh-kernels: {mb(sizes['torsh-kernels']):.2f} MB; "
       f"the venv's own ({', '.join(sorted(base & set(dists)))}): {mb(sum(sizes[n] for n in base & set(dists))):.0f} MB")
 extra = sorted(set(dists) - ref - base - {"torsh-kernels"})
@@ -87,9 +87,9 @@ missing = sorted(ref - set(dists))
 if missing:
     print(f"note: the reference resolution holds {missing}, which the install did not bring")
 if extra:
-    print(f"FAIL: the install brought packages beyond torch, triton, numba, numpy, rich and their dependencies: {extra}")
+    print(f"FAIL: the install brought packages beyond torch, numba, numpy, rich and their dependencies: {extra}")
     sys.exit(1)
-print("ok: nothing beyond torch, triton, numba, numpy, rich and their dependencies")
+print("ok: nothing beyond torch, numba, numpy, rich and their dependencies")
 EOF
 
 say "torsh demo from outside the source tree"

@@ -7,6 +7,8 @@ so the tree itself is left as it was. (.ci/wheel_check.sh installs the wheel in 
 from __future__ import annotations
 
 import email
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -29,13 +31,10 @@ def _setuptools_77() -> bool:
     return tuple(int(p) for p in re.findall(r"\d+", setuptools.__version__)[:1]) >= (77,)
 
 
-pytestmark = pytest.mark.skipif(
-    not _setuptools_77(), reason="building without isolation needs setuptools>=77 (in the dev extra)"
-)
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[Path, Path]:
+    if not _setuptools_77():
+        pytest.skip("building without isolation needs setuptools>=77 (in the dev extra)")
     tmp = tmp_path_factory.mktemp("pkg")
     src = tmp / "src"
     skip = (".git", ".venv", "__pycache__", "*.egg-info", "build", "dist", "tests", "benchmarks", "docs", ".*cache")
@@ -73,7 +72,12 @@ def test_wheel_holds_data_license_and_metadata(built):
     assert meta["License-Expression"] == "Apache-2.0" and meta.get_all("License-File") == ["LICENSE", "NOTICE"]
     assert "Typing :: Typed" in meta.get_all("Classifier")
     required = [r for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
-    assert {re.match(r"[\w.-]+", r).group(0) for r in required} == {"torch", "triton", "numba", "numpy", "rich"}
+    # a CPU install is torch + numba + numpy + rich: Triton (about 1 GB) cannot run on a CPU, so it is an extra
+    assert {re.match(r"[\w.-]+", r).group(0) for r in required} == {"torch", "numba", "numpy", "rich"}
+    for extra in ("cuda", "dev"):
+        assert [r for r in meta.get_all("Requires-Dist") if r.startswith("triton") and f'extra == "{extra}"' in r], (
+            f"the {extra} extra brings triton"
+        )
     assert "torsh = torsh_kernels.apps.cli:main" in entry
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
@@ -86,3 +90,103 @@ def test_sdist_holds_data_and_license(built):
     with tarfile.open(sdist) as t:
         names = set(t.getnames())
     assert {f"{top}/{n}" for n in (*DATA, "LICENSE", "NOTICE", "pyproject.toml", "README.md")} <= names
+
+
+def test_triton_is_an_extra_not_a_dependency():
+    """pyproject itself (the wheel's metadata is checked above, in the slow tier): triton is in no unconditional
+    dependency, and the cuda extra (GPU installs) and the dev extra (the interpreter tests) bring it."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    name = lambda r: re.match(r"[\w.-]+", r).group(0).lower()
+    assert {name(r) for r in project["dependencies"]} == {"torch", "numba", "numpy", "rich"}
+    for extra in ("cuda", "dev"):
+        assert "triton" in {name(r) for r in project["optional-dependencies"][extra]}, extra
+
+
+# Triton made unimportable in a fresh interpreter, as on a CPU install without the cuda/dev extras: a meta path
+# finder that answers every `import triton...` with ModuleNotFoundError, as an absent package does.
+_NO_TRITON = """
+import sys
+class _NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, _NoTriton())
+"""
+
+
+def _without_triton(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TORSH_KERNELS_PROVIDER")}
+    env["TORSH_KERNELS_CACHE_DIR"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", _NO_TRITON + code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_everything_but_the_triton_provider_works_without_triton(tmp_path):
+    proc = _without_triton(
+        """
+import torch
+import torsh_kernels as tk
+from torsh_kernels.errors import ProviderUnavailableError
+from torsh_kernels.apps.cli import main
+
+info = tk.providers()
+print("TRITON-CPU", info["triton"].cpu)
+grads = [torch.randn(10), torch.randn(3, 4)]
+for provider in (None, "cpu", "torch"):
+    flat, layout = tk.flatten(grads, provider=provider)
+    out = [torch.empty_like(g) for g in grads]
+    tk.unflatten(flat, layout, out)
+    assert all(torch.equal(a, b) for a, b in zip(out, grads)), provider
+try:
+    tk.flatten(grads, provider="triton")
+except ProviderUnavailableError as e:
+    print("RAISED", e)
+main(["doctor"])
+assert "triton" not in sys.modules
+print("OK")
+""",
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = " ".join(proc.stdout.split())
+    hint = "triton is not installed (pip install 'torsh-kernels[cuda]')"
+    assert f"TRITON-CPU {hint}" in " ".join(proc.stdout.split()), proc.stdout
+    assert "RAISED torsh.flatten: provider 'triton' was requested but cannot run" in out and hint in out
+    assert out.endswith("OK")
+
+
+@pytest.mark.slow  # a fresh venv: about 35 s to install torch (the CPU build on disk) and the wheel, then the demo
+def test_the_wheel_installs_and_runs_without_triton(built, tmp_path):
+    """What a CPU user gets: a fresh venv (not --system-site-packages) with the CPU build of torch and the wheel,
+    no extras; triton is not there, and `import torsh_kernels`, `torsh doctor` and `torsh demo` work."""
+    whl, _ = built
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True)
+    py = tmp_path / "venv" / "bin" / "python"
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    torch = subprocess.run([*pip, "torch==2.13.0"], capture_output=True, text=True)
+    if torch.returncode:
+        pytest.skip(f"torch==2.13.0 (the CPU build) cannot be installed here: {torch.stderr[-500:]}")
+    subprocess.run([*pip, str(whl)], check=True, capture_output=True)
+    listed = subprocess.run([str(py), "-m", "pip", "list", "--format=freeze"], check=True, capture_output=True,
+                            text=True).stdout  # fmt: skip
+    assert "torsh-kernels==" in listed and not re.search(r"^triton==", listed, re.M), listed
+    run = tmp_path / "run"
+    run.mkdir()
+    check = subprocess.run(
+        [str(py), "-c", "import sys, torsh_kernels as tk\nfrom torsh_kernels.apps.cli import main\n"
+         "print(tk.providers()['triton'].cpu)\nmain(['doctor'])\nassert 'triton' not in sys.modules"],
+        cwd=run, capture_output=True, text=True,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert "triton is not installed (pip install 'torsh-kernels[cuda]')" in check.stdout, check.stdout
+    demo = subprocess.run(
+        [str(tmp_path / "venv" / "bin" / "torsh"), "demo", "--steps", "20", "--compressors", "none,powersgd",
+         "--no-progress", "--json", "demo.json"], cwd=run, capture_output=True, text=True,
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    rows = json.loads((run / "demo.json").read_text())["rows"]
+    assert [r["compressor"] for r in rows] == ["none", "powersgd"], rows

@@ -94,13 +94,22 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in _TRUE
 
 
+TRITON_INSTALL = "pip install 'torsh-kernels[cuda]'"
+"""How to get Triton where it is missing: an extra, not a dependency (it cannot run on a CPU)."""
+
+
 @functools.cache
 def triton_state() -> tuple[str | None, bool, str | None]:
     """(version, interpreted, import error). Read once, on the first triton launch or provider query (this
     imports Triton; ``import torsh_kernels`` does not): Triton fixes the mode when kernels are defined."""
     try:
         import triton  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install raising anything at import
+    except ModuleNotFoundError as exc:
+        if exc.name == "triton":  # absent (an optional dependency: torch's CUDA wheels bring it), or blocked
+            how = "" if str(exc).startswith("No module named") else f": {exc}"  # e.g. sys.modules["triton"] = None
+            return None, False, f"triton is not installed ({TRITON_INSTALL}){how}"
+        return None, False, f"triton cannot be imported ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # a broken install raising anything at import
         return None, False, f"triton cannot be imported ({type(exc).__name__}: {exc})"
     return package_version("triton"), _env_flag("TRITON_INTERPRET"), None
 

@@ -1,21 +1,25 @@
 """Environment and timing helpers that several layers share: which machine and library versions a result
-or a trace comes from, interleaved timing with caches flushed, byte and quantile formatting. Imports only
-torch and the standard library. (The console the commands print with is in ``cli_common``.)"""
+or a trace comes from, interleaved timing with caches flushed, the judgement of one timing against another
+beyond their spread (:func:`compare_spread`), byte and quantile formatting. Imports only torch, the
+standard library and the error types. (The console the commands print with is in ``cli_common``.)"""
 
 from __future__ import annotations
 
 import datetime as _dt
 import importlib.metadata
+import math
 import platform
 import re
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .errors import InvalidArgumentError
 
 DIST = "torsh-kernels"
 """This library's distribution name (pyproject's ``name``)."""
@@ -141,6 +145,66 @@ def time_interleaved(
         Timing(median_ms=statistics.median(t), p20_ms=quantile(t, 0.2), p80_ms=quantile(t, 0.8), reps=reps)
         for t in times
     ]
+
+
+SpreadLike = Timing | Sequence[float]
+"""What :func:`compare_spread` takes for one side: a :class:`Timing` (its p20-p80 interval) or the samples."""
+
+VERDICTS = ("faster", "slower", "within noise")
+
+
+@dataclass(frozen=True, slots=True)
+class SpreadComparison:
+    """How one measurement (``a``) compares with another (``b``): see :func:`compare_spread`."""
+
+    verdict: str
+    """"faster" (``a`` is), "slower" (``a`` is) or "within noise"."""
+    a: tuple[float, float, float]
+    """``a``'s (p20, median, p80) in ms."""
+    b: tuple[float, float, float]
+    """``b``'s (p20, median, p80) in ms."""
+    ratio: float
+    """``a``'s median / ``b``'s median (inf where ``b``'s is 0)."""
+
+    def interval(self, which: str = "a") -> str:
+        """One side's ``p20-p80`` interval, for a table."""
+        lo, _, hi = getattr(self, which)
+        return f"{lo:.4g}-{hi:.4g} ms"
+
+
+def spread(x: SpreadLike) -> tuple[float, float, float]:
+    """(p20, median, p80) of a :class:`Timing` or of samples (at least one)."""
+    if isinstance(x, Timing):
+        return (x.p20_ms, x.median_ms, x.p80_ms)
+    xs = [float(v) for v in x]
+    if not xs:
+        raise InvalidArgumentError("compare_spread: a side has no samples")
+    return (quantile(xs, 0.2), statistics.median(xs), quantile(xs, 0.8))
+
+
+def compare_spread(a: SpreadLike, b: SpreadLike, *, margin: float = 0.0) -> SpreadComparison:
+    """Whether ``a`` is faster or slower than ``b`` beyond the measured spread, the one rule the tuner (a
+    winner is cached only when faster than the default) and ``torsh bench --compare`` (a regression) judge by.
+
+    Each side's interval is its p20-p80 (of the samples, or the :class:`Timing`'s). ``a`` is "slower" when
+    its interval lies wholly above ``b``'s (a's p20 > b's p80) and its median is more than ``1 + margin``
+    times b's; "faster" in the mirror case (a's p80 < b's p20 and b's median more than ``1 + margin`` times
+    a's); anything else, overlapping intervals included, is "within noise": one slow repetition or a busy
+    machine moves a median, rarely a whole interval of interleaved repetitions."""
+    if not (isinstance(margin, (int, float)) and margin >= 0 and math.isfinite(margin)):
+        raise InvalidArgumentError(f"compare_spread: margin={margin!r} must be a finite fraction >= 0")
+    sa, sb = spread(a), spread(b)
+    for name, s in (("a", sa), ("b", sb)):
+        if not all(math.isfinite(v) and v >= 0 for v in s) or not s[0] <= s[1] <= s[2]:
+            raise InvalidArgumentError(f"compare_spread: {name}'s (p20, median, p80) {s} are not ordered times in ms")
+    ratio = sa[1] / sb[1] if sb[1] > 0 else (math.inf if sa[1] > 0 else 1.0)
+    if sa[0] > sb[2] and sa[1] > (1 + margin) * sb[1]:
+        verdict = "slower"
+    elif sa[2] < sb[0] and sb[1] > (1 + margin) * sa[1]:
+        verdict = "faster"
+    else:
+        verdict = "within noise"
+    return SpreadComparison(verdict=verdict, a=sa, b=sb, ratio=ratio)
 
 
 def device_name(device: torch.device) -> str:

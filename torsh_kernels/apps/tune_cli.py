@@ -5,6 +5,10 @@ removes it.
 reason and how to enable it (Triton without a GPU needs TRITON_INTERPRET=1, Numba without CUDA needs
 NUMBA_ENABLE_CUDASIM=1: both slow, for checking rather than speed). By default the providers that run
 compiled code on the device are tuned, and the others are named on one line.
+
+The table's ``verdict`` says why the winner is what it is: ``faster`` (it beat the default beyond the
+measured spread, twice), ``within noise: default kept`` (the fastest by median, named with its p20-p80
+interval and the default's, did not), ``default`` (the default was the fastest).
 """
 
 from __future__ import annotations
@@ -78,6 +82,20 @@ def _ops(text: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def verdict_text(verdict: str | None, fastest: str | None, timings: dict | None, default: str | None) -> str:
+    """The table's verdict cell: why the winner is what it is (see the module docstring)."""
+    if verdict is None:
+        return "-"  # an entry from before verdicts were recorded
+    if verdict != "within noise":
+        return verdict
+    t = (timings or {}).get(fastest or "")
+    d = (timings or {}).get(default or "")
+    if not (t and d):
+        return f"within noise: default kept ({fastest} not faster beyond the spread)"
+    return (f"within noise: default kept ({fastest} {t['p20_ms']:.4g}-{t['p80_ms']:.4g} ms vs {default} "
+            f"{d['p20_ms']:.4g}-{d['p80_ms']:.4g} ms, p20-p80)")  # fmt: skip
+
+
 def show(console) -> int:
     path = A.cache_path()
     data = A.load_cache(path)
@@ -87,15 +105,16 @@ def show(console) -> int:
     for key, env in data["environments"].items():
         state = "current" if key == current else "stale (another device or versions)"
         t = cli_common.table(f"{key}  ({state})",
-                       ["op | dtype | bucket", "winner", "time", "default", "speedup", "tuned", "synced from"],
-                       text=("winner", "default", "tuned", "synced from"))  # fmt: skip
+                       ["op | dtype | bucket", "winner", "time", "default", "speedup", "verdict", "tuned",
+                        "synced from"], text=("winner", "default", "verdict", "tuned", "synced from"))  # fmt: skip
         for ek, e in sorted(env["entries"].items()):
             meta = ", ".join(f"{k}={v}" for k, v in sorted((e.get("meta") or {}).items()))
             win = f"{e['provider']}({meta})" if meta else e["provider"]
             sp = f"{e['default_ms'] / e['median_ms']:.2f}x" if e.get("default_ms") and e.get("median_ms") else "-"
+            verdict = verdict_text(e.get("verdict"), e.get("fastest"), e.get("candidates"), e.get("default"))
             src = "-" if e.get("synced_from_rank") is None else f"rank {e['synced_from_rank']}"
             ms = "-" if e.get("median_ms") is None else f"{e['median_ms']:.4f} ms"  # hand-written: may be absent
-            t.add_row(ek, win, ms, e.get("default", "-"), sp, e.get("tuned_at", ""), src)
+            t.add_row(ek, win, ms, e.get("default", "-"), sp, verdict, e.get("tuned_at", ""), src)
         console.print(t)
     return 0
 
@@ -136,13 +155,14 @@ def run(args: argparse.Namespace) -> int:
         rows = [r for r in results if r.op == op]
         if not rows:
             continue
-        cols = ["dtype", "bucket", "winner", "time", "default", "speedup", "timed/pruned/dropped", "source"]
-        t = cli_common.table(op, cols, text=("dtype", "winner", "default", "source"))
+        cols = ["dtype", "bucket", "winner", "time", "default", "speedup", "verdict", "timed/pruned/dropped", "source"]
+        t = cli_common.table(op, cols, text=("dtype", "winner", "default", "verdict", "source"))
         for r in rows:
             sp = f"{r.speedup:.2f}x" if r.speedup else "-"
             t.add_row(str(r.dtype).removeprefix("torch."), f"2^{r.bucket}", str(r.winner),
                       f"{r.winner_ms:.4f} ms" if r.winner_ms else "-",
                       f"{r.default} {r.default_ms:.4f} ms" if r.default_ms else str(r.default), sp,
+                      verdict_text(r.verdict, r.fastest, r.timings, str(r.default)),
                       "-" if r.cached else f"{len(r.timings)}/{len(r.pruned)}/{len(r.dropped)}",
                       f"cache (tuned {r.tuned_at})" if r.cached else "tuned now")  # fmt: skip
         console.print(t)

@@ -11,6 +11,13 @@
   reference: one that fails to compile, raises or gives a wrong result is dropped, never chosen. The
   survivors are timed with warm-up and repetitions, interleaved, caches flushed between calls
   (:func:`torsh_kernels.env.time_interleaved`): median and 20/80 quantiles.
+- **Winning beyond the noise.** The fastest candidate by median replaces the default only when it is faster
+  beyond the measured spread (:func:`torsh_kernels.env.compare_spread`: its p20-p80 interval wholly below
+  the default's), and again in a second interleaved timing of the two alone: one slow repetition or a
+  busy machine can move a median, rarely two whole intervals. Otherwise the entry keeps the device default
+  (the provider the registry picks with no entry), with ``verdict`` "within noise" and the candidate that
+  was fastest by median in ``fastest``; ``torsh tune`` says so in its table. An entry with ``verdict``
+  "faster" is a winner; one written before verdicts were recorded has none.
 - **Strategies.** ``exhaustive`` (every candidate; after one quick repetition, candidates slower than
   ``prune_factor`` times the best are pruned before the full timing), ``random`` (candidates in random
   order until the budget runs out) and ``greedy`` (coordinate descent over each provider's
@@ -117,10 +124,21 @@ class TuneResult:
     """Candidates pruned after one quick repetition, with its time in ms."""
     cached: bool = False
     tuned_at: str = ""
+    verdict: str | None = None
+    """"faster" (the winner beat the default beyond the spread, twice), "within noise" (the default kept),
+    "default" (the default was the fastest), "default not timed" (the providers tuned exclude the default
+    and torch, so the fastest of them is the winner, with nothing to judge it against), or None
+    (a cached entry from before verdicts were recorded)."""
+    fastest: str | None = None
+    """The candidate fastest by median (where the default was kept, the one that did not win beyond noise)."""
+    fastest_ms: float | None = None
+    """Its median, in ms."""
+    confirm: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The second interleaved timing of the fastest candidate and the default (candidate -> median, p20, p80)."""
 
     @property
     def speedup(self) -> float | None:
-        if self.winner_ms and self.default_ms:
+        if self.winner_ms and self.default_ms and self.verdict != "within noise":
             return self.default_ms / self.winner_ms
         return None
 
@@ -229,7 +247,9 @@ class Tuner:
                 return TuneResult(op=space.op, dtype=dtype, bucket=bucket, size=size, cached=True,
                                   winner=Candidate(e["provider"], tuple(sorted((e.get("meta") or {}).items()))),
                                   winner_ms=e.get("median_ms"), default=default, default_ms=e.get("default_ms"),
-                                  tuned_at=e.get("tuned_at", ""))  # fmt: skip
+                                  tuned_at=e.get("tuned_at", ""), verdict=e.get("verdict"),
+                                  timings=e.get("candidates") or {},
+                                  fastest=e.get("fastest"), fastest_ms=e.get("fastest_ms"))  # fmt: skip
         res = TuneResult(op=space.op, dtype=dtype, bucket=bucket, size=size, winner=None, winner_ms=None,
                          default=default, default_ms=None)  # fmt: skip
         cands = space.candidates(self.providers)
@@ -278,21 +298,48 @@ class Tuner:
         else:
             consider(cands)
         if timed:
-            win = min(timed, key=lambda c: timed[c]["median_ms"])
-            res.winner, res.winner_ms = win, timed[win]["median_ms"]
+            best = min(timed, key=lambda c: timed[c]["median_ms"])
             dkey = next((c for c in timed if c.provider == default.provider and not c.meta), None)
             res.default_ms = timed[dkey]["median_ms"] if dkey else None
+            res.fastest, res.fastest_ms = str(best), timed[best]["median_ms"]
+            res.verdict = self._judge(space, best, dkey, timed, dtype, size, res)
+            if res.verdict in ("faster", "default", "default not timed"):  # (not timed: the providers asked for)
+                res.winner, res.winner_ms = best, timed[best]["median_ms"]
+            else:  # the device default stays: what the registry picks with no entry
+                res.winner = Candidate(registry.untuned_default(space.op, self.device))
+                res.winner_ms = res.default_ms if res.winner.provider == default.provider else None
             res.timings = {str(c): t for c, t in timed.items()}
             res.tuned_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             self._store(env_key, env, ekey, res)
         return res
+
+    def _judge(self, space: TuneSpace, best: Candidate, dkey: Candidate | None, timed: dict[Candidate, dict],
+               dtype: torch.dtype, size: int, res: TuneResult) -> str:  # fmt: skip
+        """Whether ``best`` replaces the default (see the module docstring): "faster" only when its interval
+        lies below the default's in the search's timing and again in a second interleaved timing of the two."""
+        from ..env import Timing, compare_spread
+
+        if dkey is None:
+            return "default not timed"
+        if best == dkey:
+            return "default"
+
+        def timing(t: dict[str, float]) -> Timing:
+            return Timing(median_ms=t["median_ms"], p20_ms=t["p20_ms"], p80_ms=t["p80_ms"], reps=self.reps)
+
+        if compare_spread(timing(timed[best]), timing(timed[dkey])).verdict != "faster":
+            return "within noise"
+        again = self._time(space, [best, dkey], dtype, size, self.reps)
+        res.confirm = {str(best): again[0], str(dkey): again[1]}
+        return "faster" if compare_spread(timing(again[0]), timing(again[1])).verdict == "faster" else "within noise"
 
     def _store(self, env_key: str, env: dict[str, str], ekey: str, res: TuneResult) -> None:
         entry = {
             "provider": res.winner.provider, "meta": res.winner.meta_dict, "median_ms": res.winner_ms,
             "default": str(res.default), "default_ms": res.default_ms, "candidates": res.timings,
             "dropped": res.dropped, "pruned": res.pruned, "strategy": self.strategy, "tuned_at": res.tuned_at,
-            "synced_from_rank": None,
+            "synced_from_rank": None, "verdict": res.verdict, "fastest": res.fastest, "fastest_ms": res.fastest_ms,
+            "confirm": res.confirm,
         }  # fmt: skip
 
         def add(data: dict[str, Any]) -> None:  # merged into what the file holds now (other writers' entries)

@@ -5,6 +5,14 @@ in the second, with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RA
 ``MASTER_PORT``) and ``GLOO_SOCKET_IFNAME`` set as on two hosts, and removes the namespaces, the veth
 pair and the qdiscs afterwards, whatever happens. Needs root, ``ip`` and ``tc``.
 
+Rates are bits per second with the unit spelled out (:func:`parse_rate`: ``500kbit``, ``100mbit``, ``1gbit``,
+``10gbit``) and are handed to ``tc`` in plain bits, so tc's own unit meanings (a bare number, ``gbps`` =
+gigabytes per second) never apply; delays are ``us``, ``ms`` or ``s`` (:func:`parse_delay`). Each namespace
+gets its own ``/etc/hosts`` (``/etc/netns/NAME/hosts``, which ``ip netns exec`` mounts) naming both
+addresses (also IPv4-mapped), so a reverse look-up of the peer (c10d's, on every connection) answers from
+the file instead of failing on a namespace with no route to a DNS server (c10d's ``hostname ... err=-3``
+warning).
+
     sudo python -m torsh_kernels.apps.bench.emulated --rate 1gbit [--delay 1ms] -- COMMAND [ARGS...]
 
 Rank 0 prints to the terminal; rank 1's output goes to a log file, shown if it fails.
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +33,84 @@ from dataclasses import dataclass
 
 from ...errors import InvalidArgumentError
 
-__all__ = ["EmulatedHosts", "emulated_hosts", "run_on_emulated_hosts", "unavailable_reason"]
+__all__ = [
+    "RATE_FORMS",
+    "EmulatedHosts",
+    "LinkRate",
+    "emulated_hosts",
+    "parse_delay",
+    "parse_rate",
+    "run_on_emulated_hosts",
+    "unavailable_reason",
+]
+
+RATE_FORMS = "500kbit, 100mbit, 1gbit, 10gbit (a number, then kbit, mbit, gbit or tbit: bits per second)"
+"""The link rates :func:`parse_rate` accepts, in words for error messages and help."""
+_RATE_RE = re.compile(r"(?P<num>\d+(?:\.\d+)?) ?(?P<prefix>[kmgt]?)bit(?:/s)?", re.IGNORECASE)
+_PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_BYTES_RE = re.compile(r"\d+(?:\.\d+)?\s*(?:[kmgt]i?)?(?:bps|b/s|bytes?(?:/s)?|b)", re.IGNORECASE)
+_MIN_RATE, _MAX_RATE = 1_000, 10**13
+_DELAY_RE = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<unit>us|ms|s)")
+_DELAY_UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+@dataclass(frozen=True, slots=True)
+class LinkRate:
+    """A link rate, in bits per second (what :func:`parse_rate` returns)."""
+
+    bits_per_s: int
+
+    @property
+    def tc(self) -> str:
+        """The rate as ``tc`` reads it, in plain bits per second (no unit of tc's own applies)."""
+        return f"{self.bits_per_s}bit"
+
+    def __str__(self) -> str:
+        for unit, scale in (("Tbit/s", 10**12), ("Gbit/s", 10**9), ("Mbit/s", 10**6), ("kbit/s", 10**3)):
+            if self.bits_per_s >= scale:
+                return f"{self.bits_per_s / scale:g} {unit}"
+        return f"{self.bits_per_s} bit/s"
+
+
+def parse_rate(text: object, *, what: str = "rate") -> LinkRate:
+    """A link rate written in bits per second with the unit spelled out: ``500kbit``, ``100mbit``, ``1gbit``,
+    ``10gbit`` (any case, a decimal number, a space before the unit and ``/s`` after it are fine:
+    ``2.5 Gbit/s``). A bare number, or a bytes-per-second spelling
+    (``gbps``, ``GBps``, ``100mb``), raises :class:`~torsh_kernels.errors.InvalidArgumentError` naming the
+    accepted forms: tc would read ``1000`` and ``10gbps`` by its own rules (bits, and gigabytes per second)."""
+    if isinstance(text, LinkRate):
+        return text
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"{what}: expected a rate such as 100mbit, got {type(text).__name__} {text!r}")
+    t = text.strip()
+    m = _RATE_RE.fullmatch(t)
+    if m is None:
+        if re.fullmatch(r"\d+(?:\.\d+)?", t):
+            hint = "a bare number has no unit"
+        elif _BYTES_RE.fullmatch(t):
+            hint = "that spells bytes per second (tc reads 10gbps as 80 Gbit/s)"
+        else:
+            hint = "not a rate"
+        raise InvalidArgumentError(
+            f"{what} {text!r}: {hint}; give bits per second with the unit spelled out: {RATE_FORMS}"
+        )
+    bits = round(float(m["num"]) * _PREFIX[m["prefix"].lower()])
+    if not _MIN_RATE <= bits <= _MAX_RATE:
+        raise InvalidArgumentError(f"{what} {text!r}: must be between 1kbit and 10tbit (bits per second), got "
+                                   f"{LinkRate(bits)}")  # fmt: skip
+    return LinkRate(bits)
+
+
+def parse_delay(text: str, *, what: str = "delay") -> str:
+    """A one-way delay: a number then ``us``, ``ms`` or ``s`` (``1ms``, ``250us``); returned in the form tc
+    reads (microseconds, ``250us``). Anything else raises :class:`~torsh_kernels.errors.InvalidArgumentError`."""
+    m = _DELAY_RE.fullmatch(text.strip()) if isinstance(text, str) else None
+    if m is None:
+        raise InvalidArgumentError(f"{what} {text!r}: give a number then us, ms or s (e.g. 250us, 1ms)")
+    us = float(m["num"]) * _DELAY_UNIT[m["unit"]] * 1e6
+    if not 0 <= us <= 10e6:
+        raise InvalidArgumentError(f"{what} {text!r}: must be between 0 and 10 s")
+    return f"{us:g}us"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +141,26 @@ def _run(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, text=True)
 
 
+def _hosts_file(names: Sequence[str], addresses: Sequence[str]) -> str:
+    """A namespace's /etc/hosts: this machine's, then both emulated hosts by name, each also as the IPv4-mapped
+    IPv6 address a dual-stack socket (c10d's TCPStore server) sees its peer at."""
+    try:
+        with open("/etc/hosts") as f:
+            base = f.read()
+    except OSError:
+        base = "127.0.0.1 localhost\n"
+    lines = "".join(f"{a} {n}\n::ffff:{a} {n}\n" for n, a in zip(names, addresses))
+    return base.rstrip("\n") + "\n# torsh emulated hosts\n" + lines
+
+
 @contextlib.contextmanager
-def emulated_hosts(rate: str = "1gbit", *, delay: str | None = None, burst: str = "512kb") -> Iterator[EmulatedHosts]:
-    """Create the two namespaces and the shaped link; remove them on exit."""
+def emulated_hosts(
+    rate: str | LinkRate = "1gbit", *, delay: str | None = None, burst: str = "512kb"
+) -> Iterator[EmulatedHosts]:
+    """Create the two namespaces and the shaped link; remove them on exit. ``rate``: see :func:`parse_rate`;
+    ``delay``: see :func:`parse_delay`; ``burst``: tbf's burst, in tc's syntax."""
+    rate = parse_rate(rate)
+    delay = parse_delay(delay) if delay is not None else None
     why = unavailable_reason()
     if why is not None:
         raise InvalidArgumentError(f"emulated hosts: {why}")
@@ -69,13 +172,16 @@ def emulated_hosts(rate: str = "1gbit", *, delay: str | None = None, burst: str 
     try:
         for n in ns:
             _run("ip", "netns", "add", n)
+            os.makedirs(f"/etc/netns/{n}", exist_ok=True)
+            with open(f"/etc/netns/{n}/hosts", "w") as f:
+                f.write(_hosts_file(ns, ips))
         _run("ip", "link", "add", ifs[0], "type", "veth", "peer", "name", ifs[1])
         for n, i, a in zip(ns, ifs, ips):
             _run("ip", "link", "set", i, "netns", n)
             _run("ip", "-n", n, "link", "set", "lo", "up")
             _run("ip", "-n", n, "addr", "add", f"{a}/24", "dev", i)
             _run("ip", "-n", n, "link", "set", i, "up")
-            tbf = ["tbf", "rate", rate, "burst", burst, "latency", "100ms"]
+            tbf = ["tbf", "rate", rate.tc, "burst", burst, "latency", "100ms"]
             if delay:
                 _run("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", i, "root", "handle", "1:", "netem",
                      "delay", delay)  # fmt: skip
@@ -94,15 +200,25 @@ def emulated_hosts(rate: str = "1gbit", *, delay: str | None = None, burst: str 
                     os.kill(int(p), 9)
             # deleting a namespace removes its veth end, the peer and the qdiscs
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{n}", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir("/etc/netns")  # only if it is empty: left as found
 
 
 def run_on_emulated_hosts(
-    cmd: Sequence[str], *, rate: str = "1gbit", delay: str | None = None, burst: str = "512kb", port: int = 29533
+    cmd: Sequence[str],
+    *,
+    rate: str | LinkRate = "1gbit",
+    delay: str | None = None,
+    burst: str = "512kb",
+    port: int = 29533,
 ) -> int:
     """Run ``cmd`` as rank 0 and rank 1 on two emulated hosts; returns rank 0's exit code (or rank 1's
-    if rank 0 succeeded and rank 1 did not)."""
+    if rank 0 succeeded and rank 1 did not). ``rate`` and ``delay`` are checked before anything is made."""
     if not cmd:
         raise InvalidArgumentError("run_on_emulated_hosts: no command given")
+    rate = parse_rate(rate)
+    delay = parse_delay(delay) if delay is not None else None
     with emulated_hosts(rate, delay=delay, burst=burst) as hosts:
         print(f"emulated hosts: {hosts.namespaces[0]} ({hosts.addresses[0]}) <-> {hosts.namespaces[1]} "
               f"({hosts.addresses[1]}), {hosts.description}", file=sys.stderr)  # fmt: skip
@@ -134,8 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m torsh_kernels.apps.bench.emulated", description=__doc__.split("\n\n")[0]
     )
-    ap.add_argument("--rate", default="1gbit", help="tbf rate per direction (tc syntax: 1gbit, 100mbit)")
-    ap.add_argument("--delay", default=None, help="netem delay per direction (e.g. 1ms)")
+    ap.add_argument("--rate", default="1gbit", help=f"rate per direction, in bits per second: {RATE_FORMS}")
+    ap.add_argument("--delay", default=None, help="netem delay per direction: a number then us, ms or s (e.g. 1ms)")
     ap.add_argument("--burst", default="512kb", help="tbf burst")
     ap.add_argument("--port", type=int, default=29533, help="MASTER_PORT")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
@@ -143,11 +259,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
         ap.error("no command given; put it after --")
+    try:
+        rate = parse_rate(a.rate, what="--rate")
+        delay = parse_delay(a.delay, what="--delay") if a.delay is not None else None
+    except InvalidArgumentError as e:
+        ap.error(str(e))
     why = unavailable_reason()
     if why is not None:
         print(f"emulated hosts: {why}", file=sys.stderr)
         return 2
-    return run_on_emulated_hosts(cmd, rate=a.rate, delay=a.delay, burst=a.burst, port=a.port)
+    return run_on_emulated_hosts(cmd, rate=rate, delay=delay, burst=a.burst, port=a.port)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,17 @@ per suite (case -> median time in ms and whether it is ours, a peer's or the cop
 --json PATH`). It is checked before anything runs: it must be JSON of either form and hold every suite to
 be run (default: the suites it holds). Each suite then runs with the options the baseline recorded for it,
 so the same cases are measured (`--args` adds options), and every case in both is compared. One of ours
-slower than the baseline by more than `--max-regression` (default 10%) is a regression: the command names
-each and exits with status 1. Peers and copies are shown but never fail the run (their change is the
-machine's, not ours). A run that compares nothing is an error (exit status 2).
+whose median is slower than the baseline's by more than `--max-regression` (default 10%) is a suspect; it
+is a regression only when its p20-p80 interval lies wholly above the baseline's
+(:func:`torsh_kernels.env.compare_spread`, the rule `torsh tune` judges winners by) and stays so when its
+suite is run once more (the suite's own interleaved timing, each case's implementations alternating; the
+baseline's code is not here to interleave with, so the re-run checks that the slowdown reproduces). A
+suspect whose intervals overlap, or whose slowdown the re-run does not reproduce, is reported as "too
+noisy to judge" and does not fail the run. Cases whose suite records no spread (the collectives suite)
+are judged on their medians, and said so. Exit status: 1 when a regression is judged, 0 otherwise (cases
+too noisy to judge included: re-run on a quiet machine to judge them); peers and copies are shown but
+never fail the run (their change is the machine's, not ours). A run that compares nothing is an error
+(exit status 2).
 
 `--ncu` adds hardware counters of the fused kernels (Nsight Compute through nsight-python, the `nsight`
 extra): DRAM throughput and occupancy per kernel; where `ncu`, nsight-python or a GPU is missing it says
@@ -33,11 +41,13 @@ import json
 import math
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from ... import cli_common
+from ...env import Timing, compare_spread
 from ...files import read_capped
 from . import add_device, environment, resolve_device
 
@@ -85,13 +95,23 @@ OUTPUT_OPTIONS = frozenset({"json"})
 """The suites' options that say where to write (dests): never replayed from a baseline."""
 
 
+def _with_spread(m: dict, p20: object, p80: object) -> dict:
+    """``m`` with ``p20``/``p80`` (ms) where both are recorded."""
+    if isinstance(p20, int | float) and isinstance(p80, int | float):
+        m["p20"], m["p80"] = p20, p80
+    return m
+
+
 def measurements(suite: str, data: dict) -> dict[str, dict]:
-    """One suite's JSON as {case: {"ms": median, "kind": "ours" | "peer" | "copy"}}: the one key form of a
-    case, in a suite's own JSON and in the harness's alike."""
+    """One suite's JSON as {case: {"ms": median, "kind": "ours" | "peer" | "copy", "p20", "p80"}}: the one
+    key form of a case, in a suite's own JSON and in the harness's alike; ``p20``/``p80`` (ms) where the
+    suite records its spread (every suite but collectives)."""
     out: dict[str, dict] = {}
     if isinstance(data.get("results"), list):  # bucket, compression, moe, offload, trace, overhead
         for r in data["results"]:
-            out[f"{r['case']} / {r['op']} / {r['impl']}"] = {"ms": r["timing"]["median_ms"], "kind": r["kind"]}
+            t = r["timing"]
+            out[f"{r['case']} / {r['op']} / {r['impl']}"] = _with_spread(
+                {"ms": t["median_ms"], "kind": r["kind"]}, t.get("p20_ms"), t.get("p80_ms"))  # fmt: skip
     if isinstance(data.get("rows"), list):  # ddp, fsdp
         for r in data["rows"]:
             if r.get("step_ms") is not None:
@@ -99,7 +119,8 @@ def measurements(suite: str, data: dict) -> dict[str, dict]:
                     kind = "peer" if r["case"] == "plain" else "ours"
                 else:
                     kind = "ours" if str(r["case"]).startswith("torsh") else "peer"
-                out[f"{r['case']} / {r.get('buckets', '')}"] = {"ms": r["step_ms"], "kind": kind}
+                out[f"{r['case']} / {r.get('buckets', '')}"] = _with_spread(
+                    {"ms": r["step_ms"], "kind": kind}, r.get("p20_ms"), r.get("p80_ms"))  # fmt: skip
     for r in data.get("collectives") or []:  # collectives: the communicators' (ours); other transports named
         tr = r.get("transport", "torch")
         key = f"{'' if tr == 'torch' else tr + ' '}{r['op']} {r['size']} B {r.get('type', '')}".strip()
@@ -146,6 +167,16 @@ def load_baseline(path: str) -> Baseline:
             if not isinstance(meas, dict) or not isinstance(docs, dict):
                 raise TypeError("'measurements' and 'suites' must be objects")
             options = {s: (docs.get(s) or {}).get("options") for s in meas}
+            for s, cases in meas.items():  # the spread, from the suite's results (documents from before
+                try:  # measurements carried it too); a suite's results in another form: its medians only
+                    full = measurements(s, docs[s]) if isinstance(cases, dict) and isinstance(docs.get(s), dict) else {}
+                except (KeyError, TypeError, AttributeError):
+                    full = {}
+                if full:
+                    for case, m in cases.items():
+                        f = full.get(case)
+                        if isinstance(m, dict) and "p20" not in m and f is not None and f["ms"] == m.get("ms"):
+                            _with_spread(m, f.get("p20"), f.get("p80"))
         elif data.get("suite") in SUITE_NAMES:  # one suite's own JSON
             meas = {data["suite"]: measurements(data["suite"], data)}
             options = {data["suite"]: data.get("options")}
@@ -163,6 +194,12 @@ def load_baseline(path: str) -> Baseline:
                     raise TypeError(f"{suite}: {case!r}: 'ms' must be a positive number, got {ms!r}")
                 if m.get("kind") not in KINDS:
                     raise TypeError(f"{suite}: {case!r}: 'kind' must be one of {KINDS}, got {m.get('kind')!r}")
+                if "p20" in m or "p80" in m:
+                    lo, hi = m.get("p20"), m.get("p80")
+                    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                               for v in (lo, hi)) or not lo <= ms <= hi:  # fmt: skip
+                        raise TypeError(f"{suite}: {case!r}: 'p20' <= 'ms' <= 'p80' must be times in ms, got "
+                                        f"{lo!r}, {ms!r}, {hi!r}")  # fmt: skip
         for suite, opts in options.items():
             if opts is not None and not (isinstance(opts, list) and all(isinstance(o, str) for o in opts)):
                 raise TypeError(f"{suite}: 'options' must be a list of strings, got {opts!r}")
@@ -175,16 +212,30 @@ class Comparison(NamedTuple):
     rows: list[tuple]
     """(suite, case, kind, baseline ms, current ms, ratio) of every case measured in both."""
     regressions: list[tuple]
-    """The rows of ours slower than allowed."""
+    """The rows of ours judged slower than allowed: the median beyond ``max_regression`` and the p20-p80
+    interval wholly above the baseline's (or, where either side recorded no spread, the median alone: those
+    rows are also in ``unspread``)."""
     missing: list[tuple[str, str]]
     """(suite, case) of the baseline, of the suites run, not measured now."""
     new: list[tuple[str, str]]
     """(suite, case) measured now that the baseline does not have."""
+    noisy: list[tuple]
+    """The rows of ours whose median is slower than allowed but whose interval overlaps the baseline's:
+    too noisy to judge."""
+    unspread: list[tuple]
+    """The regressions judged on medians alone (no p20/p80 recorded on one side)."""
+
+
+def _timing(m: dict) -> Timing | None:
+    if "p20" not in m or "p80" not in m:
+        return None
+    return Timing(median_ms=m["ms"], p20_ms=m["p20"], p80_ms=m["p80"], reps=0)
 
 
 def compare(current: dict[str, dict], base: dict[str, dict], max_regression: float) -> Comparison:
-    """Compare ``current`` with ``base`` (both suite -> case -> {"ms", "kind"}), suite by suite."""
-    rows, bad, new = [], [], []
+    """Compare ``current`` with ``base`` (both suite -> case -> {"ms", "kind"} and, where recorded, "p20" and
+    "p80"), suite by suite; the rule for a regression is :func:`~torsh_kernels.env.compare_spread`'s."""
+    rows, bad, new, noisy, unspread = [], [], [], [], []
     for suite, cases in current.items():
         for case, m in cases.items():
             b = base.get(suite, {}).get(case)
@@ -194,10 +245,18 @@ def compare(current: dict[str, dict], base: dict[str, dict], max_regression: flo
             ratio = m["ms"] / b["ms"]
             row = (suite, case, m["kind"], b["ms"], m["ms"], ratio)
             rows.append(row)
-            if m["kind"] == "ours" and ratio > 1 + max_regression:
+            if m["kind"] != "ours" or not ratio > 1 + max_regression:
+                continue
+            now, then = _timing(m), _timing(b)
+            if now is None or then is None:
                 bad.append(row)
+                unspread.append(row)
+            elif compare_spread(now, then, margin=max_regression).verdict == "slower":
+                bad.append(row)
+            else:
+                noisy.append(row)
     missing = [(s, c) for s in current for c in base.get(s, {}) if c not in current[s]]
-    return Comparison(rows, bad, missing, new)
+    return Comparison(rows, bad, missing, new, noisy, unspread)
 
 
 def _percent(text: str) -> float:
@@ -316,13 +375,9 @@ def run(args: argparse.Namespace) -> int:
     mode = "baseline's options" if replayed else ("quick" if device.type == "cpu" and not args.full else "full")
     doc = {"suite": "all", **environment(device), "mode": mode, "suites": {}, "measurements": {}}
     for name, mod, ns in plan:
-        ns.sink = []
-        rc = mod.run(ns)
+        rc = _run_suite(name, mod, ns, doc)
         if rc != 0:
-            print(f"torsh bench: suite {name} failed (exit status {rc})", file=sys.stderr)
             return rc
-        doc["suites"][name] = ns.sink[-1]
-        doc["measurements"][name] = measurements(name, ns.sink[-1])
     if args.ncu:
         from . import ncu
 
@@ -333,15 +388,66 @@ def run(args: argparse.Namespace) -> int:
         for r in doc["ncu"]:
             t.add_row(*(str(r.get(c, "")) for c in cols))
         cli_common.console().print(t)
-    cli_common.write_json(args.json, doc)
     if baseline is None:
+        cli_common.write_json(args.json, doc)
         return 0
-    return report_comparison(doc["measurements"], baseline, args.max_regression)
+
+    def remeasure(suites: list[str]) -> dict[str, dict]:
+        """Run ``suites`` once more; their measurements (also in the JSON, as ``remeasured``)."""
+        again: dict = {"suites": {}, "measurements": {}}
+        for name, mod, ns in plan:
+            if name in suites:
+                print(f"torsh bench: --compare: re-measuring suite {name} (suspect slowdowns must reproduce)",
+                      file=sys.stderr)  # fmt: skip
+                if _run_suite(name, mod, ns, again) != 0:
+                    again["measurements"].pop(name, None)
+        doc["remeasured"] = again["measurements"]
+        return again["measurements"]
+
+    rc = report_comparison(doc["measurements"], baseline, args.max_regression, remeasure=remeasure)
+    cli_common.write_json(args.json, doc)
+    return rc
 
 
-def report_comparison(current: dict[str, dict], baseline: Baseline, max_reg: float) -> int:
-    """Print the comparison; the exit status: 0, 1 (a regression of ours) or 2 (nothing compared)."""
+def _run_suite(name: str, mod, ns: argparse.Namespace, doc: dict) -> int:
+    """Run one suite into ``doc`` (its results and measurements); its exit status."""
+    ns.sink = []
+    rc = mod.run(ns)
+    if rc != 0:
+        print(f"torsh bench: suite {name} failed (exit status {rc})", file=sys.stderr)
+        return rc
+    doc["suites"][name] = ns.sink[-1]
+    doc["measurements"][name] = measurements(name, ns.sink[-1])
+    return 0
+
+
+Remeasure = Callable[[list[str]], dict[str, dict]]
+"""Runs the named suites again and returns their measurements (suite -> case -> measurement)."""
+
+
+def judge(current: dict[str, dict], baseline: Baseline, max_reg: float,
+          remeasure: Remeasure | None = None) -> tuple[Comparison, list[tuple]]:  # fmt: skip
+    """The comparison, with each regression judged on the spread re-measured: where ``remeasure`` is given
+    and the comparison finds regressions, it is called with their suites, and a regression stands only if
+    the re-measured case is judged slower too (the others join ``noisy``). Also returns the rows whose
+    slowdown the re-measurement did not reproduce."""
     c = compare(current, baseline.measurements, max_reg)
+    if not c.regressions or remeasure is None:
+        return c, []
+    again = remeasure(list(dict.fromkeys(r[0] for r in c.regressions)))
+    c2 = compare({s: again.get(s, {}) for s in again}, baseline.measurements, max_reg)
+    confirmed = {(r[0], r[1]) for r in c2.regressions}
+    stands = [r for r in c.regressions if (r[0], r[1]) in confirmed or r[0] not in again]
+    gone = [r for r in c.regressions if r not in stands]
+    c = c._replace(regressions=stands, noisy=c.noisy + gone, unspread=[r for r in c.unspread if r in stands])
+    return c, gone
+
+
+def report_comparison(current: dict[str, dict], baseline: Baseline, max_reg: float,
+                      remeasure: Remeasure | None = None) -> int:  # fmt: skip
+    """Print the comparison; the exit status: 0 (no regression judged; cases too noisy to judge are
+    named), 1 (a regression of ours, judged beyond the spread and reproduced) or 2 (nothing compared)."""
+    c, gone = judge(current, baseline, max_reg, remeasure)
     n_base = sum(len(baseline.measurements.get(s, {})) for s in current)
     if not c.rows:
         have = next((f"{s}: {k!r}" for s in current for k in baseline.measurements.get(s, {})), "none")
@@ -349,11 +455,17 @@ def report_comparison(current: dict[str, dict], baseline: Baseline, max_reg: flo
         raise cli_common.UsageError(f"--compare: nothing compared: none of the {n_base} cases of {baseline.path} was "
                               f"measured in this run (the baseline has e.g. {have}; this run measured e.g. {now}); "
                               "run the suites with the options the baseline was measured with")  # fmt: skip
-    t = cli_common.table(f"compared with {baseline.path} (ours may be at most {100 * max_reg:.0f}% slower)",
-                   ["suite", "case", "kind", "baseline", "now", "ratio"], text=("suite", "case", "kind"))  # fmt: skip
-    for suite, case, kind, b, n, ratio in sorted(c.rows, key=lambda r: -r[5])[:40]:
-        style = "bold red" if (kind == "ours" and ratio > 1 + max_reg) else None
-        t.add_row(suite, case, kind, f"{b:.4g} ms", f"{n:.4g} ms", f"{ratio:.2f}x", style=style)
+    bad = {(r[0], r[1]) for r in c.regressions}
+    noisy = {(r[0], r[1]) for r in c.noisy}
+    t = cli_common.table(f"compared with {baseline.path} (ours may be at most {100 * max_reg:.0f}% slower, beyond "
+                         "the p20-p80 spread)", ["suite", "case", "kind", "baseline", "now", "ratio", "verdict"],
+                         text=("suite", "case", "kind", "verdict"))  # fmt: skip
+    for suite, case, kind, _, _, ratio in sorted(c.rows, key=lambda r: -r[5])[:40]:
+        key = (suite, case)
+        verdict = "REGRESSION" if key in bad else ("too noisy to judge" if key in noisy else "")
+        style = "bold red" if key in bad else ("yellow" if key in noisy else None)
+        t.add_row(suite, case, kind, _cell(baseline.measurements[suite][case]), _cell(current[suite][case]),
+                  f"{ratio:.2f}x", verdict, style=style)  # fmt: skip
     cli_common.console().print(t)
     kinds = {k: sum(1 for r in c.rows if r[2] == k) for k in KINDS}
     print(f"compared {len(c.rows)} of the {n_base} cases of the baseline ({kinds['ours']} ours, {kinds['peer']} "
@@ -366,9 +478,30 @@ def report_comparison(current: dict[str, dict], baseline: Baseline, max_reg: flo
         s, k = c.new[0]
         print(f"torsh bench: {len(c.new)} case(s) measured now are not in the baseline, e.g. {s}: {k!r}",
               file=sys.stderr)  # fmt: skip
+    gone_keys = {(r[0], r[1]) for r in gone}
+    for suite, case, _, _, _, ratio in c.noisy:
+        why = ("the slowdown did not reproduce when the suite ran again" if (suite, case) in gone_keys else
+               "the p20-p80 intervals overlap")  # fmt: skip
+        print(f"TOO NOISY TO JUDGE {suite}: {case}: {_cell(baseline.measurements[suite][case])} -> "
+              f"{_cell(current[suite][case])} (median {100 * (ratio - 1):.0f}% slower, but {why})")  # fmt: skip
+    if c.noisy:
+        print(f"the machine was too noisy to judge {len(c.noisy)} case(s) of ours: not counted as regressions; "
+              "re-run on a quiet machine to judge them")  # fmt: skip
     if c.regressions:
+        unspread = {(r[0], r[1]) for r in c.unspread}
         for suite, case, _, b, n, ratio in c.regressions:
-            print(f"REGRESSION {suite}: {case}: {b:.4g} ms -> {n:.4g} ms ({100 * (ratio - 1):.0f}% slower)")
+            how = ("; no spread recorded: judged on medians" if (suite, case) in unspread else
+                   f"; p20-p80 {_cell(baseline.measurements[suite][case], True)} -> "
+                   f"{_cell(current[suite][case], True)}")  # fmt: skip
+            print(f"REGRESSION {suite}: {case}: {b:.4g} ms -> {n:.4g} ms ({100 * (ratio - 1):.0f}% slower{how})")
         return 1
-    print(f"no regression beyond {100 * max_reg:.0f}% in {kinds['ours']} cases of ours")
+    print(f"no regression beyond {100 * max_reg:.0f}% (and the spread) in {kinds['ours']} cases of ours")
     return 0
+
+
+def _cell(m: dict, interval_only: bool = False) -> str:
+    """A measurement for the table: its median and, where recorded, its p20-p80 interval."""
+    iv = f"{m['p20']:.4g}-{m['p80']:.4g} ms" if "p20" in m and "p80" in m else None
+    if interval_only:
+        return iv or "-"
+    return f"{m['ms']:.4g} ms" + (f" ({iv})" if iv else "")

@@ -16,8 +16,15 @@ plain and once per quantized comm configuration of :func:`~torsh_kernels.paralle
 :data:`FSDP_CASES`), with the same table: step time, bytes this rank sends per step (counted on every
 all-gather and reduce-scatter), plain's bytes over them, test accuracy, speedup over plain.
 
-``--link 1gbit`` runs two ranks on two emulated hosts joined by a link of that rate (network
-namespaces; needs root), where the bytes saved show up in the step time.
+The link. Compression pays only where the link is slow next to the compute it costs: over loopback
+every compressor but fp16 loses to sending the gradients uncompressed. So by default, where this process
+can make network namespaces (root, ``ip`` and ``tc``), the two ranks run on two emulated hosts joined by
+a :data:`DEFAULT_LINK` link (``tbf`` on a veth pair) and the demo says so in one line; elsewhere it runs
+over loopback and says, in one line, why compression does not pay there and which command shows it.
+``--link RATE`` picks the rate (bits per second with the unit spelled out: 500kbit, 100mbit, 1gbit,
+10gbit; checked before anything starts), ``--link none`` keeps loopback. :func:`plan_link` makes that
+decision without side effects. After the runs, ``auto``'s prediction is checked against what it then
+measured (:func:`auto_check`): a line says when they disagree by more than 2x, and why it likely did.
 
 ``--trace DIR`` records the last ``--trace-steps`` steps of every compressor with the timeline recorder
 (one ``rank{R}.json`` per rank in DIR, steps labelled by compressor) and prints the timeline's summary;
@@ -39,12 +46,17 @@ from .. import cli_common
 from ..compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
 from ..errors import InvalidArgumentError
 from .bench import fmt_bytes, quantile
+from .bench.emulated import LinkRate, parse_delay, parse_rate
 
 __all__ = [
     "COMPRESSORS",
+    "DEFAULT_LINK",
     "FSDP_CASES",
     "DemoConfig",
+    "LinkPlan",
+    "auto_check",
     "load_digits_split",
+    "plan_link",
     "print_auto",
     "print_trace_summary",
     "run_rank",
@@ -78,6 +90,80 @@ FSDP_CASES: dict[str, tuple[str | None, str | None]] = {
 """``--fsdp`` cases: (weights, grads) for :func:`~torsh_kernels.parallel.apply_quantized_comm` (plain: FSDP2's
 own comms)."""
 FSDP_DEFAULT = ("plain", "w8", "g4", "w8g4")
+
+
+DEFAULT_LINK = "100mbit"
+"""The emulated link the demo runs on by default where it can shape one: slow enough that compression
+clearly pays on the demo's model (1.15 MiB of gradients a step, ~100 ms on the wire uncompressed), fast
+enough that the whole demo takes a few minutes."""
+LOOPBACK = ("none", "loopback")
+"""``--link`` values that keep the local loopback run."""
+SHOW_IT = f"`sudo torsh demo` (or, as root, `torsh demo --link {DEFAULT_LINK}`)"
+
+
+@dataclass(frozen=True, slots=True)
+class LinkPlan:
+    """Where the demo's ranks run (what :func:`plan_link` decides)."""
+
+    rate: LinkRate | None
+    """The emulated link's rate (None: local ranks over loopback)."""
+    delay: str | None = None
+    """The emulated link's one-way delay, in tc's form (None: none)."""
+    note: str | None = None
+    """One line for the user: the link and why (None: nothing to say)."""
+
+
+def parse_link(link: str | None) -> LinkRate | str | None:
+    """``--link`` checked: a :class:`LinkRate`, ``"none"`` for loopback, or None (not given). A typed
+    :class:`~torsh_kernels.cli_common.UsageError` naming the accepted forms otherwise."""
+    if link is None:
+        return None
+    if link.strip().lower() in LOOPBACK:
+        return "none"
+    try:
+        return parse_rate(link, what="--link")
+    except InvalidArgumentError as e:
+        raise cli_common.UsageError(f"{e}; or none for loopback") from None
+
+
+def plan_link(link: str | None, delay: str | None, *, ranks: int, cannot_shape: str | None) -> LinkPlan:
+    """Where to run, from ``--link``, ``--delay``, ``--ranks`` and whether this process can shape a link
+    (``cannot_shape``: None when it can, else why not, as
+    :func:`~torsh_kernels.apps.bench.emulated.unavailable_reason` says). Pure: checks the arguments (a
+    :class:`~torsh_kernels.cli_common.UsageError` for bad ones) and decides, nothing is made or run."""
+    rate = parse_link(link)
+    if delay is not None:
+        if not isinstance(rate, LinkRate):
+            raise cli_common.UsageError("--delay is the one-way delay of an emulated link: it needs --link RATE")
+        try:
+            delay = parse_delay(delay, what="--delay")
+        except InvalidArgumentError as e:
+            raise cli_common.UsageError(str(e)) from None
+    if isinstance(rate, LinkRate) and ranks != 2:
+        raise cli_common.UsageError(f"--link runs two ranks, one per emulated host; --ranks {ranks} cannot apply "
+                                    "(leave --ranks out, or use --link none)")  # fmt: skip
+    if rate == "none":
+        return LinkPlan(None)
+    if rate is None:
+        why_not = (
+            f"{ranks} local ranks and the emulated link joins two" if ranks != 2 else cannot_shape
+        )  # fmt: skip
+        if why_not is None:
+            rate = parse_rate(DEFAULT_LINK)
+            return LinkPlan(rate, note=f"link: {rate} emulated (two network namespaces, tc tbf), where compression "
+                            "pays on this model; --link RATE to change it, --link none for loopback")  # fmt: skip
+        return LinkPlan(None, note=(
+            "link: loopback, where compressing costs more compute than the bytes it saves; compression pays on a "
+            f"slow link, which cannot be emulated here ({why_not}): {SHOW_IT} shows it"
+        ))  # fmt: skip
+    if cannot_shape is not None:
+        return LinkPlan(None, note=(
+            f"torsh demo: --link {link} needs two emulated hosts, but {cannot_shape}; running {ranks} ranks over "
+            "loopback instead (the step times then show compute, not a slow link)"
+        ))  # fmt: skip
+    extra = f", {delay} one-way delay" if delay else ""
+    return LinkPlan(rate, delay, note=f"link: {rate} emulated (two network namespaces, tc tbf{extra}); "
+                    "--link none for loopback")  # fmt: skip
 
 
 def _auto_candidates(names: list[str]) -> tuple[Compressor | None, ...]:
@@ -255,7 +341,27 @@ def _train(comm, cfg: DemoConfig, ci: int, name: str, data: tuple, rec, progress
             progress.update(task, advance=1)
     with torch.no_grad():
         acc = (net(xte).argmax(1) == yte).float().mean().item()
-    return _row(cfg, name, compressor, state, times, rec is not None, acc, loss.item())
+    row = _row(cfg, name, compressor, state, times, rec is not None, acc, loss.item())
+    if compressor == "auto":  # for auto_check: the step without its gradient sync
+        row["compute_floor_ms"] = _compute_floor_ms(ddp, opt, xtr, ytr, g, me, ws, cfg.batch, dev)
+    return row
+
+
+def _compute_floor_ms(ddp, opt, xtr, ytr, g, me: int, ws: int, batch: int, dev, steps: int = 20) -> float:
+    """Median milliseconds of a training step with DDP's gradient sync switched off (``no_sync``: forward,
+    backward, optimizer, no hook, no collective): what ``auto``'s per-step prediction leaves out."""
+    times = []
+    for _ in range(steps):
+        idx = torch.randint(0, len(ytr), (ws * batch,), generator=g)[me * batch : (me + 1) * batch].to(dev)
+        t0 = time.perf_counter()
+        with ddp.no_sync():
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
 
 
 def _row(cfg: DemoConfig, name: str, compressor, state, times: list[float], traced: bool, acc: float,
@@ -397,6 +503,77 @@ def print_auto(auto: dict, *, console=None) -> None:
     console.print(f"auto chose {auto['reason']}")
 
 
+def _label_of(name: str) -> str | None:
+    """The label ``auto`` gives the demo's compressor ``name`` (None for auto itself)."""
+    c = _compressors().get(name)
+    return "none" if c is None else (c.label() if isinstance(c, Compressor) else None)
+
+
+def auto_check(rows: list[dict], *, link: LinkRate | None = None, cpus: int | None = None) -> str | None:
+    """``auto``'s prediction checked against what the demo then measured (None without an auto row).
+
+    Prediction: the step without its gradient sync (the auto row's ``compute_floor_ms``, measured under DDP's
+    ``no_sync``) plus the chosen candidate's predicted compute and wire time; measured: the auto row's step
+    time. Within 2x either way, one line saying so; beyond, the line says why it likely disagrees, from the
+    figures at hand: the same check on each compressor the demo also ran (uncompressed as predicted means the
+    link model held and the compressors' compute did not; uncompressed off too means the link did not), the
+    probed link against the shaped one (``link``), ``cpus`` against the ranks, and a compressor that measured
+    faster than auto's choice."""
+    r = next((r for r in rows if r.get("auto")), None)
+    if r is None:
+        return None
+    auto = r["auto"]
+    floor = r.get("compute_floor_ms") or 0.0
+    by_label = {c["compressor"]: c for c in auto["candidates"]}
+    choice = by_label[auto["choice"]]
+
+    def measured(row: dict) -> float:
+        return row.get("timer_step_ms", row["step_ms"])
+
+    pred = floor + 1e3 * choice["total_s"]
+    meas = measured(r)
+    ratio = meas / pred if pred > 0 else float("inf")
+    head = (
+        f"auto's check: {auto['choice']} predicted {pred:.1f} ms/step ({floor:.1f} ms of step without sync + "
+        f"{1e3 * choice['compute_s']:.1f} ms compute + {1e3 * choice['wire_s']:.1f} ms wire), measured {meas:.1f} ms"
+    )
+    if 0.5 <= ratio <= 2.0:
+        return head + f": within 2x ({ratio:.2f}x)"
+    why = []
+    others = {}  # label -> (predicted, measured) of each compressor the demo ran
+    for row in rows:
+        lab = _label_of(row["compressor"])
+        if lab in by_label:
+            others[lab] = (floor + 1e3 * by_label[lab]["total_s"], measured(row))
+    if "none" in others and auto["choice"] != "none":
+        p0, m0 = others["none"]
+        if 2 / 3 <= m0 / p0 <= 1.5:
+            worst = sorted(((m / p, lab) for lab, (p, m) in others.items() if lab != "none"), reverse=True)
+            why.append(
+                f"uncompressed ran as predicted ({p0:.1f} vs {m0:.1f} ms), so the link model held and the "
+                "compressors cost more under load than auto's warm-up timing of each (run with no traffic) "
+                "showed: " + ", ".join(f"{lab} {x:.1f}x" for x, lab in worst[:3])
+            )
+        else:
+            why.append(f"uncompressed also took {m0 / p0:.1f}x its prediction ({m0:.1f} vs {p0:.1f} ms): the link "
+                       "under load is not the link probed at the end of the warm-up")  # fmt: skip
+    probed = auto["link"]["bandwidth_Bps"] * 8
+    if link is not None and not 2 / 3 <= probed / link.bits_per_s <= 1.5:
+        why.append(f"the warm-up probe measured {LinkRate(round(probed))} on a link shaped to {link}")
+    ranks = auto.get("world_size", 2)
+    if cpus is not None and cpus < 2 * ranks:
+        why.append(f"{ranks} ranks share {cpus} CPU cores with the network stack and gloo's threads, so compute "
+                   "and communication contend")  # fmt: skip
+    best = min(
+        (row for row in rows if not row.get("auto") and _label_of(row["compressor"]) in by_label),
+        key=measured, default=None,
+    )  # fmt: skip
+    if best is not None and measured(best) < 0.9 * meas:
+        why.append(f"measured, {best['compressor']} was faster than auto's pick ({measured(best):.1f} vs "
+                   f"{meas:.1f} ms)")  # fmt: skip
+    return head + f": they disagree by {max(ratio, 1 / ratio):.1f}x; likely because " + "; ".join(why or ["(unknown)"])
+
+
 def _title(cfg: DemoConfig, ranks: int, backend: str, network: str, params: int) -> str:
     return (
         f"torsh demo: {ranks} ranks ({backend}, {network}), MLP 64-{cfg.hidden}-{cfg.hidden}-10 "
@@ -444,13 +621,17 @@ def _finish(rows: list[dict], cfg: DemoConfig, ranks: int, backend: str, network
         from_trace(rows, trace, rep)
         title += f"; figures of the {cfg.trace_steps} traced steps of each, from the traces"
     print_table(rows, title=title)
+    check = auto_check(rows, link=_shaped_rate(), cpus=os.cpu_count())
+    if check is not None:
+        cli_common.console().print(check, highlight=False, markup=False)
     if json_path:
         from .bench import environment
 
         dev = torch.device("cuda" if backend == "nccl" else "cpu")
         cli_common.write_json(json_path, {"environment": environment(dev), "network": network, "ranks": ranks,
                                     "backend": backend, "config": asdict(cfg), "parameters": params,
-                                    "rows": rows})  # fmt: skip
+                                    "rows": rows, "auto_check": check},
+                              announce=not os.environ.get(_RELAY))  # fmt: skip
     if cfg.trace:
         print_trace_summary(cfg.trace, trace=trace, rep=rep)
 
@@ -474,6 +655,15 @@ def print_trace_summary(directory: str, console=None, *, trace=None, rep: dict |
     print_labels(build(trace) if rep is None else rep, console)
     console.print(f"traces in {directory}/: `torsh timeline {directory} --step N` to zoom into a step, "
                   f"`torsh report {directory}` for the bottleneck report")  # fmt: skip
+
+
+_RELAY = "TORSH_DEMO_JSON_RELAY"  # set: rank 0 writes its JSON for the parent to pass on, unannounced
+_LINK_RATE = "TORSH_DEMO_LINK_BPS"  # the emulated link's rate, for the ranks' auto_check
+
+
+def _shaped_rate() -> LinkRate | None:
+    v = os.environ.get(_LINK_RATE)
+    return LinkRate(int(v)) if v and v.isdigit() else None
 
 
 def _env_rank_main(cfg: DemoConfig, json_path: str | None) -> int:
@@ -505,8 +695,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="train under FSDP2 (fully_shard) with torsh's quantized all-gather / reduce-scatter: "
                     "w8 = int8 weights, g4 = int4 gradients, ...")  # fmt: skip
     ap.add_argument("--link", default=None, metavar="RATE",
-                    help="2 ranks on two emulated hosts with this link rate (1gbit, 100mbit); needs root")  # fmt: skip
-    ap.add_argument("--delay", default=None, help="with --link: one-way delay per direction (e.g. 1ms)")
+                    help="2 ranks on two emulated hosts joined by a link of this rate, in bits per second: 500kbit, "
+                    f"100mbit, 1gbit, 10gbit; none: local ranks over loopback (default: {DEFAULT_LINK} where this "
+                    "process can make network namespaces (root, ip, tc), else loopback)")  # fmt: skip
+    ap.add_argument("--delay", default=None, help="with --link RATE: one-way delay per direction (e.g. 1ms, 250us)")
     ap.add_argument("--threads", type=at_least_1, default=1, help="torch threads per rank (CPU)")
     cli_common.add_json(ap, "the rows")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -527,27 +719,58 @@ def run(a: argparse.Namespace) -> int:
         raise cli_common.UsageError(str(e)) from e
     if cfg.fsdp and cfg.trace:
         raise cli_common.UsageError("--trace records the DDP demo; it is not wired into --fsdp")
-    if a.delay is not None and not a.link:
-        raise cli_common.UsageError("--delay is the one-way delay of an emulated link: it needs --link RATE")
-    if os.environ.get("TORSH_DEMO_RANK_MODE") == "env":  # a rank started by --link below
+    if os.environ.get("TORSH_DEMO_RANK_MODE") == "env":  # a rank started on an emulated host below
         torch.set_num_threads(a.threads)
         return _env_rank_main(cfg, a.json)
-    if a.link:
-        from .bench.emulated import run_on_emulated_hosts, unavailable_reason
+    from .bench import emulated
 
-        why = unavailable_reason()
-        if why is None:
-            cmd = [sys.executable, "-m", "torsh_kernels.apps.cli", "demo", *sys.argv[2:]]
-            os.environ["TORSH_DEMO_RANK_MODE"] = "env"
-            try:
-                return run_on_emulated_hosts(cmd, rate=a.link, delay=a.delay)
-            finally:
-                os.environ.pop("TORSH_DEMO_RANK_MODE", None)
-        print(f"torsh demo: --link {a.link} needs two emulated hosts, but {why}; running {a.ranks} ranks over "
-              "loopback instead (the step times then show compute, not a slow link)", file=sys.stderr)  # fmt: skip
+    plan = plan_link(a.link, a.delay, ranks=a.ranks, cannot_shape=emulated.unavailable_reason())
+    if plan.note:
+        print(plan.note, file=sys.stderr, flush=True)
+    if plan.rate is not None:
+        return _run_emulated(a, plan)
     from ..collectives import run_local
 
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= a.ranks else "gloo"
     rows = run_local(run_rank, a.ranks, cfg, backend=backend, threads=a.threads, timeout=1800, op_timeout=120)[0]
     _finish(rows, cfg, a.ranks, backend, "loopback" if backend == "gloo" else "NVLink/PCIe", a.json)
     return 0
+
+
+def _run_emulated(a: argparse.Namespace, plan: LinkPlan) -> int:
+    """The two ranks on two emulated hosts: this command again in each namespace, as a rank."""
+    import tempfile
+
+    from .bench import emulated
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    argv = cli_common.argv_of(ap, a, skip={"link", "delay", "ranks", "json"})
+    env = {"TORSH_DEMO_RANK_MODE": "env", _LINK_RATE: str(plan.rate.bits_per_s)}
+    relay = None
+    if a.json == "-":  # rank 0's stdout is this process's stderr while the JSON waits: it goes by a file
+        fd, relay = tempfile.mkstemp(prefix="torsh-demo-", suffix=".json")
+        os.close(fd)
+        argv += ["--json", relay]
+        env[_RELAY] = "1"
+    elif a.json:
+        argv += ["--json", os.path.abspath(a.json)]
+    cmd = [sys.executable, "-m", "torsh_kernels.apps.cli", "demo", *argv]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        rc = emulated.run_on_emulated_hosts(cmd, rate=plan.rate, delay=plan.delay)
+        if relay is not None and rc == 0:
+            import json
+
+            with open(relay) as f:
+                cli_common.write_json("-", json.load(f))
+        return rc
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if relay is not None:
+            os.unlink(relay)

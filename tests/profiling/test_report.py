@@ -121,8 +121,8 @@ def _independent_comm_share(path) -> tuple[float, set]:
 
 def test_demo_timeline_and_report_agree(tmp_path, capsys):
     d = tmp_path / "demo"
-    rc = cli(["demo", "--steps", "16", "--compressors", "none,powersgd", "--hidden", "48", "--batch", "8",
-              "--trace", str(d), "--trace-steps", "4", "--no-progress",
+    rc = cli(["demo", "--link", "none", "--steps", "16", "--compressors", "none,powersgd", "--hidden", "48",
+              "--batch", "8", "--trace", str(d), "--trace-steps", "4", "--no-progress",
               "--json", str(tmp_path / "demo.json")])  # fmt: skip
     assert rc == 0
     demo_out = capsys.readouterr().out

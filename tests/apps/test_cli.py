@@ -706,9 +706,9 @@ def test_ctrl_c_stops_the_demo_and_every_rank():
     import time
 
     # (SIG_DFL: a shell that ran the tests in the background made them ignore SIGINT, and children inherit that)
-    p = subprocess.Popen([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--steps", "100000", "--hidden", "8",
-                          "--compressors", "none", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True,
+    p = subprocess.Popen([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--link", "none", "--steps", "100000",
+                          "--hidden", "8", "--compressors", "none", "--no-progress"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         deadline, ranks = time.time() + 120, []

@@ -1,6 +1,7 @@
 """``torsh report TRACE_OR_DIR``: where the step time goes, and what to change.
 
-Per rank, over its steps (step markers; else its recorded extent; or ``--step N`` / ``--window``): the
+Per rank, over its steps (step markers, outliers left out; else its recorded extent; or ``--step N`` /
+``--window``): the
 exclusive breakdown into compute, compression, memory, exposed communication and unrecorded time, the
 communication share (time with a collective in flight / step time) and the overlap (share of that time
 hidden behind work), the same numbers ``torsh timeline`` prints (both call
@@ -13,6 +14,16 @@ copies are). A suggestion never proposes what the job already does, and no two c
 "compress harder" and "compress more cheaply" are exclusive (the larger of the exposed communication and
 the compression time decides), and time no span covers is reported as unrecorded, with advice to record
 it, never as host stalls (those are suggested only for GPU idle time on ranks measured on their GPU).
+
+Outlier steps (:func:`outlier_steps`): one step far slower than the others (a 57 s stall among 22 ms steps)
+would decide every share of a sum over the steps. Over steps, each rank's steps of one label are judged
+against their median: a step longer than ``median + 5 * max(1.4826 * MAD, 0.1 * median)`` (at least 1.5
+times the median) is an outlier when such steps are rare (at most 10% of the group, at least one; more
+are a mode of the job, such as the synchronising steps of gradient accumulation, and stay). Outliers are
+listed, with their duration and the limit, left out of the windows every figure is computed over (shares,
+median step, buckets, facts, suggestions), and the report says so; ``--step N`` and ``--window`` report
+on what they name, outliers or not. (``torsh timeline`` computes its own breakdown over all the steps.)
+
 ``--json [PATH]`` writes the same content as JSON to PATH (with no PATH: to stdout, and nothing else).
 """
 
@@ -30,7 +41,7 @@ from ..errors import InvalidArgumentError, TraceFormatError
 from . import analysis as A
 from .traces import Trace, load
 
-__all__ = ["Thresholds", "add_arguments", "build", "facts", "print_report", "run", "suggestions"]
+__all__ = ["Thresholds", "add_arguments", "build", "facts", "outlier_steps", "print_report", "run", "suggestions"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,13 +80,63 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+OUTLIER_K = 5.0
+"""A step longer than its group's median + OUTLIER_K * max(1.4826 * MAD, OUTLIER_FLOOR * median) may be an outlier."""
+OUTLIER_FLOOR = 0.1
+"""The least spread the rule assumes, as a fraction of the median (steps of identical length have no MAD)."""
+OUTLIER_MIN_STEPS = 5
+"""Groups of fewer steps are not judged."""
+OUTLIER_MAX_FRACTION = 0.1
+"""More steps than this fraction of the group (and more than one) beyond the limit are a mode, not outliers."""
+OUTLIER_RULE = (f"a step longer than its rank's and label's median + {OUTLIER_K:g} x max(1.4826 x MAD, "
+                f"{OUTLIER_FLOOR:g} x median), when at most {100 * OUTLIER_MAX_FRACTION:.0f}% of them (or one) are "
+                f"(groups of {OUTLIER_MIN_STEPS} steps or more)")  # fmt: skip
+"""The rule, as the report states it."""
+
+
+def outlier_steps(trace: Trace) -> list[dict]:
+    """The outlier steps of ``trace`` (see the module docstring): per (rank, step label), the steps beyond
+    the limit when they are rare. Each: rank, step (its number or None), label, name, start_ms, ms (its
+    duration), median_ms and limit_ms of its group."""
+    groups: dict[tuple[int, object], list] = {}
+    for st in trace.steps():
+        lab = st.args.get("label") if isinstance(st.args, dict) else None
+        groups.setdefault((st.rank, lab if isinstance(lab, str) else None), []).append(st)
+    out = []
+    for (rank, lab), steps in groups.items():
+        if len(steps) < OUTLIER_MIN_STEPS:
+            continue
+        durs = [st.dur for st in steps]
+        med = statistics.median(durs)
+        mad = statistics.median(abs(d - med) for d in durs)
+        limit = med + OUTLIER_K * max(1.4826 * mad, OUTLIER_FLOOR * med)
+        far = [st for st in steps if st.dur > limit]
+        if not far or len(far) > max(1, OUTLIER_MAX_FRACTION * len(steps)):
+            continue
+        out += [{"rank": rank, "step": A.step_number(st), "label": lab, "name": st.name, "start_ms": st.start,
+                 "ms": st.dur, "median_ms": med, "limit_ms": limit} for st in far]  # fmt: skip
+    return sorted(out, key=lambda o: (o["rank"], o["start_ms"]))
+
+
+def _kept_windows(trace: Trace, rank: int, out: set[tuple[int, float]], label: str | None = None) -> A.Intervals:
+    """The windows of ``rank``'s steps (of ``label``) other than the outliers ``out`` ((rank, start) pairs)."""
+    return A.union([(st.start, st.end) for st in trace.steps(rank) if (rank, st.start) not in out
+                    and (label is None or st.args.get("label") == label)])  # fmt: skip
+
+
 def build(trace: Trace, *, step: int | None = None, window: tuple[float, float] | None = None,
           thresholds: Thresholds | None = None) -> dict:  # fmt: skip
     """The report as a JSON-ready dict: ranks, labels, summary, stragglers, suggestions."""
     th = thresholds or Thresholds()
     ranks = list(trace.ranks)
     steps = trace.steps()
-    wins = {r: A.windows(trace, r, step=step, window=window) for r in ranks}
+    outliers = outlier_steps(trace) if step is None and window is None else []
+    out = {(o["rank"], o["start_ms"]) for o in outliers}
+    if out:
+        steps = [s for s in steps if (s.rank, s.start) not in out]
+        wins = {r: _kept_windows(trace, r, out) if trace.steps(r) else A.windows(trace, r) for r in ranks}
+    else:
+        wins = {r: A.windows(trace, r, step=step, window=window) for r in ranks}
     if step is not None and not any(wins.values()):
         raise InvalidArgumentError(f"--step {step}: no rank has a step {step} in this trace")
     bds = {r: A.breakdown(trace, r, wins[r]) for r in ranks}
@@ -87,7 +148,7 @@ def build(trace: Trace, *, step: int | None = None, window: tuple[float, float] 
             if isinstance(lab, str):
                 first[lab] = min(first.get(lab, s.start), s.start)
         for lab in sorted(first, key=first.get):
-            labels[lab] = [A.breakdown(trace, r, A.windows(trace, r, label=lab)).as_dict() for r in ranks]
+            labels[lab] = [A.breakdown(trace, r, _kept_windows(trace, r, out, lab)).as_dict() for r in ranks]
     step_ms = [s.dur for s in steps if step is None or A.step_number(s) == step]
     strag = A.stragglers(trace)
     measured = [b for b in bds.values() if b.window_ms > 0]
@@ -118,7 +179,8 @@ def build(trace: Trace, *, step: int | None = None, window: tuple[float, float] 
         },
         "ranks": [bds[r].as_dict() for r in ranks],
         "labels": labels,
-        "by_label": {lab: label_figures(trace, lab, rows) for lab, rows in labels.items()},
+        "by_label": {lab: label_figures(trace, lab, rows, outliers) for lab, rows in labels.items()},
+        "outliers": {"steps": outliers, "excluded": bool(outliers), "rule": OUTLIER_RULE},
         "summary": summary,
         "buckets": buckets,
         "stragglers": strag,
@@ -134,11 +196,13 @@ def _wire_per_step(rows: list[dict]) -> float | None:
     return statistics.fmean(per) if per else None
 
 
-def label_figures(trace: Trace, label: str, rows: list[dict]) -> dict:
+def label_figures(trace: Trace, label: str, rows: list[dict], outliers: list[dict] | None = None) -> dict:
     """One step label's figures (``rows``: its per-rank breakdowns): the median and mean of its steps'
-    durations over every rank, wire bytes per step (:func:`_wire_per_step`) and the time shares. The
-    per-label table, the JSON report and ``torsh demo --trace``'s table all read these, so they agree."""
-    durs = [s.dur for s in trace.steps() if s.args.get("label") == label]
+    durations over every rank (``outliers``, as :func:`outlier_steps` lists them, left out), wire bytes per
+    step (:func:`_wire_per_step`) and the time shares. The per-label table, the JSON report and ``torsh demo
+    --trace``'s table all read these, so they agree."""
+    out = {(o["rank"], o["start_ms"]) for o in outliers or ()}
+    durs = [s.dur for s in trace.steps() if s.args.get("label") == label and (s.rank, s.start) not in out]
     rows = [r for r in rows if r["window_ms"] > 0]
     w = sum(r["window_ms"] for r in rows)
     comm = sum(r["comm_ms"] for r in rows)
@@ -426,6 +490,21 @@ def print_labels(rep: dict, console) -> None:
     console.print(tl)
 
 
+def print_outliers(rep: dict, console) -> None:
+    """The outlier steps, and that every figure leaves them out."""
+    o = rep.get("outliers") or {}
+    if not o.get("steps"):
+        return
+    listed = "; ".join(
+        f"rank {x['rank']} {x['name']}{'' if x['label'] is None else ' (' + x['label'] + ')'}: {x['ms']:.4g} ms "
+        f"(median {x['median_ms']:.4g} ms, limit {x['limit_ms']:.4g} ms)"
+        for x in o["steps"][:10]
+    ) + ("; ..." if len(o["steps"]) > 10 else "")
+    console.print(f"{len(o['steps'])} outlier step(s) excluded from every figure of this report (shares, median "
+                  f"step, suggestions): {listed}. Outlier: {o['rule']}; `--step N` reports on one of them.",
+                  markup=False)  # fmt: skip
+
+
 def print_report(rep: dict, console) -> None:
     s = rep["summary"]
     over = rep["window"]["over"]
@@ -444,6 +523,7 @@ def print_report(rep: dict, console) -> None:
                   _pct(b["unrecorded_ms"] / w), _pct(b["comm_share"]),
                   "-" if b["overlap"] is None else _pct(b["overlap"]), str(b["collectives"]))  # fmt: skip
     console.print(t)
+    print_outliers(rep, console)
     print_labels(rep, console)
     if rep["stragglers"]:
         ts = cli_common.table("collective start lateness (vs the earliest rank, same collective)",

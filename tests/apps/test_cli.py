@@ -297,10 +297,10 @@ def test_bench_ddp_judges_auto_by_its_choice_s_own_case():
 
     # auto chooses among the run's other compressors; the verdict is the chosen case's median over the runs
     # against the best case's median (here topk, 100 ms; auto chose powersgd in run 0 and topk in run 1)
-    assert [c.label() for c in ddp._auto_candidates(4, ["none", "topk", "auto"]) if c] == ["topk(0.01)"]
+    assert [c.label() for c in ddp._auto_candidates(4, ["none", "topk", "auto"]) if c] == ["topk:0.01"]
     assert len(ddp._auto_candidates(4, ["auto"])) == len(ddp.OURS) - 1
     rows = []
-    for rep, (psgd, topk, auto, chose) in enumerate([(130, 90, 95, "powersgd(rank=4)"), (100, 110, 300, "topk(0.01)")]):
+    for rep, (psgd, topk, auto, chose) in enumerate([(130, 90, 95, "powersgd:4"), (100, 110, 300, "topk:0.01")]):
         for case, ms in (("no hook", 200), ("torsh none", 190), ("torsh powersgd", psgd), ("torsh topk", topk),
                          ("torsh auto", auto)):  # fmt: skip
             rows.append({"case": case, "step_ms": ms, "error": None, "repeat": rep,

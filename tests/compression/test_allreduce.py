@@ -223,7 +223,7 @@ def _errors_worker(comm) -> list[str]:
         (InvalidArgumentError, lambda: compressed_all_reduce(torch.ones(4), comm, TopK(0.5))),  # no state
         (InvalidArgumentError, lambda: compressed_all_reduce(torch.ones(4, dtype=torch.int32), comm)),
         (ShapeError, lambda: compressed_all_reduce(torch.ones(4, 4).t(), comm)),
-        (ArgumentTypeError, lambda: compressed_all_reduce(torch.ones(4), comm, "topk")),
+        (ArgumentTypeError, lambda: compressed_all_reduce(torch.ones(4), comm, 3)),  # (a str is a name)
         (InvalidArgumentError,
          lambda: compressed_all_reduce(torch.ones(4), comm, Quantize(), Quantize().new_state(), quantize_mode="x")),
     ):  # fmt: skip

@@ -229,10 +229,10 @@ def test_a_bad_state_dict_changes_nothing(gen, i):
 
 def test_what_the_bucket_layer_and_the_planner_read():
     """Names, labels, state needs and costs come from the compressors themselves (no type switches)."""
-    assert [c.name for c in (NoCompression(), FP16(), TopK(0.1), Quantize(), Sign(), PowerSGD())] == [
+    assert [c.kind for c in (NoCompression(), FP16(), TopK(0.1), Quantize(), Sign(), PowerSGD())] == [
         "none", "FP16", "TopK", "Quantize", "Sign", "PowerSGD"]  # fmt: skip
     assert [c.label() for c in (FP16(), BF16(), Quantize(4, stochastic=True), PowerSGD(4))] == [
-        "fp16", "bf16", "int4-stochastic", "powersgd(rank=4)"]  # fmt: skip
+        "fp16", "bf16", "int4:stochastic=true", "powersgd:4"]  # fmt: skip
     assert [c.stateful for c in (NoCompression(), FP16(), TopK(0.1), Quantize(), Sign(), PowerSGD())] == [
         False, False, True, True, True, True]  # fmt: skip
     assert NoCompression().identity and not FP16().identity

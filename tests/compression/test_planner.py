@@ -44,8 +44,10 @@ def test_argument_errors():
         plan(-1, 2, LINK)
     with pytest.raises(ArgumentTypeError):
         plan(10, 2, 1e9)
-    with pytest.raises(ArgumentTypeError):
+    with pytest.raises(InvalidArgumentError, match="ratio"):  # a name: top-k's needs its ratio
         plan(10, 2, LINK, compressors=("topk",))
+    with pytest.raises(ArgumentTypeError):
+        plan(10, 2, LINK, compressors=(3,))
 
 
 def test_plan_picks_the_cheapest():
@@ -77,13 +79,13 @@ def test_measured_compute_decides_where_the_link_is_fast():
 
     cands = (None, FP16(), TopK(0.01))
     cs = measure_compute((64, 48), 2, compressors=cands, repeats=1)
-    assert set(cs) == {"none", "fp16", "topk(0.01)"} and all(s > 0 for s in cs.values())
+    assert set(cs) == {"none", "fp16", "topk:0.01"} and all(s > 0 for s in cs.values())
     # a fixed, known compute cost: compression wins on a slow link and loses on a fast one
-    known = {"none": 0.0, "fp16": 1e-3, "topk(0.01)": 2e-3}
+    known = {"none": 0.0, "fp16": 1e-3, "topk:0.01": 2e-3}
     # at 0.1 Gbit/s the 64 MiB wire time (seconds) dwarfs the ms of compute: the fewest bytes win, top-k 1%
     p = plan(64 << 20, 2, Link.gbit(0.1), compressors=cands, compute_seconds=known)
     wire = {n: s for n, _, s in plan(64 << 20, 2, Link.gbit(0.1), compressors=cands).candidates}
-    assert p.compressor.label() == min(known, key=lambda n: wire[n] + known[n]) == "topk(0.01)"
+    assert p.compressor.label() == min(known, key=lambda n: wire[n] + known[n]) == "topk:0.01"
     assert plan(64 << 20, 2, Link.gbit(1000), compressors=cands, compute_seconds=known).compressor is None
     # the measured seconds are added to the wire time, exactly
     p = plan(1 << 20, 2, LINK, compressors=cands, compute_seconds=known)

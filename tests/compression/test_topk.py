@@ -33,4 +33,4 @@ def test_payload_and_scheme_bytes():
     assert TopK(0.01).payload_nbytes(2_000_000, torch.bfloat16) == 20_000 * 6
     (r,) = TopK(0.01).schemes(2_000_000, torch.float32, 4)["all_gather"]
     assert (r.collective, r.nbytes) == ("all_gather", 20_000 * 8)
-    assert TopK(0.01).label() == "topk(0.01)" and TopK(0.01).name == "TopK"
+    assert TopK(0.01).label() == TopK(0.01).name == "topk:0.01" and TopK(0.01).kind == "TopK"

@@ -75,7 +75,7 @@ def test_quantize_scheme_is_a_setting_of_the_compressor():
     assert set(Quantize().schemes(1000, None, 2)) == {"all_gather", "shared_scale_all_reduce"}
     assert set(Quantize(scheme="all_gather").schemes(1000, None, 2)) == {"all_gather"}
     assert set(Quantize(scheme="shared_scale").schemes(1000, None, 2)) == {"shared_scale_all_reduce"}
-    assert Quantize(scheme="shared_scale").label() == "int8-shared_scale" and Quantize().label() == "int8"
+    assert Quantize(scheme="shared_scale").label() == "int8:scheme=shared_scale" and Quantize().label() == "int8"
     with pytest.raises(InvalidArgumentError, match="Quantize: scheme='ring'"):
         Quantize(scheme="ring")
 

@@ -226,8 +226,10 @@ def test_bad_arguments_raise_typed_errors():
         CompressionHookState(compressor=TopK(0.1), policy="global")
     with pytest.raises(InvalidArgumentError, match="start_iter"):
         CompressionHookState(compressor=TopK(0.1), start_iter=-1)
-    with pytest.raises(ArgumentTypeError, match="Compressor"):
+    with pytest.raises(InvalidArgumentError, match="ratio"):  # a name: top-k's needs its ratio
         CompressionHookState(compressor="topk")
+    with pytest.raises(ArgumentTypeError, match="Compressor"):
+        CompressionHookState(compressor=3)
     with pytest.raises(ArgumentTypeError, match="ProcessGroup"):
         CompressionHookState(process_group=3)
     with pytest.raises(ArgumentTypeError, match="CompressionHookState"):

@@ -39,6 +39,7 @@ from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentErro
 from ..ops import COMPRESS_DTYPES
 from .base import CompressionState, Compressor
 from .cast import NoCompression
+from .names import as_compressor
 from .quantize import SCHEMES as QUANTIZE_MODES
 from .quantize import apply_quantize_mode
 
@@ -212,7 +213,7 @@ def typed_error(e: BaseException, handles: Sequence[object] = ()) -> BaseExcepti
 def compressed_all_reduce(
     tensor: torch.Tensor | Sequence[torch.Tensor],
     comm: Communicator,
-    compressor: Compressor | None = None,
+    compressor: Compressor | str | None = None,
     state: CompressionState | Sequence[CompressionState] | None = None,
     *,
     link: Link | None = None,
@@ -220,7 +221,8 @@ def compressed_all_reduce(
     quantize_mode: str | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Average ``tensor`` over the ranks of ``comm`` (a Communicator, or a ProcessGroup, a 1-D DeviceMesh
-    or ``(mesh, dim)``) through ``compressor`` (None: uncompressed), in place; returns ``tensor``.
+    or ``(mesh, dim)``) through ``compressor`` (or its name, ``"int8"``, ``"topk:0.01"``:
+    :mod:`~torsh_kernels.compression.names`; None: uncompressed), in place; returns ``tensor``.
     ``state`` is this rank's state for this tensor (bucket), from ``compressor.new_state()``; it may
     be None only for stateless compressors (none, FP16, BF16).
     ``link`` (e.g. from ``probe``) informs a compressor that picks its scheme by the cost model
@@ -242,7 +244,7 @@ def compressed_all_reduce(
 def start_compressed_all_reduce(
     tensor: torch.Tensor | Sequence[torch.Tensor],
     comm: Communicator,
-    compressor: Compressor | None = None,
+    compressor: Compressor | str | None = None,
     state: CompressionState | Sequence[CompressionState] | None = None,
     *,
     link: Link | None = None,
@@ -273,10 +275,15 @@ def start_compressed_all_reduce(
             raise ShapeError(f"{what}: {name} must be contiguous (the average is written into it)")
         if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
             raise DeviceMismatchError(f"{what}: {name} is on {t.device}, the communicator moves tensors on {dev}")
+    if isinstance(compressor, str):  # a name: "int8", "topk:0.01"
+        compressor = as_compressor(compressor, f"{what}: compressor")
     if compressor is None:
         compressor = _UNCOMPRESSED
     if not isinstance(compressor, Compressor):
-        raise ArgumentTypeError(f"{what}: compressor must be a Compressor or None, got {type(compressor).__name__}")
+        raise ArgumentTypeError(
+            f"{what}: compressor must be a Compressor, a compressor's name (e.g. 'int8') or None, got "
+            f"{type(compressor).__name__}"
+        )
     if quantize_mode is not None:
         compressor = apply_quantize_mode(compressor, quantize_mode, what)
     stateful = compressor.stateful
@@ -339,7 +346,7 @@ def issue(
     that ``carries_plain``, with non-empty ``tensors``)."""
     if plain:
         gen, alg = compressor.reduce(tensors, states, comm, link=link, plain=plain)
-        return CompressedReduction([*tensors, *plain], gen, compressor.name, alg, single_round=single_round)
+        return CompressedReduction([*tensors, *plain], gen, compressor.kind, alg, single_round=single_round)
     if all(t.numel() for t in tensors):
         gen, alg = compressor.reduce(tensors, states, comm, link=link)
     else:
@@ -348,4 +355,4 @@ def issue(
             gen, alg = compressor.reduce([t for t, _ in live], [s for _, s in live], comm, link=link)
         else:
             gen, alg = iter(()), "none"
-    return CompressedReduction(tensors, gen, compressor.name, alg, single_round=single_round)
+    return CompressedReduction(tensors, gen, compressor.kind, alg, single_round=single_round)

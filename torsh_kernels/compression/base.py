@@ -38,7 +38,7 @@ A compressor says three things, and nothing outside its own module switches on i
 
 The bucket layer (DDP hooks, the synchronizer) reads ``warmup()`` and ``per_tensor()`` for the
 warm-up and size rules it applies per tensor, ``identity`` to skip compression altogether, and
-``name`` / ``label()`` for statistics, traces and plans.
+``name`` (the canonical name, for plans and tables) and ``kind`` (the class, for traces and statistics).
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def raise_if_reduced_nonfinite(t: torch.Tensor, compressor: Compressor) -> None:
     bad = int(count_nonfinite(t))
     if bad:
         raise NonFiniteError(
-            f"compressed_all_reduce ({compressor.name}): the reduced payload holds {bad} non-finite element(s) "
+            f"compressed_all_reduce ({compressor.kind}): the reduced payload holds {bad} non-finite element(s) "
             "(NaN/Inf) although each rank's input was checked: a rank's payload turned non-finite on the way "
             "(an overflow, a corrupted buffer); nothing was decoded and every rank raises this. Skip the step, "
             "or pass check_finite=False to the compressor to let it through"
@@ -200,12 +200,22 @@ class Compressor:
 
     @property
     def name(self) -> str:
-        """The compressor's name in statistics and traces."""
+        """The canonical name: the string that builds an equal compressor (``"int8"``, ``"topk:0.01"``,
+        ``"powersgd:4"``; see :mod:`~torsh_kernels.compression.names`), as plans, ``auto``'s table and its
+        choice show it. A class outside the registry is named by its class, lower case."""
+        from .names import compressor_name
+
+        return compressor_name(self)
+
+    @property
+    def kind(self) -> str:
+        """How traces and the bucket statistics tag it (``"TopK round 1"``, a bucket's ``compressor``): the
+        class's name, ``"none"`` for the uncompressed path (what ``torsh report`` reads)."""
         return type(self).__name__
 
     def label(self) -> str:
-        """A short name with the settings that matter, for plans and tables (e.g. 'topk(0.01)')."""
-        return type(self).__name__.lower()
+        """The canonical :attr:`name` (kept for callers of the former short label)."""
+        return self.name
 
     @property
     def stateful(self) -> bool:

@@ -120,7 +120,7 @@ class NoCompression(_Cast):
     passes = 0.0
 
     @property
-    def name(self) -> str:
+    def kind(self) -> str:
         return "none"
 
     def compress(self, tensor, state):

@@ -30,11 +30,8 @@ from ..collectives.replica import ReplicaCommunicator
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from .allreduce import start_compressed_all_reduce
 from .base import Compressor, itemsize, numel_of
-from .cast import BF16, FP16, NoCompression
-from .powersgd import PowerSGD
-from .quantize import Quantize
-from .sign import Sign
-from .topk import TopK
+from .cast import NoCompression
+from .names import DEFAULT_CANDIDATE_NAMES, as_compressor, compressor_from_name
 
 __all__ = ["DEFAULT_CANDIDATES", "Plan", "compressed_time", "measure_compute", "plan"]
 
@@ -85,7 +82,8 @@ class Plan:
     """(compressor, algorithm, seconds) of every candidate, cheapest first."""
 
 
-DEFAULT_CANDIDATES = (None, FP16(), BF16(), TopK(0.01), Quantize(8), Quantize(4), Sign(), PowerSGD(4))
+DEFAULT_CANDIDATES = tuple(None if n == "none" else compressor_from_name(n) for n in DEFAULT_CANDIDATE_NAMES)
+""":data:`~torsh_kernels.compression.names.DEFAULT_CANDIDATE_NAMES` as compressors (None: uncompressed)."""
 
 
 def plan(
@@ -94,16 +92,17 @@ def plan(
     link: Link,
     *,
     shape: tuple[int, ...] | None = None,
-    compressors: tuple[Compressor | None, ...] | None = None,
+    compressors: tuple[Compressor | str | None, ...] | None = None,
     compute_bandwidth: float | None = None,
     compute_seconds: Mapping[str, float] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Plan:
     """The cheapest (algorithm, compressor) for an all-reduce of ``nbytes`` of ``dtype`` (``shape``
     matters to PowerSGD; default: a flat tensor). ``compressors`` defaults to no compression, fp16,
-    bf16, top-k 1%, int8, int4, sign and PowerSGD rank 4; ``None`` in it means uncompressed.
+    bf16, top-k 1%, int8, int4, sign and PowerSGD rank 4; ``None`` in it means uncompressed, a string is a
+    compressor's name (``"int8"``, ``"topk:0.01"``: :mod:`~torsh_kernels.compression.names`).
 
-    Compute: ``compute_seconds`` maps each candidate's label (``"none"`` for uncompressed; as
+    Compute: ``compute_seconds`` maps each candidate's name (``"none"`` for uncompressed; as
     :func:`measure_compute` returns) to its measured seconds, and must cover every candidate; else
     ``compute_bandwidth`` estimates it from the pass counts; else it is left out."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
@@ -114,6 +113,7 @@ def plan(
     shp = shape if shape is not None else (numel,)
     cands = []
     for c in compressors if compressors is not None else DEFAULT_CANDIDATES:
+        c = as_compressor(c, "plan: compressors")
         if c is not None and not isinstance(c, Compressor):
             raise ArgumentTypeError(f"plan: compressors must hold Compressors or None, got {type(c).__name__}")
         if compute_seconds is not None:
@@ -137,7 +137,7 @@ def plan(
 
 
 def _label(c: Compressor | None) -> str:
-    return "none" if c is None else c.label()
+    return "none" if c is None else c.name
 
 
 def measure_compute(
@@ -161,6 +161,7 @@ def measure_compute(
     gen = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
     for c in compressors if compressors is not None else DEFAULT_CANDIDATES:
+        c = as_compressor(c, "plan: compressors")
         if c is not None and not isinstance(c, Compressor):
             raise ArgumentTypeError(
                 f"measure_compute: compressors must hold Compressors or None, got {type(c).__name__}"

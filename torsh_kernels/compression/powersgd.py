@@ -84,9 +84,6 @@ class PowerSGD(Compressor):
         check_number(self.min_compression_rate, "PowerSGD", "min_compression_rate", lo=0.0)
         check_settings(self, "PowerSGD")
 
-    def label(self) -> str:
-        return f"powersgd(rank={self.rank})"
-
     def phase(self, state: CompressionState) -> int:
         """1 while the state is fresh (its first call broadcasts rank 0's seed), plus 2 once it is past
         ``start_iter`` (compressed: P and Q instead of the tensor)."""

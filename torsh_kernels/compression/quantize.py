@@ -86,13 +86,6 @@ class Quantize(Compressor):
         check_choice(self.scheme, "Quantize", "scheme", SCHEMES)
         check_settings(self, "Quantize")
 
-    def label(self) -> str:
-        return (
-            f"int{self.bits}"
-            + ("-stochastic" if self.stochastic else "")
-            + ("" if self.scheme == "auto" else f"-{self.scheme}")
-        )
-
     def step_seed(self, state: CompressionState) -> int:
         """The stochastic-rounding seed of this step: from the state's seed and step count."""
         return (state.seed * 0x9E3779B97F4A7C15 + state.step) & 0xFFFFFFFFFFFFFFFF

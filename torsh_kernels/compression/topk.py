@@ -49,9 +49,6 @@ class TopK(Compressor):
         check_bool(self.exact, "TopK", "exact")
         check_settings(self, "TopK")
 
-    def label(self) -> str:
-        return f"topk({self.ratio:g})"
-
     def compress(self, tensor, state):
         x = check_input(tensor, "TopK.compress")
         r = state.residual(x) if self.error_feedback else None

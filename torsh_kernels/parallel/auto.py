@@ -44,19 +44,18 @@ import torch
 from ..collectives.communicator import Communicator
 from ..collectives.cost_model import Link, Round, Topology, probe, rounds_time
 from ..collectives.replica import ReplicaCommunicator
-from ..compression import BF16, FP16, Compressor, PowerSGD, Quantize, Sign, TopK
+from ..compression import Compressor
+from ..compression.names import AUTO, DEFAULT_CANDIDATE_NAMES, compressor_from_name, former_label
 from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["AUTO", "AutoDecision", "AutoSelector", "CandidateCost", "default_candidates", "price"]
-
-AUTO = "auto"
 
 
 def default_candidates() -> tuple[Compressor | None, ...]:
     """What ``compressor="auto"`` chooses among unless told otherwise: uncompressed, fp16, bf16, top-k 1%,
     int8, int4, sign and PowerSGD rank 4. Each but the first changes what the optimizer sees; pass
     ``auto_candidates=`` to allow only those your model tolerates."""
-    return (None, FP16(), BF16(), TopK(0.01), Quantize(8), Quantize(4), Sign(), PowerSGD(4))
+    return tuple(None if n == "none" else compressor_from_name(n) for n in DEFAULT_CANDIDATE_NAMES)
 
 
 def _label(c: Compressor | None) -> str:
@@ -316,6 +315,10 @@ class AutoSelector:
             raise ArgumentTypeError(f"{what}.load_state_dict: 'auto' must be a dict from AutoDecision.as_dict(), got "
                                     f"{type(record).__name__}")  # fmt: skip
         choice = record.get("choice")
+        former = [former_label(c) for c in self.candidates]  # a checkpoint saved before the names
+        if isinstance(choice, str) and choice not in labels and choice in former:
+            record = {**record, "choice": labels[former.index(choice)]}
+            choice = record["choice"]
         if not isinstance(choice, str) or choice not in labels:
             raise InvalidArgumentError(
                 f"{what}.load_state_dict: the checkpoint's 'auto' choice {choice!r} is not among "

@@ -51,10 +51,11 @@ from ..compression import (
     NoCompression,
 )
 from ..compression.allreduce import issue
+from ..compression.names import as_compressor
 from ..compression.quantize import apply_quantize_mode
 from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError, NonFiniteError
 from ..ops import COMPRESS_DTYPES, count_nonfinite, flatten, unflatten
-from .auto import AUTO, AutoSelector, default_candidates
+from .auto import AutoSelector, default_candidates
 from .buckets import BucketPlan, BucketSpec, carries_plain, flat_view
 from .engine_state import checked_state, restore, snapshot
 from .pipeline import grad_scaler_in_use, summing, unchecked
@@ -107,9 +108,11 @@ class BucketCompressor:
         """``spec`` with ``options`` (:class:`~torsh_kernels.parallel.BucketSpec`'s fields as keywords)
         applied: the bucket settings; ``quantize_mode``: deprecated (``Quantize(scheme=...)``)."""
         spec = BucketSpec.build(spec, options, what, "bucket")
+        compressor = as_compressor(compressor, f"{what}: compressor", allow_auto=True)  # a name, or 'auto'
         auto = isinstance(compressor, str)
-        if auto and compressor != AUTO:
-            raise ArgumentTypeError(f"{what}: compressor must be a Compressor, None or 'auto', got {compressor!r}")
+        if auto_candidates is not None and isinstance(auto_candidates, (list, tuple)):
+            auto_candidates = [None if c == "none" else as_compressor(c, f"{what}: auto_candidates")
+                               for c in auto_candidates]  # fmt: skip
         if auto_candidates is not None and not auto:
             raise InvalidArgumentError(
                 f"{what}: auto_candidates is for compressor='auto', got compressor={compressor!r}"
@@ -124,7 +127,8 @@ class BucketCompressor:
             compressor = NoCompression()  # 'auto': uncompressed until the choice is made
         if not isinstance(compressor, Compressor):
             raise ArgumentTypeError(
-                f"{what}: compressor must be a Compressor, None or 'auto', got {type(compressor).__name__}"
+                f"{what}: compressor must be a Compressor, a compressor's name (e.g. 'int8', 'topk:0.01'), None or "
+                f"'auto', got {type(compressor).__name__}"
             )
         self._given = spec  # as given (None: the compressor's own warm-up), for auto's candidates
         self.spec = spec.resolved(compressor.warmup(), auto)
@@ -186,14 +190,17 @@ class BucketCompressor:
         self.auto.observe(grads, keys, packed=flat is not None or flat_view(grads) is not None)
         return grads
 
-    def set_compressor(self, compressor: Compressor | None) -> None:
+    def set_compressor(self, compressor: Compressor | str | None) -> None:
         """Switch to another compressor between iterations, on every rank alike (``compressor="auto"``
         does at the end of the warm-up). The compressor states and cached bucket plans are dropped; the
         warm-up length and size rules stay as constructed."""
+        compressor = as_compressor(compressor, "set_compressor")
         if compressor is None:
             compressor = NoCompression()
         if not isinstance(compressor, Compressor):
-            raise ArgumentTypeError(f"set_compressor: expected a Compressor or None, got {type(compressor).__name__}")
+            raise ArgumentTypeError(
+                f"set_compressor: expected a Compressor, a compressor's name or None, got {type(compressor).__name__}"
+            )
         self.compressor = compressor.per_tensor(self.spec.min_compression_rate)
         self._unchecked = unchecked(self.compressor)
         self.states = {}

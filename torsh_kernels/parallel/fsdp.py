@@ -63,6 +63,7 @@ from ..checks import check_timeout
 from ..collectives.agreement import agree_on, enabled, rendezvous
 from ..collectives.communicator import TorchCommunicator, as_communicator, is_communicator
 from ..compression import Compressor, NoCompression, compressed_all_reduce
+from ..compression.names import as_compressor
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from .fsdp_comms import QuantizedAllGather, QuantizedReduceScatter, counting_default_comms
 from .fsdp_format import FORMATS, QuantizedCommSpec, QuantizedFormat, encoded_nbytes
@@ -267,7 +268,8 @@ def apply_quantized_comm(
 
     HSDP with a compressed replica all-reduce: shard the model over the shard dimension only
     (``fully_shard(m, mesh=mesh["shard"])`` of a 2-D mesh) and pass ``hsdp_grads``, a torsh compressor
-    (``FP16()``, ``TopK(0.01)``, ``Quantize(8)``, ...; ``NoCompression()`` for a plain all-reduce): each
+    (``FP16()``, ``TopK(0.01)``, ``Quantize(8)``, ...; ``NoCompression()`` for a plain all-reduce) or its
+    name (``"fp16"``, ``"topk:0.01"``, ``"int8"``, ``"none"``; the same names as ``weights``/``grads``): each
     FSDP module's reduce-scattered gradient is then averaged over the replicas through it, in FSDP2's
     all-reduce hook (:class:`ReplicaAllReduce`). The replicas' dimension is the mesh's other one, or
     ``replicate`` (a Communicator, a ProcessGroup, a 1-D DeviceMesh or ``(mesh, "replicate")``). FSDP2's
@@ -293,6 +295,7 @@ def apply_quantized_comm(
     new call configuration (see the module docstring). None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``."""
     what = "apply_quantized_comm"
     spec = QuantizedCommSpec.build(spec, options, what)
+    hsdp_grads = as_compressor(hsdp_grads, f"{what}: hsdp_grads")  # a name: "fp16", "int8", "topk:0.01"
     check = _check_arguments(hsdp_grads, replicate, comm, check_signatures, what)
     timeout = None if timeout is None else check_timeout(timeout, what)
     mods = _fsdp_modules(module)
@@ -325,7 +328,8 @@ def _check_arguments(hsdp_grads: object, replicate: object, comm: object, check_
         )
     if hsdp_grads is not None and not isinstance(hsdp_grads, Compressor):
         raise ArgumentTypeError(
-            f"{what}: hsdp_grads must be a torsh Compressor (FP16(), TopK(0.01), ...), got {type(hsdp_grads).__name__}"
+            f"{what}: hsdp_grads must be a torsh Compressor (FP16(), TopK(0.01), ...) or its name ('fp16', "
+            f"'topk:0.01', ...), got {type(hsdp_grads).__name__}"
         )
     check = enabled(check_signatures, what)
     if comm is not None and not is_communicator(comm, ("all_gather", "all_to_all", "world_size")):

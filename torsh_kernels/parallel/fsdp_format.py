@@ -10,14 +10,16 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_bool, check_choice
+from ..compression.names import QUANTIZED_FORMATS
 from ..errors import InvalidArgumentError
 from ..ops import dequantize, quantize
 from ..specs import Spec
 
 __all__ = ["FORMATS", "QuantizedCommSpec", "QuantizedFormat", "Wire", "encoded_nbytes"]
 
-FORMATS = {"int8": 8, "int4": 4}
-"""The formats of ``apply_quantized_comm(weights=, grads=)``, by name: bits per element."""
+FORMATS = dict(QUANTIZED_FORMATS)
+"""The formats of ``apply_quantized_comm(weights=, grads=)``, by name: bits per element ("int8": 8, "int4": 4;
+the compressors' names, :data:`~torsh_kernels.compression.names.QUANTIZED_FORMATS`)."""
 
 
 def _check_block(block: object, what: str) -> int:

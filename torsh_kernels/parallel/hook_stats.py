@@ -174,7 +174,7 @@ def bucket_span(index: int, grads: Sequence[torch.Tensor], compressor: Compresso
     if rec is None:
         return None
     nbytes = sum(g.nbytes for g in grads)
-    name = compressor.name
+    name = compressor.kind
     dev = grads[0].device if grads else None
     return rec.begin(f"bucket {index}", "bucket", {"bucket": index, "bytes": nbytes, "tensors": len(grads),
                                                    "compressor": name}, lane="bucket", device=dev)  # fmt: skip

@@ -100,13 +100,15 @@ class CompressionHookState:
             instead (``CupyNcclCommunicator``, ``RdmaCommunicator``, from ``make_communicator``); it must
             hold DDP's ranks in DDP's order.
         mesh_dim: see ``process_group``.
-        compressor: any :class:`~torsh_kernels.compression.Compressor` (None: uncompressed), or ``"auto"``:
+        compressor: any :class:`~torsh_kernels.compression.Compressor` or its name (``"int8"``, ``"topk:0.01"``,
+            ``"powersgd:4"``: :mod:`torsh_kernels.compression.names`; None: uncompressed), or ``"auto"``:
             plain all-reduces for ``start_iter`` iterations (default 2), then the candidate that the
             measured link and the candidates' measured cost on this job's buckets make cheapest, the
             same on every rank (:mod:`torsh_kernels.parallel.auto`; the choice and why in
             ``stats.auto``).
-        auto_candidates: with ``compressor="auto"``, the compressors to choose among (None in it:
-            uncompressed); default: uncompressed, fp16, bf16, top-k 1%, int8, int4, sign, PowerSGD rank 4.
+        auto_candidates: with ``compressor="auto"``, the compressors (or names) to choose among (None or
+            ``"none"`` in it: uncompressed); default: uncompressed, fp16, bf16, top-k 1%, int8, int4, sign,
+            PowerSGD rank 4.
         bucket: a :class:`~torsh_kernels.parallel.BucketSpec`: which gradients are compressed, from which
             iteration, what a NaN/Inf gradient does (``start_iter``, ``min_compression_rate``,
             ``min_numel``, ``policy``, ``nonfinite``); None: its defaults. Its fields may also be given

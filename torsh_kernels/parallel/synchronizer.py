@@ -95,7 +95,8 @@ class GradientSynchronizer:
             into a :class:`~torsh_kernels.collectives.TorchCommunicator`; parameters must be on its device
             type.
         bucket_mb: bucket size cap in MiB.
-        compressor: a :class:`~torsh_kernels.compression.Compressor` (None: uncompressed), or ``"auto"``
+        compressor: a :class:`~torsh_kernels.compression.Compressor` or its name (``"int8"``, ``"topk:0.01"``;
+            None: uncompressed), or ``"auto"``
             (see :class:`~torsh_kernels.parallel.CompressionHookState`; the choice and why in
             ``get_sync_stats()["auto"]``).
         overlap: start buckets from gradient hooks during backward.

@@ -1,5 +1,7 @@
-"""Runs the ```python blocks of one Markdown file, in order, in one namespace: the child process of
-tests/test_docs.py (``python tests/docs_runner.py BLOCKS.json``; the test writes the JSON).
+"""Runs one chain of ```python blocks of a Markdown file, in order, in one namespace: a block alone, or a block
+after the blocks it continues (``<!-- continues: NAME -->``); the child process of tests/test_docs.py, one per
+chain, so no name leaks from one chain to another (``TORSH_SNIPPETS=BLOCKS.json python tests/docs_runner.py``;
+the test writes the JSON).
 
 Each block is compiled with the Markdown file as its file name and its lines where they are in that
 file, so a traceback points into the document and shows its lines. The blocks run in this script's

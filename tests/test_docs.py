@@ -2,13 +2,18 @@
 
 The convention (docs/testing.md#the-documentations-code):
 
-- the ```python blocks of one file run in order, in one namespace, in a fresh process per file
-  (tests/docs_runner.py), on the CPU, in an empty temporary directory, with ``TORSH_TRACE`` unset and a
-  time limit per file; the process gets torchrun's environment for one process (``RANK=0``,
-  ``WORLD_SIZE=1``, ``MASTER_ADDR``, ``MASTER_PORT``), so ``init_from_env()`` and ``DDP(model)`` work
-  there as under ``torchrun --nproc-per-node 1``;
+- each ```python block runs on its own, as a user who copies it into a file runs it: in a fresh process
+  (tests/docs_runner.py) with none of the other blocks' names, on the CPU, in an empty temporary directory,
+  with ``TORSH_TRACE`` unset and a time limit per process; the process gets torchrun's environment for one
+  process (``RANK=0``, ``WORLD_SIZE=1``, ``MASTER_ADDR``, ``MASTER_PORT``), so ``init_from_env()`` and
+  ``DDP(model)`` work there as under ``torchrun --nproc-per-node 1``;
+- a block directly preceded by ``<!-- continues: NAME -->`` runs after the block named ``NAME`` (``<!-- block:
+  NAME -->`` above that block's fence), in the same process and namespace, after that block's own
+  predecessors: a chain runs once per block that ends it; a name is defined once per file, before it is continued;
 - a block directly preceded by a line ``<!-- not run: REASON -->`` is not run (a reason is required);
-  each such block is reported here as a skipped test with its reason;
+  each such block is reported here as a skipped test with its reason; a block that continues one not run
+  is not run either (it must say so);
+- marker lines stack: the comment lines directly above a fence (no blank line between) are its markers;
 - blocks in other languages (bash, console, json, text, none) are not run;
 - a failure names the file and the first line of the block, and shows the traceback, whose lines point
   into the Markdown file.
@@ -36,12 +41,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).resolve().parent / "docs_runner.py"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TIME_LIMIT_S = 120
-"""Per file: a file slower than this on the 2-core CPU machine should shrink its examples' sizes."""
+"""Per process (a block, or a chain of continued blocks): one slower than this on the 2-core CPU machine should
+shrink its examples' sizes."""
 RUN = ("python", "py", "python3")
 """Info strings of the blocks that run."""
 
 _FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*?)\s*$")
-_MARKER = re.compile(r"^\s*<!--\s*not run\b(?P<rest>.*?)-->\s*$")
+_MARKER = re.compile(r"^\s*<!--\s*(?P<kind>not run|block|continues)\b(?P<rest>.*?)-->\s*$")
+_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
 
 
 @dataclass(frozen=True)
@@ -52,36 +59,53 @@ class Block:
     code: str
     not_run: str | None = None
     """The reason given by a ``<!-- not run: REASON -->`` line directly above the fence."""
+    name: str | None = None
+    """``<!-- block: NAME -->``: the name a later block continues."""
+    continues: str | None = None
+    """``<!-- continues: NAME -->``: the named block this one runs after, in its namespace."""
 
 
 def _rel(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
+def _label(kind: str) -> str:
+    return kind.replace(" ", "-")
+
+
 def parse(path: Path) -> tuple[list[Block], list[str]]:
-    """The fenced blocks of a Markdown file, and the problems with its ``not run`` markers (a marker needs a
-    reason and must be the line directly above a ```python fence; lines inside blocks are not markers)."""
+    """The fenced blocks of a Markdown file, and the problems with its markers (``not run`` needs a reason,
+    ``block`` and ``continues`` a name; markers are the comment lines directly above a ```python fence; lines
+    inside blocks are not markers; a name is defined once and continued only after it is defined)."""
     name = _rel(path)
     lines = path.read_text(encoding="utf-8").splitlines()
     blocks: list[Block] = []
     problems: list[str] = []
-    marker: tuple[int, str] | None = None  # (line number, reason) of a marker on the line before
+    markers: dict[str, tuple[int, str]] = {}  # kind -> (line number, argument) of the lines directly above
     i = 0
+
+    def dangling() -> None:
+        for kind, (line, _) in markers.items():
+            problems.append(f"{name}:{line}: a {_label(kind)} marker must be directly above a ```python fence")
+
     while i < len(lines):
         m = _FENCE.match(lines[i])
         if not m:
-            if marker is not None:
-                problems.append(
-                    f"{name}:{marker[0]}: a not-run marker must be the line directly above a ```python fence"
-                )
-            marker = None
             mk = _MARKER.match(lines[i])
-            if mk:
-                rest = mk.group("rest").strip()
-                reason = rest[1:].strip() if rest.startswith(":") else ""
-                if not reason:
-                    problems.append(f"{name}:{i + 1}: a not-run marker needs a reason: <!-- not run: REASON -->")
-                marker = (i + 1, reason)
+            if not mk:
+                dangling()
+                markers = {}
+                i += 1
+                continue
+            kind, rest = mk.group("kind"), mk.group("rest").strip()
+            arg = rest[1:].strip() if rest.startswith(":") else ""
+            if kind in markers:
+                problems.append(f"{name}:{i + 1}: a second {kind} marker for one block")
+            if kind == "not run" and not arg:
+                problems.append(f"{name}:{i + 1}: a not-run marker needs a reason: <!-- not run: REASON -->")
+            if kind != "not run" and not _NAME.match(arg):
+                problems.append(f"{name}:{i + 1}: a {kind} marker needs a name: <!-- {kind}: NAME --> (\\w.-)")
+            markers[kind] = (i + 1, arg)
             i += 1
             continue
         indent, fence = len(m.group("indent")), m.group("fence")
@@ -89,19 +113,59 @@ def parse(path: Path) -> tuple[list[Block], list[str]]:
         body = []
         j = i + 1
         while j < len(lines):
-            s = lines[j]
-            if s.strip().startswith(fence[0] * len(fence)) and not s.strip().strip(fence[0]):
+            t = lines[j]
+            if t.strip().startswith(fence[0] * len(fence)) and not t.strip().strip(fence[0]):
                 break
-            body.append(s[indent:] if s[:indent].strip() == "" else s.lstrip())
+            body.append(t[indent:] if t[:indent].strip() == "" else t.lstrip())
             j += 1
-        if marker is not None and lang not in RUN:
-            problems.append(f"{name}:{marker[0]}: a not-run marker above a {lang or 'plain'} block (those never run)")
-        blocks.append(Block(i + 2, lang, "\n".join(body) + "\n", marker[1] if marker is not None else None))
-        marker = None
+        if markers and lang not in RUN:
+            for kind, (line, _) in markers.items():
+                problems.append(
+                    f"{name}:{line}: a {_label(kind)} marker above a {lang or 'plain'} block (those never run)"
+                )
+        get = lambda kind: markers[kind][1] if kind in markers else None  # noqa: B023
+        blocks.append(Block(i + 2, lang, "\n".join(body) + "\n", get("not run"), get("block"), get("continues")))
+        markers = {}
         i = j + 1
-    if marker is not None:
-        problems.append(f"{name}:{marker[0]}: a not-run marker must be the line directly above a ```python fence")
+    dangling()
+    named: dict[str, Block] = {}
+    for b in blocks:
+        if b.lang not in RUN:
+            continue
+        if b.continues is not None and _NAME.match(b.continues):
+            parent = named.get(b.continues)
+            if parent is None:
+                problems.append(
+                    f"{name}:{b.line}: continues {b.continues!r}, which no earlier block names (<!-- block: "
+                    f"{b.continues} --> above its fence)"
+                )
+            elif parent.not_run is not None and b.not_run is None:
+                problems.append(
+                    f"{name}:{b.line}: continues {b.continues!r}, which is not run; mark this block not run too"
+                )
+        if b.name is not None and _NAME.match(b.name):
+            if b.name in named:
+                problems.append(f"{name}:{b.line}: the block name {b.name!r} is used twice (line {named[b.name].line})")
+            named[b.name] = b
     return blocks, problems
+
+
+def chains(blocks: list[Block]) -> list[list[Block]]:
+    """What runs, one list per process: each run block that no run block continues, after the blocks it
+    continues (a parsed file without problems). A block continued by several runs once in each of their chains."""
+    run = [b for b in blocks if b.lang in RUN and b.not_run is None]
+    named = {b.name: b for b in run if b.name is not None}
+    continued = {b.continues for b in run if b.continues is not None}
+    out = []
+    for b in run:
+        if b.name is not None and b.name in continued:
+            continue  # it runs at the head of the chains that continue it
+        chain = [b]
+        while chain[0].continues is not None and chain[0].continues in named:
+            chain.insert(0, named[chain[0].continues])
+        if chain[0].continues is None:  # else it continues a block not run (a problem parse reports)
+            out.append(chain)
+    return out
 
 
 def _free_port() -> int:
@@ -130,10 +194,10 @@ def _env(tmp: Path, blocks_json: Path) -> dict:
 
 
 def run_blocks(doc: Path, blocks: list[Block], tmp: Path, limit_s: float = TIME_LIMIT_S) -> str | None:
-    """Run ``blocks`` of ``doc`` as the convention says; None if they all ran, else what went wrong (the file
-    and first line of the block, the traceback)."""
+    """Run ``blocks`` of ``doc`` (one chain) in order, in one fresh process and namespace; None if they all ran,
+    else what went wrong (the file and first line of the block, the traceback)."""
     work = tmp / "cwd"
-    work.mkdir()
+    work.mkdir(parents=True)
     spec = tmp / "blocks.json"
     spec.write_text(json.dumps([{"path": str(doc), "name": _rel(doc), "line": b.line, "code": b.code} for b in blocks]))
     proc = subprocess.Popen(
@@ -147,7 +211,7 @@ def run_blocks(doc: Path, blocks: list[Block], tmp: Path, limit_s: float = TIME_
         out, err = proc.communicate()
         started = re.findall(r"^SNIPPET-START (.*)$", err, re.M)
         where = started[-1] if started else _rel(doc)
-        return f"{where}: the block did not finish: the file's blocks ran past {limit_s} s\n{err[-4000:]}"
+        return f"{where}: the block did not finish: its process ran past {limit_s} s\n{err[-4000:]}"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -156,6 +220,17 @@ def run_blocks(doc: Path, blocks: list[Block], tmp: Path, limit_s: float = TIME_
     failed = re.findall(r"^SNIPPET-FAILED (.*)$", err, re.M)
     where = failed[-1] if failed else f"{_rel(doc)} (exit code {proc.returncode})"
     return f"{where}: the block failed\n--- stderr ---\n{err[-8000:]}\n--- stdout ---\n{out[-2000:]}"
+
+
+def run_doc(doc: Path, tmp: Path, pool=None, limit_s: float = TIME_LIMIT_S) -> list[str]:
+    """Every chain of ``doc`` (a parsed file without problems), each in a process of its own (submitted to
+    ``pool``, a ``concurrent.futures`` executor, if given); the failures, in the file's order."""
+    runs = []
+    for k, chain in enumerate(chains(parse(doc)[0])):
+        args = (doc, chain, tmp / str(k), limit_s)
+        runs.append(pool.submit(run_blocks, *args) if pool is not None else run_blocks(*args))
+    results = [r.result() if pool is not None else r for r in runs]
+    return [r for r in results if r]
 
 
 _PARSED = {doc: parse(doc) for doc in DOCS}
@@ -169,32 +244,32 @@ NOT_RUN = [
 
 @pytest.fixture(scope="module")
 def started(tmp_path_factory):
-    """Every file's process, started when the first file's test runs, two at a time (this machine's two
-    cores: most of a file's time is its interpreter importing torch, single-threaded); each test then waits
-    for its own file. The per-file time limit counts from that file's own start."""
+    """Every chain's process, started when the first file's test runs, two at a time (this machine's two
+    cores: most of a process's time is its interpreter importing torch, single-threaded); each test then
+    waits for its own file's. The time limit counts from each process's own start."""
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(max_workers=2)
     runs = {}
     for doc in WITH_CODE:
         blocks, problems = parse(doc)
-        run = [b for b in blocks if b.lang in RUN and not b.not_run]
-        if run and not problems:
-            runs[doc] = pool.submit(run_blocks, doc, run, tmp_path_factory.mktemp("snippets"))
+        if chains(blocks) and not problems:
+            tmp = tmp_path_factory.mktemp("snippets")
+            runs[doc] = [pool.submit(run_blocks, doc, chain, tmp / str(k)) for k, chain in enumerate(chains(blocks))]
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
 
 
-@pytest.mark.slow  # every page's code, in a process per page: the runner's own tests below stay in the fast tier
+@pytest.mark.slow  # every page's code, a process per block: the runner's own tests below stay in the fast tier
 @pytest.mark.parametrize("doc", WITH_CODE, ids=_rel)
 def test_snippets_run(doc: Path, started) -> None:
     problems = parse(doc)[1]
     assert not problems, "\n".join(problems)
     if doc not in started:
         pytest.skip(f"{_rel(doc)}: every ```python block is marked not run")
-    failure = started[doc].result()
-    if failure:
-        pytest.fail(failure, pytrace=False)
+    failures = [f for f in (run.result() for run in started[doc]) if f]
+    if failures:
+        pytest.fail("\n\n".join(failures), pytrace=False)
 
 
 if NOT_RUN:
@@ -240,5 +315,45 @@ def test_parse_reads_the_convention(tmp_path: Path) -> None:
     assert blocks[3].code == "if a:\n    c = 3\n"
     assert problems == [
         "x.md:20: a not-run marker needs a reason: <!-- not run: REASON -->",
-        "x.md:25: a not-run marker must be the line directly above a ```python fence",
+        "x.md:25: a not-run marker must be directly above a ```python fence",
     ]
+
+
+def test_each_block_runs_alone_unless_it_continues_a_named_one(tmp_path: Path) -> None:
+    """A name from one block is not there in the next (its own process), unless the next says it continues it."""
+    body = "```python\ndef half(x):\n    return x / 2\n```\n\ntext\n\n{}```python\nprint(half(4))\n```\n"
+    alone = tmp_path / "alone.md"
+    alone.write_text(body.format(""))
+    assert [[b.line for b in c] for c in chains(parse(alone)[0])] == [[2], [9]]
+    (failure,) = run_doc(alone, tmp_path / "a")
+    assert failure.startswith("alone.md:9: the block failed"), failure
+    assert "NameError: name 'half' is not defined" in failure and 'alone.md", line 9, in <module>' in failure
+    marked = tmp_path / "marked.md"
+    marked.write_text("<!-- block: half -->\n" + body.format("<!-- continues: half -->\n"))
+    assert [[b.line for b in c] for c in chains(parse(marked)[0])] == [[3, 11]]
+    assert run_doc(marked, tmp_path / "b") == []
+
+
+def test_continuation_markers_and_their_problems(tmp_path: Path) -> None:
+    md = tmp_path / "c.md"
+    md.write_text(
+        "<!-- block: a -->\n```python\nx = 1\n```\n<!-- continues: a -->\n<!-- block: b -->\n```python\ny = x\n```\n"
+        "<!-- continues: a -->\n```python\nz = x\n```\n<!-- continues: b -->\n```python\nw = y\n```\n"
+        "```python\nv = 0\n```\n<!-- continues: nowhere -->\n```python\nu = 0\n```\n"
+        "<!-- block: a -->\n<!-- block: c -->\n```python\nt = 0\n```\n<!-- continues: -->\n```bash\nls\n```\n"
+        "<!-- block: n -->\n<!-- not run: a GPU -->\n```python\ns = 0\n```\n"
+        "<!-- continues: n -->\n```python\nr = s\n```\n"
+    )
+    blocks, problems = parse(md)
+    by_line = {b.line: b for b in blocks}
+    assert (by_line[8].name, by_line[8].continues, by_line[3].name) == ("b", "a", "a")
+    assert problems == [
+        "c.md:26: a second block marker for one block",
+        "c.md:30: a continues marker needs a name: <!-- continues: NAME --> (\\w.-)",
+        "c.md:30: a continues marker above a bash block (those never run)",
+        "c.md:23: continues 'nowhere', which no earlier block names (<!-- block: nowhere --> above its fence)",
+        "c.md:41: continues 'n', which is not run; mark this block not run too",
+    ]
+    # the chains: a's block heads each chain that continues it; a block continued twice runs in both chains
+    runs = [[b.line for b in c] for c in chains([b for b in blocks if b.line != 23])]
+    assert runs == [[3, 12], [3, 8, 16], [19], [28]]  # in the order of their last blocks; 41's head is not run

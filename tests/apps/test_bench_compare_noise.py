@@ -11,7 +11,6 @@ import pytest
 
 from torsh_kernels.apps.bench.harness import compare, load_baseline, measurements, report_comparison
 from torsh_kernels.cli_common import UsageError
-from torsh_kernels.env import compare_spread
 
 
 def _doc(cases: dict[str, tuple[float, float, float]]) -> dict:
@@ -81,6 +80,8 @@ def test_spread_read_from_a_harness_document_and_checked(tmp_path):
 
 
 def test_compare_spread_verdicts():
+    from torsh_kernels.env import compare_spread
+
     assert compare_spread([2.9, 3.0, 3.1], [1.4, 1.5, 1.6], margin=0.1).verdict == "slower"
     assert compare_spread([1.4, 1.5, 1.6], [2.9, 3.0, 3.1]).verdict == "faster"
     assert compare_spread([1.45, 1.5, 36.0, 40.0, 44.0], [1.4, 1.5, 1.6], margin=0.1).verdict == "within noise"

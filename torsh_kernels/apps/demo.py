@@ -145,16 +145,18 @@ def plan_link(link: str | None, delay: str | None, *, ranks: int, cannot_shape: 
     if rate == "none":
         return LinkPlan(None)
     if rate is None:
-        why_not = (
-            f"{ranks} local ranks and the emulated link joins two" if ranks != 2 else cannot_shape
-        )  # fmt: skip
-        if why_not is None:
+        if ranks != 2:
+            return LinkPlan(None, note=(
+                f"link: loopback ({ranks} local ranks; the emulated slow link joins two), where compressing costs "
+                "more compute than the bytes it saves; `torsh demo` as root, without --ranks, shows where it pays"
+            ))  # fmt: skip
+        if cannot_shape is None:
             rate = parse_rate(DEFAULT_LINK)
             return LinkPlan(rate, note=f"link: {rate} emulated (two network namespaces, tc tbf), where compression "
                             "pays on this model; --link RATE to change it, --link none for loopback")  # fmt: skip
         return LinkPlan(None, note=(
             "link: loopback, where compressing costs more compute than the bytes it saves; compression pays on a "
-            f"slow link, which cannot be emulated here ({why_not}): {SHOW_IT} shows it"
+            f"slow link, which cannot be emulated here ({cannot_shape}): {SHOW_IT} shows it"
         ))  # fmt: skip
     if cannot_shape is not None:
         return LinkPlan(None, note=(

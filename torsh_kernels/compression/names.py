@@ -96,7 +96,7 @@ COMPRESSOR_NAMES: tuple[str, ...] = tuple(FAMILIES)
 """The families' names, in the order ``torsh doctor`` lists them."""
 
 DEFAULT_CANDIDATE_NAMES: tuple[str, ...] = ("none", "fp16", "bf16", "topk:0.01", "int8", "int4", "sign", "powersgd:4")
-"""What ``compressor="auto"`` and the planner choose among unless told otherwise (and the demo's list)."""
+"""What ``compressor="auto"`` and the planner choose among unless told otherwise (the list a demo shows)."""
 
 QUANTIZED_FORMATS: dict[str, int] = {f.name: dict(f.fixed)["bits"] for f in _FAMILIES if f.cls is Quantize}
 """The quantized formats by name, bits per element: FSDP2's ``apply_quantized_comm(weights=, grads=)``."""

@@ -107,7 +107,7 @@ def test_the_default_candidates_and_tables_take_their_names_from_the_registry():
         ("quantize", InvalidArgumentError, "unknown compressor; known:"),
         ("INT8", InvalidArgumentError, "unknown compressor"),
         ("auto", InvalidArgumentError, "'auto' is accepted where a compressor is chosen per job"),
-        ("topk", InvalidArgumentError, "topk needs its ratio: topk:RATIO"),
+        ("topk", InvalidArgumentError, "topk needs its ratio: topk:RATIO[,key=value,...]"),
         ("topk:", InvalidArgumentError, "nothing after ':'"),
         ("topk:x", InvalidArgumentError, "topk's ratio must be a number, got 'x'"),
         ("topk:nan", InvalidArgumentError, "topk's ratio must be a finite number"),

@@ -359,14 +359,18 @@ def print_report(d: dict) -> None:
     if not con.is_terminal:
         print(render_plain(d))
         return
+    from rich.table import Table
     from rich.text import Text
 
     for title, cols, rows in _sections(d):
-        if len(cols) == 2 and not cols[0]:
+        if len(cols) == 2 and not cols[0]:  # key and value: a borderless grid, values folded under themselves
             con.print(Text(title, style="bold"))
-            kw = max((len(r[0]) for r in rows), default=0)
+            g = Table.grid(padding=(0, 2))
+            g.add_column(no_wrap=True)
+            g.add_column(overflow="fold")
             for k, v in rows:
-                con.print(Text(f"  {k:<{kw}}  {v}"))
+                g.add_row(Text("  " + k), Text(v))
+            con.print(g)
             continue
         t = cli_common.table(title, cols, text=[c for c in cols if c not in ("first ms", "ms", "port")])
         for r in rows:

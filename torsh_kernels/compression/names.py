@@ -75,7 +75,7 @@ class Family:
         if self.arg is None:
             return self.name + ("[:key=value,...]" if self.keys() else "")
         head = f"{self.name}:{self.arg.upper()}" if self.arg_required else f"{self.name}[:{self.arg.upper()}]"
-        return head + ("[,key=value...]" if self.keys() else "")
+        return head + ("[,key=value,...]" if self.keys() else "")
 
 
 _FAMILIES: tuple[Family, ...] = (

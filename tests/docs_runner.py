@@ -12,7 +12,9 @@ as it would re-import that block saved as a script: a block that spawns processe
 
 Before each block the runner writes ``SNIPPET-START <file>:<line>`` to stderr, after it ``SNIPPET-DONE
 <file>:<line> <seconds> s``, or after a failure ``SNIPPET-FAILED <file>:<line>`` and the traceback; it exits 1 at
-the first failure.
+the first failure of a chain. Where test_docs.py gives it several chains (blocks that touch no process group
+and spawn nothing), each runs in a fresh namespace of its own (``__name__ == "__main__"``), in its own working
+directory and with the environment as it was at the start, and a failed chain does not stop the next.
 """
 
 import json as _json
@@ -22,7 +24,7 @@ import time as _time
 import traceback as _traceback
 
 
-def _blocks() -> list:
+def _chains() -> list:
     with open(_os.environ["TORSH_SNIPPETS"], encoding="utf-8") as f:
         return _json.load(f)
 
@@ -32,26 +34,44 @@ def _code(block: dict):
     return compile("\n" * (block["line"] - 1) + block["code"], block["path"], "exec")
 
 
-def _main() -> int:
-    for i, b in enumerate(_blocks()):
+def _run(chain: list, namespace: dict) -> bool:
+    for i, b in enumerate(chain):
         where = f"{b['name']}:{b['line']}"
         _os.environ["TORSH_SNIPPET_BLOCK"] = str(i)
         print(f"SNIPPET-START {where}", file=_sys.stderr, flush=True)
         t0 = _time.perf_counter()
         try:
-            exec(_code(b), globals())
+            exec(_code(b), namespace)
             print(f"SNIPPET-DONE {where} {_time.perf_counter() - t0:.2f} s", file=_sys.stderr, flush=True)
         except BaseException as e:
             _sys.stdout.flush()
             tb = "".join(_traceback.format_exception(type(e), e, e.__traceback__.tb_next))  # from the block on
             print(f"SNIPPET-FAILED {where}\n{tb}", file=_sys.stderr, flush=True)
-            return 1
-    return 0
+            return False
+    return True
+
+
+def _main() -> int:
+    chains = _chains()
+    if len(chains) == 1:  # this module's own namespace: what it defines is __main__'s, as in a script
+        return 0 if _run(chains[0], globals()) else 1
+    # several chains that touch no process group and spawn nothing: each in a namespace, a working directory
+    # and an environment of its own, as if alone (tests/test_docs.py decides which may share a process)
+    ok, home, environ = True, _os.getcwd(), dict(_os.environ)
+    for k, chain in enumerate(chains):
+        _os.chdir(home)
+        _os.makedirs(str(k))
+        _os.chdir(str(k))
+        _os.environ.clear()
+        _os.environ.update(environ)
+        ok = _run(chain, {"__name__": "__main__", "__builtins__": __builtins__}) and ok
+    return 0 if ok else 1
 
 
 def _replay() -> None:
     """In a spawned process: the block that spawned it (its functions then exist here), alone."""
-    exec(_code(_blocks()[int(_os.environ["TORSH_SNIPPET_BLOCK"])]), globals())
+    (chain,) = _chains()
+    exec(_code(chain[int(_os.environ["TORSH_SNIPPET_BLOCK"])]), globals())
 
 
 # the blocks see this directory on sys.path no more than a script in the temporary directory would

@@ -193,13 +193,35 @@ def _env(tmp: Path, blocks_json: Path) -> dict:
     return env
 
 
+_DISTRIBUTED = re.compile(
+    r"init_from_env|init_process_group|run_local|make_communicator|DistributedDataParallel|fully_shard|"
+    r"init_device_mesh|torch\.distributed|multiprocessing|subprocess"
+)
+"""Code that touches a process group or starts processes: its chain gets a process of its own."""
+
+
+def local(chain: list[Block]) -> bool:
+    """Whether ``chain`` may run in a process shared with other such chains (each in a fresh namespace, working
+    directory and environment): it touches no process group and starts no process."""
+    return not any(_DISTRIBUTED.search(b.code) for b in chain)
+
+
 def run_blocks(doc: Path, blocks: list[Block], tmp: Path, limit_s: float = TIME_LIMIT_S) -> str | None:
     """Run ``blocks`` of ``doc`` (one chain) in order, in one fresh process and namespace; None if they all ran,
     else what went wrong (the file and first line of the block, the traceback)."""
+    return run_chains(doc, [blocks], tmp, limit_s)
+
+
+def run_chains(doc: Path, runs: list[list[Block]], tmp: Path, limit_s: float = TIME_LIMIT_S) -> str | None:
+    """Run the chains ``runs`` of ``doc`` in one fresh process, each in a namespace of its own (several: only
+    chains that are ``local``); None if they all ran, else what went wrong (the file and first line of the
+    first block that failed, the traceback)."""
     work = tmp / "cwd"
     work.mkdir(parents=True)
     spec = tmp / "blocks.json"
-    spec.write_text(json.dumps([{"path": str(doc), "name": _rel(doc), "line": b.line, "code": b.code} for b in blocks]))
+    spec.write_text(
+        json.dumps([[{"path": str(doc), "name": _rel(doc), "line": b.line, "code": b.code} for b in c] for c in runs])
+    )
     proc = subprocess.Popen(
         [sys.executable, str(RUNNER)], cwd=work, env=_env(tmp, spec), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -218,18 +240,25 @@ def run_blocks(doc: Path, blocks: list[Block], tmp: Path, limit_s: float = TIME_
     if proc.returncode == 0:
         return None
     failed = re.findall(r"^SNIPPET-FAILED (.*)$", err, re.M)
-    where = failed[-1] if failed else f"{_rel(doc)} (exit code {proc.returncode})"
+    where = failed[0] if failed else f"{_rel(doc)} (exit code {proc.returncode})"
     return f"{where}: the block failed\n--- stderr ---\n{err[-8000:]}\n--- stdout ---\n{out[-2000:]}"
 
 
+def _processes(doc: Path) -> list[list[list[Block]]]:
+    """``doc``'s chains (a parsed file without problems), grouped by process: the local ones together, each
+    other one alone."""
+    runs = chains(parse(doc)[0])
+    shared = [c for c in runs if local(c)]
+    return ([shared] if shared else []) + [[c] for c in runs if not local(c)]
+
+
 def run_doc(doc: Path, tmp: Path, pool=None, limit_s: float = TIME_LIMIT_S) -> list[str]:
-    """Every chain of ``doc`` (a parsed file without problems), each in a process of its own (submitted to
-    ``pool``, a ``concurrent.futures`` executor, if given); the failures, in the file's order."""
-    runs = []
-    for k, chain in enumerate(chains(parse(doc)[0])):
-        args = (doc, chain, tmp / str(k), limit_s)
-        runs.append(pool.submit(run_blocks, *args) if pool is not None else run_blocks(*args))
-    results = [r.result() if pool is not None else r for r in runs]
+    """Every chain of ``doc`` (a parsed file without problems), in processes as ``_processes`` groups them
+    (submitted to ``pool``, a ``concurrent.futures`` executor, if given); the failures."""
+    args = [(doc, group, tmp / str(k), limit_s) for k, group in enumerate(_processes(doc))]
+    results = (
+        [r.result() for r in [pool.submit(run_chains, *a) for a in args]] if pool else [run_chains(*a) for a in args]
+    )
     return [r for r in results if r]
 
 
@@ -255,7 +284,7 @@ def started(tmp_path_factory):
         blocks, problems = parse(doc)
         if chains(blocks) and not problems:
             tmp = tmp_path_factory.mktemp("snippets")
-            runs[doc] = [pool.submit(run_blocks, doc, chain, tmp / str(k)) for k, chain in enumerate(chains(blocks))]
+            runs[doc] = [pool.submit(run_chains, doc, g, tmp / str(k)) for k, g in enumerate(_processes(doc))]
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
 
@@ -357,3 +386,17 @@ def test_continuation_markers_and_their_problems(tmp_path: Path) -> None:
     # the chains: a's block heads each chain that continues it; a block continued twice runs in both chains
     runs = [[b.line for b in c] for c in chains([b for b in blocks if b.line != 23])]
     assert runs == [[3, 12], [3, 8, 16], [19], [28]]  # in the order of their last blocks; 41's head is not run
+
+
+def test_blocks_sharing_a_process_share_no_names_files_or_environment(tmp_path: Path) -> None:
+    """Blocks that touch no process group run in one process, each as if alone; the others in their own."""
+    md = tmp_path / "p.md"
+    md.write_text(
+        "```python\nimport os\nopen('x.txt', 'w').close()\nos.environ['TORSH_DOC_A'] = '1'\nv = 1\n```\n\n"
+        "```python\nimport os\nassert not os.path.exists('x.txt') and 'TORSH_DOC_A' not in os.environ\n"
+        "print(v)\n```\n\n```python\nimport torsh_kernels.collectives as tc\ncomm = tc.init_from_env()\n```\n"
+    )
+    assert [[[b.line for b in c] for c in g] for g in _processes(md)] == [[[2], [9]], [[15]]]
+    (failure,) = run_doc(md, tmp_path / "a")
+    assert failure.startswith("p.md:9: the block failed"), failure
+    assert 'p.md", line 11, in <module>' in failure and "NameError: name 'v' is not defined" in failure

@@ -236,6 +236,7 @@ def _names_worker(comm):
     return out
 
 
+@pytest.mark.slow  # 2 processes and 7 DDP/synchronizer runs: ~7 s on the 2-core VM
 def test_the_hook_and_the_synchronizer_take_names_on_two_gloo_ranks():
     out = run_local(_names_worker, 2, op_timeout=60)
     for r in out:

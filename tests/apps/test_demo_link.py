@@ -181,3 +181,37 @@ def test_torsh_demo_runs_on_an_emulated_slow_link_by_default():
     assert "tbf 100 Mbit/s" in doc["network"] and doc["ranks"] == 2
     assert [row["compressor"] for row in doc["rows"]] == ["none", "powersgd", "auto"]
     assert doc["auto_check"].startswith("auto's check: ") and doc["rows"][-1]["compute_floor_ms"] > 0
+
+
+@needs_netns
+@pytest.mark.slow  # a demo on two emulated hosts, stopped
+def test_ctrl_c_stops_the_demo_on_emulated_hosts_says_so_once_and_removes_them():
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--steps", "100000", "--hidden", "8",
+                          "--compressors", "none", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    names = [f"torsh-h{r}-t{p.pid}" for r in (0, 1)]
+
+    def training() -> bool:  # the ranks are connected (past their imports, where Ctrl-C is a traceback)
+        ss = ["ip", "netns", "exec", names[0], "ss", "-Htn", "state", "established"]
+        return bool(subprocess.run(ss, capture_output=True, text=True).stdout.strip())
+
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not training():
+            time.sleep(0.2)
+        assert training(), "the ranks did not start"
+        time.sleep(2)
+        os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: to every process of the group
+        err = p.communicate(timeout=60)[1]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err
+    assert err.splitlines()[-1] == "torsh demo: interrupted", err
+    assert "rank 1 exited" not in err and "Traceback" not in err, err
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed or os.path.exists(f"/etc/netns/{n}") for n in names)

@@ -214,7 +214,8 @@ def run_on_emulated_hosts(
     port: int = 29533,
 ) -> int:
     """Run ``cmd`` as rank 0 and rank 1 on two emulated hosts; returns rank 0's exit code (or rank 1's
-    if rank 0 succeeded and rank 1 did not). ``rate`` and ``delay`` are checked before anything is made."""
+    if rank 0 succeeded and rank 1 did not). ``rate`` and ``delay`` are checked before anything is made.
+    A ``KeyboardInterrupt`` stops both ranks, removes the hosts and propagates."""
     if not cmd:
         raise InvalidArgumentError("run_on_emulated_hosts: no command given")
     rate = parse_rate(rate)
@@ -237,9 +238,13 @@ def run_on_emulated_hosts(
             try:
                 rc0 = subprocess.run(["ip", "netns", "exec", hosts.namespaces[0], *cmd], env=envs[0]).returncode
                 rc1 = p1.wait(timeout=120 if rc0 == 0 else 10)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            except KeyboardInterrupt:  # Ctrl-C: both ranks stop, the caller says so once (no rank-1 log)
                 p1.kill()
-                rc0, rc1 = (rc0 if "rc0" in locals() else 130), p1.wait()
+                p1.wait()
+                raise
+            except subprocess.TimeoutExpired:
+                p1.kill()
+                rc1 = p1.wait()
             if rc1 != 0:
                 log.seek(0)
                 print(f"rank 1 exited with {rc1}; its output:\n{log.read()}", file=sys.stderr)
@@ -268,7 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why is not None:
         print(f"emulated hosts: {why}", file=sys.stderr)
         return 2
-    return run_on_emulated_hosts(cmd, rate=rate, delay=delay, burst=a.burst, port=a.port)
+    try:
+        return run_on_emulated_hosts(cmd, rate=rate, delay=delay, burst=a.burst, port=a.port)
+    except KeyboardInterrupt:
+        print("emulated hosts: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

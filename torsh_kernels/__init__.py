@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os as _os
+import sys as _sys
 
-from .env import __version__
 from .errors import (
     ArgumentTypeError,
     DeviceMismatchError,
@@ -17,32 +17,76 @@ from .errors import (
     ShapeError,
     TorshKernelsError,
 )
-from .ops import (
-    BucketLayout,
-    ProviderInfo,
-    ProviderReport,
-    RouterSpec,
-    Routing,
-    bucket_reduce,
-    dequantize,
-    error_update,
-    flatten,
-    moe_aux_loss,
-    moe_permute,
-    moe_route,
-    moe_unpermute,
-    moe_z_loss,
-    orthogonalize,
-    providers,
-    quantize,
-    residual_add,
-    sign_compress,
-    sign_decompress,
-    topk_compress,
-    topk_decompress,
-    unflatten,
-    wire_cast,
+from .version import __version__
+
+# The fused ops (and with them torch) load on first use of one of their names, so that a process that only
+# asks ``torsh --version`` imports no torch. Where torch is already imported, they load now: then
+# ``torch.ops.torsh.*`` exists as soon as torsh_kernels is imported, as before.
+_OPS = (
+    "BucketLayout",
+    "ProviderInfo",
+    "ProviderReport",
+    "RouterSpec",
+    "Routing",
+    "bucket_reduce",
+    "dequantize",
+    "error_update",
+    "flatten",
+    "moe_aux_loss",
+    "moe_permute",
+    "moe_route",
+    "moe_unpermute",
+    "moe_z_loss",
+    "orthogonalize",
+    "providers",
+    "quantize",
+    "residual_add",
+    "sign_compress",
+    "sign_decompress",
+    "topk_compress",
+    "topk_decompress",
+    "unflatten",
+    "wire_cast",
 )
+
+
+def __getattr__(name: str):
+    if name in _OPS:
+        from . import ops
+
+        for n in _OPS:
+            globals()[n] = getattr(ops, n)
+        return globals()[name]
+    raise AttributeError(f"module 'torsh_kernels' has no attribute {name!r}")
+
+
+if "torch" in _sys.modules:
+    from .ops import (
+        BucketLayout,
+        ProviderInfo,
+        ProviderReport,
+        RouterSpec,
+        Routing,
+        bucket_reduce,
+        dequantize,
+        error_update,
+        flatten,
+        moe_aux_loss,
+        moe_permute,
+        moe_route,
+        moe_unpermute,
+        moe_z_loss,
+        orthogonalize,
+        providers,
+        quantize,
+        residual_add,
+        sign_compress,
+        sign_decompress,
+        topk_compress,
+        topk_decompress,
+        unflatten,
+        wire_cast,
+    )
 
 if _os.environ.get("TORSH_TRACE", "").strip():
     # TORSH_TRACE=DIR: record this process's timeline into DIR/rank{R}.json. The profiling layer is loaded

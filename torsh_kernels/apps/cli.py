@@ -47,7 +47,7 @@ def _harness_mode(rest: list[str]) -> bool:
 
 
 def _version() -> str:
-    from .. import __version__
+    from ..version import __version__  # reads the version only: imports no torch
 
     return f"torsh-kernels {__version__}"
 
@@ -122,6 +122,9 @@ def _providers(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--version"]:  # answered before the parser, whose commands import torch (seconds)
+        print(_version())
+        return 0
     prog = "torsh"
     try:
         prog, args, handler = _parse(argv)

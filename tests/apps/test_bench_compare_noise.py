@@ -13,11 +13,13 @@ from torsh_kernels.apps.bench.harness import compare, load_baseline, measurement
 from torsh_kernels.cli_common import UsageError
 
 
-def _doc(cases: dict[str, tuple[float, float, float]]) -> dict:
-    """A bucket suite's JSON: case -> (p20, median, p80) ms of torsh[cpu] (ours) and of a torch peer."""
+def _doc(cases: dict[str, tuple[float, float, float]], peers: dict | None = None) -> dict:
+    """A bucket suite's JSON: case -> (p20, median, p80) ms of torsh[cpu] (ours); its torch peer's the same
+    case's of ``peers`` (default: 1.4, 1.5, 1.6 ms)."""
     results = []
-    for case, (lo, med, hi) in cases.items():
-        for impl, kind in (("torsh[cpu]", "ours"), ("torch", "peer")):
+    for case, ours in cases.items():
+        for impl, kind, (lo, med, hi) in (("torsh[cpu]", "ours", ours),
+                                           ("torch", "peer", (peers or {}).get(case, (1.4, 1.5, 1.6)))):  # fmt: skip
             results.append({"case": case, "op": "bucket_reduce", "impl": impl, "kind": kind,
                             "timing": {"median_ms": med, "p20_ms": lo, "p80_ms": hi, "reps": 5}})  # fmt: skip
     return {"suite": "bucket", "results": results, "options": []}
@@ -64,6 +66,20 @@ def test_a_real_slowdown_is_a_regression_and_is_re_measured(tmp_path, capsys):
     assert report_comparison(slow, base, 0.1, remeasure=lambda s: {"bucket": measurements("bucket", _doc(BASE))}) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "the slowdown did not reproduce when the suite ran again" in out and "REGRESSION bucket" not in out
+
+
+def test_a_machine_slower_throughout_is_not_a_regression(tmp_path, capsys):
+    """A busy machine all run long: every interval of ours lies above the baseline's, but the peers timed
+    interleaved with ours slowed as much. Ours slower than its own peers would still be a regression."""
+    base = _baseline(tmp_path, _doc(BASE))
+    busy = {c: (7.0, 7.5, 8.0) for c in BASE}
+    now = {"bucket": measurements("bucket", _doc(busy, peers=busy))}
+    c = compare(now, base.measurements, 0.1)
+    assert c.regressions == [] and len(c.noisy) == 5 and set(c.machine.values()) == {5.0}
+    assert report_comparison(now, base, 0.1) == 0
+    assert "slowed by 5.00x: the machine's slowdown" in " ".join(capsys.readouterr().out.split())
+    worse = {"bucket": measurements("bucket", _doc({**busy, "c2": (14.0, 15.0, 16.0)}, peers=busy))}
+    assert [r[1] for r in compare(worse, base.measurements, 0.1).regressions] == ["c2 / bucket_reduce / torsh[cpu]"]
 
 
 def test_spread_read_from_a_harness_document_and_checked(tmp_path):

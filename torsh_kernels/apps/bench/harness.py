@@ -15,9 +15,11 @@ whose median is slower than the baseline's by more than `--max-regression` (defa
 is a regression only when its p20-p80 interval lies wholly above the baseline's
 (:func:`torsh_kernels.env.compare_spread`, the rule `torsh tune` judges winners by) and stays so when its
 suite is run once more (the suite's own interleaved timing, each case's implementations alternating; the
-baseline's code is not here to interleave with, so the re-run checks that the slowdown reproduces). A
-suspect whose intervals overlap, or whose slowdown the re-run does not reproduce, is reported as "too
-noisy to judge" and does not fail the run. Cases whose suite records no spread (the collectives suite)
+baseline's code is not here to interleave with, so the re-run checks that the slowdown reproduces), and
+only when it is slower than the machine: a suspect whose case's peers and copy baseline (timed
+interleaved with it) slowed by as much, within `--max-regression`, shows the machine's slowdown. A
+suspect whose intervals overlap, whose slowdown the re-run does not reproduce, or whose peers slowed as
+much, is reported as "too noisy to judge", with which, and does not fail the run. Cases whose suite records no spread (the collectives suite)
 are judged on their medians, and said so. Exit status: 1 when a regression is judged, 0 otherwise (cases
 too noisy to judge included: re-run on a quiet machine to judge them); peers and copies are shown but
 never fail the run (their change is the machine's, not ours). A run that compares nothing is an error
@@ -40,6 +42,7 @@ import importlib
 import json
 import math
 import shlex
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -220,10 +223,31 @@ class Comparison(NamedTuple):
     new: list[tuple[str, str]]
     """(suite, case) measured now that the baseline does not have."""
     noisy: list[tuple]
-    """The rows of ours whose median is slower than allowed but whose interval overlaps the baseline's:
-    too noisy to judge."""
+    """The rows of ours whose median is slower than allowed but that cannot be judged a regression: their
+    interval overlaps the baseline's, or the peers and copies of the same case slowed as much (``machine``)."""
     unspread: list[tuple]
     """The regressions judged on medians alone (no p20/p80 recorded on one side)."""
+    machine: dict[tuple[str, str], float]
+    """(suite, case) of the noisy rows whose case's peers and copies (timed interleaved with them) slowed by
+    as much: their median slowdown."""
+
+
+def _group(case: str) -> str | None:
+    """The part of a case's key its peers share: ``case`` of ``case / op / impl`` (the timed suites, whose
+    implementations of a case are timed interleaved); None for the other suites' keys."""
+    parts = case.split(" / ")
+    return parts[0] if len(parts) >= 3 else None
+
+
+def machine_factor(rows: list[tuple], suite: str, case: str) -> float | None:
+    """How much slower the machine ran ``case`` (of ``suite``) than the baseline's did, as the case's peers
+    and copy baseline (timed interleaved with ours in the same run) show it: the median of their now/baseline
+    ratios; None where the case has none."""
+    g = _group(case)
+    if g is None:
+        return None
+    ratios = [r[5] for r in rows if r[0] == suite and r[2] != "ours" and _group(r[1]) == g]
+    return statistics.median(ratios) if ratios else None
 
 
 def _timing(m: dict) -> Timing | None:
@@ -255,8 +279,15 @@ def compare(current: dict[str, dict], base: dict[str, dict], max_regression: flo
                 bad.append(row)
             else:
                 noisy.append(row)
+    machine: dict[tuple[str, str], float] = {}
+    for row in list(bad):  # a slowdown the peers of its case share is the machine's, not ours
+        f = machine_factor(rows, row[0], row[1])
+        if f is not None and f > 1 and row[5] / f <= 1 + max_regression:
+            bad.remove(row)
+            noisy.append(row)
+            machine[(row[0], row[1])] = f
     missing = [(s, c) for s in current for c in base.get(s, {}) if c not in current[s]]
-    return Comparison(rows, bad, missing, new, noisy, unspread)
+    return Comparison(rows, bad, missing, new, noisy, [r for r in unspread if r in bad], machine)
 
 
 def _percent(text: str) -> float:
@@ -439,7 +470,8 @@ def judge(current: dict[str, dict], baseline: Baseline, max_reg: float,
     confirmed = {(r[0], r[1]) for r in c2.regressions}
     stands = [r for r in c.regressions if (r[0], r[1]) in confirmed or r[0] not in again]
     gone = [r for r in c.regressions if r not in stands]
-    c = c._replace(regressions=stands, noisy=c.noisy + gone, unspread=[r for r in c.unspread if r in stands])
+    c = c._replace(regressions=stands, noisy=c.noisy + gone, unspread=[r for r in c.unspread if r in stands],
+                   machine={**c2.machine, **c.machine})  # fmt: skip
     return c, gone
 
 
@@ -480,8 +512,10 @@ def report_comparison(current: dict[str, dict], baseline: Baseline, max_reg: flo
               file=sys.stderr)  # fmt: skip
     gone_keys = {(r[0], r[1]) for r in gone}
     for suite, case, _, _, _, ratio in c.noisy:
+        f = c.machine.get((suite, case))
         why = ("the slowdown did not reproduce when the suite ran again" if (suite, case) in gone_keys else
-               "the p20-p80 intervals overlap")  # fmt: skip
+               f"the peers and copy baseline of the same case, timed interleaved with it, slowed by {f:.2f}x: the "
+               "machine's slowdown" if f is not None else "the p20-p80 intervals overlap")  # fmt: skip
         print(f"TOO NOISY TO JUDGE {suite}: {case}: {_cell(baseline.measurements[suite][case])} -> "
               f"{_cell(current[suite][case])} (median {100 * (ratio - 1):.0f}% slower, but {why})")  # fmt: skip
     if c.noisy:

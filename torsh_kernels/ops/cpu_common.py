@@ -11,6 +11,10 @@ Imported lazily (on the cpu provider's first launch), so ``import torsh_kernels`
   signature and cached on disk beside the module (or in Numba's user cache directory where that is not
   writable), so a later process loads machine code instead of compiling; they release the GIL, so DDP's
   communication threads and autograd's can run them concurrently.
+- The first run on a machine compiles them (seconds): when one compile of a torsh kernel has lasted
+  :data:`NOTICE_AFTER_S`, stderr says ``torsh: compiling kernels (first run only)...`` and, when it ends,
+  how long it took; once per process, never on a cache hit (Numba reports a compile only on a cache miss),
+  and never under ``TORSH_QUIET=1`` (:class:`CompileNotice`).
 - Inner loops run from 0 over a slice, with branch-free selects: Numba then knows every index is
   non-negative, and LLVM vectorises them (a loop over ``range(a, b)`` with the wraparound check of a
   possibly negative index does not vectorise).
@@ -25,13 +29,89 @@ Imported lazily (on the cpu provider's first launch), so ``import torsh_kernels`
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
+
 import numpy as np
 import torch
 from llvmlite import ir
 from numba import carray, njit, types
+from numba.core import event
 from numba.extending import intrinsic
 
-__all__ = ["arr", "carray", "f32", "jit", "span", "store"]
+__all__ = ["NOTICE", "CompileNotice", "arr", "carray", "f32", "jit", "span", "store"]
+
+QUIET_ENV = "TORSH_QUIET"
+"""Set to 1 (true, yes, on) to silence the compile notice."""
+NOTICE_AFTER_S = 0.5
+"""How long a compile lasts before the notice is printed."""
+
+
+class CompileNotice(event.Listener):
+    """A listener of Numba's ``numba:compile`` event, which Numba fires only when it compiles (a signature not
+    in the process and not in the on-disk cache): when one compile of a function from ``modules`` (nested
+    compiles count as part of the outermost) has lasted ``after`` seconds, stderr says so, and when it ends,
+    how long it took. Once per process; silent when ``TORSH_QUIET`` is set."""
+
+    def __init__(self, after: float = NOTICE_AFTER_S, modules: tuple[str, ...] = ("torsh_kernels.",)) -> None:
+        self.after, self.modules = after, modules
+        self.done = False
+        """The notice was given (or compiling was found quiet): nothing more is said in this process."""
+        self._depth = 0
+        self._t0: float | None = None  # the outermost compile being watched
+        self._said = False
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+
+    def on_start(self, ev) -> None:
+        self._depth += 1
+        if self._depth != 1 or self.done:
+            return
+        fn = getattr(ev.data.get("dispatcher"), "py_func", None)
+        if not (getattr(fn, "__module__", None) or "").startswith(self.modules):
+            return
+        self._t0 = time.perf_counter()
+        if self.after > 0:
+            self._timer = threading.Timer(self.after, self._announce)
+            self._timer.daemon = True
+            self._timer.start()
+        else:
+            self._announce()
+
+    def on_end(self, ev) -> None:
+        self._depth -= 1
+        if self._depth or self._t0 is None:
+            return
+        took = time.perf_counter() - self._t0
+        with self._lock:
+            self._t0 = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._said:
+                self._say(f"torsh: compiled in {took:.1f} s (cached on disk: later runs load it)")
+                self.done = True
+            elif took >= self.after and not self.done:  # the timer had no chance to run: say both at once
+                self._say(f"torsh: compiling kernels (first run only) took {took:.1f} s")
+                self.done = True
+
+    def _announce(self) -> None:
+        with self._lock:
+            if self._t0 is not None and not self._said and not self.done:
+                self._said = self._say("torsh: compiling kernels (first run only)...")
+
+    def _say(self, text: str) -> bool:
+        if os.environ.get(QUIET_ENV, "0").strip().lower() in ("1", "true", "yes", "on"):
+            return False
+        print(text, file=sys.stderr, flush=True)
+        return True
+
+
+NOTICE = CompileNotice()
+"""The process's notice for the cpu provider's kernels (registered when this module is imported)."""
+event.register("numba:compile", NOTICE)
 
 _F32 = torch.float32
 

@@ -5,11 +5,15 @@ cell shows the class that fills most of it (legend below the lanes); then per-ra
 breakdown of :mod:`~torsh_kernels.profiling.analysis`, with the communication share and overlap) and
 the top names by total time. Reads torsh traces and torch.profiler (Kineto) traces, gzip too.
 
-Times are milliseconds from the earliest event of any rank. ``--window 120ms:180ms`` (units us, ms, s;
-a bare number is ms; either side may be left out), ``--step N`` (the window of step N, from step
+Times count from the earliest event of any rank, shown in us, ms, s or min by their magnitude (the axis
+says which). Lanes are named by what ran on them: a thread the trace calls ``Dummy-1``, ``Thread-3`` or
+by a number is shown as ``autograd``, ``comm hook``, ``offload copy``, ``forward``, ``ops`` (from the
+categories and names of its spans), its own name kept in a dim suffix. ``--window 120ms:180ms`` (units
+us, ms, s, min; a bare number is ms; either side may be left out), ``--step N`` (the window of step N, from step
 markers), ``--rank 0,2``, ``--cat communication`` (a class or a file category), ``--name REGEX``,
 ``--min-dur 0.5ms``, ``--top N``, ``--width COLUMNS``. ``--interactive``: keys pan (left/right, h/l),
-zoom (+/-, i/o), step (n/p), rank (r), reset (0), quit (q).
+zoom (+/-, i/o), step (n/p), rank (r), reset (0), quit (q); it draws on the terminal's alternate screen
+(the shell's screen is back as it was on quit), each frame cut to the terminal's height.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from ..errors import InvalidArgumentError, TraceFormatError
 from . import analysis as A
 from .traces import CLASSES, Span, Trace, load
 
-__all__ = ["GLYPHS", "View", "add_arguments", "parse_duration", "parse_window", "render", "run"]
+__all__ = ["GLYPHS", "View", "add_arguments", "fmt_time", "frame", "lane_title", "parse_duration", "parse_window",
+           "render", "run", "time_unit"]  # fmt: skip
 
 # class -> (glyph, style): the glyphs differ in shape, so the lanes read without colour too
 GLYPHS = {
@@ -38,16 +43,35 @@ GLYPHS = {
     "wait": ("-", "red"),
     "other": ("·", "bright_black"),
 }
-_UNITS = {"us": 1e-3, "µs": 1e-3, "ms": 1.0, "s": 1e3}
+_UNITS = {"us": 1e-3, "µs": 1e-3, "ms": 1.0, "s": 1e3, "min": 6e4}
 LABEL = 24
 
 
 def parse_duration(text: str, what: str = "duration") -> float:
-    """'120ms', '1.5s', '300us' or '7' (ms) -> milliseconds."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(us|µs|ms|s)?\s*", str(text), re.IGNORECASE)
+    """'120ms', '1.5s', '300us', '2min' or '7' (ms) -> milliseconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(us|µs|ms|s|min)?\s*", str(text), re.IGNORECASE)
     if not m:
-        raise InvalidArgumentError(f"{what}: cannot read {text!r} as a time; write e.g. 120ms, 1.5s or 300us")
+        raise InvalidArgumentError(f"{what}: cannot read {text!r} as a time; write e.g. 120ms, 1.5s, 2min or 300us")
     return float(m.group(1)) * _UNITS[(m.group(2) or "ms").lower()]
+
+
+def time_unit(ms: float) -> tuple[str, float]:
+    """(unit, milliseconds per unit) that shows ``ms`` with 1 to 3 digits before the point where it can:
+    us below 1 ms, ms below 1 s, s below 10 min, min from there."""
+    a = abs(ms)
+    if a < 1.0:
+        return "us", 1e-3
+    if a < 1e3:
+        return "ms", 1.0
+    if a < 6e5:
+        return "s", 1e3
+    return "min", 6e4
+
+
+def fmt_time(ms: float, unit: str | None = None, digits: int = 3) -> str:
+    """``ms`` in ``unit`` (default: :func:`time_unit`'s), e.g. ``'1.500 s'``."""
+    u, f = time_unit(ms) if unit is None else (unit, _UNITS[unit])
+    return f"{ms / f:.{digits}f} {u}"
 
 
 def parse_window(text: str) -> tuple[float | None, float | None]:
@@ -144,23 +168,109 @@ def _cells(segs: list[tuple[float, float, str]], lo: float, hi: float, width: in
     return [max(d, key=d.get) if d else None for d in cover]
 
 
-def _axis(lo: float, hi: float, width: int) -> tuple[str, str]:
-    """Tick marks and labels under a time axis of ``width`` cells."""
-    span = hi - lo
+def _axis(lo: float, hi: float, width: int) -> tuple[str, str, str]:
+    """Tick marks and labels under a time axis of ``width`` cells, and the labels' unit (by the window's
+    length: :func:`time_unit`)."""
+    unit, f = time_unit(hi - lo)
+    lo_u, hi_u = lo / f, hi / f
+    span = hi_u - lo_u
     raw = span / max(1, width // 14)
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step) * step
+    digits = max(0, -math.floor(math.log10(step) + 1e-9))
     marks, labels = [" "] * width, [" "] * width
-    t = first
-    while t <= hi + 1e-9:
-        i = min(width - 1, int((t - lo) / span * width))
+    k = math.ceil(lo_u / step - 1e-9)
+    while (t := k * step) <= hi_u + 1e-9 * step:
+        i = min(width - 1, int((t - lo_u) / span * width))
         marks[i] = "|"
-        lab = f"{t:g}"
+        lab = f"{t:.{digits}f}"
         if all(c == " " for c in labels[max(0, i - 1) : i + len(lab) + 1]) and i + len(lab) <= width:
             labels[i : i + len(lab)] = list(lab)
-        t += step
-    return "".join(marks), "".join(labels)
+        k += 1
+    return "".join(marks), "".join(labels), unit
+
+
+def _step_row(steps: list[Span], lo: float, hi: float, width: int) -> str:
+    """The steps of one rank as a row: ``─`` over each step, ``[`` at its start and ``[N`` (its number) where
+    the label fits whole, left to right: a label that would run into the one before it, end right before a
+    step's ``[`` or run past the edge is dropped (its ``[`` stays unless a label covers it)."""
+    row = [" "] * width
+    scale = width / (hi - lo)
+    starts = []
+    for s in sorted(steps, key=lambda s: s.start):
+        i0 = min(width - 1, max(0, int((max(s.start, lo) - lo) * scale)))
+        i1 = min(width - 1, max(i0, math.ceil((min(s.end, hi) - lo) * scale) - 1))
+        row[i0 : i1 + 1] = ["─"] * (i1 + 1 - i0)
+        if s.start >= lo - 1e-6:  # a step begun before the window has no start here
+            starts.append((i0, s))
+    for i0, _ in starts:
+        row[i0] = "["
+    marks = {i for i, c in enumerate(row) if c == "["}
+    free = 0  # the first cell a label may take: one cell after the previous label
+    for i0, s in starts:
+        n = A.step_number(s)
+        lab = "[" if n is None else f"[{n}"
+        end = i0 + len(lab)  # a label may hide later steps' "[" but not end right before one ("[9[")
+        if i0 >= free and end <= width and (end == width or end not in marks or len(lab) == 1):
+            row[i0 : i0 + len(lab)] = list(lab)
+            free = i0 + len(lab) + 1
+    return "".join(row)
+
+
+# a thread lane whose name says nothing of what it does: Python's Dummy-N / Thread-N (Thread-N (target) from
+# Python 3.10), a bare thread id, or the "pid:tid" of a file without thread names
+_ANONYMOUS = re.compile(r"(?:thread )?(?:(?:Dummy|Thread)-\d+(?: \(.*\))?|\d+(?: \(.*\))?|[^\s:]+:\S+)")
+
+
+def lane_purpose(spans: list[Span]) -> str | None:
+    """What a thread did, from the categories and names of its spans, strongest first: ``autograd`` (a
+    backward pass: torsh's module span ``backward`` or the engine's ``autograd::`` ops), ``offload copy``,
+    ``comm hook`` (issuing collectives, buckets, compressing), ``forward``, the name of its recorded
+    (``user``) spans, ``ops``, ``wait``; None when nothing there says."""
+    cats = {s.cat for s in spans}
+    names = {s.name for s in spans}
+    if any(s.cat == "module" and s.name == "backward" for s in spans) or any(n.startswith("autograd::") for n in names):
+        return "autograd"
+    if "offload" in cats:
+        return "offload copy"
+    if cats & {"issue", "collective", "bucket"} or any(s.cls in ("compression", "communication") for s in spans):
+        return "comm hook"
+    if "module" in cats:
+        return "forward"
+    user = [s for s in spans if s.cat == "user"]
+    if user:
+        by: dict[str, float] = {}
+        for s in user:
+            by[s.name] = by.get(s.name, 0.0) + s.dur
+        return max(by, key=by.get)
+    if cats & {"op", "cpu_op"} or any(s.cls == "compute" for s in spans):
+        return "ops"
+    if "wait" in cats:
+        return "wait"
+    return None
+
+
+def lane_title(lane, spans: list[Span]) -> tuple[str, str]:
+    """(name, raw id) a lane is shown by: a thread with an anonymous name (:data:`_ANONYMOUS`) takes
+    :func:`lane_purpose`'s, its own kept as the raw id (``Dummy-1``); other lanes keep theirs ("")."""
+    if lane.kind != "thread" or not _ANONYMOUS.fullmatch(lane.name):
+        return lane.name, ""
+    purpose = lane_purpose(spans)
+    raw = re.sub(r" \(.*\)$", "", lane.name.removeprefix("thread "))  # Thread-3 (worker): its target goes
+    return (purpose, raw) if purpose else (lane.name, "")
+
+
+def _lane_label(rank: int, name: str, raw: str):
+    """The label column of a lane: ``r0 comm hook (Dummy-1)``, the raw id dim and shortened first."""
+    from rich.text import Text
+
+    head = f"r{rank} {name}"[:LABEL]
+    t = Text(head)
+    room = LABEL - len(head) - 3  # " (" and ")"
+    if raw and room >= 2:
+        t.append(f" ({raw if len(raw) <= room else raw[: room - 1] + '…'})", style="dim")
+    t.append(" " * (LABEL + 1 - len(t.plain)))
+    return t
 
 
 def render(trace: Trace, view: View, console, *, source: str = "") -> dict:
@@ -187,37 +297,28 @@ def render_lanes(trace: Trace, view: View, console, *, source: str = "") -> int:
     kept = [s for s in trace.spans if view.keep(s) and s.end >= lo and s.start <= hi]
     n_ranks = len(trace.ranks)
     srcs = sorted({m.get("source", "?") for m in trace.ranks.values()})
-    console.print(Text(f"{source or 'trace'}: {n_ranks} rank(s) ({', '.join(srcs)}), {trace.end:.3f} ms recorded",
+    console.print(Text(f"{source or 'trace'}: {n_ranks} rank(s) ({', '.join(srcs)}), {fmt_time(trace.end)} recorded",
                        style="bold"), soft_wrap=True)  # fmt: skip
     step_note = f", step {view.step}" if view.step is not None else ""
-    console.print(Text(f"window {lo:.3f} - {hi:.3f} ms ({hi - lo:.3f} ms){step_note}", style="bold"), soft_wrap=True)
-    marks, labels = _axis(lo, hi, width)
+    u, f = time_unit(max(abs(lo), abs(hi)))
+    digits = 3 + max(0, math.ceil(-math.log10((hi - lo) / f)))  # the window's length stays readable
+    console.print(Text(f"window {lo / f:.{digits}f} - {hi / f:.{digits}f} {u} ({fmt_time(hi - lo)}){step_note}",
+                       style="bold"), soft_wrap=True)  # fmt: skip
+    marks, labels, axis_unit = _axis(lo, hi, width)
     console.print(Text(" " * LABEL + " " + labels, style="dim"))
-    console.print(Text(" " * LABEL + " " + marks, style="dim"))
+    console.print(Text(f"{axis_unit} ".rjust(LABEL) + " " + marks, style="dim"))
     by_lane: dict[int, list[Span]] = {}
     for s in kept:
         by_lane.setdefault(s.lane, []).append(s)
+    everything: dict[int, list[Span]] = {}  # a lane's name comes from all its spans, so panning keeps it
+    for s in trace.spans:
+        everything.setdefault(s.lane, []).append(s)
     shown_lanes = 0
     for r in ranks:
         steps = [s for s in kept if s.rank == r and s.cls == "step"]
         if steps:
-            row = [" "] * width
-            scale = width / (hi - lo)
-            starts = []
-            for s in sorted(steps, key=lambda s: s.start):
-                i0 = max(0, int((max(s.start, lo) - lo) * scale))
-                i1 = min(width - 1, max(i0, math.ceil((min(s.end, hi) - lo) * scale) - 1))
-                for i in range(i0, i1 + 1):
-                    row[i] = "─"
-                starts.append((i0, s))
-            for k, (i0, s) in enumerate(starts):  # "[N" at each step's start where the label fits
-                if s.start < lo - 1e-6:
-                    continue
-                room = (starts[k + 1][0] if k + 1 < len(starts) else width) - i0
-                lab = f"[{A.step_number(s)}"
-                row[i0 : i0 + min(room, len(lab))] = list(lab if room >= len(lab) else "[")[: width - i0]
             t = Text(f"r{r} steps".ljust(LABEL)[:LABEL] + " ", style="bold")
-            t.append("".join(row[:width]), style="bright_white")
+            t.append(_step_row(steps, lo, hi, width), style="bright_white")
             console.print(t, no_wrap=True, overflow="crop")
         for li in sorted((i for i in by_lane if trace.lanes[i].rank == r), key=lambda i: _lane_order(trace, i)):
             spans = [s for s in by_lane[li] if s.cls != "step" and s.cat != "Trace"]  # not Kineto's whole-run span
@@ -226,7 +327,7 @@ def render_lanes(trace: Trace, view: View, console, *, source: str = "") -> int:
             ln = trace.lanes[li]
             segs = [(s.start, s.end, s.cls) for s in spans] if ln.kind == "inflight" else A.self_segments(spans)
             cells = _cells(segs, lo, hi, width)
-            t = Text(f"r{r} {ln.name}".ljust(LABEL)[:LABEL] + " ")
+            t = _lane_label(r, *lane_title(ln, everything.get(li, [])))
             for c in cells:
                 if c is None:
                     t.append(" ")
@@ -340,7 +441,30 @@ def _read_key(fd: int) -> str:
     return ch
 
 
+KEYS = "keys: ←/→ pan  +/- zoom  n/p step  r rank  0 reset  q quit"
+
+
+def frame(trace: Trace, view: View, console, source: str, height: int) -> list[str]:
+    """One screen of the interactive mode: the lanes and tables cut to ``height`` lines, the last of them the
+    keys (a cut frame says how many lines it left out); lines as the console writes them (with its styles)."""
+    with console.capture() as cap:
+        render(trace, view, console, source=source)
+    lines = cap.get().splitlines()
+    room = max(1, height - 1)
+    if len(lines) > room:
+        cut = len(lines) - (room - 1)
+        with console.capture() as cap:
+            console.print(f"[yellow]... {cut} more lines (r: one rank at a time; a taller terminal shows more)",
+                          no_wrap=True, overflow="crop")  # fmt: skip
+        lines = lines[: room - 1] + cap.get().splitlines()[:1]
+    with console.capture() as cap:
+        console.print(f"[dim]{KEYS}[/dim]", no_wrap=True, overflow="crop")
+    return lines[:room] + cap.get().splitlines()[:1]
+
+
 def interactive(trace: Trace, view: View, console, source: str) -> int:
+    """Draw on the terminal's alternate screen (left, and the shell's screen restored, on quit, Ctrl-C or an
+    error), one frame per key, each cut to the terminal's height."""
     import termios
     import tty
 
@@ -350,12 +474,12 @@ def interactive(trace: Trace, view: View, console, source: str) -> int:
     old = termios.tcgetattr(fd)
     try:
         tty.setcbreak(fd)
-        while view is not None:
-            console.clear()
-            render(trace, view, console, source=source)
-            console.print("[dim]keys: ←/→ pan  +/- zoom  n/p step  r rank  0 reset  q quit[/dim]")
-            nxt = apply_key(trace, view, _read_key(fd))
-            view = nxt
+        with console.screen(hide_cursor=True):
+            while view is not None:
+                lines = frame(trace, view, console, source, console.height)
+                console.file.write("\x1b[H\x1b[2J" + "\n".join(lines))  # home, clear, the frame
+                console.file.flush()
+                view = apply_key(trace, view, _read_key(fd))
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, old)
     return 0

@@ -127,3 +127,15 @@ def test_interactive_uses_the_alternate_screen(tmp_path):
     assert b"\x1b[?1049h" in term.out and b"\x1b[?1049l" in term.out  # entered and left
     first = term.out.split(b"\x1b[2J", 1)[1].split(b"keys:", 1)[0]
     assert first.count(b"\n") == 11  # 11 lines, then the keys line: 12, the terminal's height
+
+
+def test_dense_steps_still_show_numbers(tmp_path, capsys):
+    # 100 steps in 40 cells: more steps than cells; numbers every few cells, each whole, a gap after each
+    ev = [_x(f"step {k}", "step", k, k + 1, 1, step=k) for k in range(100)]
+    out = _timeline(capsys, _write(tmp_path / "d", ev, {1: "main"}), width=LABEL + 1 + 40)
+    row = next(line for line in out.splitlines() if line.startswith("r0 steps"))[LABEL + 1 :]
+    assert len(row) == 40
+    numbers = [int(n) for n in re.findall(r"\[(\d+)", row)]
+    assert len(numbers) >= 5 and numbers == sorted(numbers) and numbers[0] == 0
+    for m in re.finditer(r"\[(\d+)", row):
+        assert m.start() == int(int(m.group(1)) * 40 / 100) and row[m.end() : m.end() + 1] in ("", " ")

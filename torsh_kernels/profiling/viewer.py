@@ -193,7 +193,9 @@ def _axis(lo: float, hi: float, width: int) -> tuple[str, str, str]:
 def _step_row(steps: list[Span], lo: float, hi: float, width: int) -> str:
     """The steps of one rank as a row: ``─`` over each step, ``[`` at its start and ``[N`` (its number) where
     the label fits whole, left to right: a label that would run into the one before it, end right before a
-    step's ``[`` or run past the edge is dropped (its ``[`` stays unless a label covers it)."""
+    step's ``[`` or run past the edge is dropped (its ``[`` stays unless a label covers it). Where steps are
+    so dense that this leaves fewer than two numbers, labels hide the ``[`` they cover, one cell after each
+    left blank: ``[0 [8 [16``."""
     row = [" "] * width
     scale = width / (hi - lo)
     starts = []
@@ -206,15 +208,20 @@ def _step_row(steps: list[Span], lo: float, hi: float, width: int) -> str:
     for i0, _ in starts:
         row[i0] = "["
     marks = {i for i, c in enumerate(row) if c == "["}
-    free = 0  # the first cell a label may take: one cell after the previous label
-    for i0, s in starts:
-        n = A.step_number(s)
-        lab = "[" if n is None else f"[{n}"
-        end = i0 + len(lab)  # a label may hide later steps' "[" but not end right before one ("[9[")
-        if i0 >= free and end <= width and (end == width or end not in marks or len(lab) == 1):
-            row[i0 : i0 + len(lab)] = list(lab)
-            free = i0 + len(lab) + 1
-    return "".join(row)
+    for dense in (False, True):
+        out, free, shown = list(row), 0, 0  # free: the first cell a label may take, one after the previous label
+        for i0, s in starts:
+            n = A.step_number(s)
+            lab = "[" if n is None else f"[{n}"
+            end = i0 + len(lab)  # a label may hide later steps' "[" but not end right before one ("[9[")...
+            if i0 >= free and end <= width and (end == width or end not in marks or len(lab) == 1 or dense):
+                out[i0:end] = list(lab)
+                if end < width and end in marks:  # ...unless steps are too dense for that: a gap hides that one
+                    out[end] = " "
+                free, shown = end + 1, shown + (n is not None)
+        if shown >= min(2, len(starts)):
+            break
+    return "".join(out)
 
 
 # a thread lane whose name says nothing of what it does: Python's Dummy-N / Thread-N (Thread-N (target) from

@@ -57,6 +57,10 @@ def __getattr__(name: str):
         for n in _OPS:
             globals()[n] = getattr(ops, n)
         return globals()[name]
+    if name in ("ops", "env"):  # submodules a plain import used to load: still reachable as attributes
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'torsh_kernels' has no attribute {name!r}")
 
 

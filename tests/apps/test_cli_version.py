@@ -37,3 +37,10 @@ def test_import_after_torch_registers_the_custom_ops_at_once():
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["True"]
+
+
+def test_the_submodules_a_plain_import_loaded_are_still_attributes():
+    probe = "import torsh_kernels as tk; print(tk.ops.registry.PROVIDERS[-1], tk.env.fmt_bytes(2048))"
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["torch", "2", "KiB"]

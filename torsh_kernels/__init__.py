@@ -19,9 +19,10 @@ from .errors import (
 )
 from .version import __version__
 
-# The fused ops (and with them torch) load on first use of one of their names, so that a process that only
-# asks ``torsh --version`` imports no torch. Where torch is already imported, they load now: then
-# ``torch.ops.torsh.*`` exists as soon as torsh_kernels is imported, as before.
+# The fused ops (and with them torch) load with the package, so that ``import torsh_kernels`` registers
+# ``torch.ops.torsh.*`` whatever was imported before (the way custom-op libraries are used: imported for their
+# registrations, e.g. before loading an exported program). One process defers them: ``torsh --version`` (the
+# console script with that lone argument), which imports no torch; there they load on first use of a name.
 _OPS = (
     "BucketLayout",
     "ProviderInfo",
@@ -64,7 +65,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'torsh_kernels' has no attribute {name!r}")
 
 
-if "torch" in _sys.modules:
+def _version_only() -> bool:
+    """This process is ``torsh --version``: the console script asked nothing else."""
+    argv = getattr(_sys, "argv", None) or []
+    return len(argv) == 2 and argv[1] == "--version" and _os.path.basename(argv[0]) == "torsh"
+
+
+if "torch" in _sys.modules or not _version_only():
     from .ops import (
         BucketLayout,
         ProviderInfo,

@@ -46,7 +46,7 @@ def _labels(out):
 
 def test_anonymous_threads_are_named_by_what_ran_on_them(tmp_path, capsys):
     threads = {1: "main", 2: "thread Dummy-1", 3: "thread Dummy-2", 4: "thread Thread-3 (worker)",
-               5: "thread loader", 6: "thread Thread-4"}  # fmt: skip
+               5: "thread loader", 6: "thread Thread-4", 7: "thread 4711 (pt_gloo_1)"}  # fmt: skip
     ev = [
         _x("forward", "user", 0, 10, 1),
         _x("backward", "module", 10, 30, 2, module="Net"),  # the autograd engine's thread
@@ -55,10 +55,12 @@ def test_anonymous_threads_are_named_by_what_ran_on_them(tmp_path, capsys):
         _x("offload grads to host", "offload", 20, 25, 4),
         _x("in thread", "user", 5, 8, 5),  # a named thread keeps its name
         _x("prefetch", "user", 1, 2, 6),
+        _x("gloo:all_reduce", "op", 13, 16, 7),  # Kineto's id with the OS's name: the name stays, the id dims
     ]
     out = _timeline(capsys, _write(tmp_path / "t", ev, threads))
     assert sorted(_labels(out)) == sorted(["r0 main", "r0 autograd (Dummy-1)", "r0 comm hook (Dummy-2)",
-                            "r0 offload copy (Threa…)", "r0 thread loader", "r0 prefetch (Thread-4)"])  # fmt: skip
+                            "r0 offload copy (Threa…)", "r0 thread loader", "r0 prefetch (Thread-4)",
+                            "r0 pt_gloo_1 (4711)"])  # fmt: skip
     assert "thread Dummy" not in out
 
 

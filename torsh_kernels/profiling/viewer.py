@@ -229,6 +229,10 @@ def _step_row(steps: list[Span], lo: float, hi: float, width: int) -> str:
 _ANONYMOUS = re.compile(r"(?:thread )?(?:(?:Dummy|Thread)-\d+(?: \(.*\))?|\d+(?: \(.*\))?|[^\s:]+:\S+)")
 
 
+_OS_NAMED = re.compile(r"(?:thread )?(\d+) \((.+)\)")
+"""A thread id with the name the OS (or Kineto) gave it: the name is kept, the id goes to the dim suffix."""
+
+
 def lane_purpose(spans: list[Span]) -> str | None:
     """What a thread did, from the categories and names of its spans, strongest first: ``autograd`` (a
     backward pass: torsh's module span ``backward`` or the engine's ``autograd::`` ops), ``offload copy``,
@@ -262,6 +266,9 @@ def lane_title(lane, spans: list[Span]) -> tuple[str, str]:
     :func:`lane_purpose`'s, its own kept as the raw id (``Dummy-1``); other lanes keep theirs ("")."""
     if lane.kind != "thread" or not _ANONYMOUS.fullmatch(lane.name):
         return lane.name, ""
+    named = _OS_NAMED.fullmatch(lane.name)  # Kineto's "thread 123 (pt_gloo_...)": the OS's name says what it is
+    if named and not re.fullmatch(r"(?:Dummy|Thread)-\d+(?: \(.*\))?", named[2]):
+        return named[2], named[1]
     purpose = lane_purpose(spans)
     raw = re.sub(r" \(.*\)$", "", lane.name.removeprefix("thread "))  # Thread-3 (worker): its target goes
     return (purpose, raw) if purpose else (lane.name, "")

@@ -189,4 +189,4 @@ def test_the_wheel_installs_and_runs_without_triton(built, tmp_path):
     )  # fmt: skip
     assert demo.returncode == 0, demo.stderr[-3000:]
     rows = json.loads((run / "demo.json").read_text())["rows"]
-    assert [r["compressor"] for r in rows] == ["none", "powersgd"], rows
+    assert [r["compressor"] for r in rows] == ["none", "powersgd:4"], rows

@@ -182,11 +182,11 @@ def test_torsh_demo_trains_every_compressor_and_prints_one_table(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--steps", "15", "--hidden", "48",
                         "--json"], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    for word in ("compressor", "bytes", "accuracy", "speedup", "none", "fp16", "topk", "quantize", "sign",
+    for word in ("compressor", "bytes", "accuracy", "speedup", "none", "fp16", "topk:0.01", "int8", "sign",
                  "powersgd", "auto", "pays off", "auto chose", "15/15"):  # fmt: skip
         assert word in r.stderr, word
     rows = json.loads(r.stdout)["rows"]
-    assert [row["compressor"] for row in rows] == ["none", "fp16", "topk", "quantize", "sign", "powersgd", "auto"]
+    assert [row["compressor"] for row in rows] == ["none", "fp16", "topk:0.01", "int8", "sign", "powersgd:4", "auto"]
     assert rows[0]["speedup"] == 1.0 and all(0 <= row["accuracy"] <= 1 for row in rows)
     assert all(row["bytes_per_step"] < rows[0]["bytes_per_step"] for row in rows[1:-1])
     # auto: what it measured of each of the others, and its choice among them

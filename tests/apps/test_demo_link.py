@@ -179,7 +179,7 @@ def test_torsh_demo_runs_on_an_emulated_slow_link_by_default():
     assert "auto's check: " in r.stderr
     doc = json.loads(r.stdout)
     assert "tbf 100 Mbit/s" in doc["network"] and doc["ranks"] == 2
-    assert [row["compressor"] for row in doc["rows"]] == ["none", "powersgd", "auto"]
+    assert [row["compressor"] for row in doc["rows"]] == ["none", "powersgd:4", "auto"]
     assert doc["auto_check"].startswith("auto's check: ") and doc["rows"][-1]["compute_floor_ms"] > 0
 
 
@@ -215,3 +215,19 @@ def test_ctrl_c_stops_the_demo_on_emulated_hosts_says_so_once_and_removes_them()
     assert "rank 1 exited" not in err and "Traceback" not in err, err
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n in listed or os.path.exists(f"/etc/netns/{n}") for n in names)
+
+
+def test_the_demo_names_compressors_as_the_registry_does():
+    """One name per compressor (issue 42 item 7): the demo's rows read the names the hook, auto's table and
+    `torsh doctor` use (int8, not quantize); --compressors takes any of them, and the demo's former names
+    still run, as the compressor they stand for."""
+    from torsh_kernels.compression.names import DEFAULT_CANDIDATE_NAMES
+
+    cfg = demo.DemoConfig()
+    assert cfg.compressors == ["none", "fp16", "topk:0.01", "int8", "sign", "powersgd:4", "auto"]
+    assert set(cfg.compressors[:-1]) <= set(DEFAULT_CANDIDATE_NAMES)
+    cfg = demo.DemoConfig(compressors=["none", "quantize", "topk", "powersgd", "int4", "powersgd:2", "auto"])
+    assert cfg.compressors == ["none", "int8", "topk:0.01", "powersgd:4", "int4", "powersgd:2", "auto"]
+    assert [demo._label_of(n) for n in cfg.compressors[:-1]] == cfg.compressors[:-1]  # auto's labels: the same
+    with pytest.raises(InvalidArgumentError, match=r"unknown compressor\(s\) \['bogus', 'topk:2'\]"):
+        demo.DemoConfig(compressors=["none", "bogus", "topk:2"])

@@ -130,12 +130,12 @@ def test_demo_timeline_and_report_agree(tmp_path, capsys):
     expected = {}
     for r in (0, 1):
         share, labels = _independent_comm_share(d / f"rank{r}.json")
-        assert labels == {"none", "powersgd"}
+        assert labels == {"none", "powersgd:4"}
         assert 0 < share < 1
         expected[r] = share
     assert cli(["report", str(d), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert list(rep["labels"]) == ["none", "powersgd"]
+    assert list(rep["labels"]) == ["none", "powersgd:4"]
     for row in rep["ranks"]:
         assert row["comm_share"] == pytest.approx(expected[row["rank"]], abs=1e-9)
         assert row["steps"] == 8 and row["collectives"] > 0 and row["wire_bytes"] > 0

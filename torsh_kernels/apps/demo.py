@@ -2,8 +2,9 @@
 
 N local ranks (default 2; gloo on CPU, NCCL with the Triton kernels where CUDA is present) train the same
 small MLP on the digits data set bundled with the package under PyTorch's DistributedDataParallel, once per
-compressor (none, fp16, topk, quantize, sign, powersgd) through :func:`~torsh_kernels.parallel.compression_hook`,
-for a fixed number of steps from the same initial weights and the same batches, and once with
+compressor (none, fp16, topk:0.01, int8, sign, powersgd:4: the compressors' own names) through
+:func:`~torsh_kernels.parallel.compression_hook`, for a fixed number of steps from the same initial weights
+and the same batches, and once with
 ``compressor="auto"``, which measures the link and each of those compressors on this model's buckets at
 the end of the warm-up and keeps the cheapest. Then two tables: per compressor the step time, bytes each
 rank sends per step, compression ratio, final test accuracy and speedup over uncompressed; and what
@@ -43,7 +44,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import cli_common
-from ..compression import FP16, Compressor, PowerSGD, Quantize, Sign, TopK
+from ..compression import Compressor, NoCompression
+from ..compression.names import compressor_from_name
 from ..errors import InvalidArgumentError
 from .bench import fmt_bytes, quantile
 from .bench.emulated import LinkRate, parse_delay, parse_rate
@@ -63,19 +65,28 @@ __all__ = [
 ]
 
 
-def _compressors() -> dict[str, Compressor | str | None]:
-    return {
-        "none": None,
-        "fp16": FP16(),
-        "topk": TopK(0.01),
-        "quantize": Quantize(8),
-        "sign": Sign(),
-        "powersgd": PowerSGD(4),
-        "auto": "auto",
-    }
+COMPRESSORS = ("none", "fp16", "topk:0.01", "int8", "sign", "powersgd:4", "auto")
+"""The demo's compressors by their names (:mod:`torsh_kernels.compression.names`: the names the hook, ``auto``'s
+table and ``torsh doctor`` use), then ``auto``. ``--compressors`` takes any compressor name."""
+FORMER_NAMES = {"quantize": "int8", "topk": "topk:0.01", "powersgd": "powersgd:4"}
+"""The demo's earlier names, still accepted: each runs (and its row reads) as the compressor name it stands for."""
 
 
-COMPRESSORS = tuple(_compressors())
+def demo_name(name: str) -> str:
+    """The name a demo row reads for ``--compressors``' ``name``: ``auto``, or the canonical compressor name
+    (``FORMER_NAMES`` resolved); an unknown or malformed name raises the registry's ``InvalidArgumentError``."""
+    name = FORMER_NAMES.get(name, name)
+    return name if name == "auto" else compressor_from_name(name).name
+
+
+def _compressor(name: str) -> Compressor | str | None:
+    """The hook's ``compressor=`` for a demo row's name (None: uncompressed, as DDP's default)."""
+    name = FORMER_NAMES.get(name, name)
+    if name == "auto":
+        return "auto"
+    c = compressor_from_name(name)
+    return None if isinstance(c, NoCompression) else c
+
 
 FSDP_CASES: dict[str, tuple[str | None, str | None]] = {
     "plain": (None, None),
@@ -171,9 +182,8 @@ def plan_link(link: str | None, delay: str | None, *, ranks: int, cannot_shape: 
 def _auto_candidates(names: list[str]) -> tuple[Compressor | None, ...]:
     """What ``auto`` chooses among in the demo: the demo's other compressors (all of them when the run
     names only some)."""
-    table = {k: v for k, v in _compressors().items() if k != "auto"}
     chosen = [n for n in names if n != "auto"]
-    return tuple(table[n] for n in (chosen if len(chosen) > 1 else table))
+    return tuple(_compressor(n) for n in (chosen if len(chosen) > 1 else COMPRESSORS[:-1]))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -206,11 +216,23 @@ class DemoConfig:
     """Train under FSDP2 (``fully_shard``) instead of DDP; ``compressors`` are then :data:`FSDP_CASES`."""
 
     def __post_init__(self) -> None:
-        known = FSDP_CASES if self.fsdp else COMPRESSORS
-        bad = [c for c in self.compressors if c not in known]
-        if bad or not self.compressors:
-            what = "FSDP case(s)" if self.fsdp else "compressor(s)"
-            raise InvalidArgumentError(f"unknown {what} {bad}; choose from {list(known)}")
+        if self.fsdp:
+            bad = [c for c in self.compressors if c not in FSDP_CASES]
+            if bad or not self.compressors:
+                raise InvalidArgumentError(f"unknown FSDP case(s) {bad}; choose from {list(FSDP_CASES)}")
+        else:
+            names, bad = [], []
+            for c in self.compressors:
+                try:
+                    names.append(demo_name(c))
+                except InvalidArgumentError:
+                    bad.append(c)
+            if bad or not names:
+                raise InvalidArgumentError(
+                    f"unknown compressor(s) {bad}; choose from {list(COMPRESSORS)} or any compressor name "
+                    "(`torsh doctor` lists them; the demo's former names quantize, topk, powersgd still work)"
+                )
+            self.compressors = names
         for name in ("steps", "hidden", "batch"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -307,7 +329,7 @@ def _train(comm, cfg: DemoConfig, ci: int, name: str, data: tuple, rec, progress
     dev = comm.device
     xtr, ytr, xte, yte = data
     me, ws = comm.rank, comm.world_size
-    compressor = _compressors()[name]
+    compressor = _compressor(name)
     net = _mlp(cfg.hidden, cfg.seed).to(dev)
     ddp = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None)
     extra = {"auto_candidates": _auto_candidates(cfg.compressors)} if compressor == "auto" else {}
@@ -507,7 +529,7 @@ def print_auto(auto: dict, *, console=None) -> None:
 
 def _label_of(name: str) -> str | None:
     """The label ``auto`` gives the demo's compressor ``name`` (None for auto itself)."""
-    c = _compressors().get(name)
+    c = _compressor(name)
     return "none" if c is None else (c.label() if isinstance(c, Compressor) else None)
 
 

@@ -90,7 +90,9 @@ def test_default_link_is_loopback_with_one_line_saying_why_and_what_shows_it():
     plan = demo.plan_link(None, None, ranks=2, cannot_shape="creating network namespaces and qdiscs needs root")
     assert plan.rate is None and "\n" not in plan.note
     assert "compression pays on a slow link" in plan.note and "needs root" in plan.note
-    assert "`sudo torsh demo`" in plan.note and "`torsh demo --link 100mbit`" in plan.note
+    assert '`sudo "$(command -v torsh)" demo`' in plan.note and "`torsh demo --link 100mbit`" in plan.note
+    no_ip = demo.plan_link(None, None, ranks=2, cannot_shape="the `ip` command (iproute2) is not installed")
+    assert "sudo" not in no_ip.note and "iproute2" in no_ip.note  # sudo would not help there
     four = demo.plan_link(None, None, ranks=4, cannot_shape=None)  # the emulated link joins two ranks
     assert four.rate is None and "4 local ranks" in four.note
 
@@ -102,9 +104,19 @@ def test_explicit_links():
     assert plan.rate.bits_per_s == 10**9 and plan.delay == "1000us" and plan.note.startswith("link: 1 Gbit/s")
     fallback = demo.plan_link("1gbit", None, ranks=2, cannot_shape="it needs root")
     assert fallback.rate is None and "needs two emulated hosts, but it needs root" in fallback.note
-    for link, delay, ranks in (("10gbps", None, 2), (None, "1ms", 2), ("1gbit", "fast", 2), ("1gbit", None, 4)):
+    for link, delay, ranks in (("10gbps", None, 2), ("none", "1ms", 2), ("1gbit", "fast", 2), ("1gbit", None, 4)):
         with pytest.raises(UsageError):
             demo.plan_link(link, delay, ranks=ranks, cannot_shape=None)
+    delayed = demo.plan_link(None, "5ms", ranks=2, cannot_shape=None)  # --delay alone: the default link, delayed
+    assert delayed.rate == emulated.parse_rate(demo.DEFAULT_LINK) and delayed.delay == "5000us"
+    with pytest.raises(UsageError):  # no link to delay where none can be emulated
+        demo.plan_link(None, "5ms", ranks=2, cannot_shape="it needs root")
+
+
+def test_delays_of_a_second_and_more_read_back():
+    """A delay of 1 s or more was formatted 1e+06us, which tc and parse_delay itself then refused."""
+    for text, us in (("1s", "1000000us"), ("2.5s", "2500000us"), ("10s", "10000000us"), ("0.5us", "0.5us")):
+        assert emulated.parse_delay(text) == us and emulated.parse_delay(emulated.parse_delay(text)) == us
 
 
 def _rows_1gbit():
@@ -231,3 +243,27 @@ def test_the_demo_names_compressors_as_the_registry_does():
     assert [demo._label_of(n) for n in cfg.compressors[:-1]] == cfg.compressors[:-1]  # auto's labels: the same
     with pytest.raises(InvalidArgumentError, match=r"unknown compressor\(s\) \['bogus', 'topk:2'\]"):
         demo.DemoConfig(compressors=["none", "bogus", "topk:2"])
+
+
+def test_a_default_link_that_cannot_be_made_falls_back_to_loopback(monkeypatch, capsys):
+    """Root in a container without CAP_SYS_ADMIN passes the root check but `ip netns add` fails: the default
+    (not asked for) link falls back to the loopback run with one line; an asked-for link stays an error."""
+    from torsh_kernels import collectives
+
+    class Reached(Exception):
+        pass
+
+    def no_netns(*args, **kwargs):
+        raise InvalidArgumentError("emulated hosts: `ip netns add torsh-h0` failed: Operation not permitted")
+
+    def loopback(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(emulated, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(emulated, "run_on_emulated_hosts", no_netns)
+    monkeypatch.setattr(collectives, "run_local", loopback)
+    with pytest.raises(Reached):
+        main(["demo", "--steps", "12", "--no-progress"])
+    assert "link: loopback after all: emulated hosts: `ip netns add torsh-h0` failed" in capsys.readouterr().err
+    assert main(["demo", "--link", "1gbit", "--steps", "12", "--no-progress"]) != 0
+    assert "Operation not permitted" in capsys.readouterr().err

@@ -109,7 +109,8 @@ clearly pays on the demo's model (1.15 MiB of gradients a step, ~100 ms on the w
 enough that the whole demo takes a few minutes."""
 LOOPBACK = ("none", "loopback")
 """``--link`` values that keep the local loopback run."""
-SHOW_IT = f"`sudo torsh demo` (or, as root, `torsh demo --link {DEFAULT_LINK}`)"
+SHOW_IT = f'`sudo "$(command -v torsh)" demo` (or, as root, `torsh demo --link {DEFAULT_LINK}`)'
+"""How to see it where this process may not shape a link (sudo's own PATH would not find a venv's torsh)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,8 @@ def plan_link(link: str | None, delay: str | None, *, ranks: int, cannot_shape: 
     :func:`~torsh_kernels.apps.bench.emulated.unavailable_reason` says). Pure: checks the arguments (a
     :class:`~torsh_kernels.cli_common.UsageError` for bad ones) and decides, nothing is made or run."""
     rate = parse_link(link)
+    if rate is None and delay is not None and ranks == 2 and cannot_shape is None:
+        rate = parse_rate(DEFAULT_LINK)  # --delay alone: on the default emulated link
     if delay is not None:
         if not isinstance(rate, LinkRate):
             raise cli_common.UsageError("--delay is the one-way delay of an emulated link: it needs --link RATE")
@@ -165,9 +168,10 @@ def plan_link(link: str | None, delay: str | None, *, ranks: int, cannot_shape: 
             rate = parse_rate(DEFAULT_LINK)
             return LinkPlan(rate, note=f"link: {rate} emulated (two network namespaces, tc tbf), where compression "
                             "pays on this model; --link RATE to change it, --link none for loopback")  # fmt: skip
+        show = SHOW_IT if "root" in cannot_shape else "`torsh demo` as root where it can be emulated"
         return LinkPlan(None, note=(
             "link: loopback, where compressing costs more compute than the bytes it saves; compression pays on a "
-            f"slow link, which cannot be emulated here ({cannot_shape}): {SHOW_IT} shows it"
+            f"slow link, which cannot be emulated here ({cannot_shape}): {show} shows it"
         ))  # fmt: skip
     if cannot_shape is not None:
         return LinkPlan(None, note=(
@@ -694,7 +698,7 @@ def _env_rank_main(cfg: DemoConfig, json_path: str | None) -> int:
     """Entry point of one rank under torchrun's environment (the --link mode's two namespaces)."""
     from ..collectives import init_from_env
 
-    comm = init_from_env(timeout=120)
+    comm = init_from_env("gloo", timeout=120)  # on the CPU over the shaped veth (NCCL would bypass it)
     rows = run_rank(comm, cfg)
     if rows is not None:
         net = os.environ.get("TORSH_BENCH_NETWORK", "torchrun environment")
@@ -752,7 +756,12 @@ def run(a: argparse.Namespace) -> int:
     if plan.note:
         print(plan.note, file=sys.stderr, flush=True)
     if plan.rate is not None:
-        return _run_emulated(a, plan)
+        try:
+            return _run_emulated(a, plan)
+        except InvalidArgumentError as e:  # the namespaces could not be made (e.g. root without CAP_SYS_ADMIN)
+            if a.link is not None or a.delay is not None:
+                raise
+            print(f"link: loopback after all: {e}", file=sys.stderr, flush=True)
     from ..collectives import run_local
 
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= a.ranks else "gloo"

@@ -110,7 +110,7 @@ def parse_delay(text: str, *, what: str = "delay") -> str:
     us = float(m["num"]) * _DELAY_UNIT[m["unit"]] * 1e6
     if not 0 <= us <= 10e6:
         raise InvalidArgumentError(f"{what} {text!r}: must be between 0 and 10 s")
-    return f"{us:g}us"
+    return format(us, "f").rstrip("0").rstrip(".") + "us"  # plain digits: 1 s is 1000000us, not 1e+06us
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,29 +169,16 @@ def emulated_hosts(
     ifs = (f"tv0{tag}"[:15], f"tv1{tag}"[:15])
     net = f"10.213.{os.getpid() % 200}"
     ips = (f"{net}.1", f"{net}.2")
+    made_netns_dir = not os.path.isdir("/etc/netns")
     try:
-        for n in ns:
-            _run("ip", "netns", "add", n)
-            os.makedirs(f"/etc/netns/{n}", exist_ok=True)
-            with open(f"/etc/netns/{n}/hosts", "w") as f:
-                f.write(_hosts_file(ns, ips))
-        _run("ip", "link", "add", ifs[0], "type", "veth", "peer", "name", ifs[1])
-        for n, i, a in zip(ns, ifs, ips):
-            _run("ip", "link", "set", i, "netns", n)
-            _run("ip", "-n", n, "link", "set", "lo", "up")
-            _run("ip", "-n", n, "addr", "add", f"{a}/24", "dev", i)
-            _run("ip", "-n", n, "link", "set", i, "up")
-            tbf = ["tbf", "rate", rate.tc, "burst", burst, "latency", "100ms"]
-            if delay:
-                _run("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", i, "root", "handle", "1:", "netem",
-                     "delay", delay)  # fmt: skip
-                _run("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", i, "parent", "1:1", "handle", "10:", *tbf)
-            else:
-                _run("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", i, "root", *tbf)
+        try:
+            _setup(ns, ifs, ips, rate, delay, burst)
+        except subprocess.CalledProcessError as e:
+            raise InvalidArgumentError(f"emulated hosts: `{' '.join(e.cmd)}` failed: {e.stderr.strip()}") from e
+        except OSError as e:  # e.g. a read-only /etc
+            raise InvalidArgumentError(f"emulated hosts: {e}") from e
         desc = f"two network namespaces, veth pair, tbf {rate} per direction" + (f", delay {delay}" if delay else "")
         yield EmulatedHosts(ns, ips, ifs, desc)
-    except subprocess.CalledProcessError as e:
-        raise InvalidArgumentError(f"emulated hosts: `{' '.join(e.cmd)}` failed: {e.stderr.strip()}") from e
     finally:
         for n in ns:
             pids = subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
@@ -201,8 +188,31 @@ def emulated_hosts(
             # deleting a namespace removes its veth end, the peer and the qdiscs
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
             shutil.rmtree(f"/etc/netns/{n}", ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir("/etc/netns")  # only if it is empty: left as found
+        if made_netns_dir:
+            with contextlib.suppress(OSError):
+                os.rmdir("/etc/netns")  # made here, and empty: left as found
+
+
+def _setup(ns, ifs, ips, rate: LinkRate, delay: str | None, burst: str) -> None:
+    """The namespaces (each with its hosts file), the veth pair and the qdiscs."""
+    for n in ns:
+        _run("ip", "netns", "add", n)
+        os.makedirs(f"/etc/netns/{n}", exist_ok=True)
+        with open(f"/etc/netns/{n}/hosts", "w") as f:
+            f.write(_hosts_file(ns, ips))
+    _run("ip", "link", "add", ifs[0], "type", "veth", "peer", "name", ifs[1])
+    for n, i, a in zip(ns, ifs, ips):
+        _run("ip", "link", "set", i, "netns", n)
+        _run("ip", "-n", n, "link", "set", "lo", "up")
+        _run("ip", "-n", n, "addr", "add", f"{a}/24", "dev", i)
+        _run("ip", "-n", n, "link", "set", i, "up")
+        tbf = ["tbf", "rate", rate.tc, "burst", burst, "latency", "100ms"]
+        if delay:
+            _run("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", i, "root", "handle", "1:", "netem",
+                 "delay", delay)  # fmt: skip
+            _run("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", i, "parent", "1:1", "handle", "10:", *tbf)
+        else:
+            _run("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", i, "root", *tbf)
 
 
 def run_on_emulated_hosts(

@@ -177,10 +177,11 @@ def test_bench_collectives_rejects_bad_arguments(capsys):
 
 @pytest.mark.slow  # a training run in subprocesses
 def test_torsh_demo_trains_every_compressor_and_prints_one_table(tmp_path):
-    """The README's first command, shortened: real ranks, real DDP, the table and the JSON. With --json and no
-    path the JSON is all of stdout: the tables, and rank 0's progress bar, go to stderr."""
+    """The README's first command, shortened, over loopback (tests/apps/test_demo_link.py runs its default
+    emulated link): real ranks, real DDP, the table and the JSON. With --json and no path the JSON is all of
+    stdout: the tables, and rank 0's progress bar, go to stderr."""
     r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--steps", "15", "--hidden", "48",
-                        "--json"], capture_output=True, text=True, timeout=600)  # fmt: skip
+                        "--json", "--link", "none"], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr
     for word in ("compressor", "bytes", "accuracy", "speedup", "none", "fp16", "topk:0.01", "int8", "sign",
                  "powersgd", "auto", "pays off", "auto chose", "15/15"):  # fmt: skip
@@ -199,7 +200,7 @@ def test_torsh_demo_trains_every_compressor_and_prints_one_table(tmp_path):
 def test_torsh_demo_fsdp_trains_each_quantized_comm_and_prints_one_table(tmp_path):
     out = tmp_path / "demo.json"
     r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--fsdp", "--steps", "40",
-                        "--hidden", "64", "--no-progress", "--json", str(out)],
+                        "--hidden", "64", "--no-progress", "--link", "none", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr
     for word in ("FSDP2", "bytes", "accuracy", "speedup vs", "plain", "w8", "g4", "w8g4"):
@@ -392,6 +393,11 @@ def test_bench_harness_json_and_compare(tmp_path, capsys):
     assert main(["bench", "moe", "--compare", str(base), "--max-regression", "50%", *small[:2]]) == 1
     text = capsys.readouterr().out
     assert "REGRESSION moe: " in text and "torsh[torch]" in text and "index_add_" not in text.split("REGRESSION")[1]
+    none = {**fast, "measurements": {"moe": {"no such case": {"ms": 1.0, "p20": 1.0, "p80": 1.0, "kind": "ours"}}}}
+    (tmp_path / "none.json").write_text(json.dumps(none))
+    again = tmp_path / "again.json"  # a comparison that fails (nothing matched) still writes the run's results
+    assert main(["bench", "moe", "--compare", str(tmp_path / "none.json"), "--json", str(again), *small[:2]]) == 2
+    assert json.loads(again.read_text())["measurements"]["moe"]
     assert main(["bench", "moe", "nosuch"]) == 2  # the harness names the unknown suite
     assert main(["bench", "nosuch"]) == 2  # one name: the single-suite command, argparse's error
     assert main(["bench", "moe", "--compare", str(tmp_path / "missing.json")]) == 2

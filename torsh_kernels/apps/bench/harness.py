@@ -11,19 +11,18 @@ per suite (case -> median time in ms and whether it is ours, a peer's or the cop
 --json PATH`). It is checked before anything runs: it must be JSON of either form and hold every suite to
 be run (default: the suites it holds). Each suite then runs with the options the baseline recorded for it,
 so the same cases are measured (`--args` adds options), and every case in both is compared. One of ours
-whose median is slower than the baseline's by more than `--max-regression` (default 10%) is a suspect; it
-is a regression only when its p20-p80 interval lies wholly above the baseline's
+whose median is slower than the baseline's by more than `--max-regression` (default 10%) is a suspect; it is a
+regression only when its p20-p80 interval lies wholly above the baseline's
 (:func:`torsh_kernels.env.compare_spread`, the rule `torsh tune` judges winners by) and stays so when its
 suite is run once more (the suite's own interleaved timing, each case's implementations alternating; the
-baseline's code is not here to interleave with, so the re-run checks that the slowdown reproduces), and
-only when it is slower than the machine: a suspect whose case's peers and copy baseline (timed
-interleaved with it) slowed by as much, within `--max-regression`, shows the machine's slowdown. A
-suspect whose intervals overlap, whose slowdown the re-run does not reproduce, or whose peers slowed as
-much, is reported as "too noisy to judge", with which, and does not fail the run. Cases whose suite records no spread (the collectives suite)
-are judged on their medians, and said so. Exit status: 1 when a regression is judged, 0 otherwise (cases
-too noisy to judge included: re-run on a quiet machine to judge them); peers and copies are shown but
-never fail the run (their change is the machine's, not ours). A run that compares nothing is an error
-(exit status 2).
+baseline's code is not here to interleave with, so the re-run checks that the slowdown reproduces), and only
+when it is slower than the machine: a suspect whose case's peers and copy baseline (timed interleaved with it)
+slowed by as much, within `--max-regression`, shows the machine's slowdown. A suspect whose intervals overlap,
+whose slowdown the re-run does not reproduce, or whose peers slowed as much, is reported as "too noisy to
+judge", with which, and does not fail the run. Cases whose suite records no spread (the collectives suite) are
+judged on their medians, and said so. Exit status: 1 when a regression is judged, 0 otherwise (cases too noisy
+to judge included: re-run on a quiet machine to judge them); peers and copies are shown but never fail the run
+(their change is the machine's, not ours). A run that compares nothing is an error (exit status 2).
 
 `--ncu` adds hardware counters of the fused kernels (Nsight Compute through nsight-python, the `nsight`
 extra): DRAM throughput and occupancy per kernel; where `ncu`, nsight-python or a GPU is missing it says
@@ -435,8 +434,10 @@ def run(args: argparse.Namespace) -> int:
         doc["remeasured"] = again["measurements"]
         return again["measurements"]
 
-    rc = report_comparison(doc["measurements"], baseline, args.max_regression, remeasure=remeasure)
-    cli_common.write_json(args.json, doc)
+    try:
+        rc = report_comparison(doc["measurements"], baseline, args.max_regression, remeasure=remeasure)
+    finally:  # the run's results are written even when the comparison fails (nothing matched) or is interrupted
+        cli_common.write_json(args.json, doc)
     return rc
 
 
@@ -513,7 +514,10 @@ def report_comparison(current: dict[str, dict], baseline: Baseline, max_reg: flo
     gone_keys = {(r[0], r[1]) for r in gone}
     for suite, case, _, _, _, ratio in c.noisy:
         f = c.machine.get((suite, case))
-        why = ("the slowdown did not reproduce when the suite ran again" if (suite, case) in gone_keys else
+        again = (suite, case) in gone_keys
+        why = (f"run again, it was slower still, but so were its peers and copy baseline ({f:.2f}x): the machine's "
+               "slowdown" if again and f is not None else
+               "the slowdown did not reproduce when the suite ran again" if again else
                f"the peers and copy baseline of the same case, timed interleaved with it, slowed by {f:.2f}x: the "
                "machine's slowdown" if f is not None else "the p20-p80 intervals overlap")  # fmt: skip
         print(f"TOO NOISY TO JUDGE {suite}: {case}: {_cell(baseline.measurements[suite][case])} -> "

@@ -97,7 +97,7 @@ cd "$tmp/run"
 "$V" -c "import torsh_kernels as t, importlib.metadata as m, sys; p = t.__file__
 assert p.startswith(sys.prefix), p; assert t.__version__ == m.version('torsh-kernels'), t.__version__
 print('torsh_kernels', t.__version__, 'from', p)"
-"$tmp/venv/bin/torsh" demo --steps 20 --compressors none,powersgd --no-progress --json demo.json
+"$tmp/venv/bin/torsh" demo --steps 20 --compressors none,powersgd --no-progress --link none --json demo.json
 "$V" -c "import json; rows = json.load(open('demo.json'))['rows']
 assert [r['compressor'] for r in rows] == ['none', 'powersgd'], rows
 assert all(0 <= r['accuracy'] <= 1 for r in rows), rows

@@ -200,7 +200,7 @@ def test_torsh_trace_env(tmp_path):
     d = tmp_path / "env"
     env = {**os.environ, "TORSH_TRACE": str(d)}
     p = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--steps", "12",
-                        "--compressors", "fp16", "--hidden", "32", "--batch", "8", "--no-progress"],
+                        "--compressors", "fp16", "--hidden", "32", "--batch", "8", "--no-progress", "--link", "none"],
                        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert sorted(f.name for f in d.iterdir()) == ["rank0.json", "rank1.json"]

@@ -22,6 +22,7 @@ import os as _os
 import sys as _sys
 import time as _time
 import traceback as _traceback
+import types as _types
 
 
 def _chains() -> list:
@@ -64,7 +65,13 @@ def _main() -> int:
         _os.chdir(str(k))
         _os.environ.clear()
         _os.environ.update(environ)
-        ok = _run(chain, {"__name__": "__main__", "__builtins__": __builtins__}) and ok
+        main = _types.ModuleType("__main__")  # a module of its own as __main__: what the chain defines pickles
+        main.__builtins__ = __builtins__
+        saved, _sys.modules["__main__"] = _sys.modules["__main__"], main
+        try:
+            ok = _run(chain, main.__dict__) and ok
+        finally:
+            _sys.modules["__main__"] = saved
     return 0 if ok else 1
 
 

@@ -400,3 +400,13 @@ def test_blocks_sharing_a_process_share_no_names_files_or_environment(tmp_path: 
     (failure,) = run_doc(md, tmp_path / "a")
     assert failure.startswith("p.md:9: the block failed"), failure
     assert 'p.md", line 11, in <module>' in failure and "NameError: name 'v' is not defined" in failure
+
+
+def test_a_block_sharing_a_process_is_its_own_main_module(tmp_path: Path) -> None:
+    """As a script, a block's classes belong to __main__ and pickle: a block sharing a process with others runs
+    in a module of its own installed as __main__ (a plain dict namespace made pickle.dumps(C()) fail)."""
+    md = tmp_path / "p.md"
+    block = "```python\nimport pickle, sys\nclass C:\n    pass\npickle.loads(pickle.dumps(C()))\n{}\n```\n\n"
+    md.write_text(block.format("x = 1") + block.format("assert 'x' not in vars(sys.modules['__main__'])"))
+    assert [[[b.line for b in c] for c in g] for g in _processes(md)] == [[[2], [10]]]
+    assert run_doc(md, tmp_path / "a") == []

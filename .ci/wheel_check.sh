@@ -99,7 +99,7 @@ assert p.startswith(sys.prefix), p; assert t.__version__ == m.version('torsh-ker
 print('torsh_kernels', t.__version__, 'from', p)"
 "$tmp/venv/bin/torsh" demo --steps 20 --compressors none,powersgd --no-progress --link none --json demo.json
 "$V" -c "import json; rows = json.load(open('demo.json'))['rows']
-assert [r['compressor'] for r in rows] == ['none', 'powersgd'], rows
+assert [r['compressor'] for r in rows] == ['none', 'powersgd:4'], rows
 assert all(0 <= r['accuracy'] <= 1 for r in rows), rows
 print('demo rows:', ', '.join(f\"{r['compressor']} {r['accuracy']:.3f}\" for r in rows))"
 say "passed"

@@ -528,7 +528,7 @@ def _hsdp_worker(comm) -> dict:
         (lambda kw=kw, m=m: apply_quantized_comm(m, weights=None, grads=None, **kw))
         for m, kw in (
             (model, {"replicate": (mesh, "replicate")}),
-            (model, {"hsdp_grads": "fp16", "replicate": (mesh, "replicate")}),
+            (model, {"hsdp_grads": 16, "replicate": (mesh, "replicate")}),  # ("fp16", a name, is accepted)
             (model, {"hsdp_grads": FP16(), "replicate": 3}),
             (_shard(_model(), mesh), {"hsdp_grads": FP16()}),  # native HSDP: FSDP2 would all-reduce as well
             (_shard(_model(), flat), {"hsdp_grads": FP16()}),  # a 1-D mesh of its own: which replicas?

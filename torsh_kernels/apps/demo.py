@@ -144,8 +144,6 @@ def plan_link(link: str | None, delay: str | None, *, ranks: int, cannot_shape: 
     :func:`~torsh_kernels.apps.bench.emulated.unavailable_reason` says). Pure: checks the arguments (a
     :class:`~torsh_kernels.cli_common.UsageError` for bad ones) and decides, nothing is made or run."""
     rate = parse_link(link)
-    if rate is None and delay is not None and ranks == 2 and cannot_shape is None:
-        rate = parse_rate(DEFAULT_LINK)  # --delay alone: on the default emulated link
     if delay is not None:
         if not isinstance(rate, LinkRate):
             raise cli_common.UsageError("--delay is the one-way delay of an emulated link: it needs --link RATE")

@@ -72,32 +72,7 @@ def _version_only() -> bool:
 
 
 if "torch" in _sys.modules or not _version_only():
-    from .ops import (
-        BucketLayout,
-        ProviderInfo,
-        ProviderReport,
-        RouterSpec,
-        Routing,
-        bucket_reduce,
-        dequantize,
-        error_update,
-        flatten,
-        moe_aux_loss,
-        moe_permute,
-        moe_route,
-        moe_unpermute,
-        moe_z_loss,
-        orthogonalize,
-        providers,
-        quantize,
-        residual_add,
-        sign_compress,
-        sign_decompress,
-        topk_compress,
-        topk_decompress,
-        unflatten,
-        wire_cast,
-    )
+    __getattr__("flatten")  # loads every name of _OPS from .ops (and registers torch.ops.torsh.*)
 
 if _os.environ.get("TORSH_TRACE", "").strip():
     # TORSH_TRACE=DIR: record this process's timeline into DIR/rank{R}.json. The profiling layer is loaded

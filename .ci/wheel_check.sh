@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The lean install, checked as a user gets it: build the wheel, install it with no extras in a fresh venv
-# beside the CPU build of torch, run `torsh demo` from a directory outside the source tree, and compare
+# beside the CPU build of torch, run `torsh doctor` (no triton imported; it says how to get it) and `torsh demo`
+# from a directory outside the source tree, and compare
 # what the install brought with what torch, numba, numpy and rich bring on their own. Fails if the
 # build, the install or the demo fails, or if the install brought any package beyond those five, their
 # dependencies and the venv's own pip/setuptools. Prints the venv's size and each package's.
@@ -97,6 +98,13 @@ cd "$tmp/run"
 "$V" -c "import torsh_kernels as t, importlib.metadata as m, sys; p = t.__file__
 assert p.startswith(sys.prefix), p; assert t.__version__ == m.version('torsh-kernels'), t.__version__
 print('torsh_kernels', t.__version__, 'from', p)"
+"$V" -c "import sys, torsh_kernels as tk
+from torsh_kernels.apps.cli import main
+print(tk.providers()['triton'].cpu)
+main(['doctor'])
+assert 'triton' not in sys.modules, 'torsh doctor imported triton'" > doctor.txt
+grep -qF "triton is not installed (pip install 'torsh-kernels[cuda]')" doctor.txt || { cat doctor.txt; echo "FAIL: torsh doctor does not say how to get triton" >&2; exit 1; }
+echo "torsh doctor: runs without triton and says how to install it"
 "$tmp/venv/bin/torsh" demo --steps 20 --compressors none,powersgd --no-progress --link none --json demo.json
 "$V" -c "import json; rows = json.load(open('demo.json'))['rows']
 assert [r['compressor'] for r in rows] == ['none', 'powersgd:4'], rows

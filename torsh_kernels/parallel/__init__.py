@@ -14,6 +14,7 @@ from .hooks import CompressionHookState, HookStats, compression_hook
 from .moe import ExpertParallelMoE, MoELayer
 from .moe_balance import BiasBalancer
 from .moe_spec import MoESpec
+from .moe_wire import ExpertWireSpec
 from .offload_optimizer import OffloadedOptimizer
 from .offload_params import ParameterOffloader
 from .synchronizer import GradientConsistency, GradientSynchronizer, SyncStats
@@ -23,6 +24,7 @@ __all__ = [
     "BucketSpec",
     "CompressionHookState",
     "ExpertParallelMoE",
+    "ExpertWireSpec",
     "GradientConsistency",
     "GradientSynchronizer",
     "HookStats",

@@ -57,9 +57,14 @@ construction). Each rank routes its own tokens, then
 4. sends the outputs back with the reverse ``all_to_all`` (the *combine*) and unpermutes them, and adds the
    shared expert's output computed on its own tokens.
 
+The rows travel in the layer's dtype unless ``wire`` (an :class:`ExpertWireSpec`, see
+:mod:`torsh_kernels.parallel.moe_wire`) compresses them: ``wire="fp8"`` dispatches e4m3 rows with a scale per 128
+channels, quantized in the permute's pass, and combines in bf16; the quantization is straight-through.
+
 Before the broadcast at construction, the ranks agree on the layer's configuration (E, k, H, the experts'
 width, activation, score, renormalisation, the selection options, the capacity rule and padding, the shared
-experts, the expert bias and its rate, the load-balancing loss, dtype, world size) with one small all-gather
+experts, the expert bias and its rate, the load-balancing loss, the wire formats, dtype, world size) with one
+small all-gather
 (:func:`~torsh_kernels.collectives.agreement.agree`), again at the first forward with an input of another
 dtype and, with ``pad_to_capacity``, at the first forward with another capacity (with ``capacity_factor`` it
 follows each rank's token count: ranks with different token counts raise instead of sending splits that do
@@ -78,7 +83,6 @@ layer's communicator) at ``update_expert_bias()``, so every rank moves its bias 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -107,9 +111,18 @@ from .buckets import NONFINITE
 from .moe_balance import BiasBalancer
 from .moe_experts import EXPERT_COMPUTE, activation, run_experts
 from .moe_spec import ACTIVATIONS, LOAD_BALANCING, MoESpec
+from .moe_wire import ExpertWireSpec, exchange
 from .pipeline import grad_scaler_in_use
 
-__all__ = ["ACTIVATIONS", "LOAD_BALANCING", "BiasBalancer", "ExpertParallelMoE", "MoELayer", "MoESpec"]
+__all__ = [
+    "ACTIVATIONS",
+    "LOAD_BALANCING",
+    "BiasBalancer",
+    "ExpertParallelMoE",
+    "ExpertWireSpec",
+    "MoELayer",
+    "MoESpec",
+]
 
 _LAYER_FIELDS = frozenset(f.name for f in dataclasses.fields(MoESpec)) - {"route"}
 _ROUTE_FIELDS = frozenset(f.name for f in dataclasses.fields(RouterSpec))
@@ -356,23 +369,6 @@ class MoELayer(_MoEBase):
         return layer_from_hf(cls, block, overrides)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows of ``x`` to the ranks in ``in_splits`` order; backward sends the gradients back."""
-
-    @staticmethod
-    def forward(ctx, x, comm, out_splits, in_splits):
-        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
-        out = x.new_empty(sum(out_splits), x.shape[1])
-        comm.all_to_all(out, x.contiguous(), out_splits, in_splits)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        gi = g.new_empty(sum(ctx.in_splits), g.shape[1])
-        ctx.comm.all_to_all(gi, g.contiguous(), ctx.in_splits, ctx.out_splits)
-        return gi, None, None, None
-
-
 class ExpertParallelMoE(_MoEBase):
     __doc__ = (
         ":class:`MoELayer` with its experts spread over the ranks of ``comm`` (E/W per rank), tokens dispatched "
@@ -386,6 +382,8 @@ class ExpertParallelMoE(_MoEBase):
         check_signatures: agree with the other ranks on the configuration first (see the module docstring;
             None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``).
         bias_comm: None: the balancer sums the counts over ``comm``.
+        wire: the rows' formats on the wire: None (the layer's dtype), a preset name ("fp8", "int8"...: the
+            dispatch compressed, the combine in bf16) or an :class:`~torsh_kernels.parallel.ExpertWireSpec`.
 
     Every rank must call ``forward`` (and backward) the same number of times, in the same order, even
     with no tokens: the dispatch is a collective.
@@ -409,9 +407,11 @@ class ExpertParallelMoE(_MoEBase):
         check_signatures: bool | None = None,
         bias_comm: Communicator | None = None,
         expert_compute: str = "auto",
+        wire: ExpertWireSpec | str | None = None,
         **options: Any,
     ) -> None:
         what = "ExpertParallelMoE"
+        wire = ExpertWireSpec.of(wire, what)
         check = enabled(check_signatures, what)
         if comm is None:
             raise ArgumentTypeError(f"{what}: comm is required: the expert-parallel group's Communicator, "
@@ -431,7 +431,7 @@ class ExpertParallelMoE(_MoEBase):
             bias_comm = comm
         super().__init__(spec, El, comm.rank * El, provider=provider, device=device, dtype=dtype, bias_comm=bias_comm,
                          expert_compute=expert_compute, what=what)  # fmt: skip
-        self.comm = comm
+        self.comm, self.wire = comm, wire
         self.last_dispatch: dict[str, object] = {}
         self.check_signatures = check
         self._agreed: set[object] = set()
@@ -452,6 +452,9 @@ class ExpertParallelMoE(_MoEBase):
             self.comm.broadcast(flat, 0)
             for t, v in zip(group, torch.split(flat, [t.numel() for t in group])):
                 t.copy_(v.view_as(t))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.wire.plain else f", wire=({self.wire})")
 
     @classmethod
     def from_layer(cls, layer: MoELayer, comm: Communicator, **kwargs: object) -> ExpertParallelMoE:
@@ -484,7 +487,7 @@ class ExpertParallelMoE(_MoEBase):
         agree_on(
             self.comm,
             "an expert-parallel MoE layer",
-            specs={"layer": self.spec},
+            specs={"layer": self.spec, "wire": self.wire},
             extra=[("parameter dtype", self.w_in.dtype), ("dtype", dtype)],
             what="ExpertParallelMoE",
             fix=fix,
@@ -505,47 +508,10 @@ class ExpertParallelMoE(_MoEBase):
         self._agreed.add(key)
 
     def forward(self, x: torch.Tensor, *, sequence_lengths: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
-        W, El, H = self.comm.world_size, self.local_experts, self.spec.hidden
         x2, r = self._route(x, "ExpertParallelMoE", sequence_lengths)
         if x2.dtype not in self._agreed:
             self._agree(x2.dtype)
-        xp = moe_permute(x2, r, provider=self.provider)  # [N, H], grouped by expert = by destination rank
-        if r.padded:  # static splits: capacity rows per (rank, expert), no count exchange
-            C = r.capacity
-            self._agree_capacity(C)
-            splits = [El * C] * W
-            send_splits = recv_splits = splits
-            xr = _AllToAll.apply(xp, self.comm, recv_splits, send_splits)  # [W * El * C, H]: by source, expert
-            counts = [W * C] * El
-            if W > 1 and El > 1:  # regroup by local expert: a transpose of the [W, El] blocks of C rows
-                xe = xr.view(W, El, C, H).transpose(0, 1).reshape(El * W * C, H)
-                ye = self._experts(xe, torch.tensor(counts, device=xr.device), counts)
-                yr = ye.view(El, W, C, H).transpose(0, 1).reshape(W * El * C, H)
-            else:
-                yr = self._experts(xr, torch.tensor(counts, device=xr.device), counts)
-        else:
-            tpe = r.tokens_per_expert  # [E]
-            recv_counts = torch.empty_like(tpe)
-            self.comm.all_to_all(recv_counts, tpe)  # recv_counts[src * El + e]: rows src sends my expert e
-            send_splits = tpe.view(W, El).sum(1).tolist()
-            rc = recv_counts.view(W, El)
-            recv_splits = rc.sum(1).tolist()
-            xr = _AllToAll.apply(xp, self.comm, recv_splits, send_splits)  # [sum recv, H]: by source, then expert
-            counts = rc.sum(0).tolist()
-            if W > 1 and El > 1:  # regroup by local expert: (expert 0: src 0, src 1, ...), (expert 1: ...), ...
-                sizes = rc.reshape(-1).tolist()  # chunk (src, e) is sizes[src * El + e] rows of xr
-                starts = [0, *itertools.accumulate(sizes)]
-                chunks = [src * El + e for e in range(El) for src in range(W)]
-                idx = torch.cat([torch.arange(starts[c], starts[c] + sizes[c]) for c in chunks]).to(xr.device)
-                ye = self._experts(xr.index_select(0, idx), rc.sum(0), counts)
-                yr = ye.index_select(0, torch.argsort(idx))
-            else:
-                yr = self._experts(xr, rc.sum(0), counts)
-        yp = _AllToAll.apply(yr, self.comm, send_splits, recv_splits)
-        self.last_dispatch = {
-            "sent_rows": send_splits, "received_rows": recv_splits, "dropped": r.num_dropped,
-            "bytes_sent": 2 * (sum(send_splits) - send_splits[self.comm.rank]) * H * x.element_size(),
-        }  # fmt: skip
+        yp = exchange(self, x2, r)  # dispatch, local experts, combine (moe_wire)
         y = moe_unpermute(yp, r, provider=self.provider)
         return self._add_shared(y, x2).view(x.shape)
 

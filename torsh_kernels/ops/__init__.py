@@ -2,7 +2,8 @@
 
 Families: ``bucket`` (flatten, unflatten, bucket_reduce, wire_cast), ``topk``, ``quantize``, ``sign``,
 ``orthogonalize``, ``error_feedback`` (the compression ops), ``moe`` (routing, permute, unpermute, router
-losses) and ``offload`` (pack, unpack). Helpers they share live in ``common``; provider selection in
+losses), ``rowquant`` (the expert-parallel all-to-all's packed rows) and ``offload``
+(pack, unpack). Helpers they share live in ``common``; provider selection in
 ``registry``; the tuning cache it reads in ``tuning``. Importing this package imports no Triton, no Numba
 and no profiling code: each provider's kernels load on its first launch.
 """
@@ -40,6 +41,14 @@ from .offload import FORMATS, Packed, pack, pack_ref, packed_nbytes, unpack, unp
 from .orthogonalize import orthogonalize, orthogonalize_ref
 from .quantize import QMAX, block_codes, dequantize, dequantize_ref, quantize, quantize_ref, seed_key
 from .registry import PROVIDERS, ProviderInfo, ProviderReport, providers, set_tuned_lookup
+from .rowquant import (
+    RowQuantSpec,
+    dequantize_rows,
+    dequantize_rows_ref,
+    quantize_rows,
+    quantize_rows_ref,
+    row_wire_bytes,
+)
 from .sign import sign_compress, sign_compress_ref, sign_decompress, sign_decompress_ref
 from .topk import topk_compress, topk_compress_ref, topk_count, topk_decompress, topk_decompress_ref
 
@@ -54,12 +63,15 @@ __all__ = [
     "ProviderReport",
     "RouterSpec",
     "Routing",
+    "RowQuantSpec",
     "block_codes",
     "bucket_reduce",
     "bucket_reduce_ref",
     "count_nonfinite",
     "dequantize",
     "dequantize_ref",
+    "dequantize_rows",
+    "dequantize_rows_ref",
     "error_update",
     "error_update_ref",
     "flatten",
@@ -82,8 +94,11 @@ __all__ = [
     "providers",
     "quantize",
     "quantize_ref",
+    "quantize_rows",
+    "quantize_rows_ref",
     "residual_add",
     "residual_add_ref",
+    "row_wire_bytes",
     "seed_key",
     "set_tuned_lookup",
     "sign_compress",

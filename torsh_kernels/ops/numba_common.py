@@ -234,3 +234,46 @@ def tile_range(n):
     if end > n:
         end = n
     return start + cuda.threadIdx.x, end
+
+
+@cuda.jit(device=True, inline=True)
+def fp8_bits(y, e4m3):
+    """The fp8 code (0..255) of an fp32 value already saturated and not NaN: ``ops/quantize/fp8.py``'s
+    ``fp8_bits_py`` on the fp32 bits (shared by the fp8 kernels)."""
+    b = f32_bits(y)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    if e4m3:
+        if a < (121 << 23):
+            r = f32_bits(float32(abs(y)) + float32(16384.0)) - (141 << 23)
+        else:
+            r = (a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20
+    else:
+        if a < (113 << 23):
+            r = f32_bits(float32(abs(y)) + float32(128.0)) - (134 << 23)
+        else:
+            r = (a - (112 << 23) + 0xFFFFF + ((a >> 21) & 1)) >> 21
+    return r | sign
+
+
+@cuda.jit(device=True, inline=True)
+def fp8_value(c, e4m3):
+    """The fp32 value of fp8 code ``c`` (0..255): ``fp8_value_py``."""
+    m = c & 0x7F
+    if e4m3:
+        if m < 8:
+            v = float32(m) * float32(0.001953125)
+        elif m == 0x7F:
+            v = float32(math.nan)
+        else:
+            v = _bits_f32((m << 20) + (120 << 23))
+    else:
+        if m < 4:
+            v = float32(m) * float32(1.52587890625e-05)
+        elif m >= 0x7C:
+            v = _bits_f32(0x7F800000 | ((m & 3) << 21))
+        else:
+            v = _bits_f32((m << 21) + (112 << 23))
+    if c & 0x80:
+        v = -v
+    return v

@@ -65,3 +65,37 @@ def store_out(out_ptr, e, v, end, ACCUMULATE: tl.constexpr, EVEN: tl.constexpr):
         if ACCUMULATE:
             v = tl.load(out_ptr + e, mask=m, other=0.0).to(tl.float32) + v
         tl.store(out_ptr + e, cast(v, out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def fp8_encode(y, E4M3: tl.constexpr):
+    """The fp8 code (int32, 0..255) of fp32 values already saturated (|y| <= the format's max) and not NaN:
+    ``ops/quantize/fp8.py``'s ``fp8_bits_py`` in integer ops on the fp32 bits (the interpreter has no rounding
+    fp8 cast and sm_80 no fp8 instruction; the same code runs, and is tested, everywhere)."""
+    b = y.to(tl.uint32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    if E4M3:
+        sub = (tl.abs(y) + 16384.0).to(tl.uint32, bitcast=True) - (141 << 23)
+        nor = (a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20
+        r = tl.where(a < (121 << 23), sub, nor)
+    else:
+        sub = (tl.abs(y) + 128.0).to(tl.uint32, bitcast=True) - (134 << 23)
+        nor = (a - (112 << 23) + 0xFFFFF + ((a >> 21) & 1)) >> 21
+        r = tl.where(a < (113 << 23), sub, nor)
+    return (r | sign).to(tl.int32)
+
+
+@triton.jit
+def fp8_decode(c, E4M3: tl.constexpr):
+    """The fp32 value of fp8 codes ``c`` (int32, 0..255): ``fp8_value_py``."""
+    m = c & 0x7F
+    if E4M3:
+        sub = m.to(tl.float32) * 0.001953125  # 2**-9
+        nor = ((m << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        v = tl.where(m < 8, sub, tl.where(m == 0x7F, float("nan"), nor))
+    else:
+        sub = m.to(tl.float32) * 1.52587890625e-05  # 2**-16
+        bits = tl.where(m >= 0x7C, 0x7F800000 | ((m & 3) << 21), (m << 21) + (112 << 23))
+        v = tl.where(m < 4, sub, bits.to(tl.float32, bitcast=True))
+    return tl.where((c & 0x80) != 0, -v, v)

@@ -51,3 +51,31 @@ def _dequantize_cpu(packed, index, out, fmt, block):
     from . import cpu as K
 
     K.dequantize_rows(packed, index, out, fmt, block)
+
+
+@quantize_rows_impl.register("triton")
+def _quantize_triton(x, index, packed, fmt, block):
+    from . import triton as K
+
+    K.quantize_rows(x, index, packed, fmt, block)
+
+
+@dequantize_rows_impl.register("triton")
+def _dequantize_triton(packed, index, out, fmt, block):
+    from . import triton as K
+
+    K.dequantize_rows(packed, index, out, fmt, block)
+
+
+@quantize_rows_impl.register("numba")
+def _quantize_numba(x, index, packed, fmt, block):
+    from . import numba as K
+
+    K.quantize_rows(x, index, packed, fmt, block)
+
+
+@dequantize_rows_impl.register("numba")
+def _dequantize_numba(packed, index, out, fmt, block):
+    from . import numba as K
+
+    K.dequantize_rows(packed, index, out, fmt, block)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from torsh_kernels.compression import BF16, FP16, Compressor, PowerSGD, Quantize, Sign, TopK
+from torsh_kernels.compression import BF16, FP8, FP16, Compressor, PowerSGD, Quantize, Sign, TopK
 
 GPU = torch.cuda.is_available() and os.environ.get("TORSH_TEST_INTERPRET", "0") != "1"
 """Whether the tests run the compiled kernels on a GPU (else Triton's interpreter and Numba's simulator)."""
@@ -57,6 +57,7 @@ _COMPRESSORS = {
     "topk": lambda p: TopK(0.1, provider=p),
     "topk-exact": lambda p: TopK(0.05, exact=True, provider=p),
     "int8": lambda p: Quantize(8, block=64, provider=p),
+    "fp8": lambda p: FP8("e4m3", block=64, provider=p),
     "int4": lambda p: Quantize(4, block=32, stochastic=True, provider=p),
     "sign": lambda p: Sign(provider=p),
     "powersgd": lambda p: PowerSGD(2, start_iter=1, provider=p),

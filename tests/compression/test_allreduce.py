@@ -187,7 +187,7 @@ def _compressed_worker(comm: TorchCommunicator, names: list[str], provider: str 
 
 
 ALL = ["none", "fp16", "bf16", "topk", "topk-exact", "int8-gather", "int8-shared", "int4-gather", "int4-shared",
-       "sign", "powersgd"]  # fmt: skip
+       "fp8", "sign", "powersgd"]  # fmt: skip
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

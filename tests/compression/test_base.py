@@ -11,6 +11,7 @@ import torch
 from tests.helpers import DEVICE, rand
 from torsh_kernels.compression import (
     BF16,
+    FP8,
     FP16,
     CompressionState,
     NoCompression,
@@ -30,6 +31,8 @@ COMPRESSORS = [
     pytest.param(lambda p: TopK(0.05, provider=p), None, id="topk"),
     pytest.param(lambda p: Quantize(8, 64, provider=p), 1e-2, id="int8"),
     pytest.param(lambda p: Quantize(4, 32, True, provider=p), 0.3, id="int4-stochastic"),
+    pytest.param(lambda p: FP8("e4m3", 64, provider=p), 0.04, id="fp8-e4m3"),
+    pytest.param(lambda p: FP8("e5m2", 32, provider=p), 0.08, id="fp8-e5m2"),
     pytest.param(lambda p: Sign(provider=p), None, id="sign"),
     pytest.param(lambda p: PowerSGD(2, provider=p), None, id="powersgd"),
 ]
@@ -61,6 +64,7 @@ def test_roundtrip_contract(provider, gen, make, rel_err):
         pytest.param(lambda p: TopK(0.02, provider=p), id="topk"),
         pytest.param(lambda p: Quantize(4, 64, provider=p), id="int4"),
         pytest.param(lambda p: Quantize(8, 64, True, provider=p), id="int8-stochastic"),
+        pytest.param(lambda p: FP8("e5m2", 64, provider=p), id="fp8-e5m2"),
         pytest.param(lambda p: Sign(provider=p), id="sign"),
         pytest.param(lambda p: PowerSGD(1, provider=p), id="powersgd"),
     ],

@@ -83,15 +83,15 @@ def test_every_compressor_class_has_a_family():
     classes = {o for _, o in inspect.getmembers(cz, inspect.isclass) if issubclass(o, cz.Compressor)}
     classes.discard(cz.Compressor)
     assert classes == {f.cls for f in FAMILIES.values()}
-    assert COMPRESSOR_NAMES == ("none", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd")
+    assert COMPRESSOR_NAMES == ("none", "fp16", "bf16", "int8", "int4", "fp8", "sign", "topk", "powersgd")
 
 
 def test_the_default_candidates_and_tables_take_their_names_from_the_registry():
     from torsh_kernels.parallel.auto import default_candidates
 
     names = ["none" if c is None else c.name for c in cz.DEFAULT_CANDIDATES]
-    assert tuple(names) == DEFAULT_CANDIDATE_NAMES == ("none", "fp16", "bf16", "topk:0.01", "int8", "int4", "sign",
-                                                       "powersgd:4")  # fmt: skip
+    assert tuple(names) == DEFAULT_CANDIDATE_NAMES == ("none", "fp16", "bf16", "topk:0.01", "int8", "fp8:e4m3", "int4",
+                                                       "sign", "powersgd:4")  # fmt: skip
     assert ["none" if c is None else c.name for c in default_candidates()] == names
     p = plan(64 << 20, 4, Link.gbit(10))
     assert {n for n, _, _ in p.candidates} == set(DEFAULT_CANDIDATE_NAMES)
@@ -103,7 +103,7 @@ def test_the_default_candidates_and_tables_take_their_names_from_the_registry():
 @pytest.mark.parametrize(
     ("text", "err", "says"),
     [
-        ("nosuch", InvalidArgumentError, "unknown compressor; known: none, fp16, bf16, int8, int4, sign, topk, powe"),
+        ("nosuch", InvalidArgumentError, "unknown compressor; known: none, fp16, bf16, int8, int4, fp8, sign, topk, powe"),
         ("quantize", InvalidArgumentError, "unknown compressor; known:"),
         ("INT8", InvalidArgumentError, "unknown compressor"),
         ("auto", InvalidArgumentError, "'auto' is accepted where a compressor is chosen per job"),

@@ -2,7 +2,7 @@
 
 A name is ``family`` or ``family:arg[,key=value...]``::
 
-    none  fp16  bf16  int8  int4  sign  topk:0.01  powersgd  powersgd:4
+    none  fp16  bf16  int8  int4  fp8  fp8:e5m2  sign  topk:0.01  powersgd  powersgd:4
     int8:stochastic=true,scheme=shared_scale   topk:0.01,exact=true   powersgd:4,start_iter=10
 
 ``arg`` is the family's main setting (top-k's ``ratio``, required; PowerSGD's ``rank``, default 1); the
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from .base import Compressor
 from .cast import BF16, FP16, NoCompression
+from .fp8 import FP8
 from .powersgd import PowerSGD
 from .quantize import Quantize
 from .sign import Sign
@@ -84,6 +85,7 @@ _FAMILIES: tuple[Family, ...] = (
     Family("bf16", BF16, summary="cast to bf16, 2 bytes per element"),
     Family("int8", Quantize, (("bits", 8),), summary="blockwise absmax int8, error feedback"),
     Family("int4", Quantize, (("bits", 4),), summary="blockwise absmax int4 (two per byte), error feedback"),
+    Family("fp8", FP8, arg="fmt", summary="blockwise absmax fp8 (FMT e4m3, the default, or e5m2), error feedback"),
     Family("sign", Sign, summary="1 bit per element plus a scale (EF-SignSGD), error feedback"),
     Family("topk", TopK, arg="ratio", arg_required=True, summary="the RATIO largest magnitudes, error feedback"),
     Family("powersgd", PowerSGD, arg="rank", summary="rank-RANK PowerSGD (default 1), error feedback"),
@@ -95,7 +97,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
 COMPRESSOR_NAMES: tuple[str, ...] = tuple(FAMILIES)
 """The families' names, in the order ``torsh doctor`` lists them."""
 
-DEFAULT_CANDIDATE_NAMES: tuple[str, ...] = ("none", "fp16", "bf16", "topk:0.01", "int8", "int4", "sign", "powersgd:4")
+DEFAULT_CANDIDATE_NAMES: tuple[str, ...] = (
+    "none", "fp16", "bf16", "topk:0.01", "int8", "fp8:e4m3", "int4", "sign", "powersgd:4",
+)  # fmt: skip
 """What ``compressor="auto"`` and the planner choose among unless told otherwise (the list a demo shows)."""
 
 QUANTIZED_FORMATS: dict[str, int] = {f.name: dict(f.fixed)["bits"] for f in _FAMILIES if f.cls is Quantize}

@@ -61,6 +61,7 @@ from . import (
     add_providers,
     emit,
     environment,
+    moe_ep,
     print_tables,
     resolve_device,
     result_doc,
@@ -521,6 +522,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-layer", action="store_true",
                    help="also time each phase of the torsh layer's forward and backward on its own")  # fmt: skip
     p.add_argument("--note", default=None, help="a note kept in the JSON (e.g. the machine and its load)")
+    moe_ep.add_arguments(p)
     cli_common.add_json(p)
 
 
@@ -561,6 +563,8 @@ def _print_layer(results: list[Result], profiles: dict[str, dict[str, float]]) -
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ep:
+        return moe_ep.run(args)
     device = resolve_device(args.device)
     if args.k > min(args.experts):
         raise cli_common.UsageError(f"--k {args.k} is more than the {min(args.experts)} expert(s) of --experts")

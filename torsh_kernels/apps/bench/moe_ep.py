@@ -1,0 +1,174 @@
+"""``torsh bench moe --ep``: the expert-parallel MoE layer's training step with its dispatch plain, fp8 or int8
+(``ExpertParallelMoE(wire=...)``), side by side in one run.
+
+Every rank builds the same layer (one seed), the expert-parallel copies of it differ only in their wire format,
+and each timed repetition runs one forward + backward of every wire in turn (interleaved, so a load change on
+the machine hits them alike) on the same tokens. Reported per wire: the step time (the slowest rank's, median
+and 20th-80th percentiles over the repetitions), the bytes this rank sent in the step's four all-to-alls
+(dispatch, combine and their gradients; the layer's ``last_dispatch``), the dispatch's bytes against a bf16
+dispatch, and the output's and the input gradient's relative error against the plain layer. Run it on two
+emulated hosts (``python -m torsh_kernels.apps.bench.emulated --rate 1gbit -- torsh bench moe --ep ...``), under
+torchrun, or on ``--ep-world`` local ranks over loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from ... import cli_common
+from ...collectives import init_from_env, run_local
+from . import emit, environment, quantile
+
+__all__ = ["add_arguments", "run"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _wires(text: str) -> list[str]:
+    return cli_common.choice_list(("none", "bf16", "fp8", "e4m3", "e5m2", "int8", "fp8-all"), "wire")(text)
+
+
+def _wire(name: str):
+    """The layer's ``wire=`` for a wire's name: "none" the plain layer, "fp8-all" e4m3 on all four all-to-alls
+    (dispatch, combine and their gradients), another name the dispatch's format (combine in bf16)."""
+    from ...parallel import ExpertWireSpec
+
+    if name == "none":
+        return None
+    if name == "fp8-all":
+        return ExpertWireSpec(dispatch="e4m3", combine="e4m3", grad_combine="e4m3", grad_dispatch="e4m3")
+    return name
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("expert parallelism (--ep)")
+    g.add_argument("--ep", action="store_true",
+                   help="instead: ExpertParallelMoE forward + backward with plain, fp8 and int8 dispatch")  # fmt: skip
+    g.add_argument("--ep-world", type=cli_common.int_at_least(1), default=2,
+                   help="local ranks over loopback (ignored under torchrun / emulated hosts)")  # fmt: skip
+    g.add_argument("--ep-tokens", type=cli_common.int_at_least(1), default=4096, help="tokens per rank (4096)")
+    g.add_argument("--ep-hidden", type=cli_common.int_at_least(1), default=1024, help="H (1024)")
+    g.add_argument("--ep-ffn", type=cli_common.int_at_least(1), default=128, help="each expert's width (128)")
+    g.add_argument("--ep-dtype", choices=sorted(_DTYPES), default="bf16", help="the layer's dtype (bf16)")
+    g.add_argument("--ep-wires", type=_wires, default=["none", "fp8", "int8", "fp8-all"],
+                   help="none,fp8,int8,fp8-all (fp8-all: e4m3 on all four all-to-alls)")  # fmt: skip
+    g.add_argument("--ep-steps", type=cli_common.int_at_least(1), default=5, help="timed repetitions (5)")
+    g.add_argument("--ep-warmup", type=cli_common.int_at_least(0), default=1, help="untimed first (1)")
+    g.add_argument("--ep-threads", type=cli_common.int_at_least(1), default=1, help="torch threads per rank (1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = {"experts": list(args.experts), "k": args.k, "tokens": args.ep_tokens, "hidden": args.ep_hidden,
+           "ffn_hidden": args.ep_ffn, "dtype": args.ep_dtype, "wires": list(args.ep_wires),
+           "steps": args.ep_steps, "warmup": args.ep_warmup, "threads": args.ep_threads}  # fmt: skip
+    if args.note is not None:
+        cfg["note"] = args.note
+    if "RANK" in os.environ:
+        torch.set_num_threads(args.ep_threads)
+        doc = _worker(init_from_env(timeout=600), cfg)
+    else:
+        doc = run_local(_worker, args.ep_world, cfg, threads=args.ep_threads, timeout=7200, op_timeout=600)[0]
+    if doc is not None:
+        emit(args, doc)
+    sys.stdout.flush()
+    return 0
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _case(comm, cfg: dict, E: int) -> list[dict]:
+    from ...parallel import ExpertParallelMoE, MoELayer
+
+    W, me = comm.world_size, comm.rank
+    T, H, dtype = cfg["tokens"], cfg["hidden"], _DTYPES[cfg["dtype"]]
+    torch.manual_seed(0)  # the same layer on every rank
+    base = MoELayer(H, cfg["ffn_hidden"], E, cfg["k"], dtype=dtype)
+    layers = {w: ExpertParallelMoE.from_layer(base, comm, wire=_wire(w)) for w in cfg["wires"]}
+    g = torch.Generator().manual_seed(1000 + me)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    dy = torch.randn(T, H, generator=g).to(dtype)
+    times: dict[str, list[float]] = {w: [] for w in layers}
+    outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    sent: dict[str, dict] = {}
+    for rep in range(cfg["warmup"] + cfg["steps"]):
+        for w, layer in layers.items():
+            xi = x.detach().requires_grad_()
+            comm.barrier()
+            t0 = time.perf_counter()
+            y = layer(xi)
+            y.backward(dy)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            comm.all_reduce(dt, "max")  # the step ends when its slowest rank's does
+            layer.zero_grad(set_to_none=True)
+            if rep >= cfg["warmup"]:
+                times[w].append(float(dt))
+            if rep == 0:
+                outs[w] = (y.detach(), xi.grad.detach())
+                sent[w] = dict(layer.last_dispatch)
+        if me == 0:
+            print(f"  E={E} repetition {rep + 1}/{cfg['warmup'] + cfg['steps']}", file=sys.stderr, flush=True)
+    y0, g0 = outs.get("none", next(iter(outs.values())))
+    rows = []
+    plain_bytes = 2 * (T * cfg["k"]) * H  # a bf16 dispatch of every routed row (the issue's reference)
+    for w in layers:
+        d = sent[w]
+        fwd, bwd = int(d.get("bytes_sent", 0)), int(d.get("backward_bytes_sent", 0))
+        ts = times[w]
+        rows.append({
+            "case": f"E={E}", "wire": w, "world_size": W, "experts": E, "step_ms": 1e3 * statistics.median(ts),
+            "p20_ms": 1e3 * quantile(ts, 0.2), "p80_ms": 1e3 * quantile(ts, 0.8), "steps_ms": [1e3 * t for t in ts],
+            "bytes_per_step": fwd + bwd, "forward_bytes": fwd, "backward_bytes": bwd,
+            "dispatch_row_bytes": _row_bytes(layer_wire(layers[w]), H, dtype),
+            "dispatch_vs_bf16": _row_bytes(layer_wire(layers[w]), H, dtype) / (2 * H),
+            "output_rel_error": _rel(outs[w][0], y0), "grad_rel_error": _rel(outs[w][1], g0),
+            "bf16_dispatch_bytes_all_rows": plain_bytes,
+        })  # fmt: skip
+    return rows
+
+
+def layer_wire(layer) -> object:
+    return getattr(layer, "wire", None)
+
+
+def _row_bytes(wire, H: int, dtype: torch.dtype) -> int:
+    """Bytes of one dispatched row: the packed row of a compressed dispatch, else H elements of its dtype."""
+    from ...ops import RowQuantSpec, row_wire_bytes
+
+    f = getattr(wire, "dispatch", None)
+    if isinstance(f, RowQuantSpec):
+        return row_wire_bytes(H, f)
+    return H * (2 if f == "bf16" else torch.empty((), dtype=dtype).element_size())
+
+
+def _worker(comm, cfg: dict) -> dict | None:
+    rows = []
+    for E in cfg["experts"]:
+        rows += _case(comm, cfg, E)
+    if comm.rank != 0:
+        return None
+    _print(rows, cfg)
+    env = environment(torch.device("cpu"))
+    return {"suite": "moe-ep", **env, "config": {**cfg, "world_size": comm.world_size,
+            "link": os.environ.get("TORSH_BENCH_LINK", "loopback" if "RANK" not in os.environ else "see note"),
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}, "rows": rows}  # fmt: skip
+
+
+def _print(rows: list[dict], cfg: dict) -> None:
+    print(f"torsh bench moe --ep: T={cfg['tokens']}/rank, H={cfg['hidden']}, k={cfg['k']}, ffn={cfg['ffn_hidden']}, "
+          f"{cfg['dtype']}, world {rows[0]['world_size']}; step = forward + backward, the slowest rank")  # fmt: skip
+    print(f"{'case':8} {'wire':6} {'step ms':>9} {'p20-p80':>15} {'vs none':>8} {'MiB/step':>9} {'bytes vs none':>13} "
+          f"{'row vs bf16':>11} {'out err':>8} {'grad err':>8}")  # fmt: skip
+    for r in rows:
+        base = next(b for b in rows if b["case"] == r["case"] and b["wire"] == rows[0]["wire"])
+        print(f"{r['case']:8} {r['wire']:6} {r['step_ms']:9.1f} {r['p20_ms']:7.1f}-{r['p80_ms']:<7.1f} "
+              f"{base['step_ms'] / r['step_ms']:7.2f}x {r['bytes_per_step'] / 2**20:9.2f} "
+              f"{r['bytes_per_step'] / max(base['bytes_per_step'], 1):12.3f}x {r['dispatch_vs_bf16']:10.3f}x "
+              f"{r['output_rel_error']:8.2e} {r['grad_rel_error']:8.2e}")  # fmt: skip

@@ -36,6 +36,9 @@ GATE = (
     "moe_route bf16 softmax renorm=True E=64 k=2", "moe_route fp32 sigmoid bias=True groups=8 E=256 k=8",
     "moe_route.assign capacity=probability per-sequence", "moe_permute bf16 weights k=2", "moe_unpermute fp16 k=2",
     "moe_permute fp32 padded", "moe_unpermute.backward bf16 k=2",
+    # expert-parallel wire rows
+    "quantize_rows bf16 e4m3 index", "quantize_rows fp32 int8 index", "dequantize_rows e4m3->bf16 index",
+    "dequantize_rows int8->bf16",
 )  # fmt: skip
 
 

@@ -22,7 +22,7 @@ from .registry import implementation
 
 __all__ = ["FAMILIES", "Case", "cases"]
 
-FAMILIES = ("bucket", "quantize", "sign", "error_feedback", "topk", "orthogonalize", "moe")
+FAMILIES = ("bucket", "quantize", "sign", "error_feedback", "topk", "orthogonalize", "moe", "rowquant")
 
 N = (1 << 24) + 3
 """Elements of an elementwise case: 16 Mi + 3 (64 MiB of fp32), an odd size as most real ones are."""
@@ -256,8 +256,28 @@ def _moe() -> Iterator[Case]:
                    _T * _H * s + 2 * n * _H * s + n * 12, n * _H)  # fmt: skip
 
 
+def _rowquant() -> Iterator[Case]:
+    # the expert-parallel dispatch of 8192 tokens of H = 1024, k = 2: 16384 rows gathered and packed (fp8 or int8,
+    # 128-channel tiles: 1056-byte rows), and decoded on arrival to bf16 (regrouped by an index, or in order)
+    T, H, n, block = 8192, 1024, 16384, 128
+    rb = H + 4 * (H // block)
+    for x in (torch.float32, torch.bfloat16):
+        for fmt in ("e4m3", "int8"):
+            yield Case("rowquant", f"quantize_rows {_TL[x]} {fmt} index", "quantize_rows",
+                       lambda impl, x=x, fmt=fmt: impl(_e(T, H, dtype=x), torch.zeros(n, dtype=torch.int64),
+                                                      _e(n, rb, dtype=torch.uint8), fmt, block),
+                       n * H * _sz(x) + n * rb + 8 * n, n * H)  # fmt: skip
+    for fmt in ("e4m3", "e5m2", "int8"):
+        for idx in (False, True):
+            yield Case("rowquant", f"dequantize_rows {fmt}->bf16{' index' if idx else ''}", "dequantize_rows",
+                       lambda impl, fmt=fmt, idx=idx: impl(_e(n, rb, dtype=torch.uint8),
+                                                          torch.zeros(n, dtype=torch.int64) if idx else None,
+                                                          _e(n, H, dtype=torch.bfloat16), fmt, block),
+                       n * rb + n * H * 2 + (8 * n if idx else 0), n * H)  # fmt: skip
+
+
 _BUILDERS = {"bucket": _bucket, "quantize": _quantize, "sign": _sign, "error_feedback": _error_feedback,
-             "topk": _topk, "orthogonalize": _orthogonalize, "moe": _moe}  # fmt: skip
+             "topk": _topk, "orthogonalize": _orthogonalize, "moe": _moe, "rowquant": _rowquant}  # fmt: skip
 
 
 def cases(families: tuple[str, ...] | None = None) -> list[Case]:

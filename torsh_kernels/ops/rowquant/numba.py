@@ -49,10 +49,13 @@ def _quantize_kernel(xd):
             i += T
         amax_sh[tid] = m
         cuda.syncthreads()
+        h = T // 2
+        while h > 0:  # a tree reduction (T is a power of two)
+            if tid < h and amax_sh[tid + h] > amax_sh[tid]:
+                amax_sh[tid] = amax_sh[tid + h]
+            cuda.syncthreads()
+            h //= 2
         mm = amax_sh[0]
-        for k in range(1, T):
-            if amax_sh[k] > mm:
-                mm = amax_sh[k]
         if mm == float32(float("inf")):
             s = float32(float("nan"))
         else:

@@ -103,7 +103,11 @@ def test_the_default_candidates_and_tables_take_their_names_from_the_registry():
 @pytest.mark.parametrize(
     ("text", "err", "says"),
     [
-        ("nosuch", InvalidArgumentError, "unknown compressor; known: none, fp16, bf16, int8, int4, fp8, sign, topk, powe"),
+        (
+            "nosuch",
+            InvalidArgumentError,
+            "unknown compressor; known: none, fp16, bf16, int8, int4, fp8, sign, topk, powe",
+        ),
         ("quantize", InvalidArgumentError, "unknown compressor; known:"),
         ("INT8", InvalidArgumentError, "unknown compressor"),
         ("auto", InvalidArgumentError, "'auto' is accepted where a compressor is chosen per job"),

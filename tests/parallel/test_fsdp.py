@@ -195,7 +195,14 @@ def _train_worker(comm, weights, grads, steps) -> dict:
 
 @pytest.mark.parametrize(
     ("world_size", "weights", "grads", "bound"),
-    [(2, "int8", "int8", 0.06), (2, None, "int4", 0.15), (4, "int8", None, 0.06), (4, "int4", "int4", 0.15)],
+    [
+        (2, "int8", "int8", 0.06),
+        (2, None, "int4", 0.15),
+        (4, "int8", None, 0.06),
+        (4, "int4", "int4", 0.15),
+        (2, "fp8", "fp8", 0.1),
+        (3, "fp8:e5m2", "fp8:e4m3", 0.15),
+    ],
 )
 def test_fsdp2_training_with_quantized_comms(world_size, weights, grads, bound):
     # SGD, so the parameters' distance from plain FSDP2's follows the gradients' (and the weights') error
@@ -705,3 +712,37 @@ def test_what_apply_installs_prints_short():
     for fig in ("calls=12, plain_calls=4, sent 3 MiB", "QuantizedReduceScatter(bits=8", "calls=6, sent 5 KiB",
                 "ReplicaAllReduce(compressor=FP16(", "world_size=2, calls=0"):  # fmt: skip
         assert fig in r, (fig, r)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_the_fp8_wire_round_trips_as_the_fp8_compressor_within_the_formats_bound(fmt):
+    """An fp8 payload (``Wire(fmt=...)``) is the FP8 compressor's packed rows: decoded, each element within 2**-4
+    (e4m3) or 2**-3 (e5m2) of itself plus half the smallest subnormal step of its block's scale; accumulate and
+    alpha as the int formats; a non-finite element raises before anything is written."""
+    from torsh_kernels.compression import FP8
+    from torsh_kernels.errors import NonFiniteError
+    from torsh_kernels.parallel.fsdp_format import Wire
+
+    g = torch.Generator().manual_seed(5)
+    n, block = 1000, 64
+    x = torch.randn(n, generator=g) * torch.logspace(-4, 2, n)
+    w = Wire(n, 8, block, fmt)
+    assert w.total == -(-(16 * (block + 4)) // 8) * 8 and encoded_nbytes(n, 8, block, fmt) == w.total
+    seg = torch.full((w.total,), 0xA5, dtype=torch.uint8)
+    w.encode(x, seg)
+    c = FP8(fmt, block, error_feedback=False)
+    assert torch.equal(seg[: w.qbytes], c.compress(x, c.new_state()).tensors["rows"].view(-1))
+    out = torch.full((n,), float("nan"))
+    w.decode(seg, out)
+    rel, m, bias, fmax = (2.0**-4, 3, 7, 448.0) if fmt == "e4m3" else (2.0**-3, 2, 15, 57344.0)
+    s = torch.nn.functional.pad(x.abs(), (0, 16 * block - n)).view(16, block).amax(1).repeat_interleave(block)[:n]
+    assert bool(((out - x).abs() <= rel * x.abs() + 2.0 ** (-bias - m) * s / fmax + 1e-7 * s).all())
+    acc = torch.ones(n)
+    w.decode(seg, acc, accumulate=True, alpha=-1.0)
+    assert torch.allclose(acc, 1 - out)
+    bad = x.clone()
+    bad[7] = float("inf")
+    seg2 = seg.clone()
+    with pytest.raises(NonFiniteError):
+        w.encode(bad, seg2)
+    assert torch.equal(seg2, seg)

@@ -347,13 +347,13 @@ def _install(m: nn.Module, params: list[torch.Tensor], spec: QuantizedCommSpec, 
     comm, timeout = transport
     ag = rs = None
     if (f := spec.format("weights")) is not None:
-        ag = QuantizedAllGather(bits=f.bits, block=f.block, shard_group_size=_shard_group_size(params), comm=comm,
-                                timeout=timeout, check_signatures=check)  # fmt: skip
+        ag = QuantizedAllGather(bits=f.bits, block=f.block, fmt=f.fmt, shard_group_size=_shard_group_size(params),
+                                comm=comm, timeout=timeout, check_signatures=check)  # fmt: skip
         m.set_custom_all_gather(ag)
     if (f := spec.format("grads")) is not None:
         res = _residual_buffer(m, params) if spec.error_feedback else None
-        rs = QuantizedReduceScatter(bits=f.bits, block=f.block, error_feedback=spec.error_feedback, residual=res,
-                                    comm=comm, timeout=timeout, check_signatures=check)  # fmt: skip
+        rs = QuantizedReduceScatter(bits=f.bits, block=f.block, fmt=f.fmt, error_feedback=spec.error_feedback,
+                                    residual=res, comm=comm, timeout=timeout, check_signatures=check)  # fmt: skip
         m.set_custom_reduce_scatter(rs)
     _on_load(m, rs if rs is not None and rs.residual is not None else None)
     hook = None

@@ -165,10 +165,10 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
     ``check_signatures``: agree with the other ranks on each new call configuration first (see
     :mod:`torsh_kernels.parallel.fsdp`; None: on unless ``TORSH_KERNELS_CHECK_SIGNATURES=0``)."""
 
-    def __init__(self, bits: int = 8, block: int = 256, *, shard_group_size: int | None = None,
-                 comm: object = None, timeout: float | None = None,
+    def __init__(self, bits: int = 8, block: int = 256, *, fmt: str = "int",
+                 shard_group_size: int | None = None, comm: object = None, timeout: float | None = None,
                  check_signatures: bool | None = None) -> None:  # fmt: skip
-        self.format = QuantizedFormat.build(None, {"bits": bits, "block": block}, "QuantizedAllGather")
+        self.format = QuantizedFormat.build(None, {"bits": bits, "block": block, "fmt": fmt}, "QuantizedAllGather")
         """What it sends (bits, block): a spec, agreed with the other ranks."""
         self._set_comm(comm, "QuantizedAllGather")
         self._set_timeout(timeout, "QuantizedAllGather")
@@ -189,7 +189,8 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
 
     def __repr__(self) -> str:
         return (
-            f"QuantizedAllGather(bits={self.bits}, block={self.block}, shard_group_size={self.shard_group_size}, "
+            f"QuantizedAllGather(bits={self.bits}, block={self.block}, fmt={self.format.fmt}, "
+            f"shard_group_size={self.shard_group_size}, "
             f"calls={self.calls}, plain_calls={self.plain_calls}, sent {fmt_bytes(self.bytes_sent)})"
         )
 
@@ -217,7 +218,7 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
             self.plain_calls += 1
             self.bytes_sent += _on_wire("all_gather", x.nbytes, ws)
             return self._plain_all_gather(out, x, group, async_op)
-        w = Wire(n, self.bits, self.block)
+        w = Wire(n, self.bits, self.block, self.format.fmt)
         send = torch.empty(w.total, dtype=torch.uint8, device=x.device)
         w.encode(x, send)  # before anything overwrites x (FSDP2's input is a view of the output)
         recv = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
@@ -268,10 +269,10 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
     ``timeout``: seconds one collective may take before it fails with ``CollectiveError``; None: the
     process group's."""
 
-    def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = True, *,
+    def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = True, *, fmt: str = "int",
                  residual: torch.Tensor | None = None, comm: object = None, timeout: float | None = None,
                  check_signatures: bool | None = None) -> None:  # fmt: skip
-        self.format = QuantizedFormat.build(None, {"bits": bits, "block": block}, "QuantizedReduceScatter")
+        self.format = QuantizedFormat.build(None, {"bits": bits, "block": block, "fmt": fmt}, "QuantizedReduceScatter")
         """What it sends (bits, block): a spec, agreed with the other ranks."""
         self._set_comm(comm, "QuantizedReduceScatter")
         self._set_timeout(timeout, "QuantizedReduceScatter")
@@ -290,7 +291,8 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
 
     def __repr__(self) -> str:
         return (
-            f"QuantizedReduceScatter(bits={self.bits}, block={self.block}, error_feedback={self.error_feedback}, "
+            f"QuantizedReduceScatter(bits={self.bits}, block={self.block}, fmt={self.format.fmt}, "
+            f"error_feedback={self.error_feedback}, "
             f"calls={self.calls}, sent {fmt_bytes(self.bytes_sent)})"
         )
 
@@ -362,7 +364,7 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
                     )
                 res = self.residual = torch.zeros(acc.numel(), dtype=torch.float32, device=acc.device)
             acc += res.view(-1)
-        w = Wire(n, self.bits, self.block)
+        w = Wire(n, self.bits, self.block, self.format.fmt)
         send = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
         chunks = acc.view(ws, n)
         try:

@@ -61,9 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep-steps", type=cli_common.int_at_least(1), default=5, help="timed repetitions (5)")
     g.add_argument("--ep-warmup", type=cli_common.int_at_least(0), default=1, help="untimed first (1)")
     g.add_argument("--ep-threads", type=cli_common.int_at_least(1), default=1, help="torch threads per rank (1)")
+    g.add_argument("--ep-train", type=cli_common.int_at_least(1), default=None, metavar="STEPS",
+                   help="instead: train a 2-layer MoE byte-level LM this many steps with bf16 dispatch and with each "
+                   "compressed --ep-wires format, same data and seed; the final losses side by side")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ep_train is not None:
+        return run_train(args)
     cfg = {"experts": list(args.experts), "k": args.k, "tokens": args.ep_tokens, "hidden": args.ep_hidden,
            "ffn_hidden": args.ep_ffn, "dtype": args.ep_dtype, "wires": list(args.ep_wires),
            "steps": args.ep_steps, "warmup": args.ep_warmup, "threads": args.ep_threads}  # fmt: skip
@@ -172,3 +177,105 @@ def _print(rows: list[dict], cfg: dict) -> None:
               f"{base['step_ms'] / r['step_ms']:7.2f}x {r['bytes_per_step'] / 2**20:9.2f} "
               f"{r['bytes_per_step'] / max(base['bytes_per_step'], 1):12.3f}x {r['dispatch_vs_bf16']:10.3f}x "
               f"{r['output_rel_error']:8.2e} {r['grad_rel_error']:8.2e}")  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# --ep-train: a small MoE language model trained with each dispatch format
+
+
+def _corpus() -> torch.Tensor:
+    """Bytes of text to model: the project's documentation (docs/*.md beside the package), else the package's own
+    Python source (what an installed wheel holds)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    files = sorted((root / "docs").glob("*.md")) or sorted((root / "torsh_kernels").rglob("*.py"))
+    data = b"".join(f.read_bytes() for f in files)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+class _LM(torch.nn.Module):
+    """Bytes -> embedding -> 2 x (causal attention, expert-parallel MoE), pre-norm residual -> bytes."""
+
+    def __init__(self, comm, H: int, E: int, k: int, ffn: int, wire: object) -> None:
+        from ...parallel import ExpertParallelMoE, MoELayer
+
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, H)
+        self.attn = torch.nn.ModuleList(torch.nn.MultiheadAttention(H, 4, batch_first=True) for _ in range(2))
+        self.n1 = torch.nn.ModuleList(torch.nn.LayerNorm(H) for _ in range(2))
+        self.n2 = torch.nn.ModuleList(torch.nn.LayerNorm(H) for _ in range(3))
+        self.moe = torch.nn.ModuleList(
+            ExpertParallelMoE.from_layer(MoELayer(H, ffn, E, k), comm, wire=wire) for _ in range(2)
+        )
+        self.out = torch.nn.Linear(H, 256)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        S = tokens.shape[1]
+        mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
+        h = self.emb(tokens)
+        for a, n1, n2, m in zip(self.attn, self.n1, self.n2, self.moe):
+            z = n1(h)
+            h = h + a(z, z, z, attn_mask=mask, need_weights=False)[0]
+            h = h + m(n2(h))
+        return self.out(self.n2[2](h))
+
+    def aux(self) -> torch.Tensor:
+        return sum(m.aux_loss for m in self.moe)
+
+
+def _train_worker(comm, cfg: dict) -> dict | None:
+    W, me = comm.world_size, comm.rank
+    data = _corpus()
+    B, S, steps = cfg["batch"], cfg["seq"], cfg["steps"]
+    curves = {}
+    for w in cfg["wires"]:
+        torch.manual_seed(0)  # the same model on every rank and for every wire
+        model = _LM(comm, cfg["hidden"], cfg["experts"], cfg["k"], cfg["ffn_hidden"], _wire(w))
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+        g = torch.Generator().manual_seed(7)  # the same batches for every wire
+        dense = [p for n, p in model.named_parameters() if not n.startswith("moe.")]
+        losses = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            starts = torch.randint(0, data.numel() - S - 1, (W, B), generator=g)[me]
+            seq = torch.stack([data[s : s + S + 1] for s in starts.tolist()])
+            logits = model(seq[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), seq[:, 1:].reshape(-1))
+            (loss + model.aux()).backward()
+            for m in model.moe:
+                m.reduce_gradients(average=True)
+            flat = torch.cat([p.grad.reshape(-1) for p in dense])
+            comm.all_reduce(flat)
+            flat.div_(W)
+            for p, v in zip(dense, torch.split(flat, [p.numel() for p in dense])):
+                p.grad.copy_(v.view_as(p))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            lt = torch.tensor([loss.item()], dtype=torch.float64)
+            comm.all_reduce(lt)
+            losses.append(float(lt) / W)
+        curves[w] = {"losses": losses, "seconds": time.perf_counter() - t0,
+                     "final_loss": statistics.mean(losses[-cfg["tail"] :])}  # fmt: skip
+        if me == 0:
+            print(f"  {w}: final loss {curves[w]['final_loss']:.4f} (mean of the last {cfg['tail']} steps), "
+                  f"{curves[w]['seconds']:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    if me != 0:
+        return None
+    ref = curves[cfg["wires"][0]]["final_loss"]
+    print(f"torsh bench moe --ep-train: {steps} steps, 2 MoE layers (E={cfg['experts']}, k={cfg['k']}, "
+          f"H={cfg['hidden']}), {W} ranks, {B}x{S} tokens per rank")  # fmt: skip
+    for w, c in curves.items():
+        print(f"  {w:8} final loss {c['final_loss']:.4f}  vs {cfg['wires'][0]}: {c['final_loss'] / ref - 1:+.2%}")
+    env = environment(torch.device("cpu"))
+    return {"suite": "moe-ep-train", **env, "config": {**cfg, "world_size": W, "corpus_bytes": data.numel()},
+            "runs": curves}  # fmt: skip
+
+
+def run_train(args: argparse.Namespace) -> int:
+    cfg = {"experts": args.experts[0], "k": args.k, "hidden": 128, "ffn_hidden": 128, "batch": 8, "seq": 64,
+           "steps": args.ep_train, "tail": 20, "lr": 3e-3, "wires": ["bf16", *[w for w in args.ep_wires
+           if w not in ("none", "bf16")]]}  # fmt: skip
+    doc = run_local(_train_worker, args.ep_world, cfg, threads=args.ep_threads, timeout=7200, op_timeout=600)[0]
+    emit(args, doc)
+    return 0

@@ -944,6 +944,82 @@ def draw_count_nonfinite(data, p):
     return Call(lambda: ops.count_nonfinite(x), lambda c: int(c) == int((~torch.isfinite(v)).sum()), {"v": x}, bad=bad)
 
 
+def _same(a, b) -> bool:
+    a, b = a.detach().cpu(), b.detach().cpu()
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.isnan(), b.isnan())
+        and torch.equal(a.nan_to_num(), b.nan_to_num())
+    )
+
+
+def _index(data, rows: int, p) -> torch.Tensor | None:
+    if not data.draw(st.booleans()):
+        return None
+    vals = data.draw(st.lists(st.integers(-1, max(rows - 1, -1)), min_size=0, max_size=9))
+    return torch.tensor(vals, dtype=torch.int64, device=dev(p))
+
+
+def draw_quantize_rows(data, p):
+    T, H = data.draw(st.sampled_from((1, 3, 7))), data.draw(st.sampled_from(SIZES))
+    x = tensor(data, (T, H), data.draw(st.sampled_from(FLOATS)), p)
+    fmt, block = data.draw(st.sampled_from(("e4m3", "e5m2", "int8"))), data.draw(st.sampled_from((2, 8, 128)))
+    idx = _index(data, T, p)
+    kw = {"x": x, "fmt": fmt, "block": block, "index": idx}
+    bad, val = maybe_bad(
+        data,
+        {"x_" + k: _nt(k) for k in NOT_TENSORS}
+        | {
+            "x_int": lambda: x.to(torch.int32),
+            "x_flat": lambda: x.reshape(-1),
+            "fmt_fp4": lambda: "fp4",
+            "block_3": lambda: 3,
+            "block_float": lambda: 8.0,
+            "index_range": lambda: torch.tensor([T], device=dev(p)),
+            "index_float": lambda: torch.zeros(1, device=dev(p)),
+            "out_short": lambda: torch.empty(1, 2, dtype=torch.uint8, device=dev(p)),
+        },
+    )
+    if bad is not None:
+        kw[bad.split("_")[0]] = val
+    return Call(
+        lambda: tk.quantize_rows(**kw, provider=p),
+        lambda r: _same(r, ops.quantize_rows_ref(x, fmt, block, idx)),
+        {"x": kw["x"], "index": kw["index"], "out": kw.get("out")},
+        bad=bad,
+    )
+
+
+def draw_dequantize_rows(data, p):
+    M, H = data.draw(st.sampled_from((1, 3, 7))), data.draw(st.sampled_from(SIZES))
+    fmt, block = data.draw(st.sampled_from(("e4m3", "e5m2", "int8"))), data.draw(st.sampled_from((2, 8, 128)))
+    packed = ops.quantize_rows_ref(contiguous(data, (M, H), F32, p), fmt, block)
+    dtype = data.draw(st.sampled_from(FLOATS))
+    idx = _index(data, M, p)
+    kw = {"packed": packed, "fmt": fmt, "block": block, "hidden": H, "dtype": dtype, "index": idx}
+    bad, val = maybe_bad(
+        data,
+        {
+            "packed_float": lambda: packed.float(),
+            "packed_none": lambda: None,
+            "hidden_wide": lambda: H + 64,
+            "hidden_zero": lambda: 0,
+            "dtype_int": lambda: torch.int8,
+            "index_range": lambda: torch.tensor([M], device=dev(p)),
+            "fmt_fp4": lambda: "fp4",
+        },
+    )
+    if bad is not None:
+        kw[bad.split("_")[0]] = val
+    return Call(
+        lambda: tk.dequantize_rows(**kw, provider=p),
+        lambda r: _same(r, ops.dequantize_rows_ref(packed, fmt, block, H, dtype, idx)),
+        {"packed": packed, "index": kw["index"]},
+        bad=bad,
+    )
+
+
 DRAWERS: dict[str, Callable] = {
     "flatten": draw_flatten,
     "unflatten": draw_unflatten,
@@ -951,6 +1027,8 @@ DRAWERS: dict[str, Callable] = {
     "wire_cast": draw_wire_cast,
     "quantize": draw_quantize,
     "dequantize": draw_dequantize,
+    "quantize_rows": draw_quantize_rows,
+    "dequantize_rows": draw_dequantize_rows,
     "topk_compress": draw_topk_compress,
     "topk_decompress": draw_topk_decompress,
     "sign_compress": draw_sign_compress,
@@ -1002,6 +1080,8 @@ def test_the_fuzz_covers_every_public_op():
         "ProviderReport",
         "Routing",
         "RouterSpec",  # moe_route's options: drawn by its drawer, as keywords and as a spec
+        "RowQuantSpec",  # quantize_rows's options: drawn as keywords
+        "row_wire_bytes",  # the packed row's size: checked by the rowquant tests
         "providers",
         "set_tuned_lookup",
         "block_codes",

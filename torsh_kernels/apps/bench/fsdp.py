@@ -11,6 +11,15 @@ slow link), the same batches, every case in turn on the same ranks:
   with error feedback;
 - ``int8 weights + int4 grads``: both (:func:`~torsh_kernels.parallel.fsdp.apply_quantized_comm`).
 
+``--fp8`` runs FP8 cases instead, against torchao's float8 all-gather (issue 43): ``plain``, ``fp8 weights``
+(e4m3 codes with an fp32 scale per 128 elements, :func:`~torsh_kernels.parallel.fsdp.apply_quantized_comm`),
+``fp8 weights + fp8 grads`` (the gradients too, with error feedback) and ``torchao float8 all-gather``
+(``torchao.float8.convert_to_float8_training`` with ``enable_fsdp_float8_all_gather=True`` before
+``fully_shard``: every Linear becomes a ``Float8Linear`` whose weight is cast to e4m3 with one scale per tensor
+before FSDP2's all-gather; torchao also runs the matmuls in fp8, which torsh's cases do not). torchao is a
+benchmark-only dependency (``pip install torchao``, the ``bench`` extra); where it is missing its case is
+reported as not run, with why.
+
 ``--offload`` measures instead what the optimizer holds per rank under ZeRO-3 (the same model): AdamW on
 FSDP2's shards (fp32 state, 8 bytes per parameter), the same with FSDP2's ``CPUOffloadPolicy``,
 :class:`~torsh_kernels.parallel.OffloadedOptimizer` with bf16 and int8 state, and on a GPU with torchao
@@ -51,14 +60,34 @@ CASES = {
     "{g} grads": (None, "{g}"),
     "int8 weights + {g} grads": ("int8", "{g}"),
 }
+TORCHAO_FP8 = "torchao float8 all-gather"
+FP8_CASES = {"plain": (None, None), "fp8 weights": ("fp8", None), "fp8 weights + fp8 grads": ("fp8", "fp8"),
+             TORCHAO_FP8: (None, None)}  # fmt: skip
+"""``--fp8``: torsh's fp8 (e4m3) weights, then weights and gradients, against torchao's float8 all-gather."""
 
 
-def _cases(grads: str) -> list[tuple[str, str | None, str | None]]:
+def _cases(grads: str, fp8: bool = False) -> list[tuple[str, str | None, str | None]]:
+    if fp8:
+        return [(k, w, g) for k, (w, g) in FP8_CASES.items()]
     return [(k.format(g=grads), w, g if g is None else g.format(g=grads)) for k, (w, g) in CASES.items()]
 
 
-def _model(cfg: dict, mesh, **shard_kw) -> torch.nn.Module:
-    """The comm-bound MLP, each linear and the whole under ``fully_shard(mesh=mesh, **shard_kw)``."""
+def torchao_float8() -> tuple[object | None, str]:
+    """torchao's ``convert_to_float8_training`` and ``Float8LinearConfig``, or None and why not (torchao is a
+    benchmark-only dependency: the ``bench`` extra)."""
+    try:
+        import logging
+
+        logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA-only extensions fail to load on the CPU
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        return None, f"torchao is not installed ({e}); pip install torchao (the bench extra)"
+    return (convert_to_float8_training, Float8LinearConfig), ""
+
+
+def _model(cfg: dict, mesh, torchao_fp8: bool = False, **shard_kw) -> torch.nn.Module:
+    """The comm-bound MLP, each linear and the whole under ``fully_shard(mesh=mesh, **shard_kw)``; with
+    ``torchao_fp8`` its Linears made torchao ``Float8Linear`` s with the float8 all-gather first."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -68,6 +97,9 @@ def _model(cfg: dict, mesh, **shard_kw) -> torch.nn.Module:
         if i + 1 < cfg["layers"]:
             mods.append(torch.nn.ReLU())
     model = torch.nn.Sequential(*mods)
+    if torchao_fp8:
+        convert, config = torchao_float8()[0]
+        convert(model, config=config(enable_fsdp_float8_all_gather=True))
     for m in model:
         if isinstance(m, torch.nn.Linear):
             fully_shard(m, mesh=mesh, **shard_kw)
@@ -78,9 +110,9 @@ def _model(cfg: dict, mesh, **shard_kw) -> torch.nn.Module:
 def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -> dict:
     from ...parallel.fsdp import apply_quantized_comm, count_traffic
 
-    model = _model(cfg, mesh)
+    model = _model(cfg, mesh, torchao_fp8=name == TORCHAO_FP8)
     comms = count_traffic(model, apply_quantized_comm(model, weights=weights, grads=grads))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.get("lr", 1e-3))
     g = torch.Generator().manual_seed(1 + comm.rank)
     target = torch.randn(cfg["width"], 16, generator=torch.Generator().manual_seed(7)) / cfg["width"] ** 0.5
     times, sent, loss = [], [], None
@@ -97,12 +129,16 @@ def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -
         if step >= cfg["warmup"]:
             times.append(time.perf_counter() - t0)
             sent.append(sum(c.bytes_sent for c in comms) - before)
+    with torch.no_grad():  # a held-out batch, the same on every rank and in every case
+        x = torch.randn(256, cfg["width"], generator=torch.Generator().manual_seed(12345))
+        held_out = torch.nn.functional.mse_loss(model(x)[:, :16], torch.tanh(x @ target)).item()
     t = torch.tensor(times, dtype=torch.float64)
     comm.all_reduce(t, "max")  # the slowest rank's time per step
     ts = t.tolist()
     return {"case": name, "weights": weights, "grads": grads, "step_ms": 1e3 * statistics.median(ts),
             "p20_ms": 1e3 * quantile(ts, 0.2), "p80_ms": 1e3 * quantile(ts, 0.8),
-            "bytes_per_step": statistics.median(sent), "loss": loss.item()}  # fmt: skip
+            "bytes_per_step": statistics.median(sent), "loss": loss.item(), "held_out_loss": held_out,
+            "steps_trained": cfg["warmup"] + cfg["steps"]}  # fmt: skip
 
 
 OFFLOAD_CASES = ("AdamW", "AdamW + CPUOffloadPolicy", "OffloadedOptimizer bf16", "OffloadedOptimizer int8")
@@ -209,11 +245,19 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
             return None
         res = {"offload_rows": rows, "skipped": skipped, "world_size": comm.world_size, "backend": comm.backend}
         return _report_offload(res, cfg, names)
-    cases = [(n, lambda n=n, w=w, gq=gq: _case(comm, mesh, cfg, n, w, gq)) for n, w, gq in _cases(cfg["grads"])]
-    rows = _repeat(comm, cfg, cases, lambda r: f"{r['bytes_per_step'] / 1e6:8.2f} MB/step")
+    names = _cases(cfg["grads"], cfg.get("fp8", False))
+    skipped = {}
+    if cfg.get("fp8") and torchao_float8()[0] is None:
+        skipped[TORCHAO_FP8] = torchao_float8()[1]
+        names = [c for c in names if c[0] != TORCHAO_FP8]
+    cases = [(n, lambda n=n, w=w, gq=gq: _case(comm, mesh, cfg, n, w, gq)) for n, w, gq in names]
+    rows = _repeat(comm, cfg, cases, lambda r: f"{r['bytes_per_step'] / 1e6:8.2f} MB/step  loss {r['loss']:.5f}")
     if comm.rank != 0:
         return None
-    return _report({"rows": rows, "world_size": comm.world_size, "backend": comm.backend}, cfg)
+    res = {"rows": rows, "world_size": comm.world_size, "backend": comm.backend}
+    if cfg.get("fp8"):
+        res["skipped"] = skipped
+    return _report(res, cfg, [n for n, _, _ in names])
 
 
 def _repeat(comm: TorchCommunicator, cfg: dict, cases: list, detail) -> list[dict]:
@@ -234,11 +278,10 @@ def _spread(v: list[float]) -> dict:
     return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
 
 
-def _report(res: dict, cfg: dict) -> dict:
+def _report(res: dict, cfg: dict, names: list[str]) -> dict:
     env = environment(torch.device("cuda" if res["backend"] == "nccl" else "cpu"))
     env["network"] = os.environ.get("TORSH_BENCH_NETWORK", "loopback" if res["backend"] == "gloo" else "local GPUs")
     rows = res["rows"]
-    names = [n for n, _, _ in _cases(cfg["grads"])]
     summary = []
     for name in names:
         rs = [r for r in rows if r["case"] == name]
@@ -250,7 +293,8 @@ def _report(res: dict, cfg: dict) -> dict:
         summary.append({"case": name, "step_ms": _spread([r["step_ms"] for r in rs]),
                         "bytes_per_step": _spread([r["bytes_per_step"] for r in rs]),
                         "speedup_vs_plain": _spread(ratios_t), "bytes_vs_plain": _spread(ratios_b),
-                        "loss": _spread([r["loss"] for r in rs])})  # fmt: skip
+                        "loss": _spread([r["loss"] for r in rs]),
+                        "held_out_loss": _spread([r["held_out_loss"] for r in rs])})  # fmt: skip
     res["summary"] = summary
     _print(res, env, cfg)
     return _write(res, env, cfg)
@@ -306,7 +350,8 @@ def _print(res: dict, env: dict, cfg: dict) -> None:
     t = cli_common.table((f"FSDP2 step time, {res['world_size']} ranks ({res['backend']}, {env.get('network')}), "
                     f"{cfg['layers']} x [{cfg['width']} x {cfg['width']}] linears ({params / 1e6:.1f} M parameters), "
                     f"batch {cfg['batch']}/rank; medians over {cfg['repeat']} run(s) [min-max]"),
-                   ["case", "step (ms)", "speedup vs plain", "MB sent/step (this rank)", "bytes vs plain", "last loss"],
+                   ["case", "step (ms)", "speedup vs plain", "MB sent/step (this rank)", "bytes vs plain",
+                    f"loss after {cfg['warmup'] + cfg['steps']} steps", "held-out loss"],
                    text=("case",))  # fmt: skip
 
     def f(d, digits=1, unit=""):
@@ -317,8 +362,21 @@ def _print(res: dict, env: dict, cfg: dict) -> None:
     for s in res["summary"]:
         mb = {k: v / 1e6 if k != "n" else v for k, v in s["bytes_per_step"].items()}
         t.add_row(s["case"], f(s["step_ms"]), f(s["speedup_vs_plain"], 2, "x"), f(mb, 2),
-                  f(s["bytes_vs_plain"], 3, "x"), f"{s['loss']['median']:.4f}")  # fmt: skip
+                  f(s["bytes_vs_plain"], 3, "x"), f"{s['loss']['median']:.6f}",
+                  f"{s['held_out_loss']['median']:.6f}")  # fmt: skip
+    for name, why in res.get("skipped", {}).items():
+        t.add_row(f"{name}: not run: {why}", *["-"] * 6)
     cli_common.console().print(t)
+
+
+def _learning_rate(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive learning rate, got {text!r}")
+    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -332,6 +390,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grads", choices=("int8", "int4"), default="int4", help="gradient format of the grads cases")
     p.add_argument("--repeat", type=at_least_1, default=1, help="run every case this many times, interleaved")
     p.add_argument("--threads", type=at_least_1, default=1, help="torch threads per rank")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="instead: fp8 weights (and grads) against torchao's float8 all-gather (torchao installed)",
+    )
+    p.add_argument("--lr", type=_learning_rate, default=1e-3, help="SGD learning rate (1e-3)")
     p.add_argument("--offload", action="store_true",
                    help="instead: the optimizer's memory under ZeRO-3, AdamW (with and without FSDP2's "
                    "CPUOffloadPolicy) against OffloadedOptimizer with bf16 and int8 state")  # fmt: skip
@@ -341,7 +405,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = {"width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
            "warmup": args.warmup, "grads": args.grads, "repeat": args.repeat, "threads": args.threads,
-           "progress": True, "offload": args.offload}  # fmt: skip
+           "progress": True, "offload": args.offload, "fp8": args.fp8, "lr": args.lr}  # fmt: skip
     if "RANK" in os.environ:
         comm = init_from_env(timeout=600)
         doc = _worker(comm, cfg)

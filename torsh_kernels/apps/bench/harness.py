@@ -118,7 +118,7 @@ def measurements(suite: str, data: dict) -> dict[str, dict]:
         for r in data["rows"]:
             if r.get("step_ms") is not None:
                 if suite == "fsdp":
-                    kind = "peer" if r["case"] == "plain" else "ours"
+                    kind = "peer" if r["case"] == "plain" or r["case"].startswith("torchao") else "ours"
                 else:
                     kind = "ours" if str(r["case"]).startswith("torsh") else "peer"
                 out[f"{r['case']} / {r.get('buckets', '')}"] = _with_spread(

@@ -104,7 +104,7 @@ def test_the_fsdp_comms_spec():
     assert s.format("weights") == QuantizedFormat(bits=4, block=64) and s.format("grads") is None
     assert dict(s.signature_fields("comms"))["comms.weights"] == "int4"
     for bad, err, text in [
-        (dict(weights="fp8"), InvalidArgumentError, "weights='fp8'"),
+        (dict(weights="fp4"), InvalidArgumentError, "weights='fp4'"),
         (dict(block=48), InvalidArgumentError, "block must be a power of two"),
         (dict(block=True), InvalidArgumentError, "block must be a power of two"),
         (dict(error_feedback=1), ArgumentTypeError, "error_feedback must be True or False"),
@@ -113,3 +113,8 @@ def test_the_fsdp_comms_spec():
             QuantizedCommSpec(**bad)
     with pytest.raises(InvalidArgumentError, match=r"bits must be one of \(8, 4\)"):
         QuantizedFormat(bits=2)
+    assert QuantizedCommSpec(weights="fp8", grads="fp8:e5m2").format("grads") == QuantizedFormat(bits=8, fmt="e5m2")
+    with pytest.raises(InvalidArgumentError, match="fp8 codes"):
+        QuantizedFormat(bits=4, fmt="e4m3")
+    with pytest.raises(InvalidArgumentError, match="fmt="):
+        QuantizedFormat(fmt="e3m4")

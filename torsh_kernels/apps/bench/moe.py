@@ -62,7 +62,6 @@ from . import (
     emit,
     environment,
     moe_ep,
-    moe_lm,
     print_tables,
     resolve_device,
     result_doc,
@@ -524,7 +523,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time each phase of the torsh layer's forward and backward on its own")  # fmt: skip
     p.add_argument("--note", default=None, help="a note kept in the JSON (e.g. the machine and its load)")
     moe_ep.add_arguments(p)
-    moe_lm.add_arguments(p)
     cli_common.add_json(p)
 
 
@@ -567,8 +565,6 @@ def _print_layer(results: list[Result], profiles: dict[str, dict[str, float]]) -
 def run(args: argparse.Namespace) -> int:
     if args.ep:
         return moe_ep.run(args)
-    if args.ep_lm:
-        return moe_lm.run(args)
     device = resolve_device(args.device)
     if args.k > min(args.experts):
         raise cli_common.UsageError(f"--k {args.k} is more than the {min(args.experts)} expert(s) of --experts")

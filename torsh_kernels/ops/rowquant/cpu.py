@@ -28,20 +28,15 @@ def _load(x, xb, r, c, bf16):
 
 
 @jit
-def _fp8_bits(y, e4m3):
-    """fp8 code (0..255) of a saturated, non-NaN fp32 value: fp8_bits_py."""
+def _fp8_bits(y, small, magic, rebias, shift):
+    """fp8 code (0..255) of a saturated, non-NaN fp32 value: fp8_bits_py, branch-free (both roundings computed,
+    one selected), with the format's constants passed in (e4m3: 121 << 23, 141 << 23, 120 << 23, 20)."""
     b = np.int64(f32_bits(y)) & 0xFFFFFFFF
     sign = (b >> 24) & 0x80
     a = b & 0x7FFFFFFF
-    if e4m3:
-        small, magic, rebias, shift = (121 << 23), (141 << 23), (120 << 23), 20
-    else:
-        small, magic, rebias, shift = (113 << 23), (134 << 23), (112 << 23), 21
-    if a < small:
-        r = (np.int64(f32_bits(np.abs(y) + bits_f32(np.int32(magic)))) & 0xFFFFFFFF) - magic
-    else:
-        r = (a - rebias + ((1 << (shift - 1)) - 1) + ((a >> shift) & 1)) >> shift
-    return r | sign
+    sub = (np.int64(f32_bits(np.abs(y) + bits_f32(np.int32(magic)))) & 0xFFFFFFFF) - magic
+    nor = (a - rebias + ((1 << (shift - 1)) - 1) + ((a >> shift) & 1)) >> shift
+    return (sub if a < small else nor) | sign
 
 
 @jit
@@ -68,76 +63,101 @@ def _fp8_value(c, e4m3):
 @jit
 def quantize_arrays(x, xb, bf16, index, has_index, codes, scales, fmt, block):
     """codes uint8 [N, RB] (the packed rows, codes part), scales fp32 [N, RB / 4] (the same memory; the scales
-    from column A / 4 on: passed as the view starting there)."""
+    from column A / 4 on: passed as the view starting there). Per tile: the source values into an fp32 buffer
+    (a bf16 pattern shifted), the absmax of their bit patterns, then the codes: loops from 0 over slices, which
+    LLVM vectorises."""
     N = codes.shape[0]
     H = x.shape[1] if not bf16 else xb.shape[1]
     nt = (H + block - 1) // block
     qmax = np.float32(448.0) if fmt == 0 else (np.float32(57344.0) if fmt == 1 else np.float32(127.0))
+    if fmt == 0:
+        small, magic, rebias, shift = 121 << 23, 141 << 23, 120 << 23, 20
+    else:
+        small, magic, rebias, shift = 113 << 23, 134 << 23, 112 << 23, 21
     pad = (H + 3) // 4 * 4
+    buf = np.empty(block, dtype=np.float32)
+    bits = buf.view(np.int32)
     for n in range(N):
         src = index[n] if has_index else n
+        row = codes[n]
         for c in range(H, pad):
-            codes[n, c] = 0
+            row[c] = 0
         for t in range(nt):
             a = t * block
-            e = min(a + block, H)
+            m = min(a + block, H) - a
+            if src < 0:
+                for i in range(m):
+                    buf[i] = 0.0
+            elif bf16:
+                xr = xb[src, a : a + m]
+                for i in range(m):
+                    bits[i] = np.int32(xr[i]) << 16
+            else:
+                xr = x[src, a : a + m]
+                for i in range(m):
+                    buf[i] = xr[i]
             mx = np.int32(0)
-            if src >= 0:
-                for c in range(a, e):
-                    v = f32_bits(_load(x, xb, src, c, bf16)) & 0x7FFFFFFF
-                    mx = v if v > mx else mx
-            if mx >= 0x7F800000:
-                s = np.float32(np.nan)
-            else:
-                s = bits_f32(mx) / qmax
+            for i in range(m):
+                v = bits[i] & 0x7FFFFFFF
+                mx = v if v > mx else mx
+            s = np.float32(np.nan) if mx >= 0x7F800000 else bits_f32(mx) / qmax
             scales[n, t] = s
+            out = row[a : a + m]
             if not s > 0:
-                for c in range(a, e):
-                    codes[n, c] = 0
+                for i in range(m):
+                    out[i] = 0
             elif fmt == 2:
-                for c in range(a, e):
-                    y = np.rint(_load(x, xb, src, c, bf16) / s)
+                for i in range(m):
+                    y = np.rint(buf[i] / s)
                     y = y if y < qmax else qmax
                     y = y if y > -qmax else -qmax
-                    codes[n, c] = np.uint8(np.int32(y) & 0xFF)
+                    out[i] = np.uint8(np.int32(y) & 0xFF)
             else:
-                for c in range(a, e):
-                    y = _load(x, xb, src, c, bf16) / s
+                for i in range(m):
+                    y = buf[i] / s
                     y = y if y < qmax else qmax
                     y = y if y > -qmax else -qmax
-                    codes[n, c] = np.uint8(_fp8_bits(y, fmt == 0))
+                    out[i] = np.uint8(_fp8_bits(y, small, magic, rebias, shift))
 
 
 @jit
 def dequantize_arrays(codes, scales, index, has_index, out, ob, bf16, fmt, block):
     """out fp32 [N, H] (or ob: the bf16 patterns, int16 [N, H]) from packed rows (codes uint8 [M, RB], scales
-    fp32 view from column A / 4)."""
+    fp32 view from column A / 4): per tile, loops from 0 over slices (LLVM vectorises them)."""
     N = out.shape[0] if not bf16 else ob.shape[0]
     H = out.shape[1] if not bf16 else ob.shape[1]
     nt = (H + block - 1) // block
+    buf = np.empty(block, dtype=np.float32)
+    bits = buf.view(np.int32)
     for n in range(N):
         src = index[n] if has_index else n
         for t in range(nt):
             a = t * block
-            e = min(a + block, H)
-            s = scales[src, t] if src >= 0 else np.float32(0.0)
-            for c in range(a, e):
-                if src < 0:
-                    v = np.float32(0.0)
-                elif fmt == 2:
-                    q = np.int32(codes[src, c])
-                    v = np.float32(q - ((q & 0x80) << 1)) * s
+            m = min(a + block, H) - a
+            if src < 0:
+                for i in range(m):
+                    buf[i] = 0.0
+            else:
+                s = scales[src, t]
+                cr = codes[src, a : a + m]
+                if fmt == 2:
+                    for i in range(m):
+                        q = np.int32(cr[i])
+                        buf[i] = np.float32(q - ((q & 0x80) << 1)) * s
                 else:
-                    v = _fp8_value(np.int32(codes[src, c]), fmt == 0) * s
-                if bf16:
-                    b = np.int64(f32_bits(v)) & 0xFFFFFFFF
-                    if (b & 0x7FFFFFFF) > 0x7F800000:
-                        r = np.int64(0x7FC0)
-                    else:
-                        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-                    ob[n, c] = np.int16(r - ((r & 0x8000) << 1))
-                else:
-                    out[n, c] = v
+                    for i in range(m):
+                        buf[i] = _fp8_value(np.int32(cr[i]), fmt == 0) * s
+            if bf16:
+                orow = ob[n, a : a + m]
+                for i in range(m):
+                    b = np.int64(bits[i]) & 0xFFFFFFFF
+                    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+                    r = 0x7FC0 if (b & 0x7FFFFFFF) > 0x7F800000 else r
+                    orow[i] = np.int16(r - ((r & 0x8000) << 1))
+            else:
+                orow = out[n, a : a + m]
+                for i in range(m):
+                    orow[i] = buf[i]
 
 
 _EMPTY_F32 = np.zeros((1, 1), dtype=np.float32)

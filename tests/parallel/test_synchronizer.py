@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests import helpers
 from tests.helpers import MLP, assert_named_on_every_rank, count_calls
 from torsh_kernels.collectives import run_local
-from torsh_kernels.compression import PowerSGD, TopK
+from torsh_kernels.compression import FP8, PowerSGD, TopK
 from torsh_kernels.errors import InvalidArgumentError
 from torsh_kernels.parallel import CompressionHookState, GradientSynchronizer, compression_hook
 
@@ -31,7 +31,7 @@ def grads(m: nn.Module) -> dict[str, torch.Tensor | None]:
 def _equals_ddp_worker(comm, overlap, compressed):
     ddp_net, net = Net(), Net()
     ddp = DDP(ddp_net, bucket_cap_mb=0.004, find_unused_parameters=True)
-    comp = TopK(0.05) if compressed else None
+    comp = {"topk": TopK(0.05), "fp8": FP8()}[compressed] if compressed else None
     if compressed:
         ddp.register_comm_hook(CompressionHookState(compressor=comp, min_numel=64), compression_hook)
     sync = GradientSynchronizer(net, comm, bucket_mb=0.004, first_bucket_mb=0.002, compressor=comp,
@@ -53,7 +53,7 @@ def _equals_ddp_worker(comm, overlap, compressed):
 
 @pytest.mark.parametrize(
     ("world_size", "overlap", "compressed"),
-    [(2, True, False), (2, False, False), (3, True, False), (2, True, True), (3, False, True)],
+    [(2, True, False), (2, False, False), (3, True, False), (2, True, "topk"), (3, False, "topk"), (2, True, "fp8")],
 )
 def test_synchronizer_equals_ddp(world_size, overlap, compressed):
     out = run_local(_equals_ddp_worker, world_size, overlap, compressed, op_timeout=60)

@@ -40,8 +40,8 @@ def test_the_report_has_every_section_and_the_json_has_them_as_data(capsys, monk
     assert all(k.startswith(("TORSH_", "TRITON_", "NUMBA_", "NCCL_")) for k in d["environment"])
     assert d["caches"]["tuning"].endswith("tuning.json") and d["caches"]["numba"]
     forms = [n["form"] for n in d["compressors"]["names"]]
-    assert [f.split("[")[0].split(":")[0] for f in forms] == ["none", "fp16", "bf16", "int8", "int4", "sign", "topk",
-                                                               "powersgd"]  # fmt: skip
+    assert [f.split("[")[0].split(":")[0] for f in forms] == ["none", "fp16", "bf16", "int8", "int4", "fp8", "sign",
+                                                               "topk", "powersgd"]  # fmt: skip
     assert "topk:0.01" in d["compressors"]["auto_candidates"]
 
 

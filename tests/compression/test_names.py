@@ -165,12 +165,16 @@ def test_the_single_process_entry_points_accept_names():
 
 
 def test_fsdp_formats_are_the_compressors_names():
+    from torsh_kernels.compression import FP8
     from torsh_kernels.parallel import apply_quantized_comm
-    from torsh_kernels.parallel.fsdp_format import FORMATS
+    from torsh_kernels.parallel.fsdp_format import FORMATS, FP8_NAMES
 
-    assert FORMATS == QUANTIZED_FORMATS == {"int8": 8, "int4": 4}
-    for name, bits in FORMATS.items():
+    assert QUANTIZED_FORMATS == {"int8": 8, "int4": 4}
+    assert FORMATS == {**QUANTIZED_FORMATS, "fp8": 8, "fp8:e4m3": 8, "fp8:e5m2": 8}
+    for name, bits in QUANTIZED_FORMATS.items():
         assert compressor_from_name(name) == Quantize(bits)
+    for name, fmt in FP8_NAMES.items():  # the fp8 formats are the FP8 compressor's names and encodings
+        assert compressor_from_name(name) == FP8(fmt)
     # hsdp_grads takes a name: a bad one is refused by name, a good one passes to the model checks
     with pytest.raises(InvalidArgumentError, match="hsdp_grads: compressor name 'fp17'"):
         apply_quantized_comm(nn.Linear(2, 2), hsdp_grads="fp17")

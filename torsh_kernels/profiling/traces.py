@@ -92,6 +92,7 @@ TORSH_OPS: dict[str, str] = {
     "quantize_out": "compression", "dequantize": "compression", "sign_compress": "compression",
     "sign_compress.pack": "compression", "sign_decompress": "compression", "orthogonalize": "compression",
     "residual_add": "compression", "error_update": "compression", "wire_cast": "compression",
+    "quantize_rows": "compression", "dequantize_rows": "compression",
     # memory: copies into and out of buckets, offload packing, MoE row permutations
     "flatten": "memory", "flatten_out": "memory", "unflatten": "memory", "pack": "memory", "pack_cast": "memory",
     "unpack": "memory",

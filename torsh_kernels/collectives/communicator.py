@@ -242,23 +242,33 @@ class TorchCommunicator(CommunicatorBase):
 
     def _run(self, what: str, launch: Callable[[], object], then: Callable[[], None] | None = None,
              async_op: bool = False, *, nbytes: int = 0, op: str | None = None) -> TorchHandle | None:  # fmt: skip
-        self._traffic.add(op or what, nbytes, self._world)
+        traffic = self._traffic
+        traffic.add(op or what, nbytes, self._world)
+        timed = traffic.timed
         rec = recording.recorder
         span = None
         if rec is not None:
             cuda = self._device if self._device.type == "cuda" else None
             span = rec.collective(op or what, group=self._ranks, nbytes=nbytes, device=cuda)
+        if timed:
+            traffic.issued()
         try:
             work = launch()
         except CollectiveError:
+            if timed:
+                traffic.completed()
             raise
         except Exception as e:
+            if timed:
+                traffic.completed()
             if span is not None:
                 span.end(error=type(e).__name__)
             raise self._failure(what, e) from e
         works = work if isinstance(work, list) else [work]
         if span is not None and self._device.type != "cuda":
             _end_on_completion(works, span)
+        if timed:
+            _time_on_completion(works, traffic)
         h = TorchHandle(self, works, what, then, span)
         if async_op:
             return h
@@ -387,6 +397,19 @@ def _end_on_completion(works: list, span) -> None:
 
     for f in futs:
         f.add_done_callback(done)
+
+
+def _time_on_completion(works: list, traffic) -> None:
+    """Tell ``traffic`` when the last of ``works`` completes (at once where a work has no future)."""
+    try:
+        futs = [w.get_future() for w in works if w is not None]
+    except Exception:
+        futs = []
+    if not futs:
+        traffic.completed()
+        return
+    f = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
+    f.add_done_callback(traffic.completed)
 
 
 def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group):

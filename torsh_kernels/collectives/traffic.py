@@ -4,6 +4,9 @@ synchronizer's statistics, FSDP2's comm counters and ``torsh report`` all count 
 
 from __future__ import annotations
 
+import threading
+import time
+
 __all__ = ["Traffic", "wire_bytes"]
 
 # Bytes each rank puts on the wire for an input of n bytes over w ranks, ring algorithms (what NCCL and gloo
@@ -29,19 +32,52 @@ class Traffic:
     """What a communicator has sent since it was made: collectives issued, their input bytes (payload)
     and the bytes this rank put on the wire for them (:func:`~torsh_kernels.collectives.wire_bytes`, the
     same figure the timeline records per collective). Read it before and after a step for that step's
-    traffic (``comm.traffic.wire_bytes - before``)."""
+    traffic (``comm.traffic.wire_bytes - before``).
 
-    __slots__ = ("collectives", "payload_bytes", "wire_bytes")
+    With ``timed`` set (the live metrics and ``compressor="auto"``'s link following set it; off by default,
+    when it costs nothing), the communicator also reports when each collective is issued and when the
+    backend completes it, and ``busy_s`` accumulates the seconds during which at least one collective was
+    in flight (the union of their intervals, so collectives queued behind each other are not counted
+    twice): ``wire bytes / busy seconds`` over a step is the rate the link delivered. It includes the
+    time a collective waited for a slower peer to join, so it is a lower bound of the link's rate. The
+    torch.distributed communicator times its collectives; one that does not leaves ``busy_s`` at 0."""
+
+    __slots__ = ("_inflight", "_lock", "_since", "busy_s", "collectives", "payload_bytes", "timed", "wire_bytes")
 
     def __init__(self) -> None:
         self.collectives = 0
         self.payload_bytes = 0
         self.wire_bytes = 0
+        self.timed = False
+        self.busy_s = 0.0
+        self._inflight = 0
+        self._since = 0.0
+        self._lock = threading.Lock()
 
     def add(self, op: str, nbytes: int, world: int) -> None:
         self.collectives += 1
         self.payload_bytes += nbytes
         self.wire_bytes += wire_bytes(op, nbytes, world)
+
+    def issued(self) -> None:
+        """A collective was issued (``timed`` only)."""
+        with self._lock:
+            if self._inflight == 0:
+                self._since = time.perf_counter()
+            self._inflight += 1
+
+    def completed(self, _arg: object = None) -> None:
+        """A collective issued with :meth:`issued` completed (or failed); callable as a future's callback."""
+        with self._lock:
+            if self._inflight > 0:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self.busy_s += time.perf_counter() - self._since
+
+    def busy(self) -> float:
+        """``busy_s`` including the collectives in flight now."""
+        with self._lock:
+            return self.busy_s + (time.perf_counter() - self._since if self._inflight else 0.0)
 
     def __repr__(self) -> str:
         return (f"Traffic(collectives={self.collectives}, payload_bytes={self.payload_bytes}, "

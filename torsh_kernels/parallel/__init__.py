@@ -8,6 +8,7 @@ takes about a second)."""
 
 from __future__ import annotations
 
+from .auto_follow import FollowSpec
 from .buckets import BucketSpec
 from .fsdp_format import QuantizedCommSpec
 from .hooks import CompressionHookState, HookStats, compression_hook
@@ -25,6 +26,7 @@ __all__ = [
     "CompressionHookState",
     "ExpertParallelMoE",
     "ExpertWireSpec",
+    "FollowSpec",
     "GradientConsistency",
     "GradientSynchronizer",
     "HookStats",

@@ -276,6 +276,8 @@ class AutoSelector:
         self._current: list[_BucketShape] = []
         self._last: list[_BucketShape] = []
         self.decision: AutoDecision | None = None
+        self._computes: list[float] | None = None  # each candidate's measured compute, kept for re-planning
+        self._rounds: list[list[Round]] = []  # ... and the collectives it issued
 
     def __repr__(self) -> str:
         return f"auto({', '.join(_label(c) for c in self.candidates)})"
@@ -378,31 +380,57 @@ class AutoSelector:
         """Measure and choose (a collective call: every rank of ``comm`` must call it at the same point)."""
         t_start = time.perf_counter()
         ws = comm.world_size
-        buckets = self._buckets()
-        device = comm.device
         link = self.link
         if link is None:
             link = probe(comm, large_bytes=4 << 20, repeats=3) if ws > 1 else Link(latency=0.0, bandwidth=1e12)
-        computes, rounds_of = self._measure(buckets, ws, device)
-        vec = torch.tensor(computes, dtype=torch.float64, device=device)
+        self._computes, self._rounds = self._measured(comm)
+        self.decision = self._choose(comm, link, t_start)
+        return self.decision
+
+    def replan(self, comm: Communicator, *, probe_bytes: int = 1 << 20, remeasure: bool = False) -> AutoDecision:
+        """Choose again (a collective call, as :meth:`decide`): the link probed anew, every candidate priced on
+        it with the compute measured at the decision, or measured again (``remeasure``, or where the decision
+        came from a checkpoint). Used by :mod:`.auto_follow` when the link or the compression cost moved."""
+        t_start = time.perf_counter()
+        ws = comm.world_size
         if ws > 1:
+            link = probe(comm, small_bytes=8, large_bytes=probe_bytes, repeats=3)
+        else:
+            link = self.decision.link if self.decision is not None else Link(latency=0.0, bandwidth=1e12)
+        if remeasure or self._computes is None:
+            self._computes, self._rounds = self._measured(comm)
+        self.decision = self._choose(comm, link, t_start)
+        return self.decision
+
+    def _measured(self, comm: Communicator) -> tuple[list[float], list[list[Round]]]:
+        """Every candidate's compute on this job's buckets (the slowest rank's) and the collectives it issues."""
+        computes, rounds_of = self._measure(self._buckets(), comm.world_size, comm.device)
+        vec = torch.tensor(computes, dtype=torch.float64, device=comm.device)
+        if comm.world_size > 1:
             comm.all_reduce(vec, "max")  # the slowest rank sets the pace
-        computes = vec.tolist()
-        costs = price([_label(c) for c in self.candidates], computes, rounds_of, ws, link)
+        return vec.tolist(), rounds_of
+
+    def _choose(self, comm: Communicator, link: Link, t_start: float) -> AutoDecision:
+        ws = comm.world_size
+        device = comm.device
+        costs = price([_label(c) for c in self.candidates], self._computes, self._rounds, ws, link)
         order = sorted(range(len(costs)), key=lambda i: (costs[i].total_s, i))
         pick = torch.tensor([order[0]], dtype=torch.int64, device=device)
         if ws > 1:
             comm.broadcast(pick, 0)  # rank 0 decides; every rank takes its choice
         i = int(pick.item())
-        d = AutoDecision(
+        shapes = self._last or self._current
+        return AutoDecision(
             choice=costs[i].name,
             compressor=self.candidates[i],
             link=link,
             world_size=ws,
-            buckets=len(buckets),
-            gradient_bytes=sum(g.numel() * g.element_size() for grads, _ in buckets for g in grads),
+            buckets=len(shapes),
+            gradient_bytes=sum(
+                math.prod(s) * torch.empty((), dtype=d).element_size()
+                for b in shapes
+                for s, d in zip(b.shapes, b.dtypes)
+            ),
             candidates=[costs[i]] + [costs[j] for j in order if j != i],
             measure_s=time.perf_counter() - t_start,
         )
-        self.decision = d
-        return d

@@ -56,6 +56,7 @@ from ..compression.quantize import apply_quantize_mode
 from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchError, NonFiniteError
 from ..ops import COMPRESS_DTYPES, count_nonfinite, flatten, unflatten
 from .auto import AutoSelector, default_candidates
+from .auto_follow import FollowSpec, LinkFollower, follow_spec, hand_over, take_handover
 from .buckets import BucketPlan, BucketSpec, carries_plain, flat_view
 from .engine_state import checked_state, restore, snapshot
 from .pipeline import grad_scaler_in_use, summing, unchecked
@@ -85,13 +86,17 @@ class BucketCompressor:
         "auto",
         "check_signatures",
         "compressor",
+        "follow",
+        "handover",
         "iteration",
         "nonfinite_steps",
+        "replans",
         "shapes",
         "signature_checks",
         "signature_s",
         "spec",
         "states",
+        "taken",
     )
 
     def __init__(
@@ -100,6 +105,7 @@ class BucketCompressor:
         spec: BucketSpec | None = None,
         *,
         auto_candidates: Sequence[Compressor | None] | None = None,
+        auto_follow: FollowSpec | bool | None = None,
         check_signatures: bool | None = None,
         quantize_mode: str | None = None,
         what: str = "BucketCompressor",
@@ -117,6 +123,9 @@ class BucketCompressor:
             raise InvalidArgumentError(
                 f"{what}: auto_candidates is for compressor='auto', got compressor={compressor!r}"
             )
+        if auto_follow is not None and not auto:
+            raise InvalidArgumentError(f"{what}: auto_follow is for compressor='auto', got compressor={compressor!r}")
+        follow = follow_spec(auto_follow, what) if auto else None
         if quantize_mode is not None:  # deprecated: the scheme is Quantize's own setting
             if auto:
                 auto_candidates = [apply_quantize_mode(c, quantize_mode, what) for c in
@@ -159,6 +168,12 @@ class BucketCompressor:
         self._stateless = CompressionState()  # the state handed to stateless compressors (casts, plain)
         # the pending or made compressor="auto" choice (None for a fixed compressor)
         self.auto = AutoSelector(self._candidate_engine, auto_candidates) if auto else None
+        # compressor="auto" that follows the link (auto_follow.py): its measurements, its re-plans, and the
+        # residuals handed over from a compressor it switched away from until each parameter's gradient takes it
+        self.follow = LinkFollower(follow) if follow is not None else None
+        self.replans: list[dict] = []
+        self.handover: dict[int, torch.Tensor] = {}
+        self.taken: set[int] = set()
 
     # -- compressor="auto" ------------------------------------------------------------------------------
 
@@ -192,8 +207,10 @@ class BucketCompressor:
 
     def set_compressor(self, compressor: Compressor | str | None) -> None:
         """Switch to another compressor between iterations, on every rank alike (``compressor="auto"``
-        does at the end of the warm-up). The compressor states and cached bucket plans are dropped; the
-        warm-up length and size rules stay as constructed."""
+        does at the end of the warm-up, and when it follows the link). The compressor states and cached
+        bucket plans are dropped, except each parameter's error-feedback residual: the gradient mass not sent
+        yet is added to that parameter's next gradient, whatever the new compressor (so nothing is lost;
+        :func:`~.auto_follow.hand_over`). The warm-up length and size rules stay as constructed."""
         compressor = as_compressor(compressor, "set_compressor")
         if compressor is None:
             compressor = NoCompression()
@@ -201,6 +218,7 @@ class BucketCompressor:
             raise ArgumentTypeError(
                 f"set_compressor: expected a Compressor, a compressor's name or None, got {type(compressor).__name__}"
             )
+        hand_over(self)
         self.compressor = compressor.per_tensor(self.spec.min_compression_rate)
         self._unchecked = unchecked(self.compressor)
         self.states = {}
@@ -430,6 +448,11 @@ class BucketCompressor:
         propagate = self.mode() == "propagate"
         if self.auto is not None and self.auto.decision is None:
             grads = self._auto_turn(grads, keys, comm, flat)
+        elif self.follow is not None and not self.auto.ready:  # a choice from a checkpoint: note the buckets
+            grads = list(grads() if callable(grads) else grads)  # a re-plan measures the candidates on
+            self.auto.observe(grads, keys, packed=flat is not None or flat_view(grads) is not None)
+        if self.handover:
+            grads = take_handover(self, grads, keys)
         c = self._unchecked if propagate else self.compressor
         if flat is not None:  # the whole bucket may travel as it is: no need to look at its gradients
             plan = self._plans.get((tuple(keys), flat.dtype, comm.world_size))
@@ -530,12 +553,17 @@ class BucketCompressor:
         iteration not counted. Returns whether it was undone."""
         if self._skip:
             self._restore()
+            self.taken = set()  # the step is skipped: the handed-over residuals wait for the next one
             self._skip = False
             self._saved, self._created, self._used = set(), set(), set()
             self.nonfinite_steps += 1
             return True
         self._saved, self._created, self._sums = set(), set(), []
-        if self.auto is not None and self.auto.decision is None:
+        if self.taken:
+            for k in self.taken:
+                self.handover.pop(k, None)
+            self.taken = set()
+        if self.auto is not None and (self.auto.decision is None or not self.auto.ready):
             self.auto.end_iteration()
         if self._used:
             used = self._used
@@ -553,6 +581,7 @@ class BucketCompressor:
         one saves its states afresh."""
         self._saved, self._created, self._skip = set(), set(), False
         self._sums = []
+        self.taken = set()
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
@@ -567,6 +596,7 @@ class BucketCompressor:
             "shapes": dict(self.shapes),
             "states": {k: s.state_dict() for k, s in self.states.items()},
             "auto": self.auto.decision.as_dict() if self.auto is not None and self.auto.decision else None,
+            **({"handover": {k: r.clone() for k, r in self.handover.items()}} if self.handover else {}),
         }
 
     def load_state_dict(self, sd: dict, what: str, owner: tuple[int, int] | None = None) -> None:
@@ -574,7 +604,7 @@ class BucketCompressor:
         compressor, the auto choice, the shapes against those this engine has seen, each state, each
         residual's size against its tensors' shapes) before anything changes; a typed error names the
         first bad one (:func:`~torsh_kernels.parallel.engine_state.checked_state`)."""
-        decision, iteration, shapes, states = checked_state(self, sd, what, owner)
+        decision, iteration, shapes, states, handover = checked_state(self, sd, what, owner)
         # everything checked: now change
         if decision is not None:
             self._apply_auto(decision.compressor)
@@ -582,6 +612,7 @@ class BucketCompressor:
         self.iteration = iteration
         self.shapes = shapes
         self.states = states
+        self.handover, self.taken = handover, set()
         self._plans = {}
         self._used = set()
         self._snapshots, self._saved, self._created, self._skip = {}, set(), set(), False

@@ -13,13 +13,15 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, LayoutMismatchErro
 __all__ = ["check_owner", "checked_state", "restore", "snapshot"]
 
 
-def checked_state(engine, sd: dict, what: str, owner: tuple[int, int] | None = None) -> tuple[object, int, dict, dict]:
+def checked_state(
+    engine, sd: dict, what: str, owner: tuple[int, int] | None = None
+) -> tuple[object, int, dict, dict, dict]:
     """(auto's recorded decision or None, the iteration, the shapes, the compressor states) of ``sd``,
     checked against ``engine`` (its policy, compressor, auto, the shapes it has seen) and, where both say, against
     the process that loads it (``owner``: its rank and world size; the residuals and PowerSGD's Q are a rank's own)."""
     w = f"{what}.load_state_dict"
     need = {"iteration", "policy", "shapes", "states"}
-    known = need | {"compressor", "auto", "rank", "world_size"}
+    known = need | {"compressor", "auto", "rank", "world_size", "handover"}
     if not isinstance(sd, dict):
         raise ArgumentTypeError(f"{w}: expected a dict from state_dict(), got {type(sd).__name__}")
     if not need <= sd.keys() or not sd.keys() <= known:
@@ -77,7 +79,23 @@ def checked_state(engine, sd: dict, what: str, owner: tuple[int, int] | None = N
                     f"{[shapes[i] for i in key]}) have {n}; the checkpoint is of another model"
                 )
         states[key] = st
-    return decision, iteration, shapes, states
+    return decision, iteration, shapes, states, _checked_handover(sd.get("handover", {}), shapes, w)
+
+
+def _checked_handover(raw: object, shapes: dict, w: str) -> dict[int, torch.Tensor]:
+    """A checkpoint's ``handover`` (``compressor="auto"`` switched and a parameter's residual waits for its next
+    gradient): parameter key -> fp32 tensor of that parameter's size."""
+    if not isinstance(raw, dict):
+        raise ArgumentTypeError(f"{w}: 'handover' must be a dict of parameter key -> tensor, got {type(raw).__name__}")
+    out = {}
+    for k, r in raw.items():
+        if isinstance(k, bool) or not isinstance(k, int) or k not in shapes:
+            raise InvalidArgumentError(f"{w}: 'handover' key {k!r} is not a parameter key of 'shapes'")
+        if not isinstance(r, torch.Tensor) or r.dtype != torch.float32 or r.numel() != math.prod(shapes[k]):
+            raise ShapeError(f"{w}: handover[{k}] must be an fp32 tensor of {math.prod(shapes[k])} elements, got "
+                             f"{type(r).__name__} {getattr(r, 'dtype', '')} {getattr(r, 'shape', '')}")  # fmt: skip
+        out[k] = r.clone()
+    return out
 
 
 def check_owner(sd: dict, owner: tuple[int, int] | None, w: str) -> None:

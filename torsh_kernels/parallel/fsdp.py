@@ -65,7 +65,7 @@ from ..collectives.communicator import TorchCommunicator, as_communicator, is_co
 from ..compression import Compressor, NoCompression, compressed_all_reduce
 from ..compression.names import as_compressor
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from .fsdp_comms import QuantizedAllGather, QuantizedReduceScatter, counting_default_comms
+from .fsdp_comms import LiveSteps, QuantizedAllGather, QuantizedReduceScatter, counting_default_comms
 from .fsdp_format import FORMATS, QuantizedCommSpec, QuantizedFormat, encoded_nbytes
 
 __all__ = [
@@ -309,11 +309,18 @@ def apply_quantized_comm(
     if isinstance(hsdp_grads, NoCompression):
         hsdp_grads = None
     changed = []
+    steps = LiveSteps()  # the live metrics' record of this model's steps, shared by the comms installed here
+    steps.label = ",".join(f"{k}={v}" for k in ("weights", "grads") if (v := getattr(spec, k)) is not None) or "none"
     for m in mods:
         params = managed_parameters(m)
         if not params:
             continue  # e.g. a root that only groups FSDP children: FSDP2 runs no collective for it
         changed.append(_install(m, params, spec, (comm, timeout), rep, hsdp_grads, check))
+        for c in (changed[-1].all_gather, changed[-1].reduce_scatter):
+            if c is not None:
+                c.live = steps
+    if changed:
+        module.register_forward_pre_hook(steps.boundary)
     return changed
 
 

@@ -7,6 +7,7 @@ group or a torsh Communicator, each agreeing with the other ranks on every new c
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .. import live
 from ..checks import check_timeout
 from ..collectives.agreement import agree_on, enabled
 from ..collectives.communicator import TorchCommunicator, is_communicator
@@ -21,6 +23,7 @@ from ..collectives.traffic import wire_bytes as _on_wire
 from ..env import fmt_bytes
 from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError
 from .fsdp_format import QuantizedFormat, Wire
+from .live_step import StepMeter
 
 try:  # private in torch 2.13 (the public setters take instances of these)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGather
@@ -28,7 +31,7 @@ try:  # private in torch 2.13 (the public setters take instances of these)
 except ImportError:  # pragma: no cover - a torch without FSDP2's comm interfaces
     _AllGather = _ReduceScatter = object
 
-__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "counting_default_comms"]
+__all__ = ["LiveSteps", "QuantizedAllGather", "QuantizedReduceScatter", "counting_default_comms"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -40,11 +43,60 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool):
     return dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)  # pragma: no cover - older torch
 
 
+class LiveSteps:
+    """FSDP2's steps as the live metrics see them, for the comms one :func:`~.fsdp.apply_quantized_comm` call
+    installed: a step runs from one forward of the root module to the next (a forward pre-hook publishes the
+    previous step's record there, while someone listens). The comms add what they sent and the seconds their
+    encode and decode took (host time: on a GPU, the launches); the seconds the quantized collectives were in
+    flight come from their communicator's timed :class:`~torsh_kernels.collectives.Traffic`. FSDP2 waits for
+    its collectives itself, so ``comm_s`` (time blocked) is not observed here (null)."""
+
+    def __init__(self) -> None:
+        self.meter = StepMeter("fsdp")
+        self._lock = threading.Lock()
+        self.payload = self.sent = 0
+        self.compress_s = 0.0
+        self.rank, self.world_size = 0, 1
+
+    def add(self, comm, payload: int, sent: int, compress_s: float) -> None:
+        with self._lock:
+            self.meter.watch(comm)
+            self.rank, self.world_size = comm.rank, comm.world_size
+            self.payload += payload
+            self.sent += sent
+            self.compress_s += compress_s
+
+    def boundary(self, module, args) -> None:
+        """The root module's forward pre-hook."""
+        pub = live.publisher
+        if pub is None:
+            return
+        with self._lock:
+            m = self.meter
+            step_s = m.lap()
+            wire, busy = m.traffic()
+            payload, sent, comp = self.payload, self.sent, self.compress_s
+            self.payload = self.sent = 0
+            self.compress_s = 0.0
+        if step_s is None or not (payload or sent):
+            return
+        pub.publish(m.record(
+            step=m.steps, rank=self.rank, world_size=self.world_size, step_s=step_s, comm_s=None, compress_s=comp,
+            payload_bytes=payload, sent_bytes=sent, wire_bytes=wire, busy_s=busy, nonfinite=False,
+            compressor=self.label,
+        ))  # fmt: skip
+
+    label = "fsdp"
+    """The comms' formats (set by apply_quantized_comm: "weights=int8,grads=int4")."""
+
+
 class _Transport:
     """Where a quantized comm's payload travels: FSDP2's process group (``comm`` None), or a torsh
     Communicator of the same ranks (NCCL through CuPy, RDMA, from ``make_communicator``)."""
 
     comm = None
+    live: LiveSteps | None = None
+    """The live metrics' step record this comm adds to (apply_quantized_comm shares one per call)."""
     timeout: float | None = None
     """Seconds any one collective of this comm may take before it fails with ``CollectiveError`` on this rank
     (its signature exchange, the payload over FSDP2's group, the plain all-gather); None: the process
@@ -219,15 +271,23 @@ class QuantizedAllGather(_Allocate, _Transport, _AllGather):
             self.bytes_sent += _on_wire("all_gather", x.nbytes, ws)
             return self._plain_all_gather(out, x, group, async_op)
         w = Wire(n, self.bits, self.block, self.format.fmt)
+        steps = self.live if live.publisher is not None else None
+        t0 = time.perf_counter()
         send = torch.empty(w.total, dtype=torch.uint8, device=x.device)
         w.encode(x, send)  # before anything overwrites x (FSDP2's input is a view of the output)
         recv = torch.empty(ws * w.total, dtype=torch.uint8, device=x.device)
         self.bytes_sent += _on_wire("all_gather", w.total, ws)  # a ring all-gather: ws - 1 segments sent
         rows = out.view(ws, n)
+        if steps is not None:
+            steps.add(self._over(group), _on_wire("all_gather", x.nbytes, ws), _on_wire("all_gather", w.total, ws),
+                      time.perf_counter() - t0)  # fmt: skip
 
         def decode() -> None:
+            t1 = time.perf_counter()
             for r in range(ws):
                 w.decode(recv[r * w.total : (r + 1) * w.total], rows[r])
+            if steps is not None:
+                steps.add(self._over(group), 0, 0, time.perf_counter() - t1)
 
         if not async_op:
             self._wire_all_gather(recv, send, group, False)
@@ -351,6 +411,8 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
         self.calls += 1
         if n == 0:
             return None
+        steps = self.live if live.publisher is not None else None
+        t0 = time.perf_counter()
         acc = x.float() if x.dtype != torch.float32 else x.clone()  # fp32, not FSDP2's buffer
         res = None
         if self.error_feedback:
@@ -376,8 +438,12 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
             raise
         recv = torch.empty_like(send)
         self.bytes_sent += _on_wire("all_to_all", send.numel(), ws)  # ws - 1 of its ws segments
+        if steps is not None:
+            steps.add(self._over(group), _on_wire("reduce_scatter", x.nbytes, ws),
+                      _on_wire("all_to_all", send.numel(), ws), time.perf_counter() - t0)  # fmt: skip
 
         def reduce() -> None:
+            t1 = time.perf_counter()
             if res is not None:  # what quantizing lost, acc - dequantize(codes): kept once the collective is done
                 rv = res.view(ws, n)
                 rv.copy_(chunks)
@@ -389,6 +455,8 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
             if scale != 1.0:
                 total.mul_(scale)
             out.copy_(total)
+            if steps is not None:
+                steps.add(self._over(group), 0, 0, time.perf_counter() - t1)
 
         if not async_op:
             self._wire_all_to_all(recv, send, group, False)

@@ -17,12 +17,14 @@ import time
 
 import torch
 
-from .. import recording
+from .. import live, recording
 from ..collectives.coalesce import Coalescer
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..errors import TorshKernelsError
+from .auto_follow import follow_step
 from .engine import BucketCompressor
 from .hook_stats import HookStats, Turn, bucket_span, chained, recorded, totals
+from .live_step import StepMeter, compressor_label, residual_norm2
 from .pipeline import ReductionPipeline
 
 __all__ = ["HookRun"]
@@ -31,7 +33,7 @@ __all__ = ["HookRun"]
 class HookRun:
     """One hook state's iterations: the engine, the statistics, and what an iteration has in flight."""
 
-    __slots__ = ("engine", "futures", "pipeline", "seen", "signatures", "stats", "task", "turn")
+    __slots__ = ("comm", "engine", "futures", "meter", "pipeline", "seen", "signatures", "stats", "task", "turn")
 
     def __init__(self, engine: BucketCompressor, stats: HookStats) -> None:
         self.engine = engine
@@ -42,6 +44,8 @@ class HookRun:
         self.seen: set[int] = set()  # called per parameter: the parameters of the iteration so far
         self.task: int | None = None  # ... and the autograd graph task (the backward pass) they came from
         self.turn = Turn(stats)
+        self.meter = StepMeter("ddp")  # the live metrics' and auto's link following's view of the steps
+        self.comm: Coalescer | None = None
 
     # -- a bucket -------------------------------------------------------------------------------------
 
@@ -52,6 +56,8 @@ class HookRun:
         turn = self.turn
         try:
             turn.begin(comm)
+            if live.publisher is not None or engine.follow is not None:
+                self._watch(comm, [buf])
             if buf.layout != torch.strided:  # a sparse gradient: its own bucket, averaged uncompressed
                 fut = torch.futures.Future()
                 fut.set_result(self._sparse(buf, comm, turn))
@@ -89,9 +95,11 @@ class HookRun:
                         self.pipeline.submit(reductions, done, span)
             if last:
                 self.pipeline.drain(comm.batch)
+                t0 = time.perf_counter()
                 self._wait_one_round()
+                blocked = time.perf_counter() - t0
                 engine.check_averages()
-                self._end_iteration(turn)
+                self._end_iteration(turn, comm, blocked)
         except BaseException:
             self.start_over()
             raise
@@ -114,13 +122,15 @@ class HookRun:
         gradient of the next pass arrives, or when ``state_dict()`` or ``iteration`` is read between passes."""
         task = torch._C._current_graph_task_id()  # -1 outside a backward pass (a direct call)
         if self.seen and (task != self.task or (task == -1 and key in self.seen)):
-            self.close_parameter_iteration()
+            self.close_parameter_iteration(comm)
         self.task = task
         self.seen.add(key)
         turn = self.turn
         engine = self.engine
         turn.begin(comm)
         try:
+            if live.publisher is not None or engine.follow is not None:
+                self._watch(comm, [grad])
             if grad.layout != torch.strided:
                 param.grad = grad = self._sparse(grad, comm, turn)
             else:
@@ -139,13 +149,16 @@ class HookRun:
             raise
         return grad
 
-    def close_parameter_iteration(self) -> None:
-        """End the iteration the per-parameter call form has open, if any (never inside a backward pass)."""
+    def close_parameter_iteration(self, comm: Coalescer | None = None) -> None:
+        """End the iteration the per-parameter call form has open, if any (never inside a backward pass).
+        ``comm``: given where every rank closes it at the same point (the next pass's first gradient), so that
+        auto's link following may issue its check there; reading ``iteration`` or ``state_dict()`` closes it
+        without."""
         if not self.seen or (self.task == torch._C._current_graph_task_id() != -1):
             return
         self.seen = set()
         self.task = None
-        self._end_iteration(self.turn)
+        self._end_iteration(self.turn, comm)
 
     # -- the iteration --------------------------------------------------------------------------------
 
@@ -188,10 +201,49 @@ class HookRun:
                 turn.figures["signature_checks"] = n
                 turn.figures["signature_s"] = s
 
-    def _end_iteration(self, turn: Turn) -> None:
-        if self.engine.end_iteration():
+    def _end_iteration(self, turn: Turn, comm: Coalescer | None = None, blocked: float = 0.0) -> None:
+        engine = self.engine
+        undone = engine.end_iteration()
+        if undone:
             self.stats.nonfinite_steps += 1
         self._count_signatures(turn)
         self.stats.iterations += 1
         self.turn = Turn(self.stats)
         turn.close()
+        pub = live.publisher
+        if pub is not None or engine.follow is not None:
+            self._observe(turn, comm, blocked, undone, pub)
+
+    # -- the live metrics and auto's link following ---------------------------------------------------
+
+    def _watch(self, comm: Coalescer, tensors: list[torch.Tensor]) -> None:
+        """Someone listens, or auto follows the link: time the communicator's collectives; on a sampling step
+        add this bucket's gradient norms (before they are reduced) for the compression error."""
+        self.comm = comm
+        self.meter.watch(comm)
+        if self.meter.sampling:
+            self.meter.add_gradients(tensors)
+
+    def _observe(self, turn: Turn, comm: Coalescer | None, blocked: float, undone: bool, pub) -> None:
+        """The iteration's record for the live metrics, and auto's check (with the communicator only: see
+        :meth:`close_parameter_iteration`)."""
+        engine, meter, st = self.engine, self.meter, self.stats
+        step_s = meter.lap()
+        wire, busy = meter.traffic()
+        f = turn.figures
+        error = meter.error(residual_norm2(engine.states.values()) if meter.sampling else None)
+        label = compressor_label(engine)
+        switch = None
+        if comm is not None and engine.follow is not None and not undone:
+            switch = follow_step(engine, comm, wire, busy, f["compress_s"])
+            if switch is not None:
+                st.auto = {**engine.auto.decision.as_dict(), "replans": list(engine.replans)}
+        if pub is not None and comm is not None:
+            inner = comm.inner
+            pub.publish(meter.record(
+                step=st.iterations - 1, rank=inner.rank, world_size=inner.world_size, step_s=step_s,
+                comm_s=f["wait_s"] + blocked, compress_s=f["compress_s"], payload_bytes=f["bytes_before"],
+                sent_bytes=f["bytes_after"], wire_bytes=wire, busy_s=busy, nonfinite=undone, compressor=label,
+                error=error, switch=switch,
+            ))  # fmt: skip
+        meter.sampling = pub is not None and pub.sampling(st.iterations)

@@ -78,6 +78,7 @@ from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import TorchCommunicator, is_communicator, resolve_group
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from .auto_follow import FollowSpec
 from .buckets import BucketSpec
 from .engine import BucketCompressor
 from .engine_state import check_owner
@@ -109,6 +110,11 @@ class CompressionHookState:
         auto_candidates: with ``compressor="auto"``, the compressors (or names) to choose among (None or
             ``"none"`` in it: uncompressed); default: uncompressed, fp16, bf16, top-k 1%, int8, int4, sign,
             PowerSGD rank 4.
+        auto_follow: with ``compressor="auto"``, whether (and when) it looks at its choice again while the job
+            runs: None or True (default): :class:`~torsh_kernels.parallel.FollowSpec`'s defaults (a check every
+            4 steps, one all-reduce of 16 bytes; a re-plan, on every rank at the same step, when the link rate
+            or the compression time moved more than 2x in 2 checks in a row); a ``FollowSpec``; False: choose
+            once (:mod:`torsh_kernels.parallel.auto_follow`; the re-plans in ``stats.auto["replans"]``).
         bucket: a :class:`~torsh_kernels.parallel.BucketSpec`: which gradients are compressed, from which
             iteration, what a NaN/Inf gradient does (``start_iter``, ``min_compression_rate``,
             ``min_numel``, ``policy``, ``nonfinite``); None: its defaults. Its fields may also be given
@@ -137,6 +143,7 @@ class CompressionHookState:
         *,
         mesh_dim: str | int | None = None,
         auto_candidates: Sequence[Compressor | None] | None = None,
+        auto_follow: FollowSpec | bool | None = None,
         bucket: BucketSpec | None = None,
         timeout: float | None = None,
         check_signatures: bool | None = None,
@@ -157,6 +164,7 @@ class CompressionHookState:
             compressor,
             bucket,
             auto_candidates=auto_candidates,
+            auto_follow=auto_follow,
             check_signatures=check_signatures,
             quantize_mode=quantize_mode,
             what="CompressionHookState",

@@ -91,6 +91,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import live
 from ..checks import check_choice
 from ..collectives.agreement import agree_on, enabled
 from ..collectives.communicator import Communicator, as_communicator
@@ -111,7 +112,7 @@ from .buckets import NONFINITE
 from .moe_balance import BiasBalancer
 from .moe_experts import EXPERT_COMPUTE, activation, run_experts
 from .moe_spec import ACTIVATIONS, LOAD_BALANCING, MoESpec
-from .moe_wire import ExpertWireSpec, exchange
+from .moe_wire import ExpertWireSpec, exchange, publish_step
 from .pipeline import grad_scaler_in_use
 
 __all__ = [
@@ -508,6 +509,8 @@ class ExpertParallelMoE(_MoEBase):
         self._agreed.add(key)
 
     def forward(self, x: torch.Tensor, *, sequence_lengths: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+        if live.publisher is not None:
+            publish_step(self, live.publisher)
         x2, r = self._route(x, "ExpertParallelMoE", sequence_lengths)
         if x2.dtype not in self._agreed:
             self._agree(x2.dtype)

@@ -43,6 +43,7 @@ import torch
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..ops.moe import Routing, moe_permute, moe_unpermute
 from ..specs import Spec
+from .live_step import StepMeter
 
 if TYPE_CHECKING:
     from ..ops.rowquant import RowQuantSpec
@@ -293,8 +294,40 @@ def exchange(layer: ExpertParallelMoE, x2: torch.Tensor, r: Routing) -> torch.Te
         "bytes_sent": _wire_bytes(comm, send_splits, recv_splits, row_out, row_back),
         "backward_bytes_sent": _wire_bytes(comm, send_splits, recv_splits, grad_out, grad_back),
         "wire": str(wire),
+        # what the layer in x's dtype (wire=None) sends for the same rows, forward and backward
+        "plain_bytes": 2 * _wire_bytes(comm, send_splits, recv_splits, H * x2.element_size(), H * x2.element_size()),
     }  # fmt: skip
     return yp
+
+
+_EP_LAYERS = itertools.count()
+
+
+def publish_step(layer: ExpertParallelMoE, pub) -> None:
+    """At a forward's start, while someone listens: the live record of the layer's previous step (its forward
+    and backward, from the previous forward's start to now). The all-to-alls are synchronous, so the seconds
+    they were in flight are the seconds this rank waited for them (``comm_s``); the codecs' time is not
+    measured apart (``compress_s`` null). A second EP layer of the process publishes as source "ep:1", ..."""
+    m = layer.__dict__.get("_live_meter")
+    if m is None:
+        n = next(_EP_LAYERS)
+        m = StepMeter("ep" if n == 0 else f"ep:{n}")
+        layer.__dict__["_live_meter"] = m
+        m.watch(layer.comm)
+        m.lap()
+        return
+    step_s = m.lap()
+    wire_b, busy = m.traffic()
+    d = layer.last_dispatch
+    if not d:
+        return
+    comm, w = layer.comm, layer.wire
+    sent = int(d["bytes_sent"]) + int(d["backward_bytes_sent"])
+    pub.publish(m.record(
+        step=m.steps, rank=comm.rank, world_size=comm.world_size, step_s=step_s, comm_s=busy, compress_s=None,
+        payload_bytes=d["plain_bytes"], sent_bytes=sent, wire_bytes=wire_b, busy_s=busy, nonfinite=False,
+        compressor="none" if w.plain else str(w).replace(", ", ",").replace("dispatch=", "").replace("combine=", ""),
+    ))  # fmt: skip
 
 
 def _plain(layer, x2, r, send_splits, recv_splits, regroup, rows, counts):

@@ -45,15 +45,18 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import live
 from ..collectives.agreement import agree_on
 from ..collectives.coalesce import Coalescer
 from ..collectives.communicator import Communicator, as_communicator, is_dtensor
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
+from .auto_follow import FollowSpec, follow_step
 from .buckets import BucketSpec
 from .engine import BucketCompressor
 from .hook_stats import bucket_span, totals
+from .live_step import StepMeter, compressor_label, residual_norm2
 from .pipeline import ReductionPipeline
 from .sync_stats import GradientConsistency, SyncStats
 
@@ -105,7 +108,7 @@ class GradientSynchronizer:
             (largest first).
         broadcast_parameters: copy rank 0's parameters and buffers to every rank at construction.
         find_unused_parameters: agree across ranks on parameters no rank used (they keep ``grad=None``).
-        auto_candidates, bucket (and its fields as keywords), check_signatures, quantize_mode
+        auto_candidates, auto_follow, bucket (and its fields as keywords), check_signatures, quantize_mode
             (deprecated): as for :class:`~torsh_kernels.parallel.CompressionHookState` (the exchanges are
             counted in ``get_sync_stats()["signature_checks"]``).
     """
@@ -118,6 +121,7 @@ class GradientSynchronizer:
         bucket_mb: float = 25.0,
         compressor: Compressor | str | None = None,
         auto_candidates: Sequence[Compressor | None] | None = None,
+        auto_follow: FollowSpec | bool | None = None,
         overlap: bool = True,
         first_bucket_mb: float = 1.0,
         order: str = "ready",
@@ -158,6 +162,7 @@ class GradientSynchronizer:
             compressor,
             bucket,
             auto_candidates=auto_candidates,
+            auto_follow=auto_follow,
             check_signatures=check_signatures,
             quantize_mode=quantize_mode,
             what=what,
@@ -165,6 +170,7 @@ class GradientSynchronizer:
         )
         self._pipeline = ReductionPipeline()
         self._coalescer = Coalescer(comm)
+        self._meter = StepMeter("sync")  # the live metrics' and auto's link following's view of the steps
         self._bucketing = True
         self._grad_fns: list[Callable] = []
         self._hooks: list = []
@@ -301,6 +307,10 @@ class GradientSynchronizer:
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
             grads.append(p.grad)
+        if live.publisher is not None or self._engine.follow is not None:
+            self._meter.watch(self._coalescer)
+            if self._meter.sampling:
+                self._meter.add_gradients(grads)
         self._launched = b + 1
         t0 = time.perf_counter()
         span = bucket_span(b, grads, self._engine.compressor)
@@ -421,8 +431,32 @@ class GradientSynchronizer:
         }
         sent = self._last["payload_bytes"]
         self._last["compression_ratio"] = self._last["bytes_before"] / sent if sent else 1.0
+        pub = live.publisher
+        if pub is not None or self._engine.follow is not None:
+            self._observe(undone, pub)
         self._reset_step()
         return SyncStats(self._last)
+
+    def _observe(self, undone: bool, pub) -> None:
+        """The step's record for the live metrics, and auto's check (every rank calls sync_gradients alike)."""
+        engine, meter, last = self._engine, self._meter, self._last
+        step_s = meter.lap()
+        wire, busy = meter.traffic()
+        comm_s = sum(d["wait_s"] for d in self._bucket_stats)
+        compress_s = sum(d["compress_s"] for d in self._bucket_stats)
+        error = meter.error(residual_norm2(engine.states.values()) if meter.sampling else None)
+        label = compressor_label(engine)
+        switch = None
+        if engine.follow is not None and not undone:
+            switch = follow_step(engine, self._coalescer, wire, busy, compress_s)
+        if pub is not None:
+            pub.publish(meter.record(
+                step=self._syncs - 1, rank=self.comm.rank, world_size=self.comm.world_size, step_s=step_s,
+                comm_s=comm_s, compress_s=compress_s, payload_bytes=last["bytes_before"],
+                sent_bytes=last["payload_bytes"], wire_bytes=wire, busy_s=busy, nonfinite=undone, compressor=label,
+                error=error, switch=switch,
+            ))  # fmt: skip
+        meter.sampling = pub is not None and pub.sampling(self._syncs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -471,6 +505,8 @@ class GradientSynchronizer:
         traffic alone). None with a communicator that keeps no ``traffic`` counters."""
         auto = self._engine.auto
         decision = auto.decision.as_dict() if auto is not None and auto.decision is not None else None
+        if decision is not None and self._engine.replans:
+            decision["replans"] = list(self._engine.replans)
         return SyncStats(self._last, syncs=self._syncs, compressor=repr(self._engine.compressor), auto=decision)
 
     def get_bucket_info(self) -> list[dict]:

@@ -40,7 +40,9 @@ __all__ = [
     "emulated_hosts",
     "parse_delay",
     "parse_rate",
+    "rank_environments",
     "run_on_emulated_hosts",
+    "set_rate",
     "unavailable_reason",
 ]
 
@@ -123,6 +125,10 @@ class EmulatedHosts:
     """The veth ends (GLOO_SOCKET_IFNAME of each rank)."""
     description: str
     """One line: rate, burst, delay."""
+    burst: str = "512kb"
+    """tbf's burst."""
+    delay: str | None = None
+    """The netem delay per direction (None: none)."""
 
 
 def unavailable_reason() -> str | None:
@@ -178,7 +184,7 @@ def emulated_hosts(
         except OSError as e:  # e.g. a read-only /etc
             raise InvalidArgumentError(f"emulated hosts: {e}") from e
         desc = f"two network namespaces, veth pair, tbf {rate} per direction" + (f", delay {delay}" if delay else "")
-        yield EmulatedHosts(ns, ips, ifs, desc)
+        yield EmulatedHosts(ns, ips, ifs, desc, burst, delay)
     finally:
         for n in ns:
             pids = subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
@@ -215,6 +221,33 @@ def _setup(ns, ifs, ips, rate: LinkRate, delay: str | None, burst: str) -> None:
             _run("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", i, "root", *tbf)
 
 
+def set_rate(hosts: EmulatedHosts, rate: str | LinkRate) -> LinkRate:
+    """Change the link's rate under whatever runs on it (``tc qdisc change`` of both ends' tbf, per direction);
+    connections stay up. Returns the rate set."""
+    rate = parse_rate(rate)
+    tbf = ["tbf", "rate", rate.tc, "burst", hosts.burst, "latency", "100ms"]
+    where = ["parent", "1:1", "handle", "10:"] if hosts.delay else ["root"]
+    try:
+        for n, i in zip(hosts.namespaces, hosts.interfaces):
+            _run("ip", "netns", "exec", n, "tc", "qdisc", "change", "dev", i, *where, *tbf)
+    except subprocess.CalledProcessError as e:
+        raise InvalidArgumentError(f"emulated hosts: `{' '.join(e.cmd)}` failed: {e.stderr.strip()}") from e
+    return rate
+
+
+def rank_environments(hosts: EmulatedHosts, port: int = 29533) -> list[dict[str, str]]:
+    """torchrun's environment of rank 0 and rank 1 on the two hosts (this process's, plus the ranks' own)."""
+    common = {
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": hosts.addresses[0],
+        "MASTER_PORT": str(port),
+        "TORSH_BENCH_NETWORK": hosts.description,
+    }
+    return [{**os.environ, **common, "RANK": str(r), "GLOO_SOCKET_IFNAME": hosts.interfaces[r]} for r in (0, 1)]
+
+
 def run_on_emulated_hosts(
     cmd: Sequence[str],
     *,
@@ -233,15 +266,7 @@ def run_on_emulated_hosts(
     with emulated_hosts(rate, delay=delay, burst=burst) as hosts:
         print(f"emulated hosts: {hosts.namespaces[0]} ({hosts.addresses[0]}) <-> {hosts.namespaces[1]} "
               f"({hosts.addresses[1]}), {hosts.description}", file=sys.stderr)  # fmt: skip
-        common = {
-            "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "1",
-            "LOCAL_RANK": "0",
-            "MASTER_ADDR": hosts.addresses[0],
-            "MASTER_PORT": str(port),
-            "TORSH_BENCH_NETWORK": hosts.description,
-        }
-        envs = [{**os.environ, **common, "RANK": str(r), "GLOO_SOCKET_IFNAME": hosts.interfaces[r]} for r in (0, 1)]
+        envs = rank_environments(hosts, port)
         with tempfile.NamedTemporaryFile("w+", prefix="torsh-rank1-", suffix=".log") as log:
             p1 = subprocess.Popen(["ip", "netns", "exec", hosts.namespaces[1], *cmd], env=envs[1], stdout=log,
                                   stderr=subprocess.STDOUT)  # fmt: skip

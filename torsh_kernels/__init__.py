@@ -84,6 +84,12 @@ if _os.environ.get("TORSH_TRACE", "").strip():
 
     _start_trace_from_env()
 
+if any(_os.environ.get(v, "").strip() for v in ("TORSH_LIVE", "TORSH_LIVE_PROMETHEUS", "TORSH_LIVE_TENSORBOARD")):
+    # TORSH_LIVE=DIR (and/or _PROMETHEUS=PORT, _TENSORBOARD=DIR): publish this process's live metrics (torsh top DIR)
+    from .profiling.live import start_from_env as _start_live_from_env
+
+    _start_live_from_env()
+
 __all__ = [
     "ArgumentTypeError",
     "BucketLayout",

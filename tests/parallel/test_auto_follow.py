@@ -187,10 +187,14 @@ def _check_worker(comm, rates):
     return verdicts
 
 
-def test_ranks_agree_on_the_slowest_rate():
-    # rank 1 sees its link drop at step 4, rank 0 does not: both take the slowest rank's rate, so both decide
-    # at the same check
+def test_ranks_agree_on_the_highest_rate():
+    # rank 1 measures a 100x slower link from step 4 (it waits for a straggling peer, say), rank 0 does not: both
+    # take the highest rate any rank measured, so neither re-plans; when both see it drop, both decide at the
+    # same check
     rates = [[1e9] * 8, [1e9] * 4 + [1e7] * 4]
+    v0, v1 = run_local(_check_worker, 2, rates, op_timeout=60)
+    assert v0 == v1 == [None] * 8
+    rates = [[1e9] * 4 + [1e7] * 4, [1e9] * 4 + [1e7] * 4]
     v0, v1 = run_local(_check_worker, 2, rates, op_timeout=60)
     assert v0 == v1 and v0.index("link") == 5
 

@@ -9,8 +9,9 @@ engine keeps measuring, and re-plans when the link or the compression cost has m
    wire, the seconds a collective was in flight (:class:`~torsh_kernels.collectives.Traffic`, timed) and the
    seconds spent compressing.
 2. **Every** ``every`` **steps** (a check), every rank all-reduces two numbers: the window's link rate (wire
-   bytes over in-flight seconds; the slowest rank's) and its compression seconds per step (the slowest
-   rank's). From here on every rank holds the same values and runs the same arithmetic, so every rank
+   bytes over in-flight seconds) and its compression seconds per step, each the largest any rank measured (a
+   rank's in-flight seconds include waiting for slower peers, so the rank that waited least sees the link
+   best; the slowest rank's compression time is the one that paces the step). From here on every rank holds the same values and runs the same arithmetic, so every rank
    reaches the same verdict at the same step: nothing is decided per rank.
 3. **The level.** The first check after a plan (after one window for the new compressor to settle) sets
    the level of both. A later check whose rate (or compression time) differs from its level by more than
@@ -112,10 +113,10 @@ class LinkFollower:
         when a re-plan is due, else None."""
         rate = self._wire / self._busy if self._busy > 0 and self._wire > 0 else 0.0
         comp = self._comp / max(1, self._steps)
-        vec = torch.tensor([rate, -comp], dtype=torch.float64, device=comm.device)
+        vec = torch.tensor([rate, comp], dtype=torch.float64, device=comm.device)
         if comm.world_size > 1:
-            comm.all_reduce(vec, "min")  # the slowest rank's rate and its (largest) compression time
-        rate, comp = float(vec[0]), -float(vec[1])
+            comm.all_reduce(vec, "max")  # the highest rate a rank measured, the slowest rank's compression time
+        rate, comp = float(vec[0]), float(vec[1])
         self._steps, self._wire, self._busy, self._comp = 0, 0, 0.0, 0.0
         self.checks += 1
         verdict = None

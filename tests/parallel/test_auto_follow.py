@@ -219,11 +219,13 @@ def test_auto_follows_a_link_change_on_emulated_hosts(tmp_path):
     sw = live.switches(run)
     same = [[(x["step"], x["from"], x["to"]) for x in sw[r]] for r in (0, 1)]
     assert same[0] == same[1], sw  # every rank at the same step, to the same choice
-    assert len(sw[0]) >= 2, sw
-    down = next(x for x in sw[0] if x["step"] >= 24)
-    up = next(x for x in sw[0] if x["step"] >= 69)
-    assert down["from"] == "none" and down["to"] != "none" and down["step"] - 24 <= 20, sw
-    assert up["to"] == "none" and up["step"] - 69 <= 20, sw
+    # 10 Gbit/s: uncompressed or int8 (within 1% of each other for this model); 100 Mbit/s: PowerSGD or top-k
+    fast, slow = ("none", "int8"), ("powersgd:4", "topk:0.01")
+    down = next(x for x in sw[0] if x["step"] >= 24 and x["to"] in slow)
+    up = next(x for x in sw[0] if x["step"] >= 69 and x["to"] in fast)
+    assert down["step"] - 24 <= 20 and down["step"] < 69, sw  # (the step numbers are the records', 0-based)
+    assert up["step"] - 69 <= 20, sw
+    assert not [x for x in sw[0] if 24 + 20 < x["step"] < 69], sw  # steady on the slow link: no flapping
     # the job's accuracy: against the same model and batches with plain DDP (the link does not change it)
     ref = run_local(_plain_worker, 2, op_timeout=120)[0]
     assert run["result"]["accuracy"] >= ref - 0.03, (run["result"]["accuracy"], ref)

@@ -387,10 +387,12 @@ class AutoSelector:
         self.decision = self._choose(comm, link, t_start)
         return self.decision
 
-    def replan(self, comm: Communicator, *, probe_bytes: int = 1 << 20, remeasure: bool = False) -> AutoDecision:
+    def replan(self, comm: Communicator, *, probe_bytes: int = 1 << 20, remeasure: bool = False,
+               keep: str | None = None, margin: float = 0.0) -> AutoDecision:  # fmt: skip
         """Choose again (a collective call, as :meth:`decide`): the link probed anew, every candidate priced on
         it with the compute measured at the decision, or measured again (``remeasure``, or where the decision
-        came from a checkpoint). Used by :mod:`.auto_follow` when the link or the compression cost moved."""
+        came from a checkpoint). ``keep``: a candidate that stays chosen unless another is predicted cheaper by more
+        than ``margin`` (a fraction). Used by :mod:`.auto_follow` when the link or the compression cost moved."""
         t_start = time.perf_counter()
         ws = comm.world_size
         if ws > 1:
@@ -399,8 +401,19 @@ class AutoSelector:
             link = self.decision.link if self.decision is not None else Link(latency=0.0, bandwidth=1e12)
         if remeasure or self._computes is None:
             self._computes, self._rounds = self._measured(comm)
-        self.decision = self._choose(comm, link, t_start)
+        self.decision = self._choose(comm, link, t_start, keep, margin)
         return self.decision
+
+    def choice_at(self, bandwidth: float) -> str | None:
+        """The candidate the measured costs make cheapest on a link of ``bandwidth`` bytes/s (the decision's
+        latency); None before a decision with measurements. The same arithmetic on every rank."""
+        d = self.decision
+        if d is None or self._computes is None:
+            return None
+        bw = min(bandwidth, 1e18)
+        costs = price([_label(c) for c in self.candidates], self._computes, self._rounds, d.world_size,
+                      Link(latency=d.link.latency, bandwidth=bw))  # fmt: skip
+        return costs[min(range(len(costs)), key=lambda i: (costs[i].total_s, i))].name
 
     def _measured(self, comm: Communicator) -> tuple[list[float], list[list[Round]]]:
         """Every candidate's compute on this job's buckets (the slowest rank's) and the collectives it issues."""
@@ -410,12 +423,17 @@ class AutoSelector:
             comm.all_reduce(vec, "max")  # the slowest rank sets the pace
         return vec.tolist(), rounds_of
 
-    def _choose(self, comm: Communicator, link: Link, t_start: float) -> AutoDecision:
+    def _choose(self, comm: Communicator, link: Link, t_start: float, keep: str | None = None,
+                margin: float = 0.0) -> AutoDecision:  # fmt: skip
         ws = comm.world_size
         device = comm.device
         costs = price([_label(c) for c in self.candidates], self._computes, self._rounds, ws, link)
         order = sorted(range(len(costs)), key=lambda i: (costs[i].total_s, i))
-        pick = torch.tensor([order[0]], dtype=torch.int64, device=device)
+        best = order[0]
+        kept = next((i for i, c in enumerate(costs) if c.name == keep), None)
+        if kept is not None and costs[kept].total_s <= costs[best].total_s * (1 + margin):
+            best = kept
+        pick = torch.tensor([best], dtype=torch.int64, device=device)
         if ws > 1:
             comm.broadcast(pick, 0)  # rank 0 decides; every rank takes its choice
         i = int(pick.item())

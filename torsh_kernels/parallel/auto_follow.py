@@ -8,33 +8,49 @@ engine keeps measuring, and re-plans when the link or the compression cost has m
 1. **Each step** the DDP hook (or the synchronizer) hands the follower the bytes its communicator put on the
    wire, the seconds a collective was in flight (:class:`~torsh_kernels.collectives.Traffic`, timed) and the
    seconds spent compressing.
-2. **Every** ``every`` **steps** (a check), every rank all-reduces two numbers: the window's link rate (wire
-   bytes over in-flight seconds) and its compression seconds per step, each the largest any rank measured (a
-   rank's in-flight seconds include waiting for slower peers, so the rank that waited least sees the link
-   best; the slowest rank's compression time is the one that paces the step). From here on every rank holds the same values and runs the same arithmetic, so every rank
-   reaches the same verdict at the same step: nothing is decided per rank.
+2. **Every** ``every`` **steps** (a check), every rank all-reduces three numbers: the window's link rate (wire
+   bytes over in-flight seconds), its compression seconds per step and an exploration's bandwidth (below),
+   each the largest any rank measured. A rank's in-flight seconds include waiting for slower peers, so the
+   rank that waited least sees the link best; the slowest rank's compression paces the step. From here on
+   every rank holds the same values and runs the same arithmetic, so every rank reaches the same verdict at
+   the same step: nothing is decided per rank.
 3. **The level.** The first check after a plan (after one window for the new compressor to settle) sets
    the level of both. A later check whose rate (or compression time) differs from its level by more than
    the factor ``change``, up or down, counts; ``patience`` such checks in a row trigger a re-plan (an
    ordinary check resets the count).
-4. **The re-plan** (a collective, at the same step on every rank): the link is probed again (ping-pong,
+4. **Exploring.** What a compressed payload shows of the link is mostly latency: a few kilobytes per step
+   cannot tell 100 Mbit/s from 10 Gbit/s, so a link that got faster under a compressor that no longer pays
+   would go unseen. While the choice is one that some faster link would change (priced with the measured
+   costs: arithmetic, the same on every rank), every ``explore_every`` steps a check first times one
+   all-reduce of ``explore_bytes``; if the bandwidth that explains its time under the cost model (the largest
+   any rank measured) exceeds ``change`` times the one the choice was priced on, a re-plan follows at once. (A
+   small all-reduce's fixed overheads make it read low on a fast link, so it tells "much faster than
+   planned", which is what it is for, and the re-plan's probe measures how fast.) Its cost is that
+   all-reduce: ``explore_bytes`` at the slow link's rate (21 ms at 100 Mbit/s with the default 256 KiB, every
+   8 steps), nothing while the choice is uncompressed or on a link no faster one would change.
+5. **The re-plan** (a collective, at the same step on every rank): the link is probed again (ping-pong,
    ``probe_bytes``), and every candidate is priced on it with the compute measured at the decision (or
-   measured again, when the compression time moved); rank 0's pick is broadcast. A different pick switches
+   measured again, when the compression time moved); rank 0's pick is broadcast, the current choice kept unless
+   another is predicted cheaper by more than ``margin``. A different pick switches
    the compressor on every rank before the next step; each error-feedback residual is handed over to the new
    compressor (added to the parameter's next gradient, so no gradient mass is lost, whatever the new
-   compressor keeps), PowerSGD's Q and the other state start afresh.
+   compressor keeps), PowerSGD's Q and the other state start afresh. A re-plan that keeps the choice
+   changes nothing but the levels.
 
-The check's all-reduce is 16 bytes every ``every`` steps; the probe and the pricing run only on a re-plan
-(the probe takes ``3 x 2 x probe_bytes`` on the wire: 0.5 s at 100 Mbit/s with the default).
+The check's all-reduce is 24 bytes every ``every`` steps; the probe and the pricing run only on a re-plan
+(the probe moves ``3 x 2 x probe_bytes``: 0.5 s at 100 Mbit/s with the default 1 MiB).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 
 import torch
 
 from ..checks import check_int, check_number
+from ..collectives.cost_model import Link, Topology, all_reduce_time
 from ..specs import Spec
 
 __all__ = ["FollowSpec", "LinkFollower", "follow_spec"]
@@ -55,6 +71,13 @@ class FollowSpec(Spec):
     """The re-plan's ping-pong message size."""
     min_compress_s: float = 1e-3
     """Compression seconds per step below which changes of it are ignored (noise)."""
+    explore_every: int = 8
+    """While the choice is one a faster link would change: steps between explorations (0: never explore)."""
+    explore_bytes: int = 256 << 10
+    """An exploration's all-reduce size."""
+    margin: float = 0.1
+    """A re-plan keeps the current choice unless another is predicted cheaper by more than this fraction (no
+    flapping between candidates that cost about the same)."""
 
     def __post_init__(self) -> None:
         w = "FollowSpec"
@@ -63,6 +86,9 @@ class FollowSpec(Spec):
         self.normalize("patience", check_int(self.patience, w, "patience", 1))
         self.normalize("probe_bytes", check_int(self.probe_bytes, w, "probe_bytes", 1024, 1 << 30))
         self.normalize("min_compress_s", check_number(self.min_compress_s, w, "min_compress_s", lo=0.0))
+        self.normalize("explore_every", check_int(self.explore_every, w, "explore_every", 0))
+        self.normalize("explore_bytes", check_int(self.explore_bytes, w, "explore_bytes", 1024, 1 << 30))
+        self.normalize("margin", check_number(self.margin, w, "margin", lo=0.0))
 
 
 def follow_spec(value: object, what: str) -> FollowSpec | None:
@@ -83,7 +109,8 @@ def follow_spec(value: object, what: str) -> FollowSpec | None:
 class LinkFollower:
     """The measurements between checks and the verdicts (see the module docstring). One per engine."""
 
-    __slots__ = ("_busy", "_comp", "_count", "_level", "_settle", "_steps", "_wire", "checks", "last", "spec")
+    __slots__ = ("_busy", "_comp", "_count", "_explored", "_level", "_settle", "_steps", "_wire", "checks", "last",
+                 "spec")  # fmt: skip
 
     def __init__(self, spec: FollowSpec) -> None:
         self.spec = spec
@@ -99,24 +126,35 @@ class LinkFollower:
         self._level: tuple[float, float] | None = None
         self._settle = 1
         self._count = 0
+        self._explored = 0  # steps since the last exploration
 
     def observe(self, wire_bytes: int, busy_s: float, compress_s: float) -> bool:
         """One step's figures; returns whether a check is due (every rank alike: it counts steps only)."""
         self._steps += 1
+        self._explored += 1
         self._wire += wire_bytes
         self._busy += busy_s
         self._comp += compress_s
         return self._steps >= self.spec.every
 
-    def check(self, comm) -> str | None:
-        """The check (a collective: every rank calls it at the same step). Returns ``"link"`` or ``"compute"``
-        when a re-plan is due, else None."""
+    def explore_due(self) -> bool:
+        """Whether this check explores (every ``explore_every`` steps; the same on every rank)."""
+        e = self.spec.explore_every
+        if e and self._explored >= e and self._level is not None:
+            self._explored = 0
+            return True
+        return False
+
+    def check(self, comm, explored_Bps: float = 0.0, planned_Bps: float = math.inf) -> str | None:
+        """The check (a collective: every rank calls it at the same step). Returns ``"link"``, ``"explore"`` or
+        ``"compute"`` when a re-plan is due, else None. ``explored_Bps``: this step's exploration's bandwidth
+        (0: none), against ``planned_Bps``, the bandwidth the current choice was priced on."""
         rate = self._wire / self._busy if self._busy > 0 and self._wire > 0 else 0.0
         comp = self._comp / max(1, self._steps)
-        vec = torch.tensor([rate, comp], dtype=torch.float64, device=comm.device)
+        vec = torch.tensor([rate, comp, explored_Bps], dtype=torch.float64, device=comm.device)
         if comm.world_size > 1:
-            comm.all_reduce(vec, "max")  # the highest rate a rank measured, the slowest rank's compression time
-        rate, comp = float(vec[0]), float(vec[1])
+            comm.all_reduce(vec, "max")  # the highest rates any rank measured, the slowest rank's compression time
+        rate, comp, explored = float(vec[0]), float(vec[1]), float(vec[2])
         self._steps, self._wire, self._busy, self._comp = 0, 0, 0.0, 0.0
         self.checks += 1
         verdict = None
@@ -126,9 +164,12 @@ class LinkFollower:
             self._level = (rate, comp)
         else:
             verdict = self._moved(rate, comp)
+        if verdict is None and explored > self.spec.change * planned_Bps:
+            verdict = "explore"  # a direct measurement: no patience needed (a wrong one costs a re-plan, no switch)
         lvl = self._level
         self.last = {"rate_Bps": rate, "compress_s": comp, "rate_level_Bps": lvl[0] if lvl else None,
-                     "compress_level_s": lvl[1] if lvl else None, "count": self._count, "verdict": verdict}  # fmt: skip
+                     "compress_level_s": lvl[1] if lvl else None, "count": self._count, "verdict": verdict,
+                     "explored_Bps": explored or None, "planned_Bps": planned_Bps}  # fmt: skip
         return verdict
 
     def _moved(self, rate: float, comp: float) -> str | None:
@@ -163,17 +204,25 @@ def follow_step(engine, comm, wire_bytes: int, busy_s: float, compress_s: float)
         return None
     if not f.observe(wire_bytes, busy_s, compress_s):
         return None
-    why = f.check(comm)
+    auto = engine.auto
+    explored = 0.0
+    if f.explore_due() and auto.choice_at(math.inf) != auto.decision.choice:  # a faster link would change it
+        explored = explore(comm, f.spec.explore_bytes, auto.decision.link)
+    why = f.check(comm, explored, auto.decision.link.bandwidth)
     if why is None:
         return None
     old = engine.auto.decision
     seen = f.last
-    d = engine.auto.replan(comm, probe_bytes=f.spec.probe_bytes, remeasure=why == "compute")
+    d = engine.auto.replan(comm, probe_bytes=f.spec.probe_bytes, remeasure=why == "compute", keep=old.choice,
+                           margin=f.spec.margin)  # fmt: skip
     f.planned()
     gbit = d.link.bandwidth * 8 / 1e9
     if why == "link":
         what = (f"link rate {seen['rate_Bps'] * 8 / 1e9:.3g} Gbit/s against a level of "
                 f"{seen['rate_level_Bps'] * 8 / 1e9:.3g}")  # fmt: skip
+    elif why == "explore":
+        what = (f"an exploration measured {seen['explored_Bps'] * 8 / 1e9:.3g} Gbit/s against the "
+                f"{seen['planned_Bps'] * 8 / 1e9:.3g} Gbit/s {old.choice} was priced on")  # fmt: skip
     else:
         what = (f"compression {seen['compress_s'] * 1e3:.3g} ms/step against a level of "
                 f"{seen['compress_level_s'] * 1e3:.3g}")  # fmt: skip
@@ -185,6 +234,23 @@ def follow_step(engine, comm, wire_bytes: int, busy_s: float, compress_s: float)
         return None
     engine._apply_auto(d.compressor)  # (set_compressor hands the residuals over)
     return event
+
+
+def explore(comm, nbytes: int, link: Link) -> float:
+    """One all-reduce of ``nbytes``, timed: the bandwidth (bytes/s) that explains its time on ``link``'s latency
+    under the cost model (``inf`` when faster than the latency alone)."""
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=comm.device)
+    topo = Topology(world_size=comm.world_size)
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize(comm.device)
+    t0 = time.perf_counter()
+    comm.all_reduce(buf)
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize(comm.device)
+    t = time.perf_counter() - t0
+    fixed = all_reduce_time(buf.nbytes, topo, Link(latency=link.latency, bandwidth=1e30), "ring")
+    per_byte = all_reduce_time(buf.nbytes, topo, Link(latency=link.latency, bandwidth=1.0), "ring") - fixed
+    return per_byte / (t - fixed) if t > fixed else math.inf
 
 
 def hand_over(engine) -> None:

@@ -172,8 +172,14 @@ def _records(path: str) -> list[dict]:
     return out
 
 
+BURST = "128kb"
+"""The link-change runs' tbf burst: a token bucket of 512 KB (the emulated hosts' default) lets a compressed
+step's few kilobytes through at any rate, as no real 100 Mbit/s path does, and would hide the slow link from
+the probes; 128 KB still lets tbf reach 10 Gbit/s."""
+
+
 def run_link_change(case: str, schedule: list[tuple[int, str]], *, steps: int, hidden: int, workdir: str,
-                    candidates: list[str] | None = None, timeout: float = 900) -> dict:  # fmt: skip
+                    candidates: list[str] | None = None, timeout: float = 900, burst: str = BURST) -> dict:  # fmt: skip
     """One case (a compressor name or "auto") on two emulated hosts whose rate follows ``schedule`` (rank 0's
     steps). Returns both ranks' records, the changes made (step, rate, unix time) and rank 0's result."""
     from .emulated import emulated_hosts, rank_environments, set_rate
@@ -185,7 +191,7 @@ def run_link_change(case: str, schedule: list[tuple[int, str]], *, steps: int, h
     if candidates:
         cmd += ["--candidates", ",".join(candidates)]
     changes = [(0, schedule[0][1], time.time())]
-    with emulated_hosts(schedule[0][1]) as hosts:
+    with emulated_hosts(schedule[0][1], burst=burst) as hosts:
         envs = rank_environments(hosts)
         logs = [tempfile.TemporaryFile("w+") for _ in range(2)]  # noqa: SIM115 (read after the ranks exit)
         procs = [subprocess.Popen(["ip", "netns", "exec", hosts.namespaces[r], *cmd], env=envs[r], stdout=logs[r],

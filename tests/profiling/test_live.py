@@ -232,3 +232,65 @@ def test_a_slowed_rank_raises_the_straggler_alert_within_10_steps(tmp_path):
     # the other ranks wait for it in their collectives, which lowers their measured link rates; across ranks that
     # is not taken for a slower link
     assert not [a for a in job.history() if a["kind"] == "link_drop"], job.history()
+
+
+def _fsdp_worker(comm, d):
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torsh_kernels.parallel import apply_quantized_comm
+
+    warnings.simplefilter("ignore", FutureWarning)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+    mesh = init_device_mesh("cpu", (comm.world_size,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    apply_quantized_comm(model, weights="int8", grads="int4")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 24)
+    with watch(dir=d, job="f"):
+        for _ in range(5):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    return True
+
+
+def test_fsdp2_comms_record_each_step(tmp_path):
+    run_local(_fsdp_worker, 2, str(tmp_path), op_timeout=60)
+    for rank in (0, 1):
+        recs = _lines(tmp_path / f"rank{rank}.jsonl")
+        # a step runs from one forward of the root to the next: five forwards, four complete steps
+        assert [r["step"] for r in recs] == [0, 1, 2, 3] and all(r["source"] == "fsdp" for r in recs)
+        for r in recs:
+            assert r["compressor"] == "weights=int8,grads=int4" and r["comm_s"] is None
+            assert r["step_s"] > 0 and r["compress_s"] > 0 and r["sent_bytes"] > 0
+            assert 2.5 < r["ratio"] < 8  # int8 weights (4x less than fp32) and int4 gradients (8x)
+            assert r["wire_bytes"] > 0 and r["link_Bps"] > 0
+
+
+def _ep_worker(comm, d):
+    from torsh_kernels.parallel import ExpertParallelMoE
+
+    torch.manual_seed(0)
+    layer = ExpertParallelMoE(16, 32, 4, 2, comm, wire="fp8")
+    x = torch.randn(20, 16)
+    with watch(dir=d, job="e"):
+        for _ in range(4):
+            layer(x).square().mean().backward()
+    return layer.last_dispatch["bytes_sent"]
+
+
+def test_expert_parallel_layer_records_each_step(tmp_path):
+    run_local(_ep_worker, 2, str(tmp_path), op_timeout=60)
+    for rank in (0, 1):
+        recs = _lines(tmp_path / f"rank{rank}.jsonl")
+        assert [r["step"] for r in recs] == [0, 1, 2] and all(r["source"] == "ep" for r in recs)
+        for r in recs:  # fp8 dispatch, the rest in the layer's dtype (fp32 here)
+            assert r["compressor"].startswith("e4m3") and r["payload_bytes"] > r["sent_bytes"] > 0
+            assert r["comm_s"] > 0 and r["compress_s"] is None and r["wire_bytes"] > 0

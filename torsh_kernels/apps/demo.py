@@ -35,6 +35,8 @@ measured (:func:`auto_check`): a line says when they disagree by more than 2x, a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
 import sys
@@ -216,6 +218,8 @@ class DemoConfig:
     reads them."""
     fsdp: bool = False
     """Train under FSDP2 (``fully_shard``) instead of DDP; ``compressors`` are then :data:`FSDP_CASES`."""
+    watch: str | None = None
+    """A directory the ranks publish their live metrics to (``torsh top`` reads it; one compressor per run)."""
 
     def __post_init__(self) -> None:
         if self.fsdp:
@@ -290,6 +294,11 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
     progress = _progress_bar() if comm.rank == 0 and cfg.progress else None
     rows = []
     rec = timeline.Recorder(cfg.trace, rank=comm.rank, world_size=comm.world_size) if cfg.trace else None
+    pub = None
+    if cfg.watch:
+        from ..profiling.live import watch
+
+        pub = watch(dir=cfg.watch, job="torsh-demo")
     try:
         for ci, name in enumerate(cfg.compressors):
             rows.append(_train(comm, cfg, ci, name, data, rec, progress))
@@ -298,6 +307,8 @@ def run_rank(comm, cfg: DemoConfig) -> list[dict] | None:
             progress.stop()
         if rec is not None:
             rec.stop()
+        if pub is not None:
+            pub.close()
     if rec is not None:
         rec.write()
         comm.barrier()  # every rank's file is written before rank 0 reads them
@@ -685,6 +696,7 @@ def print_trace_summary(directory: str, console=None, *, trace=None, rep: dict |
 
 _RELAY = "TORSH_DEMO_JSON_RELAY"  # set: rank 0 writes its JSON for the parent to pass on, unannounced
 _LINK_RATE = "TORSH_DEMO_LINK_BPS"  # the emulated link's rate, for the ranks' auto_check
+_ROWS_BY_PARENT = "TORSH_DEMO_ROWS_BY_PARENT"  # set (--watch): rank 0 writes its rows for the parent to print
 
 
 def _shaped_rate() -> LinkRate | None:
@@ -700,7 +712,11 @@ def _env_rank_main(cfg: DemoConfig, json_path: str | None) -> int:
     rows = run_rank(comm, cfg)
     if rows is not None:
         net = os.environ.get("TORSH_BENCH_NETWORK", "torchrun environment")
-        _finish(rows, cfg, comm.world_size, comm.backend, net, json_path)
+        if os.environ.get(_ROWS_BY_PARENT):  # --watch: the parent shows the live view, then the table
+            with open(json_path, "w") as f:
+                json.dump({"rows": rows, "backend": comm.backend, "network": net}, f)
+        else:
+            _finish(rows, cfg, comm.world_size, comm.backend, net, json_path)
     torch.distributed.destroy_process_group()
     return 0
 
@@ -729,20 +745,36 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     cli_common.add_json(ap, "the rows")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--trace", default=None, metavar="DIR", help="record timeline traces (rank{R}.json) into DIR")
+    ap.add_argument("--watch", nargs="?", const="", default=None, metavar="DIR",
+                    help="show the live view of the ranks while they train (torsh top), from the live metrics they "
+                    "publish to DIR (default: a new temporary directory); one compressor per run (default auto, "
+                    "which then follows the link)")  # fmt: skip
     ap.add_argument("--trace-steps", type=at_least_1, default=None,
                     help="with --trace: the last N steps of each compressor (default 20, or every timed step if "
                     "fewer); the table then shows those steps, as the traces hold them")  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> int:
+    watching = getattr(a, "watch", None) is not None
     try:
         names = a.compressors if a.compressors is not None else ",".join(FSDP_DEFAULT if a.fsdp else COMPRESSORS)
+        if watching and a.compressors is None:
+            names = "auto"
         cfg = DemoConfig(compressors=[c.strip() for c in names.split(",") if c.strip()], steps=a.steps,
-                         hidden=a.hidden, batch=a.batch, progress=not a.no_progress,
+                         hidden=a.hidden, batch=a.batch, progress=not a.no_progress and not watching,
                          trace=os.path.abspath(a.trace) if a.trace else None, trace_steps=a.trace_steps,
                          fsdp=a.fsdp)  # fmt: skip
     except InvalidArgumentError as e:
         raise cli_common.UsageError(str(e)) from e
+    if watching:
+        if cfg.fsdp or len(cfg.compressors) != 1:
+            raise cli_common.UsageError("--watch shows one DDP run: give one compressor (--compressors X; default "
+                                        "auto), without --fsdp")  # fmt: skip
+        if not a.watch:
+            import tempfile
+
+            a.watch = tempfile.mkdtemp(prefix="torsh-live-")
+        cfg.watch = a.watch = os.path.abspath(a.watch)
     if cfg.fsdp and cfg.trace:
         raise cli_common.UsageError("--trace records the DDP demo; it is not wired into --fsdp")
     if os.environ.get("TORSH_DEMO_RANK_MODE") == "env":  # a rank started on an emulated host below
@@ -763,9 +795,32 @@ def run(a: argparse.Namespace) -> int:
     from ..collectives import run_local
 
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= a.ranks else "gloo"
-    rows = run_local(run_rank, a.ranks, cfg, backend=backend, threads=a.threads, timeout=1800, op_timeout=120)[0]
+    with _live_view(cfg):
+        rows = run_local(run_rank, a.ranks, cfg, backend=backend, threads=a.threads, timeout=1800, op_timeout=120)[0]
     _finish(rows, cfg, a.ranks, backend, "loopback" if backend == "gloo" else "NVLink/PCIe", a.json)
     return 0
+
+
+@contextlib.contextmanager
+def _live_view(cfg: DemoConfig):
+    """With ``--watch``: ``torsh top``'s live view of the ranks' live metrics, from a thread of this process, until
+    the ranks are done (then the path of the records, for ``torsh top DIR --once`` later)."""
+    if not cfg.watch:
+        yield
+        return
+    import threading
+
+    from ..profiling.top import live_view
+
+    stop = threading.Event()
+    t = threading.Thread(target=live_view, args=([cfg.watch],), kwargs={"stop": stop, "interval": 0.5}, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=10)
+        print(f"live metrics: {cfg.watch} (torsh top {cfg.watch} --once)", file=sys.stderr, flush=True)
 
 
 def _run_emulated(a: argparse.Namespace, plan: LinkPlan) -> int:
@@ -779,7 +834,13 @@ def _run_emulated(a: argparse.Namespace, plan: LinkPlan) -> int:
     argv = cli_common.argv_of(ap, a, skip={"link", "delay", "ranks", "json"})
     env = {"TORSH_DEMO_RANK_MODE": "env", _LINK_RATE: str(plan.rate.bits_per_s)}
     relay = None
-    if a.json == "-":  # rank 0's stdout is this process's stderr while the JSON waits: it goes by a file
+    cfg = DemoConfig(compressors=[a.compressors or "auto"], watch=a.watch) if a.watch else None
+    if cfg is not None:  # --watch: rank 0 hands its rows to this process, which shows the live view meanwhile
+        fd, rows_file = tempfile.mkstemp(prefix="torsh-demo-rows-", suffix=".json")
+        os.close(fd)
+        argv += ["--json", rows_file]
+        env[_ROWS_BY_PARENT] = "1"
+    elif a.json == "-":  # rank 0's stdout is this process's stderr while the JSON waits: it goes by a file
         fd, relay = tempfile.mkstemp(prefix="torsh-demo-", suffix=".json")
         os.close(fd)
         argv += ["--json", relay]
@@ -790,10 +851,19 @@ def _run_emulated(a: argparse.Namespace, plan: LinkPlan) -> int:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
+        if cfg is not None:
+            with _live_view(cfg):
+                rc = emulated.run_on_emulated_hosts(cmd, rate=plan.rate, delay=plan.delay)
+            if rc == 0:
+                with open(rows_file) as f:
+                    got = json.load(f)
+                full = DemoConfig(compressors=[a.compressors or "auto"], steps=a.steps, hidden=a.hidden,
+                                  batch=a.batch, watch=a.watch)  # fmt: skip
+                _finish(got["rows"], full, 2, got["backend"], got["network"], a.json)
+            os.unlink(rows_file)
+            return rc
         rc = emulated.run_on_emulated_hosts(cmd, rate=plan.rate, delay=plan.delay)
         if relay is not None and rc == 0:
-            import json
-
             with open(relay) as f:
                 cli_common.write_json("-", json.load(f))
         return rc

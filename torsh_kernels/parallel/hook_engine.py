@@ -228,6 +228,7 @@ class HookRun:
         """The iteration's record for the live metrics, and auto's check (with the communicator only: see
         :meth:`close_parameter_iteration`)."""
         engine, meter, st = self.engine, self.meter, self.stats
+        t0 = time.perf_counter()
         step_s = meter.lap()
         wire, busy = meter.traffic()
         f = turn.figures
@@ -247,3 +248,4 @@ class HookRun:
                 error=error, switch=switch,
             ))  # fmt: skip
         meter.sampling = pub is not None and pub.sampling(st.iterations)
+        meter.cost_s += time.perf_counter() - t0

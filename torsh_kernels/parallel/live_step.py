@@ -22,7 +22,7 @@ __all__ = ["StepMeter", "compressor_label", "residual_norm2"]
 class StepMeter:
     """Per component and communicator: the step clock and the traffic since the last step."""
 
-    __slots__ = ("_busy", "_t", "_traffic", "_wire", "gnorm2", "sampling", "source", "steps")
+    __slots__ = ("_busy", "_t", "_traffic", "_wire", "cost_s", "gnorm2", "sampling", "source", "steps")
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -35,6 +35,10 @@ class StepMeter:
         self.sampling = False
         """Whether this step measures the compression error (the gradient norm is accumulated in ``gnorm2``)."""
         self.gnorm2: torch.Tensor | None = None
+        self.cost_s = 0.0
+        """Host seconds the component spent on the live metrics and the link following (measuring, sampling
+        the error, building and publishing records), on its own thread: what ``torsh bench live`` reports per
+        step."""
 
     def watch(self, comm) -> None:
         """Time ``comm``'s collectives from now on (its :class:`Traffic` counters, where it keeps them)."""
@@ -64,10 +68,12 @@ class StepMeter:
 
     def add_gradients(self, tensors: Iterable[torch.Tensor]) -> None:
         """On a sampling step: add the squared norms of this rank's gradients (before they are reduced)."""
+        t0 = time.perf_counter()
         for g in tensors:
             if g.layout == torch.strided and g.is_floating_point() and g.numel():
                 n2 = torch.linalg.vector_norm(g, dtype=torch.float32).square()
                 self.gnorm2 = n2 if self.gnorm2 is None else self.gnorm2 + n2
+        self.cost_s += time.perf_counter() - t0
 
     def error(self, residual2: float | None) -> float | None:
         """``sqrt(residual2) / ||gradient||`` for a sampling step (None otherwise, or without residuals)."""

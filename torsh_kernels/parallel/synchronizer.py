@@ -440,6 +440,7 @@ class GradientSynchronizer:
     def _observe(self, undone: bool, pub) -> None:
         """The step's record for the live metrics, and auto's check (every rank calls sync_gradients alike)."""
         engine, meter, last = self._engine, self._meter, self._last
+        t0 = time.perf_counter()
         step_s = meter.lap()
         wire, busy = meter.traffic()
         comm_s = sum(d["wait_s"] for d in self._bucket_stats)
@@ -457,6 +458,7 @@ class GradientSynchronizer:
                 error=error, switch=switch,
             ))  # fmt: skip
         meter.sampling = pub is not None and pub.sampling(self._syncs)
+        meter.cost_s += time.perf_counter() - t0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -197,7 +197,7 @@ class PrometheusSink:
         self._counters = {n: pc.Counter(n, doc, labels, registry=self.registry) for n, (_, doc) in _COUNTERS.items()}
         self._alert = pc.Gauge("torsh_alert", "1 while an alert of this kind is active on this rank",
                                ["job", "rank", "source", "kind"], registry=self.registry)  # fmt: skip
-        self._labels: dict[tuple, tuple] = {}  # (job, rank, source) -> the gauges' current label values
+        self._labels: dict[tuple, tuple] = {}  # (job, rank, source) -> (its label values, its metric children)
         self.server = None
         self.port: int | None = None
 
@@ -219,33 +219,43 @@ class PrometheusSink:
             ) from None
         self.port = self.server.server_port
 
+    def _children(self, base: tuple, labels: tuple) -> tuple[list, list, list]:
+        """The metric children of one (job, rank, source) under ``labels`` (made once; when auto switches, the
+        gauges move to the new compressor's series)."""
+        got = self._labels.get(base)
+        if got is not None and got[0] == labels:
+            return got[1]
+        if got is not None:
+            for g in self._gauges.values():
+                g.remove(*got[0])
+        kids = (
+            [(field, self._gauges[n].labels(*labels)) for n, (field, _) in _GAUGES.items()],
+            [(n, field, self._counters[n].labels(*labels)) for n, (field, _) in _COUNTERS.items()],
+            [(kind, self._alert.labels(*base, kind)) for kind in ALERT_KINDS if kind != "straggler"],
+        )
+        self._labels[base] = (labels, kids)
+        return kids
+
     def write(self, rec: dict) -> None:
         if self.server is None:
             self._serve(rec["rank"])
         base = (rec["job"], str(rec["rank"]), rec["source"])
-        labels = (*base, rec["compressor"])
-        old = self._labels.get(base)
-        if old is not None and old != labels:  # auto switched: the gauges follow the new compressor's series
-            for g in self._gauges.values():
-                g.remove(*old)
-        self._labels[base] = labels
-        for name, (field, _) in _GAUGES.items():
+        gauges, counters, alerts = self._children(base, (*base, rec["compressor"]))
+        for field, g in gauges:
             v = rec.get(field)
             if v is not None:
-                self._gauges[name].labels(*labels).set(v)
-        for name, (field, _) in _COUNTERS.items():
-            c = self._counters[name].labels(*labels)
+                g.set(v)
+        for name, field, c in counters:
             if name == "torsh_steps":
                 c.inc()
             elif name == "torsh_auto_switches":
                 if rec.get("switch"):
                     c.inc()
-            else:
-                c.inc(rec.get(field) or 0)
+            elif v := rec.get(field):
+                c.inc(v)
         active = {a["kind"] for a in rec.get("alerts") or ()}
-        for kind in ALERT_KINDS:
-            if kind != "straggler":  # (across ranks: torsh top's)
-                self._alert.labels(*base, kind).set(1.0 if kind in active else 0.0)
+        for kind, g in alerts:  # (the straggler is judged across ranks: torsh top's)
+            g.set(1.0 if kind in active else 0.0)
 
     def close(self) -> None:
         if self.server is not None:

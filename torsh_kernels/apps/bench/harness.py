@@ -64,6 +64,7 @@ SUITES = {
     "offload": "pack/unpack to host against plain copies; AdamW against OffloadedOptimizer",
     "trace": "what the timeline instrumentation costs per call, with and without a recorder",
     "overhead": "host cost per call of every public op at tiny sizes against its plain-torch equivalent",
+    "live": "live metrics: step time with and without publishing; (root) auto following a changing link",
 }
 SUITE_NAMES = tuple(SUITES)
 
@@ -78,6 +79,7 @@ QUICK: dict[str, list[str]] = {
     "offload": ["--sizes", "16", "--width", "512", "--layers", "4", "--steps", "3", "--reps", "5"],
     "trace": ["--calls", "50000", "--reps", "5"],
     "overhead": ["--calls", "100", "--reps", "7"],
+    "live": ["--runs", "2", "--steps", "40"],
 }
 # Options a suite adds to its own defaults in the full runs (a GPU, or --full): the sizes its defaults keep small
 # because a direct call of the suite runs them (the moe suite's layer cases: a smoke size unless --layer-full).

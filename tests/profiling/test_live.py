@@ -10,11 +10,11 @@ import urllib.request
 
 import pytest
 import torch
-from torsh_kernels.profiling.alerts import AlertSpec, JobAlerts
 
 from torsh_kernels import live
 from torsh_kernels.collectives import run_local
 from torsh_kernels.errors import ArgumentTypeError, InvalidArgumentError
+from torsh_kernels.profiling.alerts import AlertSpec, JobAlerts
 from torsh_kernels.profiling.live import LiveSpec, Publisher, start_from_env, watch
 
 
@@ -51,9 +51,10 @@ def test_a_record_gets_its_rank_alerts(tmp_path):
     with Publisher(LiveSpec(dir=str(tmp_path), alerts=AlertSpec(error_bound=2.0))) as pub:
         a = pub.publish(_rec(step=0, nonfinite=1))
         b = pub.publish(_rec(step=1, error=3.0))
-        c = pub.publish(_rec(step=2, switch={"from": "none", "to": "int8", "reason": "link"}))
+        b2 = pub.publish(_rec(step=2, error=1.0))
+        c = pub.publish(_rec(step=3, switch={"from": "none", "to": "int8", "reason": "link"}))
     assert [x["kind"] for x in a["alerts"]] == ["nonfinite"]
-    assert [x["kind"] for x in b["alerts"]] == ["compression_error"]
+    assert [x["kind"] for x in b["alerts"]] == ["compression_error"] and b2["alerts"] == []
     assert "auto_switch" in [x["kind"] for x in c["alerts"]]
 
 

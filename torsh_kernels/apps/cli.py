@@ -31,6 +31,7 @@ COMMANDS = {
     "report": "bottleneck report of a trace: time breakdown, overlap, stragglers, suggestions",
     "inspect": "every GPU kernel compiled for a GPU target (no GPU needed): registers, occupancy, access widths, "
     "a bandwidth bound beside a copy kernel",
+    "top": "live view of a running job's ranks from its live metrics (directory or Prometheus endpoints), with alerts",
 }
 
 
@@ -54,7 +55,7 @@ def _version() -> str:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The ``torsh`` parser with every command, and each benchmark suite's own parser by name."""
-    from ..profiling import inspection, report, viewer
+    from ..profiling import inspection, report, top, viewer
     from . import demo, doctor, tune_cli
     from .bench import harness
 
@@ -62,7 +63,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {"providers": None, "doctor": doctor, "demo": demo, "bench": None, "tune": tune_cli,
-               "timeline": viewer, "report": report, "inspect": inspection}  # fmt: skip
+               "timeline": viewer, "report": report, "inspect": inspection, "top": top}  # fmt: skip
     suite_parsers = {}
     for name, module in modules.items():
         p = sub.add_parser(name, help=COMMANDS[name], description=module.__doc__ if module else COMMANDS[name])
@@ -105,11 +106,11 @@ def _parse(argv: list[str]) -> tuple[str, argparse.Namespace, Callable[[argparse
             sp, args, skip={"json"}
         )  # recorded in the suite's JSON (a baseline replays it)
         return sp.prog, args, harness.suite_module(args.suite).run
-    from ..profiling import inspection, report, viewer
+    from ..profiling import inspection, report, top, viewer
     from . import demo, doctor, tune_cli
 
     handlers = {"doctor": doctor.run, "demo": demo.run, "tune": tune_cli.run, "timeline": viewer.run,
-                "report": report.run, "inspect": inspection.run}  # fmt: skip
+                "report": report.run, "inspect": inspection.run, "top": top.run}  # fmt: skip
     return prog, args, handlers[args.command]
 
 

@@ -77,7 +77,7 @@ class LiveSpec(Spec):
     """A rank's file is rotated when it would pass this size."""
     keep: int = 3
     """Rotated files kept per rank."""
-    error_every: int = 10
+    error_every: int = 25
     """Steps between measurements of the compression error (a norm of every gradient and residual)."""
     alerts: AlertSpec = dataclasses.field(default_factory=AlertSpec)
     """The per-rank alerts' thresholds."""

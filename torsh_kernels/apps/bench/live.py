@@ -3,7 +3,7 @@ running job.
 
 ``torsh bench live`` (the overhead): ``torsh demo``'s model (the digits MLP, ``--hidden`` wide) trained with DDP and
 torsh's hook on ``--ranks`` local gloo ranks, in runs that alternate between publishing (files and a Prometheus
-endpoint, every record, the compression error every 10 steps) and not, ``--runs`` of each, interleaved. Reported:
+endpoint, every record, the compression error every 25 steps) and not, ``--runs`` of each, interleaved. Reported:
 each run's median step time, the median over runs and its spread, the ratio watched / unwatched, and the
 publisher's own seconds per record.
 

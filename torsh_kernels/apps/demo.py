@@ -820,7 +820,7 @@ def _live_view(cfg: DemoConfig):
     finally:
         stop.set()
         t.join(timeout=10)
-        print(f"live metrics: {cfg.watch} (torsh top {cfg.watch} --once)", file=sys.stderr, flush=True)
+        print(f"\nlive metrics: {cfg.watch} (torsh top {cfg.watch} --once)", file=sys.stderr, flush=True)
 
 
 def _run_emulated(a: argparse.Namespace, plan: LinkPlan) -> int:

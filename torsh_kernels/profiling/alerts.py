@@ -9,7 +9,8 @@ Kinds, with their thresholds in :class:`AlertSpec` (defaults; ``torsh top`` take
   synchronous job every rank's step takes as long as the slowest's: the others wait in their collectives, so it
   is the time outside communication that tells the slow rank.
 - ``link_drop``: a rank's measured link rate (``link_Bps``) below ``1 - link_drop`` (50%) of its running level
-  (the median of up to 50 earlier steps' rates, taken before the drop) for ``link_steps`` (5) steps in a row.
+  (the median of up to 50 earlier steps' rates, taken before the drop, under the same compressor: another
+  payload shows the link differently, so a switch starts a new level) for ``link_steps`` (5) steps in a row.
   A rank's rate counts the seconds its collectives waited for a slower peer, so on one rank (the publisher's,
   Prometheus') a straggling peer looks like a slower link; across ranks (``torsh top``) the link is judged on
   the highest rate any rank measured at each step, which a straggler does not lower.
@@ -80,7 +81,7 @@ def _alert(kind: str, rec: dict, message: str) -> dict:
 class RankAlerts:
     """One rank's (and source's) alerts, evaluated record by record in step order (O(log n) per record)."""
 
-    __slots__ = ("_active", "_below", "_level", "_sorted", "spec")
+    __slots__ = ("_active", "_below", "_comp", "_level", "_sorted", "spec")
 
     def __init__(self, spec: AlertSpec | None = None) -> None:
         self.spec = spec if spec is not None else AlertSpec()
@@ -88,6 +89,7 @@ class RankAlerts:
         self._sorted: list[float] = []  # ... sorted, for the median
         self._below: list[float] = []  # the rates of the drop in progress
         self._active: dict[str, bool] = dict.fromkeys(KINDS[1:], False)
+        self._comp: object = None  # the compressor of the rates in the level
 
     def active(self) -> dict[str, bool]:
         """Each per-rank kind: active at the last record."""
@@ -127,6 +129,11 @@ class RankAlerts:
             out.append(_alert("auto_switch", rec, f"auto switched {sw.get('from')} -> {sw.get('to')}: "
                               f"{sw.get('reason', '')}"))  # fmt: skip
         rate = rec.get("link_Bps")
+        if rec.get("compressor") != self._comp:  # another payload shows the link differently: a new level
+            self._comp = rec.get("compressor")
+            self._level.clear()
+            self._sorted.clear()
+            self._below = []
         if rate is not None and rate > 0:
             level = self._median()
             if level is not None and len(self._level) >= sp.link_steps and rate < (1 - sp.link_drop) * level:
@@ -160,6 +167,7 @@ class JobAlerts:
         self._strag: dict[tuple, dict] = {}  # (job, source, rank) -> its active straggler alert
         self._done: dict[tuple, int] = {}  # (job, source) -> the last step judged
         self._world: dict[tuple, int] = {}  # (job, source) -> the ranks that report
+        self._comps: dict[tuple, object] = {}  # (job, source) -> the compressor of its last record
         self._links: dict[tuple, RankAlerts] = {}  # (job, source) -> the link judged on the per-step maximum rate
         self._history: list[dict] = []
         self._was: dict[tuple, bool] = {}  # (job, rank, source, kind) -> active at the rank's last record
@@ -184,6 +192,7 @@ class JobAlerts:
                 c = r.get("step_s") if c is None else c
                 self._steps.setdefault((key[0], key[2]), {}).setdefault(r["step"], {})[key[1]] = (c, r.get("link_Bps"))
                 self._world[(key[0], key[2])] = r.get("world_size") or 1
+                self._comps[(key[0], key[2])] = r.get("compressor")
             if last is not None:
                 self._last[key] = last
         for js in list(self._steps):
@@ -216,7 +225,8 @@ class JobAlerts:
             if rates:
                 best, who = max(rates)
                 link = self._links.setdefault(js, RankAlerts(self.spec))
-                al = link.update({"rank": who, "step": s, "source": js[1], "link_Bps": best})
+                comp = self._comps.get(js)
+                al = link.update({"rank": who, "step": s, "source": js[1], "link_Bps": best, "compressor": comp})
                 key = (js[0], "job", js[1])
                 self._current[key] = al
                 self._remember(key, al)

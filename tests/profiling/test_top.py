@@ -193,3 +193,98 @@ def test_live_view_in_tmux(tmp_path):
         assert "◀ slowest" in row
     finally:
         subprocess.run(["tmux", "kill-session", "-t", sess], capture_output=True)
+
+
+def test_a_restarted_job_in_the_same_directory_is_shown_and_judged_anew(tmp_path):
+    src, st = DirSource(str(tmp_path)), TopState()
+    _append(tmp_path / "rank0.jsonl", [_rec(step=s, world=1) for s in range(30)])
+    st.update(src.read())
+    # the job restarts into the same files: steps from 0 again, written later
+    _append(tmp_path / "rank0.jsonl", [_rec(step=s, world=1, time=100.0 + s, step_s=0.05, nonfinite=int(s == 10))
+                                       for s in range(20)])  # fmt: skip
+    st.update(src.read())
+    snap = st.snapshot()
+    assert snap["ranks"][0]["step"] == 19 and snap["ranks"][0]["step_s"] == 0.05
+    assert [(a["kind"], a["step"]) for a in snap["history"]] == [("nonfinite", 10)]
+
+
+def _serve(body: bytes):
+    import http.server
+    import threading
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body() if callable(body) else body)
+
+        def log_message(self, *a):
+            pass
+
+    hs = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=hs.serve_forever, daemon=True).start()
+    return hs
+
+
+def test_endpoints_at_different_steps_are_compared_scrape_by_scrape():
+    # each scrape catches the ranks at different steps (rank r at 2i + r); rank 1 computes 3.75x the others
+    state = {"i": 0}
+
+    def body():
+        i = state["i"]
+        out = []
+        for r in range(3):
+            lab = f'compressor="int8",job="u",rank="{r}",source="ddp"'
+            out += [f"torsh_step{{{lab}}} {2 * i + r}", f"torsh_step_seconds{{{lab}}} 0.03",
+                    f"torsh_compute_seconds{{{lab}}} {0.03 if r == 1 else 0.008}", f"torsh_world_size{{{lab}}} 3",
+                    f"torsh_steps_total{{{lab}}} {2 * i + r + 1}"]  # fmt: skip
+        return ("\n".join(out) + "\n").encode()
+
+    hs = _serve(body)
+    try:
+        u, st = UrlSource(f"http://127.0.0.1:{hs.server_address[1]}"), TopState()
+        for i in range(8):
+            state["i"] = i
+            st.update(u.read())
+    finally:
+        hs.shutdown()
+    strag = [a for a in st.snapshot()["history"] if a["kind"] == "straggler"]
+    assert [a["rank"] for a in strag] == [1]
+
+
+def test_a_port_that_is_not_http_is_a_typed_error():
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def banner():
+        c, _ = srv.accept()
+        c.sendall(b"SSH-2.0-OpenSSH_9.0\r\n")
+        c.close()
+
+    threading.Thread(target=banner, daemon=True).start()
+    try:
+        with pytest.raises(SourceError, match="cannot read"):
+            UrlSource(f"http://127.0.0.1:{srv.getsockname()[1]}").read()
+    finally:
+        srv.close()
+
+
+def test_a_narrow_terminal_keeps_what_it_shows_whole():
+    from rich.console import Console
+
+    from torsh_kernels.profiling.top import render
+
+    st = TopState()
+    st.update([_rec(rank=r, step=s, error=0.5) for r in range(2) for s in range(50)])
+    for width in (80, 120, 200):
+        con = Console(width=width, record=True, force_terminal=True)
+        con.print(render(st, [DirSource("live")], width=width))
+        text = con.export_text()
+        table = [ln for ln in text.splitlines() if ln.startswith(("┃", "│"))]
+        assert "…" not in "".join(table), (width, text)
+        assert "step time" in table[0] and "compute" in table[0]
+        assert ("error" in table[0]) == (width >= 150)

@@ -43,6 +43,8 @@ __all__ = ["KINDS", "AlertSpec", "JobAlerts", "RankAlerts"]
 
 KINDS = ("straggler", "link_drop", "nonfinite", "compression_error", "auto_switch")
 _LEVEL_WINDOW = 50
+_MAX_LAG = 64
+"""Steps a rank may fall behind the newest before its missing steps stop holding up the cross-rank judging."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,13 +83,14 @@ def _alert(kind: str, rec: dict, message: str) -> dict:
 class RankAlerts:
     """One rank's (and source's) alerts, evaluated record by record in step order (O(log n) per record)."""
 
-    __slots__ = ("_active", "_below", "_comp", "_level", "_sorted", "spec")
+    __slots__ = ("_active", "_below", "_below_n", "_comp", "_level", "_sorted", "spec")
 
     def __init__(self, spec: AlertSpec | None = None) -> None:
         self.spec = spec if spec is not None else AlertSpec()
         self._level: deque[float] = deque()  # the earlier rates (not those of a drop in progress)
         self._sorted: list[float] = []  # ... sorted, for the median
-        self._below: list[float] = []  # the rates of the drop in progress
+        self._below: deque[float] = deque(maxlen=self.spec.link_steps)  # the last rates of a drop in progress
+        self._below_n = 0  # ... and its length
         self._active: dict[str, bool] = dict.fromkeys(KINDS[1:], False)
         self._comp: object = None  # the compressor of the rates in the level
 
@@ -133,21 +136,25 @@ class RankAlerts:
             self._comp = rec.get("compressor")
             self._level.clear()
             self._sorted.clear()
-            self._below = []
+            self._below.clear()
+            self._below_n = 0
         if rate is not None and rate > 0:
             level = self._median()
             if level is not None and len(self._level) >= sp.link_steps and rate < (1 - sp.link_drop) * level:
                 self._below.append(rate)
+                self._below_n += 1
             else:
-                for r in self._below:  # a dip shorter than link_steps: part of the level after all
-                    self._add_level(r)
-                self._below = []
+                if self._below_n < sp.link_steps:  # a dip too short to be a drop: part of the level after all
+                    for r in self._below:
+                        self._add_level(r)
+                self._below.clear()
+                self._below_n = 0
                 self._add_level(rate)
-            drop = len(self._below) >= sp.link_steps
+            drop = self._below_n >= sp.link_steps
             self._active["link_drop"] = drop
             if drop:
-                now = statistics.median(self._below[-sp.link_steps :])
-                msg = (f"rank {rec.get('rank')}: link {now * 8 / 1e9:.3g} Gbit/s for {len(self._below)} steps, "
+                now = statistics.median(self._below)
+                msg = (f"rank {rec.get('rank')}: link {now * 8 / 1e9:.3g} Gbit/s for {self._below_n} steps, "
                        f"against a level of {level * 8 / 1e9:.3g} Gbit/s")  # fmt: skip
                 out.append(_alert("link_drop", rec, msg))
         return out
@@ -166,23 +173,33 @@ class JobAlerts:
         self._slow: dict[tuple, int] = {}  # (job, source, rank) -> steps in a row above the median
         self._strag: dict[tuple, dict] = {}  # (job, source, rank) -> its active straggler alert
         self._done: dict[tuple, int] = {}  # (job, source) -> the last step judged
-        self._world: dict[tuple, int] = {}  # (job, source) -> the ranks that report
-        self._comps: dict[tuple, object] = {}  # (job, source) -> the compressor of its last record
+        self._reported: dict[tuple, dict] = {}  # (job, source) -> rank -> the last step (or round) it reported
+        self._world: dict[tuple, int] = {}  # (job, source) -> its world size
         self._links: dict[tuple, RankAlerts] = {}  # (job, source) -> the link judged on the per-step maximum rate
         self._history: list[dict] = []
         self._was: dict[tuple, bool] = {}  # (job, rank, source, kind) -> active at the rank's last record
 
     def update(self, records: Iterable[dict]) -> None:
+        """Evaluate ``records`` (any ranks, any order; one already evaluated is skipped). A rank's record at a lower
+        step than its last, written later, is a restarted job (into the same directory): that rank and its job's
+        cross-rank judging start afresh. A record with ``_round`` (``torsh top`` sets it on what one refresh
+        scraped from Prometheus endpoints, which catch the ranks at different steps) is compared across ranks by
+        that round instead of its step."""
         by_key: dict[tuple, list[dict]] = {}
         for r in records:
             by_key.setdefault((r.get("job"), r.get("rank"), r.get("source")), []).append(r)
         for key, recs in by_key.items():
-            recs.sort(key=lambda x: x.get("step", 0))
-            ra = self._ranks.setdefault(key, RankAlerts(self.spec))
+            recs.sort(key=lambda x: (x.get("time") or 0, x.get("step", 0)))
+            js = (key[0], key[2])
             last = self._last.get(key)
             for r in recs:
                 if last is not None and r.get("step", 0) <= last.get("step", 0):
-                    continue  # already evaluated
+                    if r.get("step", 0) < last.get("step", 0) and (r.get("time") or 0) > (last.get("time") or 0):
+                        self._restart(key)  # a new run of the job
+                        last = None
+                    else:
+                        continue  # already evaluated
+                ra = self._ranks.setdefault(key, RankAlerts(self.spec))
                 al = ra.update(r)
                 al = [a for a in al if a["kind"] != "link_drop"]  # judged across ranks (see _judge)
                 self._current[key] = al
@@ -190,13 +207,30 @@ class JobAlerts:
                 last = r
                 c = r.get("compute_s")
                 c = r.get("step_s") if c is None else c
-                self._steps.setdefault((key[0], key[2]), {}).setdefault(r["step"], {})[key[1]] = (c, r.get("link_Bps"))
-                self._world[(key[0], key[2])] = r.get("world_size") or 1
-                self._comps[(key[0], key[2])] = r.get("compressor")
+                at = r.get("_round", r["step"])
+                self._steps.setdefault(js, {}).setdefault(at, {})[key[1]] = (c, r.get("link_Bps"), r["step"],
+                                                                             r.get("compressor"))  # fmt: skip
+                self._reported.setdefault(js, {})[key[1]] = at
+                self._world[js] = max(self._world.get(js, 1), r.get("world_size") or 1)
             if last is not None:
                 self._last[key] = last
         for js in list(self._steps):
             self._judge(js)
+
+    def _restart(self, key: tuple) -> None:
+        js = (key[0], key[2])
+        for k in [k for k in self._ranks if (k[0], k[2]) == js]:
+            self._ranks.pop(k, None)
+            self._last.pop(k, None)
+            self._current.pop(k, None)
+        for k in [k for k in self._strag if k[:2] == js]:
+            del self._strag[k]
+        for k in [k for k in self._slow if k[:2] == js]:
+            del self._slow[k]
+        self._steps.pop(js, None)
+        self._reported.pop(js, None)
+        self._done.pop(js, None)
+        self._links.pop(js, None)
 
     def _remember(self, key: tuple, alerts: list[dict]) -> None:
         """History: an alert when its kind becomes active on that rank (once per episode)."""
@@ -213,24 +247,29 @@ class JobAlerts:
         straggler lowers every other rank's; the link has dropped only when even the highest rate any rank
         measured at that step is down (a job-level :class:`RankAlerts` over the per-step maximum)."""
         steps = self._steps[js]
-        world = self._world.get(js, 1)
+        reported = dict.fromkeys(range(self._world.get(js, 1)), -1)  # every rank of the job, seen or not yet ...
+        reported.update(self._reported.get(js, {}))  # ... -> the last step (or round) it reported
+        newest = max(reported.values(), default=-1)
         sp = self.spec
         for s in sorted(x for x in steps if x > self._done.get(js, -1)):
             got = steps[s]
-            if len(got) < world:
-                break  # a rank has not reported this step yet
+            # judged once every rank of the job has reported this step or a later one (a step a rank skipped, or a
+            # file rotated away, never holds the others up), or once some rank is far past it (a rank that stopped,
+            # or one never seen: a node-local endpoint)
+            if not all(r in got or last > s for r, last in reported.items()) and newest - s < _MAX_LAG:
+                break
             self._done[js] = s
             del steps[s]
-            rates = [(v[1], rank) for rank, v in got.items() if v[1]]
+            rates = [(v[1], rank, v[2], v[3]) for rank, v in got.items() if v[1]]
             if rates:
-                best, who = max(rates)
+                best, who, real, comp = max(rates, key=lambda x: x[0])
                 link = self._links.setdefault(js, RankAlerts(self.spec))
-                comp = self._comps.get(js)
-                al = link.update({"rank": who, "step": s, "source": js[1], "link_Bps": best, "compressor": comp})
+                al = link.update({"rank": who, "step": real, "source": js[1], "link_Bps": best, "compressor": comp})
                 key = (js[0], "job", js[1])
                 self._current[key] = al
                 self._remember(key, al)
             comp = {rank: v[0] for rank, v in got.items() if v[0] is not None}
+            real = {rank: v[2] for rank, v in got.items()}
             if len(comp) < 2:
                 continue
             med = statistics.median(comp.values())
@@ -242,9 +281,9 @@ class JobAlerts:
                     self._slow[k] = 0
                     self._strag.pop(k, None)
                 if self._slow[k] >= sp.straggler_steps:
-                    a = {"kind": "straggler", "rank": rank, "step": s, "source": js[1],
-                         "message": f"rank {rank}: {c * 1e3:.1f} ms of compute at step {s}, {c / med:.2f}x the "
-                         f"ranks' median ({med * 1e3:.1f} ms), {self._slow[k]} steps in a row"}  # fmt: skip
+                    msg = (f"rank {rank}: {c * 1e3:.1f} ms of compute at step {real[rank]}, {c / med:.2f}x the ranks' "
+                           f"median ({med * 1e3:.1f} ms), {self._slow[k]} steps in a row")  # fmt: skip
+                    a = {"kind": "straggler", "rank": rank, "step": real[rank], "source": js[1], "message": msg}
                     if k not in self._strag:
                         self._history.append(a)
                     self._strag[k] = a

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import http.client
 import json
 import os
 import re
@@ -165,6 +166,7 @@ class UrlSource:
         self._last: dict[tuple, dict] = {}
         self.stale = False
         self.error: str | None = None
+        self.scrapes = 0
 
     def describe(self) -> str:
         return self.url + (f" (stale: {self.error})" if self.stale else "")
@@ -173,10 +175,11 @@ class UrlSource:
         try:
             with urllib.request.urlopen(self.url, timeout=self.timeout) as r:
                 text = r.read().decode("utf-8", "replace")
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            self.stale, self.error = True, str(getattr(e, "reason", e))
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+            self.stale, self.error = True, str(getattr(e, "reason", e)) or type(e).__name__
             raise SourceError(f"torsh top: cannot read {self.url}: {self.error}") from None
         self.stale, self.error = False, None
+        self.scrapes += 1
         now = time.time()
         out = []
         for key, d in parse_prometheus(text).items():
@@ -202,6 +205,9 @@ class UrlSource:
                    if switched else None,
                    "alerts": [{"kind": k, "message": f"{k} (from the endpoint)"}
                               for k in sorted(d["alerts"])]}  # fmt: skip
+            # endpoints catch the ranks at different steps: across ranks, what one scrape of each saw is compared
+            # (every endpoint is scraped once per refresh)
+            rec["_round"] = self.scrapes
             self._last[key] = {"step": g["step"], "counters": dict(c), "compressor": d["compressor"]}
             out.append(rec)
         return out
@@ -227,14 +233,16 @@ class TopState:
         self.history: dict[tuple, deque] = {}  # ... -> its last ``window`` step times
         self.alerts = JobAlerts(spec)
         self.records = 0
+        self.rounds = 0  # refreshes made
 
     def update(self, records: Iterable[dict]) -> None:
         records = [r for r in records if isinstance(r, dict) and "rank" in r and "step" in r]
-        records.sort(key=lambda r: (r.get("step", 0), r.get("time") or 0))
+        records.sort(key=lambda r: (r.get("time") or 0, r.get("step", 0)))
         for r in records:
             key = (r.get("job"), r["rank"], r.get("source"))
             last = self.latest.get(key)
-            if last is None or r["step"] >= last["step"]:
+            # a later step, or a lower one written later: the job was restarted into the same directory
+            if last is None or r["step"] >= last["step"] or (r.get("time") or 0) > (last.get("time") or 0):
                 self.latest[key] = r
             if r.get("step_s") is not None:
                 self.history.setdefault(key, deque(maxlen=self.window)).append(r["step_s"])
@@ -280,8 +288,18 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.1f}"
 
 
-def render(state: TopState, sources: list, *, note: str = ""):
-    """The view: a table of ranks, then the alerts."""
+_COLUMNS = (  # (header, justify, the width its values take at most, its rank in what a narrow view keeps)
+    ("rank", "right", 4, 0), ("source", "left", 6, 0), ("step", "right", 7, 0), ("step ms", "right", 7, 0),
+    ("compute", "right", 7, 0), ("comm", "right", 7, 3), ("compress", "right", 7, 4), ("link Gbit/s", "right", 5, 1),
+    ("wire MB/s", "right", 7, 5), ("ratio", "right", 5, 2), ("error", "right", 5, 6), ("compressor", "left", 0, 0),
+    ("step time", "left", 0, 0), ("", "left", 0, 0),
+)  # fmt: skip
+
+
+def render(state: TopState, sources: list, *, note: str = "", width: int = 200):
+    """The view: a table of ranks, then the alerts. On a narrower terminal (``width``) the sparkline shortens
+    and the least needed columns go (error, wire MB/s, compress, comm, ratio, link, in that order), so that what
+    is shown stays whole."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -289,25 +307,41 @@ def render(state: TopState, sources: list, *, note: str = ""):
     slow = state.slowest()
     jobs = sorted({str(k[0]) for k in state.latest})
     title = f"torsh top: {', '.join(jobs) or '-'}  ({', '.join(s.describe() for s in sources)})"
+    comp_w = max([len(str(r.get("compressor"))) for r in state.latest.values()] + [len("compressor")])
+    mark = "◀ slowest" if width >= 110 else "◀"
+
+    def col_w(c) -> int:
+        return max(len(c[0]), c[2]) + 3
+
+    used = sum(col_w(c) for c in _COLUMNS if c[3] == 0 and c[0] not in ("compressor", "step time", "")) + 1
+    used += comp_w + 3 + len("step time") + 3 + len(mark) + 3
+    shown_opt = set()
+    for c in sorted((c for c in _COLUMNS if c[3]), key=lambda c: c[3]):
+        if used + col_w(c) <= width:
+            shown_opt.add(c[0])
+            used += col_w(c)
+    shown = [c for c in _COLUMNS if c[3] == 0 or c[0] in shown_opt]
+    spark = max(4, min(state.window, width - used + len("step time")))
     t = Table(title=title, title_justify="left", expand=False)
-    for col, just in (("rank", "right"), ("source", "left"), ("step", "right"), ("step ms", "right"),
-                      ("compute", "right"), ("comm", "right"), ("compress", "right"), ("link Gbit/s", "right"),
-                      ("wire MB/s", "right"), ("ratio", "right"), ("error", "right"), ("compressor", "left"),
-                      ("step time", "left"), ("", "left")):  # fmt: skip
+    for col, just, _, _ in shown:
         t.add_column(col, justify=just, no_wrap=True)
+    names = [c[0] for c in shown]
     for k in sorted(state.latest, key=lambda k: (str(k[0]), str(k[2]), k[1])):
         r = state.latest[k]
         link = r.get("link_Bps")
         wire = r.get("wire_bytes")
         mbps = wire / r["step_s"] / 1e6 if wire is not None and r.get("step_s") else None
-        mark = Text("◀ slowest", style="bold red") if k in slow else Text("")
-        t.add_row(
-            str(r["rank"]), str(r.get("source")), str(r["step"]), _ms(r.get("step_s")), _ms(r.get("compute_s")),
-            _ms(r.get("comm_s")), _ms(r.get("compress_s")), "-" if link is None else f"{link * 8 / 1e9:.3g}",
-            "-" if mbps is None else f"{mbps:.1f}", "-" if r.get("ratio") is None else f"{r['ratio']:.2f}",
-            "-" if r.get("error") is None else f"{r['error']:.3g}", str(r.get("compressor")),
-            sparkline(state.history.get(k, ())), mark,
-        )  # fmt: skip
+        cells = {
+            "rank": str(r["rank"]), "source": str(r.get("source")), "step": str(r["step"]),
+            "step ms": _ms(r.get("step_s")), "compute": _ms(r.get("compute_s")), "comm": _ms(r.get("comm_s")),
+            "compress": _ms(r.get("compress_s")), "link Gbit/s": "-" if link is None else f"{link * 8 / 1e9:.3g}",
+            "wire MB/s": "-" if mbps is None else f"{mbps:.1f}",
+            "ratio": "-" if r.get("ratio") is None else f"{r['ratio']:.2f}",
+            "error": "-" if r.get("error") is None else f"{r['error']:.3g}", "compressor": str(r.get("compressor")),
+            "step time": sparkline(list(state.history.get(k, ()))[-spark:]),
+            "": Text(mark, style="bold red") if k in slow else Text(""),
+        }  # fmt: skip
+        t.add_row(*(cells[n] for n in names))
     lines = []
     active = state.alerts.alerts()
     if active:
@@ -328,12 +362,22 @@ def render(state: TopState, sources: list, *, note: str = ""):
 
 
 def _read_all(sources: list, state: TopState, *, strict: bool) -> None:
+    """One refresh: every source read once; a source that fails is shown stale and the view goes on (``strict``:
+    raise)."""
+    got = []
     for s in sources:
         try:
-            state.update(s.read())
-        except SourceError:
+            recs = s.read()
+        except Exception as e:
             if strict:
-                raise
+                if isinstance(e, SourceError):
+                    raise
+                raise SourceError(f"torsh top: cannot read {s.describe()}: {type(e).__name__}: {e}") from None
+            s.stale = True
+            continue
+        got += recs
+    state.rounds += 1
+    state.update(got)
 
 
 def live_view(sources: list[str], *, interval: float = 1.0, stop: threading.Event | None = None,
@@ -346,15 +390,15 @@ def live_view(sources: list[str], *, interval: float = 1.0, stop: threading.Even
     srcs = [make_source(s) for s in sources]
     state = TopState(spec, window)
     con = console if console is not None else cli_common.console()
-    with Live(render(state, srcs), console=con, refresh_per_second=4, transient=False) as lv:
+    with Live(render(state, srcs, width=con.width), console=con, refresh_per_second=4, transient=False) as lv:
         try:
             while True:
                 _read_all(srcs, state, strict=False)
-                lv.update(render(state, srcs, note=time.strftime("updated %H:%M:%S")))
+                lv.update(render(state, srcs, note=time.strftime("updated %H:%M:%S"), width=con.width))
                 if stop is not None:
                     if stop.wait(interval):
                         _read_all(srcs, state, strict=False)
-                        lv.update(render(state, srcs, note=time.strftime("final %H:%M:%S")))
+                        lv.update(render(state, srcs, note=time.strftime("final %H:%M:%S"), width=con.width))
                         break
                 else:
                     time.sleep(interval)
@@ -432,10 +476,14 @@ def run(a: argparse.Namespace) -> int:
         raise cli_common.UsageError(f"--interval must be > 0, got {a.interval}")
     if a.once:
         state, srcs = snapshot(a.sources, spec, a.window)
-        if a.json:
-            print(json.dumps(state.snapshot(), indent=1, default=str))
-        else:
-            cli_common.console().print(render(state, srcs))
+        try:
+            if a.json:
+                print(json.dumps(state.snapshot(), indent=1, default=str), flush=True)
+            else:
+                con = cli_common.console()
+                con.print(render(state, srcs, width=con.width))
+        except BrokenPipeError:  # `torsh top DIR --once --json | head`: the reader left; nothing more to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
         return 0
     for s in a.sources:
         make_source(s)  # a malformed source fails now; a missing directory is waited for

@@ -220,6 +220,25 @@ def test_torsh_demo_fsdp_trains_each_quantized_comm_and_prints_one_table(tmp_pat
     assert bad.stderr.count("\n") == 1
 
 
+@pytest.mark.slow  # a training run in subprocesses
+def test_torsh_demo_watch_publishes_and_shows_the_live_view(tmp_path):
+    """`torsh demo --watch DIR`: the ranks publish their live metrics to DIR while the demo's process shows torsh
+    top's view of them (auto by default), then the table; one compressor per run."""
+    live = tmp_path / "live"
+    r = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--watch", str(live), "--steps", "16",
+                        "--hidden", "32", "--link", "none"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "torsh top: torsh-demo" in r.stdout and "auto: " in r.stdout  # the view, then the table
+    assert f"live metrics: {live}" in r.stderr
+    for rank in (0, 1):
+        recs = [json.loads(x) for x in (live / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in recs] == list(range(16))
+        assert all(x["job"] == "torsh-demo" and x["source"] == "ddp" for x in recs)
+    bad = subprocess.run([sys.executable, "-m", "torsh_kernels.apps.cli", "demo", "--watch", "--compressors",
+                          "none,int8"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "--watch shows one DDP run" in bad.stderr
+
+
 def test_torsh_demo_link_without_root_falls_back_with_a_message(monkeypatch, capsys):
     from torsh_kernels.apps.bench import emulated
 

@@ -429,7 +429,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "(http://host:port)")  # fmt: skip
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     ap.add_argument("--once", action="store_true", help="print one snapshot and exit")
-    ap.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON (ranks, alerts, history)")
+    cli_common.add_json(ap, "with --once, the snapshot (ranks, alerts, history)")
     ap.add_argument("--window", type=cli_common.int_at_least(2), default=40, help="steps in each sparkline (40)")
     ap.add_argument(
         "--straggler",
@@ -478,7 +478,7 @@ def run(a: argparse.Namespace) -> int:
         state, srcs = snapshot(a.sources, spec, a.window)
         try:
             if a.json:
-                print(json.dumps(state.snapshot(), indent=1, default=str), flush=True)
+                cli_common.write_json(a.json, state.snapshot())
             else:
                 con = cli_common.console()
                 con.print(render(state, srcs, width=con.width))

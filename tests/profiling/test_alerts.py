@@ -259,11 +259,8 @@ def test_every_kind_has_the_contract_keys():
     assert ra.active() == {"link_drop": True, "nonfinite": True, "compression_error": True, "auto_switch": True}
 
 
-# -- records that do not line up across ranks (found in review; see the report of issue 44) -----------------------
-
-
-_WAITS = "JobAlerts._judge waits for every rank at each step: "
-
+# -- records that do not line up across ranks (found in review: the cross-rank judging waited for every rank at
+# every step, so one missing step, or ranks whose files start at other steps, stopped it for good) -------------
 
 
 def test_a_step_missing_from_one_rank_does_not_stop_the_straggler_judging():
@@ -273,7 +270,6 @@ def test_a_step_missing_from_one_rank_does_not_stop_the_straggler_judging():
     job.update(recs)
     first = _kinds(job.history(), "straggler")
     assert {a["rank"] for a in first} == {1} and first[0]["step"] <= 9
-
 
 
 def test_ranks_whose_records_start_at_different_steps_are_judged():

@@ -254,7 +254,7 @@ def _fsdp_worker(comm, d):
     apply_quantized_comm(model, weights="int8", grads="int4")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, 24)
-    with watch(dir=d, job="f"):
+    with watch(dir=d, job="f", error_every=2):
         for _ in range(5):
             opt.zero_grad()
             model(x).square().mean().backward()
@@ -273,6 +273,9 @@ def test_fsdp2_comms_record_each_step(tmp_path):
             assert r["step_s"] > 0 and r["compress_s"] > 0 and r["sent_bytes"] > 0
             assert 2.5 < r["ratio"] < 8  # int8 weights (4x less than fp32) and int4 gradients (8x)
             assert r["wire_bytes"] > 0 and r["link_Bps"] > 0
+        # int4 gradients with error feedback: the residual's norm over the gradient's, on the sampled steps
+        assert [r["step"] for r in recs if r["error"] is not None] == [0, 2]
+        assert all(0 < r["error"] < 10 for r in recs if r["error"] is not None)
 
 
 def _ep_worker(comm, d):

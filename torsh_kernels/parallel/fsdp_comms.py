@@ -49,7 +49,9 @@ class LiveSteps:
     previous step's record there, while someone listens). The comms add what they sent and the seconds their
     encode and decode took (host time: on a GPU, the launches); the seconds the quantized collectives were in
     flight come from their communicator's timed :class:`~torsh_kernels.collectives.Traffic`. FSDP2 waits for
-    its collectives itself, so ``comm_s`` (time blocked) is not observed here (null)."""
+    its collectives itself, so ``comm_s`` (time blocked) is not observed here (null). On a sampling step the
+    quantized reduce-scatters with error feedback add their gradients' and residuals' squared norms, for the
+    compression error."""
 
     def __init__(self) -> None:
         self.meter = StepMeter("fsdp")
@@ -57,6 +59,17 @@ class LiveSteps:
         self.payload = self.sent = 0
         self.compress_s = 0.0
         self.rank, self.world_size = 0, 1
+        self.rnorm2: float | None = None  # this sampling step's residuals' squared norm
+
+    def add_error(self, grad: torch.Tensor | None, residual: torch.Tensor | None) -> None:
+        """A sampling step's reduce-scatter: its input gradient before the residual was added, and its residual
+        after (each squared norm added)."""
+        with self._lock:
+            if grad is not None:
+                self.meter.add_gradients([grad])
+            if residual is not None:
+                r2 = float(torch.linalg.vector_norm(residual, dtype=torch.float32).square())
+                self.rnorm2 = r2 if self.rnorm2 is None else self.rnorm2 + r2
 
     def add(self, comm, payload: int, sent: int, compress_s: float) -> None:
         with self._lock:
@@ -78,13 +91,17 @@ class LiveSteps:
             payload, sent, comp = self.payload, self.sent, self.compress_s
             self.payload = self.sent = 0
             self.compress_s = 0.0
+            error = m.error(self.rnorm2)
+            self.rnorm2 = None
         if step_s is None or not (payload or sent):
+            m.sampling = pub.sampling(m.steps)
             return
         pub.publish(m.record(
             step=m.steps, rank=self.rank, world_size=self.world_size, step_s=step_s, comm_s=None, compress_s=comp,
             payload_bytes=payload, sent_bytes=sent, wire_bytes=wire, busy_s=busy, nonfinite=False,
-            compressor=self.label,
+            compressor=self.label, error=error,
         ))  # fmt: skip
+        m.sampling = pub.sampling(m.steps)
 
     label = "fsdp"
     """The comms' formats (set by apply_quantized_comm: "weights=int8,grads=int4")."""
@@ -412,6 +429,9 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
         if n == 0:
             return None
         steps = self.live if live.publisher is not None else None
+        sample = steps is not None and steps.meter.sampling and self.error_feedback
+        if sample:
+            steps.add_error(x, None)
         t0 = time.perf_counter()
         acc = x.float() if x.dtype != torch.float32 else x.clone()  # fp32, not FSDP2's buffer
         res = None
@@ -457,6 +477,8 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
             out.copy_(total)
             if steps is not None:
                 steps.add(self._over(group), 0, 0, time.perf_counter() - t1)
+            if sample and res is not None:
+                steps.add_error(None, res)
 
         if not async_op:
             self._wire_all_to_all(recv, send, group, False)

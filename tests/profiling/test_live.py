@@ -179,6 +179,28 @@ def _sync_worker(comm, d):
     return True
 
 
+def _unwatch_worker(comm, d):
+    from torsh_kernels.parallel import GradientSynchronizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 8)
+    sync = GradientSynchronizer(model, comm, compressor="int8", start_iter=0, min_numel=16)
+    timed = []
+    for i in range(6):
+        pub = watch(dir=d, job="u") if i == 2 else None
+        model(torch.randn(4, 32)).sum().backward()
+        sync.sync_gradients()
+        timed.append(comm.traffic.timed)
+        if pub is not None:
+            pub.close()
+    return timed
+
+
+def test_collectives_are_timed_only_while_someone_listens(tmp_path):
+    for timed in run_local(_unwatch_worker, 2, str(tmp_path), op_timeout=60):
+        assert timed == [False, False, True, False, False, False]
+
+
 def test_synchronizer_records(tmp_path):
     run_local(_sync_worker, 2, str(tmp_path), op_timeout=60)
     recs = _lines(tmp_path / "rank1.jsonl")

@@ -213,6 +213,8 @@ class HookRun:
         pub = live.publisher
         if pub is not None or engine.follow is not None:
             self._observe(turn, comm, blocked, undone, pub)
+        elif self.meter._traffic is not None:  # the publisher closed: back to paying nothing
+            self.meter.unwatch()
 
     # -- the live metrics and auto's link following ---------------------------------------------------
 

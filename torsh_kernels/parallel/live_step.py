@@ -50,6 +50,15 @@ class StepMeter:
         self._wire = t.wire_bytes
         self._busy = t.busy()
 
+    def unwatch(self) -> None:
+        """Nobody listens any more (and no ``auto`` follows the link): stop timing the communicator's collectives."""
+        if self._traffic is not None:
+            self._traffic.timed = False
+            self._traffic = None
+            self._t = None
+            self.sampling = False
+            self.gnorm2 = None
+
     def traffic(self) -> tuple[int, float]:
         """Wire bytes and seconds with a collective in flight since the last call."""
         t = self._traffic

@@ -434,6 +434,8 @@ class GradientSynchronizer:
         pub = live.publisher
         if pub is not None or self._engine.follow is not None:
             self._observe(undone, pub)
+        elif self._meter._traffic is not None:  # the publisher closed: back to paying nothing
+            self._meter.unwatch()
         self._reset_step()
         return SyncStats(self._last)
 

@@ -21,10 +21,9 @@ from .. import live, recording
 from ..collectives.coalesce import Coalescer
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..errors import TorshKernelsError
-from .auto_follow import follow_step
 from .engine import BucketCompressor
 from .hook_stats import HookStats, Turn, bucket_span, chained, recorded, totals
-from .live_step import StepMeter, compressor_label, residual_norm2
+from .live_step import StepMeter, end_step
 from .pipeline import ReductionPipeline
 
 __all__ = ["HookRun"]
@@ -210,11 +209,13 @@ class HookRun:
         self.stats.iterations += 1
         self.turn = Turn(self.stats)
         turn.close()
-        pub = live.publisher
-        if pub is not None or engine.follow is not None:
-            self._observe(turn, comm, blocked, undone, pub)
-        elif self.meter._traffic is not None:  # the publisher closed: back to paying nothing
-            self.meter.unwatch()
+        if live.publisher is not None or engine.follow is not None or self.meter.watched:
+            f = turn.figures  # the live record, and auto's check (with comm only: see close_parameter_iteration)
+            switch = end_step(self.meter, engine, comm, step=self.stats.iterations - 1, comm_s=f["wait_s"] + blocked,
+                              compress_s=f["compress_s"], payload_bytes=f["bytes_before"],
+                              sent_bytes=f["bytes_after"], undone=undone)  # fmt: skip
+            if switch is not None:
+                self.stats.auto = {**engine.auto.decision.as_dict(), "replans": list(engine.replans)}
 
     # -- the live metrics and auto's link following ---------------------------------------------------
 
@@ -225,29 +226,3 @@ class HookRun:
         self.meter.watch(comm)
         if self.meter.sampling:
             self.meter.add_gradients(tensors)
-
-    def _observe(self, turn: Turn, comm: Coalescer | None, blocked: float, undone: bool, pub) -> None:
-        """The iteration's record for the live metrics, and auto's check (with the communicator only: see
-        :meth:`close_parameter_iteration`)."""
-        engine, meter, st = self.engine, self.meter, self.stats
-        t0 = time.perf_counter()
-        step_s = meter.lap()
-        wire, busy = meter.traffic()
-        f = turn.figures
-        error = meter.error(residual_norm2(engine.states.values()) if meter.sampling else None)
-        label = compressor_label(engine)
-        switch = None
-        if comm is not None and engine.follow is not None and not undone:
-            switch = follow_step(engine, comm, wire, busy, f["compress_s"])
-            if switch is not None:
-                st.auto = {**engine.auto.decision.as_dict(), "replans": list(engine.replans)}
-        if pub is not None and comm is not None:
-            inner = comm.inner
-            pub.publish(meter.record(
-                step=st.iterations - 1, rank=inner.rank, world_size=inner.world_size, step_s=step_s,
-                comm_s=f["wait_s"] + blocked, compress_s=f["compress_s"], payload_bytes=f["bytes_before"],
-                sent_bytes=f["bytes_after"], wire_bytes=wire, busy_s=busy, nonfinite=undone, compressor=label,
-                error=error, switch=switch,
-            ))  # fmt: skip
-        meter.sampling = pub is not None and pub.sampling(st.iterations)
-        meter.cost_s += time.perf_counter() - t0

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["StepMeter", "compressor_label", "residual_norm2"]
+__all__ = ["StepMeter", "compressor_label", "end_step", "residual_norm2"]
 
 
 class StepMeter:
@@ -49,6 +49,11 @@ class StepMeter:
         self._traffic = t
         self._wire = t.wire_bytes
         self._busy = t.busy()
+
+    @property
+    def watched(self) -> bool:
+        """Whether a communicator's collectives are being timed for this meter."""
+        return self._traffic is not None
 
     def unwatch(self) -> None:
         """Nobody listens any more (and no ``auto`` follows the link): stop timing the communicator's collectives."""
@@ -119,6 +124,37 @@ class StepMeter:
             "compressor": compressor,
             "switch": switch,
         }
+
+
+def end_step(meter: StepMeter, engine, comm, *, step: int, comm_s: float, compress_s: float, payload_bytes: int,
+             sent_bytes: int, undone: bool) -> dict | None:  # fmt: skip
+    """The end of a step of a bucket engine's component (the DDP hook, the synchronizer): auto's check (a collective,
+    with ``comm``; None where not every rank is at this point), then the live record when someone listens; when
+    nobody listens and no auto follows, the meter stops timing. Returns auto's switch, if it made one."""
+    from .. import live
+    from .auto_follow import follow_step
+
+    pub = live.publisher
+    if pub is None and engine.follow is None:
+        meter.unwatch()  # (the publisher closed: back to paying nothing)
+        return None
+    t0 = time.perf_counter()
+    step_s = meter.lap()
+    wire, busy = meter.traffic()
+    error = meter.error(residual_norm2(engine.states.values()) if meter.sampling else None)
+    label = compressor_label(engine)
+    switch = None
+    if comm is not None and engine.follow is not None and not undone:
+        switch = follow_step(engine, comm, wire, busy, compress_s)
+    if pub is not None and comm is not None:
+        pub.publish(meter.record(
+            step=step, rank=comm.rank, world_size=comm.world_size, step_s=step_s, comm_s=comm_s,
+            compress_s=compress_s, payload_bytes=payload_bytes, sent_bytes=sent_bytes, wire_bytes=wire, busy_s=busy,
+            nonfinite=undone, compressor=label, error=error, switch=switch,
+        ))  # fmt: skip
+    meter.sampling = pub is not None and pub.sampling(step + 1)
+    meter.cost_s += time.perf_counter() - t0
+    return switch
 
 
 def residual_norm2(states: Iterable) -> float | None:

@@ -52,11 +52,11 @@ from ..collectives.communicator import Communicator, as_communicator, is_dtensor
 from ..collectives.sparse import all_reduce_sparse, sparse_nbytes
 from ..compression import Compressor
 from ..errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
-from .auto_follow import FollowSpec, follow_step
+from .auto_follow import FollowSpec
 from .buckets import BucketSpec
 from .engine import BucketCompressor
 from .hook_stats import bucket_span, totals
-from .live_step import StepMeter, compressor_label, residual_norm2
+from .live_step import StepMeter, end_step
 from .pipeline import ReductionPipeline
 from .sync_stats import GradientConsistency, SyncStats
 
@@ -431,36 +431,14 @@ class GradientSynchronizer:
         }
         sent = self._last["payload_bytes"]
         self._last["compression_ratio"] = self._last["bytes_before"] / sent if sent else 1.0
-        pub = live.publisher
-        if pub is not None or self._engine.follow is not None:
-            self._observe(undone, pub)
-        elif self._meter._traffic is not None:  # the publisher closed: back to paying nothing
-            self._meter.unwatch()
+        if live.publisher is not None or self._engine.follow is not None or self._meter.watched:
+            stats = self._bucket_stats  # the live record, and auto's check (every rank calls sync_gradients alike)
+            end_step(self._meter, self._engine, self._coalescer, step=self._syncs - 1,
+                     comm_s=sum(d["wait_s"] for d in stats), compress_s=sum(d["compress_s"] for d in stats),
+                     payload_bytes=self._last["bytes_before"], sent_bytes=self._last["payload_bytes"],
+                     undone=undone)  # fmt: skip
         self._reset_step()
         return SyncStats(self._last)
-
-    def _observe(self, undone: bool, pub) -> None:
-        """The step's record for the live metrics, and auto's check (every rank calls sync_gradients alike)."""
-        engine, meter, last = self._engine, self._meter, self._last
-        t0 = time.perf_counter()
-        step_s = meter.lap()
-        wire, busy = meter.traffic()
-        comm_s = sum(d["wait_s"] for d in self._bucket_stats)
-        compress_s = sum(d["compress_s"] for d in self._bucket_stats)
-        error = meter.error(residual_norm2(engine.states.values()) if meter.sampling else None)
-        label = compressor_label(engine)
-        switch = None
-        if engine.follow is not None and not undone:
-            switch = follow_step(engine, self._coalescer, wire, busy, compress_s)
-        if pub is not None:
-            pub.publish(meter.record(
-                step=self._syncs - 1, rank=self.comm.rank, world_size=self.comm.world_size, step_s=step_s,
-                comm_s=comm_s, compress_s=compress_s, payload_bytes=last["bytes_before"],
-                sent_bytes=last["payload_bytes"], wire_bytes=wire, busy_s=busy, nonfinite=undone, compressor=label,
-                error=error, switch=switch,
-            ))  # fmt: skip
-        meter.sampling = pub is not None and pub.sampling(self._syncs)
-        meter.cost_s += time.perf_counter() - t0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -163,18 +163,6 @@ def overhead(a: argparse.Namespace) -> dict:
 # -- the link change ----------------------------------------------------------------------------------------
 
 
-def _records(path: str) -> list[dict]:
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.endswith("\n"):
-                    out.append(json.loads(line))
-    except FileNotFoundError:
-        pass
-    return out
-
-
 BURST = "128kb"
 """The link-change runs' tbf burst: a token bucket of 512 KB (the emulated hosts' default) lets a compressed
 step's few kilobytes through at any rate, as no real 100 Mbit/s path does, and would hide the slow link from
@@ -185,6 +173,7 @@ def run_link_change(case: str, schedule: list[tuple[int, str]], *, steps: int, h
                     candidates: list[str] | None = None, timeout: float = 900, burst: str = BURST) -> dict:  # fmt: skip
     """One case (a compressor name or "auto") on two emulated hosts whose rate follows ``schedule`` (rank 0's
     steps). Returns both ranks' records, the changes made (step, rate, unix time) and rank 0's result."""
+    from ...profiling.top import DirSource
     from .emulated import emulated_hosts, rank_environments, set_rate
 
     live = os.path.join(workdir, f"live-{case.replace(':', '_')}")
@@ -200,14 +189,16 @@ def run_link_change(case: str, schedule: list[tuple[int, str]], *, steps: int, h
         procs = [subprocess.Popen(["ip", "netns", "exec", hosts.namespaces[r], *cmd], env=envs[r], stdout=logs[r],
                                   stderr=subprocess.STDOUT) for r in (0, 1)]  # fmt: skip
         todo = list(schedule[1:])
+        tail = DirSource(live)  # rank 0's progress, read as torsh top reads it (only the new lines each time)
+        step = -1
         t_end = time.monotonic() + timeout
         try:
             while any(p.poll() is None for p in procs):
                 if time.monotonic() > t_end:
                     raise InvalidArgumentError(f"link change {case}: the ranks ran past {timeout} s")
                 if todo:
-                    recs = _records(os.path.join(live, "rank0.jsonl"))
-                    step = max((r["step"] for r in recs), default=-1)
+                    if os.path.isdir(live):
+                        step = max([r["step"] for r in tail.read() if r["rank"] == 0], default=step)
                     if step + 1 >= todo[0][0]:  # rank 0 finished the step before the change's
                         s, rate = todo.pop(0)
                         set_rate(hosts, rate)
@@ -226,8 +217,9 @@ def run_link_change(case: str, schedule: list[tuple[int, str]], *, steps: int, h
             raise InvalidArgumentError(f"link change {case}: a rank failed\n" + "\n".join(out))
     with open(result) as f:
         res = json.load(f)
+    recs = DirSource(live).read()
     return {"case": case, "changes": changes, "result": res,
-            "records": {r: _records(os.path.join(live, f"rank{r}.jsonl")) for r in (0, 1)}}  # fmt: skip
+            "records": {r: [x for x in recs if x["rank"] == r] for r in (0, 1)}}  # fmt: skip
 
 
 def switches(run: dict) -> dict[int, list[dict]]:

@@ -40,7 +40,7 @@ from .. import live
 from ..checks import check_int, short
 from ..errors import ArgumentTypeError, InvalidArgumentError, ProviderUnavailableError
 from ..specs import Spec
-from .alerts import AlertSpec, RankAlerts
+from .alerts import KINDS, AlertSpec, RankAlerts
 
 __all__ = ["ENV_DIR", "ENV_JOB", "ENV_PROMETHEUS", "ENV_TENSORBOARD", "FileSink", "LiveSpec", "PrometheusSink",
            "Publisher", "TensorBoardSink", "start_from_env", "watch"]  # fmt: skip
@@ -174,7 +174,6 @@ _COUNTERS = {
     "torsh_nonfinite_steps": ("nonfinite", "Steps that held NaN/Inf"),
     "torsh_auto_switches": ("", "Compressor switches made by compressor='auto' following the link"),
 }
-ALERT_KINDS = ("straggler", "link_drop", "nonfinite", "compression_error", "auto_switch")
 
 
 class PrometheusSink:
@@ -231,7 +230,7 @@ class PrometheusSink:
         kids = (
             [(field, self._gauges[n].labels(*labels)) for n, (field, _) in _GAUGES.items()],
             [(n, field, self._counters[n].labels(*labels)) for n, (field, _) in _COUNTERS.items()],
-            [(kind, self._alert.labels(*base, kind)) for kind in ALERT_KINDS if kind != "straggler"],
+            [(kind, self._alert.labels(*base, kind)) for kind in KINDS if kind != "straggler"],
         )
         self._labels[base] = (labels, kids)
         return kids

@@ -24,6 +24,7 @@ own history. An endpoint that stops answering is shown stale; the view goes on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import http.client
 import json
@@ -422,6 +423,16 @@ def snapshot(sources: list[str], spec: AlertSpec | None = None, window: int = 40
 # -- the command ---------------------------------------------------------------------------------------------
 
 
+_ALERT_HELP = {
+    "straggler": "straggler: compute time above the ranks' median by this fraction",
+    "straggler_steps": "... for this many steps in a row",
+    "link_drop": "link drop: the rate below (1 - this) of its running level",
+    "link_steps": "... for this many steps in a row",
+    "error_bound": "compression error above this",
+    "nonfinite": "no alert for steps that held NaN/Inf",
+}
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     d = AlertSpec()
     ap.add_argument("sources", nargs="+", metavar="DIR|URL",
@@ -431,43 +442,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--once", action="store_true", help="print one snapshot and exit")
     cli_common.add_json(ap, "with --once, the snapshot (ranks, alerts, history)")
     ap.add_argument("--window", type=cli_common.int_at_least(2), default=40, help="steps in each sparkline (40)")
-    ap.add_argument(
-        "--straggler",
-        type=float,
-        default=d.straggler,
-        help=f"straggler: compute time above the ranks' median by this fraction (default {d.straggler})",
-    )
-    ap.add_argument(
-        "--straggler-steps",
-        type=int,
-        default=d.straggler_steps,
-        help=f"... for this many steps in a row (default {d.straggler_steps})",
-    )
-    ap.add_argument(
-        "--link-drop",
-        type=float,
-        default=d.link_drop,
-        help=f"link drop: the rate below (1 - this) of its running level (default {d.link_drop})",
-    )
-    ap.add_argument(
-        "--link-steps",
-        type=int,
-        default=d.link_steps,
-        help=f"... for this many steps in a row (default {d.link_steps})",
-    )
-    ap.add_argument(
-        "--error-bound",
-        type=float,
-        default=d.error_bound,
-        help=f"compression error above this (default {d.error_bound})",
-    )
-    ap.add_argument("--no-nonfinite", action="store_true", help="no alert for steps that held NaN/Inf")
+    for f in dataclasses.fields(AlertSpec):  # one flag per threshold, named and typed after the spec's field
+        v = getattr(d, f.name)
+        if isinstance(v, bool):
+            ap.add_argument(f"--no-{f.name}", dest=f.name, action="store_false", help=_ALERT_HELP[f.name])
+        else:
+            ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(v), default=v,
+                            help=f"{_ALERT_HELP[f.name]} (default {v})")  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> int:
     try:
-        spec = AlertSpec(straggler=a.straggler, straggler_steps=a.straggler_steps, link_drop=a.link_drop,
-                         link_steps=a.link_steps, error_bound=a.error_bound, nonfinite=not a.no_nonfinite)  # fmt: skip
+        spec = AlertSpec(**{f.name: getattr(a, f.name) for f in dataclasses.fields(AlertSpec)})
     except TorshKernelsError as e:
         raise cli_common.UsageError(str(e)) from None
     if a.json and not a.once:

@@ -81,6 +81,7 @@ __all__ = [
     "counting_default_comms",
     "encoded_nbytes",
     "managed_parameters",
+    "reset_residuals",
 ]
 
 RESIDUAL = "torsh_rs_residual"
@@ -361,7 +362,10 @@ def _install(m: nn.Module, params: list[torch.Tensor], spec: QuantizedCommSpec, 
         res = _residual_buffer(m, params) if spec.error_feedback else None
         rs = QuantizedReduceScatter(bits=f.bits, block=f.block, fmt=f.fmt, error_feedback=spec.error_feedback,
                                     residual=res, comm=comm, timeout=timeout, check_signatures=check)  # fmt: skip
+        if res is not None:
+            rs.bind_buffer(m, RESIDUAL)  # the residual stays the buffer's memory (checked at every call)
         m.set_custom_reduce_scatter(rs)
+    m.__dict__[_RS_ATTR] = rs if rs is not None and rs.residual is not None else None
     _on_load(m, rs if rs is not None and rs.residual is not None else None)
     hook = None
     if rep is not None:
@@ -371,6 +375,7 @@ def _install(m: nn.Module, params: list[torch.Tensor], spec: QuantizedCommSpec, 
 
 
 _LOAD_HOOK = "_torsh_rs_load_hook"
+_RS_ATTR = "_torsh_rs_comm"  # the module's QuantizedReduceScatter whose residual is its RESIDUAL buffer
 
 
 def _on_load(m: nn.Module, rs: QuantizedReduceScatter | None) -> None:
@@ -387,10 +392,45 @@ def _on_load(m: nn.Module, rs: QuantizedReduceScatter | None) -> None:
     def hook(module: nn.Module, incompatible) -> None:
         buf = getattr(module, RESIDUAL, None)
         if buf is not None:
-            local = buf.to_local() if hasattr(buf, "to_local") else buf
+            with torch.no_grad():
+                local = buf.to_local() if hasattr(buf, "to_local") else buf
+            if local.is_meta:
+                return  # loaded into a model not materialised yet: nothing to take (its first use says so)
             rs.use_residual(local.view(-1), f"loaded into {type(module).__name__}.{RESIDUAL}")
 
     setattr(m, _LOAD_HOOK, m.register_load_state_dict_post_hook(hook))
+
+
+def reset_residuals(module: nn.Module) -> int:
+    """Zero the error-feedback residuals (``torsh_rs_residual`` buffers) :func:`apply_quantized_comm` registered on
+    ``module``'s FSDP modules, and hand each to its reduce-scatter: error feedback starts from zero. Call it after
+    materialising a model built on the meta device (``model.to_empty(device=...)``, as torchtitan's trainer does;
+    ``torsh_kernels.integrations.torchtitan`` does it for you), where the buffers hold uninitialised memory: a
+    quantized reduce-scatter refuses to run on a residual that was neither reset nor loaded from a checkpoint
+    since (``InvalidArgumentError``). Loading a checkpoint (``load_state_dict``, ``set_model_state_dict``)
+    afterwards restores the saved residuals. Returns how many residuals were zeroed (0 where no error-feedback
+    residual is installed)."""
+    what = "reset_residuals"
+    if not isinstance(module, nn.Module):
+        raise ArgumentTypeError(f"{what}: module must be an nn.Module, got {type(module).__name__}")
+    count = 0
+    for m in module.modules():
+        buf = m._buffers.get(RESIDUAL)
+        if buf is None:
+            continue
+        with torch.no_grad():
+            local = buf.to_local() if hasattr(buf, "to_local") else buf
+            if local.is_meta:
+                raise InvalidArgumentError(
+                    f"{what}: {type(m).__name__}.{RESIDUAL} is on the meta device; materialise the model first "
+                    "(model.to_empty(device=...)), then reset the residuals"
+                )
+            local.zero_()
+        rs = m.__dict__.get(_RS_ATTR)
+        if rs is not None:
+            rs.use_residual(local.view(-1), f"reset in {type(m).__name__}.{RESIDUAL}")
+        count += 1
+    return count
 
 
 def count_traffic(module: nn.Module, installed: Sequence[Installed] = ()) -> list:

@@ -10,6 +10,7 @@ import datetime
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -362,6 +363,7 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
             raise ArgumentTypeError("QuantizedReduceScatter: residual must be an fp32 torch.Tensor or None")
         self.bits, self.block, self.error_feedback = self.format.bits, self.format.block, error_feedback
         self.residual = residual
+        self._owner: tuple | None = None  # (weakref to the module, buffer name) whose buffer the residual must be
         self.calls = 0
         self.bytes_sent = 0
         """Bytes this rank put on the wire (the chunks it sent to the other ranks)."""
@@ -380,6 +382,67 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
             raise ArgumentTypeError(f"QuantizedReduceScatter: {where}: the residual must be an fp32 torch.Tensor")
         self.residual = residual
         self._check_residual(residual, where)
+
+    def bind_buffer(self, module: torch.nn.Module, name: str) -> None:
+        """Keep the residual in ``module``'s buffer ``name`` (what :func:`~.fsdp.apply_quantized_comm` does): at
+        every call the residual must still be that buffer's memory. Where the buffer was replaced since the residual
+        was last set (``to_empty`` after a build on the meta device, as torchtitan does; ``.to()`` another device; a
+        load with ``assign=True`` that skipped the load hook) its values are not known to be a residual, so the
+        call raises :class:`~torsh_kernels.errors.InvalidArgumentError` before anything is sent, instead of using
+        uninitialised memory or a residual the ``state_dict`` does not hold: zero it with
+        :func:`~.fsdp.reset_residuals` or load a checkpoint into the module (``load_state_dict``)."""
+        if not isinstance(module, torch.nn.Module) or not isinstance(name, str):
+            raise ArgumentTypeError("QuantizedReduceScatter.bind_buffer: needs an nn.Module and a buffer name")
+        self._owner = (weakref.ref(module), name)
+
+    def _bound_residual(self, acc: torch.Tensor, what: str) -> torch.Tensor | None:
+        """The residual this call uses when it is bound to a module buffer (:meth:`bind_buffer`): the buffer's
+        memory, checked to be the tensor the residual was last set to; None when unbound (or the module is gone)."""
+        if self._owner is None:
+            return None
+        module = self._owner[0]()
+        if module is None:
+            return None
+        name = self._owner[1]
+        buf = module._buffers.get(name)
+        if buf is None:
+            raise InvalidArgumentError(
+                f"{what}: {type(module).__name__}.{name}, the error-feedback residual buffer, was removed; "
+                "apply_quantized_comm again to register it"
+            )
+        with torch.no_grad():
+            cur = buf.to_local() if hasattr(buf, "to_local") else buf
+        res = self.residual
+        where = f"{type(module).__name__}.{name}"
+        if cur.is_meta:
+            raise InvalidArgumentError(
+                f"{what}: the error-feedback residual {where} is still on the meta device; materialise the model "
+                "(model.to_empty(device=...)), then zero the residuals (torsh_kernels.parallel.fsdp.reset_residuals"
+                "(model)) or load a checkpoint into it"
+            )
+        same = (
+            res is not None and res.device == cur.device and res.numel() == cur.numel()
+            and res.data_ptr() == cur.data_ptr()
+        )  # fmt: skip
+        if not same:
+            why = (
+                "was created on the meta device (a model built on meta, as torchtitan does) and the model was "
+                "materialised since"
+                if res is not None and res.is_meta
+                else "was replaced since the residual was set (to_empty, .to() another device, a load with assign=True)"
+            )
+            raise InvalidArgumentError(
+                f"{what}: the error-feedback residual {where} {why}, so its memory is not known to hold a residual "
+                "(to_empty leaves it uninitialised); call torsh_kernels.parallel.fsdp.reset_residuals(model) to "
+                "start error feedback from zero, or load a checkpoint into the model (load_state_dict, "
+                "set_model_state_dict, torchtitan's CheckpointManager.load) to restore it"
+            )
+        if cur.numel() != acc.numel():
+            raise InvalidArgumentError(
+                f"{what}: the error-feedback residual {where} holds {cur.numel()} elements, the gradients "
+                f"{acc.numel()}; apply_quantized_comm again after changing the model's sharding"
+            )
+        return res
 
     def _check_residual(self, res: torch.Tensor, where: str) -> None:
         bad = int(res.numel() - torch.isfinite(res).sum())
@@ -436,7 +499,7 @@ class QuantizedReduceScatter(_Allocate, _Transport, _ReduceScatter):
         acc = x.float() if x.dtype != torch.float32 else x.clone()  # fp32, not FSDP2's buffer
         res = None
         if self.error_feedback:
-            res = self.residual
+            res = self._bound_residual(acc, what) if self._owner is not None else self.residual
             if res is None or res.numel() != acc.numel() or res.device != acc.device:
                 if res is not None:
                     warnings.warn(

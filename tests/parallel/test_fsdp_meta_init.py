@@ -141,3 +141,47 @@ def test_reset_residuals_takes_a_module():
     with pytest.raises(ArgumentTypeError):
         reset_residuals("model")
     assert reset_residuals(nn.Linear(2, 2)) == 0  # nothing installed: nothing to reset
+
+
+def _grouped_worker(comm) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    warnings.simplefilter("ignore", FutureWarning)
+    mesh = init_device_mesh("cpu", (comm.world_size,))
+
+    def prepared(quantized: bool):
+        model = _model()
+        fully_shard([model[0], model[2]], mesh=mesh)  # one parameter group for two modules (torchtitan's norm + output)
+        fully_shard(model[4], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, (apply_quantized_comm(model, weights="int8", grads="int8") if quantized else None)
+
+    plain, _ = prepared(False)
+    quant, installed = prepared(True)
+    opt_p = torch.optim.SGD(plain.parameters(), lr=0.05)
+    opt_q = torch.optim.SGD(quant.parameters(), lr=0.05)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(3):
+            _step(plain, opt_p, s, comm.rank)
+            _step(quant, opt_q, s, comm.rank)
+    fp, fq = _full(plain), _full(quant)
+    return {
+        "installed": [type(i.module).__name__ for i in installed],
+        "rs_calls": [i.reduce_scatter.calls for i in installed],
+        "ag_calls": [i.all_gather.calls for i in installed],
+        "residual_numel": [r.numel() for r in _residuals(quant)],
+        "warnings": [str(w.message) for w in caught if "residual" in str(w.message)],
+        "diff": ((fp - fq).abs().max() / fp.abs().max()).item(),
+    }
+
+
+def test_one_fully_shard_call_on_several_modules_gets_one_set_of_comms():
+    for out in run_local(_grouped_worker, 2, op_timeout=60):
+        assert out["installed"] == ["FSDPLinear", "FSDPLinear"]  # the group (layers 0 and 2), then layer 4
+        assert out["rs_calls"] == [3, 3] and all(c >= 3 for c in out["ag_calls"])
+        # the group's reduce-scatter input: both layers' parameters, dim 0 padded to 2 ranks (61 -> 62, 33 -> 34)
+        assert out["residual_numel"] == [62 * 24 + 62 + 34 * 61 + 34, 6 * 33 + 6]
+        assert out["warnings"] == []
+        assert out["diff"] < 0.06

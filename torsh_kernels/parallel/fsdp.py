@@ -107,15 +107,32 @@ def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
 
 
 def managed_parameters(fsdp_mod: nn.Module) -> list[torch.Tensor]:
-    """The parameters one FSDP module shards: those of its subtree not under a nested FSDP module."""
+    """The parameters one FSDP module shards: those of its subtree not under a nested FSDP module, each once (a tied
+    parameter, such as GPT-2's embedding and output weight, is one parameter to FSDP2 and one in its reduce-scatter)."""
     from torch.distributed.fsdp import FSDPModule
 
-    out, stack = [], [fsdp_mod]
+    out, seen, stack = [], set(), [fsdp_mod]
     while stack:
         m = stack.pop()
-        out += list(m.parameters(recurse=False))
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
         stack += [c for c in m.children() if not isinstance(c, FSDPModule)]
     return out
+
+
+def _groups(mods: list[nn.Module]) -> list[tuple[nn.Module, list[torch.Tensor]]]:
+    """The FSDP modules' parameter groups, each as (its first module, the parameters it shards), those with
+    parameters only. One ``fully_shard([a, b])`` call (torchtitan groups the final norm with the output layer so)
+    makes one group for several modules: one all-gather and one reduce-scatter over all their parameters, whose
+    comms are set through any of them (the last set wins), so they are installed once per group."""
+    groups: dict[int, tuple[nn.Module, list[torch.Tensor]]] = {}
+    for m in mods:
+        get_state = getattr(m, "_get_fsdp_state", None)  # private in torch 2.13: shared by one call's modules
+        key = id(get_state()) if get_state is not None else id(m)
+        groups.setdefault(key, (m, []))[1].extend(managed_parameters(m))
+    return [g for g in groups.values() if g[1]]
 
 
 def _shard_group_size(params: list[torch.Tensor]) -> int | None:
@@ -152,7 +169,9 @@ def _residual_buffer(fsdp_mod: nn.Module, params: list[torch.Tensor]) -> torch.T
 @dataclass(frozen=True, slots=True)
 class Installed:
     """What :func:`apply_quantized_comm` installed on one FSDP module: its all-gather, reduce-scatter and replica
-    all-reduce, each counting its own traffic (``installed.all_gather.bytes_sent``, ``.calls``)."""
+    all-reduce, each counting its own traffic (``installed.all_gather.bytes_sent``, ``.calls``). Where one
+    ``fully_shard`` call took several modules (one parameter group, one all-gather and one reduce-scatter for them
+    all), once, on the first of them (``module``), with the residual buffer sized for the whole group."""
 
     module: nn.Module
     all_gather: QuantizedAllGather | None
@@ -242,7 +261,7 @@ def _agree_install(mods, spec: QuantizedCommSpec, hsdp_grads, comm, timeout: flo
         # the transport the collectives take, not the class that carries them (a wrapper around the same
         # transport, e.g. a tracing or fault-injecting one on a single rank, issues the same collectives)
         ("transport", shard.backend if comm is None else str(getattr(comm, "backend", type(comm).__name__))),
-        ("FSDP modules", sum(1 for m in mods if managed_parameters(m))),
+        ("FSDP modules", len(_groups(mods))),
     ]
     agree_on(shard, "the quantized comms to install", specs=specs, tensors=params, count="parameters", extra=extra,
              what=what,
@@ -312,10 +331,7 @@ def apply_quantized_comm(
     changed = []
     steps = LiveSteps()  # the live metrics' record of this model's steps, shared by the comms installed here
     steps.label = ",".join(f"{k}={v}" for k in ("weights", "grads") if (v := getattr(spec, k)) is not None) or "none"
-    for m in mods:
-        params = managed_parameters(m)
-        if not params:
-            continue  # e.g. a root that only groups FSDP children: FSDP2 runs no collective for it
+    for m, params in _groups(mods):  # a root that only groups FSDP children has none: FSDP2 runs no collective
         changed.append(_install(m, params, spec, (comm, timeout), rep, hsdp_grads, check))
         for c in (changed[-1].all_gather, changed[-1].reduce_scatter):
             if c is not None:
@@ -441,9 +457,7 @@ def count_traffic(module: nn.Module, installed: Sequence[Installed] = ()) -> lis
     ag_cls, rs_cls = counting_default_comms()
     by_mod = {id(i.module): i for i in installed}
     comms = []
-    for m in _fsdp_modules(module):
-        if not managed_parameters(m):
-            continue
+    for m, _ in _groups(_fsdp_modules(module)):
         i = by_mod.get(id(m))
         ag = i.all_gather if i is not None and i.all_gather is not None else None
         rs = i.reduce_scatter if i is not None and i.reduce_scatter is not None else None

@@ -215,6 +215,58 @@ def test_fsdp2_training_with_quantized_comms(world_size, weights, grads, bound):
         assert len(out["residual_keys"]) == (3 if grads else 0)
 
 
+class _Tied(nn.Module):
+    """An embedding whose weight is also the output layer's (GPT-2, Llama with tied embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(37, 16)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 37, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mid(self.emb(idx))))
+
+
+def _tied_worker(comm) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (comm.world_size,))
+    model = _Tied()
+    fully_shard(model.mid, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root holds the tied weight once
+    installed = apply_quantized_comm(model, weights=None, grads="int8")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(comm.rank)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*residual.*")  # no fallback to a residual of its own
+        for _ in range(3):
+            idx = torch.randint(0, 37, (8, 5), generator=gen)
+            loss = nn.functional.cross_entropy(model(idx).reshape(-1, 37), idx.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    (root,) = [i for i in installed if i.module is model]
+    res = getattr(model, RESIDUAL)
+    return {"calls": [i.reduce_scatter.calls for i in installed], "losses": losses,
+            "residual_numel": res.to_local().numel(), "residual_is_the_buffer":
+            root.reduce_scatter.residual.data_ptr() == res.to_local().data_ptr()}  # fmt: skip
+
+
+def test_a_tied_parameter_is_counted_once_in_the_residual():
+    # GPT-2's wte.weight is lm_head.weight: the residual had room for it twice (13952 where the reduce-scatter input
+    # is 7808 on 2 ranks) and the reduce-scatter refused it, or before that kept a private residual no checkpoint held
+    for out in run_local(_tied_worker, 2, op_timeout=120):
+        assert out["calls"] == [3, 3]
+        assert out["residual_numel"] == 38 * 16  # the reduce-scatter input: the tied weight once, 37 rows padded to 38
+        assert out["residual_is_the_buffer"]
+
+
 def _resume_worker(comm, path, mixed, hsdp) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -194,13 +194,14 @@ def _check_training(out: dict) -> None:
     assert 0 < out["bytes_torsh"] < 0.6 * out["bytes_plain"], (out["bytes_torsh"], out["bytes_plain"])
 
 
+@pytest.mark.slow  # 2 spawned ranks, about 10 s
 def test_llama3_debug_model_trains_with_quantized_comms(tmp_path):
     for out in run_local(_torchtitan_worker, 2, str(tmp_path), False, op_timeout=120):
         assert out["repr"].startswith("quantized_parallelize(parallelize_llama")
         _check_training(out)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 2 spawned ranks, about 10 s
 def test_checkpoint_resume_through_torchtitans_checkpoint_manager(tmp_path):
     for out in run_local(_torchtitan_worker, 2, str(tmp_path), True, op_timeout=120):
         _check_training(out)

@@ -126,6 +126,7 @@ def _meta_worker(comm, path) -> dict:
     return out
 
 
+@pytest.mark.slow  # 2 spawned ranks
 def test_a_meta_built_model_needs_its_residuals_reset_or_loaded(tmp_path):
     for out in run_local(_meta_worker, 2, str(tmp_path / "ckpt"), op_timeout=60):
         assert "meta device" in out["reset_on_meta"]
@@ -177,6 +178,7 @@ def _grouped_worker(comm) -> dict:
     }
 
 
+@pytest.mark.slow  # 2 spawned ranks
 def test_one_fully_shard_call_on_several_modules_gets_one_set_of_comms():
     for out in run_local(_grouped_worker, 2, op_timeout=60):
         assert out["installed"] == ["FSDPLinear", "FSDPLinear"]  # the group (layers 0 and 2), then layer 4

@@ -43,6 +43,14 @@ process group's default is 30 minutes). A residual with NaN or Inf in a checkpoi
 :class:`~torsh_kernels.errors.NonFiniteError` on the rank that loads it: at ``load_state_dict`` (DCP's
 ``set_state_dict`` included), else (``dcp.load`` into the state dict alone) before its first send.
 
+Meta device: a model built on ``torch.device("meta")`` (torchtitan's trainer, ``fully_shard`` then ``to_empty``)
+gets its residual buffers on meta, and ``to_empty`` leaves them uninitialised. The reduce-scatter's residual is the
+module's buffer, checked at every call: until :func:`reset_residuals` zeroes the materialised buffers or a checkpoint
+is loaded into them (``load_state_dict``, ``set_model_state_dict``), a reduce-scatter raises
+:class:`~torsh_kernels.errors.InvalidArgumentError` before anything is sent, rather than using uninitialised memory
+or a residual of its own that the ``state_dict`` would not hold (``torsh_kernels.integrations.torchtitan`` resets
+them after torchtitan's ``init_weights``). The same holds for a buffer replaced otherwise (``.to()`` another device).
+
 Streams: on a GPU, FSDP2 calls the all-gather inside its all-gather stream and the reduce-scatter inside
 its reduce-scatter stream; the kernels here are launched on the current stream, so they order with the
 collectives and with FSDP2's own copies as its default collectives do. With ``async_op=True`` (FSDP2's
@@ -284,7 +292,9 @@ def apply_quantized_comm(
     ``module`` (after ``fully_shard``, before training). With gradient quantization and
     ``error_feedback``, each FSDP module gets a persistent buffer ``torsh_rs_residual`` (see
     :class:`QuantizedReduceScatter`), so load checkpoints into a model prepared the same way. Returns
-    what it installed per FSDP module that holds parameters (:class:`Installed`).
+    what it installed per FSDP module that holds parameters (:class:`Installed`; one per ``fully_shard`` call
+    that took several modules). On a model built on the meta device, call :func:`reset_residuals` after
+    ``to_empty`` (or load a checkpoint) before the first backward.
 
     HSDP with a compressed replica all-reduce: shard the model over the shard dimension only
     (``fully_shard(m, mesh=mesh["shard"])`` of a 2-D mesh) and pass ``hsdp_grads``, a torsh compressor

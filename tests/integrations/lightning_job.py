@@ -117,6 +117,11 @@ def ddp(out: str) -> None:
             "afresh_vs_full": float((gpt2.flat_params(m3) - full).abs().max()),
             "resumed_losses": m2.losses, "full_losses": m.losses[EPOCH_STEPS:],
         }  # fmt: skip
+    # ModelCheckpoint keeping only the latest: each rotated checkpoint takes its per-rank states with it
+    d = os.path.join(out, "ckpt-rotated")
+    run(CompressedDDPStrategy("int8"), steps, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=d, every_n_train_steps=EPOCH_STEPS, save_top_k=1)])  # fmt: skip
+    ck["rotated"] = sorted(os.listdir(d))
     # a checkpoint written without torsh: resuming through the strategy is a typed error, not a silent restart
     d = os.path.join(out, "ckpt-plain")
     run(DDPStrategy(), EPOCH_STEPS, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=d)])

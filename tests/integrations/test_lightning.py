@@ -63,6 +63,8 @@ def test_a_resume_through_lightnings_checkpoint_restores_the_hook_state(ddp):
             check_resume(r, c)
             assert "epoch=0-step=5.ckpt.torsh" in r["files"]
             assert r["saved_iteration"] == 5 and r["resumed_iterations"] == 15
+        # ModelCheckpoint(save_top_k=1) removed the older checkpoints and, on every rank, their states
+        assert rank["rotated"] == ["epoch=2-step=15.ckpt", "epoch=2-step=15.ckpt.torsh"], rank["rotated"]
         # a checkpoint Lightning wrote without torsh: resuming through the strategy names the missing state
         assert rank["plain"].startswith("FileAccessError") and "restore=False" in rank["plain"], rank["plain"]
 

@@ -13,10 +13,11 @@ import torsh_kernels
 
 PACKAGE = Path(torsh_kernels.__file__).parent
 # floor of each part of the package; the neutral modules sit under every layer
-# (config maps settings from elsewhere onto parallel's and compression's objects: above them, below profiling)
+# (config maps settings from elsewhere onto parallel's and compression's objects: above them, below profiling;
+# integrations glues parallel's hooks and FSDP2 comms into Lightning, Accelerate, the Trainer, torchtitan: the same)
 LAYERS = {"recording": 0, "live": 0, "errors": 0, "checks": 0, "specs": 0, "env": 0, "version": 0, "cli_common": 0,
           "files": 0, "ops": 1, "collectives": 2, "compression": 3,
-          "parallel": 4, "config": 4.5, "profiling": 5, "apps": 6}  # fmt: skip
+          "parallel": 4, "config": 4.5, "integrations": 4.5, "profiling": 5, "apps": 6}  # fmt: skip
 
 
 def _part(module: str) -> str | None:

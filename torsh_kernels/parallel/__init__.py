@@ -3,8 +3,8 @@
 (:class:`GradientSynchronizer`), mixture-of-experts layers on one process and expert-parallel
 (:class:`MoELayer`, :class:`ExpertParallelMoE`, DeepSeek-V3's aux-loss-free :class:`BiasBalancer`), offload,
 and FSDP2 with quantized communication
-(:func:`apply_quantized_comm`, :mod:`torsh_kernels.parallel.fsdp`, imported on first use: importing FSDP2
-takes about a second)."""
+(:func:`apply_quantized_comm`, :func:`reset_residuals` for a model built on the meta device,
+:mod:`torsh_kernels.parallel.fsdp`, imported on first use: importing FSDP2 takes about a second)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,10 @@ __all__ = [
     "SyncStats",
     "apply_quantized_comm",
     "compression_hook",
+    "reset_residuals",
 ]
 
-_FSDP = {"QuantizedAllGather", "QuantizedReduceScatter", "apply_quantized_comm"}
+_FSDP = {"QuantizedAllGather", "QuantizedReduceScatter", "apply_quantized_comm", "reset_residuals"}
 
 
 def __getattr__(name: str):

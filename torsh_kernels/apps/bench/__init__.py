@@ -48,7 +48,15 @@ class Result:
     ratio_to_copy: float = 0.0
     """gbps divided by the copy baseline's GB/s in the same run."""
     speedup_vs_best_peer: float | None = None
-    """Best peer's median time divided by this one's (ours only)."""
+    """Best peer's median time divided by this one's (ours only): the best of ``peers`` where the row names
+    them, else of every peer of its op."""
+    peers: list[str] | None = None
+    """Ours only: the impls of the peers this row is compared with like for like (the same algorithm, e.g.
+    an approximate top-k against a sampled-threshold top-k in plain torch); None: every peer of its op."""
+    best_peer: str | None = None
+    """Ours only: the impl of the peer ``speedup_vs_best_peer`` is over."""
+    speedups: dict[str, float] = field(default_factory=dict)
+    """Ours only: each peer of its op (like for like or not) -> that peer's median time over this one's."""
     extra: dict = field(default_factory=dict)
     """Anything else worth recording."""
 
@@ -62,9 +70,12 @@ def finish(results: list[Result]) -> None:
         c = copies.get(r.case)
         r.ratio_to_copy = r.gbps / c.gbps if c else float("nan")
         if r.kind == "ours":
-            peers = [p.timing.median_ms for p in results if p.kind == "peer" and (p.case, p.op) == (r.case, r.op)]
-            if peers:
-                r.speedup_vs_best_peer = min(peers) / r.timing.median_ms
+            peers = [p for p in results if p.kind == "peer" and (p.case, p.op) == (r.case, r.op)]
+            r.speedups = {p.impl: p.timing.median_ms / r.timing.median_ms for p in peers}
+            like = [p for p in peers if r.peers is None or p.impl in r.peers]
+            if like:
+                best = min(like, key=lambda p: p.timing.median_ms)
+                r.speedup_vs_best_peer, r.best_peer = r.speedups[best.impl], best.impl
 
 
 class Case:
@@ -76,13 +87,22 @@ class Case:
         self.results: list[Result] = []
         self.fns: list[Callable[[], object]] = []
 
-    def add(self, op: str, impl: str, kind: str, fn: Callable[[], object], moved: int, **extra) -> None:
+    def add(self, op: str, impl: str, kind: str, fn: Callable[[], object], moved: int,
+            peers: list[str] | None = None, **extra) -> None:  # fmt: skip
+        """``peers`` (ours only): the impls of this op's peers the row is compared with like for like (each
+        added to the case before :meth:`time`); default: every peer of the op."""
+        if peers is not None and kind != "ours":
+            raise ValueError(f"{impl!r}: only a row of ours names the peers it is compared with")
         self.fns.append(fn)
         t0 = Timing(median_ms=0.0, p20_ms=0.0, p80_ms=0.0, reps=0)
         self.results.append(Result(case=self.title, op=op, impl=impl, kind=kind, bytes_moved=moved, timing=t0,
-                                   extra=extra))  # fmt: skip
+                                   peers=list(peers) if peers is not None else None, extra=extra))  # fmt: skip
 
     def time(self, reps: int) -> list[Result]:
+        for r in self.results:
+            have = {p.impl for p in self.results if p.kind == "peer" and p.op == r.op}
+            if r.peers is not None and (missing := [p for p in r.peers if p not in have]):
+                raise ValueError(f"{r.op} / {r.impl}: no peer {', '.join(map(repr, missing))} in this op")
         for op in dict.fromkeys(r.op for r in self.results if r.kind != "copy"):
             idx = [0] + [i for i, r in enumerate(self.results) if r.op == op]
             for i, t in zip(idx, time_interleaved([self.fns[i] for i in idx], self.device, reps=reps)):
@@ -98,8 +118,12 @@ def print_tables(results: list[Result], title: str, env: dict) -> None:
     console.print(f"[bold]{title}[/bold] on {env['device']}  (torch {env['versions']['torch']})")
     for case in dict.fromkeys(r.case for r in results):
         notes = any(r.extra.get("note") for r in results if r.case == case)
+        # which peer each ratio is over, where a row names its like-for-like peers or its op has several
+        named = any(r.peers is not None or len(r.speedups) > 1 for r in results if r.case == case)
         cols = ["op", "implementation", "median", "p20-p80", "GB/s", "of copy", "vs best peer"]
-        table = cli_common.table(case, cols + (["notes"] if notes else []), text=("op", "implementation", "notes"))
+        cols += ["over (like for like)"] if named else []
+        table = cli_common.table(case, cols + (["notes"] if notes else []),
+                                 text=("op", "implementation", "over (like for like)", "notes"))  # fmt: skip
         last_op = None
         for r in (r for r in results if r.case == case):
             if last_op is not None and r.op != last_op:
@@ -110,6 +134,8 @@ def print_tables(results: list[Result], title: str, env: dict) -> None:
             style = "bold" if r.kind == "ours" else ("dim" if r.kind == "copy" else None)
             cells = [r.op, r.impl, f"{t.median_ms:.3f} ms", f"{t.p20_ms:.3f}-{t.p80_ms:.3f}", f"{r.gbps:.1f}",
                      f"{100 * r.ratio_to_copy:.0f}%", speed]  # fmt: skip
+            if named:
+                cells.append(r.best_peer or "")
             if notes:
                 cells.append(r.extra.get("note", ""))
             table.add_row(*cells, style=style)

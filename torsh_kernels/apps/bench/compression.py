@@ -4,8 +4,18 @@ Cases: one fp32 gradient buffer of 25 MiB and one of 100 MiB (``--sizes``), plus
 P matrices (64 x [2048, r], r = 1, 2, 4, 8, 16) for the orthogonalisation. Peers, measured in the same run:
 
   fp16 / bf16:     x.to(dtype) (PyTorch's fp16_compress_hook) and out.copy_(payload);
-  top-k 1%:        torch.topk(|x + r|) + gather + residual update, as DGC/GRACE implement it in torch
-                   (and plain torch.topk(|x|) without error feedback); decompress: zero_ + index_put_;
+  top-k 1%:        two peers, with error feedback (x + r, then the residual update) and without:
+                   - the same algorithm as torsh's approximate mode, DGC-style, in plain torch
+                     (:class:`DgcTopk`: the threshold from a strided sample's top-k, the candidates
+                     |x + r| >= threshold, the exact top-k among them; the sample, the target rank, the
+                     band [k, k + ceil(0.25 k)], the re-aim and the 4 rounds before the exact fallback
+                     are torsh's own, read from ops/topk/api.py); the approximate rows' speedup is over
+                     this peer;
+                   - the exact top-k, torch.topk(|x + r|, k, sorted=False) + gather + residual update, as
+                     GRACE's TopKCompressor runs it (and plain torch.topk(|x|) without error feedback): the
+                     exact rows' speedup is over this one; the approximate rows list it too, as a different
+                     algorithm. Both peers are checked against the exact top-k before they are timed;
+                   decompress: zero_ + index_put_;
   int8 / int4:     a torch-ops blockwise absmax quantizer (amax, divide, round, clamp, cast; nibble
                    packing for int4; torch.rand_like noise for stochastic rounding) and its dequantizer;
   sign (1-bit):    torch ops: x + r, mean |.|, sign bits packed 8 per byte, residual update; on CUDA with
@@ -15,7 +25,12 @@ P matrices (64 x [2048, r], r = 1, 2, 4, 8, 16) for the orthogonalisation. Peers
   orthogonalize:   PyTorch's PowerSGD hook's _orthogonalize as the hook runs it (in place: its Gram-Schmidt
                    loop for rank <= 2, torch.linalg.qr(out=(P, R)) above), torch.linalg.qr alone (batched,
                    a new Q) and the Gram-Schmidt loop; torsh's default provider is timed beside them (row
-                   "torsh default") with its time over the hook's and over linalg.qr's in the note.
+                   "torsh default"), its note giving the speedup (peer's time / ours: above 1 is faster)
+                   over the hook and over linalg.qr as the best of 5 interleaved rounds of 5 calls.
+
+Each row of ours records in the JSON the peers it is compared with like for like (``peers``; every peer
+of its op when absent), the one its ``speedup_vs_best_peer`` is over (``best_peer``) and its speedup over
+each peer of its op (``speedups``: that peer's median time / ours).
 
 Each row reports the median time, GB/s of the bytes the operation must move at least (read + write)
 and that as a fraction of the same device's measured copy bandwidth; notes give the compression ratio
@@ -41,6 +56,8 @@ from ...ops import (
     topk_count,
     topk_decompress,
 )
+from ...ops.topk import TOPK_REFINE, TOPK_SLACK
+from ...ops.topk.api import _TOPK_TARGET, _sample_stride
 from . import (
     Case,
     Result,
@@ -73,6 +90,98 @@ def peer_topk_ef(x, r, k):
     r.copy_(acc)
     r[idx] = 0
     return vals, idx
+
+
+class DgcTopk:
+    """Torsh's approximate top-k written in plain torch, DGC-style (Deep Gradient Compression, Lin et al.
+    2018; GRACE's DgcCompressor): the threshold is the smallest of the top ``target`` of a sample of
+    |x + r|, the candidates are the elements at or above it, and the k largest candidates are kept.
+
+    Matched to ``torsh_kernels.topk_compress(exact=False)`` (ops/topk/api.py, read from there, not
+    copied): the sample is the strided |x + r|[::stride] with torsh's ``_sample_stride(n, k)`` (at least
+    TOPK_MIN_SAMPLE elements, about TOPK_SAMPLE_PER_K expected top-k hits: 102,400 of 6.5M elements at
+    25 MiB, 1.6%; of 26M at 100 MiB, 0.4%), the target rank 1.125 k * sample / n, the band [k, k +
+    ceil(TOPK_SLACK k)], the re-aim from the observed count, at most TOPK_REFINE rounds, then the exact
+    ``torch.topk`` over all n; stride 1 (the sample would hold every element) takes the exact path at once,
+    as torsh does. What differs is only how each step runs: torch materialises x + r and |x + r| and
+    compacts the candidates with ``nonzero`` (the indices come out in candidate order, not sorted, as
+    DGC's do); torsh fuses the sum, the comparison and the compaction into one pass and returns the
+    indices ascending. Inside the band every true top-k element is a candidate, so the result is the
+    exact top-k up to ties at the threshold. ``calls``, ``rounds`` and ``fallbacks`` count what it ran.
+    """
+
+    def __init__(self, n: int, k: int) -> None:
+        self.k = k
+        self.stride = _sample_stride(n, k)
+        self.cap = min(n, k + math.ceil(TOPK_SLACK * k))
+        self.ns = -(-n // self.stride)
+        self.target = _TOPK_TARGET * k * self.ns / n
+        self.calls = self.rounds = self.fallbacks = 0
+
+    def select(self, acc: torch.Tensor) -> torch.Tensor:
+        """The indices of the k largest |acc| (int64, in no particular order)."""
+        k, ns = self.k, self.ns
+        self.calls += 1
+        mag = acc.abs()
+        if self.stride > 1:
+            sample = mag[:: self.stride]
+            target = self.target
+            for _ in range(TOPK_REFINE):
+                self.rounds += 1
+                thr = torch.topk(sample, math.ceil(target), sorted=False).values.min()
+                cand = torch.nonzero(mag >= thr).view(-1)
+                count = cand.numel()
+                if k <= count <= self.cap:
+                    return cand[torch.topk(mag[cand], k, sorted=False).indices]
+                new = target * (_TOPK_TARGET * k) / max(count, 1)  # torsh's re-aim
+                if math.ceil(new) == math.ceil(target):
+                    new = target + (1 if count < k else -1)
+                if new < 1 or new > ns:
+                    break
+                target = new
+            self.fallbacks += 1
+        return torch.topk(mag, k, sorted=False).indices
+
+    def __call__(self, x: torch.Tensor, r: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values, indices)`` of the top-k of ``x + r``; with ``r``, the residual update (r = x + r, zero
+        where sent), as :func:`peer_topk_ef` does it."""
+        acc = x + r if r is not None else x
+        idx = self.select(acc)
+        vals = acc[idx]
+        if r is not None:
+            r.copy_(acc)
+            r[idx] = 0
+        return vals, idx
+
+    def stats(self) -> str:
+        return f"peer's rounds per call {self.rounds / max(self.calls, 1):.2f}, exact fallbacks {self.fallbacks}"
+
+
+def check_topk_peer(peer, x: torch.Tensor, k: int, with_residual: bool) -> float:
+    """Run ``peer`` once on x (and a random residual) and check it against the exact top-k: the same
+    magnitudes (so the same set up to ties), the values x + r at its indices and the residual x + r with
+    zeros where sent. Returns the recall of the exact top-k's index set; raises AssertionError when the
+    peer is wrong (a wrong peer is not timed)."""
+    g = torch.Generator().manual_seed(7)
+    r0 = (0.5 * torch.randn(x.numel(), generator=g)).to(x.device) if with_residual else None
+    acc = x + r0 if r0 is not None else x
+    r = r0.clone() if r0 is not None else None
+    vals, idx = peer(x, r) if r is not None else peer(x)
+    want = torch.topk(acc.abs(), k, sorted=False)
+    if idx.numel() != k or idx.unique().numel() != k:
+        raise AssertionError(f"top-k peer: {idx.unique().numel()} distinct indices, expected {k}")
+    if not torch.equal(acc.abs()[idx].sort().values, want.values.sort().values):
+        raise AssertionError("top-k peer: its selection is not the exact top-k (magnitudes differ); not timing it")
+    if not torch.equal(vals, acc[idx]):
+        raise AssertionError("top-k peer: values are not x + r at its indices")
+    if r is not None:
+        expect = acc.clone()
+        expect[idx] = 0
+        if not torch.equal(r, expect):
+            raise AssertionError("top-k peer: the residual is not x + r with zeros where sent")
+    hit = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
+    hit[want.indices] = True
+    return hit[idx].sum().item() / k
 
 
 def peer_quantize(x, bits, stochastic=False):
@@ -189,14 +298,30 @@ def run_buffer(mib: float, device: torch.device, providers: list[str], reps: int
     case.add("copy", "dst.copy_(src)", "copy", lambda: dst.copy_(src), 2 * nbytes)
     out = torch.empty(n, device=device)
     _add_casts(case, x, out, n, nbytes, providers)
-    _add_topk(case, x, out, n, nbytes, providers, device)
+    dgc = _add_topk(case, x, out, n, nbytes, providers, device)
     _add_quantize(case, x, out, n, nbytes, providers)
     _add_signs(case, x, out, n, nbytes, providers, device)
     _add_powersgd(case, x, out, n, nbytes, providers, psgd_rank)
     res = case.time(reps)
     for r in res:
         r.extra.setdefault("elements", n)
+    for op, peer in dgc:  # what the DGC-style peer ran while timed (in band at once: 1 round, no fallback)
+        for r in res:
+            if r.op == op and r.kind == "peer" and r.impl.startswith("DGC-style"):
+                r.extra.update(calls=peer.calls, rounds=peer.rounds, fallbacks=peer.fallbacks, note=peer.stats())
+    _note_other_peers(res)
     return res
+
+
+def _note_other_peers(results: list[Result]) -> None:
+    """A row compared like for like with named peers: its speedup over the op's other peers in its note,
+    marked as a different algorithm."""
+    for r in results:
+        if r.peers is None:
+            continue
+        other = [f"{s:.2f}x over {p} (different algorithm)" for p, s in r.speedups.items() if p not in r.peers]
+        if other:
+            r.extra["note"] = "; ".join([r.extra["note"], *other]) if r.extra.get("note") else "; ".join(other)
 
 
 def _add_casts(case: Case, x: torch.Tensor, out: torch.Tensor, n: int, nbytes: int, providers: list[str]) -> None:
@@ -209,40 +334,71 @@ def _add_casts(case: Case, x: torch.Tensor, out: torch.Tensor, n: int, nbytes: i
             got, pl = cz.roundtrip(c, x, st, out)
             note = f"ratio 2.0x, rel err {_rel_err(got, x):.1e}"
             case.add(f"{name} compress", f"torsh[{p}]", "ours", lambda c=c, st=st: c.compress(x, st), moved, note=note)
-        case.add(f"{name} compress", "x.to(dtype)", "peer", lambda dt=dt: x.to(dt), moved)
+        case.add(f"{name} compress", f"x.to({dt}) (fp16/bf16_compress_hook's cast)", "peer", lambda dt=dt: x.to(dt),
+                 moved)  # fmt: skip
         payload = x.to(dt)
         for p in providers:
             c = comp(provider=p)
             pl = cz.Payload({"data": payload}, n)
             case.add(f"{name} decompress", f"torsh[{p}]", "ours", lambda c=c, pl=pl: c.decompress(pl, None, out), moved)
-        case.add(f"{name} decompress", "out.copy_(payload)", "peer", lambda pl=payload: out.copy_(pl), moved)
+        case.add(f"{name} decompress", f"out.copy_({name} payload) (the hooks' decompress)", "peer",
+                 lambda pl=payload: out.copy_(pl), moved)  # fmt: skip
+
+
+# The top-k peers' labels: each names the peer and its setting.
+TOPK_EXACT_EF = "torch.topk(|x+r|, k, sorted=False) exact + gather + residual"
+TOPK_EXACT = "torch.topk(|x|, k, sorted=False) exact + gather"
+
+
+def _dgc_label(peer: DgcTopk, n: int, ef: bool) -> str:
+    what = "|x+r|" if ef else "|x|"
+    if peer.stride == 1:
+        return f"DGC-style sampled threshold in plain torch: sample = all n, so exact torch.topk({what}) as torsh"
+    return (f"DGC-style sampled threshold in plain torch: {what}[::{peer.stride}] sample "
+            f"({100 * peer.ns / n:.2g}%), band [k, 1.25k], torsh's re-aim{' + residual' if ef else ''}")  # fmt: skip
 
 
 def _add_topk(
     case: Case, x: torch.Tensor, out: torch.Tensor, n: int, nbytes: int, providers: list[str], device: torch.device
-) -> None:
-    """Top-k 1%, with and without error feedback, and its decompression."""
+) -> list[tuple[str, DgcTopk]]:
+    """Top-k 1%, with and without error feedback, and its decompression. The approximate rows are compared
+    with the DGC-style peer (the same algorithm in plain torch), the exact rows with torch.topk; both peers
+    are checked against the exact top-k first. Returns the DGC peers (op, peer) for their counts."""
     k = topk_count(n, RATIO)
     idx_bytes = 4
     ef_moved = 3 * nbytes + k * (4 + idx_bytes)  # read x and r, write r, write the payload
     plain_moved = nbytes + k * (4 + idx_bytes)
     ratio_note = f"ratio {nbytes / (k * 8):.0f}x"
+    dgc_ef, dgc = DgcTopk(n, k), DgcTopk(n, k)
+    dgc_ef_label, dgc_label = _dgc_label(dgc_ef, n, True), _dgc_label(dgc, n, False)
+    recall = {
+        "dgc_ef": check_topk_peer(dgc_ef, x, k, True),
+        "dgc": check_topk_peer(dgc, x, k, False),
+        "exact_ef": check_topk_peer(lambda x, r: peer_topk_ef(x, r, k), x, k, True),
+    }
+    dgc_ef.calls = dgc_ef.rounds = dgc_ef.fallbacks = dgc.calls = dgc.rounds = dgc.fallbacks = 0  # count the timed
+    op = "top-k 1% + error feedback"
     for p in providers:
         for exact in (False, True):
             r = torch.zeros(n, device=device)
             v, i = topk_compress(x, ratio=RATIO, residual=r, exact=exact, provider=p)
             note = f"{ratio_note}, rel err {_rel_err(topk_decompress(v, i, n), x):.2f}"
-            case.add("top-k 1% + error feedback", f"torsh[{p}]{' exact' if exact else ' approx'}", "ours",
+            if not exact:
+                note += f"; DGC-style peer's recall of the exact top-k {recall['dgc_ef']:.4f}"
+            case.add(op, f"torsh[{p}]{' exact' if exact else ' approx'}", "ours",
                      lambda r=r, p=p, exact=exact: topk_compress(x, ratio=RATIO, residual=r, exact=exact, provider=p),
-                     ef_moved, note=note)  # fmt: skip
+                     ef_moved, peers=[TOPK_EXACT_EF if exact else dgc_ef_label], note=note)  # fmt: skip
+    r_dgc = torch.zeros(n, device=device)
+    case.add(op, dgc_ef_label, "peer", lambda: dgc_ef(x, r_dgc), ef_moved)
     r_peer = torch.zeros(n, device=device)
-    case.add("top-k 1% + error feedback", "torch.topk + gather + residual", "peer",
-             lambda: peer_topk_ef(x, r_peer, k), ef_moved)  # fmt: skip
+    case.add(op, TOPK_EXACT_EF, "peer", lambda: peer_topk_ef(x, r_peer, k), ef_moved)
+    op = "top-k 1%"
     for p in providers:
-        case.add("top-k 1%", f"torsh[{p}] approx", "ours", lambda p=p: topk_compress(x, ratio=RATIO, provider=p),
-                 plain_moved, note=ratio_note)  # fmt: skip
-    case.add("top-k 1%", "torch.topk(|x|) + gather", "peer",
-             lambda: x[torch.topk(x.abs(), k, sorted=False).indices], plain_moved)  # fmt: skip
+        case.add(op, f"torsh[{p}] approx", "ours", lambda p=p: topk_compress(x, ratio=RATIO, provider=p),
+                 plain_moved, peers=[dgc_label],
+                 note=f"{ratio_note}; DGC-style peer's recall of the exact top-k {recall['dgc']:.4f}")  # fmt: skip
+    case.add(op, dgc_label, "peer", lambda: dgc(x), plain_moved)
+    case.add(op, TOPK_EXACT, "peer", lambda: x[torch.topk(x.abs(), k, sorted=False).indices], plain_moved)
     v, i = topk_compress(x, ratio=RATIO)
     dec_moved = nbytes + k * 8
     for p in providers:
@@ -254,7 +410,9 @@ def _add_topk(
         out.zero_()
         out.index_put_((il,), v)
 
-    case.add("top-k decompress", "zero_ + index_put_", "peer", peer_topk_dec, dec_moved)
+    case.add("top-k decompress", "out.zero_() + out.index_put_((idx,), values), accumulate=False", "peer",
+             peer_topk_dec, dec_moved)  # fmt: skip
+    return [("top-k 1% + error feedback", dgc_ef), ("top-k 1%", dgc)]
 
 
 def _add_quantize(case: Case, x: torch.Tensor, out: torch.Tensor, n: int, nbytes: int, providers: list[str]) -> None:
@@ -271,7 +429,9 @@ def _add_quantize(case: Case, x: torch.Tensor, out: torch.Tensor, n: int, nbytes
                      lambda p=p, bits=bits, st=stochastic: quantize(x, bits=bits, block=BLOCK, stochastic=st,
                                                                     seed=3, provider=p),
                      moved, note=note)  # fmt: skip
-        case.add(label, "torch ops (amax, div, round, clamp, cast)", "peer",
+        how = "floor(y + rand_like)" if stochastic else "round half even"
+        pack = ", nibble packing" if bits == 4 else ""
+        case.add(label, f"torch ops, block {BLOCK}: amax, div, {how}, clamp, cast{pack}", "peer",
                  lambda bits=bits, st=stochastic: peer_quantize(x, bits, st), moved)  # fmt: skip
         if stochastic:
             continue
@@ -283,7 +443,8 @@ def _add_quantize(case: Case, x: torch.Tensor, out: torch.Tensor, n: int, nbytes
             case.add(f"int{bits} dequantize", f"torsh[{p}]", "ours",
                      lambda p=p, q=q, s=s: dequantize(q, s, block=BLOCK, numel=n, out=out, provider=p),
                      moved)  # fmt: skip
-        case.add(f"int{bits} dequantize", "torch ops (mul by block scale)", "peer",
+        case.add(f"int{bits} dequantize", f"torch ops, block {BLOCK}: codes{' unpacked' if bits == 4 else ''} x scale",
+                 "peer",
                  lambda qp=qp, sp=sp, bits=bits: peer_dequantize(qp, sp, bits), moved)  # fmt: skip
 
 
@@ -299,17 +460,19 @@ def _add_signs(
         case.add("sign + error feedback", f"torsh[{p}]", "ours",
                  lambda r=r, p=p: sign_compress(x, r, provider=p), moved, note=note)  # fmt: skip
     r_peer2 = torch.zeros(n, device=device)
-    case.add("sign + error feedback", "torch ops (mean |.|, packbits)", "peer", lambda: peer_sign(x, r_peer2), moved)
+    case.add("sign + error feedback", "torch ops: x + r, scale mean |.|, 8 signs/byte (mul + sum), residual", "peer",
+             lambda: peer_sign(x, r_peer2), moved)  # fmt: skip
     cupy_sign = _cupy_sign_peer(device)
     if cupy_sign is not None:
         r_peer3 = torch.zeros(n, device=device)
-        case.add("sign + error feedback", "torch ops + cupy.packbits (DeepSpeed 1-bit)", "peer",
+        case.add("sign + error feedback", "torch ops + cupy.packbits, scale ||.|| / sqrt(n) (DeepSpeed 1-bit)", "peer",
                  lambda: cupy_sign(x, r_peer3), moved)  # fmt: skip
     b, s = sign_compress(x)
     for p in providers:
         case.add("sign decompress", f"torsh[{p}]", "ours",
                  lambda p=p: sign_decompress(b, s, n, out=out, provider=p), nbytes + n // 8)  # fmt: skip
-    case.add("sign decompress", "torch ops (unpack bits)", "peer", lambda: peer_sign_decompress(b, s, n),
+    case.add("sign decompress", "torch ops: unpack bits (shift, and), (2 bit - 1) x scale", "peer",
+             lambda: peer_sign_decompress(b, s, n),
              nbytes + n // 8)  # fmt: skip
 
 
@@ -328,8 +491,13 @@ def _add_powersgd(
         case.add(f"PowerSGD rank {psgd_rank} step", f"torsh[{p}]", "ours",
                  lambda c=c, st=st: cz.roundtrip(c, x, st, out), moved, note=note)  # fmt: skip
     peer = PeerPowerSGD(x, psgd_rank)
-    case.add(f"PowerSGD rank {psgd_rank} step", "powerSGD_hook arithmetic (its _orthogonalize)", "peer",
+    case.add(f"PowerSGD rank {psgd_rank} step",
+             f"powerSGD_hook arithmetic, rank {psgd_rank}, one {rows}x{cols} matrix, its _orthogonalize", "peer",
              lambda: peer.step(x, out), moved)  # fmt: skip
+
+
+QR_LABEL = "torch.linalg.qr(P) batched, mode='reduced' (its default), a new Q"
+HOOK_LABEL = "PowerSGD hook _orthogonalize(P, 0), in place: Gram-Schmidt loop r <= 2, linalg.qr(out=(P, R)) above"
 
 
 def run_orthogonalize(device: torch.device, providers: list[str], reps: int, batch: int, rows: int) -> list[Result]:
@@ -353,24 +521,26 @@ def run_orthogonalize(device: torch.device, providers: list[str], reps: int, bat
             if p is None:  # over the peer as PowerSGD's hook runs it (in place), and over linalg.qr alone
                 hook = lambda w=work: _torch_orthogonalize(w)
                 note += (
-                    f"; {_ratio(fn, hook, device):.3g}x the PowerSGD hook's _orthogonalize's time, "
-                    f"{_ratio(fn, qr, device):.3g}x batched linalg.qr's (which writes a new Q; best of 5 "
-                    "interleaved)"
+                    f"; speedup (peer's time / ours, best of 5 interleaved rounds of 5 calls): "
+                    f"{_speedup(fn, hook, device):.3g}x over the PowerSGD hook's _orthogonalize, "
+                    f"{_speedup(fn, qr, device):.3g}x over batched torch.linalg.qr (which writes a new Q)"
                 )
             case.add("orthogonalize", "torsh default" if p is None else f"torsh[{p}]", "ours", fn, 2 * nbytes,
                      note=note)  # fmt: skip
-        case.add("orthogonalize", "torch.linalg.qr (batched)", "peer", qr, 2 * nbytes)
+        case.add("orthogonalize", QR_LABEL, "peer", qr, 2 * nbytes)
         # what PyTorch's PowerSGD hook runs, in place: Gram-Schmidt for rank <= 2, linalg.qr(out=(P, R)) above
-        case.add("orthogonalize", "PowerSGD hook _orthogonalize (its default)", "peer",
+        case.add("orthogonalize", HOOK_LABEL, "peer",
                  lambda w=work: _torch_orthogonalize(w), 2 * nbytes)  # fmt: skip
-        case.add("orthogonalize", "PowerSGD hook Gram-Schmidt loop (batched)", "peer",
+        case.add("orthogonalize", "PowerSGD hook _orthogonalize_gram_schmidt(P, 0): its loop over columns, batched",
+                 "peer",
                  lambda w=work: _torch_gram_schmidt(w), 2 * nbytes)  # fmt: skip
         results += case.time(reps)
     return results
 
 
-def _ratio(ours, peer, device: torch.device, rounds: int = 5, calls: int = 5) -> float:
-    """ours' time over peer's: the best of ``rounds`` interleaved rounds of ``calls`` calls each."""
+def _speedup(ours, peer, device: torch.device, rounds: int = 5, calls: int = 5) -> float:
+    """The speedup of ours over peer, peer's time / ours (above 1: ours is faster), each time the best of
+    ``rounds`` interleaved rounds of ``calls`` calls."""
     import time
 
     best = [math.inf, math.inf]
@@ -384,7 +554,7 @@ def _ratio(ours, peer, device: torch.device, rounds: int = 5, calls: int = 5) ->
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best[i] = min(best[i], time.perf_counter() - t0)
-    return best[0] / best[1]
+    return best[1] / best[0]
 
 
 def _mib_list(text: str) -> list[float]:
@@ -427,6 +597,7 @@ def run(args: argparse.Namespace) -> int:
     results += run_orthogonalize(device, providers, reps, args.ortho_batch, args.ortho_rows)
     print_tables(results, "torsh bench compression", env)
     config = {"providers": providers, "reps": reps, "sizes_mib": sizes, "ratio": RATIO, "block": BLOCK,
-              "powersgd_rank": args.rank, "ortho_batch": args.ortho_batch, "ortho_rows": args.ortho_rows}  # fmt: skip
+              "powersgd_rank": args.rank, "ortho_batch": args.ortho_batch, "ortho_rows": args.ortho_rows,
+              "torch_threads": torch.get_num_threads()}  # fmt: skip
     emit(args, result_doc("compression", env, results, config))
     return 0

@@ -1,19 +1,26 @@
 """DDP step time with gradient compression: PyTorch's own hooks against torsh's ``compression_hook``.
 
 One model (an MLP: ``--in-dim`` -> ``--layers`` hidden layers of ``--width`` -> 10; by default
-64-2048-2048-2048-10, 8.5 M parameters, 34 MB of fp32 gradients), the same batches, one run, every case
+64-2048-2048-2048-10: 8.5M parameters, 34.2 MB of fp32 gradients), the same batches, one run, every case
 in turn on the same ranks:
 
 - ``no hook``: DDP's own bucketed all-reduce (25 MB buckets);
 - ``torch fp16_compress_hook``;
 - ``torch powerSGD_hook`` at ``--rank`` with one bucket (``bucket_cap_mb`` above the model size): on gloo
   it fails with several buckets, which the last case shows;
-- ``torsh auto``: ``compressor="auto"`` choosing among the other compressors of the run at the end of the warm-up
-  (reported with its choice, its reason, and its step time over the best case it could have chosen, no
-  hook or one of ours, measured in the same run);
+- ``torsh auto``: ``compressor="auto"`` choosing among the other compressors of the run at the end of the warm-up,
+  judged by its own steps against the best fixed case of the same run (no hook or one of ours): its steady step,
+  the whole run with its warm-up and decision, and a run of ``AUTO_HORIZON`` steps; with its decision's seconds;
 - ``torsh <compressor>`` for every compressor, through ``compression_hook`` with DDP's default 25 MB
-  buckets (PowerSGD at the same rank and start iteration as PyTorch's);
+  buckets (PowerSGD at the same rank and start iteration as PyTorch's), and ``torsh powersgd-1bucket``, ours
+  with one bucket as PyTorch's (the like-for-like PowerSGD comparison);
 - ``torch powerSGD_hook`` with the default 25 MB buckets, last (its error is reported, not raised).
+
+Every row names its implementation and settings (``setting``); the peers run with PyTorch's defaults but for
+what is named. Bytes: ``bytes_per_step`` is the payload each rank hands the collectives (the hook's output, or
+the gradients); on the emulated hosts ``wire_sent_per_step`` is what each rank's own network interface carried
+per timed step, read from the kernel's counters (:func:`~torsh_kernels.apps.bench.emulated.wire_counter`), with
+the headers, ACKs and gloo's own messages.
 
 ``--repeat R`` runs that list R times, interleaved, and reports each case's median over the runs with
 the spread of the runs' medians.
@@ -95,7 +102,7 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
     dev = comm.device
     net = _mlp(cfg if buckets is None else {**cfg, "layers": cfg["sweep_layers"], "width": cfg["sweep_width"]}).to(dev)
     grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    one_bucket = (kind == "torch" and name == "powersgd-1bucket") or buckets == 1
+    one_bucket = name == "powersgd-1bucket" or buckets == 1
     cap = 2 * grad_bytes / 2**20 + 1 if one_bucket else 25.0
     if buckets is not None and buckets > 1:
         cap = grad_bytes / buckets / 2**20 * 0.999
@@ -108,18 +115,22 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
         state = None
     else:
         state = _register_hook(ddp, cfg, kind, name)
-    times, first, error = _run_steps(comm, cfg, ddp, net, hook_cpu)
-    # the slowest rank's time per step (and its first two steps, and its seconds in signature exchanges)
+    times, pre, error, counted = _run_steps(comm, cfg, ddp, net, hook_cpu)
+    # the slowest rank's time per step (and its steps before the timed ones: the warm-up, where auto decides,
+    # and its seconds in signature exchanges)
     sig_s = state.stats.signature_s if state is not None else 0.0
-    t = torch.tensor((times or [float("nan")]) + first + [sig_s], dtype=torch.float64)
+    n = len(times) or 1
+    t = torch.tensor((times or [float("nan")]) + pre + [sig_s], dtype=torch.float64)
     if error is None:
         comm.all_reduce(t, "max")
-    t, first, sig_s = t[: len(times) or 1], t[len(times) or 1 : -1].tolist(), float(t[-1])
-    wire = None
+    t, pre, sig_s = t[:n], t[n:-1].tolist(), float(t[-1])
+    first = pre[:2]
+    wire = None  # the payload each rank hands the collectives per step (from the hook's stats, or the formula)
     if state is not None:
         wire = state.stats.per_iteration[-1]["bytes_after"]
     elif kind == "none" or (kind == "torch" and name == "fp16"):
         wire = grad_bytes if kind == "none" else grad_bytes // 2
+    measured = _wire_per_step(comm, counted, len(times), error)
     ts = t.tolist()
     if buckets is not None:
         nb = hook_cpu[1] / cfg["steps"]
@@ -146,14 +157,55 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
         }
     return {
         "case": "no hook" if kind == "none" else f"{kind} {name}",
+        "setting": _setting(cfg, kind, name),
         "chose": state.stats.auto["choice"] if state is not None and state.stats.auto else None,
         "auto": state.stats.auto if state is not None and comm.rank == 0 else None,
         "buckets": "1" if one_bucket else "25 MB",
         **_step_ms(ts, error),
+        "steps_before_ms": [1e3 * v for v in pre] if error is None else None,
         "bytes_per_step": wire,
+        **measured,
         "gradient_bytes": grad_bytes,
+        "parameters": sum(p.numel() for p in net.parameters()),
         "error": error,
     }
+
+
+def _setting(cfg: dict, kind: str, name: str) -> str:
+    """The case's implementation and the settings it runs with, in words (the peers' are PyTorch's defaults
+    but for what is named)."""
+    buckets = "one bucket (bucket_cap_mb above the model)" if name == "powersgd-1bucket" else "DDP's 25 MB buckets"
+    if kind == "none":
+        return "DDP's own all-reduce (no comm hook), DDP's default 25 MB buckets"
+    if kind == "torch" and name == "fp16":
+        return "PyTorch default_hooks.fp16_compress_hook, DDP's default 25 MB buckets"
+    if kind == "torch":
+        return (f"PyTorch powerSGD_hook, PowerSGDState(matrix_approximation_rank={cfg['rank']}, "
+                f"start_powerSGD_iter={cfg['start_iter']}, min_compression_rate=2; use_error_feedback, warm_start "
+                f"and orthogonalization_epsilon at their defaults), {buckets}")  # fmt: skip
+    what = "compressor='auto' among the run's other compressors" if name == "auto" else f"compressor {name}"
+    what = what.replace("-1bucket", "")
+    return f"torsh compression_hook, {what}, start_iter={cfg['start_iter']}, {buckets}"
+
+
+def _wire_per_step(comm: TorchCommunicator, counted: dict | None, steps: int, error: str | None) -> dict:
+    """What each rank's network interface carried per timed step, from the kernel's counters (emulated hosts:
+    :func:`~torsh_kernels.apps.bench.emulated.wire_counter`); None fields on loopback, where no interface is
+    one rank's own."""
+    out = {"wire_sent_per_step": None, "wire_received_per_step": None, "wire_sent_per_step_by_rank": None}
+    have = torch.tensor([0.0 if counted is None else 1.0], dtype=torch.float64)
+    if error is not None:
+        return out
+    comm.all_reduce(have, "min")
+    if not have.item():
+        return out
+    v = torch.zeros(2 * comm.world_size, dtype=torch.float64)
+    v[2 * comm.rank] = counted["sent"] / steps
+    v[2 * comm.rank + 1] = counted["received"] / steps
+    comm.all_reduce(v, "sum")
+    sent, received = v[0::2].tolist(), v[1::2].tolist()
+    return {"wire_sent_per_step": statistics.median(sent), "wire_received_per_step": statistics.median(received),
+            "wire_sent_per_step_by_rank": sent}  # fmt: skip
 
 
 def _register_hook(ddp, cfg: dict, kind: str, name: str):
@@ -173,29 +225,36 @@ def _register_hook(ddp, cfg: dict, kind: str, name: str):
         extra = {"auto_candidates": _auto_candidates(cfg["rank"], cfg["compressors"])} if name == "auto" else {}
         if "check" in cfg:
             extra["check_signatures"] = cfg["check"]
-        state = CompressionHookState(compressor=OURS[name](cfg["rank"]), start_iter=start, **extra)
+        make = OURS["powersgd" if name == "powersgd-1bucket" else name]
+        state = CompressionHookState(compressor=make(cfg["rank"]), start_iter=start, **extra)
         ddp.register_comm_hook(state, compression_hook)
         return state
     return None
 
 
 def _run_steps(comm: TorchCommunicator, cfg: dict, ddp, net: torch.nn.Module,
-               hook_cpu: list) -> tuple[list[float], list[float], str | None]:  # fmt: skip
-    """(seconds of each timed step, of the first two steps, the error that ended the run or None): the warm-up,
-    then ``cfg["steps"]`` timed steps; the sweep's hook timer restarts where the timed steps begin."""
+               hook_cpu: list) -> tuple[list[float], list[float], str | None, dict | None]:  # fmt: skip
+    """(seconds of each timed step, of each step before them, the error that ended the run or None, what this
+    rank's interface carried over the timed steps or None): the warm-up, then ``cfg["steps"]`` timed steps; the
+    sweep's hook timer and the interface counter restart where the timed steps begin."""
+    from .emulated import wire_counter
+
     dev = comm.device
+    counter = wire_counter()
     start = cfg["start_iter"]
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(cfg["batch"], cfg["in_dim"], generator=g).to(dev)
     y = torch.randint(0, 10, (cfg["batch"],), generator=g).to(dev)
     times = []
-    first = []  # the first two steps: where a new bucket layout (DDP's first, then its rebuilt one) is agreed on
+    pre = []  # the steps before the timed ones: the first two agree on the bucket layouts, auto decides at start
     try:
         for step in range(start + 2 + cfg["steps"]):
             comm.barrier()
             if step == start + 2:
                 hook_cpu[:] = [0.0, 0]
+                if counter is not None:
+                    counter.start()
             t0 = time.perf_counter()
             opt.zero_grad()
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
@@ -204,14 +263,18 @@ def _run_steps(comm: TorchCommunicator, cfg: dict, ddp, net: torch.nn.Module,
                 torch.cuda.synchronize(dev)
             if step >= start + 2:
                 times.append(time.perf_counter() - t0)
-            elif step < 2:
-                first.append(time.perf_counter() - t0)
+            else:
+                pre.append(time.perf_counter() - t0)
+        counted = None
+        if counter is not None:  # after a barrier: the peer has received everything this rank sent
+            comm.barrier()
+            counted = counter.read()
     except Exception as e:  # PyTorch's PowerSGD hook on gloo with several buckets
         msg = str(e)
         while "when running the callback: " in msg:  # futures wrap the cause once per callback
             msg = msg.split("when running the callback: ", 1)[1]
-        return times, first, f"{type(e).__name__}: {msg.splitlines()[0][:160]}"
-    return times, first, None
+        return times, pre, f"{type(e).__name__}: {msg.splitlines()[0][:160]}", None
+    return times, pre, None, counted
 
 
 def _step_ms(ts: list[float], error: str | None) -> dict:
@@ -276,6 +339,8 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
         return _signature_cost(comm, cfg)
     cases = [("none", ""), ("torch", "fp16"), ("torch", "powersgd-1bucket")]
     cases += [("torsh", c) for c in cfg["compressors"]]
+    if "powersgd" in cfg["compressors"]:  # like for like with PyTorch's one-bucket case
+        cases.insert(cases.index(("torsh", "powersgd")) + 1, ("torsh", "powersgd-1bucket"))
     rows: list[dict] = []
     for rep in range(cfg["repeat"]):
         for kind, name in cases:
@@ -284,7 +349,7 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict | None:
             if comm.rank == 0 and cfg["progress"]:
                 r = rows[-1]
                 print(f"  {r['case']:<28} {r['step_ms'] or float('nan'):9.1f} ms/step", file=sys.stderr, flush=True)
-    res = {"rows": rows, "world_size": comm.world_size, "backend": comm.backend}
+    res = {"rows": rows, "world_size": comm.world_size, "backend": comm.backend, "timed_steps": cfg["steps"]}
     if not cfg["torch_powersgd_buckets"]:
         return _report(res, cfg) if comm.rank == 0 else None
     # last: PyTorch's PowerSGD hook with DDP's default buckets. On gloo it either raises or hangs (its
@@ -378,26 +443,41 @@ def _summaries(res: dict) -> None:
         res["bucket_summary"] = out
         return
     rows = res["rows"]
-    if max(r.get("repeat", 0) for r in rows) == 0:
-        return
     out = []
     for case in dict.fromkeys(r["case"] for r in rows):
         out.append({"case": case, "step_ms": spread([r["step_ms"] for r in rows if r["case"] == case])})
     by = {}
     for r in rows:
-        by.setdefault(r["repeat"], {})[r["case"]] = r["step_ms"]
+        by.setdefault(r.get("repeat", 0), {})[r["case"]] = r["step_ms"]
     ratios = {}
-    for ours, theirs in (("torsh fp16", "torch fp16"), ("torsh bf16", "torch fp16"),
-                         ("torsh powersgd", "torch powersgd-1bucket")):  # fmt: skip
+    for (ours, theirs), how in LIKE_FOR_LIKE.items():
         v = [d[theirs] / d[ours] for d in by.values() if d.get(ours) and d.get(theirs)]
         if v:
-            ratios[f"{theirs} / {ours}"] = spread(v)
+            ratios[f"{theirs} / {ours}"] = {**spread(v), "comparison": how}
     res["summary"] = out
     res["speedups"] = ratios
 
 
+LIKE_FOR_LIKE = {
+    ("torsh fp16", "torch fp16"): "like for like: the same format, DDP's 25 MB buckets each",
+    ("torsh bf16", "torch fp16"): "bf16 against PyTorch's fp16 hook (PyTorch's bf16 hook is the same arithmetic)",
+    ("torsh powersgd-1bucket", "torch powersgd-1bucket"): "like for like: PowerSGD at the same rank and start "
+    "iteration, one bucket each",
+    ("torsh powersgd", "torch powersgd-1bucket"): "not like for like: ours with DDP's 25 MB buckets against "
+    "PyTorch's with one bucket (its 25 MB-bucket case fails or hangs on gloo)",
+}
+"""The ratios ``_summaries`` reports per run (PyTorch's step over ours), each with what it compares."""
+
+AUTO_HORIZON = 1000
+"""Steps over which ``auto``'s decision time is amortised in :func:`_auto_summary`'s second verdict."""
+
+
 def _auto_summary(res: dict, rank: int) -> None:
-    """``auto``'s step time over the best case it could have chosen (no hook, or one of ours), per run."""
+    """``auto`` judged by its own steps, per run, against the best fixed case of the same run (no hook or one of
+    ours): its steady step; the whole run (the same number of steps, the warm-up and its decision included); and
+    a training run of :data:`AUTO_HORIZON` steps (the measured steps before the timed ones, then the steady step
+    for the rest). Also the decision's own seconds (``measure_s``) and, against no hook, the step at which the
+    decision has paid for itself."""
     rows = [r for r in res.get("rows", []) if r["step_ms"] is not None and r["error"] is None]
     runs = {}
     for r in rows:
@@ -408,33 +488,35 @@ def _auto_summary(res: dict, rank: int) -> None:
         pool = [r for r in rs if r["case"] == "no hook" or (r["case"].startswith("torsh ") and r is not auto)]
         if auto is None or not pool:
             continue
+
+        def total(r: dict, steps: int) -> float:
+            before = r.get("steps_before_ms") or []
+            return sum(before) + (steps - len(before)) * r["step_ms"]
+
+        n_run = len(auto.get("steps_before_ms") or []) + res.get("timed_steps", 0)
         best = min(pool, key=lambda r: r["step_ms"])
-        out.append({"repeat": rep, "chose": auto["chose"], "auto_ms": auto["step_ms"], "best_case": best["case"],
-                    "best_ms": best["step_ms"], "ratio": auto["step_ms"] / best["step_ms"]})  # fmt: skip
+        best_run = min(pool, key=lambda r: total(r, n_run))
+        best_h = min(pool, key=lambda r: total(r, AUTO_HORIZON))
+        rec = auto.get("auto") or {}
+        none = next((r for r in rs if r["case"] == "no hook"), None)
+        break_even = None
+        if none is not None and none["step_ms"] > auto["step_ms"]:  # steps until the decision has paid for itself
+            extra = sum(auto.get("steps_before_ms") or []) - sum(none.get("steps_before_ms") or [])
+            break_even = max(0.0, extra) / (none["step_ms"] - auto["step_ms"])
+        out.append({
+            "repeat": rep, "chose": auto["chose"], "decision_s": rec.get("measure_s"),
+            "auto_ms": auto["step_ms"], "best_case": best["case"], "best_ms": best["step_ms"],
+            "ratio": auto["step_ms"] / best["step_ms"],
+            "run_steps": n_run, "auto_run_s": total(auto, n_run) / 1e3, "best_run_case": best_run["case"],
+            "best_run_s": total(best_run, n_run) / 1e3, "run_ratio": total(auto, n_run) / total(best_run, n_run),
+            "horizon_steps": AUTO_HORIZON, "best_horizon_case": best_h["case"],
+            "horizon_ratio": total(auto, AUTO_HORIZON) / total(best_h, AUTO_HORIZON),
+            "break_even_steps_vs_no_hook": break_even,
+        })  # fmt: skip
     if out:
         res["auto_vs_best"] = out
-    # what the issue asks: the chosen compressor's own measured step time (its case, the median over the
-    # repeats) against the best case's, so one noisy run of either does not decide it
-    med = {}
-    for r in rows:
-        if r["case"] == "no hook" or (r["case"].startswith("torsh ") and r["case"] != "torsh auto"):
-            med.setdefault(r["case"], []).append(r["step_ms"])
-    med = {c: statistics.median(v) for c, v in med.items()}
-    case_of = {"none": "torsh none"}
-    for name, make in OURS.items():
-        c = make(rank)
-        if c is not None and c != "auto":
-            case_of[c.label()] = f"torsh {name}"
-    if med:
-        best = min(med, key=med.get)
-        choices = []
-        for a in out:
-            case = case_of.get(a["chose"])
-            choices.append({"repeat": a["repeat"], "chose": a["chose"], "case": case,
-                            "case_median_ms": med.get(case), "best_case": best, "best_median_ms": med[best],
-                            "ratio": med[case] / med[best] if case in med else None})  # fmt: skip
-        if choices:
-            res["auto_choice_vs_best"] = {"medians_ms": med, "choices": choices}
+        res["auto_verdict"] = {k: _spread([a[k] for a in out]) for k in ("ratio", "run_ratio", "horizon_ratio",
+                                                                          "decision_s")}  # fmt: skip
 
 
 def _report(res: dict, cfg: dict) -> dict:

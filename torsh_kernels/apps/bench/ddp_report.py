@@ -59,37 +59,55 @@ def print_report(res: dict, env: dict, cfg: dict) -> None:
     rows = res["rows"]
     base = next(r["step_ms"] for r in rows if r["case"] == "no hook")
     peer = next((r["step_ms"] for r in rows if r["case"] == "torch powersgd-1bucket"), None)
+    measured = any(r.get("wire_sent_per_step") is not None for r in rows)
+    params = next((r.get("parameters") for r in rows if r.get("parameters")), None)
+    size = f"{params / 1e6:.1f}M parameters, " if params else ""
     t = cli_common.table((f"DDP step time, {res['world_size']} ranks ({res['backend']}, "
                           f"{env.get('network', 'local')}), "
-                          f"MLP {cfg['in_dim']}-{'-'.join([str(cfg['width'])] * cfg['layers'])}-10, "
-                    f"{rows[0]['gradient_bytes'] / 1e6:.1f} MB of gradients, batch {cfg['batch']}/rank"),
-                   ["case", "buckets", "step (ms)", "p20-p80 (ms)", "bytes sent/step", "speedup vs no hook",
-                    "vs torch PowerSGD"], text=("case", "buckets"))  # fmt: skip
+                          f"MLP {cfg['in_dim']}-{'-'.join([str(cfg['width'])] * cfg['layers'])}-10 ({size}"
+                    f"{rows[0]['gradient_bytes'] / 1e6:.1f} MB of fp32 gradients), batch {cfg['batch']}/rank"),
+                   ["case", "buckets", "step (ms)", "p20-p80 (ms)", "payload/step",
+                    "sent/step, interface" if measured else "sent/step, interface (emulated hosts only)",
+                    "speedup vs no hook", "vs torch PowerSGD 1 bucket"], text=("case", "buckets"))  # fmt: skip
     for r in rows:
         if r["error"]:
-            t.add_row(f"{r['case']}: failed (below)", r["buckets"], "-", "-", "", "", "")
+            t.add_row(f"{r['case']}: failed (below)", r["buckets"], "-", "-", "", "", "", "")
             continue
         wire = "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step'] / 1e6:.2f} MB"
+        sent = "-" if r.get("wire_sent_per_step") is None else f"{r['wire_sent_per_step'] / 1e6:.2f} MB"
         vs = f"{peer / r['step_ms']:.2f}x" if peer and "powersgd" in r["case"] else ""
         case = r["case"] + (f" -> {r['chose']}" if r.get("chose") else "")
-        t.add_row(case, r["buckets"], f"{r['step_ms']:.1f}", f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}", wire,
+        t.add_row(case, r["buckets"], f"{r['step_ms']:.1f}", f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}", wire, sent,
                   f"{base / r['step_ms']:.2f}x", vs)  # fmt: skip
     cli_common.console().print(t)
+    print("payload: the bytes each rank hands the collectives per step (the hook's output, or the gradients); "
+          "sent: what its network interface carried (the kernel's counters: headers, ACKs and gloo's own messages "
+          "included)")  # fmt: skip
+    print("cases and their settings:")
+    for r in rows:
+        if r.get("repeat", 0) == 0 and r.get("setting"):
+            print(f"  {r['case']}: {r['setting']}")
     for r in rows:
         if r["error"]:
             print(f"{r['case']} ({r['buckets']} buckets): {r['error']}")
     for name, d in res.get("speedups", {}).items():
-        print(f"{name}: median {d['median']:.3f}x over {d['n']} runs [{d['min']:.3f}-{d['max']:.3f}]")
+        print(f"{name}: median {d['median']:.3f}x over {d['n']} runs [{d['min']:.3f}-{d['max']:.3f}] "
+              f"({d.get('comparison', '')})")  # fmt: skip
     for a in res.get("auto_vs_best", []):
-        print(f"auto chose {a['chose']}: {a['auto_ms']:.1f} ms/step, {a['ratio']:.3f}x the best case measured in "
-              f"the same run ({a['best_case']}, {a['best_ms']:.1f} ms/step)")  # fmt: skip
-    acb = res.get("auto_choice_vs_best")
-    if acb:
-        for c in acb["choices"]:
-            if c["ratio"] is not None:
-                print(f"run {c['repeat']}: auto chose {c['chose']}, whose case measured "
-                      f"{c['case_median_ms']:.1f} ms/step (median over the runs): {c['ratio']:.3f}x the best "
-                      f"case ({c['best_case']}, {c['best_median_ms']:.1f} ms/step)")  # fmt: skip
+        dec = "" if a["decision_s"] is None else f", decision {a['decision_s']:.2f} s"
+        be = a["break_even_steps_vs_no_hook"]
+        be = "" if be is None else f"; its warm-up and decision paid back against no hook after {be:.0f} steps"
+        print(f"run {a['repeat']}: auto chose {a['chose']}{dec}: steady step {a['auto_ms']:.1f} ms, {a['ratio']:.3f}x "
+              f"the best case's ({a['best_case']}, {a['best_ms']:.1f} ms); these {a['run_steps']} steps "
+              f"{a['auto_run_s']:.2f} s, {a['run_ratio']:.3f}x the best case's ({a['best_run_case']}, "
+              f"{a['best_run_s']:.2f} s); over {a['horizon_steps']} steps {a['horizon_ratio']:.3f}x "
+              f"({a['best_horizon_case']}){be}")  # fmt: skip
+    v = res.get("auto_verdict")
+    if v and v["ratio"]["n"] > 1:
+        print("auto over the runs, median [min-max]: steady step " + fmt_spread(v["ratio"], 3)
+              + "x the best case's; whole run " + fmt_spread(v["run_ratio"], 3) + "x; over "
+              + f"{res['auto_vs_best'][0]['horizon_steps']} steps " + fmt_spread(v["horizon_ratio"], 3)
+              + "x; decision " + fmt_spread(v["decision_s"], 2) + " s")  # fmt: skip
     rec = next((r["auto"] for r in rows if r.get("auto")), None)
     if rec is not None:
         print(f"auto's reason: {rec['reason']}")

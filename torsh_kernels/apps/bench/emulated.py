@@ -37,13 +37,16 @@ __all__ = [
     "RATE_FORMS",
     "EmulatedHosts",
     "LinkRate",
+    "WireCounter",
     "emulated_hosts",
+    "interface_bytes",
     "parse_delay",
     "parse_rate",
     "rank_environments",
     "run_on_emulated_hosts",
     "set_rate",
     "unavailable_reason",
+    "wire_counter",
 ]
 
 RATE_FORMS = "500kbit, 100mbit, 1gbit, 10gbit (a number, then kbit, mbit, gbit or tbit: bits per second)"
@@ -246,6 +249,54 @@ def rank_environments(hosts: EmulatedHosts, port: int = 29533) -> list[dict[str,
         "TORSH_BENCH_NETWORK": hosts.description,
     }
     return [{**os.environ, **common, "RANK": str(r), "GLOO_SOCKET_IFNAME": hosts.interfaces[r]} for r in (0, 1)]
+
+
+def interface_bytes(interface: str) -> tuple[int, int]:
+    """(received, sent) bytes of ``interface`` in this process's network namespace: the kernel's counters in
+    ``/proc/self/net/dev`` (whole Ethernet frames: payload plus the TCP/IP and Ethernet headers, ACKs
+    included). A missing interface raises :class:`~torsh_kernels.errors.InvalidArgumentError`."""
+    try:
+        with open("/proc/self/net/dev") as f:
+            lines = f.read().splitlines()[2:]
+    except OSError as e:
+        raise InvalidArgumentError(f"interface counters: cannot read /proc/self/net/dev: {e}") from e
+    for line in lines:
+        name, _, fields = line.partition(":")
+        if name.strip() == interface:
+            v = fields.split()
+            return int(v[0]), int(v[8])
+    raise InvalidArgumentError(f"interface counters: no interface {interface!r} in this network namespace")
+
+
+class WireCounter:
+    """The bytes this rank's network interface carried: on an emulated host the veth end that only this rank
+    uses, so its counters are this rank's traffic, measured by the kernel rather than a formula. ``start()``,
+    then ``read()`` gives ``{"sent": ..., "received": ...}`` since the start. Made by :func:`wire_counter`."""
+
+    def __init__(self, interface: str) -> None:
+        self.interface = interface
+        self._at = interface_bytes(interface)
+
+    def start(self) -> None:
+        self._at = interface_bytes(self.interface)
+
+    def read(self) -> dict[str, int]:
+        rx, tx = interface_bytes(self.interface)
+        return {"sent": tx - self._at[1], "received": rx - self._at[0]}
+
+
+def wire_counter() -> WireCounter | None:
+    """A :class:`WireCounter` on this rank's own interface where it has one: ``GLOO_SOCKET_IFNAME`` names an
+    interface other than loopback that exists here (on the emulated hosts, each rank's veth end). None
+    elsewhere: on loopback every rank, the rendezvous store and the rest of the machine share ``lo``, so its
+    counters are nobody's traffic in particular."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if not name or name == "lo" or not sys.platform.startswith("linux"):
+        return None
+    try:
+        return WireCounter(name)
+    except InvalidArgumentError:
+        return None
 
 
 def run_on_emulated_hosts(

@@ -30,11 +30,13 @@ of each rank's resident host memory above where the case started (``/proc/self/c
 GPU the peak device memory.
 
 Per case: median step time (forward, backward with FSDP2's collectives, SGD step) of the slowest rank
-over ``--steps`` steps after ``--warmup``, p20-p80, the bytes this rank put on the wire per step (ring
-all-gathers and reduce-scatters and our all-to-all: ``world_size - 1`` segments per call), both as
-ratios to plain FSDP2, and the last loss. ``--repeat R`` interleaves the cases R times and reports
-medians with the spread of the runs. Launch like ``bench ddp``: local ranks on their own, one rank per
-process under torchrun or ``benchmarks/emulated_hosts.sh``.
+over ``--steps`` steps after ``--warmup``, p20-p80, the bytes this rank sends per step by the ring formula
+(``bytes_per_step``: ring all-gathers and reduce-scatters and our all-to-all, ``world_size - 1`` segments per
+call, which is what NCCL's ring algorithms send), on the emulated hosts also what this rank's network interface
+carried per step (``wire_sent_per_step``, the kernel's counters: gloo's own algorithms, whose reduce-scatter
+sends more than a ring's, and the TCP/IP headers and ACKs), each as ratios to plain FSDP2, and the last loss.
+``--repeat R`` interleaves the cases R times and reports medians with the spread of the runs. Launch like
+``bench ddp``: local ranks on their own, one rank per process under torchrun or ``benchmarks/emulated_hosts.sh``.
 
 python benchmarks/bench_fsdp.py [--width 2048] [--layers 8] [--batch 64] [--steps 5] [--json PATH]
 """
@@ -109,7 +111,9 @@ def _model(cfg: dict, mesh, torchao_fp8: bool = False, **shard_kw) -> torch.nn.M
 
 def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -> dict:
     from ...parallel.fsdp import apply_quantized_comm, count_traffic
+    from .emulated import wire_counter
 
+    counter = wire_counter()
     model = _model(cfg, mesh, torchao_fp8=name == TORCHAO_FP8)
     comms = count_traffic(model, apply_quantized_comm(model, weights=weights, grads=grads))
     opt = torch.optim.SGD(model.parameters(), lr=cfg.get("lr", 1e-3))
@@ -120,6 +124,8 @@ def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -
         x = torch.randn(cfg["batch"], cfg["width"], generator=g)
         before = sum(c.bytes_sent for c in comms)
         comm.barrier()
+        if step == cfg["warmup"] and counter is not None:
+            counter.start()
         t0 = time.perf_counter()
         out = model(x)
         loss = torch.nn.functional.mse_loss(out[:, :16], torch.tanh(x @ target))
@@ -129,6 +135,19 @@ def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -
         if step >= cfg["warmup"]:
             times.append(time.perf_counter() - t0)
             sent.append(sum(c.bytes_sent for c in comms) - before)
+    wire = None
+    if counter is not None:  # after a barrier: the peer has received everything this rank sent
+        comm.barrier()
+        got = counter.read()
+        wire = torch.tensor([got["sent"] / cfg["steps"], got["received"] / cfg["steps"]], dtype=torch.float64)
+    have = torch.tensor([float(wire is not None)])
+    comm.all_reduce(have, "min")
+    by_rank = None
+    if have.item():
+        v = torch.zeros(2 * comm.world_size, dtype=torch.float64)
+        v[2 * comm.rank : 2 * comm.rank + 2] = wire
+        comm.all_reduce(v, "sum")
+        by_rank = v[0::2].tolist()
     with torch.no_grad():  # a held-out batch, the same on every rank and in every case
         x = torch.randn(256, cfg["width"], generator=torch.Generator().manual_seed(12345))
         held_out = torch.nn.functional.mse_loss(model(x)[:, :16], torch.tanh(x @ target)).item()
@@ -137,7 +156,9 @@ def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -
     ts = t.tolist()
     return {"case": name, "weights": weights, "grads": grads, "step_ms": 1e3 * statistics.median(ts),
             "p20_ms": 1e3 * quantile(ts, 0.2), "p80_ms": 1e3 * quantile(ts, 0.8),
-            "bytes_per_step": statistics.median(sent), "loss": loss.item(), "held_out_loss": held_out,
+            "bytes_per_step": statistics.median(sent),
+            "wire_sent_per_step": statistics.median(by_rank) if by_rank else None,
+            "wire_sent_per_step_by_rank": by_rank, "loss": loss.item(), "held_out_loss": held_out,
             "steps_trained": cfg["warmup"] + cfg["steps"]}  # fmt: skip
 
 
@@ -285,14 +306,19 @@ def _report(res: dict, cfg: dict, names: list[str]) -> dict:
     summary = []
     for name in names:
         rs = [r for r in rows if r["case"] == name]
-        ratios_t, ratios_b = [], []
+        ratios_t, ratios_b, ratios_w = [], [], []
         for r in rs:
             base = next(b for b in rows if b["case"] == "plain" and b["repeat"] == r["repeat"])
             ratios_t.append(base["step_ms"] / r["step_ms"])
             ratios_b.append(r["bytes_per_step"] / base["bytes_per_step"])
+            if r.get("wire_sent_per_step") and base.get("wire_sent_per_step"):
+                ratios_w.append(r["wire_sent_per_step"] / base["wire_sent_per_step"])
+        wires = [r["wire_sent_per_step"] for r in rs if r.get("wire_sent_per_step")]
         summary.append({"case": name, "step_ms": _spread([r["step_ms"] for r in rs]),
                         "bytes_per_step": _spread([r["bytes_per_step"] for r in rs]),
                         "speedup_vs_plain": _spread(ratios_t), "bytes_vs_plain": _spread(ratios_b),
+                        "wire_sent_per_step": _spread(wires) if wires else None,
+                        "wire_vs_plain": _spread(ratios_w) if ratios_w else None,
                         "loss": _spread([r["loss"] for r in rs]),
                         "held_out_loss": _spread([r["held_out_loss"] for r in rs])})  # fmt: skip
     res["summary"] = summary
@@ -350,9 +376,9 @@ def _print(res: dict, env: dict, cfg: dict) -> None:
     t = cli_common.table((f"FSDP2 step time, {res['world_size']} ranks ({res['backend']}, {env.get('network')}), "
                     f"{cfg['layers']} x [{cfg['width']} x {cfg['width']}] linears ({params / 1e6:.1f} M parameters), "
                     f"batch {cfg['batch']}/rank; medians over {cfg['repeat']} run(s) [min-max]"),
-                   ["case", "step (ms)", "speedup vs plain", "MB sent/step (this rank)", "bytes vs plain",
-                    f"loss after {cfg['warmup'] + cfg['steps']} steps", "held-out loss"],
-                   text=("case",))  # fmt: skip
+                   ["case", "step (ms)", "speedup vs plain", "MB/step, ring formula", "vs plain",
+                    "MB/step, interface", "vs plain", f"loss after {cfg['warmup'] + cfg['steps']} steps",
+                    "held-out loss"], text=("case",))  # fmt: skip
 
     def f(d, digits=1, unit=""):
         if d["n"] == 1:
@@ -361,12 +387,19 @@ def _print(res: dict, env: dict, cfg: dict) -> None:
 
     for s in res["summary"]:
         mb = {k: v / 1e6 if k != "n" else v for k, v in s["bytes_per_step"].items()}
+        w = s.get("wire_sent_per_step")
+        wmb = "-" if w is None else f({k: v / 1e6 if k != "n" else v for k, v in w.items()}, 2)
+        wvs = "-" if s.get("wire_vs_plain") is None else f(s["wire_vs_plain"], 3, "x")
         t.add_row(s["case"], f(s["step_ms"]), f(s["speedup_vs_plain"], 2, "x"), f(mb, 2),
-                  f(s["bytes_vs_plain"], 3, "x"), f"{s['loss']['median']:.6f}",
+                  f(s["bytes_vs_plain"], 3, "x"), wmb, wvs, f"{s['loss']['median']:.6f}",
                   f"{s['held_out_loss']['median']:.6f}")  # fmt: skip
     for name, why in res.get("skipped", {}).items():
-        t.add_row(f"{name}: not run: {why}", *["-"] * 6)
+        t.add_row(f"{name}: not run: {why}", *["-"] * 8)
     cli_common.console().print(t)
+    print("ring formula: what NCCL's ring all-gather and reduce-scatter send per rank, (world_size - 1) segments a "
+          "call (and torsh's all-to-all); interface: what this rank's network interface carried, from the kernel's "
+          "counters (emulated hosts only): gloo's own algorithms (its reduce-scatter sends more than a ring's), the "
+          "TCP/IP headers and ACKs")  # fmt: skip
 
 
 def _learning_rate(text: str) -> float:

@@ -157,6 +157,8 @@ def test_bench_collectives_runs_real_ranks_and_writes_json(tmp_path, capsys):
         assert abs(r["busbw_GBps"] - r["algbw_GBps"] * factor) < 1e-9
     names = [r["compressor"] for r in data["compressed"]]
     assert names == ["none", "topk", "powersgd"]  # the uncompressed baseline is always measured first
+    # loopback: no interface is one rank's own, so nothing is read off one (emulated hosts: test_bench_wire.py)
+    assert all(r["interface_sent_per_rank"] is None for r in data["collectives"] + data["compressed"])
     assert data["link"]["bandwidth_GBps"] > 0
     # the other transports are columns where they run, and otherwise named with the reason
     ran = {r["transport"] for r in data["collectives"]}

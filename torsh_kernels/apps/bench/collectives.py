@@ -7,7 +7,9 @@ for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for bro
 torch's over this transport's ("vs torch", same op and size, same run), and for torch.distributed the
 alpha-beta model's prediction from a ping-pong probe of the link made at the start of the same run.
 Per compressor and size: ``compressed_all_reduce`` end to end (compression, traffic, decompression),
-its speedup over the uncompressed all-reduce of the same buffer, and the bytes each rank sends.
+its speedup over the uncompressed all-reduce of the same buffer, and the bytes each rank sends: the payload
+(the compressor's formula) and, on the emulated hosts, what each rank's network interface carried per call
+(the kernel's counters, headers and gloo's own messages included; the same column for the collectives).
 
 Launch: on its own it spawns ``--world-size`` local ranks (gloo; NCCL where there are enough GPUs).
 Under torchrun, or the two-host helper ``benchmarks/emulated_hosts.sh`` (``RANK``/``WORLD_SIZE`` set),
@@ -65,11 +67,17 @@ def _bus_factor(op: str, n: int) -> float:
     return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(op, (n - 1) / n)
 
 
-def _timed(comm, fn, reps: int, warmup: int) -> float:
-    """The slowest rank's median seconds per call."""
+def _timed(comm, fn, reps: int, warmup: int) -> tuple[float, float | None]:
+    """(the slowest rank's median seconds per call, the bytes each rank's own network interface sent per call,
+    the mean over the ranks, on emulated hosts; None elsewhere: :func:`~.emulated.wire_counter`)."""
+    from .emulated import wire_counter
+
+    counter = wire_counter()
     times = []
     for i in range(warmup + reps):
         comm.barrier()
+        if i == warmup and counter is not None:
+            counter.start()
         if comm.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -80,7 +88,15 @@ def _timed(comm, fn, reps: int, warmup: int) -> float:
             times.append(time.perf_counter() - t0)
     t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=comm.device)
     comm.all_reduce(t, "max")
-    return float(t.item())
+    sent = None
+    if counter is not None:  # after a barrier: the peers have received all this rank sent
+        comm.barrier()
+        sent = counter.read()["sent"] / reps
+    v = torch.tensor([0.0 if sent is None else sent, float(sent is not None)], dtype=torch.float64,
+                     device=comm.device)  # fmt: skip
+    comm.all_reduce(v, "sum")
+    both = int(v[1].item()) == comm.world_size
+    return float(t.item()), (float(v[0].item()) / comm.world_size if both else None)
 
 
 def _predict(op: str, nbytes: int, p: int, link: Link) -> float:
@@ -147,14 +163,15 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict:
                 count, nbytes, fn = _op_case(c, op, size)
                 if fn is None:
                     continue
-                t = _timed(c, fn, reps, warmup)
+                t, sent = _timed(c, fn, reps, warmup)
                 algbw = nbytes / t
                 pred = _predict(op, nbytes, p, link) if tname == "torch" and link is not None else None
                 rows.append({"transport": tname, "backend": c.backend, "op": op, "size": nbytes, "count": count,
                              "type": "float32", "time_us": t * 1e6, "algbw_GBps": algbw / 1e9,
                              "busbw_GBps": algbw * _bus_factor(op, p) / 1e9,
                              "predicted_us": pred * 1e6 if pred is not None else None,
-                             "measured_over_predicted": t / pred if pred else None})  # fmt: skip
+                             "measured_over_predicted": t / pred if pred else None,
+                             "interface_sent_per_rank": sent})  # fmt: skip
     torch_t = {(r["op"], r["size"]): r["time_us"] for r in rows if r["transport"] == "torch"}
     for r in rows:
         ref = torch_t.get((r["op"], r["size"]))
@@ -177,14 +194,15 @@ def _worker(comm: TorchCommunicator, cfg: dict) -> dict:
                 x.copy_(src)
                 compressed_all_reduce(x, comm, c, state)
 
-            t = _timed(comm, fn, reps, warmup)
+            t, sent = _timed(comm, fn, reps, warmup)
             if name == "none":
                 base = t
             wire = (c or cz.NoCompression()).payload_nbytes(shape)
             algo, pred = compressed_time(c, shape, p, link) if link is not None else ("-", float("nan"))
             crow.append({"compressor": name, "size": 4 * count, "shape": list(shape), "time_us": t * 1e6,
                          "speedup_vs_none": (base / t) if base else None, "wire_bytes_per_rank": wire,
-                         "algorithm": algo, "predicted_comm_us": pred * 1e6})  # fmt: skip
+                         "interface_sent_per_rank": sent, "algorithm": algo,
+                         "predicted_comm_us": pred * 1e6})  # fmt: skip
     return {"link": {"latency_us": link.latency * 1e6, "bandwidth_GBps": link.bandwidth / 1e9} if link else None,
             "collectives": rows, "compressed": crow, "world_size": p, "backend": comm.backend,
             "transports_skipped": skipped}  # fmt: skip
@@ -214,22 +232,28 @@ def print_report(res: dict, env: dict) -> None:
         t = cli_common.table("collectives (nccl-tests columns; vs torch: torch.distributed's time over this one's; "
                        "predicted: alpha-beta model from the probed link)",
                        ["transport", "op", "size", "count", "time", "algbw GB/s", "busbw GB/s", "vs torch", "predicted",
-                        "meas/pred"], text=("transport", "op"), title_justify="center")  # fmt: skip
+                        "meas/pred", "sent/rank, interface"], text=("transport", "op"),
+                       title_justify="center")  # fmt: skip
         for r in res["collectives"]:
             pred, ratio, vs = r["predicted_us"], r["measured_over_predicted"], r.get("torch_over_this")
+            sent = r.get("interface_sent_per_rank")
             t.add_row(r.get("transport", "torch"), r["op"], fmt_bytes(r["size"]), f"{r['count']:,}",
                       _fmt_us(r["time_us"]), f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
                       f"{vs:.2f}x" if vs is not None and r.get("transport") != "torch" else "-",
-                      _fmt_us(pred) if pred is not None else "-", f"{ratio:.2f}" if ratio else "-")  # fmt: skip
+                      _fmt_us(pred) if pred is not None else "-", f"{ratio:.2f}" if ratio else "-",
+                      "-" if sent is None else fmt_bytes(sent))  # fmt: skip
         con.print(t)
     if res["compressed"]:
         t = cli_common.table("compressed_all_reduce (end to end: compress + traffic + decompress)",
-                       ["compressor", "size", "time", "vs none", "wire/rank", "scheme", "predicted comm"],
+                       ["compressor", "size", "time", "vs none", "payload/rank", "sent/rank, interface", "scheme",
+                        "predicted comm"],
                        text=("compressor", "scheme"), title_justify="center")  # fmt: skip
         for r in res["compressed"]:
             sp = r["speedup_vs_none"]
             t.add_row(r["compressor"], fmt_bytes(r["size"]), _fmt_us(r["time_us"]),
-                      f"{sp:.2f}x" if sp else "-", fmt_bytes(r["wire_bytes_per_rank"]), r["algorithm"],
+                      f"{sp:.2f}x" if sp else "-", fmt_bytes(r["wire_bytes_per_rank"]),
+                      "-" if r.get("interface_sent_per_rank") is None else fmt_bytes(r["interface_sent_per_rank"]),
+                      r["algorithm"],
                       _fmt_us(r["predicted_comm_us"]))  # fmt: skip
         con.print(t)
 

@@ -125,11 +125,15 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
         comm.all_reduce(t, "max")
     t, pre, sig_s = t[:n], t[n:-1].tolist(), float(t[-1])
     first = pre[:2]
-    wire = None  # the payload each rank hands the collectives per step (from the hook's stats, or the formula)
-    if state is not None:
+    # the payload each rank hands the collectives per step, and what the formula says it sends (torsh's traffic
+    # counters: every collective of the hook, each by its algorithm; DDP's ring all-reduce: 2 (n - 1) / n of it)
+    wire = formula = None
+    if state is not None and state.stats.per_iteration:
         wire = state.stats.per_iteration[-1]["bytes_after"]
+        formula = state.stats.per_iteration[-1].get("wire_bytes") or None
     elif kind == "none" or (kind == "torch" and name == "fp16"):
         wire = grad_bytes if kind == "none" else grad_bytes // 2
+        formula = round(wire * 2 * (comm.world_size - 1) / comm.world_size)
     measured = _wire_per_step(comm, counted, len(times), error)
     ts = t.tolist()
     if buckets is not None:
@@ -164,6 +168,7 @@ def _case(comm: TorchCommunicator, cfg: dict, kind: str, name: str, *, buckets: 
         **_step_ms(ts, error),
         "steps_before_ms": [1e3 * v for v in pre] if error is None else None,
         "bytes_per_step": wire,
+        "wire_formula_per_step": formula,
         **measured,
         "gradient_bytes": grad_bytes,
         "parameters": sum(p.numel() for p in net.parameters()),

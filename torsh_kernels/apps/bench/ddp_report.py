@@ -66,23 +66,24 @@ def print_report(res: dict, env: dict, cfg: dict) -> None:
                           f"{env.get('network', 'local')}), "
                           f"MLP {cfg['in_dim']}-{'-'.join([str(cfg['width'])] * cfg['layers'])}-10 ({size}"
                     f"{rows[0]['gradient_bytes'] / 1e6:.1f} MB of fp32 gradients), batch {cfg['batch']}/rank"),
-                   ["case", "buckets", "step (ms)", "p20-p80 (ms)", "payload/step",
+                   ["case", "buckets", "step (ms)", "p20-p80 (ms)", "sent/step, formula",
                     "sent/step, interface" if measured else "sent/step, interface (emulated hosts only)",
                     "speedup vs no hook", "vs torch PowerSGD 1 bucket"], text=("case", "buckets"))  # fmt: skip
     for r in rows:
         if r["error"]:
             t.add_row(f"{r['case']}: failed (below)", r["buckets"], "-", "-", "", "", "", "")
             continue
-        wire = "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step'] / 1e6:.2f} MB"
+        wire = "-" if r.get("wire_formula_per_step") is None else f"{r['wire_formula_per_step'] / 1e6:.2f} MB"
         sent = "-" if r.get("wire_sent_per_step") is None else f"{r['wire_sent_per_step'] / 1e6:.2f} MB"
         vs = f"{peer / r['step_ms']:.2f}x" if peer and "powersgd" in r["case"] else ""
         case = r["case"] + (f" -> {r['chose']}" if r.get("chose") else "")
         t.add_row(case, r["buckets"], f"{r['step_ms']:.1f}", f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}", wire, sent,
                   f"{base / r['step_ms']:.2f}x", vs)  # fmt: skip
     cli_common.console().print(t)
-    print("payload: the bytes each rank hands the collectives per step (the hook's output, or the gradients); "
-          "sent: what its network interface carried (the kernel's counters: headers, ACKs and gloo's own messages "
-          "included)")  # fmt: skip
+    print("sent, formula: what each rank sends per step by the collectives' algorithms (torsh's traffic counters; "
+          "DDP's ring all-reduce); sent, interface: what its network interface carried (the kernel's counters: "
+          "headers, ACKs, gloo's own messages and auto's link probes included). The payload handed to the "
+          "collectives is bytes_per_step in the JSON")  # fmt: skip
     print("cases and their settings:")
     for r in rows:
         if r.get("repeat", 0) == 0 and r.get("setting"):

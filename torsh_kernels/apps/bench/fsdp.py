@@ -154,12 +154,26 @@ def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -
     t = torch.tensor(times, dtype=torch.float64)
     comm.all_reduce(t, "max")  # the slowest rank's time per step
     ts = t.tolist()
-    return {"case": name, "weights": weights, "grads": grads, "step_ms": 1e3 * statistics.median(ts),
+    return {"case": name, "setting": _setting(name, weights, grads), "weights": weights, "grads": grads,
+            "step_ms": 1e3 * statistics.median(ts),
             "p20_ms": 1e3 * quantile(ts, 0.2), "p80_ms": 1e3 * quantile(ts, 0.8),
             "bytes_per_step": statistics.median(sent),
             "wire_sent_per_step": statistics.median(by_rank) if by_rank else None,
             "wire_sent_per_step_by_rank": by_rank, "loss": loss.item(), "held_out_loss": held_out,
             "steps_trained": cfg["warmup"] + cfg["steps"]}  # fmt: skip
+
+
+def _setting(name: str, weights, grads) -> str:
+    """The case's implementation and settings in words (the peers with their defaults but for what is named)."""
+    base = ("FSDP2 fully_shard on each Linear and the root, its defaults (reshard_after_forward=True, fp32 "
+            "parameters and reduction, no mixed precision)")  # fmt: skip
+    if name == TORCHAO_FP8:
+        return ("torchao convert_to_float8_training(config=Float8LinearConfig(enable_fsdp_float8_all_gather=True)) "
+                "before fully_shard: e4m3 weights with one scale per tensor on the all-gather, fp8 matmuls; "
+                + base)  # fmt: skip
+    if weights is None and grads is None:
+        return base + ", its own all-gather and reduce-scatter"
+    return base + f"; torsh apply_quantized_comm(weights={weights!r}, grads={grads!r})"
 
 
 OFFLOAD_CASES = ("AdamW", "AdamW + CPUOffloadPolicy", "OffloadedOptimizer bf16", "OffloadedOptimizer int8")
@@ -396,6 +410,10 @@ def _print(res: dict, env: dict, cfg: dict) -> None:
     for name, why in res.get("skipped", {}).items():
         t.add_row(f"{name}: not run: {why}", *["-"] * 8)
     cli_common.console().print(t)
+    print("cases and their settings:")
+    for r in res["rows"]:
+        if r.get("repeat", 0) == 0 and r.get("setting"):
+            print(f"  {r['case']}: {r['setting']}")
     print("ring formula: what NCCL's ring all-gather and reduce-scatter send per rank, (world_size - 1) segments a "
           "call (and torsh's all-to-all); interface: what this rank's network interface carried, from the kernel's "
           "counters (emulated hosts only): gloo's own algorithms (its reduce-scatter sends more than a ring's), the "

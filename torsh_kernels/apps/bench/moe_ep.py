@@ -5,7 +5,9 @@ Every rank builds the same layer (one seed), the expert-parallel copies of it di
 and each timed repetition runs one forward + backward of every wire in turn (interleaved, so a load change on
 the machine hits them alike) on the same tokens. Reported per wire: the step time (the slowest rank's, median
 and 20th-80th percentiles over the repetitions), the bytes this rank sent in the step's four all-to-alls
-(dispatch, combine and their gradients; the layer's ``last_dispatch``), the dispatch's bytes against a bf16
+(dispatch, combine and their gradients; the layer's ``last_dispatch``), on emulated hosts also what each rank's
+own network interface carried per step (``interface_sent_per_step``, the mean over the ranks: the kernel's
+counters, headers and the step's closing all-reduce included), the dispatch's bytes against a bf16
 dispatch, and the output's and the input gradient's relative error against the plain layer. Run it on two
 emulated hosts (``python -m torsh_kernels.apps.bench.emulated --rate 1gbit -- torsh bench moe --ep ...``), under
 torchrun, or on ``--ep-world`` local ranks over loopback.
@@ -100,6 +102,10 @@ def _case(comm, cfg: dict, E: int) -> list[dict]:
     g = torch.Generator().manual_seed(1000 + me)
     x = torch.randn(T, H, generator=g).to(dtype)
     dy = torch.randn(T, H, generator=g).to(dtype)
+    from .emulated import wire_counter
+
+    counter = wire_counter()  # this rank's own interface on the emulated hosts; None on loopback
+    iface: dict[str, int] = {w: 0 for w in layers}
     times: dict[str, list[float]] = {w: [] for w in layers}
     outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     sent: dict[str, dict] = {}
@@ -107,6 +113,8 @@ def _case(comm, cfg: dict, E: int) -> list[dict]:
         for w, layer in layers.items():
             xi = x.detach().requires_grad_()
             comm.barrier()
+            if counter is not None:
+                counter.start()
             t0 = time.perf_counter()
             y = layer(xi)
             y.backward(dy)
@@ -115,11 +123,17 @@ def _case(comm, cfg: dict, E: int) -> list[dict]:
             layer.zero_grad(set_to_none=True)
             if rep >= cfg["warmup"]:
                 times[w].append(float(dt))
+                if counter is not None:  # after the all-reduce: the peers have received this step's bytes
+                    iface[w] += counter.read()["sent"]
             if rep == 0:
                 outs[w] = (y.detach(), xi.grad.detach())
                 sent[w] = dict(layer.last_dispatch)
         if me == 0:
             print(f"  E={E} repetition {rep + 1}/{cfg['warmup'] + cfg['steps']}", file=sys.stderr, flush=True)
+    n_iface = torch.tensor([float(counter is not None)] + [iface[w] / cfg["steps"] for w in layers],
+                           dtype=torch.float64)  # fmt: skip
+    comm.all_reduce(n_iface, "sum")
+    have_iface = int(n_iface[0].item()) == W
     y0, g0 = outs.get("none", next(iter(outs.values())))
     rows = []
     plain_bytes = 2 * (T * cfg["k"]) * H  # a bf16 dispatch of every routed row (the reference)
@@ -131,6 +145,7 @@ def _case(comm, cfg: dict, E: int) -> list[dict]:
             "case": f"E={E}", "wire": w, "world_size": W, "experts": E, "step_ms": 1e3 * statistics.median(ts),
             "p20_ms": 1e3 * quantile(ts, 0.2), "p80_ms": 1e3 * quantile(ts, 0.8), "steps_ms": [1e3 * t for t in ts],
             "bytes_per_step": fwd + bwd, "forward_bytes": fwd, "backward_bytes": bwd,
+            "interface_sent_per_step": float(n_iface[1 + list(layers).index(w)]) / W if have_iface else None,
             "dispatch_row_bytes": _row_bytes(layer_wire(layers[w]), H, dtype),
             "dispatch_vs_bf16": _row_bytes(layer_wire(layers[w]), H, dtype) / (2 * H),
             "output_rel_error": _rel(outs[w][0], y0), "grad_rel_error": _rel(outs[w][1], g0),
@@ -170,13 +185,15 @@ def _print(rows: list[dict], cfg: dict) -> None:
     print(f"torsh bench moe --ep: T={cfg['tokens']}/rank, H={cfg['hidden']}, k={cfg['k']}, ffn={cfg['ffn_hidden']}, "
           f"{cfg['dtype']}, world {rows[0]['world_size']}; step = forward + backward, the slowest rank")  # fmt: skip
     print(f"{'case':8} {'wire':6} {'step ms':>9} {'p20-p80':>15} {'vs none':>8} {'MiB/step':>9} {'bytes vs none':>13} "
-          f"{'row vs bf16':>11} {'out err':>8} {'grad err':>8}")  # fmt: skip
+          f"{'row vs bf16':>11} {'out err':>8} {'grad err':>8} {'MiB/step, interface':>19}")  # fmt: skip
     for r in rows:
+        iface = r.get("interface_sent_per_step")
+        iface = "-" if iface is None else f"{iface / 2**20:.2f}"
         base = next(b for b in rows if b["case"] == r["case"] and b["wire"] == rows[0]["wire"])
         print(f"{r['case']:8} {r['wire']:6} {r['step_ms']:9.1f} {r['p20_ms']:7.1f}-{r['p80_ms']:<7.1f} "
               f"{base['step_ms'] / r['step_ms']:7.2f}x {r['bytes_per_step'] / 2**20:9.2f} "
               f"{r['bytes_per_step'] / max(base['bytes_per_step'], 1):12.3f}x {r['dispatch_vs_bf16']:10.3f}x "
-              f"{r['output_rel_error']:8.2e} {r['grad_rel_error']:8.2e}")  # fmt: skip
+              f"{r['output_rel_error']:8.2e} {r['grad_rel_error']:8.2e} {iface:>19}")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------

@@ -43,13 +43,14 @@ import math
 import shlex
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from ... import cli_common
 from ...env import Timing, compare_spread
+from ...errors import InvalidArgumentError
 from ...files import read_capped
 from . import add_device, environment, resolve_device
 
@@ -104,6 +105,40 @@ def _with_spread(m: dict, p20: object, p80: object) -> dict:
     if isinstance(p20, int | float) and isinstance(p80, int | float):
         m["p20"], m["p80"] = p20, p80
     return m
+
+
+def run_spread(values: Iterable[float | None]) -> dict | None:
+    """The spread of per-run figures, ``{"median", "min", "max", "n"}`` (None values left out; None for none): the
+    form the suites' summaries record and :func:`~torsh_kernels.apps.bench.ddp_report.fmt_spread` prints."""
+    xs = [x for x in values if x is not None]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+
+def interleaved_summary(runs: Sequence[Mapping[str, float | Sequence[float] | None]], baseline: str) -> dict[str, dict]:
+    """Interleaved runs (each times every case in turn), per case: ``figure``, the :func:`run_spread` over runs of
+    its per-run figure (a number, or the median of the run's per-step times); ``runs``, those figures run by run
+    (None where a run lacks the case); ``speedup_vs_baseline``, the spread of ``baseline``'s figure over the case's,
+    paired within each run (a run lacking either is left out; None where none has both). Cases in the order they
+    first appear. An :class:`~torsh_kernels.errors.InvalidArgumentError` for a baseline no run has, an empty list of
+    times, or a figure that is not a finite number > 0."""
+    figures: list[dict[str, float]] = []
+    for i, run in enumerate(runs):
+        figures.append({})
+        for case, v in run.items():
+            if v is not None and not isinstance(v, int | float):
+                if not (v := list(v)):
+                    raise InvalidArgumentError(f"interleaved_summary: run {i}: {case!r} has no step times")
+                v = statistics.median(v)
+            if v is not None and (isinstance(v, bool) or not (math.isfinite(v) and v > 0)):
+                raise InvalidArgumentError(f"interleaved_summary: run {i}: {case!r}: {v!r} is not a figure > 0")
+            if v is not None:
+                figures[-1][case] = float(v)
+    cases = list(dict.fromkeys(c for f in figures for c in f))
+    if baseline not in cases:
+        raise InvalidArgumentError(f"interleaved_summary: no run has the baseline {baseline!r} (cases: {cases})")
+    return {c: {"figure": run_spread(f.get(c) for f in figures), "runs": [f.get(c) for f in figures],
+                "speedup_vs_baseline": run_spread(f[baseline] / f[c] for f in figures if c in f and baseline in f)}
+            for c in cases}  # fmt: skip
 
 
 def measurements(suite: str, data: dict) -> dict[str, dict]:

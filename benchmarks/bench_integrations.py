@@ -7,11 +7,20 @@ For Lightning (CompressedDDPStrategy against DDPStrategy), Accelerate (``integra
 prepared model against the prepared model alone) and the Hugging Face Trainer (``integrations.hf_trainer.compress``
 against the Trainer alone): each run fits a GPT-2 (Hugging Face's GPT2LMHeadModel from a config: 4 layers, width 256,
 vocabulary 2048, 64 tokens, 8 sequences per rank and step) for ``--steps`` steps, once per case, the cases in a
-rotated order each run (interleaved). A case's figure is the median step time after 5 warm-up steps (forward,
-backward with the gradients' exchange, optimizer step); across runs, the median and the range of those, and of the
-per-run ratio to the framework's own run. Cases: the framework's own DDP; torsh's hook with ``none`` (the glue and
-the hook's bucket path, uncompressed: what it costs over DDP's C++ all-reduce); torsh with ``int8`` (compression's
-own cost, which on loopback buys nothing). Rank 0 prints the table and writes the JSON.
+rotated order each run (interleaved). A case's figure in a run is the slowest rank's median step time after 5
+warm-up steps (forward, backward with the gradients' exchange, optimizer step); across runs
+(:func:`torsh_kernels.apps.bench.harness.interleaved_summary`), the median [min-max] of those, and of the speedup
+over the framework's own case paired within each run (own's step / the case's: above 1 is faster than the
+framework's own). Cases: the framework's own DDP; torsh's hook with ``none`` (the glue and the hook's bucket path,
+uncompressed: what it costs over DDP's C++ all-reduce); torsh with ``int8`` (compression's own cost, which on
+loopback buys nothing). Rank 0 prints the table and writes the JSON.
+
+The JSON, the form ``benchmarks/torchtitan_overhead.py`` writes too: ``suite``, ``command``, ``environment``,
+``config``, ``baseline`` (the case the speedups are over) and ``rows``, one per framework and case: ``framework``,
+``case``, ``step_ms`` and ``speedup_vs_baseline`` (each ``{"median", "min", "max", "n"}`` over runs) and
+``runs_ms`` (the per-run figures). Files written before this form (the committed ``integrations-overhead.json`` of
+b3d0d60) have ``results`` instead: framework -> case -> ``median_ms``, ``min_ms``, ``max_ms``, ``per_run_ms`` and
+``ratio_median``, ``ratio_min``, ``ratio_max``, the other way up: the case's step / own's, per run.
 """
 
 from __future__ import annotations
@@ -27,9 +36,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from torsh_kernels.apps.bench.ddp_report import fmt_spread
+from torsh_kernels.apps.bench.harness import interleaved_summary
+
 warnings.filterwarnings("ignore")
 VOCAB, SEQ, BATCH, WARMUP = 2048, 64, 8, 5
 CASES = ("own", "torsh:none", "torsh:int8")
+BASELINE = "own"
 
 
 def model():
@@ -138,17 +151,6 @@ def trainer_case(case: str, steps: int, out: str) -> float:
     return median_after_warmup(clock.times)
 
 
-def summary(per_run: dict) -> dict:
-    out = {}
-    for case, xs in per_run.items():
-        own = per_run["own"]
-        ratios = [x / o for x, o in zip(xs, own)]
-        out[case] = {"median_ms": 1e3 * statistics.median(xs), "min_ms": 1e3 * min(xs), "max_ms": 1e3 * max(xs),
-                     "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                     "per_run_ms": [1e3 * x for x in xs]}  # fmt: skip
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -165,22 +167,25 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="torsh-bench-integrations-")
     run = {"lightning": lambda c: lightning_case(c, a.steps), "accelerate": lambda c: accelerate_case(c, a.steps),
            "trainer": lambda c: trainer_case(c, a.steps, tmp)}  # fmt: skip
-    results = {}
+    rows = []
     for fw in a.frameworks.split(","):
-        per_run = {c: [] for c in CASES}
+        runs = []
         for r in range(a.runs):
             order = CASES[r % len(CASES) :] + CASES[: r % len(CASES)]  # rotated: each case runs first in turn
+            runs.append({})
             for c in order:
                 t = torch.tensor([run[fw](c)])
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step time of the slowest rank
-                per_run[c].append(float(t))
-        results[fw] = summary(per_run)
+                runs[-1][c] = 1e3 * float(t)
+        for c, s in interleaved_summary(runs, BASELINE).items():
+            rows.append({"framework": fw, "case": c, "step_ms": s["figure"], "runs_ms": s["runs"],
+                         "speedup_vs_baseline": s["speedup_vs_baseline"]})  # fmt: skip
     if dist.get_rank() == 0:
-        print(f"{'framework':<11} {'case':<11} {'median ms':>9} {'range ms':>15} {'x own':>6} {'x own range':>13}")
-        for fw, cases in results.items():
-            for c, s in cases.items():
-                print(f"{fw:<11} {c:<11} {s['median_ms']:>9.1f} {s['min_ms']:>7.1f}-{s['max_ms']:<7.1f} "
-                      f"{s['ratio_median']:>6.3f} {s['ratio_min']:>6.3f}-{s['ratio_max']:<6.3f}")  # fmt: skip
+        print(f"median [min-max] over {a.runs} interleaved run(s); speedup: {BASELINE}'s step / the case's, per run")
+        print(f"{'framework':<11} {'case':<11} {'step ms':>23} {'speedup over own':>23}")
+        for r in rows:
+            print(f"{r['framework']:<11} {r['case']:<11} {fmt_spread(r['step_ms'], 1):>23} "
+                  f"{fmt_spread(r['speedup_vs_baseline'], 3):>23}")  # fmt: skip
         if a.json:
             import accelerate
             import lightning
@@ -200,7 +205,7 @@ def main() -> int:
                    "config": {"runs": a.runs, "steps": a.steps, "warmup": WARMUP,
                               "model": "GPT2LMHeadModel 4 layers x 256, vocab 2048, 64 tokens, batch 8 per rank",
                               "params": sum(p.numel() for p in model().parameters())},
-                   "results": results}  # fmt: skip
+                   "baseline": BASELINE, "rows": rows}  # fmt: skip
             with open(a.json, "w") as f:
                 json.dump(doc, f, indent=1)
     dist.destroy_process_group()

@@ -10,9 +10,19 @@ The model is ``llama3_debugmodel``'s (dim 256, 16 heads, vocab 2048; ``--layers`
 mesh on "cpu", and FSDP2's own reduce-scatter forced to a plain sum (gloo has no PREMUL_SUM) wherever it runs. Each
 run times ``--steps`` steps (forward, torchtitan's CrossEntropyLoss, backward, AdamW) of every case in turn, the
 order rotating per run, after 3 warm-up steps per case; the cases are built once, with the same weights. Reported
-per case: the median of the runs' median step times with the runs' range and the steps' p10/p90, and the median
-(range) over runs of the ratio to torchtitan's median in the same run, which a shared machine's drifting load
-disturbs less.
+per case (:func:`torsh_kernels.apps.bench.harness.interleaved_summary`): the median [min-max] over runs of each
+run's median step time, the steps' p10/p90, and the median [min-max] over runs of the speedup over torchtitan
+paired within each run (torchtitan's median step / the case's, above 1 faster than torchtitan), which a shared
+machine's drifting load disturbs less.
+
+The JSON, the form ``benchmarks/bench_integrations.py`` writes too: ``suite``, ``command``, ``environment``,
+``config``, ``baseline`` (the case the speedups are over) and ``rows``, one per case: ``case``, ``step_ms`` and
+``speedup_vs_baseline`` (each ``{"median", "min", "max", "n"}`` over runs), ``runs_ms`` (each run's median step),
+``p10_ms``/``p90_ms`` (over every timed step), ``bytes_per_step`` (sent per rank) and ``loss`` (the last step's).
+Files written before this form (the committed ``integrations-torchtitan.json`` of f3a3fc9) have in each row
+``step_ms`` as a number (the median over runs), ``run_medians_ms``, ``min_run_ms``, ``max_run_ms``,
+``vs_torchtitan`` (the ratio of the medians) and ``paired_ratio_median``, ``paired_ratio_min``,
+``paired_ratio_max``, the other way up: the case's step / torchtitan's, per run.
 """
 
 from __future__ import annotations
@@ -27,8 +37,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from torsh_kernels.apps.bench.ddp_report import fmt_spread
+from torsh_kernels.apps.bench.harness import interleaved_summary
 from torsh_kernels.collectives import run_local
 
+BASELINE = "torchtitan"
 CASES = {
     "torchtitan": None,
     "glue, nothing quantized": {"weights": None, "grads": None},
@@ -104,9 +117,10 @@ def _worker(comm, args) -> dict:
     for name in names:
         for _ in range(3):
             step(name)
-    out = {n: {"run_medians_ms": [], "steps_ms": [], "bytes_per_step": None, "loss": None} for n in names}
+    out = {"runs": [], "steps_ms": {n: [] for n in names}, "bytes_per_step": {}, "loss": {}}
     for run in range(args["runs"]):
         order = names[run % len(names) :] + names[: run % len(names)]
+        out["runs"].append({})
         for name in order:
             comms = models[name][2]
             b0 = sum(c.bytes_sent for c in comms)
@@ -114,10 +128,10 @@ def _worker(comm, args) -> dict:
             for _ in range(args["steps"]):
                 dt, loss = step(name)
                 times.append(dt * 1e3)
-            out[name]["run_medians_ms"].append(statistics.median(times))
-            out[name]["steps_ms"] += times
-            out[name]["bytes_per_step"] = (sum(c.bytes_sent for c in comms) - b0) // args["steps"]
-            out[name]["loss"] = loss
+            out["runs"][-1][name] = times
+            out["steps_ms"][name] += times
+            out["bytes_per_step"][name] = (sum(c.bytes_sent for c in comms) - b0) // args["steps"]
+            out["loss"][name] = loss
     return out
 
 
@@ -135,32 +149,25 @@ def main(argv: list[str]) -> int:
     t0 = time.time()
     res = run_local(_worker, 2, args, threads=a.threads, op_timeout=300, timeout=3600)[0]  # rank 0's clock
     rows = []
-    base = statistics.median(res["torchtitan"]["run_medians_ms"])
-    base_runs = res["torchtitan"]["run_medians_ms"]
-    for name, r in res.items():
-        med = statistics.median(r["run_medians_ms"])
-        paired = [a / b for a, b in zip(r["run_medians_ms"], base_runs)]  # the same run: minutes apart at most
-        q = statistics.quantiles(r["steps_ms"], n=10)
-        rows.append({
-            "case": name, "step_ms": med, "run_medians_ms": r["run_medians_ms"],
-            "min_run_ms": min(r["run_medians_ms"]), "max_run_ms": max(r["run_medians_ms"]),
-            "p10_ms": q[0], "p90_ms": q[-1], "vs_torchtitan": med / base,
-            "paired_ratio_median": statistics.median(paired), "paired_ratio_min": min(paired),
-            "paired_ratio_max": max(paired),
-            "bytes_per_step": r["bytes_per_step"], "loss": r["loss"],
-        })  # fmt: skip
+    for name, sm in interleaved_summary(res["runs"], BASELINE).items():  # paired: the same run, minutes apart at most
+        q = statistics.quantiles(res["steps_ms"][name], n=10)
+        rows.append({"case": name, "step_ms": sm["figure"], "runs_ms": sm["runs"],
+                     "speedup_vs_baseline": sm["speedup_vs_baseline"], "p10_ms": q[0], "p90_ms": q[-1],
+                     "bytes_per_step": res["bytes_per_step"][name], "loss": res["loss"][name]})  # fmt: skip
     from torsh_kernels.env import environment
 
     doc = {
         "suite": "integrations-torchtitan",
+        "command": " ".join(["python", *sys.argv]),
         "environment": {**environment(torch.device("cpu")), "network": "loopback", "world_size": 2},
         "config": {**args, "threads": a.threads, "model": "llama3 debugmodel", "wall_s": round(time.time() - t0)},
+        "baseline": BASELINE,
         "rows": rows,
     }
+    print(f"median [min-max] over {a.runs} interleaved run(s); speedup: {BASELINE}'s step / the case's, per run")
     for r in rows:
-        print(f"{r['case']:<26} {r['step_ms']:8.1f} ms/step (runs {r['min_run_ms']:.1f}..{r['max_run_ms']:.1f}, "
-              f"steps p10 {r['p10_ms']:.1f} p90 {r['p90_ms']:.1f}) x{r['vs_torchtitan']:.3f}, paired per run "
-              f"x{r['paired_ratio_median']:.3f} ({r['paired_ratio_min']:.3f}..{r['paired_ratio_max']:.3f})  "
+        print(f"{r['case']:<26} {fmt_spread(r['step_ms'], 1)} ms/step (steps p10 {r['p10_ms']:.1f} p90 "
+              f"{r['p90_ms']:.1f}), speedup {fmt_spread(r['speedup_vs_baseline'], 3)}  "
               f"{r['bytes_per_step'] / 1e6:.2f} MB/step sent")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:

@@ -67,6 +67,7 @@ from ...collectives import TorchCommunicator, init_from_env, run_local
 from ...errors import RankFailedError
 from . import emit, environment, quantile
 from .ddp_report import print_report, print_signatures, print_sweep
+from .harness import run_spread as _spread
 
 OURS = {
     "none": lambda r: None,
@@ -396,11 +397,6 @@ def _signature_cost(comm: TorchCommunicator, cfg: dict) -> dict | None:
                           file=sys.stderr, flush=True)  # fmt: skip
     res = {"signature_rows": rows, "world_size": comm.world_size, "backend": comm.backend}
     return _report(res, cfg) if comm.rank == 0 else None
-
-
-def _spread(v: list) -> dict | None:
-    v = [x for x in v if x is not None]
-    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} if v else None
 
 
 def _signature_summary(res: dict) -> None:

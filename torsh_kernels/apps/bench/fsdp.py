@@ -55,6 +55,7 @@ import torch
 from ... import cli_common
 from ...collectives import TorchCommunicator, init_from_env, run_local
 from . import emit, environment, quantile
+from .harness import run_spread as _spread
 
 CASES = {
     "plain": (None, None),
@@ -307,10 +308,6 @@ def _repeat(comm: TorchCommunicator, cfg: dict, cases: list, detail) -> list[dic
                 ms = f"{r['step_ms']:9.1f} ms/step" if "step_ms" in r else ""
                 print(f"  {name:<28} {ms} {detail(r)}", file=sys.stderr, flush=True)
     return rows
-
-
-def _spread(v: list[float]) -> dict:
-    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
 
 
 def _report(res: dict, cfg: dict, names: list[str]) -> dict:

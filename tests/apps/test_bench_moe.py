@@ -36,6 +36,9 @@ def test_layer_cases_check_the_same_math_then_time_ours_and_hf_side_by_side(tmp_
     mixtral = {r["impl"]: r for r in layer if r["extra"]["block"] == "mixtral"}
     ours = mixtral["torsh MoELayer"]
     assert ours["kind"] == "ours" and ours["extra"]["expert_width"] == 56  # 3.5 x 16
+    # the model's size in parameters (the router's [E, H], gate_up [E, 2F, H], down [E, H, F]) and gradient bytes
+    assert ours["extra"]["parameters"] == 4 * 16 + 4 * 2 * 56 * 16 + 4 * 16 * 56
+    assert ours["extra"]["gradient_bytes"] == 4 * ours["extra"]["parameters"]
     errs = ours["extra"]["max_rel_error"]
     assert set(errs) == {"y", "grad x", "grad gate.weight", "grad experts.gate_up_proj", "grad experts.down_proj"}
     assert all(0 <= e <= 1e-4 for e in errs.values())

@@ -385,7 +385,8 @@ def _report_offload(res: dict, cfg: dict, names: list[str]) -> dict:
 def _print(res: dict, env: dict, cfg: dict) -> None:
     params = cfg["layers"] * (cfg["width"] ** 2 + cfg["width"])
     t = cli_common.table((f"FSDP2 step time, {res['world_size']} ranks ({res['backend']}, {env.get('network')}), "
-                    f"{cfg['layers']} x [{cfg['width']} x {cfg['width']}] linears ({params / 1e6:.1f} M parameters), "
+                    f"{cfg['layers']} x [{cfg['width']} x {cfg['width']}] linears ({params / 1e6:.1f}M parameters, "
+                    f"{4 * params / 1e6:.0f} MB of fp32 gradients), "
                     f"batch {cfg['batch']}/rank; medians over {cfg['repeat']} run(s) [min-max]"),
                    ["case", "step (ms)", "speedup vs plain", "MB/step, ring formula", "vs plain",
                     "MB/step, interface", "vs plain", f"loss after {cfg['warmup'] + cfg['steps']} steps",

@@ -329,9 +329,12 @@ def run_layer_case(kind: str, T: int, H: int, E: int, k: int, width: int, dtype:
     """Ours against the Hugging Face block with eager and (unless ``grouped_mm`` is False) grouped_mm experts,
     ``default`` naming transformers' default of the two: the same math checked first, then forward + backward
     timed, interleaved; the profile of ours by phase when asked."""
-    title = f"layer {kind}: T={T} H={H} E={E} k={k} width={width} {str(dtype).removeprefix('torch.')}"
     g = torch.Generator().manual_seed(1000 + E)
     hf = hf_block(kind, H, width, E, k, "eager", g)
+    params = sum(p.numel() for p in hf.parameters())  # ours holds the same (MoELayer.from_hf)
+    grad_bytes = params * torch.empty((), dtype=dtype).element_size()
+    title = (f"layer {kind}: T={T} H={H} E={E} k={k} width={width} {str(dtype).removeprefix('torch.')}, "
+             f"{params / 1e6:.1f}M parameters ({grad_bytes / 1e6:.0f} MB of gradients)")  # fmt: skip
     cls = type(hf).__name__
     mark = " - transformers' default"
     peers = [("eager", f"HF {cls} (eager experts){mark if default == 'eager' else ''}", hf)]
@@ -347,7 +350,7 @@ def run_layer_case(kind: str, T: int, H: int, E: int, k: int, width: int, dtype:
     flops = 3 * _flops(kind, T, H, width, E, k)
     extra = {"block": kind, "tokens": T, "hidden": H, "experts": E, "k": k, "expert_width": width,
              "dtype": str(dtype).removeprefix("torch."), "gflop_per_step": flops / 1e9,
-             "torch_threads": torch.get_num_threads()}  # fmt: skip
+             "parameters": params, "gradient_bytes": grad_bytes, "torch_threads": torch.get_num_threads()}  # fmt: skip
     if kind == "deepseek-v3":
         extra.update(zip(("n_group", "topk_group"), deepseek_groups(E, k)), shared_experts=1,
                      routed_scaling_factor=2.5)  # fmt: skip

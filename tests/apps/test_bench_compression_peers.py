@@ -13,6 +13,7 @@ import torch
 from torsh_kernels.apps.bench import Case, Result, Timing, finish
 from torsh_kernels.apps.bench import compression as bench
 from torsh_kernels.apps.cli import main
+from torsh_kernels.errors import InvalidArgumentError
 from torsh_kernels.ops import topk_compress, topk_count
 from torsh_kernels.ops.topk.api import _sample_stride
 
@@ -141,4 +142,26 @@ def test_the_suite_runs_and_its_json_names_each_rows_like_for_like_peer(tmp_path
     assert ortho
     for r in ortho:  # each of the orthogonalization's three peers, by name
         loop = [i for c, o, i in rows if c == r["case"] and o == "orthogonalize" and "gram_schmidt" in i]
-        assert set(r["speedups"]) == {bench.QR_LABEL, bench.HOOK_LABEL, *loop} and len(loop) == 1
+        assert set(r["speedups"]) == {bench.QR_LABEL, bench.HOOK_LABEL, bench.CHOLQR2_LABEL, *loop} and len(loop) == 1
+
+
+@pytest.mark.parametrize("r", [1, 2, 5, 16])
+def test_the_cholesky_qr2_peer_is_torsh_s_algorithm_in_plain_torch(r):
+    """The same-algorithm peer of orthogonalize gives torsh's Q (unique: R's diagonal positive), also where a
+    matrix is ill-conditioned enough to need the second iteration, and refuses dependent columns."""
+    from torsh_kernels.ops import orthogonalize
+
+    g = torch.Generator().manual_seed(r)
+    p = torch.randn(5, 257, r, generator=g)
+    if r > 1:  # one matrix with two nearly parallel columns (condition ~1e3): its first iteration is not enough
+        p[2, :, -1] = p[2, :, 0] + 1e-3 * p[2, :, -1]
+    got, want = p.clone(), p.clone()
+    bench.peer_cholesky_qr2(got)
+    orthogonalize(want)
+    assert (got - want).abs().max().item() < 1e-5
+    assert (got.mT @ got - torch.eye(r)).abs().max().item() < 1e-5
+    if r > 1:
+        dep = p.clone()
+        dep[0, :, 1] = dep[0, :, 0]
+        with pytest.raises(InvalidArgumentError, match="not positive definite"):
+            bench.peer_cholesky_qr2(dep)

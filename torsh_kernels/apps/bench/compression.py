@@ -46,6 +46,7 @@ import torch
 
 from ... import cli_common
 from ... import compression as cz
+from ...errors import InvalidArgumentError
 from ...ops import (
     dequantize,
     orthogonalize,
@@ -259,6 +260,39 @@ def _torch_gram_schmidt(p: torch.Tensor) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize_gram_schmidt
 
     _orthogonalize_gram_schmidt(p, 0)
+
+
+def peer_cholesky_qr2(p: torch.Tensor) -> None:
+    """CholeskyQR2 written in plain torch, in place on a [B, m, r] batch: torsh's algorithm as one would write it
+    with torch's batched ops. The Gram matrix in fp64, its Cholesky factor L, Q = P L^-T, stored in P's dtype;
+    then, as torsh does, the stored Q's Gram matrix G = I + E: matrices with a column of E above half the unit
+    roundoff get a second iteration on that G. torsh's kernels differ in the mechanics (one fused pass per
+    iteration, the next Gram matrix summed while the rows are stored, a dependent-column test this peer lacks)."""
+    tau = torch.finfo(p.dtype).eps / 4  # half the unit roundoff u (eps = 2u)
+    pd = p.double()
+    g = pd.transpose(-1, -2) @ pd
+    todo = torch.arange(p.shape[0], device=p.device)
+    for it in range(2):
+        low, info = torch.linalg.cholesky_ex(g)
+        if bool(info.any()):
+            raise InvalidArgumentError("CholeskyQR2 peer: a Gram matrix is not positive definite (dependent columns)")
+        q = torch.linalg.solve_triangular(low, pd.transpose(-1, -2), upper=False).transpose(-1, -2)
+        p[todo] = q.to(p.dtype)
+        if it == 1:
+            break
+        pd = p[todo].double()
+        g = pd.transpose(-1, -2) @ pd
+        e = g - torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
+        more = (torch.linalg.vector_norm(e, dim=-2) > tau).any(-1)
+        if not bool(more.any()):
+            break
+        todo, pd, g = todo[more], pd[more], g[more]
+
+
+CHOLQR2_LABEL = (
+    "CholeskyQR2 in plain torch (torsh's algorithm): fp64 Gram, linalg.cholesky_ex, solve_triangular, "
+    "a second iteration where the stored Q is not orthonormal to half a rounding"
+)
 
 
 class PeerPowerSGD:
@@ -527,7 +561,15 @@ def run_orthogonalize(device: torch.device, providers: list[str], reps: int, bat
                 )
             case.add("orthogonalize", "torsh default" if p is None else f"torsh[{p}]", "ours", fn, 2 * nbytes,
                      note=note)  # fmt: skip
+        chk = base.clone()  # the same-algorithm peer must give torsh's Q (unique with R's positive diagonal)
+        peer_cholesky_qr2(chk)
+        want = base.clone()
+        orthogonalize(want)
+        if not torch.allclose(chk, want, rtol=0, atol=1e-4):
+            raise AssertionError(f"r = {r}: the CholeskyQR2 peer's Q differs from torsh's by "
+                                 f"{(chk - want).abs().max().item():.1e}; not timing it")  # fmt: skip
         case.add("orthogonalize", QR_LABEL, "peer", qr, 2 * nbytes)
+        case.add("orthogonalize", CHOLQR2_LABEL, "peer", lambda w=work: peer_cholesky_qr2(w), 2 * nbytes)
         # what PyTorch's PowerSGD hook runs, in place: Gram-Schmidt for rank <= 2, linalg.qr(out=(P, R)) above
         case.add("orthogonalize", HOOK_LABEL, "peer",
                  lambda w=work: _torch_orthogonalize(w), 2 * nbytes)  # fmt: skip

@@ -12,6 +12,7 @@ import torch
 
 from torsh_kernels.apps.bench import Case, Result, Timing, finish
 from torsh_kernels.apps.bench import compression as bench
+from torsh_kernels.apps.bench import compression_peers as peers
 from torsh_kernels.apps.cli import main
 from torsh_kernels.errors import InvalidArgumentError
 from torsh_kernels.ops import topk_compress, topk_count
@@ -30,7 +31,7 @@ def test_the_dgc_style_peer_selects_the_exact_top_k_and_updates_the_residual(wit
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, generator=g)
     k = topk_count(N, RATIO)
-    peer = bench.DgcTopk(N, k)
+    peer = peers.DgcTopk(N, k)
     assert peer.stride == _sample_stride(N, k) > 1 and peer.cap == k + (k + 3) // 4
     r = 0.3 * torch.randn(N, generator=g) if with_residual else None
     acc = x + r if r is not None else x.clone()
@@ -50,14 +51,14 @@ def test_the_dgc_style_peer_selects_what_torsh_approximate_mode_selects():
     r_ours, r_peer = torch.zeros(N), torch.zeros(N)
     for _ in range(3):  # with error feedback over a few steps: the residuals stay equal
         _, i = topk_compress(x, ratio=RATIO, residual=r_ours, exact=False, provider="torch")
-        _, pi = bench.DgcTopk(N, k)(x, r_peer)
+        _, pi = peers.DgcTopk(N, k)(x, r_peer)
         assert set(i.tolist()) == set(pi.tolist())
         assert torch.equal(r_ours, r_peer)
 
 
 def test_an_unrepresentative_sample_is_re_aimed_or_falls_back_and_stays_exact():
     k = topk_count(N, RATIO)
-    peer = bench.DgcTopk(N, k)
+    peer = peers.DgcTopk(N, k)
     x = torch.randn(N, generator=torch.Generator().manual_seed(2)) * 1e-3
     x[1 :: peer.stride][: 3 * k] = 10.0 + torch.arange(3 * k, dtype=torch.float32)  # large, and never sampled
     _, idx = peer(x)
@@ -68,22 +69,22 @@ def test_an_unrepresentative_sample_is_re_aimed_or_falls_back_and_stays_exact():
 def test_a_wrong_top_k_peer_is_refused_before_timing_and_a_right_one_has_recall_one():
     x = torch.randn(N, generator=torch.Generator().manual_seed(3))
     k = topk_count(N, RATIO)
-    assert bench.check_topk_peer(bench.DgcTopk(N, k), x, k, True) == 1.0
-    assert bench.check_topk_peer(lambda x, r: bench.peer_topk_ef(x, r, k), x, k, True) == 1.0
+    assert peers.check_topk_peer(peers.DgcTopk(N, k), x, k, True) == 1.0
+    assert peers.check_topk_peer(lambda x, r: peers.peer_topk_ef(x, r, k), x, k, True) == 1.0
 
     def first_k(x, r=None):
         idx = torch.arange(k)
         return x[idx], idx
 
     with pytest.raises(AssertionError, match="not the exact top-k"):
-        bench.check_topk_peer(first_k, x, k, False)
+        peers.check_topk_peer(first_k, x, k, False)
 
     def forgets_the_residual(x, r):
         idx = torch.topk((x + r).abs(), k).indices
         return (x + r)[idx], idx
 
     with pytest.raises(AssertionError, match="residual"):
-        bench.check_topk_peer(forgets_the_residual, x, k, True)
+        peers.check_topk_peer(forgets_the_residual, x, k, True)
 
 
 def _row(impl: str, kind: str, ms: float, peers: list[str] | None = None) -> Result:
@@ -142,7 +143,7 @@ def test_the_suite_runs_and_its_json_names_each_rows_like_for_like_peer(tmp_path
     assert ortho
     for r in ortho:  # each of the orthogonalization's three peers, by name
         loop = [i for c, o, i in rows if c == r["case"] and o == "orthogonalize" and "gram_schmidt" in i]
-        assert set(r["speedups"]) == {bench.QR_LABEL, bench.HOOK_LABEL, bench.CHOLQR2_LABEL, *loop} and len(loop) == 1
+        assert set(r["speedups"]) == {bench.QR_LABEL, bench.HOOK_LABEL, peers.CHOLQR2_LABEL, *loop} and len(loop) == 1
 
 
 @pytest.mark.parametrize("r", [1, 2, 5, 16])
@@ -156,7 +157,7 @@ def test_the_cholesky_qr2_peer_is_torsh_s_algorithm_in_plain_torch(r):
     if r > 1:  # one matrix with two nearly parallel columns (condition ~1e3): its first iteration is not enough
         p[2, :, -1] = p[2, :, 0] + 1e-3 * p[2, :, -1]
     got, want = p.clone(), p.clone()
-    bench.peer_cholesky_qr2(got)
+    peers.peer_cholesky_qr2(got)
     orthogonalize(want)
     assert (got - want).abs().max().item() < 1e-5
     assert (got.mT @ got - torch.eye(r)).abs().max().item() < 1e-5
@@ -164,4 +165,4 @@ def test_the_cholesky_qr2_peer_is_torsh_s_algorithm_in_plain_torch(r):
         dep = p.clone()
         dep[0, :, 1] = dep[0, :, 0]
         with pytest.raises(InvalidArgumentError, match="not positive definite"):
-            bench.peer_cholesky_qr2(dep)
+            peers.peer_cholesky_qr2(dep)

@@ -322,7 +322,7 @@ def test_bench_fsdp_offload_counts_what_each_optimizer_holds(tmp_path):
 
 
 def test_bench_ddp_judges_auto_by_its_own_steps_with_its_decision():
-    from torsh_kernels.apps.bench import ddp
+    from torsh_kernels.apps.bench import ddp, ddp_report
 
     assert [c.label() for c in ddp._auto_candidates(4, ["none", "topk", "auto"]) if c] == ["topk:0.01"]
     assert len(ddp._auto_candidates(4, ["auto"])) == len(ddp.OURS) - 1
@@ -337,7 +337,7 @@ def test_bench_ddp_judges_auto_by_its_own_steps_with_its_decision():
                          "chose": chose if case == "torsh auto" else None,
                          "auto": {"measure_s": 9.0} if case == "torsh auto" else None})  # fmt: skip
     res = {"rows": rows, "timed_steps": 10}
-    ddp._auto_summary(res, 4)
+    ddp_report.auto_summary(res, 4)
     r0, r1 = res["auto_vs_best"]
     # PyTorch's hooks are not what auto chooses among: the best case is the best of no hook and ours
     assert (r0["best_case"], r0["ratio"]) == ("torsh topk", 95 / 90)
@@ -347,7 +347,7 @@ def test_bench_ddp_judges_auto_by_its_own_steps_with_its_decision():
     auto_run = 200 + 200 + 9095 + 95 + 10 * 95
     best_run = 200 + 200 + 90 + 90 + 10 * 90
     assert r0["run_ratio"] == pytest.approx(auto_run / best_run) and r0["run_ratio"] > 7
-    h = ddp.AUTO_HORIZON
+    h = ddp_report.AUTO_HORIZON
     assert r0["horizon_ratio"] == pytest.approx((9590 + 95 * (h - 4)) / (580 + 90 * (h - 4)))
     assert r0["decision_s"] == 9.0
     # against no hook (200 ms), auto saves 105 ms a step after spending 9000 ms more before: 85.7 steps
@@ -357,7 +357,7 @@ def test_bench_ddp_judges_auto_by_its_own_steps_with_its_decision():
 
 
 def test_bench_ddp_signatures_pairs_the_exchange_on_and_off_run_by_run():
-    from torsh_kernels.apps.bench import ddp
+    from torsh_kernels.apps.bench import ddp_report
 
     rows = []
     for rep, (on, off) in enumerate([(110, 100), (90, 100), (105, 100)]):
@@ -365,7 +365,7 @@ def test_bench_ddp_signatures_pairs_the_exchange_on_and_off_run_by_run():
             rows.append({"case": "torsh topk", "check": check, "step_ms": ms, "first_steps_ms": first, "error": None,
                          "signature_checks": n, "signature_ms": sig, "repeat": rep})  # fmt: skip
     res = {"signature_rows": rows}
-    ddp._signature_summary(res)
+    ddp_report.signature_summary(res)
     (s,) = res["signature_summary"]
     assert s["step_ratio"] == {"median": pytest.approx(1.05), "min": pytest.approx(0.9), "max": pytest.approx(1.1),
                                "n": 3}  # fmt: skip

@@ -66,8 +66,7 @@ from ... import compression as cz
 from ...collectives import TorchCommunicator, init_from_env, run_local
 from ...errors import RankFailedError
 from . import emit, environment, quantile
-from .ddp_report import print_report, print_signatures, print_sweep
-from .harness import run_spread as _spread
+from .ddp_report import auto_summary, print_report, print_signatures, print_sweep, signature_summary, summaries
 
 OURS = {
     "none": lambda r: None,
@@ -399,138 +398,17 @@ def _signature_cost(comm: TorchCommunicator, cfg: dict) -> dict | None:
     return _report(res, cfg) if comm.rank == 0 else None
 
 
-def _signature_summary(res: dict) -> None:
-    """Per compressor: the exchange on against off, paired run by run."""
-    out = []
-    rows = res["signature_rows"]
-    for case in dict.fromkeys(r["case"] for r in rows):
-        on = {r["repeat"]: r for r in rows if r["case"] == case and r["check"] and not r["error"]}
-        off = {r["repeat"]: r for r in rows if r["case"] == case and not r["check"] and not r["error"]}
-        both = sorted(set(on) & set(off))
-        out.append({
-            "case": case,
-            "step_ms_on": _spread([on[k]["step_ms"] for k in both]),
-            "step_ms_off": _spread([off[k]["step_ms"] for k in both]),
-            "step_ratio": _spread([on[k]["step_ms"] / off[k]["step_ms"] for k in both]),
-            "first_steps_ms_on": _spread([sum(on[k]["first_steps_ms"]) for k in both]),
-            "first_steps_ms_off": _spread([sum(off[k]["first_steps_ms"]) for k in both]),
-            "first_steps_extra_ms": _spread([sum(on[k]["first_steps_ms"]) - sum(off[k]["first_steps_ms"])
-                                             for k in both]),
-            "signature_checks": _spread([on[k]["signature_checks"] for k in both]),
-            "signature_ms": _spread([on[k]["signature_ms"] for k in both]),
-            "signature_checks_off": _spread([off[k]["signature_checks"] for k in both]),
-        })  # fmt: skip
-    res["signature_summary"] = out
-
-
-def _summaries(res: dict) -> None:
-    """Medians over the repeats with their spread; for the sweep, the marginal cost of a bucket."""
-    spread = _spread
-    if "bucket_rows" in res:
-        rows = res["bucket_rows"]
-        out = []
-        for case in dict.fromkeys(r["case"] for r in rows):
-            mine = [r for r in rows if r["case"] == case]
-            ones = {r["repeat"]: r for r in mine if r["buckets_asked"] == 1}
-            for nb in dict.fromkeys(r["buckets_asked"] for r in mine):
-                rs = [r for r in mine if r["buckets_asked"] == nb]
-                marg = [(r["hook_ms_per_step"] - ones[r["repeat"]]["hook_ms_per_step"]) / (r["buckets"] - 1)
-                        for r in rs if r["repeat"] in ones and r["buckets"] > 1]  # fmt: skip
-                out.append({"case": case, "buckets_asked": nb, "buckets": rs[0]["buckets"],
-                            "step_ms": spread([r["step_ms"] for r in rs]),
-                            "hook_ms_per_step": spread([r["hook_ms_per_step"] for r in rs]),
-                            "hook_ms_per_bucket": spread([r["hook_ms_per_bucket"] for r in rs]),
-                            "marginal_ms_per_bucket": spread(marg)})  # fmt: skip
-        res["bucket_summary"] = out
-        return
-    rows = res["rows"]
-    out = []
-    for case in dict.fromkeys(r["case"] for r in rows):
-        out.append({"case": case, "step_ms": spread([r["step_ms"] for r in rows if r["case"] == case])})
-    by = {}
-    for r in rows:
-        by.setdefault(r.get("repeat", 0), {})[r["case"]] = r["step_ms"]
-    ratios = {}
-    for (ours, theirs), how in LIKE_FOR_LIKE.items():
-        v = [d[theirs] / d[ours] for d in by.values() if d.get(ours) and d.get(theirs)]
-        if v:
-            ratios[f"{theirs} / {ours}"] = {**spread(v), "comparison": how}
-    res["summary"] = out
-    res["speedups"] = ratios
-
-
-LIKE_FOR_LIKE = {
-    ("torsh fp16", "torch fp16"): "like for like: the same format, DDP's 25 MB buckets each",
-    ("torsh bf16", "torch fp16"): "bf16 against PyTorch's fp16 hook (PyTorch's bf16 hook is the same arithmetic)",
-    ("torsh powersgd-1bucket", "torch powersgd-1bucket"): "like for like: PowerSGD at the same rank and start "
-    "iteration, one bucket each",
-    ("torsh powersgd", "torch powersgd-1bucket"): "not like for like: ours with DDP's 25 MB buckets against "
-    "PyTorch's with one bucket (its 25 MB-bucket case fails or hangs on gloo)",
-}
-"""The ratios ``_summaries`` reports per run (PyTorch's step over ours), each with what it compares."""
-
-AUTO_HORIZON = 1000
-"""Steps over which ``auto``'s decision time is amortised in :func:`_auto_summary`'s second verdict."""
-
-
-def _auto_summary(res: dict, rank: int) -> None:
-    """``auto`` judged by its own steps, per run, against the best fixed case of the same run (no hook or one of
-    ours): its steady step; the whole run (the same number of steps, the warm-up and its decision included); and
-    a training run of :data:`AUTO_HORIZON` steps (the measured steps before the timed ones, then the steady step
-    for the rest). Also the decision's own seconds (``measure_s``) and, against no hook, the step at which the
-    decision has paid for itself."""
-    rows = [r for r in res.get("rows", []) if r["step_ms"] is not None and r["error"] is None]
-    runs = {}
-    for r in rows:
-        runs.setdefault(r.get("repeat", 0), []).append(r)
-    out = []
-    for rep, rs in sorted(runs.items()):
-        auto = next((r for r in rs if r["case"] == "torsh auto"), None)
-        pool = [r for r in rs if r["case"] == "no hook" or (r["case"].startswith("torsh ") and r is not auto)]
-        if auto is None or not pool:
-            continue
-
-        def total(r: dict, steps: int) -> float:
-            before = r.get("steps_before_ms") or []
-            return sum(before) + (steps - len(before)) * r["step_ms"]
-
-        n_run = len(auto.get("steps_before_ms") or []) + res.get("timed_steps", 0)
-        best = min(pool, key=lambda r: r["step_ms"])
-        best_run = min(pool, key=lambda r: total(r, n_run))
-        best_h = min(pool, key=lambda r: total(r, AUTO_HORIZON))
-        rec = auto.get("auto") or {}
-        none = next((r for r in rs if r["case"] == "no hook"), None)
-        break_even = None
-        if none is not None and none["step_ms"] > auto["step_ms"]:  # steps until the decision has paid for itself
-            extra = sum(auto.get("steps_before_ms") or []) - sum(none.get("steps_before_ms") or [])
-            break_even = max(0.0, extra) / (none["step_ms"] - auto["step_ms"])
-        out.append({
-            "repeat": rep, "chose": auto["chose"], "decision_s": rec.get("measure_s"),
-            "auto_ms": auto["step_ms"], "best_case": best["case"], "best_ms": best["step_ms"],
-            "ratio": auto["step_ms"] / best["step_ms"],
-            "run_steps": n_run, "auto_run_s": total(auto, n_run) / 1e3, "best_run_case": best_run["case"],
-            "best_run_s": total(best_run, n_run) / 1e3, "run_ratio": total(auto, n_run) / total(best_run, n_run),
-            "horizon_steps": AUTO_HORIZON, "best_horizon_case": best_h["case"],
-            "horizon_ratio": total(auto, AUTO_HORIZON) / total(best_h, AUTO_HORIZON),
-            "break_even_steps_vs_no_hook": break_even,
-        })  # fmt: skip
-    if out:
-        res["auto_vs_best"] = out
-        res["auto_verdict"] = {k: _spread([a[k] for a in out]) for k in ("ratio", "run_ratio", "horizon_ratio",
-                                                                          "decision_s")}  # fmt: skip
-
-
 def _report(res: dict, cfg: dict) -> dict:
     env = environment(torch.device("cuda" if res["backend"] == "nccl" else "cpu"))
     env["network"] = os.environ.get("TORSH_BENCH_NETWORK", "loopback" if res["backend"] == "gloo" else "local GPUs")
     doc_path = cfg.get("_doc_path")
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
     if "signature_rows" in res:
-        _signature_summary(res)
+        signature_summary(res)
         print_signatures(res, env, cfg)
     else:
-        _summaries(res)
-        _auto_summary(res, cfg["rank"])
+        summaries(res)
+        auto_summary(res, cfg["rank"])
         if "bucket_rows" in res:
             print_sweep(res, env, cfg)
         else:

@@ -45,8 +45,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +66,7 @@ from . import (
     select_providers,
     time_interleaved,
 )
+from .moe_profile import fwd_bwd, profile_layer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -264,20 +263,6 @@ def _experts_mode(layer, x: torch.Tensor) -> str:
     return "grouped" if not why else f"loop ({why})"
 
 
-def _fwd_bwd(module, x: torch.Tensor, gy: torch.Tensor):
-    """One training step of ``module`` on ``x`` (requiring a gradient, as inside a model): forward, then
-    backward of ``<y, gy>``; the parameters' gradients dropped after, so none accumulates."""
-
-    def step():
-        xx = x.detach().requires_grad_()
-        module(xx).backward(gy)
-        for p in module.parameters():
-            p.grad = None
-        return xx.grad
-
-    return step
-
-
 def _outputs(module, x: torch.Tensor, gy: torch.Tensor) -> dict[str, torch.Tensor]:
     """The output, the input's gradient and every parameter's gradient of one step (fp32 copies)."""
     xx = x.detach().requires_grad_()
@@ -362,7 +347,7 @@ def run_layer_case(kind: str, T: int, H: int, E: int, k: int, width: int, dtype:
         checks[name] = _same_math(name, _outputs(m, x, gy), want, {}, tol)
     layer.to(device=device, dtype=dtype)
     checks["torsh MoELayer"] = _same_math("torsh MoELayer", _outputs(layer, x, gy), want, mapping, tol)
-    fns = [_fwd_bwd(layer, x, gy), *(_fwd_bwd(m, x, gy) for _, _, m in peers)]
+    fns = [fwd_bwd(layer, x, gy), *(fwd_bwd(m, x, gy) for _, _, m in peers)]
     rows = [("torsh MoELayer", "ours", "layer fwd+bwd", None)]
     rows += [(name, "peer", f"layer fwd+bwd, HF {key} experts", key) for key, name, _ in peers]
     timings = time_interleaved(fns, device, warmup=1, reps=reps)
@@ -383,7 +368,7 @@ def run_layer_case(kind: str, T: int, H: int, E: int, k: int, width: int, dtype:
     if default in keys:
         ours.extra["speedup_vs_hf_default"] = ours.extra[f"speedup_vs_hf_{default}"]
     ours.speedup_vs_best_peer = min(p.timing.median_ms for p in keys.values()) / ours.timing.median_ms
-    prof = _profile_layer(layer, x, gy, reps) if profile else None
+    prof = profile_layer(layer, x, gy, reps) if profile else None
     return results, prof
 
 
@@ -392,91 +377,6 @@ def _ratio(slow: Timing, fast: Timing) -> dict[str, float]:
     lowest: slow's p20 over fast's p80; the highest: slow's p80 over fast's p20)."""
     return {"median": slow.median_ms / fast.median_ms, "low": slow.p20_ms / fast.p80_ms,
             "high": slow.p80_ms / fast.p20_ms}  # fmt: skip
-
-
-def _timed(fn, reps: int) -> float:
-    """Median wall time of ``fn`` in ms (one warm-up call)."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
-
-
-def _profile_layer(layer, x: torch.Tensor, gy: torch.Tensor, reps: int) -> dict[str, float]:
-    """Where a torsh MoELayer's step goes (median ms): each phase of its forward run and timed on its own, as
-    in training (grad mode on, the weights requiring gradients), then each phase's backward alone (its graph
-    built once and backpropagated with retain_graph); the experts' GEMMs also alone (the same matmuls
-    without the rest); and the whole step. No profiler runs: a profiler turns the ops' fast paths off."""
-    from ...ops import moe_permute, moe_route, moe_unpermute
-
-    H, w = layer.hidden, layer.ffn_hidden
-    x2 = x.detach().reshape(-1, H)
-    route = dict(spec=layer.spec.route, provider=layer.provider)
-    if layer.balancer is not None:
-        route["score_bias"] = layer.balancer.bias
-    gen = torch.Generator().manual_seed(7)
-
-    def like(t):
-        return torch.randn(t.shape, generator=gen).to(t)
-
-    xr = x2.clone().requires_grad_()
-    logits = layer.router(xr)
-    lg = logits.detach().requires_grad_()
-    r = moe_route(lg, **route)
-    counts = r.tokens_per_expert.tolist()
-    xp = moe_permute(xr, r)
-    xpr = xp.detach().requires_grad_()
-    yp = layer._experts(xpr, r.rows_per_expert, counts)
-    ypr = yp.detach().requires_grad_()
-    y = moe_unpermute(ypr, r)
-    out: dict[str, float] = {}
-    out["fwd router matmul"] = _timed(lambda: layer.router(xr), reps)
-    out["fwd moe_route"] = _timed(lambda: moe_route(lg, **route), reps)
-    out["fwd moe_permute"] = _timed(lambda: moe_permute(xr, r), reps)
-    out["fwd experts"] = _timed(lambda: layer._experts(xpr, r.rows_per_expert, counts), reps)
-    out["fwd moe_unpermute"] = _timed(lambda: moe_unpermute(ypr, r), reps)
-    yr = y.detach().requires_grad_()
-    ys = layer._add_shared(yr, xr)
-    if ys is not yr:
-        out["fwd shared experts"] = _timed(lambda: layer._add_shared(yr, xr), reps)
-    bwd = {
-        "router matmul": (logits, [xr, layer.router.weight]),
-        "moe_route": (r.weights, [lg]),
-        "moe_permute": (xp, [xr]),
-        "experts": (yp, [xpr, layer.w_in, layer.w_out]),
-        "moe_unpermute": (y, [ypr, r.weights]),
-    }
-    if ys is not yr:
-        bwd["shared experts"] = (ys, [xr, *(p for p in (layer.shared_w_in, layer.shared_w_out) if p is not None)])
-    for name, (o, inputs) in bwd.items():
-        g = like(o)
-        out[f"bwd {name}"] = _timed(lambda o=o, i=inputs, g=g: torch.autograd.grad(o, i, g, retain_graph=True), reps)
-    # the experts' GEMMs alone: per expert, forward x @ w_in, h @ w_out; backward the four products
-    chunks = torch.split(xp.detach(), counts)
-    hs = [c @ layer.w_in[e].detach() for e, c in enumerate(chunks)]
-    acts = [h[:, :w] for h in hs]  # (the activation's shape)
-    gys = torch.split(like(yp), counts)
-    ghs = [like(h) for h in hs]
-    with torch.no_grad():
-
-        def fwd_gemms():
-            for e, c in enumerate(chunks):
-                (c @ layer.w_in[e])[:, :w] @ layer.w_out[e]
-
-        def bwd_gemms():
-            for e, c in enumerate(chunks):
-                gys[e] @ layer.w_out[e].T  # d act
-                acts[e].T @ gys[e]  # d w_out
-                ghs[e] @ layer.w_in[e].T  # d x
-                c.T @ ghs[e]  # d w_in
-
-        out["fwd experts: GEMMs alone"] = _timed(fwd_gemms, reps)
-        out["bwd experts: GEMMs alone"] = _timed(bwd_gemms, reps)
-    out["whole step (fwd+bwd)"] = _timed(_fwd_bwd(layer, x, gy), reps)
-    return out
 
 
 def _counts(text: str) -> list[int]:

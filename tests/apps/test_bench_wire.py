@@ -81,3 +81,19 @@ def test_the_counter_sees_a_known_transfer_between_emulated_hosts():
     # back is the receiver's ACKs, a small fraction
     assert payload < got["sent"] < 1.08 * payload
     assert 0 < got["received"] < 0.05 * payload
+
+
+def _per_rank_worker(comm, missing_rank):
+    values = None if comm.rank == missing_rank else [float(comm.rank), 10.0 + comm.rank]
+    return emulated.per_rank(comm, values)
+
+
+@pytest.mark.parametrize("missing_rank", [None, 1])
+def test_per_rank_gathers_every_rank_s_values_or_none_when_one_rank_has_none(missing_rank):
+    from torsh_kernels.collectives import run_local
+
+    got = run_local(_per_rank_worker, 2, missing_rank, timeout=120)
+    if missing_rank is None:
+        assert got == [[[0.0, 10.0], [1.0, 11.0]]] * 2  # the same lists on every rank, rank by rank
+    else:  # a rank without its own interface: nobody reports a figure, rather than half of one
+        assert got == [None, None]

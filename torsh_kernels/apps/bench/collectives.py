@@ -70,7 +70,7 @@ def _bus_factor(op: str, n: int) -> float:
 def _timed(comm, fn, reps: int, warmup: int) -> tuple[float, float | None]:
     """(the slowest rank's median seconds per call, the bytes each rank's own network interface sent per call,
     the mean over the ranks, on emulated hosts; None elsewhere: :func:`~.emulated.wire_counter`)."""
-    from .emulated import wire_counter
+    from .emulated import per_rank, wire_counter
 
     counter = wire_counter()
     times = []
@@ -91,12 +91,9 @@ def _timed(comm, fn, reps: int, warmup: int) -> tuple[float, float | None]:
     sent = None
     if counter is not None:  # after a barrier: the peers have received all this rank sent
         comm.barrier()
-        sent = counter.read()["sent"] / reps
-    v = torch.tensor([0.0 if sent is None else sent, float(sent is not None)], dtype=torch.float64,
-                     device=comm.device)  # fmt: skip
-    comm.all_reduce(v, "sum")
-    both = int(v[1].item()) == comm.world_size
-    return float(t.item()), (float(v[0].item()) / comm.world_size if both else None)
+        sent = [counter.read()["sent"] / reps]
+    ranks = per_rank(comm, sent)
+    return float(t.item()), (statistics.fmean(r[0] for r in ranks) if ranks is not None else None)
 
 
 def _predict(op: str, nbytes: int, p: int, link: Link) -> float:

@@ -197,18 +197,15 @@ def _wire_per_step(comm: TorchCommunicator, counted: dict | None, steps: int, er
     """What each rank's network interface carried per timed step, from the kernel's counters (emulated hosts:
     :func:`~torsh_kernels.apps.bench.emulated.wire_counter`); None fields on loopback, where no interface is
     one rank's own."""
+    from .emulated import per_rank
+
     out = {"wire_sent_per_step": None, "wire_received_per_step": None, "wire_sent_per_step_by_rank": None}
-    have = torch.tensor([0.0 if counted is None else 1.0], dtype=torch.float64)
     if error is not None:
         return out
-    comm.all_reduce(have, "min")
-    if not have.item():
+    ranks = per_rank(comm, None if counted is None else [counted["sent"] / steps, counted["received"] / steps])
+    if ranks is None:
         return out
-    v = torch.zeros(2 * comm.world_size, dtype=torch.float64)
-    v[2 * comm.rank] = counted["sent"] / steps
-    v[2 * comm.rank + 1] = counted["received"] / steps
-    comm.all_reduce(v, "sum")
-    sent, received = v[0::2].tolist(), v[1::2].tolist()
+    sent, received = [r[0] for r in ranks], [r[1] for r in ranks]
     return {"wire_sent_per_step": statistics.median(sent), "wire_received_per_step": statistics.median(received),
             "wire_sent_per_step_by_rank": sent}  # fmt: skip
 

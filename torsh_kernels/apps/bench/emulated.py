@@ -42,6 +42,7 @@ __all__ = [
     "interface_bytes",
     "parse_delay",
     "parse_rate",
+    "per_rank",
     "rank_environments",
     "run_on_emulated_hosts",
     "set_rate",
@@ -283,6 +284,25 @@ class WireCounter:
     def read(self) -> dict[str, int]:
         rx, tx = interface_bytes(self.interface)
         return {"sent": tx - self._at[1], "received": rx - self._at[0]}
+
+
+def per_rank(comm, values: Sequence[float] | None) -> list[list[float]] | None:
+    """Every rank's ``values`` (a collective call: every rank calls it, with as many values or None), as one list
+    per rank; None unless every rank had values (a rank without its own interface counts nothing). The suites pass
+    what their :class:`WireCounter` read, per step or per call."""
+    import torch
+
+    dev = getattr(comm, "device", None)  # a transport's collectives may take only its device's tensors
+    n = len(values) if values is not None else 0
+    width = torch.tensor([float(n), float(-n)], dtype=torch.float64, device=dev)
+    comm.all_reduce(width, "max")  # the widest, and minus the narrowest: equal when every rank has values
+    w = int(width[0].item())
+    if w == 0 or int(-width[1].item()) != w:
+        return None
+    v = torch.zeros(comm.world_size * w, dtype=torch.float64, device=dev)
+    v[comm.rank * w : (comm.rank + 1) * w] = torch.tensor(list(values), dtype=torch.float64, device=dev)
+    comm.all_reduce(v, "sum")
+    return v.view(comm.world_size, w).cpu().tolist()
 
 
 def wire_counter() -> WireCounter | None:

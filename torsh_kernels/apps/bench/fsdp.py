@@ -112,7 +112,7 @@ def _model(cfg: dict, mesh, torchao_fp8: bool = False, **shard_kw) -> torch.nn.M
 
 def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -> dict:
     from ...parallel.fsdp import apply_quantized_comm, count_traffic
-    from .emulated import wire_counter
+    from .emulated import per_rank, wire_counter
 
     counter = wire_counter()
     model = _model(cfg, mesh, torchao_fp8=name == TORCHAO_FP8)
@@ -139,16 +139,9 @@ def _case(comm: TorchCommunicator, mesh, cfg: dict, name: str, weights, grads) -
     wire = None
     if counter is not None:  # after a barrier: the peer has received everything this rank sent
         comm.barrier()
-        got = counter.read()
-        wire = torch.tensor([got["sent"] / cfg["steps"], got["received"] / cfg["steps"]], dtype=torch.float64)
-    have = torch.tensor([float(wire is not None)])
-    comm.all_reduce(have, "min")
-    by_rank = None
-    if have.item():
-        v = torch.zeros(2 * comm.world_size, dtype=torch.float64)
-        v[2 * comm.rank : 2 * comm.rank + 2] = wire
-        comm.all_reduce(v, "sum")
-        by_rank = v[0::2].tolist()
+        wire = [counter.read()["sent"] / cfg["steps"]]
+    ranks = per_rank(comm, wire)
+    by_rank = [r[0] for r in ranks] if ranks is not None else None
     with torch.no_grad():  # a held-out batch, the same on every rank and in every case
         x = torch.randn(256, cfg["width"], generator=torch.Generator().manual_seed(12345))
         held_out = torch.nn.functional.mse_loss(model(x)[:, :16], torch.tanh(x @ target)).item()

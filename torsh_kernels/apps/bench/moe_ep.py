@@ -102,7 +102,7 @@ def _case(comm, cfg: dict, E: int) -> list[dict]:
     g = torch.Generator().manual_seed(1000 + me)
     x = torch.randn(T, H, generator=g).to(dtype)
     dy = torch.randn(T, H, generator=g).to(dtype)
-    from .emulated import wire_counter
+    from .emulated import per_rank, wire_counter
 
     counter = wire_counter()  # this rank's own interface on the emulated hosts; None on loopback
     iface: dict[str, int] = {w: 0 for w in layers}
@@ -130,10 +130,7 @@ def _case(comm, cfg: dict, E: int) -> list[dict]:
                 sent[w] = dict(layer.last_dispatch)
         if me == 0:
             print(f"  E={E} repetition {rep + 1}/{cfg['warmup'] + cfg['steps']}", file=sys.stderr, flush=True)
-    n_iface = torch.tensor([float(counter is not None)] + [iface[w] / cfg["steps"] for w in layers],
-                           dtype=torch.float64)  # fmt: skip
-    comm.all_reduce(n_iface, "sum")
-    have_iface = int(n_iface[0].item()) == W
+    ranks = per_rank(comm, [iface[w] / cfg["steps"] for w in layers] if counter is not None else None)
     y0, g0 = outs.get("none", next(iter(outs.values())))
     rows = []
     plain_bytes = 2 * (T * cfg["k"]) * H  # a bf16 dispatch of every routed row (the reference)
@@ -145,7 +142,8 @@ def _case(comm, cfg: dict, E: int) -> list[dict]:
             "case": f"E={E}", "wire": w, "world_size": W, "experts": E, "step_ms": 1e3 * statistics.median(ts),
             "p20_ms": 1e3 * quantile(ts, 0.2), "p80_ms": 1e3 * quantile(ts, 0.8), "steps_ms": [1e3 * t for t in ts],
             "bytes_per_step": fwd + bwd, "forward_bytes": fwd, "backward_bytes": bwd,
-            "interface_sent_per_step": float(n_iface[1 + list(layers).index(w)]) / W if have_iface else None,
+            "interface_sent_per_step": (statistics.fmean(r[list(layers).index(w)] for r in ranks)
+                                        if ranks is not None else None),
             "dispatch_row_bytes": _row_bytes(layer_wire(layers[w]), H, dtype),
             "dispatch_vs_bf16": _row_bytes(layer_wire(layers[w]), H, dtype) / (2 * H),
             "output_rel_error": _rel(outs[w][0], y0), "grad_rel_error": _rel(outs[w][1], g0),

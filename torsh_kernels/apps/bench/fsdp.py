@@ -321,8 +321,7 @@ def _report(res: dict, cfg: dict, names: list[str]) -> dict:
         summary.append({"case": name, "step_ms": _spread([r["step_ms"] for r in rs]),
                         "bytes_per_step": _spread([r["bytes_per_step"] for r in rs]),
                         "speedup_vs_plain": _spread(ratios_t), "bytes_vs_plain": _spread(ratios_b),
-                        "wire_sent_per_step": _spread(wires) if wires else None,
-                        "wire_vs_plain": _spread(ratios_w) if ratios_w else None,
+                        "wire_sent_per_step": _spread(wires), "wire_vs_plain": _spread(ratios_w),
                         "loss": _spread([r["loss"] for r in rs]),
                         "held_out_loss": _spread([r["held_out_loss"] for r in rs])})  # fmt: skip
     res["summary"] = summary
